@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Everything else is set up on the way.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TINY_MODEL := models/tiny-llama
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test lint tiny-model data clean
+
+$(BIN)/activate: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: a loose requirement elsewhere must not pull a CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -r requirements.txt
+	touch $(BIN)/activate
+
+data/tiny_instruct.jsonl: scripts/make_dataset.py
+	$(BIN)/python scripts/make_dataset.py --out $@
+
+$(TINY_MODEL)/config.json: $(BIN)/activate scripts/make_tiny_model.py data/tiny_instruct.jsonl
+	$(BIN)/python scripts/make_tiny_model.py --out $(TINY_MODEL) --dataset data/tiny_instruct.jsonl
+
+tiny-model: $(TINY_MODEL)/config.json
+
+demo: $(BIN)/activate tiny-model
+	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu train.output_dir=outputs/demo train.overwrite=true
+
+test: $(BIN)/activate tiny-model
+	$(BIN)/python -m pytest -q tests
+
+lint: $(BIN)/activate
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) models outputs .pytest_cache

@@ -1,0 +1,65 @@
+"""Wiring: config -> sharded, loaded model -> data, optimizer -> trainer -> adapter. Used by train.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+
+from qlora_fsdp.checkpoint import export_adapter, prepare_output_dir
+from qlora_fsdp.config import Config, to_dict
+from qlora_fsdp.data import load_dataset
+from qlora_fsdp.distributed import DistInfo, barrier, init_distributed
+from qlora_fsdp.loading import load_weights, materialize
+from qlora_fsdp.metrics import MetricsLogger, format_summary
+from qlora_fsdp.model import build_meta_model, load_hf_config, load_tokenizer
+from qlora_fsdp.optim import build_optimizer, build_scheduler
+from qlora_fsdp.sharding import apply_activation_checkpointing, shard_model
+from qlora_fsdp.trainer import Trainer
+
+
+def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftModel:
+    """Meta build -> checkpointing -> fully_shard -> allocate -> stream and quantize weights."""
+    model = build_meta_model(cfg, load_hf_config(cfg))
+    apply_activation_checkpointing(model, cfg.checkpointing)
+    if shard:
+        shard_model(model, cfg.fsdp, info.mesh)
+    offload = shard and cfg.fsdp.cpu_offload
+    materialize(model, info.device, torch.device("cpu") if offload else info.device)
+    load_weights(model, cfg, info.device)
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
+    """Train the recipe end to end; returns the summary. Every rank calls this."""
+    info = info or init_distributed()
+    out_dir = Path(cfg.train.output_dir)
+    prepare_output_dir(out_dir, cfg.train.overwrite)
+    barrier()  # no rank writes before every rank has checked the folder
+    torch.manual_seed(cfg.train.seed)
+    tokenizer = load_tokenizer(cfg)
+    data = load_dataset(tokenizer, cfg.data, cfg.train.seed)
+    model = build_model(cfg, info)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+    logger = MetricsLogger(out_dir, cfg.train.max_steps, enabled=info.is_main)
+    logger.log({"event": "start", "world_size": info.world_size, "config": to_dict(cfg)})
+    trainable, total = count_parameters(model)
+    logger.write(f"world size {info.world_size} on {info.device.type}; {len(data.train)} train / "
+                 f"{len(data.eval)} eval samples ({data.n_truncated} truncated to {cfg.data.context_length} "
+                 f"tokens); trainable parameters on this rank {trainable:,} of {total:,}")
+    trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger)
+    summary = trainer.train()
+    logger.close()
+    export_adapter(model, tokenizer, out_dir / "adapter", cfg.model.path, info.is_main)
+    summary["adapter"] = str(out_dir / "adapter")
+    logger.log({"event": "summary", **summary})
+    logger.write(format_summary(summary))
+    return summary

@@ -1,0 +1,52 @@
+"""Adapter export in PEFT format, gathered from the shards and written by rank 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import peft
+import torch
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedTokenizerBase
+
+from qlora_fsdp.errors import OutputExistsError
+from qlora_fsdp.sharding import clean_name
+
+
+def prepare_output_dir(path: Path, overwrite: bool) -> None:
+    """Refuse to write into a folder that already holds files, unless asked to."""
+    if path.exists() and any(path.iterdir()) and not overwrite:
+        raise OutputExistsError(f"output folder {path} already exists and is not empty; "
+                                "choose another train.output_dir or pass train.overwrite=true")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").unlink(missing_ok=True)
+
+
+def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) trainable tensors on the CPU; a collective, so every rank must call it."""
+    state = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            state[clean_name(name)] = full.cpu().clone()
+    return state
+
+
+def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path,
+                   base_model_path: str, is_main: bool) -> None:
+    """adapter_config.json + adapter_model.safetensors (+ tokenizer), loadable by PeftModel.from_pretrained."""
+    state = gather_trainable_state(model)
+    if not is_main:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    adapter_state = get_peft_model_state_dict(model, state_dict=state)
+    save_file({k: v.contiguous() for k, v in adapter_state.items()}, out_dir / "adapter_model.safetensors",
+              metadata={"format": "pt"})
+    config = model.peft_config["default"]
+    config.base_model_name_or_path = base_model_path
+    config.init_lora_weights = True  # we initialized them ourselves; loaders should use PEFT's default
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

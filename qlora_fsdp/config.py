@@ -1,0 +1,289 @@
+"""Typed recipe configuration: YAML load, fsdp preset merge, dotted `key=value` overrides, validation.
+
+Every mode is a `Literal` checked here once; the rest of the code trusts the types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from qlora_fsdp.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = REPO_ROOT / "recipes"
+FSDP_CONFIGS_DIR = REPO_ROOT / "fsdp_configs"
+
+DType = Literal["bfloat16", "float16", "float32"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/tiny-llama"  # a local checkpoint folder, or a hub id where a network is there
+    trust_remote_code: bool = False
+    dtype: DType = "bfloat16"  # non-quantized weights (embeddings, norms, lm_head)
+
+
+@dataclass
+class QuantConfig:
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True  # quantize the absmax too: ~0.13 instead of 0.5 extra bit per parameter
+    compute_dtype: DType = "bfloat16"
+    blocksize: int = 64
+    skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: Union[str, list[str]] = "all-linear"  # or a list such as [q_proj, v_proj]
+    use_dora: bool = False
+    dtype: DType = "float32"  # trainable weights; fp32 keeps small updates from rounding away
+
+
+@dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = True  # free gathered layers after forward; re-gather in backward
+    cpu_offload: bool = False  # sharded params, grads and optimizer state live in host RAM
+    param_dtype: Union[DType, None] = None  # None: compute in storage dtypes (the 4-bit storage is never cast)
+    reduce_dtype: DType = "float32"
+
+
+@dataclass
+class CheckpointingConfig:
+    mode: Literal["every_layer", "every_nth", "off"] = "every_layer"
+    every_n: int = 2  # with mode every_nth: checkpoint layers 0, n, 2n, ...
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["paged_adamw_8bit", "adamw_8bit", "adamw"] = "paged_adamw_8bit"
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: Union[float, None] = 1.0  # None: no clipping
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine/linear decay floor, as a fraction of lr
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/tiny_instruct.jsonl"
+    format: Literal["alpaca"] = "alpaca"
+    template: Literal["alpaca"] = "alpaca"
+    context_length: int = 256  # longer samples are truncated
+    micro_batch_size: int = 4  # samples per rank per forward
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    eval_samples: int = 200  # held out from the file, never trained on
+    eval_batch_size: int = 16
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    eval_every: int = 0  # 0: evaluate only at start and end
+    log_every: int = 1
+    seed: int = 42
+    output_dir: str = "outputs/run"
+    overwrite: bool = False  # an existing, non-empty output_dir is refused unless this is true
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    fsdp_preset: str = "full_shard"  # a file in fsdp_configs/, merged under `fsdp`
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def resolve_recipe_path(recipe: str) -> Path:
+    """`tiny_cpu` -> recipes/tiny_cpu.yaml; a path to a YAML file is taken as is."""
+    as_path = Path(recipe)
+    if as_path.suffix in (".yaml", ".yml") or as_path.is_file():
+        if not as_path.is_file():
+            raise ConfigError(f"recipe file not found: {as_path}")
+        return as_path
+    candidate = RECIPES_DIR / f"{recipe}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+    hint = difflib.get_close_matches(recipe, known, n=1)
+    suggestion = f"did you mean '{hint[0]}'? " if hint else ""
+    raise ConfigError(f"unknown recipe '{recipe}': {suggestion}known recipes: {', '.join(known)}")
+
+
+def load_config(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Recipe YAML, then its fsdp preset under the recipe's own `fsdp` keys, then command-line overrides."""
+    path = resolve_recipe_path(recipe)
+    raw = _read_yaml(path)
+    override_tree: dict[str, Any] = {}
+    for item in overrides:
+        override_tree = _merge(override_tree, _parse_override(item))
+    preset = override_tree.get("fsdp_preset", raw.get("fsdp_preset", Config.fsdp_preset))
+    tree = _merge({"fsdp": _read_preset(preset)}, raw)
+    _build(Config, tree, prefix="", source=str(path))  # so an error names the file it came from
+    return _build(Config, _merge(tree, override_tree), prefix="", source="the command-line overrides")
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
+    return data
+
+
+def _read_preset(name: str) -> dict[str, Any]:
+    path = FSDP_CONFIGS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in FSDP_CONFIGS_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown fsdp_preset '{name}': choose one of {', '.join(known)}")
+    return _read_yaml(path)
+
+
+def _parse_override(item: str) -> dict[str, Any]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override '{item}' is not of the form key=value (for example optim.lr=3e-4)")
+    try:
+        parsed = yaml.safe_load(value) if value else ""
+    except yaml.YAMLError:
+        parsed = value
+    tree: dict[str, Any] = {}
+    node = tree
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = parsed
+    return tree
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(_all_keys(hints[f.name], f"{name}."))
+        else:
+            keys.append(name)
+    return keys
+
+
+def _build(cls: type, tree: Any, prefix: str, source: str) -> Any:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"'{prefix.rstrip('.')}' in {source} must be a mapping of keys, got {tree!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(_unknown_key_message(_first_leaf(dotted, value), source))
+        if dataclasses.is_dataclass(hints[key]):
+            kwargs[key] = _build(hints[key], value, f"{dotted}.", source)
+        else:
+            kwargs[key] = _check_type(dotted, value, hints[key])
+    return cls(**kwargs)
+
+
+def _first_leaf(dotted: str, value: Any) -> str:
+    """`optimm: {lr: 1}` is most likely a misspelled `optim.lr`: suggest from the leaf's full name."""
+    while isinstance(value, dict) and value:
+        key, value = next(iter(value.items()))
+        dotted = f"{dotted}.{key}"
+    return dotted
+
+
+def _unknown_key_message(dotted: str, source: str) -> str:
+    candidates = _all_keys(Config)
+    best = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.5)
+    if not best:  # a typo in the section name: compare the last part alone
+        leaf = dotted.rsplit(".", 1)[-1]
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in candidates}
+        match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        best = [by_leaf[match[0]]] if match else []
+    hint = f"; did you mean '{best[0]}'?" if best else ""
+    return f"unknown key '{dotted}' in {source}{hint}"
+
+
+def _check_type(key: str, value: Any, expected: Any) -> Any:
+    if _matches(value, expected):
+        if expected is float and isinstance(value, int):
+            return float(value)
+        return value
+    raise ConfigError(f"'{key}' must be {_describe(expected)}, got {value!r}")
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    origin = typing.get_origin(expected)
+    args = typing.get_args(expected)
+    if expected is Any:
+        return True
+    if expected is type(None):
+        return value is None
+    if origin is Literal:
+        return value in args
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
+
+
+def _describe(expected: Any) -> str:
+    origin = typing.get_origin(expected)
+    args = typing.get_args(expected)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0])}"
+    if expected is type(None):
+        return "null"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        expected, getattr(expected, "__name__", str(expected))
+    )

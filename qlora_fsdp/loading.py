@@ -1,0 +1,196 @@
+"""Fill a meta-built (and possibly FSDP2-sharded) model from safetensors, one tensor at a time.
+
+Each linear weight is quantized to NF4 on the compute device as it is read; a rank keeps only its
+dim-0 chunk of the packed bytes (exactly FSDP2's `torch.chunk` shard) and frees the rest before the
+next tensor. Peak host memory per rank: one full tensor plus the shards, never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnbf
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.errors import ModelLoadError
+from qlora_fsdp.model import QUANT_STORAGE, TORCH_DTYPES, checkpoint_dir
+from qlora_fsdp.sharding import clean_name
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class Target:
+    """Where one checkpoint tensor goes."""
+
+    param: nn.Parameter
+    quantized_module: bnb.nn.Linear4bit | None = None
+    dora_magnitude: nn.Parameter | None = None  # filled from the dequantized weight's row norms
+
+
+def materialize(model: nn.Module, device: torch.device, param_device: torch.device) -> None:
+    """Allocate real (uninitialized) storage, then rebuild buffers that checkpoints do not hold."""
+    model.to_empty(device=param_device)
+    rebuild_non_persistent_buffers(model, device)
+
+
+def rebuild_non_persistent_buffers(model: nn.Module, device: torch.device) -> None:
+    # to_empty leaves garbage in computed buffers such as rotary `inv_freq` (the loss turns NaN);
+    # re-create the owning module from its config on the CPU and copy the fresh values over
+    for module in model.modules():
+        names = getattr(module, "_non_persistent_buffers_set", set())
+        if not names:
+            continue
+        if not hasattr(module, "config"):
+            raise ModelLoadError(f"cannot rebuild buffers {sorted(names)} of {type(module).__name__}")
+        fresh = type(module)(module.config)
+        for name in names:
+            module.register_buffer(name, getattr(fresh, name).to(device), persistent=False)
+
+
+def shard_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full` for `param`: all of it, or FSDP2's dim-0 chunk for a DTensor."""
+    if not isinstance(param, DTensor):
+        return full
+    if tuple(param.placements) != (Shard(0),):
+        raise ModelLoadError(f"unsupported placement {param.placements}; expected FSDP2's Shard(0)")
+    mesh = param.device_mesh
+    chunks = torch.chunk(full, mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+@torch.no_grad()
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    local = param.to_local() if isinstance(param, DTensor) else param.data
+    part = shard_rows(full, param)
+    if local.shape != part.shape:
+        raise ModelLoadError(f"shard shape {tuple(local.shape)} does not match checkpoint part {tuple(part.shape)}")
+    local.copy_(part)
+
+
+def base_targets(model: nn.Module) -> dict[str, Target]:
+    """Checkpoint key -> where it goes, for every frozen base parameter (tied names included)."""
+    targets: dict[str, Target] = {}
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = modules[module_name]
+        key = checkpoint_key(name)
+        target = Target(param)
+        if isinstance(module, bnb.nn.Linear4bit) and attr == "weight":
+            target.quantized_module = module
+            target.dora_magnitude = dora_magnitude_of(modules, module_name)
+        targets[key] = target
+    return targets
+
+
+def checkpoint_key(param_name: str) -> str:
+    name = clean_name(param_name).replace(".base_layer.", ".")
+    return name.removeprefix(PEFT_PREFIX)
+
+
+def dora_magnitude_of(modules: dict[str, nn.Module], linear_name: str) -> nn.Parameter | None:
+    owner_name = linear_name.removesuffix(".base_layer")
+    magnitudes = getattr(modules.get(owner_name), "lora_magnitude_vector", None)
+    if not magnitudes:
+        return None
+    return next(iter(magnitudes.values())).weight
+
+
+def safetensors_files(path: Path, allow_pickle: bool = False) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shard {missing[0]}, which is missing from {path}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+        raise ModelLoadError(f"{path} has only pickle weights (.bin/.pt), which can run code when loaded; "
+                             "convert them to safetensors")
+    raise ModelLoadError(f"{path} has no *.safetensors weights")
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    """Stream every checkpoint tensor into its (sharded) parameter; then initialize LoRA."""
+    targets = base_targets(model)
+    loaded: set[int] = set()
+    for file in safetensors_files(checkpoint_dir(cfg.model.path)):
+        with safe_open(file, framework="pt", device="cpu") as reader:
+            for key in reader.keys():
+                target = targets.get(key)
+                if target is None:
+                    raise ModelLoadError(f"{file.name} holds '{key}', which the model built from config.json "
+                                         "lacks: config and weights disagree")
+                load_tensor(target, reader.get_tensor(key), cfg, device)
+                loaded.add(id(target.param))
+    missing = sorted(k for k, t in targets.items() if id(t.param) not in loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks '{missing[0]}' ({len(missing)} missing): config and weights disagree")
+    init_lora(model, cfg.train.seed)
+
+
+def load_tensor(target: Target, full: torch.Tensor, cfg: Config, device: torch.device) -> None:
+    expected = target.param.shape if target.quantized_module is None else None
+    if expected is not None and tuple(full.shape) != tuple(expected):
+        raise ModelLoadError(f"checkpoint tensor of shape {tuple(full.shape)} where the config wants "
+                             f"{tuple(expected)}: config and weights disagree")
+    full = full.to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
+    if target.quantized_module is None:
+        copy_full_into(target.param, full)
+        return
+    module = target.quantized_module
+    if (full.shape[0], full.shape[1]) != (module.out_features, module.in_features):
+        raise ModelLoadError(f"checkpoint weight of shape {tuple(full.shape)} for a "
+                             f"{module.out_features}x{module.in_features} linear: config and weights disagree")
+    packed, quant_state = quantize(full, cfg)
+    module.quant_state = quant_state  # replicated per rank: double quantization keeps it small
+    if isinstance(module.weight, bnb.nn.Params4bit):
+        module.weight.quant_state = quant_state
+    copy_full_into(target.param, packed)
+    if target.dora_magnitude is not None:
+        weight = bnbf.dequantize_4bit(packed, quant_state).float()
+        copy_full_into(target.dora_magnitude, weight.norm(dim=1).to(target.dora_magnitude.dtype))
+
+
+def quantize(weight: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, bnbf.QuantState]:
+    return bnbf.quantize_4bit(
+        weight,
+        blocksize=cfg.quant.blocksize,
+        compress_statistics=cfg.quant.double_quant,
+        quant_type=cfg.quant.quant_type,
+        quant_storage=QUANT_STORAGE,
+    )
+
+
+@torch.no_grad()
+def init_lora(model: nn.Module, seed: int) -> None:
+    """A ~ U(+-1/sqrt(fan_in)) as nn.Linear (and PEFT) do, B = 0, from a generator seeded per name.
+
+    Generated whole and then sharded, so every world size starts from the very same adapter.
+    """
+    for name, param in model.named_parameters():
+        if not param.requires_grad or "lora_magnitude_vector" in name:
+            continue
+        key = clean_name(name)
+        full = torch.zeros(param.shape, dtype=torch.float32)
+        if ".lora_A." in key:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+            bound = 1.0 / param.shape[1] ** 0.5
+            full.uniform_(-bound, bound, generator=generator)
+        copy_full_into(param, full.to(device=param.device, dtype=param.dtype))

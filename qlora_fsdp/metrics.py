@@ -1,0 +1,71 @@
+"""Progress bar, metrics JSONL and the end-of-run summary (rank 0 writes; every rank may call).
+
+Named metrics.py rather than logging.py so it never shadows the standard library's logging module.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory on GPU; peak resident host memory of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: Path, total_steps: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = output_dir / "metrics.jsonl"
+        self.bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=1.0) if enabled else None
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+    def progress(self, step: int, values: dict[str, float]) -> None:
+        if self.bar is None:
+            return
+        self.bar.n = step
+        self.bar.set_postfix_str(format_progress(values), refresh=True)
+
+    def write(self, line: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def format_progress(values: dict[str, float]) -> str:
+    parts = []
+    for key, value in values.items():
+        if key == "lr":
+            parts.append(f"lr={value:.2e}")
+        elif key in ("tokens_per_s",):
+            parts.append(f"tok/s={value:,.0f}")
+        else:
+            parts.append(f"{key}={value:.4f}")
+    return " ".join(parts)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    width = max(len(k) for k in summary)
+    lines = ["", "summary".center(width + 16, "-")]
+    for key, value in summary.items():
+        shown = f"{value:,.4f}" if isinstance(value, float) else str(value)
+        lines.append(f"{key.ljust(width)} : {shown}")
+    return "\n".join(lines)

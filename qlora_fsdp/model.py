@@ -1,0 +1,164 @@
+"""Build the model on the meta device, swap linears for NF4 `Linear4bit`, attach LoRA/DoRA.
+
+No weight is read here and nothing here knows about ranks: `loading.py` fills the (possibly sharded)
+parameters afterwards, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import bitsandbytes as bnb
+import peft
+import torch
+from peft.tuners.lora.dora import DoraLinearLayer
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from qlora_fsdp.config import Config, LoraConfig, QuantConfig
+from qlora_fsdp.errors import ModelLoadError
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# 4-bit values are packed two to a byte, then viewed as this dtype. bf16 storage lets FSDP2 shard and
+# all-gather the packed weight like any other bf16 tensor, byte-exactly; uint8 storage breaks under FSDP.
+QUANT_STORAGE = torch.bfloat16
+
+
+def checkpoint_dir(model_path: str) -> Path:
+    """A local checkpoint folder as is; otherwise a hub id, fetched (config, tokenizer and safetensors only)."""
+    path = Path(model_path)
+    if path.is_dir():
+        return path
+    if path.exists() or model_path.startswith((".", "/")) or model_path.count("/") > 1:
+        raise ModelLoadError(f"model.path '{model_path}' is not a checkpoint folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as err:  # offline, gated or unknown: say which, in one line
+        raise ModelLoadError(f"model.path '{model_path}' is neither a local folder nor reachable on the hub "
+                             f"({type(err).__name__}); for the tiny default run `make tiny-model`") from None
+
+
+def load_hf_config(cfg: Config) -> PretrainedConfig:
+    path = checkpoint_dir(cfg.model.path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
+    return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
+    path = checkpoint_dir(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token is None:  # Llama 3 ships none; padding is masked out of loss and attention
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_meta_model(cfg: Config, hf_config: PretrainedConfig) -> peft.PeftModel:
+    """The full model on the meta device: frozen NF4 base with LoRA adapters, ready for sharding."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            hf_config, dtype=TORCH_DTYPES[cfg.model.dtype], trust_remote_code=cfg.model.trust_remote_code
+        )
+    swap_linears_for_4bit(model, cfg.quant)
+    model.requires_grad_(False)
+    model.config.use_cache = False  # no KV cache while training
+    return attach_lora(model, cfg.lora)
+
+
+def swap_linears_for_4bit(model: nn.Module, quant: QuantConfig) -> None:
+    """Replace every nn.Linear but the skipped ones with a meta `Linear4bit` of the packed shape."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in quant.skip_modules:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make_meta_linear4bit(module, quant))
+
+
+def make_meta_linear4bit(linear: nn.Linear, quant: QuantConfig) -> bnb.nn.Linear4bit:
+    n_elements = linear.in_features * linear.out_features
+    if n_elements % quant.blocksize:
+        raise ModelLoadError(f"a {linear.out_features}x{linear.in_features} linear is not a multiple of the "
+                             f"quantization blocksize {quant.blocksize}; add it to quant.skip_modules")
+    layer = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=TORCH_DTYPES[quant.compute_dtype],
+        compress_statistics=quant.double_quant,
+        quant_type=quant.quant_type,
+        quant_storage=QUANT_STORAGE,
+        device="meta",
+    )
+    packed_rows = n_elements // 2 // QUANT_STORAGE.itemsize  # two 4-bit values a byte
+    layer.weight = bnb.nn.Params4bit(
+        torch.empty(packed_rows, 1, dtype=QUANT_STORAGE, device="meta"),
+        requires_grad=False,
+        blocksize=quant.blocksize,
+        compress_statistics=quant.double_quant,
+        quant_type=quant.quant_type,
+        quant_storage=QUANT_STORAGE,
+        bnb_quantized=True,
+        module=layer,
+    )
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(torch.empty_like(linear.bias, device="meta"), requires_grad=False)
+    # bitsandbytes repacks 4-bit weights in place for AVX512-BF16 CPUs in no-grad eval forwards; under
+    # FSDP that rewrites a gathered copy with the wrong shape and crashes, so keep the portable kernel.
+    layer.support_avx512bf16_for_cpu = False
+    return layer
+
+
+def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
+    config = peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        use_dora=lora.use_dora,
+        bias="none",
+        task_type="CAUSAL_LM",
+        init_lora_weights=False,  # weights are meta now; loading.py initializes them, the same on any world size
+    )
+    with meta_dora_magnitudes():
+        model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            param.data = param.data.to(TORCH_DTYPES[lora.dtype])
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks, found from the model (its `_no_split_modules`, else the longest ModuleList)."""
+    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in base.modules() if type(m).__name__ in names]
+    if layers:
+        return layers
+    lists = [m for m in base.modules() if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1]
+    if not lists:
+        raise ModelLoadError(f"cannot find the decoder layers of {type(base).__name__}")
+    return list(max(lists, key=len))
+
+
+@contextmanager
+def meta_dora_magnitudes() -> Iterator[None]:
+    """PEFT sizes DoRA's magnitude by dequantizing the base weight, which does not exist on the meta device.
+
+    Create it empty with the right shape instead; loading.py fills it with the weight's row norms.
+    """
+    original = DoraLinearLayer.update_layer
+
+    def meta_update_layer(self: DoraLinearLayer, *, base_layer: nn.Module, lora_A: torch.Tensor,
+                          lora_B: torch.Tensor, scaling: float, place_on_cpu: bool = False) -> None:
+        self.weight = nn.Parameter(torch.empty(lora_B.shape[0], dtype=lora_A.dtype, device="meta"))
+
+    DoraLinearLayer.update_layer = meta_update_layer
+    try:
+        yield
+    finally:
+        DoraLinearLayer.update_layer = original

@@ -1,0 +1,87 @@
+"""Optimizer and LR schedule.
+
+bitsandbytes optimizers have no DTensor sharding rule, so every optimizer here steps each parameter's
+local shard (a plain leaf tensor that shares storage with the DTensor). Element-wise updates are exact
+on shards; block-wise 8-bit state differs from an unsharded run only at block boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import bitsandbytes as bnb
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from qlora_fsdp.config import OptimConfig
+
+OPTIMIZERS = {
+    "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+    "adamw_8bit": bnb.optim.AdamW8bit,
+    "adamw": torch.optim.AdamW,
+}
+
+
+def local_view(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+class ShardedOptimizer:
+    """Runs an optimizer over the local shards of (possibly DTensor) parameters."""
+
+    def __init__(self, params: Iterable[nn.Parameter], optim: OptimConfig) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.locals = [local_view(p).detach().requires_grad_(True) for p in self.params]
+        kwargs = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
+        self.inner = OPTIMIZERS[optim.name](self.locals, **kwargs)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def step(self) -> None:
+        for param, local in zip(self.params, self.locals):
+            local.grad = None if param.grad is None else local_view(param.grad)
+        self.inner.step()
+
+    def zero_grad(self) -> None:
+        for param, local in zip(self.params, self.locals):
+            param.grad = None
+            local.grad = None
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig) -> ShardedOptimizer:
+    return ShardedOptimizer(model.parameters(), optim)
+
+
+def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Linear warmup to 1, then cosine/linear decay to min_lr_ratio, or constant."""
+    if step < optim.warmup_steps:
+        return (step + 1) / (optim.warmup_steps + 1)
+    if optim.scheduler == "constant":
+        return 1.0
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if optim.scheduler == "cosine" else 1 - progress
+    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * decay
+
+
+def build_scheduler(optimizer: ShardedOptimizer, optim: OptimConfig, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer.inner, lambda step: lr_factor(step, optim, total_steps))
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
+    """Global L2 norm over all shards (DTensor reduces across ranks); clip in place if asked."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm.item()

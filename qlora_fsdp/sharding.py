@@ -1,0 +1,85 @@
+"""Activation checkpointing, then FSDP2 `fully_shard` per decoder layer, then the root.
+
+Checkpointing wraps each chosen layer before sharding (non-reentrant: FSDP2 leaks memory with the
+reentrant variant), so FSDP's gather hooks sit outside the recomputed region.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from qlora_fsdp.config import CheckpointingConfig, FSDPConfig
+from qlora_fsdp.model import TORCH_DTYPES, decoder_layers
+
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def layer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every decoder layer, or of its checkpoint wrapper once wrapped."""
+    layer_ids = {id(layer) for layer in decoder_layers(model)}
+    slots = []
+    for parent in model.modules():
+        if isinstance(parent, CheckpointWrapper):
+            continue
+        for name, child in parent.named_children():
+            inner = child._checkpoint_wrapped_module if isinstance(child, CheckpointWrapper) else child
+            if id(inner) in layer_ids:
+                slots.append((parent, name))
+    return slots
+
+
+def should_checkpoint(index: int, ac: CheckpointingConfig) -> bool:
+    if ac.mode == "every_layer":
+        return True
+    if ac.mode == "every_nth":
+        return index % ac.every_n == 0
+    return False
+
+
+def apply_activation_checkpointing(model: nn.Module, ac: CheckpointingConfig) -> int:
+    """Wrap the chosen decoder layers; returns how many were wrapped."""
+    wrapped = 0
+    for index, (parent, name) in enumerate(layer_slots(model)):
+        if should_checkpoint(index, ac):
+            layer = getattr(parent, name)
+            parent.register_module(name, checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+            wrapped += 1
+    return wrapped
+
+
+def fsdp_policies(fsdp: FSDPConfig, device: torch.device) -> dict:
+    mp_policy = MixedPrecisionPolicy(
+        # None keeps every parameter in its storage dtype; the 4-bit weights are stored as bf16 so a
+        # bf16 policy is the only cast that leaves their bytes alone (config validation enforces it)
+        param_dtype=TORCH_DTYPES[fsdp.param_dtype] if fsdp.param_dtype else None,
+        reduce_dtype=TORCH_DTYPES[fsdp.reduce_dtype],
+    )
+    offload = fsdp.cpu_offload and device.type != "cpu"  # on a CPU run everything is in host RAM already
+    offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    return {"mp_policy": mp_policy, "offload_policy": offload_policy}
+
+
+def shard_model(model: nn.Module, fsdp: FSDPConfig, mesh: DeviceMesh) -> None:
+    """fully_shard each decoder layer (wrapped or not), then the root for embeddings, norm and lm_head."""
+    policies = fsdp_policies(fsdp, torch.device(mesh.device_type))
+    for parent, name in layer_slots(model):
+        fully_shard(getattr(parent, name), mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **policies)
+    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **policies)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # sum, not average, across ranks: the loss is already normalized by the global token count
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+def clean_name(name: str) -> str:
+    """Parameter name without the checkpoint wrapper's prefix, as PEFT and checkpoints spell it."""
+    return name.replace(CHECKPOINT_PREFIX, "")

@@ -1,0 +1,134 @@
+"""The training loop: micro-batches, token-weighted loss, gradient sync on the last micro-batch, clip, step.
+
+The loss of an optimizer step is sum(token losses) / (target tokens in the whole effective batch, all
+micro-batches, all ranks); FSDP sums gradients over ranks. So k micro-batches of m give exactly the
+gradient of one batch of k*m, which a mean of per-micro-batch means does not.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.data import IGNORE_INDEX, Batch, Dataset, Sample, StepSampler, collate
+from qlora_fsdp.distributed import DistInfo, all_reduce_max, all_reduce_sum
+from qlora_fsdp.metrics import MetricsLogger, peak_memory_gb
+from qlora_fsdp.optim import ShardedOptimizer, clip_grad_norm
+
+
+@dataclass
+class StepResult:
+    loss: float
+    n_targets: float
+    n_tokens: float
+
+
+def loss_sum(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+    """Summed cross-entropy over the batch's target tokens (labels are pre-shifted)."""
+    logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), batch.labels.to(device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def accumulate_gradients(model: nn.Module, micro_batches: list[Batch], device: torch.device) -> StepResult:
+    """Forward and backward every micro-batch; gradients reduce-scatter once, after the last."""
+    n_targets = all_reduce_sum(sum(b.n_targets for b in micro_batches), device)
+    n_tokens = all_reduce_sum(sum(b.n_tokens for b in micro_batches), device)
+    local_loss = 0.0
+    for index, batch in enumerate(micro_batches):
+        set_gradient_sync(model, index == len(micro_batches) - 1)
+        loss = loss_sum(model, batch, device) / max(n_targets, 1.0)
+        loss.backward()
+        local_loss += loss.item()
+    return StepResult(all_reduce_sum(local_loss, device), n_targets, n_tokens)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, samples: list[Sample], batch_size: int, pad_id: int, info: DistInfo) -> float:
+    """Token-weighted held-out loss over all ranks; every rank runs the same number of forwards."""
+    mine = samples[info.rank :: info.world_size]
+    n_batches = math.ceil(math.ceil(len(samples) / info.world_size) / batch_size)
+    was_training = model.training
+    model.eval()
+    total, n_targets = 0.0, 0
+    for index in range(n_batches):
+        chunk = mine[index * batch_size : (index + 1) * batch_size]
+        if chunk:
+            batch = collate(chunk, pad_id)
+            total += loss_sum(model, batch, info.device).item()
+            n_targets += batch.n_targets
+        else:  # keep the collectives in step with ranks that still have samples
+            model(input_ids=torch.tensor([[pad_id]], device=info.device))
+    model.train(was_training)
+    return all_reduce_sum(total, info.device) / max(all_reduce_sum(n_targets, info.device), 1.0)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, data: Dataset, pad_id: int,
+                 optimizer: ShardedOptimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 logger: MetricsLogger) -> None:
+        self.cfg, self.info, self.model, self.data, self.pad_id = cfg, info, model, data, pad_id
+        self.optimizer, self.scheduler, self.logger = optimizer, scheduler, logger
+        self.sampler = StepSampler(len(data.train), cfg.data.micro_batch_size, cfg.data.grad_accum_steps,
+                                   info.world_size, info.rank, cfg.train.seed)
+
+    def evaluate(self) -> float:
+        return evaluate(self.model, self.data.eval, self.cfg.data.eval_batch_size, self.pad_id, self.info)
+
+    def train_step(self) -> dict[str, float]:
+        micro_batches = [collate([self.data.train[i] for i in idx], self.pad_id) for idx in self.sampler.next_step()]
+        result = accumulate_gradients(self.model, micro_batches, self.info.device)
+        grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        return {"loss": result.loss, "lr": lr, "grad_norm": grad_norm, "tokens": result.n_tokens,
+                "target_tokens": result.n_targets}
+
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg.train
+        self.model.train()
+        first_eval = self.evaluate() if self.data.eval else math.nan
+        self.logger.log({"step": 0, "eval_loss": first_eval})
+        start, tokens, samples = time.perf_counter(), 0.0, 0
+        for step in range(1, cfg.max_steps + 1):
+            step_start = time.perf_counter()
+            stats = self.train_step()
+            elapsed = time.perf_counter() - step_start
+            tokens += stats["tokens"]
+            samples += self.sampler.samples_per_step
+            record = {"step": step, **stats, "tokens_per_s": stats["tokens"] / elapsed, "step_time_s": elapsed}
+            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps and self.data.eval:
+                record["eval_loss"] = self.evaluate()
+            self.logger.log(record)
+            shown = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s")
+            self.logger.progress(step, {k: record[k] for k in shown if k in record})
+        wall = time.perf_counter() - start
+        final_eval = self.evaluate() if self.data.eval else math.nan
+        self.logger.log({"step": cfg.max_steps, "eval_loss": final_eval})
+        return {
+            "train_runtime_s": wall,
+            "steps": cfg.max_steps,
+            "samples": samples,
+            "samples_per_s": samples / wall,
+            "tokens": int(tokens),
+            "tokens_per_s": tokens / wall,
+            "eval_loss_start": first_eval,
+            "eval_loss_end": final_eval,
+            "peak_memory_gb_max_rank": all_reduce_max(peak_memory_gb(self.info.device), self.info.device),
+        }

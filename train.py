@@ -1,0 +1,46 @@
+"""Fine-tune a 4-bit base model with LoRA under FSDP2.
+
+    torchrun --nproc_per_node 2 train.py --recipe tiny_cpu [key=value ...]
+    python train.py --recipe tiny_cpu optim.lr=3e-4 data.micro_batch_size=4
+    python train.py --recipe tiny_cpu --print-config
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from qlora_fsdp.config import load_config, to_yaml
+from qlora_fsdp.errors import UserError
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="tiny_cpu", help="a name in recipes/ or a path to a YAML file")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=3e-4")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+        if args.print_config:
+            print(to_yaml(cfg), end="")
+            return 0
+        from qlora_fsdp.api import train  # heavy imports only once the config is known to be good
+        from qlora_fsdp.distributed import cleanup
+
+        try:
+            train(cfg)
+        finally:
+            cleanup()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
