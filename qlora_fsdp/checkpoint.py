@@ -6,7 +6,6 @@ from pathlib import Path
 
 import peft
 import torch
-from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -23,6 +22,15 @@ def prepare_output_dir(path: Path, overwrite: bool) -> None:
                                 "choose another train.output_dir or pass train.overwrite=true")
     path.mkdir(parents=True, exist_ok=True)
     (path / "metrics.jsonl").unlink(missing_ok=True)
+
+
+ADAPTER_NAME = "default"
+
+
+def peft_adapter_key(name: str, adapter: str) -> str:
+    """PEFT's on-disk key: no adapter name, and DoRA's magnitude without its `.weight` suffix."""
+    name = name.replace(f".{adapter}.", ".")
+    return name.removesuffix(".weight") if name.endswith("lora_magnitude_vector.weight") else name
 
 
 def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -42,10 +50,10 @@ def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, ou
     if not is_main:
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    adapter_state = get_peft_model_state_dict(model, state_dict=state)
+    adapter_state = {peft_adapter_key(name, ADAPTER_NAME): tensor for name, tensor in state.items()}
     save_file({k: v.contiguous() for k, v in adapter_state.items()}, out_dir / "adapter_model.safetensors",
               metadata={"format": "pt"})
-    config = model.peft_config["default"]
+    config = model.peft_config[ADAPTER_NAME]
     config.base_model_name_or_path = base_model_path
     config.init_lora_weights = True  # we initialized them ourselves; loaders should use PEFT's default
     config.save_pretrained(out_dir)

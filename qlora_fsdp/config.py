@@ -45,7 +45,7 @@ class LoraConfig:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.0
-    target_modules: Union[str, list[str]] = "all-linear"  # or a list such as [q_proj, v_proj]
+    target_modules: str | list[str] = "all-linear"  # or a list such as [q_proj, v_proj]
     use_dora: bool = False
     dtype: DType = "float32"  # trainable weights; fp32 keeps small updates from rounding away
 
@@ -54,7 +54,7 @@ class LoraConfig:
 class FSDPConfig:
     reshard_after_forward: bool = True  # free gathered layers after forward; re-gather in backward
     cpu_offload: bool = False  # sharded params, grads and optimizer state live in host RAM
-    param_dtype: Union[DType, None] = None  # None: compute in storage dtypes (the 4-bit storage is never cast)
+    param_dtype: DType | None = None  # None: compute in storage dtypes (the 4-bit storage is never cast)
     reduce_dtype: DType = "float32"
 
 
@@ -71,7 +71,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    max_grad_norm: Union[float, None] = 1.0  # None: no clipping
+    max_grad_norm: float | None = 1.0  # None: no clipping
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # cosine/linear decay floor, as a fraction of lr
@@ -138,7 +138,7 @@ def load_config(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Con
     preset = override_tree.get("fsdp_preset", raw.get("fsdp_preset", Config.fsdp_preset))
     tree = _merge({"fsdp": _read_preset(preset)}, raw)
     _build(Config, tree, prefix="", source=str(path))  # so an error names the file it came from
-    return _build(Config, _merge(tree, override_tree), prefix="", source="the command-line overrides")
+    return validate(_build(Config, _merge(tree, override_tree), prefix="", source="the command-line overrides"))
 
 
 def to_dict(config: Config) -> dict[str, Any]:
@@ -246,11 +246,26 @@ def _unknown_key_message(dotted: str, source: str) -> str:
 
 
 def _check_type(key: str, value: Any, expected: Any) -> Any:
+    value = _yaml11_float(value) if _accepts_float(expected) else value
     if _matches(value, expected):
         if expected is float and isinstance(value, int):
             return float(value)
         return value
     raise ConfigError(f"'{key}' must be {_describe(expected)}, got {value!r}")
+
+
+def _accepts_float(expected: Any) -> bool:
+    return expected is float or float in typing.get_args(expected)
+
+
+def _yaml11_float(value: Any) -> Any:
+    """YAML 1.1 reads `3e-4` (no dot) as a string; take it as the number everyone means."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _matches(value: Any, expected: Any) -> bool:
@@ -287,3 +302,26 @@ def _describe(expected: Any) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         expected, getattr(expected, "__name__", str(expected))
     )
+
+
+def validate(config: Config) -> Config:
+    """Checks across fields that types alone cannot express."""
+    positive = {
+        "data.micro_batch_size": config.data.micro_batch_size,
+        "data.grad_accum_steps": config.data.grad_accum_steps,
+        "data.context_length": config.data.context_length,
+        "data.eval_batch_size": config.data.eval_batch_size,
+        "train.max_steps": config.train.max_steps,
+        "lora.r": config.lora.r,
+        "checkpointing.every_n": config.checkpointing.every_n,
+        "quant.blocksize": config.quant.blocksize,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"'{key}' must be at least 1, got {value}")
+    if config.fsdp.param_dtype not in (None, "bfloat16"):
+        # the packed 4-bit weights are stored as bf16; casting them to anything else corrupts them
+        raise ConfigError(f"'fsdp.param_dtype' must be null or bfloat16, got {config.fsdp.param_dtype!r}")
+    if config.optim.lr <= 0:
+        raise ConfigError(f"'optim.lr' must be positive, got {config.optim.lr}")
+    return config

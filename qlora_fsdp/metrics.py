@@ -27,7 +27,9 @@ class MetricsLogger:
     def __init__(self, output_dir: Path, total_steps: int, enabled: bool) -> None:
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
-        self.bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=1.0) if enabled else None
+        self.bar = None
+        if enabled:
+            self.bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -126,7 +126,7 @@ def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
     )
     with meta_dora_magnitudes():
         model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.to(TORCH_DTYPES[lora.dtype])
     return model

@@ -43,12 +43,12 @@ class ShardedOptimizer:
         return self.inner.param_groups
 
     def step(self) -> None:
-        for param, local in zip(self.params, self.locals):
+        for param, local in zip(self.params, self.locals, strict=True):
             local.grad = None if param.grad is None else local_view(param.grad)
         self.inner.step()
 
     def zero_grad(self) -> None:
-        for param, local in zip(self.params, self.locals):
+        for param, local in zip(self.params, self.locals, strict=True):
             param.grad = None
             local.grad = None
 

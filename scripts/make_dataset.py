@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 WORDS = (
     "apple river stone cloud tiger lamp garden mirror pencil rocket candle forest window planet "

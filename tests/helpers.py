@@ -1,0 +1,134 @@
+"""Shared test tools: a tiny local checkpoint, configs for it, and a launcher for N gloo ranks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.data import Sample, collate, load_dataset
+from qlora_fsdp.distributed import cleanup, init_distributed
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import make_tiny_model  # noqa: E402
+
+
+def build_tiny_checkpoint(out: Path, layers: int = 2, max_shard_size: str = "50GB") -> Path:
+    """A seeded tiny Llama + tokenizer, saved like a hub checkpoint (seconds on a CPU)."""
+    args = argparse.Namespace(hidden_size=128, layers=layers, seed=0, init_std=0.1)
+    tokenizer = make_tiny_model.train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", vocab_size=512)
+    model = make_tiny_model.build_model(tokenizer, args)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def tiny_config(model_dir: Path, **sections: dict[str, Any]) -> Config:
+    """Config for the tiny checkpoint with fp32 compute, so exactness checks are not bf16 rounding checks."""
+    cfg = Config()
+    cfg.model.path = str(model_dir)
+    cfg.model.dtype = "float32"
+    cfg.quant.compute_dtype = "float32"
+    cfg.data.path = str(REPO / "data" / "tiny_instruct.jsonl")
+    cfg.data.eval_samples = 16
+    for section, values in sections.items():
+        for key, value in values.items():
+            setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def variable_length_samples(cfg: Config, n: int) -> list[Sample]:
+    """n training samples of clearly different lengths (and target counts)."""
+    from qlora_fsdp.model import load_tokenizer
+
+    samples = load_dataset(load_tokenizer(cfg), cfg.data, seed=0).train
+    samples = sorted(samples[:200], key=lambda s: len(s.input_ids))
+    picked = [samples[round(i * (len(samples) - 1) / (n - 1))] for i in range(n)]
+    assert len({len(s.input_ids) for s in picked}) > n // 2, "samples should vary in length"
+    return picked
+
+
+def batches(samples: list[Sample], size: int, pad_id: int):
+    return [collate(samples[i : i + size], pad_id) for i in range(0, len(samples), size)]
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded LoRA gradients by clean name (a collective under FSDP: every rank calls it)."""
+    from qlora_fsdp.sharding import clean_name
+
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.grad is not None:
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            out[clean_name(name)] = grad.detach().cpu().clone()
+    return out
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from qlora_fsdp.sharding import clean_name
+
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            out[clean_name(name)] = full.detach().cpu().clone()
+    return out
+
+
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys() and a
+    diff = sum((a[k].double() - b[k].double()).pow(2).sum() for k in a) ** 0.5
+    ref = sum(b[k].double().pow(2).sum() for k in b) ** 0.5
+    return float(diff / ref)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    try:
+        info = init_distributed()
+        result = fn(info, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        cleanup()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, tmp_dir: Path, timeout: float = 300) -> list[Any]:
+    """Run fn(info, *args) on `world_size` fresh gloo ranks; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    out_dir = Path(tmp_dir) / f"ranks_{fn.__name__}_{_free_port()}"
+    out_dir.mkdir(parents=True)
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, str(out_dir), args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * world_size, f"rank exit codes {codes}"
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

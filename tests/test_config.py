@@ -1,0 +1,74 @@
+"""Recipes, presets, overrides, and one-line errors with a non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from qlora_fsdp.config import ConfigError, load_config
+from tests.helpers import REPO
+
+
+def run_train(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+
+
+def test_overrides_are_typed_and_win_over_the_recipe():
+    cfg = load_config("tiny_cpu", ["optim.lr=3e-4", "data.micro_batch_size=4", "lora.target_modules=[q_proj, v_proj]",
+                                   "optim.max_grad_norm=null", "optim.weight_decay=0"])
+    assert cfg.optim.lr == 3e-4 and cfg.data.micro_batch_size == 4
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.optim.max_grad_norm is None
+    assert cfg.optim.weight_decay == 0.0 and isinstance(cfg.optim.weight_decay, float)
+
+
+def test_recipe_path_and_fsdp_preset():
+    cfg = load_config(str(REPO / "recipes" / "tiny_cpu.yaml"), ["fsdp_preset=full_shard_cpu_offload"])
+    assert cfg.fsdp.cpu_offload is True
+    cfg = load_config("tiny_cpu", ["fsdp_preset=full_shard_cpu_offload", "fsdp.cpu_offload=false"])
+    assert cfg.fsdp.cpu_offload is False  # an explicit key beats the preset
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("optim.lrr=3e-4", "unknown key 'optim.lrr' in the command-line overrides; did you mean 'optim.lr'?"),
+    ("optimm.lr=3e-4", "did you mean 'optim.lr'?"),
+    ("data.micro_batch_size=big", "'data.micro_batch_size' must be an integer, got 'big'"),
+    ("checkpointing.mode=sometimes", "'checkpointing.mode' must be one of 'every_layer', 'every_nth', 'off'"),
+    ("fsdp_preset=nope", "unknown fsdp_preset 'nope'"),
+    ("optim.lr", "is not of the form key=value"),
+])
+def test_bad_overrides_fail_in_one_line(override, expected):
+    result = run_train("--recipe", "tiny_cpu", override, "--print-config")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
+
+
+def test_missing_recipe_names_the_nearest():
+    result = run_train("--recipe", "tiny_cpuu")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: unknown recipe 'tiny_cpuu': did you mean 'tiny_cpu'? known recipes: " + \
+        ", ".join(sorted(p.stem for p in (REPO / "recipes").glob("*.yaml")))
+
+
+def test_unknown_key_in_a_recipe_file_names_the_file(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("optim:\n  learning_rate: 1.0e-4\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'optim.learning_rate' in .*mine.yaml"):
+        load_config(str(recipe))
+
+
+def test_semantic_checks():
+    with pytest.raises(ConfigError, match="fsdp.param_dtype"):
+        load_config("tiny_cpu", ["fsdp.param_dtype=float32"])
+    with pytest.raises(ConfigError, match="data.micro_batch_size"):
+        load_config("tiny_cpu", ["data.micro_batch_size=0"])
+
+
+def test_print_config_shows_the_resolved_values():
+    result = run_train("--recipe", "tiny_cpu", "optim.lr=0.5", "--print-config")
+    assert result.returncode == 0
+    assert "lr: 0.5" in result.stdout and "cpu_offload: false" in result.stdout

@@ -1,0 +1,173 @@
+"""Sharded vs unsharded, accumulated vs one batch, checkpointed vs not: the numbers must agree."""
+
+from __future__ import annotations
+
+import bitsandbytes as bnb
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch.distributed.fsdp import FSDPModule
+
+from qlora_fsdp.api import build_model
+from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.loading import checkpoint_key, quantize, safetensors_files
+from qlora_fsdp.model import TORCH_DTYPES, checkpoint_dir
+from qlora_fsdp.trainer import accumulate_gradients, set_gradient_sync
+from tests.helpers import (
+    batches,
+    full_grads,
+    full_params,
+    relative_difference,
+    run_ranks,
+    tiny_config,
+    variable_length_samples,
+)
+
+PAD = 2
+
+
+# ---- functions run inside the ranks -------------------------------------------------------------
+
+def loss_and_grads(info, cfg, micro_batches_per_rank, shard=True):
+    model = build_model(cfg, info, shard=shard)
+    result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
+    return {"loss": result.loss, "grads": full_grads(model)}
+
+
+def naive_mean_of_means(info, cfg, micro_batches_per_rank):
+    """What a per-micro-batch mean loss (HF Trainer style) computes: kept to show the check can fail."""
+    model = build_model(cfg, info)
+    mine = micro_batches_per_rank[info.rank]
+    for batch in mine:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
+        (loss / len(mine) / info.world_size).backward()
+    return {"grads": full_grads(model)}
+
+
+def sgd_update(info, cfg, micro_batches_per_rank):
+    model = build_model(cfg, info)
+    before = full_params(model)
+    accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+    after = full_params(model)
+    return {"delta": {k: after[k] - before[k] for k in before}}
+
+
+def count_reduce_scatters(info, cfg, micro_batches_per_rank):
+    """Reduce-scatter calls for one step with accumulation, and with a sync after every micro-batch."""
+    calls = {"n": 0}
+    original = dist.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting
+    try:
+        model = build_model(cfg, info)
+        accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
+        with_accumulation = calls["n"]
+        model.zero_grad(set_to_none=True)
+        calls["n"] = 0
+        for batch in micro_batches_per_rank[info.rank]:
+            set_gradient_sync(model, True)
+            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.sum().backward()
+        every_micro_batch = calls["n"]
+    finally:
+        dist.reduce_scatter_single = original
+    groups = sum(1 for m in model.modules() if isinstance(m, FSDPModule) and any(
+        p.requires_grad for p in m.parameters()) and m is not model)
+    return {"accumulated": with_accumulation, "every_micro_batch": every_micro_batch, "layer_groups": groups}
+
+
+def packed_weights_match(info, cfg):
+    """Each 4-bit weight, all-gathered by FSDP2's own unshard, against quantizing the checkpoint tensor whole."""
+    model = build_model(cfg, info)
+    originals = {}
+    for file in safetensors_files(checkpoint_dir(cfg.model.path)):
+        with safe_open(file, framework="pt") as reader:
+            originals.update({k: reader.get_tensor(k) for k in reader.keys()})
+    layers = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    for layer in layers:
+        layer.unshard()  # the all-gather a forward does
+    checked, identical = 0, 0
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            original = originals[checkpoint_key(f"{name}.weight")].to(TORCH_DTYPES[cfg.model.dtype])
+            packed, state = quantize(original, cfg)
+            same_bytes = torch.equal(module.weight.detach().view(torch.int16), packed.view(torch.int16))
+            same_state = torch.equal(module.quant_state.absmax, state.absmax) and torch.equal(
+                module.quant_state.state2.absmax, state.state2.absmax)
+            checked += 1
+            identical += same_bytes and same_state
+    for layer in layers:
+        layer.reshard()
+    return {"checked": checked, "identical": identical}
+
+
+# ---- the tests ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def samples(tiny_model_dir):
+    return variable_length_samples(tiny_config(tiny_model_dir), 16)
+
+
+def test_sharded_two_ranks_match_unsharded(tiny_model_dir, samples, tmp_path):
+    cfg = tiny_config(tiny_model_dir)
+    per_rank = [batches(samples[:4], 4, PAD), batches(samples[4:8], 4, PAD)]
+    sharded = run_ranks(loss_and_grads, 2, cfg, per_rank, tmp_dir=tmp_path)
+    reference = run_ranks(loss_and_grads, 1, cfg, [per_rank[0] + per_rank[1]], False, tmp_dir=tmp_path)[0]
+    assert sharded[0]["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+    assert sharded[1]["loss"] == sharded[0]["loss"]
+    assert relative_difference(sharded[0]["grads"], reference["grads"]) <= 1e-5
+    assert relative_difference(sharded[1]["grads"], reference["grads"]) <= 1e-5
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_accumulation_equals_one_big_batch(tiny_model_dir, samples, tmp_path, world_size):
+    cfg = tiny_config(tiny_model_dir)
+    per_rank = [samples[r * 8 : (r + 1) * 8] for r in range(world_size)]
+    accumulated = [batches(s, 2, PAD) for s in per_rank]  # 4 micro-batches of 2
+    one_batch = [batches(s, 8, PAD) for s in per_rank]  # 1 batch of 8
+    g_acc = run_ranks(loss_and_grads, world_size, cfg, accumulated, tmp_dir=tmp_path)[0]
+    g_big = run_ranks(loss_and_grads, world_size, cfg, one_batch, tmp_dir=tmp_path)[0]
+    assert g_acc["loss"] == pytest.approx(g_big["loss"], rel=1e-5)
+    assert relative_difference(g_acc["grads"], g_big["grads"]) <= 1e-4
+
+    # the check can fail: a mean of per-micro-batch means weights short samples' tokens more
+    naive = run_ranks(naive_mean_of_means, world_size, cfg, accumulated, tmp_dir=tmp_path)[0]
+    assert relative_difference(naive["grads"], g_big["grads"]) > 1e-2
+
+    step_acc = run_ranks(sgd_update, world_size, cfg, accumulated, tmp_dir=tmp_path)[0]
+    step_big = run_ranks(sgd_update, world_size, cfg, one_batch, tmp_dir=tmp_path)[0]
+    assert relative_difference(step_acc["delta"], step_big["delta"]) <= 1e-4
+
+
+def test_gradients_reduce_scattered_once_per_step(tiny_model_dir, samples, tmp_path):
+    cfg = tiny_config(tiny_model_dir)
+    per_rank = [batches(samples[:8], 2, PAD), batches(samples[8:16], 2, PAD)]  # 4 micro-batches a rank
+    counts = run_ranks(count_reduce_scatters, 2, cfg, per_rank, tmp_dir=tmp_path)[0]
+    assert counts["layer_groups"] == 2
+    assert counts["accumulated"] == counts["layer_groups"]  # one per layer group, after the last micro-batch
+    assert counts["every_micro_batch"] == 4 * counts["layer_groups"]
+
+
+def test_activation_checkpointing_changes_nothing(tiny_model_dir, samples, tmp_path):
+    micro = [batches(samples[:8], 4, PAD)]
+    results = {}
+    for mode in ("every_layer", "every_nth", "off"):
+        cfg = tiny_config(tiny_model_dir, checkpointing={"mode": mode, "every_n": 2})
+        results[mode] = run_ranks(loss_and_grads, 1, cfg, micro, tmp_dir=tmp_path)[0]
+    for mode in ("every_layer", "every_nth"):
+        assert results[mode]["loss"] == pytest.approx(results["off"]["loss"], rel=1e-6)
+        assert relative_difference(results[mode]["grads"], results["off"]["grads"]) <= 1e-6
+
+
+def test_packed_4bit_weights_unshard_byte_identical(tiny_model_dir, tmp_path):
+    cfg = tiny_config(tiny_model_dir, model={"dtype": "bfloat16"})
+    for result in run_ranks(packed_weights_match, 2, cfg, tmp_dir=tmp_path):
+        assert result["checked"] == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+        assert result["identical"] == result["checked"]
