@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import bitsandbytes as bnb
 import peft
 import torch
 
@@ -33,8 +34,15 @@ def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftMod
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, frozen base) parameter counts of the whole model; a 4-bit weight counts its unpacked size."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
+    base = 0
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                is_packed = isinstance(module, bnb.nn.Linear4bit) and name == "weight"
+                base += module.in_features * module.out_features if is_packed else param.numel()
+    return trainable, base
 
 
 def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
@@ -51,10 +59,10 @@ def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     logger = MetricsLogger(out_dir, cfg.train.max_steps, enabled=info.is_main)
     logger.log({"event": "start", "world_size": info.world_size, "config": to_dict(cfg)})
-    trainable, total = count_parameters(model)
+    trainable, base = count_parameters(model)
     logger.write(f"world size {info.world_size} on {info.device.type}; {len(data.train)} train / "
                  f"{len(data.eval)} eval samples ({data.n_truncated} truncated to {cfg.data.context_length} "
-                 f"tokens); trainable parameters on this rank {trainable:,} of {total:,}")
+                 f"tokens); LoRA parameters {trainable:,} on a {base:,}-parameter 4-bit base")
     trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger)
     summary = trainer.train()
     logger.close()

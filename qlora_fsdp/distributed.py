@@ -43,7 +43,7 @@ def init_distributed() -> DistInfo:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cuda:nccl,cpu:gloo"  # gloo for CPU tensors: offloaded shards' grad-norm all-reduce
     else:
         device = torch.device("cpu")
         backend = "gloo"
