@@ -29,6 +29,8 @@ class ModelConfig:
     path: str = "models/tiny-llama"  # a local checkpoint folder, or a hub id where a network is there
     trust_remote_code: bool = False
     dtype: DType = "bfloat16"  # non-quantized weights (embeddings, norms, lm_head)
+    init: Literal["checkpoint", "random"] = "checkpoint"  # random: seeded weights from config.json alone
+    allow_pickle: bool = False  # .bin/.pt weights can run code when unpickled; refused unless this is true
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,7 +109,8 @@ def dora_magnitude_of(modules: dict[str, nn.Module], linear_name: str) -> nn.Par
     return next(iter(magnitudes.values())).weight
 
 
-def safetensors_files(path: Path, allow_pickle: bool = False) -> list[Path]:
+def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
+    """The checkpoint's safetensors shards (from the index where there is one); pickle only if allowed."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -119,26 +121,72 @@ def safetensors_files(path: Path, allow_pickle: bool = False) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if files:
         return files
-    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-        raise ModelLoadError(f"{path} has only pickle weights (.bin/.pt), which can run code when loaded; "
-                             "convert them to safetensors")
-    raise ModelLoadError(f"{path} has no *.safetensors weights")
+    pickles = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+    if pickles and allow_pickle:
+        return pickles
+    if pickles:
+        raise ModelLoadError(f"{path} has only pickle weights (.bin/.pt), which can run code when loaded; convert "
+                             "them to safetensors, or set model.allow_pickle=true if you trust their source")
+    raise ModelLoadError(f"{path} has no weights (*.safetensors); for an architecture-only run set model.init=random")
+
+
+def checkpoint_tensors(path: Path, allow_pickle: bool) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(key, full tensor, file name), one tensor at a time."""
+    for file in weight_files(path, allow_pickle):
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt", device="cpu") as reader:
+                for key in reader.keys():
+                    yield key, reader.get_tensor(key), file.name
+        else:  # allowed pickle: tensors only (no code), memory-mapped so the file is not read whole
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            for key in list(state):
+                yield key, state.pop(key), file.name
+
+
+def random_tensors(targets: dict[str, Target], std: float, seed: int) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Seeded stand-ins for an architecture-only run: N(0, std) matrices, unit norms, zero biases.
+
+    Each tensor has its own generator (seed, name), so any world size builds the very same model.
+    """
+    seen: set[int] = set()
+    for key, target in targets.items():
+        if id(target.param) in seen:  # tied weights: one tensor
+            continue
+        seen.add(id(target.param))
+        module = target.quantized_module
+        shape = (module.out_features, module.in_features) if module is not None else tuple(target.param.shape)
+        if key.endswith("bias"):
+            yield key, torch.zeros(shape), "random init"
+        elif "norm" in key:
+            yield key, torch.ones(shape), "random init"
+        else:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+            yield key, torch.empty(shape).normal_(0.0, std, generator=generator), "random init"
+
+
+def tensor_source(
+    cfg: Config, targets: dict[str, Target], hf_config: object
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    if cfg.model.init == "random":
+        return random_tensors(targets, getattr(hf_config, "initializer_range", 0.02), cfg.train.seed)
+    return checkpoint_tensors(checkpoint_dir(cfg.model.path), cfg.model.allow_pickle)
 
 
 @torch.no_grad()
 def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
-    """Stream every checkpoint tensor into its (sharded) parameter; then initialize LoRA."""
+    """Stream every base tensor into its (sharded) parameter; then initialize LoRA."""
     targets = base_targets(model)
     loaded: set[int] = set()
-    for file in safetensors_files(checkpoint_dir(cfg.model.path)):
-        with safe_open(file, framework="pt", device="cpu") as reader:
-            for key in reader.keys():
-                target = targets.get(key)
-                if target is None:
-                    raise ModelLoadError(f"{file.name} holds '{key}', which the model built from config.json "
-                                         "lacks: config and weights disagree")
-                load_tensor(target, reader.get_tensor(key), cfg, device)
-                loaded.add(id(target.param))
+    for key, tensor, source in tensor_source(cfg, targets, model.config):
+        target = targets.get(key)
+        if target is None:
+            if key.endswith("rotary_emb.inv_freq"):  # older checkpoints saved this computed buffer
+                continue
+            raise ModelLoadError(f"{source} holds '{key}', which the model built from config.json lacks: "
+                                 "config and weights disagree")
+        load_tensor(target, tensor, cfg, device)
+        loaded.add(id(target.param))
+        del tensor  # free the full tensor before reading the next
     missing = sorted(k for k, t in targets.items() if id(t.param) not in loaded)
     if missing:
         raise ModelLoadError(f"checkpoint lacks '{missing[0]}' ({len(missing)} missing): config and weights disagree")

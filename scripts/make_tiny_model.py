@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
 
@@ -40,8 +40,13 @@ def train_tokenizer(dataset: Path, vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -> LlamaForCausalLM:
-    config = LlamaConfig(
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -> PreTrainedModel:
+    """A tiny causal LM of the chosen family, same shapes for all: GQA attention, SwiGLU MLP."""
+    family = getattr(args, "family", "llama")
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,
         intermediate_size=args.hidden_size * 2,
@@ -50,13 +55,15 @@ def build_model(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) ->
         num_key_value_heads=2,  # grouped-query attention, as in Llama 3
         max_position_embeddings=1024,
         initializer_range=args.init_std,
-        tie_word_embeddings=False,
+        # Qwen's small models tie the head to the embeddings; cover that path too
+        tie_word_embeddings=family.startswith("qwen"),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    config = AutoConfig.for_model(family, **common)
     torch.manual_seed(args.seed)
-    return LlamaForCausalLM(config).to(torch.bfloat16)
+    return AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
 
 
 def main() -> None:
@@ -66,6 +73,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--family", choices=FAMILIES, default="llama")
     parser.add_argument("--seed", type=int, default=0)
     # 0.1, not the usual 0.02: with frozen random embeddings and head, a 0.02 head caps the logits near
     # +-2.5, so no adapter could make confident predictions and the demo loss could barely fall
@@ -77,7 +85,7 @@ def main() -> None:
     model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
     tokenizer.save_pretrained(args.out)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"wrote a {n_params / 1e6:.2f}M-parameter Llama and a {len(tokenizer)}-token tokenizer to {args.out}")
+    print(f"wrote a {n_params / 1e6:.2f}M-parameter {args.family} model and a {len(tokenizer)}-token tokenizer to {args.out}")
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 import make_tiny_model  # noqa: E402
 
 
-def build_tiny_checkpoint(out: Path, layers: int = 2, max_shard_size: str = "50GB") -> Path:
-    """A seeded tiny Llama + tokenizer, saved like a hub checkpoint (seconds on a CPU)."""
-    args = argparse.Namespace(hidden_size=128, layers=layers, seed=0, init_std=0.1)
+def build_tiny_checkpoint(out: Path, layers: int = 2, max_shard_size: str = "50GB", family: str = "llama") -> Path:
+    """A seeded tiny causal LM + tokenizer, saved like a hub checkpoint (seconds on a CPU)."""
+    args = argparse.Namespace(hidden_size=128, layers=layers, seed=0, init_std=0.1, family=family)
     tokenizer = make_tiny_model.train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", vocab_size=512)
     model = make_tiny_model.build_model(tokenizer, args)
     model.save_pretrained(out, max_shard_size=max_shard_size)

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.api import build_model
 from qlora_fsdp.data import IGNORE_INDEX
-from qlora_fsdp.loading import checkpoint_key, quantize, safetensors_files
+from qlora_fsdp.loading import checkpoint_key, quantize, weight_files
 from qlora_fsdp.model import TORCH_DTYPES, checkpoint_dir
 from qlora_fsdp.trainer import accumulate_gradients, set_gradient_sync
 from tests.helpers import (
@@ -87,7 +87,7 @@ def packed_weights_match(info, cfg):
     """Each 4-bit weight, all-gathered by FSDP2's own unshard, against quantizing the checkpoint tensor whole."""
     model = build_model(cfg, info)
     originals = {}
-    for file in safetensors_files(checkpoint_dir(cfg.model.path)):
+    for file in weight_files(checkpoint_dir(cfg.model.path)):
         with safe_open(file, framework="pt") as reader:
             originals.update({k: reader.get_tensor(k) for k in reader.keys()})
     layers = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]

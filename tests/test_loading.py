@@ -1,0 +1,109 @@
+"""The streaming loader: model families, architecture-only runs, safe formats, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+from qlora_fsdp.api import build_model
+from qlora_fsdp.errors import ModelLoadError
+from qlora_fsdp.trainer import loss_sum
+from tests.helpers import batches, build_tiny_checkpoint, run_ranks, tiny_config, variable_length_samples
+
+PAD = 2
+
+
+def sharded_loss(info, cfg, batch):
+    model = build_model(cfg, info)
+    with torch.no_grad():
+        return loss_sum(model, batch, info.device).item() / batch.n_targets
+
+
+def peer_loss(model_dir, batch) -> float:
+    """transformers' own 4-bit load of the checkpoint: what our streamed, sharded load must equal."""
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, dtype=torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+    with torch.no_grad():
+        return loss_sum(model, batch, torch.device("cpu")).item() / batch.n_targets
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_family_loads_sharded_like_transformers(family, tmp_path):
+    model_dir = build_tiny_checkpoint(tmp_path / family, family=family, max_shard_size="300KB")
+    assert len(list(model_dir.glob("*.safetensors"))) > 1  # several shards, through the index
+    cfg = tiny_config(model_dir, model={"dtype": "bfloat16"}, quant={"compute_dtype": "bfloat16"})
+    batch = batches(variable_length_samples(cfg, 8), 8, PAD)[0]
+    ours = run_ranks(sharded_loss, 2, cfg, batch, tmp_dir=tmp_path)
+    reference = peer_loss(model_dir, batch)
+    assert ours[0] == ours[1]
+    assert ours[0] == pytest.approx(reference, rel=1e-3)
+
+
+def test_random_init_needs_only_config_and_is_world_size_independent(tiny_model_dir, tmp_path):
+    arch_only = tmp_path / "arch"
+    arch_only.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, arch_only / name)
+    cfg = tiny_config(arch_only, model={"init": "random"})
+    batch = batches(variable_length_samples(cfg, 4), 4, PAD)[0]
+    two = run_ranks(sharded_loss, 2, cfg, batch, tmp_dir=tmp_path)
+    one = run_ranks(sharded_loss, 1, cfg, batch, tmp_dir=tmp_path)
+    assert two[0] == pytest.approx(one[0], rel=1e-6)
+    assert 3.0 < one[0] < 10.0  # a sane, untrained model: about ln(vocab), not NaN or 0
+
+
+def _loader_error(info, cfg):
+    try:
+        build_model(cfg, info)
+    except ModelLoadError as err:
+        return str(err)
+    return None
+
+
+def _copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_pickle_weights_refused_unless_allowed(tiny_model_dir, tmp_path):
+    pickled = _copy_checkpoint(tiny_model_dir, tmp_path / "pickled")
+    state = load_file(pickled / "model.safetensors")
+    (pickled / "model.safetensors").unlink()
+    torch.save(state, pickled / "pytorch_model.bin")
+    cfg = tiny_config(pickled)
+    message = run_ranks(_loader_error, 1, cfg, tmp_dir=tmp_path)[0]
+    assert "only pickle weights" in message and "model.allow_pickle=true" in message
+    cfg = tiny_config(pickled, model={"allow_pickle": True})
+    batch = batches(variable_length_samples(cfg, 4), 4, PAD)[0]
+    reference = run_ranks(sharded_loss, 1, tiny_config(tiny_model_dir), batch, tmp_dir=tmp_path)[0]
+    assert run_ranks(sharded_loss, 1, cfg, batch, tmp_dir=tmp_path)[0] == reference
+
+
+def test_clear_errors(tiny_model_dir, tmp_path):
+    cases = {}
+    cases["missing path"] = (tiny_config(tmp_path / "nowhere"), "is not a checkpoint folder")
+    no_weights = _copy_checkpoint(tiny_model_dir, tmp_path / "no_weights")
+    (no_weights / "model.safetensors").unlink()
+    cases["no weights"] = (tiny_config(no_weights), "has no weights (*.safetensors)")
+    disagree = _copy_checkpoint(tiny_model_dir, tmp_path / "disagree")
+    config = json.loads((disagree / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (disagree / "config.json").write_text(json.dumps(config))
+    cases["config vs weights"] = (tiny_config(disagree), "config and weights disagree")
+    sharded = build_tiny_checkpoint(tmp_path / "sharded", max_shard_size="300KB")
+    missing_shard = sorted(sharded.glob("*.safetensors"))[-1]
+    missing_shard.unlink()
+    cases["missing shard"] = (tiny_config(sharded), f"names shard {missing_shard.name}, which is missing")
+    for name, (cfg, expected) in cases.items():
+        message = run_ranks(_loader_error, 1, cfg, tmp_dir=tmp_path)[0]
+        assert message is not None and expected in message and "\n" not in message, (name, message)
