@@ -85,7 +85,8 @@ def main() -> None:
     model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
     tokenizer.save_pretrained(args.out)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"wrote a {n_params / 1e6:.2f}M-parameter {args.family} model and a {len(tokenizer)}-token tokenizer to {args.out}")
+    print(f"wrote a {n_params / 1e6:.2f}M-parameter {args.family} model and a {len(tokenizer)}-token tokenizer "
+          f"to {args.out}")
 
 
 if __name__ == "__main__":
