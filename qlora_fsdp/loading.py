@@ -1,27 +1,28 @@
 """Fill a meta-built (and possibly FSDP2-sharded) model from safetensors, one tensor at a time.
 
-Each linear weight is quantized to NF4 on the compute device as it is read; a rank keeps only its
-dim-0 chunk of the packed bytes (exactly FSDP2's `torch.chunk` shard) and frees the rest before the
-next tensor. Peak host memory per rank: one full tensor plus the shards, never the whole model.
+Each linear weight is read whole and quantized to NF4 on the compute device (its quantization state
+covers the whole tensor); a rank keeps only its dim-0 chunk of the packed bytes (exactly FSDP2's
+`torch.chunk` shard) and frees the rest before the next tensor. Other weights (embeddings, norms,
+lm_head) are read only for the rows this rank keeps. Peak host memory per rank: its shards plus one
+full tensor, never the whole model or the whole quantized model.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
+import math
 import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from qlora_fsdp.checkpoint_files import InMemoryTensor, StoredTensor, checkpoint_tensors
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.model import QUANT_STORAGE, TORCH_DTYPES, checkpoint_dir
@@ -60,25 +61,33 @@ def rebuild_non_persistent_buffers(model: nn.Module, device: torch.device) -> No
             module.register_buffer(name, getattr(fresh, name).to(device), persistent=False)
 
 
-def shard_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `full` for `param`: all of it, or FSDP2's dim-0 chunk for a DTensor."""
+def shard_row_range(param: torch.Tensor, n_rows: int) -> tuple[int, int]:
+    """The rows of a full tensor this rank keeps for `param`: all, or FSDP2's `torch.chunk` dim-0 chunk."""
     if not isinstance(param, DTensor):
-        return full
+        return 0, n_rows
     if tuple(param.placements) != (Shard(0),):
         raise ModelLoadError(f"unsupported placement {param.placements}; expected FSDP2's Shard(0)")
-    mesh = param.device_mesh
-    chunks = torch.chunk(full, mesh.size(), dim=0)
-    rank = mesh.get_local_rank()
-    return chunks[rank] if rank < len(chunks) else full[:0]
+    return chunk_rows(n_rows, param.device_mesh.size(), param.device_mesh.get_local_rank())
+
+
+def chunk_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Row range of `torch.chunk(t, world_size)[rank]` (empty where torch.chunk makes fewer chunks)."""
+    chunk = math.ceil(n_rows / world_size)
+    return min(rank * chunk, n_rows), min((rank + 1) * chunk, n_rows)
 
 
 @torch.no_grad()
-def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_rows_into(param: torch.Tensor, part: torch.Tensor) -> None:
+    """Copy this rank's rows (already cut with `shard_row_range`) into the local shard."""
     local = param.to_local() if isinstance(param, DTensor) else param.data
-    part = shard_rows(full, param)
     if local.shape != part.shape:
         raise ModelLoadError(f"shard shape {tuple(local.shape)} does not match checkpoint part {tuple(part.shape)}")
     local.copy_(part)
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    first, last = shard_row_range(param, full.shape[0])
+    copy_rows_into(param, full[first:last])
 
 
 def base_targets(model: nn.Module) -> dict[str, Target]:
@@ -112,41 +121,7 @@ def dora_magnitude_of(modules: dict[str, nn.Module], linear_name: str) -> nn.Par
     return next(iter(magnitudes.values())).weight
 
 
-def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
-    """The checkpoint's safetensors shards (from the index where there is one); pickle only if allowed."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [n for n in names if not (path / n).is_file()]
-        if missing:
-            raise ModelLoadError(f"{index} names shard {missing[0]}, which is missing from {path}")
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        return files
-    pickles = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
-    if pickles and allow_pickle:
-        return pickles
-    if pickles:
-        raise ModelLoadError(f"{path} has only pickle weights (.bin/.pt), which can run code when loaded; convert "
-                             "them to safetensors, or set model.allow_pickle=true if you trust their source")
-    raise ModelLoadError(f"{path} has no weights (*.safetensors); for an architecture-only run set model.init=random")
-
-
-def checkpoint_tensors(path: Path, allow_pickle: bool) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(key, full tensor, file name), one tensor at a time."""
-    for file in weight_files(path, allow_pickle):
-        if file.suffix == ".safetensors":
-            with safe_open(file, framework="pt", device="cpu") as reader:
-                for key in reader.keys():
-                    yield key, reader.get_tensor(key), file.name
-        else:  # allowed pickle: tensors only (no code), memory-mapped so the file is not read whole
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            for key in list(state):
-                yield key, state.pop(key), file.name
-
-
-def random_tensors(targets: dict[str, Target], std: float, seed: int) -> Iterator[tuple[str, torch.Tensor, str]]:
+def random_tensors(targets: dict[str, Target], std: float, seed: int) -> Iterator[tuple[str, StoredTensor, str]]:
     """Seeded stand-ins for an architecture-only run: N(0, std) matrices, unit norms, zero biases.
 
     Each tensor has its own generator (seed, name), so any world size builds the very same model.
@@ -159,12 +134,12 @@ def random_tensors(targets: dict[str, Target], std: float, seed: int) -> Iterato
         module = target.quantized_module
         shape = (module.out_features, module.in_features) if module is not None else tuple(target.param.shape)
         if key.endswith("bias"):
-            yield key, torch.zeros(shape), "random init"
+            yield key, InMemoryTensor(torch.zeros(shape)), "random init"
         elif "norm" in key:
-            yield key, torch.ones(shape), "random init"
+            yield key, InMemoryTensor(torch.ones(shape)), "random init"
         else:
             generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-            yield key, torch.empty(shape).normal_(0.0, std, generator=generator), "random init"
+            yield key, InMemoryTensor(torch.empty(shape).normal_(0.0, std, generator=generator)), "random init"
 
 
 def release_freed_memory() -> None:
@@ -176,7 +151,7 @@ def release_freed_memory() -> None:
 
 def tensor_source(
     cfg: Config, targets: dict[str, Target], hf_config: object
-) -> Iterator[tuple[str, torch.Tensor, str]]:
+) -> Iterator[tuple[str, StoredTensor, str]]:
     if cfg.model.init == "random":
         return random_tensors(targets, getattr(hf_config, "initializer_range", 0.02), cfg.train.seed)
     return checkpoint_tensors(checkpoint_dir(cfg.model.path), cfg.model.allow_pickle)
@@ -196,7 +171,6 @@ def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
                                  "config and weights disagree")
         load_tensor(target, tensor, cfg, device)
         loaded.add(id(target.param))
-        del tensor
         release_freed_memory()  # return the full tensor's pages before reading the next
     missing = sorted(k for k, t in targets.items() if id(t.param) not in loaded)
     if missing:
@@ -204,15 +178,21 @@ def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
     init_lora(model, cfg.train.seed)
 
 
-def load_tensor(target: Target, full: torch.Tensor, cfg: Config, device: torch.device) -> None:
-    expected = target.param.shape if target.quantized_module is None else None
-    if expected is not None and tuple(full.shape) != tuple(expected):
-        raise ModelLoadError(f"checkpoint tensor of shape {tuple(full.shape)} where the config wants "
-                             f"{tuple(expected)}: config and weights disagree")
-    full = full.to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
+def load_tensor(target: Target, stored: StoredTensor, cfg: Config, device: torch.device) -> None:
+    dtype = TORCH_DTYPES[cfg.model.dtype]
     if target.quantized_module is None:
-        copy_full_into(target.param, full)
+        if tuple(stored.shape) != tuple(target.param.shape):
+            raise ModelLoadError(f"checkpoint tensor of shape {tuple(stored.shape)} where the config wants "
+                                 f"{tuple(target.param.shape)}: config and weights disagree")
+        rows = shard_row_range(target.param, stored.shape[0]) if stored.shape else None
+        part = stored.read(rows).to(device=device, dtype=dtype)  # only this rank's rows are read
+        copy_rows_into(target.param, part)
         return
+    load_quantized(target, stored.read().to(device=device, dtype=dtype), cfg)
+
+
+def load_quantized(target: Target, full: torch.Tensor, cfg: Config) -> None:
+    """Quantize the whole weight (the quantization state is per whole tensor), keep this rank's packed rows."""
     module = target.quantized_module
     if (full.shape[0], full.shape[1]) != (module.out_features, module.in_features):
         raise ModelLoadError(f"checkpoint weight of shape {tuple(full.shape)} for a "

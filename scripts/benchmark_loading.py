@@ -1,7 +1,8 @@
 """Peak host RAM per rank while loading a ~1B Llama in NF4 on 2 CPU ranks: our streaming loader vs the peer path.
 
 The peer is what a user would otherwise do: every rank calls transformers' from_pretrained with the NF4
-BitsAndBytesConfig. Figures are peak RSS (ru_maxrss) minus the process's RSS just before loading.
+BitsAndBytesConfig. Figures are above the process's memory just before loading: peak RSS (VmHWM, reset
+then), and peak anonymous memory (RSS without file-backed pages, sampled every 5 ms).
 
     python scripts/benchmark_loading.py --out-dir /tmp/bench-1b
 """
@@ -11,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
@@ -69,15 +71,41 @@ def write_checkpoint(out: Path) -> tuple[int, int]:
     return n_params, sum(sorted(sizes)[-2:])
 
 
-def rss() -> int:
-    return psutil.Process().memory_info().rss
+def status_kib(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
 
 
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def reset_peak_rss() -> None:
+    """Start the peak (VmHWM) afresh. ru_maxrss cannot be used: a spawned child inherits its parent's peak,
+    and the parent held the generated checkpoint (that error put 1.76 GiB on both of our ranks)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
-def load_ours(model_dir: str):
+class AnonPeak:
+    """Peak of anonymous memory (RSS without file-backed pages such as a memory-mapped checkpoint),
+    sampled every 5 ms by a thread: a fairer view of what a load strictly needs."""
+
+    def __init__(self) -> None:
+        self.peak, self.stop = 0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, status_kib("RssAnon"))
+            time.sleep(0.005)
+
+    def __enter__(self) -> AnonPeak:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, status_kib("RssAnon"))
+
+
+def prepare_ours(model_dir: str) -> Callable[[], object]:
     from qlora_fsdp.api import build_model
     from qlora_fsdp.config import Config
     from qlora_fsdp.distributed import init_distributed
@@ -86,21 +114,17 @@ def load_ours(model_dir: str):
     cfg = Config()
     cfg.model.path = model_dir
     cfg.checkpointing.mode = "off"
-    baseline = rss()
-    model = build_model(cfg, info)
-    return baseline, model
+    return lambda: build_model(cfg, info)
 
 
-def load_peer(model_dir: str):
+def prepare_peer(model_dir: str) -> Callable[[], object]:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dist.init_process_group("gloo")
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
-    baseline = rss()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, dtype=torch.bfloat16)
-    return baseline, model
+    return lambda: AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, dtype=torch.bfloat16)
 
 
 def worker(which: str, model_dir: str, rank: int, port: int, queue) -> None:
@@ -111,8 +135,12 @@ def worker(which: str, model_dir: str, rank: int, port: int, queue) -> None:
 
     import qlora_fsdp  # noqa: F401  (same imports for both paths before the baseline)
 
-    baseline, model = (load_ours if which == "ours" else load_peer)(model_dir)
-    queue.put((which, rank, baseline, peak_rss()))
+    load = (prepare_ours if which == "ours" else prepare_peer)(model_dir)
+    baseline, baseline_anon = status_kib("VmRSS"), status_kib("RssAnon")
+    reset_peak_rss()
+    with AnonPeak() as anon:
+        model = load()  # noqa: F841  (held until the peaks are read)
+    queue.put((which, rank, status_kib("VmHWM") - baseline, anon.peak - baseline_anon))
     import torch.distributed as dist
 
     dist.barrier()
@@ -120,6 +148,7 @@ def worker(which: str, model_dir: str, rank: int, port: int, queue) -> None:
 
 
 def measure(which: str, model_dir: Path) -> list[tuple[int, int]]:
+    """(peak RSS, peak anonymous memory) above the baseline, per rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as s:
@@ -131,7 +160,7 @@ def measure(which: str, model_dir: Path) -> list[tuple[int, int]]:
     results = sorted(queue.get(timeout=1800) for _ in procs)
     for p in procs:
         p.join()
-    return [(baseline, peak) for _, _, baseline, peak in results]
+    return [(peak, anon) for _, _, peak, anon in results]
 
 
 def main() -> None:
@@ -147,11 +176,11 @@ def main() -> None:
     print(f"\n{n_params / 1e9:.2f}B-parameter Llama, {n_shards} safetensors shards, "
           f"2 CPU ranks; NF4 model {nf4_bytes / GB:.2f} GiB; budget per rank {budget / GB:.2f} GiB "
           "(NF4/2 + two largest bf16 tensors + 10%)\n")
-    print("| rank | ours: peak - baseline (GiB) | peer: peak - baseline (GiB) | ours / peer |")
-    print("| --- | --- | --- | --- |")
-    for rank, ((ob, op), (pb, pp)) in enumerate(zip(ours, peer, strict=True)):
-        print(f"| {rank} | {(op - ob) / GB:.2f} | {(pp - pb) / GB:.2f} | {(op - ob) / (pp - pb):.2f} |")
-
+    print("| rank | ours: peak RSS | peer: peak RSS | ratio | ours: peak anonymous | peer: peak anonymous | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for rank, ((o_rss, o_anon), (p_rss, p_anon)) in enumerate(zip(ours, peer, strict=True)):
+        print(f"| {rank} | {o_rss / GB:.2f} GiB | {p_rss / GB:.2f} GiB | {o_rss / p_rss:.2f} | "
+              f"{o_anon / GB:.2f} GiB | {p_anon / GB:.2f} GiB | {o_anon / p_anon:.2f} |")
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,9 @@ from safetensors import safe_open
 from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.api import build_model
+from qlora_fsdp.checkpoint_files import weight_files
 from qlora_fsdp.data import IGNORE_INDEX
-from qlora_fsdp.loading import checkpoint_key, quantize, weight_files
+from qlora_fsdp.loading import checkpoint_key, quantize
 from qlora_fsdp.model import TORCH_DTYPES, checkpoint_dir
 from qlora_fsdp.trainer import accumulate_gradients, set_gradient_sync
 from tests.helpers import (
@@ -105,7 +106,11 @@ def packed_weights_match(info, cfg):
             identical += same_bytes and same_state
     for layer in layers:
         layer.reshard()
-    return {"checked": checked, "identical": identical}
+    quantized = {checkpoint_key(f"{n}.weight") for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    plain = {checkpoint_key(name): param.full_tensor() for name, param in model.named_parameters()
+             if not param.requires_grad and checkpoint_key(name) not in quantized}
+    plain_identical = sum(torch.equal(t, originals[k].to(t.dtype)) for k, t in plain.items())
+    return {"checked": checked, "identical": identical, "plain": len(plain), "plain_identical": plain_identical}
 
 
 # ---- the tests ----------------------------------------------------------------------------------
@@ -171,3 +176,5 @@ def test_packed_4bit_weights_unshard_byte_identical(tiny_model_dir, tmp_path):
     for result in run_ranks(packed_weights_match, 2, cfg, tmp_dir=tmp_path):
         assert result["checked"] == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
         assert result["identical"] == result["checked"]
+        assert result["plain"] == 2 * 2 + 3  # 2 layers x 2 norms; embeddings, final norm, lm_head
+        assert result["plain_identical"] == result["plain"]  # read as row ranges, gathered back whole
