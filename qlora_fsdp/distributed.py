@@ -54,6 +54,18 @@ def init_distributed() -> DistInfo:
     return DistInfo(dist.get_rank(), local_rank, world_size, device, mesh)
 
 
+def init_fake_distributed(world_size: int, device: torch.device, rank: int = 0) -> DistInfo:
+    """Act as one rank of a `world_size` world in this one process: collectives do nothing, but FSDP2 shards
+    (and so allocates, loads and measures) exactly what that rank would. For planning and memory checks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    return DistInfo(rank, device.index or 0, world_size, device, mesh)
+
+
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -121,10 +121,13 @@ def dora_magnitude_of(modules: dict[str, nn.Module], linear_name: str) -> nn.Par
     return next(iter(magnitudes.values())).weight
 
 
-def random_tensors(targets: dict[str, Target], std: float, seed: int) -> Iterator[tuple[str, StoredTensor, str]]:
+def random_tensors(
+    targets: dict[str, Target], std: float, seed: int, device: torch.device
+) -> Iterator[tuple[str, StoredTensor, str]]:
     """Seeded stand-ins for an architecture-only run: N(0, std) matrices, unit norms, zero biases.
 
-    Each tensor has its own generator (seed, name), so any world size builds the very same model.
+    Each tensor has its own generator (seed, name), so any world size builds the very same model (on one
+    device type: CUDA's generator draws other numbers than the CPU's, and is what makes a 70B init fast).
     """
     seen: set[int] = set()
     for key, target in targets.items():
@@ -138,8 +141,9 @@ def random_tensors(targets: dict[str, Target], std: float, seed: int) -> Iterato
         elif "norm" in key:
             yield key, InMemoryTensor(torch.ones(shape)), "random init"
         else:
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-            yield key, InMemoryTensor(torch.empty(shape).normal_(0.0, std, generator=generator)), "random init"
+            generator = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+            full = torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+            yield key, InMemoryTensor(full), "random init"
 
 
 def release_freed_memory() -> None:
@@ -150,10 +154,10 @@ def release_freed_memory() -> None:
 
 
 def tensor_source(
-    cfg: Config, targets: dict[str, Target], hf_config: object
+    cfg: Config, targets: dict[str, Target], hf_config: object, device: torch.device
 ) -> Iterator[tuple[str, StoredTensor, str]]:
     if cfg.model.init == "random":
-        return random_tensors(targets, getattr(hf_config, "initializer_range", 0.02), cfg.train.seed)
+        return random_tensors(targets, getattr(hf_config, "initializer_range", 0.02), cfg.train.seed, device)
     return checkpoint_tensors(checkpoint_dir(cfg.model.path), cfg.model.allow_pickle)
 
 
@@ -162,7 +166,7 @@ def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
     """Stream every base tensor into its (sharded) parameter; then initialize LoRA."""
     targets = base_targets(model)
     loaded: set[int] = set()
-    for key, tensor, source in tensor_source(cfg, targets, model.config):
+    for key, tensor, source in tensor_source(cfg, targets, model.config, device):
         target = targets.get(key)
         if target is None:
             if key.endswith("rotary_emb.inv_freq"):  # older checkpoints saved this computed buffer

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.data import Sample, collate, load_dataset
-from qlora_fsdp.distributed import cleanup, init_distributed
+from qlora_fsdp.distributed import cleanup, init_distributed, init_fake_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -99,12 +99,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple, fake: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
     torch.set_num_threads(1)
     try:
-        info = init_distributed()
+        info = init_fake_distributed(world_size, torch.device("cpu")) if fake else init_distributed()
         result = fn(info, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
@@ -114,14 +114,19 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, a
         cleanup()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, tmp_dir: Path, timeout: float = 300) -> list[Any]:
-    """Run fn(info, *args) on `world_size` fresh gloo ranks; return each rank's result."""
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, tmp_dir: Path, timeout: float = 300, fake: bool = False
+) -> list[Any]:
+    """Run fn(info, *args) on `world_size` fresh gloo ranks; return each rank's result.
+
+    With fake=True, one process acts as rank 0 of a fake world of `world_size` (collectives do nothing)."""
     ctx = mp.get_context("spawn")
     out_dir = Path(tmp_dir) / f"ranks_{fn.__name__}_{_free_port()}"
     out_dir.mkdir(parents=True)
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, str(out_dir), args))
-             for r in range(world_size)]
+    n_procs = 1 if fake else world_size
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, str(out_dir), args, fake))
+             for r in range(n_procs)]
     for p in procs:
         p.start()
     for p in procs:
@@ -130,5 +135,5 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, tmp_dir: Path, timeout:
         if p.is_alive():
             p.kill()
     codes = [p.exitcode for p in procs]
-    assert codes == [0] * world_size, f"rank exit codes {codes}"
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    assert codes == [0] * n_procs, f"rank exit codes {codes}"
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(n_procs)]

@@ -62,6 +62,27 @@ def test_random_init_needs_only_config_and_is_world_size_independent(tiny_model_
     assert 3.0 < one[0] < 10.0  # a sane, untrained model: about ln(vocab), not NaN or 0
 
 
+def local_shards(info, cfg):
+    """Every base parameter's local shard on this rank, as raw bytes (plus each layer's quantization state)."""
+    model = build_model(cfg, info)
+    shards = {name: p.to_local().detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    shards.update({f"{name}.absmax": m.quant_state.absmax.clone() for name, m in model.named_modules()
+                   if isinstance(m, bnb.nn.Linear4bit)})
+    return shards
+
+
+def test_fake_world_rank_holds_what_the_real_rank_holds(tiny_model_dir, tmp_path):
+    """What scripts/load_as_rank.py measures on one device is what rank 0 of a real 2-rank run holds."""
+    cfg = tiny_config(tiny_model_dir, model={"dtype": "bfloat16"})
+    real = run_ranks(local_shards, 2, cfg, tmp_dir=tmp_path)[0]
+    fake = run_ranks(local_shards, 2, cfg, tmp_dir=tmp_path, fake=True)[0]
+    whole = run_ranks(local_shards, 1, cfg, tmp_dir=tmp_path)[0]
+    assert fake.keys() == real.keys() and len(real) > 20
+    for name, tensor in real.items():
+        assert torch.equal(fake[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert sum(t.numel() for t in fake.values()) < 0.6 * sum(t.numel() for t in whole.values())
+
+
 def _loader_error(info, cfg):
     try:
         build_model(cfg, info)

@@ -1,0 +1,97 @@
+"""Load a model as rank 0 of a fake N-rank world on this machine's one device, and report what that rank holds.
+
+FSDP2 shards (and so allocates and loads) exactly what rank 0 of the real world would, while collectives
+do nothing; so one GPU shows one rank's real memory for a model that needs several. With
+`model.init=random` only a config.json is needed:
+
+    python scripts/load_as_rank.py --recipe tiny_cpu --world-size 2 \\
+        model.path=model_configs/llama-3.1-70b model.init=random
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import qlora_fsdp  # noqa: E402, F401, I001  (first: it quiets a bitsandbytes CPU notice)
+import bitsandbytes as bnb  # noqa: E402
+
+from qlora_fsdp.api import build_model  # noqa: E402
+from qlora_fsdp.config import load_config  # noqa: E402
+from qlora_fsdp.distributed import cleanup, init_fake_distributed  # noqa: E402
+
+GB = 2**30
+
+
+def size(n_bytes: float) -> str:
+    return f"{n_bytes / GB:.2f} GiB" if n_bytes >= GB / 10 else f"{n_bytes / 2**20:.2f} MiB"
+
+
+def peak_rss() -> int:
+    status = Path("/proc/self/status").read_text().splitlines()
+    return int(next(x for x in status if x.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def quant_state_bytes(state: object) -> int:
+    """absmax (uint8 with double quantization) plus the nested fp32 absmax and both codebooks."""
+    tensors = [state.absmax, state.code]
+    if getattr(state, "state2", None) is not None:
+        tensors += [state.state2.absmax, state.state2.code, state.offset]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def held_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes this rank holds, by kind."""
+    held = {"4-bit base (packed)": 0, "quantization state": 0, "other base weights": 0, "LoRA weights": 0}
+    packed_ids = set()
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            packed_ids.add(id(module.weight))
+            held["quantization state"] += quant_state_bytes(module.quant_state)
+    for param in model.parameters():
+        local = local_tensor(param)
+        size = local.numel() * local.element_size()
+        kind = "LoRA weights" if param.requires_grad else "other base weights"
+        held["4-bit base (packed)" if id(param) in packed_ids else kind] += size
+    return held
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="tiny_cpu")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    cfg = load_config(args.recipe, args.overrides)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    info = init_fake_distributed(args.world_size, device)
+    baseline_rss, started = psutil.Process().memory_info().rss, time.perf_counter()
+    model = build_model(cfg, info)
+    seconds = time.perf_counter() - started
+    rows = [(kind, size(n_bytes)) for kind, n_bytes in held_bytes(model).items()]
+    rows.append(("load time", f"{seconds:.0f} s"))
+    if device.type == "cuda":
+        rows.append(("peak GPU memory allocated", size(torch.cuda.max_memory_allocated())))
+        rows.append(("peak GPU memory reserved", size(torch.cuda.max_memory_reserved())))
+    rows.append(("host RSS: peak - before loading", size(peak_rss() - baseline_rss)))
+    print(f"\n{cfg.model.path} ({cfg.model.init} weights), rank 0 of a fake world of {args.world_size} on {device}\n")
+    print("| what rank 0 holds | size |\n| --- | --- |")
+    print("\n".join(f"| {name} | {value} |" for name, value in rows))
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()
