@@ -53,16 +53,16 @@ def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
     barrier()  # no rank writes before every rank has checked the folder
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg)
-    data = load_dataset(tokenizer, cfg.data, cfg.train.seed)
+    data = load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
     model = build_model(cfg, info)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     logger = MetricsLogger(out_dir, cfg.train.max_steps, enabled=info.is_main)
     logger.log({"event": "start", "world_size": info.world_size, "config": to_dict(cfg)})
     trainable, base = count_parameters(model)
-    logger.write(f"world size {info.world_size} on {info.device.type}; {len(data.train)} train / "
-                 f"{len(data.eval)} eval samples ({data.n_truncated} truncated to {cfg.data.context_length} "
-                 f"tokens); LoRA parameters {trainable:,} on a {base:,}-parameter 4-bit base")
+    logger.write(f"world size {info.world_size} on {info.device.type}; data: "
+                 f"{data.describe(cfg.data.context_length, cfg.data.overlong)}")
+    logger.write(f"LoRA parameters {trainable:,} on a {base:,}-parameter 4-bit base")
     trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger)
     summary = trainer.train()
     logger.close()

@@ -79,16 +79,38 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # cosine/linear decay floor, as a fraction of lr
 
 
+DataFormat = Literal["alpaca", "chat", "sharegpt", "text"]
+
+
+@dataclass
+class SourceConfig:
+    path: str = ""  # a JSON/JSONL/Parquet/CSV file, a folder of them, a save_to_disk folder, or a hub dataset id
+    format: DataFormat = "alpaca"
+    fields: dict[str, str] = field(default_factory=dict)  # our field name -> the data's, e.g. {output: response}
+    weight: float = 1.0  # copies per epoch: 2.0 repeats the source, 0.5 takes a seeded half
+    split: str = "train"  # for hub ids and save_to_disk dataset dicts
+
+
 @dataclass
 class DataConfig:
-    path: str = "data/tiny_instruct.jsonl"
-    format: Literal["alpaca"] = "alpaca"
-    template: Literal["alpaca"] = "alpaca"
-    context_length: int = 256  # longer samples are truncated
-    micro_batch_size: int = 4  # samples per rank per forward
+    path: str = "data/tiny_instruct.jsonl"  # one source; or list several under `sources` (then path is unused)
+    format: DataFormat = "alpaca"  # alpaca: instruction/input/output; chat: messages; sharegpt; text
+    fields: dict[str, str] = field(default_factory=dict)
+    sources: list[SourceConfig] = field(default_factory=list)
+    eval_path: str | None = None  # a separate held-out set (same format); else eval_samples are held out
+    template: Literal["auto", "tokenizer", "alpaca", "chatml"] = "auto"  # auto: the tokenizer's chat template
+    # where it has one, else alpaca for alpaca data and chatml for chats
+    train_on_inputs: bool = False  # False: loss only on responses (every non-assistant turn masked)
+    context_length: int = 256
+    overlong: Literal["truncate", "drop", "split"] = "truncate"  # samples longer than context_length
+    packing: bool = False  # several samples per row, attention kept within each sample
+    group_by_length: bool = True  # without packing: similar lengths share a micro-batch (less padding)
+    micro_batch_size: int = 4  # rows per rank per forward
     grad_accum_steps: int = 1  # micro-batches per optimizer step
-    eval_samples: int = 200  # held out from the file, never trained on
+    eval_samples: int = 200  # held out (seeded), never trained on
     eval_batch_size: int = 16
+    cache_dir: str | None = None  # tokenized-dataset cache; None: the datasets library's default
+    num_proc: int = 1  # processes for tokenization
 
 
 @dataclass
@@ -219,12 +241,25 @@ def _build(cls: type, tree: Any, prefix: str, source: str) -> Any:
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(_unknown_key_message(_first_leaf(dotted, value), source))
+            local = [f"{prefix}{name}" for name in names] if "[" in prefix else None  # inside a list item
+            raise ConfigError(_unknown_key_message(_first_leaf(dotted, value), source, local))
         if dataclasses.is_dataclass(hints[key]):
             kwargs[key] = _build(hints[key], value, f"{dotted}.", source)
+        elif _is_list_of_dataclasses(hints[key]):
+            kwargs[key] = _build_list(typing.get_args(hints[key])[0], value, dotted, source)
         else:
             kwargs[key] = _check_type(dotted, value, hints[key])
     return cls(**kwargs)
+
+
+def _is_list_of_dataclasses(expected: Any) -> bool:
+    return typing.get_origin(expected) is list and dataclasses.is_dataclass(typing.get_args(expected)[0])
+
+
+def _build_list(cls: type, value: Any, dotted: str, source: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ConfigError(f"'{dotted}' in {source} must be a list of mappings, got {value!r}")
+    return [_build(cls, item, f"{dotted}[{i}].", source) for i, item in enumerate(value)]
 
 
 def _first_leaf(dotted: str, value: Any) -> str:
@@ -235,8 +270,8 @@ def _first_leaf(dotted: str, value: Any) -> str:
     return dotted
 
 
-def _unknown_key_message(dotted: str, source: str) -> str:
-    candidates = _all_keys(Config)
+def _unknown_key_message(dotted: str, source: str, candidates: list[str] | None = None) -> str:
+    candidates = candidates or _all_keys(Config)
     best = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.5)
     if not best:  # a typo in the section name: compare the last part alone
         leaf = dotted.rsplit(".", 1)[-1]
@@ -283,6 +318,8 @@ def _matches(value: Any, expected: Any) -> bool:
         return any(_matches(value, arg) for arg in args)
     if origin is list:
         return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
     if expected is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if expected is int:
@@ -299,6 +336,8 @@ def _describe(expected: Any) -> str:
         return " or ".join(_describe(a) for a in args)
     if origin is list:
         return f"a list of {_describe(args[0])}"
+    if origin is dict:
+        return f"a mapping of {_describe(args[0])} to {_describe(args[1])}"
     if expected is type(None):
         return "null"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(

@@ -1,167 +1,139 @@
-"""Alpaca JSONL -> prompt-masked token sequences -> padded micro-batches, with a resumable sampler.
+"""The data pipeline: sources -> conversations -> token ids and labels -> train and held-out sets.
 
-Labels are shifted here (labels[t] is the token after input[t]), so the loss is a plain token-wise
-sum over the logits with no slicing copies; prompt and padding positions are IGNORE_INDEX.
+Tokenization runs through `datasets.map`, so its result is cached under a fingerprint of the data, the
+tokenizer and the settings; the first process of each node tokenizes, the others then read its cache.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import random
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
-import torch
+import datasets
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.config import DataConfig
+from qlora_fsdp.batching import Sample, pack
+from qlora_fsdp.config import DataConfig, SourceConfig
+from qlora_fsdp.data_sources import mixed_conversations, sources_of
+from qlora_fsdp.distributed import DistInfo, barrier
 from qlora_fsdp.errors import DataError
-
-IGNORE_INDEX = -100
-ALPACA_FIELDS = ("instruction", "output")
-TEMPLATES = {
-    "alpaca": ("### Instruction:\n{instruction}\n\n### Response:\n",
-               "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"),
-}
-
-
-@dataclass
-class Sample:
-    input_ids: list[int]
-    labels: list[int]  # unshifted: IGNORE_INDEX on prompt tokens
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor  # shifted targets
-    n_targets: int  # positions that count in the loss
-    n_tokens: int  # non-padding input tokens
+from qlora_fsdp.templates import IGNORE_INDEX, choose_template, encode
 
 
 @dataclass
 class Dataset:
-    train: list[Sample]
-    eval: list[Sample]
-    n_truncated: int = 0
+    train: datasets.Dataset  # columns: input_ids, labels, length
+    eval: datasets.Dataset
+    template: str
+    n_records: int
+    n_overlong: int  # longer than context_length (then truncated, dropped or split as the recipe says)
+    n_without_targets: int  # dropped: nothing left to learn from (e.g. a prompt filling the context)
+    packs: list[list[int]] | None = None  # with packing: the sample indices of each row
 
-
-def read_alpaca(path: Path) -> list[dict[str, str]]:
-    if not path.is_file():
-        raise DataError(f"data.path {path} does not exist")
-    records = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-            for name in ALPACA_FIELDS:
-                if not isinstance(record, dict) or not isinstance(record.get(name), str):
-                    raise DataError(f"{path}:{line_no}: record lacks the text field '{name}'")
-            records.append(record)
-    if not records:
-        raise DataError(f"{path} holds no records")
-    return records
-
-
-def format_prompt(record: dict[str, str], template: str) -> str:
-    without_input, with_input = TEMPLATES[template]
-    if record.get("input"):
-        return with_input.format(instruction=record["instruction"], input=record["input"])
-    return without_input.format(instruction=record["instruction"])
-
-
-def tokenize(record: dict[str, str], tokenizer: PreTrainedTokenizerBase, data: DataConfig) -> tuple[Sample, bool]:
-    """Prompt tokens are masked out of the loss; returns (sample, was_truncated)."""
-    prompt = tokenizer(format_prompt(record, data.template), add_special_tokens=False)["input_ids"]
-    response = tokenizer(record["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    if tokenizer.bos_token_id is not None:
-        prompt = [tokenizer.bos_token_id] + prompt
-    ids = (prompt + response)[: data.context_length]
-    labels = ([IGNORE_INDEX] * len(prompt) + response)[: data.context_length]
-    return Sample(ids, labels), len(prompt) + len(response) > data.context_length
-
-
-def load_dataset(tokenizer: PreTrainedTokenizerBase, data: DataConfig, seed: int) -> Dataset:
-    """Tokenize every record; hold out `eval_samples` chosen by the seed."""
-    records = read_alpaca(Path(data.path))
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    samples, n_truncated = [], 0
-    for index in order:
-        sample, truncated = tokenize(records[index], tokenizer, data)
-        n_truncated += truncated
-        if any(label != IGNORE_INDEX for label in sample.labels[1:]):
-            samples.append(sample)
-    n_eval = min(data.eval_samples, len(samples) // 10)
-    if len(samples) - n_eval < 1:
-        raise DataError(f"{data.path}: no trainable samples left after truncation to {data.context_length} tokens")
-    return Dataset(train=samples[n_eval:], eval=samples[:n_eval], n_truncated=n_truncated)
-
-
-def collate(samples: list[Sample], pad_id: int) -> Batch:
-    """Right-pad to the longest sample; shift labels so position t predicts token t+1."""
-    length = max(len(s.input_ids) for s in samples)
-    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(samples), length), dtype=torch.long)
-    labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        n = len(sample.input_ids)
-        input_ids[row, :n] = torch.tensor(sample.input_ids)
-        attention_mask[row, :n] = 1
-        labels[row, : n - 1] = torch.tensor(sample.labels[1:])
-    n_targets = int((labels != IGNORE_INDEX).sum())
-    return Batch(input_ids, attention_mask, labels, n_targets, int(attention_mask.sum()))
-
-
-@dataclass
-class StepSampler:
-    """Deterministic order (seed, epoch, position) over the training set, split over ranks per step.
-
-    Each optimizer step takes the next micro_batch_size * grad_accum_steps * world_size samples of the
-    epoch's permutation; rank r takes its contiguous part, cut into micro-batches.
-    """
-
-    n_samples: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    world_size: int
-    rank: int
-    seed: int
-    epoch: int = 0
-    position: int = 0
-    _order: list[int] = field(default_factory=list, repr=False)
+    def samples(self, split: datasets.Dataset, indices: list[int]) -> list[Sample]:
+        rows = split[indices] if indices else {"input_ids": [], "labels": []}
+        return [Sample(ids, labels) for ids, labels in zip(rows["input_ids"], rows["labels"], strict=True)]
 
     @property
-    def samples_per_step(self) -> int:
-        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+    def n_units(self) -> int:
+        return len(self.packs) if self.packs is not None else len(self.train)
 
-    def _epoch_order(self) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.n_samples, generator=generator).tolist()
+    def unit_lengths(self) -> list[int]:
+        lengths = self.train["length"]
+        return [sum(lengths[i] for i in row) for row in self.packs] if self.packs is not None else lengths
 
-    def next_step(self) -> list[list[int]]:
-        """Sample indices of this rank's micro-batches for the next optimizer step."""
-        indices = []
-        while len(indices) < self.samples_per_step:
-            if not self._order or self.position >= self.n_samples:
-                if self._order:  # epoch finished
-                    self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._epoch_order()
-            take = min(self.samples_per_step - len(indices), self.n_samples - self.position)
-            indices.extend(self._order[self.position : self.position + take])
-            self.position += take
-        per_rank = self.micro_batch_size * self.grad_accum_steps
-        mine = indices[self.rank * per_rank : (self.rank + 1) * per_rank]
-        return [mine[i : i + self.micro_batch_size] for i in range(0, per_rank, self.micro_batch_size)]
+    def describe(self, context_length: int, overlong: str) -> str:
+        rows = f", packed into {len(self.packs)} rows" if self.packs is not None else ""
+        return (f"{self.n_records} records, {len(self.train)} train / {len(self.eval)} eval samples{rows} "
+                f"(template {self.template}); {self.n_overlong} longer than {context_length} tokens ({overlong}); "
+                f"{self.n_without_targets} dropped with no target tokens")
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-        self._order = self._epoch_order()
+class Tokenize:
+    """A picklable, hashable map function: conversation -> input_ids, labels, length."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str, train_on_inputs: bool) -> None:
+        self.tokenizer, self.template, self.train_on_inputs = tokenizer, template, train_on_inputs
+
+    def __call__(self, record: dict[str, Any]) -> dict[str, Any]:
+        ids, labels = encode(record["messages"], self.tokenizer, self.template, self.train_on_inputs)
+        return {"input_ids": ids, "labels": labels, "length": len(ids)}
+
+
+def fit_to_context(batch: dict[str, list], indices: list[int], context_length: int, policy: str) -> dict[str, list]:
+    """Batched map: truncate, drop or split samples longer than the context; drop any with no target."""
+    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "record": []}
+    for ids, labels, record in zip(batch["input_ids"], batch["labels"], indices, strict=True):
+        if len(ids) > context_length and policy == "drop":
+            continue
+        starts = range(0, len(ids), context_length) if policy == "split" else [0]
+        for start in starts:
+            piece_ids, piece_labels = ids[start : start + context_length], labels[start : start + context_length]
+            if any(label != IGNORE_INDEX for label in piece_labels[1:]):  # the first token is never a target
+                out["input_ids"].append(piece_ids)
+                out["labels"].append(piece_labels)
+                out["length"].append(len(piece_ids))
+                out["record"].append(record)
+    return out
+
+
+@contextmanager
+def main_process_first(info: DistInfo | None) -> Iterator[None]:
+    """The node's first process does the work (and fills the cache); the others follow and read it."""
+    first = info is None or info.local_rank == 0
+    if not first:
+        barrier()
+    yield
+    if first and info is not None:
+        barrier()
+
+
+def tokenized(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerBase, data: DataConfig, template: str,
+              seed: int) -> tuple[datasets.Dataset, int, int, int]:
+    """(samples that fit the context, records read, records longer than the context, records with no target)."""
+    conversations = mixed_conversations(sources, seed, data.cache_dir)
+    encoded = conversations.map(Tokenize(tokenizer, template, data.train_on_inputs), remove_columns=["messages"],
+                                num_proc=data.num_proc if data.num_proc > 1 else None, desc="tokenizing")
+    n_overlong = sum(length > data.context_length for length in encoded["length"])
+    fitted = encoded.map(fit_to_context, batched=True, with_indices=True, desc="fitting",
+                         fn_kwargs={"context_length": data.context_length, "policy": data.overlong})
+    n_dropped = n_overlong if data.overlong == "drop" else 0
+    kept = set(fitted["record"]) if "record" in fitted.column_names else set()  # an empty result has no columns
+    n_without_targets = len(conversations) - n_dropped - len(kept)
+    return fitted, len(conversations), n_overlong, n_without_targets
+
+
+def load_dataset(tokenizer: PreTrainedTokenizerBase, data: DataConfig, seed: int,
+                 info: DistInfo | None = None) -> Dataset:
+    """Read, tokenize and split the recipe's data; the held-out set is chosen by the seed."""
+    sources = sources_of(data)
+    template = choose_template(data.template, tokenizer, sources[0].format)
+    with main_process_first(info):
+        samples, n_records, n_overlong, n_without_targets = tokenized(sources, tokenizer, data, template, seed)
+        held_out = None
+        if data.eval_path:
+            eval_source = SourceConfig(path=data.eval_path, format=sources[0].format, fields=sources[0].fields)
+            held_out = tokenized([eval_source], tokenizer, data, template, seed)[0]
+    if not len(samples):
+        raise DataError(f"no trainable samples in {', '.join(s.path for s in sources)} after fitting to "
+                        f"{data.context_length} tokens ({n_overlong} longer, overlong={data.overlong})")
+    train, eval_set = split_held_out(samples, held_out, data.eval_samples, seed)
+    if not len(train):
+        raise DataError("every sample went to the held-out set; lower data.eval_samples or add data")
+    packs = pack(train["length"], data.context_length) if data.packing else None
+    return Dataset(train, eval_set, template, n_records, n_overlong, n_without_targets, packs)
+
+
+def split_held_out(samples: datasets.Dataset, held_out: datasets.Dataset | None, eval_samples: int,
+                   seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    if held_out is not None:
+        picked = sorted(random.Random(seed).sample(range(len(held_out)), min(eval_samples, len(held_out))))
+        return samples.select(order), held_out.select(picked)
+    n_eval = min(eval_samples, math.ceil(len(samples) / 10)) if len(samples) > 1 else 0
+    return samples.select(order[n_eval:]), samples.select(order[:n_eval])

@@ -78,10 +78,15 @@ def barrier() -> None:
 
 def all_reduce_sum(value: float | int, device: torch.device) -> float:
     """Sum a Python number over ranks (float64, so token counts stay exact)."""
-    tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
+    return all_reduce_sums([value], device)[0]
+
+
+def all_reduce_sums(values: list[float | int], device: torch.device) -> list[float]:
+    """Sum several Python numbers over ranks in one collective."""
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
-    return tensor.item()
+    return tensor.tolist()
 
 
 def print0(*args: object) -> None:

@@ -17,11 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from qlora_fsdp.batching import Batch, Sample, StepSampler, collate, collate_packed
 from qlora_fsdp.config import Config
-from qlora_fsdp.data import IGNORE_INDEX, Batch, Dataset, Sample, StepSampler, collate
-from qlora_fsdp.distributed import DistInfo, all_reduce_max, all_reduce_sum
+from qlora_fsdp.data import Dataset
+from qlora_fsdp.distributed import DistInfo, all_reduce_max, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.metrics import MetricsLogger, peak_memory_gb
 from qlora_fsdp.optim import ShardedOptimizer, clip_grad_norm
+from qlora_fsdp.templates import IGNORE_INDEX
 
 
 @dataclass
@@ -29,11 +31,12 @@ class StepResult:
     loss: float
     n_targets: float
     n_tokens: float
+    n_samples: float
 
 
 def loss_sum(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
     """Summed cross-entropy over the batch's target tokens (labels are pre-shifted)."""
-    logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
+    logits = model(**batch.model_inputs(device)).logits
     return F.cross_entropy(
         logits.flatten(0, 1).float(), batch.labels.to(device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -46,21 +49,22 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 def accumulate_gradients(model: nn.Module, micro_batches: list[Batch], device: torch.device) -> StepResult:
     """Forward and backward every micro-batch; gradients reduce-scatter once, after the last."""
-    n_targets = all_reduce_sum(sum(b.n_targets for b in micro_batches), device)
-    n_tokens = all_reduce_sum(sum(b.n_tokens for b in micro_batches), device)
+    n_targets, n_tokens, n_samples = all_reduce_sums(
+        [sum(b.n_targets for b in micro_batches), sum(b.n_tokens for b in micro_batches),
+         sum(b.n_samples for b in micro_batches)], device)
     local_loss = 0.0
     for index, batch in enumerate(micro_batches):
         set_gradient_sync(model, index == len(micro_batches) - 1)
         loss = loss_sum(model, batch, device) / max(n_targets, 1.0)
         loss.backward()
         local_loss += loss.item()
-    return StepResult(all_reduce_sum(local_loss, device), n_targets, n_tokens)
+    return StepResult(all_reduce_sum(local_loss, device), n_targets, n_tokens, n_samples)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, samples: list[Sample], batch_size: int, pad_id: int, info: DistInfo) -> float:
     """Token-weighted held-out loss over all ranks; every rank runs the same number of forwards."""
-    mine = samples[info.rank :: info.world_size]
+    mine = sorted(samples, key=lambda s: len(s.input_ids))[info.rank :: info.world_size]  # alike lengths batch up
     n_batches = math.ceil(math.ceil(len(samples) / info.world_size) / batch_size)
     was_training = model.training
     model.eval()
@@ -77,20 +81,35 @@ def evaluate(model: nn.Module, samples: list[Sample], batch_size: int, pad_id: i
     return all_reduce_sum(total, info.device) / max(all_reduce_sum(n_targets, info.device), 1.0)
 
 
+def eval_record(loss: float) -> dict[str, float]:
+    return {"eval_loss": loss, "eval_ppl": math.exp(loss) if math.isfinite(loss) else math.nan}
+
+
 class Trainer:
     def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, data: Dataset, pad_id: int,
                  optimizer: ShardedOptimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  logger: MetricsLogger) -> None:
         self.cfg, self.info, self.model, self.data, self.pad_id = cfg, info, model, data, pad_id
         self.optimizer, self.scheduler, self.logger = optimizer, scheduler, logger
-        self.sampler = StepSampler(len(data.train), cfg.data.micro_batch_size, cfg.data.grad_accum_steps,
-                                   info.world_size, info.rank, cfg.train.seed)
+        grouped = cfg.data.group_by_length or data.packs is not None
+        self.sampler = StepSampler(data.n_units, cfg.data.micro_batch_size, cfg.data.grad_accum_steps,
+                                   info.world_size, info.rank, cfg.train.seed,
+                                   lengths=data.unit_lengths() if grouped else None)
+        self.eval_samples = data.samples(data.eval, list(range(len(data.eval))))
 
     def evaluate(self) -> float:
-        return evaluate(self.model, self.data.eval, self.cfg.data.eval_batch_size, self.pad_id, self.info)
+        return evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id, self.info)
+
+    def micro_batches(self) -> list[Batch]:
+        """This rank's micro-batches for the next step: padded samples, or packed rows."""
+        data = self.data
+        if data.packs is None:
+            return [collate(data.samples(data.train, units), self.pad_id) for units in self.sampler.next_step()]
+        return [collate_packed([data.samples(data.train, data.packs[u]) for u in units], self.pad_id)
+                for units in self.sampler.next_step()]
 
     def train_step(self) -> dict[str, float]:
-        micro_batches = [collate([self.data.train[i] for i in idx], self.pad_id) for idx in self.sampler.next_step()]
+        micro_batches = self.micro_batches()
         result = accumulate_gradients(self.model, micro_batches, self.info.device)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
@@ -98,29 +117,29 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad()
         return {"loss": result.loss, "lr": lr, "grad_norm": grad_norm, "tokens": result.n_tokens,
-                "target_tokens": result.n_targets}
+                "target_tokens": result.n_targets, "samples": result.n_samples}
 
     def train(self) -> dict[str, Any]:
         cfg = self.cfg.train
         self.model.train()
-        first_eval = self.evaluate() if self.data.eval else math.nan
-        self.logger.log({"step": 0, "eval_loss": first_eval})
+        first_eval = self.evaluate() if self.eval_samples else math.nan
+        self.logger.log({"step": 0, **eval_record(first_eval)})
         start, tokens, samples = time.perf_counter(), 0.0, 0
         for step in range(1, cfg.max_steps + 1):
             step_start = time.perf_counter()
             stats = self.train_step()
             elapsed = time.perf_counter() - step_start
             tokens += stats["tokens"]
-            samples += self.sampler.samples_per_step
+            samples += stats.pop("samples")
             record = {"step": step, **stats, "tokens_per_s": stats["tokens"] / elapsed, "step_time_s": elapsed}
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps and self.data.eval:
-                record["eval_loss"] = self.evaluate()
+            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps and self.eval_samples:
+                record.update(eval_record(self.evaluate()))
             self.logger.log(record)
-            shown = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s")
+            shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "tokens_per_s")
             self.logger.progress(step, {k: record[k] for k in shown if k in record})
         wall = time.perf_counter() - start
-        final_eval = self.evaluate() if self.data.eval else math.nan
-        self.logger.log({"step": cfg.max_steps, "eval_loss": final_eval})
+        final_eval = self.evaluate() if self.eval_samples else math.nan
+        self.logger.log({"step": cfg.max_steps, **eval_record(final_eval)})
         return {
             "train_runtime_s": wall,
             "steps": cfg.max_steps,
@@ -130,5 +149,6 @@ class Trainer:
             "tokens_per_s": tokens / wall,
             "eval_loss_start": first_eval,
             "eval_loss_end": final_eval,
+            "eval_ppl_end": math.exp(final_eval) if math.isfinite(final_eval) else math.nan,
             "peak_memory_gb_max_rank": all_reduce_max(peak_memory_gb(self.info.device), self.info.device),
         }

@@ -15,8 +15,9 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from qlora_fsdp.batching import Sample, collate
 from qlora_fsdp.config import Config
-from qlora_fsdp.data import Sample, collate, load_dataset
+from qlora_fsdp.data import load_dataset
 from qlora_fsdp.distributed import cleanup, init_distributed, init_fake_distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +53,8 @@ def variable_length_samples(cfg: Config, n: int) -> list[Sample]:
     """n training samples of clearly different lengths (and target counts)."""
     from qlora_fsdp.model import load_tokenizer
 
-    samples = load_dataset(load_tokenizer(cfg), cfg.data, seed=0).train
+    data = load_dataset(load_tokenizer(cfg), cfg.data, seed=0)
+    samples = data.samples(data.train, list(range(min(200, len(data.train)))))
     samples = sorted(samples[:200], key=lambda s: len(s.input_ids))
     picked = [samples[round(i * (len(samples) - 1) / (n - 1))] for i in range(n)]
     assert len({len(s.input_ids) for s in picked}) > n // 2, "samples should vary in length"

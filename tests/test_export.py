@@ -34,7 +34,8 @@ def peer_eval_loss(model_dir, adapter_dir, cfg) -> float:
         model = PeftModel.from_pretrained(base, adapter_dir)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
-    eval_samples = load_dataset(tokenizer, cfg.data, cfg.train.seed).eval
+    data = load_dataset(tokenizer, cfg.data, cfg.train.seed)
+    eval_samples = data.samples(data.eval, list(range(len(data.eval))))
     total, n_targets = 0.0, 0
     with torch.no_grad():
         for sample in eval_samples:

@@ -1,0 +1,158 @@
+"""Tokenized samples -> micro-batches: padded or packed rows, and the resumable step sampler.
+
+Labels are shifted here (labels[t] is the token after input[t]), per sample, so in a packed row no
+sample's first token is ever a target of the sample before it. Packed rows carry position ids that
+restart at 0 for each sample and no attention mask: transformers then builds a block-diagonal causal
+mask (sdpa/eager) or runs flash-attention's variable-length kernel, so samples never see each other.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+
+from qlora_fsdp.templates import IGNORE_INDEX
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    labels: list[int]  # unshifted: IGNORE_INDEX where the token is not a target
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor  # shifted targets
+    n_targets: int  # positions that count in the loss
+    n_tokens: int  # non-padding tokens
+    n_samples: int
+    attention_mask: torch.Tensor | None = None  # padded rows
+    position_ids: torch.Tensor | None = None  # packed rows
+
+    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | bool]:
+        # no KV cache: with one, transformers would not build the packed rows' block-diagonal mask
+        inputs: dict[str, torch.Tensor | bool] = {"input_ids": self.input_ids.to(device), "use_cache": False}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask.to(device)
+        if self.position_ids is not None:
+            inputs["position_ids"] = self.position_ids.to(device)
+        return inputs
+
+
+def shifted(sample: Sample) -> list[int]:
+    return sample.labels[1:] + [IGNORE_INDEX]
+
+
+def collate(samples: list[Sample], pad_id: int) -> Batch:
+    """One sample a row, right-padded to the longest."""
+    length = max(len(s.input_ids) for s in samples)
+    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), length), dtype=torch.long)
+    labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n = len(sample.input_ids)
+        input_ids[row, :n] = torch.tensor(sample.input_ids)
+        attention_mask[row, :n] = 1
+        labels[row, :n] = torch.tensor(shifted(sample))
+    n_targets = int((labels != IGNORE_INDEX).sum())
+    return Batch(input_ids, labels, n_targets, int(attention_mask.sum()), len(samples), attention_mask=attention_mask)
+
+
+def collate_packed(rows: list[list[Sample]], pad_id: int) -> Batch:
+    """Several samples a row; the padding tail is a block of its own (positions from 0, no targets)."""
+    length = max(sum(len(s.input_ids) for s in row) for row in rows)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), length), dtype=torch.long)
+    n_tokens = 0
+    for r, row in enumerate(rows):
+        start = 0
+        for sample in row:
+            n = len(sample.input_ids)
+            input_ids[r, start : start + n] = torch.tensor(sample.input_ids)
+            labels[r, start : start + n] = torch.tensor(shifted(sample))
+            position_ids[r, start : start + n] = torch.arange(n)
+            start += n
+        position_ids[r, start:] = torch.arange(length - start)
+        n_tokens += start
+    n_targets = int((labels != IGNORE_INDEX).sum())
+    return Batch(input_ids, labels, n_targets, n_tokens, sum(map(len, rows)), position_ids=position_ids)
+
+
+def pack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: each sample (longest first) goes to the fullest row it still fits; deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free space, row index), sorted
+    for index in order:
+        spot = bisect.bisect_left(free, (lengths[index], -1))
+        if spot == len(free):
+            rows.append([index])
+            row_free = capacity - lengths[index]
+            row = len(rows) - 1
+        else:
+            row_free, row = free.pop(spot)
+            rows[row].append(index)
+            row_free -= lengths[index]
+        if row_free > 0:
+            bisect.insort(free, (row_free, row))
+    return rows
+
+
+@dataclass
+class StepSampler:
+    """Deterministic order (seed, epoch, position) over the training units (samples, or packed rows).
+
+    Each optimizer step takes the next micro_batch_size * grad_accum_steps * world_size units of the
+    epoch's permutation. With `lengths`, the step's units are sorted by length before they are cut into
+    micro-batches (less padding; the step's gradient is the same, as the loss is normalized per step).
+    """
+
+    n_units: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    world_size: int
+    rank: int
+    seed: int
+    lengths: list[int] | None = None
+    epoch: int = 0
+    position: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def units_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+
+    def _epoch_order(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.n_units, generator=generator).tolist()
+
+    def _next_units(self) -> list[int]:
+        units: list[int] = []
+        while len(units) < self.units_per_step:
+            if not self._order or self.position >= self.n_units:
+                if self._order:  # epoch finished
+                    self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order()
+            take = min(self.units_per_step - len(units), self.n_units - self.position)
+            units.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return units
+
+    def next_step(self) -> list[list[int]]:
+        """Unit indices of this rank's micro-batches for the next optimizer step."""
+        units = self._next_units()
+        if self.lengths is not None:
+            units.sort(key=lambda unit: self.lengths[unit])
+        chunks = [units[i : i + self.micro_batch_size] for i in range(0, len(units), self.micro_batch_size)]
+        return chunks[self.rank :: self.world_size]  # ranks take turns, so each rank's lengths are alike
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self._order = self._epoch_order()

@@ -1,0 +1,178 @@
+"""Data sources -> one Hugging Face dataset of conversations, mixed by weight.
+
+A source is a JSON/JSONL/Parquet/CSV file, a folder of such files, a `save_to_disk` folder, or a hub id.
+Every record becomes a `messages` list of {role, content}: alpaca records a user/assistant pair, chats
+(and ShareGPT `conversations`) their turns, plain text one turn of role `text` (trained on whole).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from qlora_fsdp.config import DataConfig, SourceConfig
+from qlora_fsdp.errors import DataError
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+DEFAULT_FIELDS = {
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
+    "chat": {"messages": "messages", "role": "role", "content": "content"},
+    "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
+    "text": {"text": "text"},
+}
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+         "model": "assistant", "tool": "tool"}
+
+
+def sources_of(data: DataConfig) -> list[SourceConfig]:
+    return data.sources or [SourceConfig(path=data.path, format=data.format, fields=data.fields)]
+
+
+def mixed_conversations(sources: list[SourceConfig], seed: int, cache_dir: str | None) -> datasets.Dataset:
+    """Every source as conversations, each repeated or subsampled by its weight, concatenated."""
+    parts = []
+    for source in sources:
+        conversations = as_conversations(read_source(source, cache_dir), source)
+        parts.append(weighted(conversations, source.weight, seed))
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def read_source(source: SourceConfig, cache_dir: str | None) -> datasets.Dataset:
+    path = Path(source.path)
+    if path.is_dir() and any((path / name).is_file() for name in ("dataset_dict.json", "state.json")):
+        return split_of(datasets.load_from_disk(str(path)), source)
+    if path.exists():
+        return read_files(data_files(path), cache_dir)
+    if source.path.startswith((".", "/")) or source.path.count("/") > 1 or path.suffix in FILE_BUILDERS:
+        raise DataError(f"data source {source.path} does not exist")
+    try:  # a hub dataset id
+        return datasets.load_dataset(source.path, split=source.split, cache_dir=cache_dir)
+    except Exception as err:
+        raise DataError(f"data source '{source.path}' is neither a local path nor a reachable hub dataset "
+                        f"({type(err).__name__})") from None
+
+
+def split_of(loaded: datasets.Dataset | datasets.DatasetDict, source: SourceConfig) -> datasets.Dataset:
+    if isinstance(loaded, datasets.DatasetDict):
+        if source.split not in loaded:
+            raise DataError(f"{source.path} has splits {sorted(loaded)}, not '{source.split}'")
+        return loaded[source.split]
+    return loaded
+
+
+def data_files(path: Path) -> list[Path]:
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in FILE_BUILDERS)
+    if not files:
+        raise DataError(f"{path} holds no data files ({', '.join(FILE_BUILDERS)})")
+    kinds = {FILE_BUILDERS.get(f.suffix) for f in files}
+    if None in kinds:
+        raise DataError(f"{files[0]}: unsupported data file type; use one of {', '.join(FILE_BUILDERS)}")
+    if len(kinds) > 1:
+        raise DataError(f"{path} mixes file types {sorted(kinds)}; list them as separate data.sources")
+    return files
+
+
+def read_files(files: list[Path], cache_dir: str | None) -> datasets.Dataset:
+    builder = FILE_BUILDERS[files[0].suffix]
+    try:
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir)
+    except Exception as err:
+        if builder == "json":
+            for file in files:
+                raise_first_bad_json(file)
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"{files[0]}: cannot be read as {builder} ({detail})") from None
+
+
+def raise_first_bad_json(file: Path) -> None:
+    """Name the file and line of the first malformed record (datasets' own error names neither)."""
+    text = file.read_text(errors="replace")
+    if file.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from None
+        return
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{file}:{line_no}: not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{file}:{line_no}: a record must be a JSON object, got {type(record).__name__}")
+
+
+class ConversationMaker:
+    """One record -> {"messages": [...]}; a missing or mistyped field names the record and the field."""
+
+    def __init__(self, source: SourceConfig) -> None:
+        self.format, self.origin = source.format, source.path
+        unknown = set(source.fields) - set(DEFAULT_FIELDS[source.format])
+        if unknown:
+            raise DataError(f"data fields {sorted(unknown)} do not apply to format '{source.format}'; "
+                            f"its fields are {sorted(DEFAULT_FIELDS[source.format])}")
+        self.fields = {**DEFAULT_FIELDS[source.format], **source.fields}
+
+    def __call__(self, record: dict[str, Any], index: int) -> dict[str, list[dict[str, str]]]:
+        if self.format == "alpaca":
+            return {"messages": self.alpaca(record, index)}
+        if self.format == "text":
+            return {"messages": [{"role": "text", "content": self.text(record, index, "text")}]}
+        return {"messages": self.chat(record, index)}
+
+    def text(self, record: dict[str, Any], index: int, name: str, optional: bool = False) -> str:
+        value = record.get(self.fields[name])
+        if value is None and optional:
+            return ""
+        if not isinstance(value, str):
+            raise DataError(f"{self.origin}: record {index + 1} lacks the text field '{self.fields[name]}'")
+        return value
+
+    def alpaca(self, record: dict[str, Any], index: int) -> list[dict[str, str]]:
+        prompt = self.text(record, index, "instruction")
+        extra = self.text(record, index, "input", optional=True)
+        if extra:
+            prompt = f"{prompt}\n\n### Input:\n{extra}"
+        system = self.text(record, index, "system", optional=True)
+        turns = [{"role": "system", "content": system}] if system else []
+        return turns + [{"role": "user", "content": prompt},
+                        {"role": "assistant", "content": self.text(record, index, "output")}]
+
+    def chat(self, record: dict[str, Any], index: int) -> list[dict[str, str]]:
+        turns = record.get(self.fields["messages"])
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f"{self.origin}: record {index + 1} lacks the list of turns '{self.fields['messages']}'")
+        messages = []
+        for turn in turns:
+            role = ROLES.get(str(turn.get(self.fields["role"])).lower()) if isinstance(turn, dict) else None
+            content = turn.get(self.fields["content"]) if isinstance(turn, dict) else None
+            if role is None or not isinstance(content, str):
+                raise DataError(f"{self.origin}: record {index + 1} has a turn without a known "
+                                f"'{self.fields['role']}' or a text '{self.fields['content']}': {turn!r:.80}")
+            messages.append({"role": role, "content": content})
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{self.origin}: record {index + 1} has no assistant turn to learn from")
+        return messages
+
+
+def as_conversations(dataset: datasets.Dataset, source: SourceConfig) -> datasets.Dataset:
+    maker = ConversationMaker(source)
+    return dataset.map(maker, with_indices=True, remove_columns=dataset.column_names, desc=f"reading {source.path}")
+
+
+def weighted(dataset: datasets.Dataset, weight: float, seed: int) -> datasets.Dataset:
+    """`weight` copies of the source: whole copies plus a seeded subset for the fraction."""
+    if weight <= 0:
+        raise DataError(f"a data source weight must be positive, got {weight}")
+    if weight == 1:
+        return dataset
+    n = len(dataset)
+    indices = list(range(n)) * int(weight)
+    indices += sorted(random.Random(seed).sample(range(n), round((weight - int(weight)) * n)))
+    return dataset.select(indices)
