@@ -25,6 +25,8 @@ def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftMod
     """Meta build -> checkpointing -> fully_shard -> allocate -> stream and quantize weights."""
     model = build_meta_model(cfg, load_hf_config(cfg))
     apply_activation_checkpointing(model, cfg.checkpointing)
+    # one rank without offload: FSDP2 would only add copies (measured 8% fewer tokens/s, tiny_cpu, one process)
+    shard = shard and (info.world_size > 1 or cfg.fsdp.cpu_offload)
     if shard:
         shard_model(model, cfg.fsdp, info.mesh)
     offload = shard and cfg.fsdp.cpu_offload

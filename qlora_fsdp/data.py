@@ -111,6 +111,8 @@ def load_dataset(tokenizer: PreTrainedTokenizerBase, data: DataConfig, seed: int
                  info: DistInfo | None = None) -> Dataset:
     """Read, tokenize and split the recipe's data; the held-out set is chosen by the seed."""
     sources = sources_of(data)
+    if info is not None and info.rank != 0:
+        datasets.disable_progress_bars()  # one set of bars per run, from rank 0
     template = choose_template(data.template, tokenizer, sources[0].format)
     with main_process_first(info):
         samples, n_records, n_overlong, n_without_targets = tokenized(sources, tokenizer, data, template, seed)

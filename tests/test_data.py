@@ -17,7 +17,7 @@ from qlora_fsdp.data import load_dataset
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.model import load_tokenizer
 from qlora_fsdp.templates import IGNORE_INDEX, encode
-from tests.helpers import tiny_config
+from tests.helpers import run_ranks, tiny_config
 
 CHATML_JINJA = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -215,3 +215,19 @@ def test_empty_after_filtering_is_an_error(tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "long.jsonl", [{"instruction": "word " * 50, "output": "b"}] * 3)
     with pytest.raises(DataError, match="no trainable samples"):
         load_dataset(tokenizer, data_config(tmp_path, path=str(path), context_length=16), 0)
+
+
+def count_tokenizations(info, cfg, data_cfg):
+    calls = []
+    original = data_module.encode
+    data_module.encode = lambda *args: calls.append(1) or original(*args)
+    data = load_dataset(load_tokenizer(cfg), data_cfg, 0, info)
+    return len(calls), data.train["input_ids"]
+
+
+def test_each_node_tokenizes_once(tiny_model_dir, tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"instruction": f"q{i}", "output": "a"} for i in range(40)])
+    results = run_ranks(count_tokenizations, 2, tiny_config(tiny_model_dir), data_config(tmp_path, path=str(path)),
+                        tmp_dir=tmp_path)
+    assert results[0][0] == 40 and results[1][0] == 0  # rank 1 read rank 0's cache
+    assert results[0][1] == results[1][1]
