@@ -65,7 +65,8 @@ def test_random_init_needs_only_config_and_is_world_size_independent(tiny_model_
 def local_shards(info, cfg):
     """Every base parameter's local shard on this rank, as raw bytes (plus each layer's quantization state)."""
     model = build_model(cfg, info)
-    shards = {name: p.to_local().detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    shards = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+              for name, p in model.named_parameters() if not p.requires_grad}
     shards.update({f"{name}.absmax": m.quant_state.absmax.clone() for name, m in model.named_modules()
                    if isinstance(m, bnb.nn.Linear4bit)})
     return shards
