@@ -57,8 +57,9 @@ class SafetensorsEntry(StoredTensor):
     end: int
 
     def read(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        first, last = rows if rows is not None else (0, self.shape[0] if self.shape else 1)
-        row_bytes = (self.end - self.start) // max(self.shape[0], 1) if self.shape else self.end - self.start
+        n_rows = self.shape[0] if self.shape else 1  # a scalar is one row
+        first, last = rows if rows is not None else (0, n_rows)
+        row_bytes = (self.end - self.start) // max(n_rows, 1)
         buffer = torch.empty((last - first) * row_bytes, dtype=torch.uint8)
         self.file.seek(self.start + first * row_bytes)
         if self.file.readinto(memoryview(buffer.numpy())) != buffer.numel():

@@ -78,7 +78,8 @@ def evaluate(model: nn.Module, samples: list[Sample], batch_size: int, pad_id: i
         else:  # keep the collectives in step with ranks that still have samples
             model(input_ids=torch.tensor([[pad_id]], device=info.device))
     model.train(was_training)
-    return all_reduce_sum(total, info.device) / max(all_reduce_sum(n_targets, info.device), 1.0)
+    total, n_targets = all_reduce_sums([total, n_targets], info.device)
+    return total / max(n_targets, 1.0)
 
 
 def eval_record(loss: float) -> dict[str, float]:
