@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 train.py --recipe tiny_cpu [key=value ...]
     python train.py --recipe tiny_cpu optim.lr=3e-4 data.micro_batch_size=4
     python train.py --recipe tiny_cpu --print-config
+    torchrun --nproc_per_node 2 train.py --recipe tiny_cpu --resume    # continue from the latest checkpoint
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="tiny_cpu", help="a name in recipes/ or a path to a YAML file")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--resume", nargs="?", const="auto", metavar="CHECKPOINT",
+                        help="continue from the latest checkpoint in train.output_dir, or from CHECKPOINT")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=3e-4")
     return parser.parse_args(argv)
 
@@ -25,7 +28,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.recipe, args.overrides)
+        resume = [f"train.resume={args.resume}"] if args.resume else []
+        cfg = load_config(args.recipe, [*args.overrides, *resume])
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0

@@ -9,14 +9,16 @@ import bitsandbytes as bnb
 import peft
 import torch
 
-from qlora_fsdp.checkpoint import export_adapter, prepare_output_dir
-from qlora_fsdp.config import Config, to_dict
+from qlora_fsdp.adapter import export_adapter
+from qlora_fsdp.checkpoint import Checkpointer
+from qlora_fsdp.config import Config, to_dict, to_yaml
 from qlora_fsdp.data import load_dataset
-from qlora_fsdp.distributed import DistInfo, barrier, init_distributed
+from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
 from qlora_fsdp.loading import load_weights, materialize
 from qlora_fsdp.metrics import MetricsLogger, format_summary
 from qlora_fsdp.model import build_meta_model, load_hf_config, load_tokenizer
 from qlora_fsdp.optim import build_optimizer, build_scheduler
+from qlora_fsdp.run_dir import prepare_run_dir
 from qlora_fsdp.sharding import apply_activation_checkpointing, shard_model
 from qlora_fsdp.trainer import Trainer
 
@@ -48,11 +50,10 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
-    """Train the recipe end to end; returns the summary. Every rank calls this."""
+    """Train the recipe end to end, resuming where it says so; returns the summary. Every rank calls this."""
     info = info or init_distributed()
     out_dir = Path(cfg.train.output_dir)
-    prepare_output_dir(out_dir, cfg.train.overwrite)
-    barrier()  # no rank writes before every rank has checked the folder
+    checkpoint = decide_on_main(lambda: prepare_run_dir(out_dir, cfg.train))  # before any rank writes
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
@@ -65,11 +66,17 @@ def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
     logger.write(f"world size {info.world_size} on {info.device.type}; data: "
                  f"{data.describe(cfg.data.context_length, cfg.data.overlong)}")
     logger.write(f"LoRA parameters {trainable:,} on a {base:,}-parameter 4-bit base")
-    trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger)
+    checkpointer = Checkpointer(out_dir, info, cfg.train.keep_last, to_yaml(cfg), tokenizer, cfg.model.path)
+    trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger, checkpointer)
+    if checkpoint is not None:
+        trainer.resume(checkpoint)
     summary = trainer.train()
     logger.close()
-    export_adapter(model, tokenizer, out_dir / "adapter", cfg.model.path, info.is_main)
-    summary["adapter"] = str(out_dir / "adapter")
+    if summary.get("stopped_by_signal"):
+        logger.write(f"stopped at step {trainer.step}; checkpoint {trainer.last_checkpoint}; continue with --resume")
+    else:
+        export_adapter(model, tokenizer, out_dir / "adapter", cfg.model.path, info.is_main)
+        summary["adapter"] = str(out_dir / "adapter")
     logger.log({"event": "summary", **summary})
     logger.write(format_summary(summary))
     return summary

@@ -1,60 +1,164 @@
-"""Adapter export in PEFT format, gathered from the shards and written by rank 0."""
+"""Checkpoints of the trainable state with torch.distributed.checkpoint (DCP): atomic, resumable, pruned.
+
+A checkpoint `checkpoints/step-000050/` holds
+  - DCP files (.metadata, *.distcp): the LoRA weights (sharded DTensors), every rank's optimizer state
+    (the 8-bit state included) and every rank's RNG state;
+  - trainer_state.json: step, world size, sampler position, LR schedule, bad-step counters;
+  - config.yaml: the resolved recipe; adapter/: the adapter in PEFT format.
+The frozen 4-bit base is never saved; it is re-read from the model path. A checkpoint is written under
+`.tmp-step-000050/` and renamed when complete, so every folder named `step-*` is whole: a kill at any
+moment leaves the previous one loadable.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import peft
 import torch
-from safetensors.torch import save_file
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.errors import OutputExistsError
+from qlora_fsdp.adapter import export_adapter
+from qlora_fsdp.distributed import DistInfo, barrier
+from qlora_fsdp.errors import CheckpointError
+from qlora_fsdp.optim import ShardedOptimizer
 from qlora_fsdp.sharding import clean_name
 
-
-def prepare_output_dir(path: Path, overwrite: bool) -> None:
-    """Refuse to write into a folder that already holds files, unless asked to."""
-    if path.exists() and any(path.iterdir()) and not overwrite:
-        raise OutputExistsError(f"output folder {path} already exists and is not empty; "
-                                "choose another train.output_dir or pass train.overwrite=true")
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "metrics.jsonl").unlink(missing_ok=True)
+CHECKPOINTS_DIR = "checkpoints"
+TMP_PREFIX = ".tmp-"
+STATE_FILE = "trainer_state.json"
+STEP_NAME = re.compile(r"step-(\d+)")
 
 
-ADAPTER_NAME = "default"
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
 
 
-def peft_adapter_key(name: str, adapter: str) -> str:
-    """PEFT's on-disk key: no adapter name, and DoRA's magnitude without its `.weight` suffix."""
-    name = name.replace(f".{adapter}.", ".")
-    return name.removesuffix(".weight") if name.endswith("lora_magnitude_vector.weight") else name
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest first (temporary folders are never complete)."""
+    root = run_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_NAME.fullmatch(p.name) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(STEP_NAME.fullmatch(p.name).group(1)))
 
 
-def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) trainable tensors on the CPU; a collective, so every rank must call it."""
-    state = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-            state[clean_name(name)] = full.cpu().clone()
-    return state
+def remove_incomplete(run_dir: Path) -> None:
+    """Temporary folders left by a kill during a write."""
+    root = run_dir / CHECKPOINTS_DIR
+    for stale in root.glob(f"{TMP_PREFIX}*") if root.is_dir() else []:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
-def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path,
-                   base_model_path: str, is_main: bool) -> None:
-    """adapter_config.json + adapter_model.safetensors (+ tokenizer), loadable by PeftModel.from_pretrained."""
-    state = gather_trainable_state(model)
-    if not is_main:
-        return
-    out_dir.mkdir(parents=True, exist_ok=True)
-    adapter_state = {peft_adapter_key(name, ADAPTER_NAME): tensor for name, tensor in state.items()}
-    save_file({k: v.contiguous() for k, v in adapter_state.items()}, out_dir / "adapter_model.safetensors",
-              metadata={"format": "pt"})
-    config = model.peft_config[ADAPTER_NAME]
-    config.base_model_name_or_path = base_model_path
-    config.init_lora_weights = True  # we initialized them ourselves; loaders should use PEFT's default
-    config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+def lora_entries(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Trainable weights as DCP sees them: sharded DTensors reshard on load, plain tensors are replicated."""
+    return {f"lora/{clean_name(name)}": param.detach() for name, param in model.named_parameters()
+            if param.requires_grad}
+
+
+def optimizer_entries(optimizer: ShardedOptimizer, rank: int) -> dict[str, Any]:
+    """This rank's optimizer state under rank-keyed names: it belongs to the rank's local shards."""
+    entries = {}
+    for index, local in enumerate(optimizer.locals):
+        for key, value in optimizer.inner.state.get(local, {}).items():
+            entries[f"optim/rank{rank}/{index}/{key}"] = value
+    return entries
+
+
+def rng_entries(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    entries = {f"rng/rank{rank}/cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        entries[f"rng/rank{rank}/cuda"] = torch.cuda.get_rng_state(device)
+    return entries
+
+
+def restore_rng(entries: dict[str, Any], rank: int, device: torch.device) -> None:
+    torch.set_rng_state(entries[f"rng/rank{rank}/cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(entries[f"rng/rank{rank}/cuda"], device)
+
+
+def restore_optimizer_values(optimizer: ShardedOptimizer, entries: dict[str, Any], rank: int) -> None:
+    """Non-tensor state (step counters) comes back as new objects; tensors were loaded in place."""
+    for index, local in enumerate(optimizer.locals):
+        state = optimizer.inner.state[local]
+        for key in state:
+            state[key] = entries[f"optim/rank{rank}/{index}/{key}"]
+
+
+def write_synced(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sync_dir(path: Path) -> None:
+    """Make a rename or new entry in `path` survive a power cut."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Checkpointer:
+    run_dir: Path
+    info: DistInfo
+    keep_last: int
+    config_yaml: str
+    tokenizer: PreTrainedTokenizerBase
+    base_model_path: str
+
+    def save(self, step: int, model: nn.Module, optimizer: ShardedOptimizer, trainer_state: dict) -> Path:
+        """Every rank calls this; returns the complete checkpoint's folder."""
+        root = self.run_dir / CHECKPOINTS_DIR
+        final, tmp = root / checkpoint_name(step), root / f"{TMP_PREFIX}{checkpoint_name(step)}"
+        if (final / STATE_FILE).is_file():  # resumed from this very step and stopped before another
+            return final
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        entries = {**lora_entries(model), **optimizer_entries(optimizer, self.info.rank),
+                   **rng_entries(self.info.rank, self.info.device)}
+        dcp.save(entries, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        export_adapter(model, self.tokenizer, tmp / "adapter", self.base_model_path, self.info.is_main)
+        if self.info.is_main:
+            state = {"step": step, "world_size": self.info.world_size, **trainer_state}
+            write_synced(tmp / STATE_FILE, json.dumps(state, indent=1))
+            write_synced(tmp / "config.yaml", self.config_yaml)
+            sync_dir(tmp)
+            os.rename(tmp, final)  # the commit point
+            sync_dir(root)
+            self.prune()
+        barrier()
+        return final
+
+    def prune(self) -> None:
+        for old in complete_checkpoints(self.run_dir)[: -self.keep_last]:
+            shutil.rmtree(old)
+
+    def load(self, path: Path, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
+        """Load weights, optimizer state and RNG in place; returns the trainer state to apply."""
+        state = json.loads((path / STATE_FILE).read_text())
+        if state["world_size"] != self.info.world_size:
+            raise CheckpointError(
+                f"checkpoint {path} was written by {state['world_size']} ranks and this run has "
+                f"{self.info.world_size}: each rank's optimizer state (8-bit, block-wise over its own shard) cannot "
+                f"be re-split; resume with --nproc_per_node {state['world_size']}")
+        optimizer.materialize_state()
+        rank, device = self.info.rank, self.info.device
+        entries = {**lora_entries(model), **optimizer_entries(optimizer, rank), **rng_entries(rank, device)}
+        dcp.load(entries, storage_reader=dcp.FileSystemReader(path))
+        restore_optimizer_values(optimizer, entries, rank)
+        restore_rng(entries, rank, device)
+        return state

@@ -121,6 +121,10 @@ class TrainConfig:
     seed: int = 42
     output_dir: str = "outputs/run"
     overwrite: bool = False  # an existing, non-empty output_dir is refused unless this is true
+    save_every: int = 0  # steps between checkpoints; 0: only at the end and on SIGTERM/SIGINT
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    resume: str = "never"  # never | auto (latest complete checkpoint in output_dir, if any) | a checkpoint folder
+    max_bad_steps: int = 5  # steps in a row with non-finite loss or gradients before the run stops
 
 
 @dataclass
@@ -356,6 +360,8 @@ def validate(config: Config) -> Config:
         "lora.r": config.lora.r,
         "checkpointing.every_n": config.checkpointing.every_n,
         "quant.blocksize": config.quant.blocksize,
+        "train.keep_last": config.train.keep_last,
+        "train.max_bad_steps": config.train.max_bad_steps,
     }
     for key, value in positive.items():
         if value < 1:
@@ -365,4 +371,6 @@ def validate(config: Config) -> Config:
         raise ConfigError(f"'fsdp.param_dtype' must be null or bfloat16, got {config.fsdp.param_dtype!r}")
     if config.optim.lr <= 0:
         raise ConfigError(f"'optim.lr' must be positive, got {config.optim.lr}")
+    if config.train.save_every < 0:
+        raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")
     return config

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -99,3 +103,19 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.item()
+
+
+def decide_on_main(decide: Callable[[], T]) -> T:
+    """Run `decide` on rank 0 only (it may touch files) and give every rank its result, or its error."""
+    outcome: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            outcome[0] = ("ok", decide())
+        except Exception as err:  # every rank raises it, not just rank 0
+            outcome[0] = ("error", err)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise value
+    return value

@@ -22,3 +22,11 @@ class ModelLoadError(UserError, RuntimeError):
 
 class OutputExistsError(UserError, FileExistsError):
     """The output folder holds a previous run."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A training checkpoint that cannot be resumed from."""
+
+
+class TrainingStopped(UserError, RuntimeError):
+    """The run stopped itself (e.g. too many non-finite steps in a row); the message says what to do."""

@@ -52,11 +52,21 @@ class ShardedOptimizer:
             param.grad = None
             local.grad = None
 
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
+    def materialize_state(self) -> None:
+        """Create every state buffer (paged ones included) so a checkpoint can be loaded into them in place.
 
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
+        One step with zero gradients at lr 0 allocates the state without touching the weights (an update
+        and a decoupled weight decay both scale by lr); the loaded values then overwrite it.
+        """
+        saved_lrs = [group["lr"] for group in self.inner.param_groups]
+        for group in self.inner.param_groups:
+            group["lr"] = 0.0
+        for local in self.locals:
+            local.grad = torch.zeros_like(local)
+        self.inner.step()
+        for group, lr in zip(self.inner.param_groups, saved_lrs, strict=True):
+            group["lr"] = lr
+        self.zero_grad()
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> ShardedOptimizer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,11 +19,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.batching import Batch, Sample, StepSampler, collate, collate_packed
+from qlora_fsdp.checkpoint import Checkpointer
 from qlora_fsdp.config import Config
 from qlora_fsdp.data import Dataset
 from qlora_fsdp.distributed import DistInfo, all_reduce_max, all_reduce_sum, all_reduce_sums
+from qlora_fsdp.errors import TrainingStopped
 from qlora_fsdp.metrics import MetricsLogger, peak_memory_gb
 from qlora_fsdp.optim import ShardedOptimizer, clip_grad_norm
+from qlora_fsdp.signals import GracefulStop
 from qlora_fsdp.templates import IGNORE_INDEX
 
 
@@ -89,14 +93,40 @@ def eval_record(loss: float) -> dict[str, float]:
 class Trainer:
     def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, data: Dataset, pad_id: int,
                  optimizer: ShardedOptimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 logger: MetricsLogger) -> None:
+                 logger: MetricsLogger, checkpointer: Checkpointer | None = None) -> None:
         self.cfg, self.info, self.model, self.data, self.pad_id = cfg, info, model, data, pad_id
-        self.optimizer, self.scheduler, self.logger = optimizer, scheduler, logger
+        self.optimizer, self.scheduler, self.logger, self.checkpointer = optimizer, scheduler, logger, checkpointer
         grouped = cfg.data.group_by_length or data.packs is not None
         self.sampler = StepSampler(data.n_units, cfg.data.micro_batch_size, cfg.data.grad_accum_steps,
                                    info.world_size, info.rank, cfg.train.seed,
                                    lengths=data.unit_lengths() if grouped else None)
         self.eval_samples = data.samples(data.eval, list(range(len(data.eval))))
+        self.step, self.skipped_steps, self.bad_in_a_row = 0, 0, 0
+        self.last_checkpoint: Path | None = None
+        self.stop = GracefulStop()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs besides weights, optimizer state and RNG (those go through DCP)."""
+        return {"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "skipped_steps": self.skipped_steps, "bad_in_a_row": self.bad_in_a_row}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.skipped_steps, self.bad_in_a_row = state["step"], state["skipped_steps"], state["bad_in_a_row"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+
+    def resume(self, checkpoint: Path) -> None:
+        self.load_state_dict(self.checkpointer.load(checkpoint, self.model, self.optimizer))
+        self.last_checkpoint = checkpoint
+        self.logger.log({"event": "resume", "step": self.step, "checkpoint": str(checkpoint)})
+        self.logger.write(f"resumed from {checkpoint} at step {self.step}")
+
+    def save(self) -> None:
+        if self.checkpointer is not None:
+            self.last_checkpoint = self.checkpointer.save(self.step, self.model, self.optimizer, self.state_dict())
+            self.logger.log({"event": "checkpoint", "step": self.step, "path": str(self.last_checkpoint)})
 
     def evaluate(self) -> float:
         return evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id, self.info)
@@ -110,46 +140,78 @@ class Trainer:
                 for units in self.sampler.next_step()]
 
     def train_step(self) -> dict[str, float]:
+        """One optimizer step; a non-finite loss or gradient norm skips the update (the data is consumed)."""
         micro_batches = self.micro_batches()
         result = accumulate_gradients(self.model, micro_batches, self.info.device)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        finite = math.isfinite(result.loss) and math.isfinite(grad_norm)  # both global: every rank agrees
+        if finite:
+            self.optimizer.step()
+        self.skipped_steps += not finite
+        self.bad_in_a_row = 0 if finite else self.bad_in_a_row + 1
         self.scheduler.step()
         self.optimizer.zero_grad()
         return {"loss": result.loss, "lr": lr, "grad_norm": grad_norm, "tokens": result.n_tokens,
-                "target_tokens": result.n_targets, "samples": result.n_samples}
+                "target_tokens": result.n_targets, "samples": result.n_samples, "skipped": int(not finite)}
 
-    def train(self) -> dict[str, Any]:
+    def check_bad_steps(self, record: dict[str, float]) -> None:
+        if self.bad_in_a_row < self.cfg.train.max_bad_steps:
+            return
+        kept = self.last_checkpoint or "none yet (the weights in memory are the last good ones)"
+        raise TrainingStopped(
+            f"stopping at step {self.step}: {self.bad_in_a_row} steps in a row had a non-finite loss or gradient "
+            f"(loss {record['loss']}, grad norm {record['grad_norm']}); last good checkpoint: {kept}; lower "
+            "optim.lr or check the data, then resume with --resume")
+
+    def run_steps(self) -> tuple[float, int, bool]:
+        """Steps until max_steps or a signal; returns (tokens, samples, stopped by a signal)."""
         cfg = self.cfg.train
-        self.model.train()
-        first_eval = self.evaluate() if self.eval_samples else math.nan
-        self.logger.log({"step": 0, **eval_record(first_eval)})
-        start, tokens, samples = time.perf_counter(), 0.0, 0
-        for step in range(1, cfg.max_steps + 1):
+        tokens, samples = 0.0, 0
+        while self.step < cfg.max_steps:
             step_start = time.perf_counter()
             stats = self.train_step()
             elapsed = time.perf_counter() - step_start
+            self.step += 1
             tokens += stats["tokens"]
             samples += stats.pop("samples")
-            record = {"step": step, **stats, "tokens_per_s": stats["tokens"] / elapsed, "step_time_s": elapsed}
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps and self.eval_samples:
+            record = {"step": self.step, **stats, "tokens_per_s": stats["tokens"] / elapsed, "step_time_s": elapsed}
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != cfg.max_steps and self.eval_samples:
                 record.update(eval_record(self.evaluate()))
             self.logger.log(record)
             shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "tokens_per_s")
-            self.logger.progress(step, {k: record[k] for k in shown if k in record})
+            self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
+            self.check_bad_steps(record)
+            stop = self.stop.requested(self.info.device)
+            if stop or self.step == cfg.max_steps or (cfg.save_every and self.step % cfg.save_every == 0):
+                self.save()
+            if stop:
+                return tokens, samples, True
+        return tokens, samples, False
+
+    def train(self) -> dict[str, Any]:
+        self.model.train()
+        resumed = self.step > 0
+        first_eval = self.evaluate() if self.eval_samples and not resumed else math.nan
+        if not resumed:
+            self.logger.log({"step": 0, **eval_record(first_eval)})
+        start = time.perf_counter()
+        self.stop.install()
+        try:
+            tokens, samples, stopped = self.run_steps()
+        finally:
+            self.stop.uninstall()
         wall = time.perf_counter() - start
-        final_eval = self.evaluate() if self.eval_samples else math.nan
-        self.logger.log({"step": cfg.max_steps, **eval_record(final_eval)})
-        return {
-            "train_runtime_s": wall,
-            "steps": cfg.max_steps,
-            "samples": samples,
-            "samples_per_s": samples / wall,
-            "tokens": int(tokens),
-            "tokens_per_s": tokens / wall,
-            "eval_loss_start": first_eval,
-            "eval_loss_end": final_eval,
-            "eval_ppl_end": math.exp(final_eval) if math.isfinite(final_eval) else math.nan,
-            "peak_memory_gb_max_rank": all_reduce_max(peak_memory_gb(self.info.device), self.info.device),
-        }
+        final_eval = self.evaluate() if self.eval_samples and not stopped else math.nan
+        if not stopped:
+            self.logger.log({"step": self.step, **eval_record(final_eval)})
+        summary = {"train_runtime_s": wall, "steps": self.step, "skipped_steps": self.skipped_steps,
+                   "samples": samples, "samples_per_s": samples / wall, "tokens": int(tokens),
+                   "tokens_per_s": tokens / wall, "eval_loss_start": first_eval, "eval_loss_end": final_eval,
+                   "eval_ppl_end": math.exp(final_eval) if math.isfinite(final_eval) else math.nan,
+                   "peak_memory_gb_max_rank": all_reduce_max(peak_memory_gb(self.info.device), self.info.device)}
+        if stopped:
+            summary["stopped_by_signal"] = True
+        if self.last_checkpoint is not None:
+            summary["checkpoint"] = str(self.last_checkpoint)
+        return summary
