@@ -1,0 +1,205 @@
+"""Checkpoints and exact resume under faults: kill -9, kill during a write, elastic restart, SIGTERM, NaN.
+
+Every interrupted run is compared with one uninterrupted run of the same recipe (2 gloo ranks, fp32 compute):
+the same per-step losses and a final adapter equal to 1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from tests.helpers import REPO
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+MAX_STEPS = 10
+
+
+def recipe_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
+    return ["--recipe", "tiny_cpu", f"model.path={model_dir}", "model.dtype=float32", "quant.compute_dtype=float32",
+            "data.eval_samples=8", "data.micro_batch_size=2", f"train.max_steps={MAX_STEPS}", "train.save_every=2",
+            "train.keep_last=3", "train.eval_every=5", f"train.output_dir={out}", *extra]
+
+
+def torchrun(script: str, *args: str, max_restarts: int = 0) -> list[str]:
+    return [TORCHRUN, "--standalone", "--nproc_per_node", "2", f"--max-restarts={max_restarts}", script, *args]
+
+
+def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    """Training loss per step; a step logged twice (before a kill and after the resume) must agree."""
+    losses: dict[int, float] = {}
+    for r in records(out):
+        if "loss" in r:
+            assert losses.setdefault(r["step"], r["loss"]) == r["loss"], f"step {r['step']} logged two losses"
+    return losses
+
+
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"run ended early: {proc.stderr.read()[-2000:]}"
+        if any(r.get("step", 0) >= step and "loss" in r for r in records(out)):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if "python" in p.name().lower()]
+
+
+def assert_same_run(out: Path, reference: Path) -> None:
+    assert step_losses(out) == step_losses(reference)
+    ours = load_file(out / "adapter" / "adapter_model.safetensors")
+    theirs = load_file(reference / "adapter" / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys()
+    worst = max((ours[k].float() - theirs[k].float()).abs().max().item() for k in ours)
+    assert worst <= 1e-6, worst
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "run"
+    result = run(torchrun("train.py", *recipe_args(tiny_model_dir, out)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000006", "step-000008", "step-000010"]
+    return out
+
+
+def test_kill_9_at_a_random_step_then_resume(tiny_model_dir, tmp_path, reference):
+    kill_at = random.Random().randint(3, 8)
+    out = tmp_path / "run"
+    proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out)))
+    wait_for_step(out, kill_at, proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, no warning
+    proc.wait()
+    assert not (out / "adapter").exists(), f"killed at step {kill_at} but the run had finished"
+    resumed = run(torchrun("train.py", *recipe_args(tiny_model_dir, out), "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout, f"killed at step {kill_at}"
+    assert_same_run(out, reference)
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp_path, reference):
+    out = tmp_path / "run"
+    died = run(torchrun("tests/fault_run.py", "--die-saving", "4", "--", *recipe_args(tiny_model_dir, out)))
+    assert died.returncode != 0
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == [".tmp-step-000004", "step-000002"]  # step 4's data written, never committed
+    resumed = run(torchrun("train.py", *recipe_args(tiny_model_dir, out), "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-000002 at step 2" in resumed.stdout
+    assert not (out / "checkpoints" / ".tmp-step-000004").exists()
+    assert_same_run(out, reference)
+
+
+def test_elastic_restart_resumes_by_itself(tiny_model_dir, tmp_path, reference):
+    out = tmp_path / "run"
+    proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out), max_restarts=1))
+    wait_for_step(out, 5, proc)
+    workers(proc)[-1].kill()  # one rank dies; torchrun restarts the world, which must resume, not start over
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert any(r.get("event") == "resume" for r in records(out))
+    assert_same_run(out, reference)
+
+
+def test_sigterm_saves_exits_cleanly_and_resumes(tiny_model_dir, tmp_path, reference):
+    out = tmp_path / "run"
+    proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out, "train.save_every=0")))
+    wait_for_step(out, 3, proc)
+    for worker in workers(proc):  # as a cluster scheduler does before preempting
+        worker.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = records(out)[-1]
+    assert summary["stopped_by_signal"] and summary["steps"] < MAX_STEPS
+    assert Path(summary["checkpoint"]).name == f"step-{summary['steps']:06d}"
+    resumed = run(torchrun("train.py", *recipe_args(tiny_model_dir, out), "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(out, reference)
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path):
+    once = tmp_path / "once"
+    result = run(torchrun("tests/fault_run.py", "--nan-steps", "3", "--", *recipe_args(tiny_model_dir, once)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped = [r["step"] for r in records(once) if r.get("skipped")]
+    assert skipped == [3] and records(once)[-1]["skipped_steps"] == 1
+    assert all(v.isfinite().all() for v in load_file(once / "adapter" / "adapter_model.safetensors").values())
+
+    streak = tmp_path / "streak"
+    result = run(torchrun("tests/fault_run.py", "--nan-steps", "3,4,5", "--",
+                          *recipe_args(tiny_model_dir, streak, "train.max_bad_steps=3")))
+    assert result.returncode != 0  # torchrun reports a rank's exit code 2 as 1
+    message = next(line for line in result.stderr.splitlines() if line.startswith("error: "))
+    assert message.startswith("error: stopping at step 5: 3 steps in a row had a non-finite loss"), message
+    assert "step-000004" in message  # saved mid-streak: skipped steps leave the weights as they were
+    assert sorted(p.name for p in (streak / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+
+
+def test_existing_run_is_refused_and_other_world_size_explained(tiny_model_dir, reference):
+    again = run([sys.executable, "train.py", *recipe_args(tiny_model_dir, reference)])
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"error: output folder {reference} already holds a run (latest checkpoint step-000010); resume it with "
+        "--resume (train.resume=auto), choose another train.output_dir, or pass train.overwrite=true to start over")
+    one_rank = run([sys.executable, "train.py", *recipe_args(tiny_model_dir, reference), "--resume"])
+    assert one_rank.returncode == 2
+    assert "was written by 2 ranks and this run has 1" in one_rank.stderr.strip().splitlines()[-1]
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step-000006", "step-000008",
+                                                                              "step-000010"]
+
+
+def test_second_signal_exits_at_once_but_a_forwarded_copy_does_not(tmp_path):
+    code = ("import os, signal, time\n"
+            "from qlora_fsdp.signals import GracefulStop\n"
+            "stop = GracefulStop().install()\n"
+            "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGINT)  # torchrun forwards Ctrl-C\n"
+            "print('still here', stop.received == signal.SIGINT, flush=True)\n"
+            "time.sleep(1.5); os.kill(os.getpid(), signal.SIGTERM); time.sleep(10); print('not stopped')\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**ENV, "PYTHONPATH": str(REPO)})
+    assert "still here True" in result.stdout and "not stopped" not in result.stdout
+    assert result.returncode == -signal.SIGTERM
+
+
+def test_trimmed_log_and_bad_resume_path(tmp_path):
+    from qlora_fsdp.config import TrainConfig
+    from qlora_fsdp.errors import CheckpointError
+    from qlora_fsdp.run_dir import choose_checkpoint, trim_metrics
+
+    log = tmp_path / "metrics.jsonl"
+    lines = [{"event": "start"}, {"step": 0}, {"step": 1}, {"step": 2}, {"event": "checkpoint", "step": 2},
+             {"step": 3}, {"step": 4}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    trim_metrics(log, 2)
+    assert [json.loads(line) for line in log.read_text().splitlines()] == lines[:5]
+    with pytest.raises(CheckpointError, match="is not a complete checkpoint"):
+        choose_checkpoint(tmp_path, TrainConfig(resume=str(tmp_path / "nope")), restarted=False)
+    assert choose_checkpoint(tmp_path, TrainConfig(resume="never"), restarted=True) is None  # auto, none yet
