@@ -133,7 +133,8 @@ class Checkpointer:
         dcp.save(entries, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
         export_adapter(model, self.tokenizer, tmp / "adapter", self.base_model_path, self.info.is_main)
         if self.info.is_main:
-            state = {"step": step, "world_size": self.info.world_size, **trainer_state}
+            state = {"step": step, "world_size": self.info.world_size,
+                     "optimizer_state": bool(optimizer.inner.state), **trainer_state}
             write_synced(tmp / STATE_FILE, json.dumps(state, indent=1))
             write_synced(tmp / "config.yaml", self.config_yaml)
             sync_dir(tmp)
@@ -155,7 +156,8 @@ class Checkpointer:
                 f"checkpoint {path} was written by {state['world_size']} ranks and this run has "
                 f"{self.info.world_size}: each rank's optimizer state (8-bit, block-wise over its own shard) cannot "
                 f"be re-split; resume with --nproc_per_node {state['world_size']}")
-        optimizer.materialize_state()
+        if state["optimizer_state"]:  # False only if every step so far was skipped as non-finite
+            optimizer.materialize_state()
         rank, device = self.info.rank, self.info.device
         entries = {**lora_entries(model), **optimizer_entries(optimizer, rank), **rng_entries(rank, device)}
         dcp.load(entries, storage_reader=dcp.FileSystemReader(path))

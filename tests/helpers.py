@@ -116,6 +116,16 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, a
         cleanup()
 
 
+def _in_sequence(info: Any, calls: list[tuple[Callable, tuple]]) -> list[Any]:
+    return [fn(info, *args) for fn, args in calls]
+
+
+def run_ranks_sequence(calls: list[tuple[Callable, tuple]], world_size: int, tmp_dir: Path) -> list[Any]:
+    """Rank 0's results of several fn(info, *args) calls made one after another in the same ranks: one
+    process start-up instead of one per call (each call builds its own model, deterministically)."""
+    return run_ranks(_in_sequence, world_size, calls, tmp_dir=tmp_dir)[0]
+
+
 def run_ranks(
     fn: Callable, world_size: int, *args: Any, tmp_dir: Path, timeout: float = 300, fake: bool = False
 ) -> list[Any]:

@@ -24,10 +24,10 @@ def eval_losses(out_dir: Path) -> list[float]:
 
 
 def test_demo_recipe_learns(tmp_path, demo_model_dir):
-    """The tiny_cpu recipe as `make demo` runs it: held-out loss falls by at least 30%."""
+    """The tiny_cpu recipe as `make demo` runs it, for 60 of its 150 steps: held-out loss falls by 30% or more."""
     out = tmp_path / "demo"
     result = run([TORCHRUN, "--nproc_per_node", "2", "train.py", "--recipe", "tiny_cpu",
-                  f"model.path={demo_model_dir}", f"train.output_dir={out}"], timeout=400)
+                  f"model.path={demo_model_dir}", f"train.output_dir={out}", "train.max_steps=60"], timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = eval_losses(out)
     assert losses[-1] <= 0.7 * losses[0], losses

@@ -14,7 +14,14 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from qlora_fsdp.api import build_model
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.trainer import loss_sum
-from tests.helpers import batches, build_tiny_checkpoint, run_ranks, tiny_config, variable_length_samples
+from tests.helpers import (
+    batches,
+    build_tiny_checkpoint,
+    run_ranks,
+    run_ranks_sequence,
+    tiny_config,
+    variable_length_samples,
+)
 
 PAD = 2
 
@@ -102,13 +109,13 @@ def test_pickle_weights_refused_unless_allowed(tiny_model_dir, tmp_path):
     state = load_file(pickled / "model.safetensors")
     (pickled / "model.safetensors").unlink()
     torch.save(state, pickled / "pytorch_model.bin")
-    cfg = tiny_config(pickled)
-    message = run_ranks(_loader_error, 1, cfg, tmp_dir=tmp_path)[0]
+    allowed = tiny_config(pickled, model={"allow_pickle": True})
+    batch = batches(variable_length_samples(allowed, 4), 4, PAD)[0]
+    message, reference, loaded = run_ranks_sequence(
+        [(_loader_error, (tiny_config(pickled),)), (sharded_loss, (tiny_config(tiny_model_dir), batch)),
+         (sharded_loss, (allowed, batch))], 1, tmp_path)
     assert "only pickle weights" in message and "model.allow_pickle=true" in message
-    cfg = tiny_config(pickled, model={"allow_pickle": True})
-    batch = batches(variable_length_samples(cfg, 4), 4, PAD)[0]
-    reference = run_ranks(sharded_loss, 1, tiny_config(tiny_model_dir), batch, tmp_dir=tmp_path)[0]
-    assert run_ranks(sharded_loss, 1, cfg, batch, tmp_dir=tmp_path)[0] == reference
+    assert loaded == reference
 
 
 def test_clear_errors(tiny_model_dir, tmp_path):
@@ -126,6 +133,6 @@ def test_clear_errors(tiny_model_dir, tmp_path):
     missing_shard = sorted(sharded.glob("*.safetensors"))[-1]
     missing_shard.unlink()
     cases["missing shard"] = (tiny_config(sharded), f"names shard {missing_shard.name}, which is missing")
-    for name, (cfg, expected) in cases.items():
-        message = run_ranks(_loader_error, 1, cfg, tmp_dir=tmp_path)[0]
+    messages = run_ranks_sequence([(_loader_error, (cfg,)) for cfg, _ in cases.values()], 1, tmp_path)
+    for (name, (_, expected)), message in zip(cases.items(), messages, strict=True):
         assert message is not None and expected in message and "\n" not in message, (name, message)

@@ -22,6 +22,7 @@ from tests.helpers import (
     full_params,
     relative_difference,
     run_ranks,
+    run_ranks_sequence,
     tiny_config,
     variable_length_samples,
 )
@@ -137,17 +138,16 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, samples, tmp_path, wo
     per_rank = [samples[r * 8 : (r + 1) * 8] for r in range(world_size)]
     accumulated = [batches(s, 2, PAD) for s in per_rank]  # 4 micro-batches of 2
     one_batch = [batches(s, 8, PAD) for s in per_rank]  # 1 batch of 8
-    g_acc = run_ranks(loss_and_grads, world_size, cfg, accumulated, tmp_dir=tmp_path)[0]
-    g_big = run_ranks(loss_and_grads, world_size, cfg, one_batch, tmp_dir=tmp_path)[0]
+    g_acc, g_big, naive, step_acc, step_big = run_ranks_sequence(
+        [(loss_and_grads, (cfg, accumulated)), (loss_and_grads, (cfg, one_batch)),
+         (naive_mean_of_means, (cfg, accumulated)), (sgd_update, (cfg, accumulated)), (sgd_update, (cfg, one_batch))],
+        world_size, tmp_path)
     assert g_acc["loss"] == pytest.approx(g_big["loss"], rel=1e-5)
     assert relative_difference(g_acc["grads"], g_big["grads"]) <= 1e-4
 
     # the check can fail: a mean of per-micro-batch means weights short samples' tokens more
-    naive = run_ranks(naive_mean_of_means, world_size, cfg, accumulated, tmp_dir=tmp_path)[0]
     assert relative_difference(naive["grads"], g_big["grads"]) > 1e-2
 
-    step_acc = run_ranks(sgd_update, world_size, cfg, accumulated, tmp_dir=tmp_path)[0]
-    step_big = run_ranks(sgd_update, world_size, cfg, one_batch, tmp_dir=tmp_path)[0]
     assert relative_difference(step_acc["delta"], step_big["delta"]) <= 1e-4
 
 
@@ -162,10 +162,10 @@ def test_gradients_reduce_scattered_once_per_step(tiny_model_dir, samples, tmp_p
 
 def test_activation_checkpointing_changes_nothing(tiny_model_dir, samples, tmp_path):
     micro = [batches(samples[:8], 4, PAD)]
-    results = {}
-    for mode in ("every_layer", "every_nth", "off"):
-        cfg = tiny_config(tiny_model_dir, checkpointing={"mode": mode, "every_n": 2})
-        results[mode] = run_ranks(loss_and_grads, 1, cfg, micro, tmp_dir=tmp_path)[0]
+    modes = ("every_layer", "every_nth", "off")
+    calls = [(loss_and_grads, (tiny_config(tiny_model_dir, checkpointing={"mode": m, "every_n": 2}), micro))
+             for m in modes]
+    results = dict(zip(modes, run_ranks_sequence(calls, 1, tmp_path), strict=True))
     for mode in ("every_layer", "every_nth"):
         assert results[mode]["loss"] == pytest.approx(results["off"]["loss"], rel=1e-6)
         assert relative_difference(results[mode]["grads"], results["off"]["grads"]) <= 1e-6
