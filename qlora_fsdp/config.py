@@ -177,6 +177,22 @@ def to_yaml(config: Config) -> str:
     return yaml.safe_dump(to_dict(config), sort_keys=False)
 
 
+RUN_CONTROL_KEYS = ("train.resume", "train.overwrite")  # how a run starts, not what it computes
+
+
+def changed_settings(saved_yaml: str, config: Config) -> list[str]:
+    """`key: old -> new` for every setting that differs from a checkpoint's resolved config."""
+    def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    before, after = flat(yaml.safe_load(saved_yaml) or {}), flat(yaml.safe_load(to_yaml(config)))
+    return [f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in sorted(before.keys() | after.keys())
+            if before.get(key) != after.get(key) and key not in RUN_CONTROL_KEYS]
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}

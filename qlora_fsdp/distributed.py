@@ -10,6 +10,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -38,6 +39,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def elastic_attempt_store() -> dist.Store | None:
+    """Under torchrun, the agent's store with keys prefixed by the restart attempt.
+
+    The agent keeps one store across `--max-restarts` attempts and workers use it unprefixed (torch 2.13), so a
+    restarted rank could read a dead attempt's gloo address and hang in connect (seen in the elastic test).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                           is_master=False, timeout=timedelta(minutes=30))
+    return dist.PrefixStore(f"qlora_fsdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
 def init_distributed() -> DistInfo:
     """Join the torchrun world, or make a world of one for a plain `python` run."""
     if "RANK" not in os.environ:
@@ -52,7 +66,12 @@ def init_distributed() -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        store = elastic_attempt_store()
+        if store is None:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     world_size = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
     return DistInfo(dist.get_rank(), local_rank, world_size, device, mesh)

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.batching import Batch, Sample, StepSampler, collate, collate_packed
 from qlora_fsdp.checkpoint import Checkpointer
-from qlora_fsdp.config import Config
+from qlora_fsdp.config import Config, changed_settings
 from qlora_fsdp.data import Dataset
 from qlora_fsdp.distributed import DistInfo, all_reduce_max, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.errors import TrainingStopped
@@ -122,6 +122,9 @@ class Trainer:
         self.last_checkpoint = checkpoint
         self.logger.log({"event": "resume", "step": self.step, "checkpoint": str(checkpoint)})
         self.logger.write(f"resumed from {checkpoint} at step {self.step}")
+        changes = changed_settings((checkpoint / "config.yaml").read_text(), self.cfg)
+        if changes:  # allowed (a longer run, a new lr), but the run is then not the uninterrupted one
+            self.logger.write(f"settings changed since the checkpoint: {'; '.join(changes)}")
 
     def save(self) -> None:
         if self.checkpointer is not None:

@@ -45,6 +45,15 @@ def start(cmd: list[str]) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    """Wait for a started run; on a hang kill its whole process group, so nothing outlives the test."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
 def records(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
@@ -66,6 +75,7 @@ def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float =
         if any(r.get("step", 0) >= step and "loss" in r for r in records(out)):
             return
         time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
     raise TimeoutError(f"step {step} not reached")
 
 
@@ -97,7 +107,7 @@ def test_kill_9_at_a_random_step_then_resume(tiny_model_dir, tmp_path, reference
     proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out)))
     wait_for_step(out, kill_at, proc)
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, no warning
-    proc.wait()
+    finish(proc)
     assert not (out / "adapter").exists(), f"killed at step {kill_at} but the run had finished"
     resumed = run(torchrun("train.py", *recipe_args(tiny_model_dir, out), "--resume"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -123,7 +133,7 @@ def test_elastic_restart_resumes_by_itself(tiny_model_dir, tmp_path, reference):
     proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out), max_restarts=1))
     wait_for_step(out, 5, proc)
     workers(proc)[-1].kill()  # one rank dies; torchrun restarts the world, which must resume, not start over
-    _, stderr = proc.communicate(timeout=300)
+    stderr = finish(proc)
     assert proc.returncode == 0, stderr[-3000:]
     assert any(r.get("event") == "resume" for r in records(out))
     assert_same_run(out, reference)
@@ -135,7 +145,7 @@ def test_sigterm_saves_exits_cleanly_and_resumes(tiny_model_dir, tmp_path, refer
     wait_for_step(out, 3, proc)
     for worker in workers(proc):  # as a cluster scheduler does before preempting
         worker.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=300)
+    stderr = finish(proc)
     assert proc.returncode == 0, stderr[-3000:]
     summary = records(out)[-1]
     assert summary["stopped_by_signal"] and summary["steps"] < MAX_STEPS
@@ -203,3 +213,12 @@ def test_trimmed_log_and_bad_resume_path(tmp_path):
     with pytest.raises(CheckpointError, match="is not a complete checkpoint"):
         choose_checkpoint(tmp_path, TrainConfig(resume=str(tmp_path / "nope")), restarted=False)
     assert choose_checkpoint(tmp_path, TrainConfig(resume="never"), restarted=True) is None  # auto, none yet
+
+
+def test_changed_settings_are_named():
+    from qlora_fsdp.config import Config, changed_settings, to_yaml
+
+    saved, now = Config(), Config()
+    now.optim.lr, now.train.max_steps, now.train.resume = 1e-3, 500, "auto"
+    assert changed_settings(to_yaml(saved), now) == [f"optim.lr: {saved.optim.lr!r} -> 0.001",
+                                                     f"train.max_steps: {saved.train.max_steps} -> 500"]
