@@ -28,8 +28,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
+        overrides = list(args.overrides)
+        if args.resume and "=" in args.resume:  # `--resume optim.lr=1e-4`: an override, not a checkpoint
+            overrides.insert(0, args.resume)
+            args.resume = "auto"
         resume = [f"train.resume={args.resume}"] if args.resume else []
-        cfg = load_config(args.recipe, [*args.overrides, *resume])
+        cfg = load_config(args.recipe, [*overrides, *resume])
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0

@@ -72,3 +72,10 @@ def test_print_config_shows_the_resolved_values():
     result = run_train("--recipe", "tiny_cpu", "optim.lr=0.5", "--print-config")
     assert result.returncode == 0
     assert "lr: 0.5" in result.stdout and "cpu_offload: false" in result.stdout
+
+
+def test_resume_flag_with_or_without_a_checkpoint():
+    latest = run_train("--recipe", "tiny_cpu", "--resume", "optim.lr=0.5", "--print-config")  # an override follows
+    assert latest.returncode == 0 and "resume: auto" in latest.stdout and "lr: 0.5" in latest.stdout
+    given = run_train("--recipe", "tiny_cpu", "--resume", "runs/a/checkpoints/step-000100", "--print-config")
+    assert given.returncode == 0 and "resume: runs/a/checkpoints/step-000100" in given.stdout
