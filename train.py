@@ -19,6 +19,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="tiny_cpu", help="a name in recipes/ or a path to a YAML file")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--plan", action="store_true", help="print the memory plan (no GPU, no weights) and exit")
     parser.add_argument("--resume", nargs="?", const="auto", metavar="CHECKPOINT",
                         help="continue from the latest checkpoint in train.output_dir, or from CHECKPOINT")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=3e-4")
@@ -37,6 +38,12 @@ def main(argv: list[str]) -> int:
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
+        if args.plan:
+            from qlora_fsdp.plan import report
+
+            text, fits = report(cfg)
+            print(text)
+            return 0 if fits else 1
         from qlora_fsdp.api import train  # heavy imports only once the config is known to be good
         from qlora_fsdp.distributed import cleanup
 

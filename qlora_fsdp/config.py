@@ -128,6 +128,16 @@ class TrainConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """What the recipe is planned for (`--plan`); training itself uses whatever torchrun gives it."""
+    gpu: str = "cpu"  # a name in plan.GPUS (rtx4090, rtx3090, a100-80gb, h100, ...), or cpu
+    gpus_per_node: int = 1
+    nodes: int = 1
+    gpu_memory_gib: float | None = None  # None: the table's figure for `gpu`
+    host_ram_gib: float | None = None  # per node; None: not checked
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
@@ -138,6 +148,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
 
 def resolve_recipe_path(recipe: str) -> Path:
@@ -378,6 +389,8 @@ def validate(config: Config) -> Config:
         "quant.blocksize": config.quant.blocksize,
         "train.keep_last": config.train.keep_last,
         "train.max_bad_steps": config.train.max_bad_steps,
+        "hardware.gpus_per_node": config.hardware.gpus_per_node,
+        "hardware.nodes": config.hardware.nodes,
     }
     for key, value in positive.items():
         if value < 1:

@@ -1,0 +1,330 @@
+"""Memory planner: what one GPU (and its host) will hold for a recipe, before any weight is read.
+
+The parameter side is exact: the model is built on the meta device and sharded by FSDP2 over a fake process
+group of the recipe's world size, so each local shard has the shape rank 0 will allocate; gradients and
+optimizer state follow from those shapes by the optimizers' own rules. Activations, logits, gather buffers
+and CUDA overhead are estimates from the architecture (formulas below), to be checked on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import bitsandbytes as bnb
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoConfig, PretrainedConfig
+
+from qlora_fsdp.config import REPO_ROOT, Config
+from qlora_fsdp.model import TORCH_DTYPES, build_meta_model, decoder_layers, load_hf_config
+from qlora_fsdp.sharding import apply_activation_checkpointing, shard_model
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GPU:
+    memory_gib: float
+    bf16_tflops: float  # dense peak, for MFU
+
+
+GPUS = {  # vendor datasheet figures (dense bf16 tensor throughput)
+    "rtx3090": GPU(24.0, 71.0),
+    "rtx4090": GPU(24.0, 165.2),
+    "rtx6000ada": GPU(48.0, 364.2),
+    "l4": GPU(24.0, 121.0),
+    "a100-40gb": GPU(40.0, 312.0),
+    "a100-80gb": GPU(80.0, 312.0),
+    "h100": GPU(79.6, 989.0),
+    "h200": GPU(139.8, 989.0),
+    "cpu": GPU(math.inf, 0.0),
+}
+CUDA_CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace: outside the caching allocator
+ALLOCATOR_SLACK = 0.05  # fragmentation, as a fraction of what the allocator holds
+HOST_BASELINE_GIB = 1.5  # a rank's Python, torch, transformers and bitsandbytes before any weight
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state for tensors smaller than this
+BNB_STATE_BLOCK = 256  # block size of bitsandbytes' 8-bit optimizer state
+NESTED_BLOCK = 256  # block size of the double quantization of absmax
+
+
+@dataclass
+class Row:
+    name: str
+    bytes: float
+    exact: bool  # from the sharded meta model; else an estimate from the architecture
+
+
+@dataclass
+class Plan:
+    gpu_rows: list[Row]
+    host_rows: list[Row]
+    capacity_gib: float
+    host_capacity_gib: float | None
+    world_size: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(r.bytes for r in self.gpu_rows)
+
+    @property
+    def host_total(self) -> float:
+        return sum(r.bytes for r in self.host_rows)
+
+    @property
+    def fits(self) -> bool:
+        host_ok = self.host_capacity_gib is None or self.host_total <= self.host_capacity_gib * GIB
+        return self.gpu_total <= self.capacity_gib * GIB and host_ok
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def quant_state_bytes(n_elements: int, blocksize: int, double_quant: bool) -> int:
+    """A Linear4bit's quantization state, whole on every rank (FSDP shards only the packed weight)."""
+    blocks = n_elements // blocksize
+    codebook = 16 * 4  # the NF4/FP4 code, fp32
+    if not double_quant:
+        return blocks * 4 + codebook
+    nested = math.ceil(blocks / NESTED_BLOCK) * 4 + 256 * 4 + 4  # nested absmax, its 8-bit code, the offset
+    return blocks + nested + codebook
+
+
+def optimizer_state_bytes(n_elements: int, name: str) -> int:
+    """Optimizer state for one local shard of n elements, by each optimizer's own rule."""
+    if name == "adamw":
+        return 2 * 4 * n_elements + 4  # exp_avg, exp_avg_sq in fp32; a fp32 step counter
+    if n_elements < BNB_MIN_8BIT_SIZE:
+        return 2 * 4 * n_elements  # bitsandbytes falls back to 32-bit state for small tensors
+    blocks = math.ceil(n_elements / BNB_STATE_BLOCK)
+    return 2 * n_elements + 2 * 4 * blocks + 2 * 256 * 4  # two uint8 states, their absmax, two 8-bit codes
+
+
+def planning_config(cfg: Config) -> PretrainedConfig:
+    """The architecture: the shipped copy for a recipe's hub model (model_configs/<name>), so planning needs
+    no download and no weights; else the model folder's own config.json."""
+    shipped = REPO_ROOT / "model_configs" / cfg.model.path.rstrip("/").split("/")[-1].lower() / "config.json"
+    if not Path(cfg.model.path).is_dir() and shipped.is_file():
+        return AutoConfig.from_pretrained(shipped.parent)
+    return load_hf_config(cfg)
+
+
+def is_sharded(cfg: Config, world_size: int) -> bool:
+    return world_size > 1 or cfg.fsdp.cpu_offload  # the rule api.build_model follows
+
+
+def sharded_meta_model(cfg: Config, world_size: int) -> nn.Module:
+    """The recipe's model on the meta device, sharded as rank 0 of `world_size` would hold it. Needs a process
+    group of that size; on a laptop a fake one (distributed.init_fake_distributed) stands in."""
+    model = build_meta_model(cfg, planning_config(cfg))
+    apply_activation_checkpointing(model, cfg.checkpointing)
+    if is_sharded(cfg, world_size):
+        shard_model(model, cfg.fsdp, init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",)))
+    return model
+
+
+@dataclass
+class Held:
+    """Exact bytes rank 0 holds, from the sharded meta model."""
+    base_4bit: int = 0
+    quant_state: int = 0
+    other_base: int = 0
+    lora: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    layer_gathered: int = 0  # one decoder layer, unsharded (what an all-gather materializes)
+    root_gathered: int = 0  # embeddings, final norm and head, unsharded
+    largest_linear: int = 0  # elements of the biggest Linear4bit (dequantized for each matmul)
+    base_parameters: int = 0  # unpacked count, for MFU
+
+
+def held_bytes(model: nn.Module, cfg: Config) -> Held:
+    held = Held()
+    packed = {}
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            n = module.in_features * module.out_features
+            packed[id(module.weight)] = n
+            held.quant_state += quant_state_bytes(n, cfg.quant.blocksize, cfg.quant.double_quant)
+            held.largest_linear = max(held.largest_linear, n)
+    for param in model.parameters():
+        shard = local(param)
+        if param.requires_grad:
+            held.lora += nbytes(shard)
+            held.grads += shard.numel() * 4  # gradients of the fp32 LoRA weights
+            held.optimizer += optimizer_state_bytes(shard.numel(), cfg.optim.name)
+        elif id(param) in packed:
+            held.base_4bit += nbytes(shard)
+            held.base_parameters += packed[id(param)]
+        else:
+            held.other_base += nbytes(shard)
+            held.base_parameters += param.numel()
+    layers = decoder_layers(model)
+    held.layer_gathered = max(sum(nbytes(p) for p in layer.parameters()) for layer in layers)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    held.root_gathered = sum(nbytes(p) for p in model.parameters() if id(p) not in in_layers)
+    return held
+
+
+def activation_bytes(cfg: Config, hf_config: object, micro_batch: int) -> tuple[int, int]:
+    """(activations, logits and loss) per rank for one micro-batch, estimated from the architecture.
+
+    A layer's forward keeps, per token, in the compute dtype: the two norm outputs, q/k/v and their rotated
+    copies, attention and o_proj outputs, two residual sums, gate, up, act(gate), their product, down's
+    output; plus the norms' fp32 upcasts. A checkpointed layer keeps only its input, and backward recomputes
+    one layer at a time.
+    """
+    d = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
+    h, inter, layers = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
+    head_dim = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
+    kv = hf_config.num_key_value_heads * head_dim
+    tokens = micro_batch * cfg.data.context_length
+    per_layer = tokens * (d * (9 * h + 3 * kv + 4 * inter) + 2 * 4 * h)
+    kept_input = tokens * h * d
+    checkpointed = sum(1 for i in range(layers) if cfg.checkpointing.mode == "every_layer" or (
+        cfg.checkpointing.mode == "every_nth" and i % cfg.checkpointing.every_n == 0))
+    activations = checkpointed * kept_input + (layers - checkpointed) * per_layer + per_layer
+    # logits in the compute dtype, their fp32 copy, log-softmax kept for backward, fp32 and compute-dtype grads
+    logits = tokens * hf_config.vocab_size * (d + 4 + 4 + 4 + d)
+    return activations, logits
+
+
+def gpu_spec(cfg: Config) -> GPU:
+    spec = GPUS[cfg.hardware.gpu]
+    memory = cfg.hardware.gpu_memory_gib or spec.memory_gib
+    return GPU(memory, spec.bf16_tflops)
+
+
+def resident_rows(held: Held, cfg: Config) -> list[Row]:
+    """What lives with the shards: on the GPU, or in host RAM under CPU offload."""
+    return [Row("4-bit base weights (this rank's shard)", held.base_4bit, True),
+            Row("other base weights: embeddings, norms, head (shard)", held.other_base, True),
+            Row("LoRA weights (shard, fp32)", held.lora, True),
+            Row("LoRA gradients (shard, fp32)", held.grads, True),
+            Row(f"optimizer state ({cfg.optim.name})", held.optimizer, True)]
+
+
+def compute_rows(held: Held, cfg: Config, hf_config: object, sharded: bool) -> list[Row]:
+    """What the step itself needs on the GPU, beyond the resident shards."""
+    activations, logits = activation_bytes(cfg, hf_config, cfg.data.micro_batch_size)
+    compute = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
+    rows = [Row("quantization state (whole, on every rank)", held.quant_state, True)]
+    if sharded:  # the layer computing and the one prefetched; the root stays gathered for the whole step
+        rows += [Row("all-gather buffers (2 decoder layers unsharded)", 2 * held.layer_gathered, True),
+                 Row("root unit unsharded (embeddings, norm, head)", held.root_gathered, True)]
+    rows += [Row("dequantized weight of the largest linear", held.largest_linear * compute, True),
+             Row(f"activations ({cfg.checkpointing.mode} checkpointing, micro-batch {cfg.data.micro_batch_size} x "
+                 f"{cfg.data.context_length} tokens)", activations, False),
+             Row("logits and loss", logits, False)]
+    return rows
+
+
+def host_rows(held: Held, cfg: Config) -> list[Row]:
+    ranks = cfg.hardware.gpus_per_node
+    rows = [Row(f"{ranks} rank processes before loading", ranks * HOST_BASELINE_GIB * GIB, False),
+            Row("loading: each rank's largest tensor read and quantized",
+                ranks * 2 * held.largest_linear * TORCH_DTYPES[cfg.model.dtype].itemsize, False)]
+    if cfg.fsdp.cpu_offload:
+        rows += [Row(f"offloaded {r.name}, {ranks} ranks", ranks * r.bytes, r.exact) for r in resident_rows(held, cfg)]
+    return rows
+
+
+def plan(cfg: Config, held: Held | None = None) -> Plan:
+    """Needs a process group of the recipe's world size (see plan_recipe for the fake one)."""
+    world = cfg.hardware.gpus_per_node * cfg.hardware.nodes
+    hf_config = planning_config(cfg)
+    held = held or held_bytes(sharded_meta_model(cfg, world), cfg)
+    gpu = compute_rows(held, cfg, hf_config, is_sharded(cfg, world))
+    if not cfg.fsdp.cpu_offload:
+        gpu = resident_rows(held, cfg) + gpu
+    allocated = sum(r.bytes for r in gpu)
+    gpu.append(Row("CUDA context and allocator slack", CUDA_CONTEXT_GIB * GIB + ALLOCATOR_SLACK * allocated, False))
+    result = Plan(gpu, host_rows(held, cfg), gpu_spec(cfg).memory_gib, cfg.hardware.host_ram_gib, world)
+    result.notes.append(f"{held.base_parameters / 1e9:.2f}B base parameters, world size {world}")
+    return result
+
+
+def variants(cfg: Config) -> list[tuple[str, Config]]:
+    """Changes that shrink the footprint, the ones that keep the most throughput first."""
+    changes: list[tuple[str, dict[str, object]]] = []
+    if cfg.checkpointing.mode != "every_layer":
+        changes.append(("checkpointing.mode=every_layer", {"checkpointing.mode": "every_layer"}))
+    if cfg.data.micro_batch_size > 1:
+        half, accum = max(1, cfg.data.micro_batch_size // 2), cfg.data.grad_accum_steps * 2
+        changes.append((f"data.micro_batch_size={half} data.grad_accum_steps={accum} (same effective batch)",
+                        {"data.micro_batch_size": half, "data.grad_accum_steps": accum}))
+    if cfg.data.context_length > 512:
+        changes.append((f"data.context_length={cfg.data.context_length // 2}",
+                        {"data.context_length": cfg.data.context_length // 2}))
+    if cfg.lora.r > 8:
+        changes.append((f"lora.r={cfg.lora.r // 2}", {"lora.r": cfg.lora.r // 2}))
+    if not cfg.fsdp.cpu_offload:
+        changes.append(("fsdp_preset=full_shard_cpu_offload (slower: the optimizer step runs on the CPU)",
+                        {"fsdp.cpu_offload": True}))
+    out = []
+    for label, values in changes:
+        changed = copy.deepcopy(cfg)
+        for dotted, value in values.items():
+            section, key = dotted.split(".")
+            setattr(getattr(changed, section), key, value)
+        out.append((label, changed))
+    return out
+
+
+def suggestions(cfg: Config, held: Held) -> list[str]:
+    """Each single change that makes a misfit fit, with the total it gives."""
+    found = []
+    for label, changed in variants(cfg):
+        same_shapes = changed.lora.r == cfg.lora.r
+        result = plan(changed, held if same_shapes else None)
+        if result.fits:
+            found.append(f"{label}: {result.gpu_total / GIB:.1f} GiB a GPU")
+    return found
+
+
+def format_rows(rows: list[Row]) -> list[str]:
+    lines = ["| item | GiB | |", "| --- | ---: | --- |"]
+    lines += [f"| {r.name} | {r.bytes / GIB:.2f} | {'exact' if r.exact else 'estimate'} |" for r in rows]
+    return lines
+
+
+def report(cfg: Config) -> tuple[str, bool]:
+    """The planner's table and verdict for a recipe; (text, fits)."""
+    world = cfg.hardware.gpus_per_node * cfg.hardware.nodes
+    ensure_process_group(world)
+    held = held_bytes(sharded_meta_model(cfg, world), cfg)
+    result = plan(cfg, held)
+    gpu = f"{cfg.hardware.gpu} ({result.capacity_gib:g} GiB)"
+    lines = [f"plan for {cfg.model.path} on {world} x {gpu}: {'; '.join(result.notes)}", "",
+             "per GPU (rank 0):", *format_rows(result.gpu_rows),
+             f"| **total** | **{result.gpu_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |", "",
+             "host RAM, per node:", *format_rows(result.host_rows),
+             f"| **total** | **{result.host_total / GIB:.2f}** | "
+             f"{'of ' + format(result.host_capacity_gib, 'g') + ' GiB' if result.host_capacity_gib else 'unchecked'} |",
+             "", "FITS" if result.fits else "DOES NOT FIT"]
+    if not result.fits:
+        fixes = suggestions(cfg, held)
+        lines += ["changes that make it fit, most throughput kept first:", *[f"  - {f}" for f in fixes]] if fixes \
+            else ["no single change makes it fit; combine them, or use more GPUs"]
+    return "\n".join(lines), result.fits
+
+
+def ensure_process_group(world_size: int) -> None:
+    """A fake process group of the recipe's world size, unless one exists (then it must be that size)."""
+    import torch.distributed as dist
+
+    from qlora_fsdp.distributed import init_fake_distributed
+
+    if not dist.is_initialized():
+        init_fake_distributed(world_size, torch.device("cpu"))
+    elif dist.get_world_size() != world_size:
+        raise ValueError(f"planning for world size {world_size} inside a process group of {dist.get_world_size()}")
