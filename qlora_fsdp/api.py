@@ -14,6 +14,7 @@ from qlora_fsdp.checkpoint import Checkpointer
 from qlora_fsdp.config import Config, to_dict, to_yaml
 from qlora_fsdp.data import load_dataset
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
+from qlora_fsdp.hardware import peak_flops
 from qlora_fsdp.loading import load_weights, materialize
 from qlora_fsdp.metrics import MetricsLogger, format_summary
 from qlora_fsdp.model import build_meta_model, load_hf_config, load_tokenizer
@@ -68,6 +69,7 @@ def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
     logger.write(f"LoRA parameters {trainable:,} on a {base:,}-parameter 4-bit base")
     checkpointer = Checkpointer(out_dir, info, cfg.train.keep_last, to_yaml(cfg), tokenizer, cfg.model.path)
     trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger, checkpointer)
+    trainer.set_mfu_reference(base, peak_flops(info.device))
     if checkpoint is not None:
         trainer.resume(checkpoint)
     summary = trainer.train()

@@ -59,6 +59,8 @@ def format_progress(values: dict[str, float]) -> str:
             parts.append(f"lr={value:.2e}")
         elif key in ("tokens_per_s",):
             parts.append(f"tok/s={value:,.0f}")
+        elif key == "mfu":
+            parts.append(f"mfu={value:.1%}")
         else:
             parts.append(f"{key}={value:.4f}")
     return " ".join(parts)

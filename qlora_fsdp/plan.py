@@ -20,29 +20,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoConfig, PretrainedConfig
 
 from qlora_fsdp.config import REPO_ROOT, Config
+from qlora_fsdp.hardware import GPU, GPUS
 from qlora_fsdp.model import TORCH_DTYPES, build_meta_model, decoder_layers, load_hf_config
 from qlora_fsdp.sharding import apply_activation_checkpointing, shard_model
 
 GIB = 2**30
 
 
-@dataclass(frozen=True)
-class GPU:
-    memory_gib: float
-    bf16_tflops: float  # dense peak, for MFU
-
-
-GPUS = {  # vendor datasheet figures (dense bf16 tensor throughput)
-    "rtx3090": GPU(24.0, 71.0),
-    "rtx4090": GPU(24.0, 165.2),
-    "rtx6000ada": GPU(48.0, 364.2),
-    "l4": GPU(24.0, 121.0),
-    "a100-40gb": GPU(40.0, 312.0),
-    "a100-80gb": GPU(80.0, 312.0),
-    "h100": GPU(79.6, 989.0),
-    "h200": GPU(139.8, 989.0),
-    "cpu": GPU(math.inf, 0.0),
-}
 CUDA_CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace: outside the caching allocator
 ALLOCATOR_SLACK = 0.05  # fragmentation, as a fraction of what the allocator holds
 HOST_BASELINE_GIB = 1.5  # a rank's Python, torch, transformers and bitsandbytes before any weight

@@ -104,6 +104,18 @@ class Trainer:
         self.step, self.skipped_steps, self.bad_in_a_row = 0, 0, 0
         self.last_checkpoint: Path | None = None
         self.stop = GracefulStop()
+        self.flops_per_token = 0.0  # set with set_mfu_reference; 0: no MFU (unknown device)
+        self.peak_flops = 0.0
+
+    def set_mfu_reference(self, base_parameters: int, peak_flops_per_device: float | None) -> None:
+        """MFU counts 6N FLOP a token: forward 2N, its recompute under checkpointing 2N, input gradients 2N
+        (the frozen base has no weight gradients)."""
+        if peak_flops_per_device:
+            self.flops_per_token = 6.0 * base_parameters
+            self.peak_flops = peak_flops_per_device * self.info.world_size
+
+    def mfu(self, tokens_per_s: float) -> dict[str, float]:
+        return {"mfu": tokens_per_s * self.flops_per_token / self.peak_flops} if self.peak_flops else {}
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides weights, optimizer state and RNG (those go through DCP)."""
@@ -178,11 +190,12 @@ class Trainer:
             self.step += 1
             tokens += stats["tokens"]
             samples += stats.pop("samples")
-            record = {"step": self.step, **stats, "tokens_per_s": stats["tokens"] / elapsed, "step_time_s": elapsed}
+            rate = stats["tokens"] / elapsed
+            record = {"step": self.step, **stats, "tokens_per_s": rate, **self.mfu(rate), "step_time_s": elapsed}
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != cfg.max_steps and self.eval_samples:
                 record.update(eval_record(self.evaluate()))
             self.logger.log(record)
-            shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "tokens_per_s")
+            shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "tokens_per_s", "mfu")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
             self.check_bad_steps(record)
             stop = self.stop.requested(self.info.device)
@@ -210,7 +223,8 @@ class Trainer:
             self.logger.log({"step": self.step, **eval_record(final_eval)})
         summary = {"train_runtime_s": wall, "steps": self.step, "skipped_steps": self.skipped_steps,
                    "samples": samples, "samples_per_s": samples / wall, "tokens": int(tokens),
-                   "tokens_per_s": tokens / wall, "eval_loss_start": first_eval, "eval_loss_end": final_eval,
+                   "tokens_per_s": tokens / wall, **self.mfu(tokens / wall), "eval_loss_start": first_eval,
+                   "eval_loss_end": final_eval,
                    "eval_ppl_end": math.exp(final_eval) if math.isfinite(final_eval) else math.nan,
                    "peak_memory_gb_max_rank": all_reduce_max(peak_memory_gb(self.info.device), self.info.device)}
         if stopped:

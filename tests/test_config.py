@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from qlora_fsdp.config import ConfigError, load_config
+from qlora_fsdp.hardware import GPUS
 from tests.helpers import REPO
 
 
@@ -79,3 +80,11 @@ def test_resume_flag_with_or_without_a_checkpoint():
     assert latest.returncode == 0 and "resume: auto" in latest.stdout and "lr: 0.5" in latest.stdout
     given = run_train("--recipe", "tiny_cpu", "--resume", "runs/a/checkpoints/step-000100", "--print-config")
     assert given.returncode == 0 and "resume: runs/a/checkpoints/step-000100" in given.stdout
+
+
+def test_every_shipped_recipe_loads():
+    names = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    assert {"tiny_cpu", "llama70b_2x4090", "llama70b_2x3090", "llama3_8b_1x4090"} <= set(names)
+    for name in names:
+        cfg = load_config(name, [])
+        assert cfg.hardware.gpu in GPUS, name

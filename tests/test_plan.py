@@ -73,3 +73,18 @@ def test_70b_on_two_4090s_needs_offload():
     assert "full_shard DOES NOT FIT" in result.stdout and "full_shard_cpu_offload FITS" in result.stdout
     assert "- fsdp_preset=full_shard_cpu_offload" in result.stdout  # the fix is named
     assert "70.55B base parameters" in result.stdout
+
+
+def test_mfu_counts_6n_flops_a_token():
+    from types import SimpleNamespace
+
+    from qlora_fsdp.trainer import Trainer
+
+    trainer = object.__new__(Trainer)  # only the MFU bookkeeping is exercised
+    trainer.info, trainer.flops_per_token, trainer.peak_flops = SimpleNamespace(world_size=2), 0.0, 0.0
+    trainer.set_mfu_reference(70_553_706_496, None)  # unknown device (CPU): no MFU reported
+    assert trainer.mfu(477.0) == {}
+    trainer.set_mfu_reference(70_553_706_496, 165.2e12)
+    # Answer.AI's published 70B run: 477 tokens/s on 2x RTX 4090
+    assert trainer.mfu(477.0)["mfu"] == pytest.approx(477.0 * 6 * 70_553_706_496 / (2 * 165.2e12))
+    assert 0.60 < trainer.mfu(477.0)["mfu"] < 0.62
