@@ -233,7 +233,9 @@ def plan(cfg: Config, held: Held | None = None) -> Plan:
     allocated = sum(r.bytes for r in gpu)
     gpu.append(Row("CUDA context and allocator slack", CUDA_CONTEXT_GIB * GIB + ALLOCATOR_SLACK * allocated, False))
     result = Plan(gpu, host_rows(held, cfg), gpu_spec(cfg).memory_gib, cfg.hardware.host_ram_gib, world)
-    result.notes.append(f"{held.base_parameters / 1e9:.2f}B base parameters, world size {world}")
+    n = held.base_parameters
+    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    result.notes.append(f"{count} base parameters, world size {world}")
     return result
 
 
