@@ -20,13 +20,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoConfig, PretrainedConfig
 
 from qlora_fsdp.config import REPO_ROOT, Config
+from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.hardware import GPU, GPUS
 from qlora_fsdp.model import TORCH_DTYPES, build_meta_model, decoder_layers, load_hf_config
 from qlora_fsdp.sharding import apply_activation_checkpointing, shard_model
 
 GIB = 2**30
-
-
 CUDA_CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace: outside the caching allocator
 ALLOCATOR_SLACK = 0.05  # fragmentation, as a fraction of what the allocator holds
 HOST_BASELINE_GIB = 1.5  # a rank's Python, torch, transformers and bitsandbytes before any weight
@@ -183,9 +182,11 @@ def activation_bytes(cfg: Config, hf_config: object, micro_batch: int) -> tuple[
 
 
 def gpu_spec(cfg: Config) -> GPU:
+    if cfg.hardware.gpu not in GPUS:
+        raise ConfigError(f"unknown hardware.gpu '{cfg.hardware.gpu}': choose one of {', '.join(GPUS)} "
+                          "(or the nearest, with hardware.gpu_memory_gib set)")
     spec = GPUS[cfg.hardware.gpu]
-    memory = cfg.hardware.gpu_memory_gib or spec.memory_gib
-    return GPU(memory, spec.bf16_tflops)
+    return GPU(cfg.hardware.gpu_memory_gib or spec.memory_gib, spec.bf16_tflops)
 
 
 def resident_rows(held: Held, cfg: Config) -> list[Row]:
@@ -285,6 +286,7 @@ def format_rows(rows: list[Row]) -> list[str]:
 
 def report(cfg: Config) -> tuple[str, bool]:
     """The planner's table and verdict for a recipe; (text, fits)."""
+    gpu_spec(cfg)  # a mistyped GPU name fails here, before the model is built
     world = cfg.hardware.gpus_per_node * cfg.hardware.nodes
     ensure_process_group(world)
     held = held_bytes(sharded_meta_model(cfg, world), cfg)
