@@ -27,7 +27,7 @@ def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
             state[clean_name(name)] = full.cpu().clone()
     return state
 

@@ -136,6 +136,10 @@ class HardwareConfig:
     gpu_memory_gib: float | None = None  # None: the table's figure for `gpu`
     host_ram_gib: float | None = None  # per node; None: not checked
 
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
 
 @dataclass
 class Config:

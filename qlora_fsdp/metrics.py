@@ -16,6 +16,12 @@ import torch
 from tqdm import tqdm
 
 
+def proc_status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM, RssAnon, ...), in bytes."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024  # the file gives kB
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak accelerator memory on GPU; peak resident host memory of this process on CPU."""
     if device.type == "cuda":

@@ -132,6 +132,17 @@ def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
     return model
 
 
+def base_parameter_count(model: nn.Module) -> int:
+    """Frozen parameters of the whole model (global, not per shard); a 4-bit weight counts its unpacked size."""
+    count = 0
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                is_packed = isinstance(module, bnb.nn.Linear4bit) and name == "weight"
+                count += module.in_features * module.out_features if is_packed else param.numel()
+    return count
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks, found from the model (its `_no_split_modules`, else the longest ModuleList)."""
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from qlora_fsdp.config import OptimConfig
+from qlora_fsdp.sharding import local_shard
 
 OPTIMIZERS = {
     "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
@@ -25,16 +26,12 @@ OPTIMIZERS = {
 }
 
 
-def local_view(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 class ShardedOptimizer:
     """Runs an optimizer over the local shards of (possibly DTensor) parameters."""
 
     def __init__(self, params: Iterable[nn.Parameter], optim: OptimConfig) -> None:
         self.params = [p for p in params if p.requires_grad]
-        self.locals = [local_view(p).detach().requires_grad_(True) for p in self.params]
+        self.locals = [local_shard(p).detach().requires_grad_(True) for p in self.params]
         kwargs = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
         self.inner = OPTIMIZERS[optim.name](self.locals, **kwargs)
 
@@ -44,7 +41,7 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         for param, local in zip(self.params, self.locals, strict=True):
-            local.grad = None if param.grad is None else local_view(param.grad)
+            local.grad = None if param.grad is None else local_shard(param.grad)
         self.inner.step()
 
     def zero_grad(self) -> None:

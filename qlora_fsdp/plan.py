@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import bitsandbytes as bnb
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import AutoConfig, PretrainedConfig
 
 from qlora_fsdp.config import REPO_ROOT, Config
+from qlora_fsdp.distributed import init_fake_distributed
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.hardware import GPU, GPUS
-from qlora_fsdp.model import TORCH_DTYPES, build_meta_model, decoder_layers, load_hf_config
-from qlora_fsdp.sharding import apply_activation_checkpointing, shard_model
+from qlora_fsdp.model import TORCH_DTYPES, base_parameter_count, decoder_layers, load_hf_config
+from qlora_fsdp.sharding import local_shard, sharded_meta_model, uses_fsdp
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace: outside the caching allocator
@@ -47,8 +49,7 @@ class Plan:
     host_rows: list[Row]
     capacity_gib: float
     host_capacity_gib: float | None
-    world_size: int
-    notes: list[str] = field(default_factory=list)
+    description: str
 
     @property
     def gpu_total(self) -> float:
@@ -62,10 +63,6 @@ class Plan:
     def fits(self) -> bool:
         host_ok = self.host_capacity_gib is None or self.host_total <= self.host_capacity_gib * GIB
         return self.gpu_total <= self.capacity_gib * GIB and host_ok
-
-
-def local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -101,18 +98,18 @@ def planning_config(cfg: Config) -> PretrainedConfig:
     return load_hf_config(cfg)
 
 
-def is_sharded(cfg: Config, world_size: int) -> bool:
-    return world_size > 1 or cfg.fsdp.cpu_offload  # the rule api.build_model follows
+def planning_mesh(world_size: int) -> DeviceMesh:
+    """A mesh of the recipe's world size over a fake process group, unless one exists (then it must match)."""
+    if not dist.is_initialized():
+        return init_fake_distributed(world_size, torch.device("cpu")).mesh
+    if dist.get_world_size() != world_size:
+        raise ValueError(f"planning for world size {world_size} inside a process group of {dist.get_world_size()}")
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
 
 
-def sharded_meta_model(cfg: Config, world_size: int) -> nn.Module:
-    """The recipe's model on the meta device, sharded as rank 0 of `world_size` would hold it. Needs a process
-    group of that size; on a laptop a fake one (distributed.init_fake_distributed) stands in."""
-    model = build_meta_model(cfg, planning_config(cfg))
-    apply_activation_checkpointing(model, cfg.checkpointing)
-    if is_sharded(cfg, world_size):
-        shard_model(model, cfg.fsdp, init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",)))
-    return model
+def meta_held(cfg: Config, mesh: DeviceMesh) -> Held:
+    """Exact bytes from the recipe's model built and sharded as training does it, on the meta device."""
+    return held_bytes(sharded_meta_model(cfg, planning_config(cfg), mesh), cfg)
 
 
 @dataclass
@@ -132,25 +129,24 @@ class Held:
 
 def held_bytes(model: nn.Module, cfg: Config) -> Held:
     held = Held()
-    packed = {}
+    packed = set()
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             n = module.in_features * module.out_features
-            packed[id(module.weight)] = n
+            packed.add(id(module.weight))
             held.quant_state += quant_state_bytes(n, cfg.quant.blocksize, cfg.quant.double_quant)
             held.largest_linear = max(held.largest_linear, n)
     for param in model.parameters():
-        shard = local(param)
+        shard = local_shard(param)
         if param.requires_grad:
             held.lora += nbytes(shard)
             held.grads += shard.numel() * 4  # gradients of the fp32 LoRA weights
             held.optimizer += optimizer_state_bytes(shard.numel(), cfg.optim.name)
         elif id(param) in packed:
             held.base_4bit += nbytes(shard)
-            held.base_parameters += packed[id(param)]
         else:
             held.other_base += nbytes(shard)
-            held.base_parameters += param.numel()
+    held.base_parameters = base_parameter_count(model)
     layers = decoder_layers(model)
     held.layer_gathered = max(sum(nbytes(p) for p in layer.parameters()) for layer in layers)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
@@ -223,21 +219,17 @@ def host_rows(held: Held, cfg: Config) -> list[Row]:
     return rows
 
 
-def plan(cfg: Config, held: Held | None = None) -> Plan:
-    """Needs a process group of the recipe's world size (see plan_recipe for the fake one)."""
-    world = cfg.hardware.gpus_per_node * cfg.hardware.nodes
-    hf_config = planning_config(cfg)
-    held = held or held_bytes(sharded_meta_model(cfg, world), cfg)
-    gpu = compute_rows(held, cfg, hf_config, is_sharded(cfg, world))
+def plan(cfg: Config, held: Held) -> Plan:
+    """The plan for `cfg`, from the bytes its sharded model holds (or a config's with the same shapes)."""
+    gpu = compute_rows(held, cfg, planning_config(cfg), uses_fsdp(cfg.fsdp, cfg.hardware.world_size))
     if not cfg.fsdp.cpu_offload:
         gpu = resident_rows(held, cfg) + gpu
     allocated = sum(r.bytes for r in gpu)
     gpu.append(Row("CUDA context and allocator slack", CUDA_CONTEXT_GIB * GIB + ALLOCATOR_SLACK * allocated, False))
-    result = Plan(gpu, host_rows(held, cfg), gpu_spec(cfg).memory_gib, cfg.hardware.host_ram_gib, world)
     n = held.base_parameters
     count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    result.notes.append(f"{count} base parameters, world size {world}")
-    return result
+    description = f"{count} base parameters, world size {cfg.hardware.world_size}"
+    return Plan(gpu, host_rows(held, cfg), gpu_spec(cfg).memory_gib, cfg.hardware.host_ram_gib, description)
 
 
 def variants(cfg: Config) -> list[tuple[str, Config]]:
@@ -267,12 +259,12 @@ def variants(cfg: Config) -> list[tuple[str, Config]]:
     return out
 
 
-def suggestions(cfg: Config, held: Held) -> list[str]:
+def suggestions(cfg: Config, held: Held, mesh: DeviceMesh) -> list[str]:
     """Each single change that makes a misfit fit, with the total it gives."""
     found = []
     for label, changed in variants(cfg):
-        same_shapes = changed.lora.r == cfg.lora.r
-        result = plan(changed, held if same_shapes else None)
+        same_shapes = changed.lora.r == cfg.lora.r  # only the rank changes what is allocated
+        result = plan(changed, held if same_shapes else meta_held(changed, mesh))
         if result.fits:
             found.append(f"{label}: {result.gpu_total / GIB:.1f} GiB a GPU")
     return found
@@ -287,32 +279,19 @@ def format_rows(rows: list[Row]) -> list[str]:
 def report(cfg: Config) -> tuple[str, bool]:
     """The planner's table and verdict for a recipe; (text, fits)."""
     gpu_spec(cfg)  # a mistyped GPU name fails here, before the model is built
-    world = cfg.hardware.gpus_per_node * cfg.hardware.nodes
-    ensure_process_group(world)
-    held = held_bytes(sharded_meta_model(cfg, world), cfg)
+    mesh = planning_mesh(cfg.hardware.world_size)
+    held = meta_held(cfg, mesh)
     result = plan(cfg, held)
     gpu = f"{cfg.hardware.gpu} ({result.capacity_gib:g} GiB)"
-    lines = [f"plan for {cfg.model.path} on {world} x {gpu}: {'; '.join(result.notes)}", "",
+    host_capacity = f"of {result.host_capacity_gib:g} GiB" if result.host_capacity_gib else "unchecked"
+    lines = [f"plan for {cfg.model.path} on {cfg.hardware.world_size} x {gpu}: {result.description}", "",
              "per GPU (rank 0):", *format_rows(result.gpu_rows),
              f"| **total** | **{result.gpu_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |", "",
              "host RAM, per node:", *format_rows(result.host_rows),
-             f"| **total** | **{result.host_total / GIB:.2f}** | "
-             f"{'of ' + format(result.host_capacity_gib, 'g') + ' GiB' if result.host_capacity_gib else 'unchecked'} |",
+             f"| **total** | **{result.host_total / GIB:.2f}** | {host_capacity} |",
              "", "FITS" if result.fits else "DOES NOT FIT"]
     if not result.fits:
-        fixes = suggestions(cfg, held)
+        fixes = suggestions(cfg, held, mesh)
         lines += ["changes that make it fit, most throughput kept first:", *[f"  - {f}" for f in fixes]] if fixes \
             else ["no single change makes it fit; combine them, or use more GPUs"]
     return "\n".join(lines), result.fits
-
-
-def ensure_process_group(world_size: int) -> None:
-    """A fake process group of the recipe's world size, unless one exists (then it must be that size)."""
-    import torch.distributed as dist
-
-    from qlora_fsdp.distributed import init_fake_distributed
-
-    if not dist.is_initialized():
-        init_fake_distributed(world_size, torch.device("cpu"))
-    elif dist.get_world_size() != world_size:
-        raise ValueError(f"planning for world size {world_size} inside a process group of {dist.get_world_size()}")

@@ -15,9 +15,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
 
-from qlora_fsdp.config import CheckpointingConfig, FSDPConfig
-from qlora_fsdp.model import TORCH_DTYPES, decoder_layers
+from qlora_fsdp.config import CheckpointingConfig, Config, FSDPConfig
+from qlora_fsdp.model import TORCH_DTYPES, build_meta_model, decoder_layers
 
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
@@ -83,3 +85,24 @@ def shard_model(model: nn.Module, fsdp: FSDPConfig, mesh: DeviceMesh) -> None:
 def clean_name(name: str) -> str:
     """Parameter name without the checkpoint wrapper's prefix, as PEFT and checkpoints spell it."""
     return name.replace(CHECKPOINT_PREFIX, "")
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) parameter or gradient."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def uses_fsdp(fsdp: FSDPConfig, world_size: int) -> bool:
+    """Several ranks, or offload, need FSDP2; for one process without offload the wrap would only add copies
+    (measured 8% fewer tokens/s, tiny_cpu, one process)."""
+    return world_size > 1 or fsdp.cpu_offload
+
+
+def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh, shard: bool = True) -> nn.Module:
+    """Meta build -> checkpointing -> fully_shard (where FSDP is used): the model as this rank will hold it,
+    before a byte is allocated. Training then allocates and loads it; the planner only measures it."""
+    model = build_meta_model(cfg, hf_config)
+    apply_activation_checkpointing(model, cfg.checkpointing)
+    if shard and uses_fsdp(cfg.fsdp, mesh.size()):
+        shard_model(model, cfg.fsdp, mesh)
+    return model

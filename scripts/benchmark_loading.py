@@ -26,6 +26,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from qlora_fsdp.metrics import proc_status_bytes  # noqa: E402
+
 GB = 2**30
 CONFIG = {  # a TinyLlama-like shape, 16 layers: about 1.0B parameters
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 2048,
@@ -71,11 +73,6 @@ def write_checkpoint(out: Path) -> tuple[int, int]:
     return n_params, sum(sorted(sizes)[-2:])
 
 
-def status_kib(field: str) -> int:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
 def reset_peak_rss() -> None:
     """Start the peak (VmHWM) afresh. ru_maxrss cannot be used: a spawned child inherits its parent's peak,
     and the parent held the generated checkpoint (that error put 1.76 GiB on both of our ranks)."""
@@ -92,7 +89,7 @@ class AnonPeak:
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self.peak = max(self.peak, status_kib("RssAnon"))
+            self.peak = max(self.peak, proc_status_bytes("RssAnon"))
             time.sleep(0.005)
 
     def __enter__(self) -> AnonPeak:
@@ -102,7 +99,7 @@ class AnonPeak:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.thread.join()
-        self.peak = max(self.peak, status_kib("RssAnon"))
+        self.peak = max(self.peak, proc_status_bytes("RssAnon"))
 
 
 def prepare_ours(model_dir: str) -> Callable[[], object]:
@@ -136,11 +133,11 @@ def worker(which: str, model_dir: str, rank: int, port: int, queue) -> None:
     import qlora_fsdp  # noqa: F401  (same imports for both paths before the baseline)
 
     load = (prepare_ours if which == "ours" else prepare_peer)(model_dir)
-    baseline, baseline_anon = status_kib("VmRSS"), status_kib("RssAnon")
+    baseline, baseline_anon = proc_status_bytes("VmRSS"), proc_status_bytes("RssAnon")
     reset_peak_rss()
     with AnonPeak() as anon:
         model = load()  # noqa: F841  (held until the peaks are read)
-    queue.put((which, rank, status_kib("VmHWM") - baseline, anon.peak - baseline_anon))
+    queue.put((which, rank, proc_status_bytes("VmHWM") - baseline, anon.peak - baseline_anon))
     import torch.distributed as dist
 
     dist.barrier()

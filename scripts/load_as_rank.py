@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,21 +27,14 @@ import bitsandbytes as bnb  # noqa: E402
 from qlora_fsdp.api import build_model  # noqa: E402
 from qlora_fsdp.config import load_config  # noqa: E402
 from qlora_fsdp.distributed import cleanup, init_fake_distributed  # noqa: E402
+from qlora_fsdp.metrics import proc_status_bytes  # noqa: E402
+from qlora_fsdp.sharding import local_shard  # noqa: E402
 
 GB = 2**30
 
 
 def size(n_bytes: float) -> str:
     return f"{n_bytes / GB:.2f} GiB" if n_bytes >= GB / 10 else f"{n_bytes / 2**20:.2f} MiB"
-
-
-def peak_rss() -> int:
-    status = Path("/proc/self/status").read_text().splitlines()
-    return int(next(x for x in status if x.startswith("VmHWM:")).split()[1]) * 1024
-
-
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def quant_state_bytes(state: object) -> int:
@@ -62,7 +54,7 @@ def held_bytes(model: torch.nn.Module) -> dict[str, int]:
             packed_ids.add(id(module.weight))
             held["quantization state"] += quant_state_bytes(module.quant_state)
     for param in model.parameters():
-        local = local_tensor(param)
+        local = local_shard(param)
         size = local.numel() * local.element_size()
         kind = "LoRA weights" if param.requires_grad else "other base weights"
         held["4-bit base (packed)" if id(param) in packed_ids else kind] += size
@@ -78,7 +70,7 @@ def main() -> None:
     cfg = load_config(args.recipe, args.overrides)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     info = init_fake_distributed(args.world_size, device)
-    baseline_rss, started = psutil.Process().memory_info().rss, time.perf_counter()
+    baseline_rss, started = proc_status_bytes("VmRSS"), time.perf_counter()
     model = build_model(cfg, info)
     seconds = time.perf_counter() - started
     rows = [(kind, size(n_bytes)) for kind, n_bytes in held_bytes(model).items()]
@@ -86,7 +78,7 @@ def main() -> None:
     if device.type == "cuda":
         rows.append(("peak GPU memory allocated", size(torch.cuda.max_memory_allocated())))
         rows.append(("peak GPU memory reserved", size(torch.cuda.max_memory_reserved())))
-    rows.append(("host RSS: peak - before loading", size(peak_rss() - baseline_rss)))
+    rows.append(("host RSS: peak - before loading", size(proc_status_bytes("VmHWM") - baseline_rss)))
     print(f"\n{cfg.model.path} ({cfg.model.init} weights), rank 0 of a fake world of {args.world_size} on {device}\n")
     print("| what rank 0 holds | size |\n| --- | --- |")
     print("\n".join(f"| {name} | {value} |" for name, value in rows))

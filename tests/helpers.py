@@ -77,17 +77,6 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from qlora_fsdp.sharding import clean_name
-
-    out = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            out[clean_name(name)] = full.detach().cpu().clone()
-    return out
-
-
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys() and a
     diff = sum((a[k].double() - b[k].double()).pow(2).sum() for k in a) ** 0.5

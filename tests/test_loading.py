@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from qlora_fsdp.api import build_model
 from qlora_fsdp.errors import ModelLoadError
+from qlora_fsdp.sharding import local_shard
 from qlora_fsdp.trainer import loss_sum
 from tests.helpers import (
     batches,
@@ -72,7 +73,7 @@ def test_random_init_needs_only_config_and_is_world_size_independent(tiny_model_
 def local_shards(info, cfg):
     """Every base parameter's local shard on this rank, as raw bytes (plus each layer's quantization state)."""
     model = build_model(cfg, info)
-    shards = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+    shards = {name: local_shard(p).detach().clone()
               for name, p in model.named_parameters() if not p.requires_grad}
     shards.update({f"{name}.absmax": m.quant_state.absmax.clone() for name, m in model.named_modules()
                    if isinstance(m, bnb.nn.Linear4bit)})

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch.distributed.fsdp import FSDPModule
 
+from qlora_fsdp.adapter import gather_trainable_state
 from qlora_fsdp.api import build_model
 from qlora_fsdp.checkpoint_files import weight_files
 from qlora_fsdp.data import IGNORE_INDEX
@@ -19,7 +20,6 @@ from qlora_fsdp.trainer import accumulate_gradients, set_gradient_sync
 from tests.helpers import (
     batches,
     full_grads,
-    full_params,
     relative_difference,
     run_ranks,
     run_ranks_sequence,
@@ -51,10 +51,10 @@ def naive_mean_of_means(info, cfg, micro_batches_per_rank):
 
 def sgd_update(info, cfg, micro_batches_per_rank):
     model = build_model(cfg, info)
-    before = full_params(model)
+    before = gather_trainable_state(model)
     accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
     torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
-    after = full_params(model)
+    after = gather_trainable_state(model)
     return {"delta": {k: after[k] - before[k] for k in before}}
 
 

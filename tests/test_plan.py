@@ -21,8 +21,11 @@ def tensor_bytes(values) -> int:
 
 def measured_and_planned(info, cfg, micro_batches_per_rank):
     """After one real optimizer step: bytes rank 0 holds, by kind, next to the planner's figures."""
+    from load_as_rank import quant_state_bytes as measured_quant_state_bytes  # scripts/, on the path via helpers
+
     from qlora_fsdp.optim import build_optimizer
-    from qlora_fsdp.plan import held_bytes, local, quant_state_bytes, sharded_meta_model
+    from qlora_fsdp.plan import meta_held, quant_state_bytes
+    from qlora_fsdp.sharding import local_shard
 
     model = build_model(cfg, info)
     optimizer = build_optimizer(model, cfg.optim)
@@ -31,18 +34,14 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     measured = {"lora": 0, "grads": 0, "base": 0, "optimizer": 0, "quant_state": 0}
     for param in model.parameters():
         if param.requires_grad:
-            measured["lora"] += tensor_bytes([local(param)])
-            measured["grads"] += tensor_bytes([local(param.grad)])
+            measured["lora"] += tensor_bytes([local_shard(param)])
+            measured["grads"] += tensor_bytes([local_shard(param.grad)])
         else:
-            measured["base"] += tensor_bytes([local(param)])
+            measured["base"] += tensor_bytes([local_shard(param)])
     measured["optimizer"] = sum(tensor_bytes(state.values()) for state in optimizer.inner.state.values())
-    for module in model.modules():
-        state = getattr(module, "quant_state", None)
-        if state is not None:
-            tensors = [state.absmax, state.code] + ([state.state2.absmax, state.state2.code, state.offset]
-                                                    if state.nested else [])
-            measured["quant_state"] += tensor_bytes(tensors)
-    held = held_bytes(sharded_meta_model(cfg, info.world_size), cfg)
+    measured["quant_state"] = sum(measured_quant_state_bytes(module.quant_state) for module in model.modules()
+                                  if getattr(module, "quant_state", None) is not None)
+    held = meta_held(cfg, info.mesh)
     planned = {"lora": held.lora, "grads": held.grads, "base": held.base_4bit + held.other_base,
                "optimizer": held.optimizer, "quant_state": held.quant_state}
     assert quant_state_bytes(64 * 64, 64, False) == 64 * 4 + 64  # absmax per block + the 16-value code
