@@ -9,6 +9,7 @@ import peft
 import torch
 
 from qlora_fsdp.adapter import export_adapter
+from qlora_fsdp.batch_size import describe_batch
 from qlora_fsdp.checkpoint import Checkpointer
 from qlora_fsdp.config import Config, to_dict, to_yaml
 from qlora_fsdp.data import load_dataset
@@ -18,6 +19,7 @@ from qlora_fsdp.loading import load_weights, materialize
 from qlora_fsdp.metrics import MetricsLogger, format_summary
 from qlora_fsdp.model import base_parameter_count, load_hf_config, load_tokenizer
 from qlora_fsdp.optim import build_optimizer, build_scheduler
+from qlora_fsdp.plan import resolve_run_batch
 from qlora_fsdp.run_dir import prepare_run_dir
 from qlora_fsdp.sharding import sharded_meta_model
 from qlora_fsdp.trainer import Trainer
@@ -39,13 +41,15 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
     """Train the recipe end to end, resuming where it says so; returns the summary. Every rank calls this."""
-    info = info or init_distributed()
+    info = info or init_distributed(cfg.fsdp.shard_size)
     out_dir = Path(cfg.train.output_dir)
     checkpoint = decide_on_main(lambda: prepare_run_dir(out_dir, cfg.train))  # before any rank writes
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
     model = build_model(cfg, info)
+    recipe = cfg  # as written (auto micro-batch, unscaled lr); cfg from here on is what this run uses
+    cfg = decide_on_main(lambda: resolve_run_batch(recipe, model, info))
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     logger = MetricsLogger(out_dir, cfg.train.max_steps, enabled=info.is_main)
@@ -54,6 +58,7 @@ def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
     logger.write(f"world size {info.world_size} on {info.device.type}; data: "
                  f"{data.describe(cfg.data.context_length, cfg.data.overlong)}")
     logger.write(f"LoRA parameters {trainable:,} on a {base:,}-parameter 4-bit base")
+    logger.write(describe_batch(recipe, cfg, info.world_size))
     checkpointer = Checkpointer(out_dir, info, cfg.train.keep_last, to_yaml(cfg), tokenizer, cfg.model.path)
     trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger, checkpointer)
     trainer.set_mfu_reference(base, peak_flops(info.device))

@@ -58,6 +58,8 @@ class FSDPConfig:
     cpu_offload: bool = False  # sharded params, grads and optimizer state live in host RAM
     param_dtype: DType | None = None  # None: compute in storage dtypes (the 4-bit storage is never cast)
     reduce_dtype: DType = "float32"
+    shard_size: int | None = None  # None: shard over all ranks; n: HSDP, shard within groups of n ranks
+    # (a node), replicate across the groups, so the parameter all-gathers stay on the fast local links
 
 
 @dataclass
@@ -77,6 +79,8 @@ class OptimConfig:
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # cosine/linear decay floor, as a fraction of lr
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr by (effective batch / lr_base_batch)
+    lr_base_batch: int | None = None  # the effective batch (rows) that `lr` was tuned for
 
 
 DataFormat = Literal["alpaca", "chat", "sharegpt", "text"]
@@ -105,8 +109,10 @@ class DataConfig:
     overlong: Literal["truncate", "drop", "split"] = "truncate"  # samples longer than context_length
     packing: bool = False  # several samples per row, attention kept within each sample
     group_by_length: bool = True  # without packing: similar lengths share a micro-batch (less padding)
-    micro_batch_size: int = 4  # rows per rank per forward
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    micro_batch_size: int | Literal["auto"] = 4  # rows per rank per forward; auto: the largest the planner fits
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; derived when an effective batch is set
+    effective_batch: int | None = None  # rows (samples, or packed rows) per optimizer step over all ranks
+    effective_batch_tokens: int | None = None  # the same in tokens: effective_batch = this / context_length
     eval_samples: int = 200  # held out (seeded), never trained on
     eval_batch_size: int = 16
     cache_dir: str | None = None  # tokenized-dataset cache; None: the datasets library's default
@@ -366,7 +372,7 @@ def _describe(expected: Any) -> str:
     origin = typing.get_origin(expected)
     args = typing.get_args(expected)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
+        return repr(args[0]) if len(args) == 1 else "one of " + ", ".join(repr(a) for a in args)
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
     if origin is list:
@@ -383,7 +389,6 @@ def _describe(expected: Any) -> str:
 def validate(config: Config) -> Config:
     """Checks across fields that types alone cannot express."""
     positive = {
-        "data.micro_batch_size": config.data.micro_batch_size,
         "data.grad_accum_steps": config.data.grad_accum_steps,
         "data.context_length": config.data.context_length,
         "data.eval_batch_size": config.data.eval_batch_size,
@@ -396,6 +401,14 @@ def validate(config: Config) -> Config:
         "hardware.gpus_per_node": config.hardware.gpus_per_node,
         "hardware.nodes": config.hardware.nodes,
     }
+    optional_positive = {
+        "data.micro_batch_size": None if config.data.micro_batch_size == "auto" else config.data.micro_batch_size,
+        "data.effective_batch": config.data.effective_batch,
+        "data.effective_batch_tokens": config.data.effective_batch_tokens,
+        "optim.lr_base_batch": config.optim.lr_base_batch,
+        "fsdp.shard_size": config.fsdp.shard_size,
+    }
+    positive.update({key: value for key, value in optional_positive.items() if value is not None})
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"'{key}' must be at least 1, got {value}")
@@ -404,6 +417,23 @@ def validate(config: Config) -> Config:
         raise ConfigError(f"'fsdp.param_dtype' must be null or bfloat16, got {config.fsdp.param_dtype!r}")
     if config.optim.lr <= 0:
         raise ConfigError(f"'optim.lr' must be positive, got {config.optim.lr}")
+    _validate_batch(config)
     if config.train.save_every < 0:
         raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")
     return config
+
+
+def _validate_batch(config: Config) -> None:
+    data, optim = config.data, config.optim
+    if data.effective_batch is not None and data.effective_batch_tokens is not None:
+        raise ConfigError("set one of 'data.effective_batch' (rows) and 'data.effective_batch_tokens', not both")
+    has_target = data.effective_batch is not None or data.effective_batch_tokens is not None
+    if has_target and data.grad_accum_steps != 1:
+        raise ConfigError(f"'data.grad_accum_steps: {data.grad_accum_steps}' and an effective batch are both set; "
+                          "the effective batch derives the steps: remove one (or pass data.grad_accum_steps=1)")
+    if data.micro_batch_size == "auto" and not has_target:
+        raise ConfigError("'data.micro_batch_size: auto' needs a target: set 'data.effective_batch' (rows per "
+                          "optimizer step) or 'data.effective_batch_tokens'")
+    if optim.lr_scaling != "none" and optim.lr_base_batch is None:
+        raise ConfigError(f"'optim.lr_scaling: {optim.lr_scaling}' needs 'optim.lr_base_batch', the effective "
+                          "batch (rows) that optim.lr was tuned for")

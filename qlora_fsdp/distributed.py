@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from qlora_fsdp.errors import ConfigError
+
 T = TypeVar("T")
 
 
@@ -52,8 +54,21 @@ def elastic_attempt_store() -> dist.Store | None:
     return dist.PrefixStore(f"qlora_fsdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
-def init_distributed() -> DistInfo:
-    """Join the torchrun world, or make a world of one for a plain `python` run."""
+def data_parallel_mesh(device_type: str, world_size: int, shard_size: int | None = None) -> DeviceMesh:
+    """1-D (shard over every rank), or 2-D for HSDP: replicas across groups of `shard_size` ranks, each group
+    sharding the model, so FSDP's per-layer all-gathers stay inside a node and only gradients cross nodes."""
+    if shard_size is None or shard_size == world_size:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
+    if world_size % shard_size:
+        raise ConfigError(f"fsdp.shard_size {shard_size} does not divide the world size {world_size}: use a "
+                          "divisor (the GPUs of one node), or null to shard over all ranks")
+    return init_device_mesh(device_type, (world_size // shard_size, shard_size),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def init_distributed(shard_size: int | None = None) -> DistInfo:
+    """Join the torchrun world, or make a world of one for a plain `python` run; `shard_size` as in
+    data_parallel_mesh."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -73,11 +88,12 @@ def init_distributed() -> DistInfo:
             dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]))
     world_size = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    mesh = data_parallel_mesh(device.type, world_size, shard_size)
     return DistInfo(dist.get_rank(), local_rank, world_size, device, mesh)
 
 
-def init_fake_distributed(world_size: int, device: torch.device, rank: int = 0) -> DistInfo:
+def init_fake_distributed(world_size: int, device: torch.device, rank: int = 0,
+                          shard_size: int | None = None) -> DistInfo:
     """Act as one rank of a `world_size` world in this one process: collectives do nothing, but FSDP2 shards
     (and so allocates, loads and measures) exactly what that rank would. For planning and memory checks."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -85,7 +101,7 @@ def init_fake_distributed(world_size: int, device: torch.device, rank: int = 0) 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    mesh = data_parallel_mesh(device.type, world_size, shard_size)
     return DistInfo(rank, device.index or 0, world_size, device, mesh)
 
 

@@ -20,7 +20,7 @@ import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from qlora_fsdp.checkpoint_files import InMemoryTensor, StoredTensor, checkpoint_tensors
 from qlora_fsdp.config import Config
@@ -62,12 +62,15 @@ def rebuild_non_persistent_buffers(model: nn.Module, device: torch.device) -> No
 
 
 def shard_row_range(param: torch.Tensor, n_rows: int) -> tuple[int, int]:
-    """The rows of a full tensor this rank keeps for `param`: all, or FSDP2's `torch.chunk` dim-0 chunk."""
+    """The rows of a full tensor this rank keeps for `param`: all, or FSDP2's `torch.chunk` dim-0 chunk over
+    the mesh dimension that shards (HSDP replicates over the other)."""
     if not isinstance(param, DTensor):
         return 0, n_rows
-    if tuple(param.placements) != (Shard(0),):
-        raise ModelLoadError(f"unsupported placement {param.placements}; expected FSDP2's Shard(0)")
-    return chunk_rows(n_rows, param.device_mesh.size(), param.device_mesh.get_local_rank())
+    placements = tuple(param.placements)
+    if placements not in ((Shard(0),), (Replicate(), Shard(0))):
+        raise ModelLoadError(f"unsupported placement {placements}; expected FSDP2's Shard(0) or HSDP's")
+    mesh, shard_dim = param.device_mesh, len(placements) - 1
+    return chunk_rows(n_rows, mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
 
 
 def chunk_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:

@@ -9,7 +9,10 @@ and CUDA overhead are estimates from the architecture (formulas below), to be ch
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,11 +20,12 @@ import bitsandbytes as bnb
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, PretrainedConfig
 
-from qlora_fsdp.config import REPO_ROOT, Config
-from qlora_fsdp.distributed import init_fake_distributed
+from qlora_fsdp.batch_size import describe_batch, resolve_batch
+from qlora_fsdp.config import REPO_ROOT, Config, HardwareConfig
+from qlora_fsdp.distributed import DistInfo, data_parallel_mesh, init_fake_distributed
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.hardware import GPU, GPUS
 from qlora_fsdp.model import TORCH_DTYPES, base_parameter_count, decoder_layers, load_hf_config
@@ -98,13 +102,13 @@ def planning_config(cfg: Config) -> PretrainedConfig:
     return load_hf_config(cfg)
 
 
-def planning_mesh(world_size: int) -> DeviceMesh:
+def planning_mesh(world_size: int, shard_size: int | None = None) -> DeviceMesh:
     """A mesh of the recipe's world size over a fake process group, unless one exists (then it must match)."""
     if not dist.is_initialized():
-        return init_fake_distributed(world_size, torch.device("cpu")).mesh
+        return init_fake_distributed(world_size, torch.device("cpu"), shard_size=shard_size).mesh
     if dist.get_world_size() != world_size:
         raise ValueError(f"planning for world size {world_size} inside a process group of {dist.get_world_size()}")
-    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    return data_parallel_mesh("cpu", world_size, shard_size)
 
 
 def meta_held(cfg: Config, mesh: DeviceMesh) -> Held:
@@ -276,11 +280,37 @@ def format_rows(rows: list[Row]) -> list[str]:
     return lines
 
 
+def with_micro_batch(cfg: Config, micro: int) -> Config:
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, micro_batch_size=micro))
+
+
+def micro_batch_fits(cfg: Config, held: Held) -> Callable[[int], bool]:
+    return lambda micro: plan(with_micro_batch(cfg, micro), held).fits
+
+
+def this_run_hardware(cfg: Config, info: DistInfo) -> HardwareConfig:
+    """The hardware a run really has, for `micro_batch_size: auto` at launch: this GPU's own memory (or no
+    limit on CPU), the ranks torchrun started; the recipe's host RAM figure is kept."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    memory = torch.cuda.get_device_properties(info.device).total_memory / GIB if info.device.type == "cuda" else None
+    return dataclasses.replace(cfg.hardware, gpu="cpu", gpu_memory_gib=memory, gpus_per_node=local,
+                               nodes=max(1, info.world_size // local))
+
+
+def resolve_run_batch(cfg: Config, model: nn.Module, info: DistInfo) -> Config:
+    """`resolve_batch` for a launched run: the planner measures the model this rank really holds."""
+    run_cfg = dataclasses.replace(cfg, hardware=this_run_hardware(cfg, info))
+    fits = micro_batch_fits(run_cfg, held_bytes(model, cfg))
+    return resolve_batch(cfg, info.world_size, fits)
+
+
 def report(cfg: Config) -> tuple[str, bool]:
     """The planner's table and verdict for a recipe; (text, fits)."""
     gpu_spec(cfg)  # a mistyped GPU name fails here, before the model is built
-    mesh = planning_mesh(cfg.hardware.world_size)
+    mesh = planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size)
     held = meta_held(cfg, mesh)
+    fits = micro_batch_fits(cfg, held)  # an auto micro-batch where none fits plans 1, to show the misfit
+    recipe, cfg = cfg, resolve_batch(cfg, cfg.hardware.world_size, lambda micro: micro == 1 or fits(micro))
     result = plan(cfg, held)
     gpu = f"{cfg.hardware.gpu} ({result.capacity_gib:g} GiB)"
     host_capacity = f"of {result.host_capacity_gib:g} GiB" if result.host_capacity_gib else "unchecked"
@@ -289,7 +319,7 @@ def report(cfg: Config) -> tuple[str, bool]:
              f"| **total** | **{result.gpu_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |", "",
              "host RAM, per node:", *format_rows(result.host_rows),
              f"| **total** | **{result.host_total / GIB:.2f}** | {host_capacity} |",
-             "", "FITS" if result.fits else "DOES NOT FIT"]
+             "", describe_batch(recipe, cfg, cfg.hardware.world_size), "FITS" if result.fits else "DOES NOT FIT"]
     if not result.fits:
         fixes = suggestions(cfg, held, mesh)
         lines += ["changes that make it fit, most throughput kept first:", *[f"  - {f}" for f in fixes]] if fixes \

@@ -109,10 +109,12 @@ def _in_sequence(info: Any, calls: list[tuple[Callable, tuple]]) -> list[Any]:
     return [fn(info, *args) for fn, args in calls]
 
 
-def run_ranks_sequence(calls: list[tuple[Callable, tuple]], world_size: int, tmp_dir: Path) -> list[Any]:
-    """Rank 0's results of several fn(info, *args) calls made one after another in the same ranks: one
-    process start-up instead of one per call (each call builds its own model, deterministically)."""
-    return run_ranks(_in_sequence, world_size, calls, tmp_dir=tmp_dir)[0]
+def run_ranks_sequence(calls: list[tuple[Callable, tuple]], world_size: int, tmp_dir: Path,
+                       all_ranks: bool = False) -> list[Any]:
+    """Rank 0's results (or, with all_ranks, every rank's list) of several fn(info, *args) calls made one after
+    another in the same ranks: one process start-up instead of one per call (each builds its own model)."""
+    results = run_ranks(_in_sequence, world_size, calls, tmp_dir=tmp_dir)
+    return results if all_ranks else results[0]
 
 
 def run_ranks(

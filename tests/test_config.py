@@ -36,7 +36,7 @@ def test_recipe_path_and_fsdp_preset():
 @pytest.mark.parametrize("override, expected", [
     ("optim.lrr=3e-4", "unknown key 'optim.lrr' in the command-line overrides; did you mean 'optim.lr'?"),
     ("optimm.lr=3e-4", "did you mean 'optim.lr'?"),
-    ("data.micro_batch_size=big", "'data.micro_batch_size' must be an integer, got 'big'"),
+    ("data.grad_accum_steps=big", "'data.grad_accum_steps' must be an integer, got 'big'"),
     ("checkpointing.mode=sometimes", "'checkpointing.mode' must be one of 'every_layer', 'every_nth', 'off'"),
     ("fsdp_preset=nope", "unknown fsdp_preset 'nope'"),
     ("optim.lr", "is not of the form key=value"),

@@ -45,16 +45,22 @@ def peer_loss(model_dir, batch) -> float:
         return loss_sum(model, batch, torch.device("cpu")).item() / batch.n_targets
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
-def test_family_loads_sharded_like_transformers(family, tmp_path):
-    model_dir = build_tiny_checkpoint(tmp_path / family, family=family, max_shard_size="300KB")
-    assert len(list(model_dir.glob("*.safetensors"))) > 1  # several shards, through the index
-    cfg = tiny_config(model_dir, model={"dtype": "bfloat16"}, quant={"compute_dtype": "bfloat16"})
-    batch = batches(variable_length_samples(cfg, 8), 8, PAD)[0]
-    ours = run_ranks(sharded_loss, 2, cfg, batch, tmp_dir=tmp_path)
-    reference = peer_loss(model_dir, batch)
-    assert ours[0] == ours[1]
-    assert ours[0] == pytest.approx(reference, rel=1e-3)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def test_families_load_sharded_like_transformers(tmp_path):
+    calls, references = [], {}
+    for family in FAMILIES:  # one 2-rank start-up for all four: each call builds its own model
+        model_dir = build_tiny_checkpoint(tmp_path / family, family=family, max_shard_size="300KB")
+        assert len(list(model_dir.glob("*.safetensors"))) > 1  # several shards, through the index
+        cfg = tiny_config(model_dir, model={"dtype": "bfloat16"}, quant={"compute_dtype": "bfloat16"})
+        batch = batches(variable_length_samples(cfg, 8), 8, PAD)[0]
+        calls.append((sharded_loss, (cfg, batch)))
+        references[family] = peer_loss(model_dir, batch)
+    ranks = run_ranks_sequence(calls, 2, tmp_path, all_ranks=True)
+    for family, ours0, ours1 in zip(FAMILIES, ranks[0], ranks[1], strict=True):
+        assert ours0 == ours1, family
+        assert ours0 == pytest.approx(references[family], rel=1e-3), family
 
 
 def test_random_init_needs_only_config_and_is_world_size_independent(tiny_model_dir, tmp_path):

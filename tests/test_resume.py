@@ -108,20 +108,6 @@ def reference(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-def test_kill_9_at_a_random_step_then_resume(tiny_model_dir, tmp_path, reference):
-    kill_at = random.Random().randint(3, 6)  # leaves 4+ steps: the kill must land before the run ends
-    out = tmp_path / "run"
-    proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out)))
-    wait_for_step(out, kill_at, proc)
-    kill_tree(proc)  # torchrun and both ranks, no warning
-    finish(proc)
-    assert not (out / "adapter").exists(), f"killed at step {kill_at} but the run had finished"
-    resumed = run(torchrun("train.py", *recipe_args(tiny_model_dir, out), "--resume"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout, f"killed at step {kill_at}"
-    assert_same_run(out, reference)
-
-
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp_path, reference):
     out = tmp_path / "run"
     died = run(torchrun("tests/fault_run.py", "--die-saving", "4", "--", *recipe_args(tiny_model_dir, out)))
@@ -146,19 +132,30 @@ def test_elastic_restart_resumes_by_itself(tiny_model_dir, tmp_path, reference):
     assert_same_run(out, reference)
 
 
-def test_sigterm_saves_exits_cleanly_and_resumes(tiny_model_dir, tmp_path, reference):
+def test_sigterm_then_kill_9_then_resume_equals_the_uninterrupted_run(tiny_model_dir, tmp_path, reference):
+    """Preempted politely (SIGTERM: save at once, exit 0), resumed, then killed hard at a random step and
+    resumed again: the losses and the adapter are the uninterrupted run's."""
     out = tmp_path / "run"
-    proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out, "train.save_every=0")))
+    proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out)))
     wait_for_step(out, 3, proc)
     for worker in workers(proc):  # as a cluster scheduler does before preempting
         worker.send_signal(signal.SIGTERM)
     stderr = finish(proc)
     assert proc.returncode == 0, stderr[-3000:]
     summary = records(out)[-1]
-    assert summary["stopped_by_signal"] and summary["steps"] < MAX_STEPS
-    assert Path(summary["checkpoint"]).name == f"step-{summary['steps']:06d}"
+    stopped = summary["steps"]
+    assert summary["stopped_by_signal"] and stopped < MAX_STEPS - 3
+    assert Path(summary["checkpoint"]).name == f"step-{stopped:06d}"  # saved at the stop, not at save_every
+
+    kill_at = random.Random().randint(stopped + 1, MAX_STEPS - 2)  # the kill must land before the run ends
+    proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out), "--resume"))
+    wait_for_step(out, kill_at, proc)
+    kill_tree(proc)  # torchrun and both ranks, no warning
+    finish(proc)
+    assert not (out / "adapter").exists(), f"killed at step {kill_at} but the run had finished"
     resumed = run(torchrun("train.py", *recipe_args(tiny_model_dir, out), "--resume"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout, f"killed at step {kill_at}"
     assert_same_run(out, reference)
 
 

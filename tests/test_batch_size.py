@@ -1,0 +1,118 @@
+"""Effective batch -> micro-batch x accumulation x ranks; the auto micro-batch; learning-rate scaling."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from qlora_fsdp.batch_size import describe_batch, resolve_batch
+from qlora_fsdp.config import load_config
+from qlora_fsdp.errors import ConfigError
+from tests.helpers import REPO, run_ranks, tiny_config
+
+TARGET = ["data.grad_accum_steps=1", "data.effective_batch=32"]
+
+
+@pytest.mark.parametrize(("world", "micro", "accum"), [(1, 4, 8), (2, 4, 4), (4, 4, 2), (8, 4, 1)])
+def test_effective_batch_sets_the_accumulation_for_any_world_size(world, micro, accum):
+    cfg = load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=4"])
+    resolved = resolve_batch(cfg, world)
+    assert (resolved.data.micro_batch_size, resolved.data.grad_accum_steps) == (micro, accum)
+    assert micro * accum * world == 32
+    assert describe_batch(cfg, resolved, world).startswith(f"batch: micro-batch 4 x {accum} accumulation steps")
+
+
+def test_effective_batch_in_tokens():
+    cfg = load_config("tiny_cpu", ["data.grad_accum_steps=1", "data.effective_batch_tokens=4096",
+                                   "data.micro_batch_size=2"])  # context_length 128: 32 rows
+    assert resolve_batch(cfg, 2).data.grad_accum_steps == 8
+    odd = load_config("tiny_cpu", ["data.grad_accum_steps=1", "data.effective_batch_tokens=4000"])
+    with pytest.raises(ConfigError, match="not a multiple of data.context_length 128: use 3968 or 4096"):
+        resolve_batch(odd, 2)
+
+
+def test_batches_that_do_not_split_name_the_ones_that_do():
+    with pytest.raises(ConfigError, match="does not split over 3 ranks: use data.effective_batch=30 or "
+                                          "data.effective_batch=33"):
+        resolve_batch(load_config("tiny_cpu", TARGET), 3)
+    with pytest.raises(ConfigError, match="micro_batch_size 3 does not divide the 16 rows each rank takes per "
+                                          "step: choose one of 1, 2, 4, 8, 16, or auto"):
+        resolve_batch(load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=3"]), 2)
+
+
+def test_auto_takes_the_largest_divisor_that_fits():
+    cfg = load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=auto"])
+    asked = []
+
+    def fits(micro: int) -> bool:
+        asked.append(micro)
+        return micro <= 5
+
+    resolved = resolve_batch(cfg, 2, fits)
+    assert (resolved.data.micro_batch_size, resolved.data.grad_accum_steps) == (4, 4)
+    assert sorted(asked) == [1, 2, 4, 8, 16]  # only divisors of the 16 rows a rank: no ragged last micro-batch
+    assert "(auto: the largest that fits)" in describe_batch(cfg, resolved, 2)
+    with pytest.raises(ConfigError, match="not even micro-batch 1 fits"):
+        resolve_batch(cfg, 2, lambda micro: False)
+
+
+@pytest.mark.parametrize(("scaling", "factor"), [("none", 1.0), ("linear", 4.0), ("sqrt", 2.0)])
+def test_lr_scales_with_the_effective_batch(scaling, factor):
+    cfg = load_config("tiny_cpu", [*TARGET, f"optim.lr_scaling={scaling}", "optim.lr_base_batch=8"])
+    resolved = resolve_batch(cfg, 2)
+    assert resolved.optim.lr == pytest.approx(cfg.optim.lr * factor)
+    assert resolved.optim.lr_scaling == "none"  # the resolved config (saved with checkpoints) is never rescaled
+    assert resolve_batch(resolved, 2).optim.lr == resolved.optim.lr
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["data.micro_batch_size=auto"], "'data.micro_batch_size: auto' needs a target"),
+    (["data.effective_batch=8", "data.effective_batch_tokens=1024", "data.grad_accum_steps=1"], "not both"),
+    (["data.effective_batch=8"], "'data.grad_accum_steps: 2' and an effective batch are both set"),
+    (["optim.lr_scaling=linear"], "needs 'optim.lr_base_batch'"),
+    (["data.micro_batch_size=big"], "'data.micro_batch_size' must be an integer or 'auto', got 'big'"),
+    (["fsdp.shard_size=0"], "'fsdp.shard_size' must be at least 1"),
+])
+def test_batch_settings_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("tiny_cpu", overrides)
+
+
+def planned_micro_batches(info, cfg):
+    """On a fake rank: the auto choice, and the planned totals of every candidate."""
+    from qlora_fsdp.plan import meta_held, micro_batch_fits, plan, with_micro_batch
+
+    held = meta_held(cfg, info.mesh)
+    chosen = resolve_batch(cfg, info.world_size, micro_batch_fits(cfg, held)).data.micro_batch_size
+    totals = {m: plan(with_micro_batch(cfg, m), held).gpu_total for m in (1, 2, 4, 8, 16)}
+    return chosen, totals
+
+
+def test_auto_by_the_planner_picks_the_largest_planned_to_fit(tiny_model_dir, tmp_path):
+    # context 4096 on the tiny model: activations grow with the micro-batch while the weights stay ~MB
+    cfg = tiny_config(tiny_model_dir, data={"micro_batch_size": "auto", "effective_batch": 32,
+                                            "context_length": 4096}, hardware={"gpu": "rtx4090", "gpus_per_node": 2})
+    cfg.hardware.gpu_memory_gib = 1.5
+    chosen, totals = run_ranks(planned_micro_batches, 2, cfg, tmp_dir=tmp_path, fake=True)[0]
+    limit = 1.5 * 2**30
+    assert totals[chosen] <= limit < totals[chosen * 2], totals
+    assert 1 < chosen < 16
+
+
+def test_hsdp_recipe_plans_fits_with_the_printed_choice():
+    result = subprocess.run([sys.executable, "train.py", "--recipe", "llama70b_hsdp_2x8x4090", "--plan"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("on 16 x rtx4090 (24 GiB): 70.55B base parameters, world size 16")
+    shard_row = next(line for line in lines if line.startswith("| 4-bit base weights"))
+    h, kv, inter, layers = 8192, 1024, 28672, 80  # model_configs/llama-3.1-70b
+    packed_bytes = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) / 2  # two 4-bit values a byte
+    assert float(shard_row.split("|")[2]) == pytest.approx(packed_bytes / 8 / 2**30, abs=0.01)  # over 8, not 16
+    batch = next(line for line in lines if line.startswith("batch:"))
+    assert "x 16 ranks = 64 rows a step" in batch and f"lr {1e-4 * math.sqrt(2):.3g} (sqrt scaling" in batch
+    assert lines[-1] == "FITS"
