@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import peft
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedTokenizerBase
 
+from qlora_fsdp.config import Config, load_config
+from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.sharding import clean_name
 
 ADAPTER_NAME = "default"
+TRAINING_CONFIG = "training_config.yaml"  # the resolved recipe, next to the PEFT files
 
 
 def peft_adapter_key(name: str, adapter: str) -> str:
@@ -33,8 +38,9 @@ def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path,
-                   base_model_path: str, is_main: bool) -> None:
-    """adapter_config.json + adapter_model.safetensors (+ tokenizer), loadable by PeftModel.from_pretrained."""
+                   base_model_path: str, is_main: bool, config_yaml: str) -> None:
+    """adapter_config.json + adapter_model.safetensors (+ tokenizer), loadable by PeftModel.from_pretrained;
+    plus the run's resolved config, so merge and generate quantize and prompt exactly as training did."""
     state = gather_trainable_state(model)
     if not is_main:
         return
@@ -47,3 +53,40 @@ def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, ou
     config.init_lora_weights = True  # we initialized them ourselves; loaders should use PEFT's default
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    (out_dir / TRAINING_CONFIG).write_text(config_yaml)
+
+
+def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter_config.json, tensors by PEFT's on-disk key) of a PEFT adapter folder."""
+    config_file, weights = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    for needed in (config_file, weights):
+        if not needed.is_file():
+            raise ModelLoadError(f"{adapter_dir} is not a PEFT adapter folder: {needed.name} is missing")
+    return json.loads(config_file.read_text()), load_file(weights)
+
+
+@torch.no_grad()
+def load_adapter_into(model: peft.PeftModel, adapter_dir: Path) -> None:
+    """Put a saved adapter's weights into an unsharded model built with the same LoRA settings (the inverse of
+    export_adapter's naming)."""
+    _, tensors = read_adapter(adapter_dir)
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        key = peft_adapter_key(clean_name(name), ADAPTER_NAME)
+        saved = tensors.pop(key, None)
+        if saved is None or saved.shape != param.shape:
+            raise ModelLoadError(f"adapter in {adapter_dir} does not fit the model at '{key}': trained with other "
+                                 "lora.r / target_modules settings, or on another base?")
+        param.copy_(saved)
+    if tensors:
+        raise ModelLoadError(f"adapter in {adapter_dir} has '{next(iter(tensors))}', which the model lacks")
+
+
+def config_for_adapter(adapter_dir: Path, recipe: str | None, overrides: list[str]) -> Config:
+    """The run's resolved config saved with the adapter, or the given recipe (with overrides either way)."""
+    saved = adapter_dir / TRAINING_CONFIG
+    if recipe is None and not saved.is_file():
+        raise ConfigError(f"{adapter_dir} has no {TRAINING_CONFIG} (not written by train.py?): pass --recipe with "
+                          "the settings it was trained with")
+    return load_config(recipe or str(saved), overrides)

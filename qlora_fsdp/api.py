@@ -69,7 +69,7 @@ def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
     if summary.get("stopped_by_signal"):
         logger.write(f"stopped at step {trainer.step}; checkpoint {trainer.last_checkpoint}; continue with --resume")
     else:
-        export_adapter(model, tokenizer, out_dir / "adapter", cfg.model.path, info.is_main)
+        export_adapter(model, tokenizer, out_dir / "adapter", cfg.model.path, info.is_main, to_yaml(cfg))
         summary["adapter"] = str(out_dir / "adapter")
     logger.log({"event": "summary", **summary})
     logger.write(format_summary(summary))

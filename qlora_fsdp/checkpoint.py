@@ -131,7 +131,8 @@ class Checkpointer:
         entries = {**lora_entries(model), **optimizer_entries(optimizer, self.info.rank),
                    **rng_entries(self.info.rank, self.info.device)}
         dcp.save(entries, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-        export_adapter(model, self.tokenizer, tmp / "adapter", self.base_model_path, self.info.is_main)
+        export_adapter(model, self.tokenizer, tmp / "adapter", self.base_model_path, self.info.is_main,
+                       self.config_yaml)
         if self.info.is_main:
             state = {"step": step, "world_size": self.info.world_size,
                      "optimizer_state": bool(optimizer.inner.state), **trainer_state}

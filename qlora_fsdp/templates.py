@@ -109,3 +109,15 @@ def assistant_spans(messages: list[Message], tokenizer: PreTrainedTokenizerBase,
                             "assistant turns cannot be located; set data.template to chatml or alpaca")
         spans.append((len(before), len(through)))
     return spans
+
+
+def prompt_ids(messages: list[Message], tokenizer: PreTrainedTokenizerBase, template: str) -> list[int]:
+    """Token ids that open the assistant's next turn, exactly as training rendered the part before a response."""
+    if template == "tokenizer":
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if template == "alpaca":
+        segments = alpaca_segments(messages, tokenizer)
+    else:
+        segments = [*chatml_segments(messages, tokenizer), ("<|im_start|>assistant\n", False)]
+    return encode_segments(with_bos(segments, tokenizer), tokenizer)[0]

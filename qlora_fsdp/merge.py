@@ -1,0 +1,154 @@
+"""Merge a LoRA adapter into its base, one tensor at a time, into a plain Hugging Face checkpoint.
+
+By default every weight that training held in 4-bit is quantized and dequantized exactly as the loader did,
+so the merged model computes what base + adapter computed during training (the adapter learned to work
+with the quantization error). `base_weights="original"` adds the adapter to the unquantized weights instead.
+Host RAM stays near one output shard plus one weight: nothing holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import bitsandbytes.functional as bnbf
+import torch
+from safetensors.torch import save_file
+
+from qlora_fsdp.adapter import read_adapter
+from qlora_fsdp.checkpoint_files import checkpoint_tensors
+from qlora_fsdp.config import Config
+from qlora_fsdp.errors import ConfigError, ModelLoadError
+from qlora_fsdp.loading import base_targets, quantize
+from qlora_fsdp.model import TORCH_DTYPES, build_meta_model, checkpoint_dir, load_hf_config
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoraDelta:
+    a: torch.Tensor  # r x in
+    b: torch.Tensor  # out x r
+    scale: float
+    magnitude: torch.Tensor | None  # DoRA: the learned norm of each output row
+
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """W + s B A in fp32; for DoRA, each row then rescaled to its learned magnitude (PEFT's definition)."""
+        combined = weight.float() + self.scale * (self.b.float() @ self.a.float())
+        if self.magnitude is None:
+            return combined
+        return combined * (self.magnitude.float() / combined.norm(dim=1)).unsqueeze(1)
+
+
+def lora_deltas(adapter_dir: Path) -> dict[str, LoraDelta]:
+    """Base checkpoint key (`...q_proj.weight`) -> its adapter, from a PEFT adapter folder."""
+    config, tensors = read_adapter(adapter_dir)
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ModelLoadError("adapters with per-module rank_pattern/alpha_pattern are not supported by the merge")
+    r, alpha = config["r"], config["lora_alpha"]
+    scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    deltas = {}
+    for key in tensors:
+        if key.endswith(".lora_A.weight"):
+            module = key.removesuffix(".lora_A.weight")
+            deltas[module.removeprefix(PEFT_PREFIX) + ".weight"] = LoraDelta(
+                tensors[key], tensors[f"{module}.lora_B.weight"], scale, tensors.get(f"{module}.lora_magnitude_vector"))
+    if not deltas:
+        raise ModelLoadError(f"{adapter_dir} holds no LoRA weights")
+    return deltas
+
+
+def as_trained(weight: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """The weight the 4-bit model computed with: quantized as the loader does, then dequantized."""
+    packed, state = quantize(weight, cfg)
+    return bnbf.dequantize_4bit(packed, state)
+
+
+class ShardWriter:
+    """Safetensors shards of at most `max_bytes`, then Hugging Face's names and index."""
+
+    def __init__(self, out_dir: Path, max_bytes: int) -> None:
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes, self.total_bytes = 0, 0
+        self.files: list[tuple[Path, list[str]]] = []
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self.flush()
+        self.pending[key] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        path = self.out_dir / f"part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, path, metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> int:
+        if self.pending:
+            self.flush()
+        if len(self.files) == 1:
+            self.files[0][0].rename(self.out_dir / "model.safetensors")
+            return 1
+        weight_map = {}
+        for index, (path, keys) in enumerate(self.files, start=1):
+            name = f"model-{index:05d}-of-{len(self.files):05d}.safetensors"
+            path.rename(self.out_dir / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        index_json = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+        return len(self.files)
+
+
+def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: str = "bfloat16",
+                  max_shard_bytes: int = 5 * 2**30, base_weights: Literal["dequantized", "original"] = "dequantized",
+                  device: str = "cpu") -> int:
+    """Write base + adapter to `out_dir` (which must not exist); returns the number of shards."""
+    if cfg.model.init == "random":
+        raise ModelLoadError("model.init is random: there are no base weights to merge into")
+    deltas = lora_deltas(adapter_dir)
+    hf_config = load_hf_config(cfg)
+    quantized = {key for key, target in base_targets(build_meta_model(cfg, hf_config)).items()
+                 if target.quantized_module is not None}
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    writer = ShardWriter(tmp, max_shard_bytes)
+    for key, stored, _ in checkpoint_tensors(checkpoint_dir(cfg.model.path), cfg.model.allow_pickle):
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        weight = stored.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
+        if key in quantized and base_weights == "dequantized":
+            weight = as_trained(weight, cfg)
+        if key in deltas:
+            weight = deltas.pop(key).merged(weight)
+        writer.add(key, weight.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
+    if deltas:
+        raise ModelLoadError(f"the adapter has '{next(iter(deltas))}', which the base checkpoint lacks: another base?")
+    shards = writer.finish()
+    hf_config.dtype = dtype
+    hf_config.__dict__.pop("quantization_config", None)  # a plain checkpoint now
+    hf_config.save_pretrained(tmp)
+    if out_dir.exists():  # the caller allowed replacing it; removed only now that the new one is complete
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return shards
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> bytes (also MB, KB, GiB, MiB, KiB, or a plain number of bytes)."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    upper = text.strip().upper()
+    unit = next((u for u in units if upper.endswith(u)), "B")
+    number, factor = upper.removesuffix(unit).strip(), units[unit]
+    try:
+        return int(float(number) * factor)
+    except ValueError:
+        raise ConfigError(f"size '{text}' is not like 5GB, 500MB or 2GiB") from None

@@ -1,0 +1,77 @@
+"""Sample from the 4-bit base + a trained adapter, with the prompt template training used.
+
+    python scripts/generate.py --adapter outputs/demo/adapter --prompt "Reverse the word: cat"
+    python scripts/generate.py --adapter outputs/demo/adapter              # interactive: one prompt a line
+    python scripts/generate.py --adapter ADAPTER --temperature 0.7 --top-p 0.9 --max-new-tokens 256
+    python scripts/generate.py --recipe tiny_cpu --no-adapter --prompt ... # the base alone, to compare
+
+Settings (model, quantization, template) come from the adapter folder's training_config.yaml, or --recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qlora_fsdp.adapter import config_for_adapter  # noqa: E402
+from qlora_fsdp.config import load_config  # noqa: E402
+from qlora_fsdp.errors import UserError  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--adapter", type=Path, help="a PEFT adapter folder written by train.py")
+    parser.add_argument("--no-adapter", action="store_true", help="the base model alone (needs --recipe)")
+    parser.add_argument("--recipe", help="settings, where the adapter has no training_config.yaml")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeatable); none: read prompts from stdin")
+    parser.add_argument("--system", help="a system message before each prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=/local/copy")
+    return parser.parse_args(argv)
+
+
+def prompts(args: argparse.Namespace):
+    if args.prompt:
+        yield from args.prompt
+        return
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return
+        if line.strip():
+            yield line
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        if args.no_adapter == (args.adapter is not None):
+            raise UserError("give --adapter ADAPTER, or --no-adapter with --recipe")
+        if args.no_adapter:
+            if not args.recipe:
+                raise UserError("--no-adapter needs --recipe to know the base model")
+            cfg = load_config(args.recipe, args.overrides)
+        else:
+            cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
+        from qlora_fsdp.generate import Sampling, load_generator  # heavy imports once the arguments are good
+
+        generator = load_generator(cfg, args.adapter)
+        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+        for prompt in prompts(args):
+            print(generator.reply(prompt, sampling, args.system), flush=True)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

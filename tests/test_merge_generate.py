@@ -1,0 +1,116 @@
+"""After training: the merged checkpoint computes base + adapter; generation applies the adapter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from qlora_fsdp.adapter import config_for_adapter, export_adapter
+from qlora_fsdp.api import build_model
+from qlora_fsdp.config import to_yaml
+from qlora_fsdp.merge import merge_adapter
+from qlora_fsdp.model import load_tokenizer
+from qlora_fsdp.templates import prompt_ids
+from tests.helpers import REPO, run_ranks_sequence, tiny_config
+
+ENV = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+PROMPT = "Reverse the word: planet"
+
+
+def adapter_and_logits(info, cfg, adapter_dir, input_ids):
+    """A LoRA (or DoRA) adapter far from its init, exported as training does, and the 4-bit model's logits."""
+    model = build_model(cfg, info, shard=False)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "lora_magnitude_vector" in name:
+                param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    export_adapter(model, load_tokenizer(cfg), adapter_dir, cfg.model.path, True, to_yaml(cfg))
+    with torch.no_grad():
+        with_adapter = model(input_ids=input_ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=input_ids).logits
+    return with_adapter, base
+
+
+def script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"scripts/{name}", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    """{'lora'|'dora': (adapter folder, the 4-bit model's logits with it, without it)}, made in one start-up."""
+    root = tmp_path_factory.mktemp("adapters")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    input_ids = torch.tensor([prompt_ids([{"role": "user", "content": PROMPT}], tokenizer, "alpaca")])
+    kinds = {"lora": False, "dora": True}
+    calls = [(adapter_and_logits, (tiny_config(tiny_model_dir, lora={"use_dora": dora}), root / kind, input_ids))
+             for kind, dora in kinds.items()]
+    results = run_ranks_sequence(calls, 1, root)
+    return {kind: (root / kind, *result) for kind, result in zip(kinds, results, strict=True)}, input_ids
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_merged_checkpoint_reproduces_base_plus_adapter(adapters, tmp_path, kind):
+    (adapter, ours, base), input_ids = adapters[0][kind], adapters[1]
+    assert (ours - base).abs().max() > 0.1  # the adapter matters, so matching it means something
+    merged_dir = tmp_path / "merged"
+    shards = merge_adapter(config_for_adapter(adapter, None, []), adapter, merged_dir, "float32", 200_000)
+    index = json.loads((merged_dir / "model.safetensors.index.json").read_text())
+    assert shards > 1 and len(set(index["weight_map"].values())) == shards  # shards of at most 200 KB
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    with torch.no_grad():
+        logits = merged(input_ids=input_ids).logits
+    assert (logits - ours).abs().max() < 1e-4 * ours.abs().max()
+    original = merge_adapter(config_for_adapter(adapter, None, []), adapter, tmp_path / "original", "float32",
+                             2**30, base_weights="original")
+    with torch.no_grad():  # adding to the unquantized weights is a different model (the quantization error)
+        other = AutoModelForCausalLM.from_pretrained(tmp_path / "original", dtype=torch.float32)(input_ids).logits
+    assert original == 1 and (other - ours).abs().max() > 100 * (logits - ours).abs().max()
+
+
+def test_merge_script_writes_a_bf16_checkpoint_and_never_clobbers(adapters, tmp_path):
+    (adapter, ours, _), input_ids = adapters[0]["lora"], adapters[1]
+    out = tmp_path / "merged"
+    result = script("merge_adapter.py", "--adapter", str(adapter), "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(1 shard, bfloat16" in result.stdout
+    half = AutoModelForCausalLM.from_pretrained(out)
+    assert half.dtype == torch.bfloat16 and (out / "model.safetensors").is_file()
+    assert (out / "tokenizer.json").is_file()  # the folder is complete for from_pretrained and pipelines
+    with torch.no_grad():
+        assert (half(input_ids=input_ids).logits.float() - ours).abs().max() < 0.05 * ours.abs().max()
+    again = script("merge_adapter.py", "--adapter", str(adapter), "--out", str(out))
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr
+
+
+def test_generate_applies_the_adapter_and_matches_the_merged_model(adapters, tmp_path):
+    (adapter, _, _), input_ids = adapters[0]["lora"], adapters[1]
+    cfg = config_for_adapter(adapter, None, [])
+    merge_adapter(cfg, adapter, tmp_path / "merged", "float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    greedy = merged.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=12,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    expected = tokenizer.decode(greedy[0, input_ids.shape[1]:], skip_special_tokens=True)
+    assert expected.strip()
+
+    piped = subprocess.run([sys.executable, "scripts/generate.py", "--adapter", str(adapter), "--max-new-tokens",
+                            "12"], cwd=REPO, input=f"{PROMPT}\n\n{PROMPT}\n", capture_output=True, text=True,
+                           timeout=300, env=ENV)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert piped.stdout.split("\n")[:-1] == [expected, expected]  # one reply per prompt line, blank lines skipped
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(to_yaml(cfg))
+    base_only = script("generate.py", "--no-adapter", "--recipe", str(recipe), "--prompt", PROMPT,
+                       "--max-new-tokens", "12")
+    assert base_only.returncode == 0, base_only.stderr[-3000:]
+    assert base_only.stdout.rstrip("\n") != expected  # the adapter changed the reply
