@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import peft
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.adapter import export_adapter
 from qlora_fsdp.batch_size import describe_batch
 from qlora_fsdp.checkpoint import Checkpointer
-from qlora_fsdp.config import Config, to_dict, to_yaml
-from qlora_fsdp.data import load_dataset
+from qlora_fsdp.config import Config, load_config, to_dict, to_yaml, validate
+from qlora_fsdp.data import Dataset, load_dataset
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
 from qlora_fsdp.hardware import peak_flops
 from qlora_fsdp.loading import load_weights, materialize
@@ -20,8 +22,11 @@ from qlora_fsdp.metrics import MetricsLogger, format_summary
 from qlora_fsdp.model import base_parameter_count, load_hf_config, load_tokenizer
 from qlora_fsdp.optim import build_optimizer, build_scheduler
 from qlora_fsdp.plan import resolve_run_batch
+from qlora_fsdp.plots import plot_loss_curves
 from qlora_fsdp.run_dir import prepare_run_dir
 from qlora_fsdp.sharding import sharded_meta_model
+from qlora_fsdp.tracking import check_available as check_trackers_available
+from qlora_fsdp.tracking import open_trackers
 from qlora_fsdp.trainer import Trainer
 
 
@@ -39,8 +44,14 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters() if p.requires_grad), base_parameter_count(model)
 
 
-def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
-    """Train the recipe end to end, resuming where it says so; returns the summary. Every rank calls this."""
+def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo | None = None) -> dict[str, Any]:
+    """Train a recipe end to end, resuming where it says so; returns the summary. Every rank calls this.
+
+    `config` is a Config, or a recipe name or YAML path (then with dotted `key=value` overrides), so a notebook
+    runs `train("tiny_cpu", ["train.max_steps=20"])` down the very path of `train.py`.
+    """
+    cfg = load_config(config, overrides) if isinstance(config, str) else validate(config)
+    check_trackers_available(cfg.logging)  # every rank, before anything is read
     info = info or init_distributed(cfg.fsdp.shard_size)
     out_dir = Path(cfg.train.output_dir)
     checkpoint = decide_on_main(lambda: prepare_run_dir(out_dir, cfg.train))  # before any rank writes
@@ -50,27 +61,47 @@ def train(cfg: Config, info: DistInfo | None = None) -> dict[str, Any]:
     model = build_model(cfg, info)
     recipe = cfg  # as written (auto micro-batch, unscaled lr); cfg from here on is what this run uses
     cfg = decide_on_main(lambda: resolve_run_batch(recipe, model, info))
+    trainer = make_trainer(cfg, info, model, data, tokenizer)
+    trainer.logger.write(describe_batch(recipe, cfg, info.world_size))
+    if checkpoint is not None:
+        trainer.resume(checkpoint)
+    return finish(trainer, trainer.train(), tokenizer)
+
+
+def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset,
+                 tokenizer: PreTrainedTokenizerBase) -> Trainer:
+    out_dir = Path(cfg.train.output_dir)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-    logger = MetricsLogger(out_dir, cfg.train.max_steps, enabled=info.is_main)
+    trackers = open_trackers(cfg.logging, out_dir, to_dict(cfg)) if info.is_main else []
+    logger = MetricsLogger(out_dir, cfg.train.max_steps, enabled=info.is_main, trackers=trackers)
     logger.log({"event": "start", "world_size": info.world_size, "config": to_dict(cfg)})
     trainable, base = count_parameters(model)
     logger.write(f"world size {info.world_size} on {info.device.type}; data: "
                  f"{data.describe(cfg.data.context_length, cfg.data.overlong)}")
     logger.write(f"LoRA parameters {trainable:,} on a {base:,}-parameter 4-bit base")
-    logger.write(describe_batch(recipe, cfg, info.world_size))
     checkpointer = Checkpointer(out_dir, info, cfg.train.keep_last, to_yaml(cfg), tokenizer, cfg.model.path)
     trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger, checkpointer)
     trainer.set_mfu_reference(base, peak_flops(info.device))
-    if checkpoint is not None:
-        trainer.resume(checkpoint)
-    summary = trainer.train()
-    logger.close()
+    for note in trainer.profiler.notes():
+        logger.write(note)
+    return trainer
+
+
+def finish(trainer: Trainer, summary: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """Adapter (unless stopped by a signal), summary record, curves and the closing lines."""
+    cfg, logger, info = trainer.cfg, trainer.logger, trainer.info
+    out_dir = Path(cfg.train.output_dir)
     if summary.get("stopped_by_signal"):
         logger.write(f"stopped at step {trainer.step}; checkpoint {trainer.last_checkpoint}; continue with --resume")
     else:
-        export_adapter(model, tokenizer, out_dir / "adapter", cfg.model.path, info.is_main, to_yaml(cfg))
+        export_adapter(trainer.model, tokenizer, out_dir / "adapter", cfg.model.path, info.is_main, to_yaml(cfg))
         summary["adapter"] = str(out_dir / "adapter")
+    if trainer.profiler.written:
+        summary["profile"] = str(out_dir / "profile")
     logger.log({"event": "summary", **summary})
+    logger.close()
+    if info.is_main and cfg.logging.plot and plot_loss_curves(logger.path, out_dir / "loss_curves.png"):
+        summary["loss_curves"] = str(out_dir / "loss_curves.png")
     logger.write(format_summary(summary))
     return summary

@@ -148,6 +148,21 @@ class HardwareConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """metrics.jsonl is always written; these add to it."""
+    tensorboard: bool = False  # event files in OUTPUT_DIR/tensorboard (needs `pip install tensorboard`)
+    wandb: dict[str, Any] | None = None  # wandb.init arguments, e.g. {project: my-runs}; needs `pip install wandb`
+    plot: bool = True  # OUTPUT_DIR/loss_curves.png at the end (training and held-out loss against step)
+
+
+@dataclass
+class ProfileConfig:
+    memory: bool = False  # CUDA memory snapshot of the first `steps` steps: OUTPUT_DIR/profile/memory_rank{r}.pickle
+    trace: bool = False  # torch.profiler trace of `steps` steps after one warm-up: profile/trace_rank{r}.json
+    steps: int = 3
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
@@ -159,6 +174,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def resolve_recipe_path(recipe: str) -> Path:
@@ -198,7 +215,8 @@ def to_yaml(config: Config) -> str:
     return yaml.safe_dump(to_dict(config), sort_keys=False)
 
 
-RUN_CONTROL_KEYS = ("train.resume", "train.overwrite")  # how a run starts, not what it computes
+RUN_CONTROL_KEYS = ("train.resume", "train.overwrite", "logging.", "profile.")  # how a run starts or is
+# observed, not what it computes (a trailing dot: the whole section)
 
 
 def changed_settings(saved_yaml: str, config: Config) -> list[str]:
@@ -211,7 +229,7 @@ def changed_settings(saved_yaml: str, config: Config) -> list[str]:
 
     before, after = flat(yaml.safe_load(saved_yaml) or {}), flat(yaml.safe_load(to_yaml(config)))
     return [f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in sorted(before.keys() | after.keys())
-            if before.get(key) != after.get(key) and key not in RUN_CONTROL_KEYS]
+            if before.get(key) != after.get(key) and not key.startswith(RUN_CONTROL_KEYS)]
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -400,6 +418,7 @@ def validate(config: Config) -> Config:
         "train.max_bad_steps": config.train.max_bad_steps,
         "hardware.gpus_per_node": config.hardware.gpus_per_node,
         "hardware.nodes": config.hardware.nodes,
+        "profile.steps": config.profile.steps,
     }
     optional_positive = {
         "data.micro_batch_size": None if config.data.micro_batch_size == "auto" else config.data.micro_batch_size,

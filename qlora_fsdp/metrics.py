@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from qlora_fsdp.tracking import Tracker, numeric
+
 
 def proc_status_bytes(field: str) -> int:
     """A memory figure of this process from /proc/self/status (VmRSS, VmHWM, RssAnon, ...), in bytes."""
@@ -30,8 +32,11 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: Path, total_steps: int, enabled: bool) -> None:
+    """metrics.jsonl, the progress bar, and any trackers (TensorBoard, W&B) fed with each step's values."""
+
+    def __init__(self, output_dir: Path, total_steps: int, enabled: bool, trackers: list[Tracker] = ()) -> None:
         self.enabled = enabled
+        self.trackers = list(trackers)
         self.path = output_dir / "metrics.jsonl"
         self.bar = None
         if enabled:
@@ -42,6 +47,9 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+        if "step" in record and "event" not in record:
+            for tracker in self.trackers:
+                tracker.log(record["step"], numeric(record))
 
     def progress(self, step: int, values: dict[str, float]) -> None:
         if self.bar is None:
@@ -56,6 +64,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def format_progress(values: dict[str, float]) -> str:

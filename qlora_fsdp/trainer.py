@@ -26,6 +26,7 @@ from qlora_fsdp.distributed import DistInfo, all_reduce_max, all_reduce_sum, all
 from qlora_fsdp.errors import TrainingStopped
 from qlora_fsdp.metrics import MetricsLogger, peak_memory_gb
 from qlora_fsdp.optim import ShardedOptimizer, clip_grad_norm
+from qlora_fsdp.profiling import StepProfiler
 from qlora_fsdp.signals import GracefulStop
 from qlora_fsdp.templates import IGNORE_INDEX
 
@@ -104,6 +105,7 @@ class Trainer:
         self.step, self.skipped_steps, self.bad_in_a_row = 0, 0, 0
         self.last_checkpoint: Path | None = None
         self.stop = GracefulStop()
+        self.profiler = StepProfiler(cfg.profile, Path(cfg.train.output_dir), info.rank, info.device)
         self.flops_per_token = 0.0  # set with set_mfu_reference; 0: no MFU (unknown device)
         self.peak_flops = 0.0
 
@@ -187,6 +189,7 @@ class Trainer:
             step_start = time.perf_counter()
             stats = self.train_step()
             elapsed = time.perf_counter() - step_start
+            self.profiler.step_done()
             self.step += 1
             tokens += stats["tokens"]
             samples += stats.pop("samples")
@@ -213,9 +216,11 @@ class Trainer:
             self.logger.log({"step": 0, **eval_record(first_eval)})
         start = time.perf_counter()
         self.stop.install()
+        self.profiler.start()
         try:
             tokens, samples, stopped = self.run_steps()
         finally:
+            self.profiler.stop()
             self.stop.uninstall()
         wall = time.perf_counter() - start
         final_eval = self.evaluate() if self.eval_samples and not stopped else math.nan

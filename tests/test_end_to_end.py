@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
-def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -34,16 +37,73 @@ def test_demo_recipe_learns(tmp_path, demo_model_dir):
     assert "tokens_per_s" in result.stdout and (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_plain_python_and_single_rank_torchrun(tmp_path, tiny_model_dir):
+FAKE_WANDB = """
+import json, os
+
+
+def record(entry):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps(entry) + "\\n")
+
+
+class Run:
+    def log(self, values, step):
+        record({"step": step, **values})
+
+    def finish(self):
+        record({"finished": True})
+
+
+def init(**kwargs):
+    record({"init": {k: v for k, v in kwargs.items() if k != "config"}, "config_keys": sorted(kwargs["config"])})
+    return Run()
+"""
+
+
+def test_plain_python_single_rank_torchrun_and_the_python_api_are_one_run(tmp_path, tiny_model_dir):
+    """The same world size, seed and data give the same run, whichever way it is started; the plain python run
+    also writes a profiler trace, the loss-curve PNG, and feeds a (stand-in) W&B tracker."""
     common = [f"model.path={tiny_model_dir}", "train.max_steps=3", "data.eval_samples=8"]
-    plain = run([sys.executable, "train.py", "--recipe", "tiny_cpu", *common,
-                 f"train.output_dir={tmp_path / 'plain'}"], timeout=200)
+    fake = tmp_path / "fake_packages"
+    fake.mkdir()
+    (fake / "wandb.py").write_text(FAKE_WANDB)
+    env = {"PYTHONPATH": str(fake), "FAKE_WANDB_LOG": str(tmp_path / "wandb.jsonl")}
+    plain = run([sys.executable, "train.py", "--recipe", "tiny_cpu", *common, f"train.output_dir={tmp_path / 'plain'}",
+                 "profile.trace=true", "profile.steps=1", "logging.wandb={project: qlora-test}"], timeout=200, env=env)
     assert plain.returncode == 0, plain.stderr[-3000:]
     single = run([TORCHRUN, "--nproc_per_node", "1", "train.py", "--recipe", "tiny_cpu", *common,
                   f"train.output_dir={tmp_path / 'single'}"], timeout=200)
     assert single.returncode == 0, single.stderr[-3000:]
-    # same world size, same seed, same data: the same run
-    assert eval_losses(tmp_path / "plain") == eval_losses(tmp_path / "single")
+    api_overrides = [*common, f"train.output_dir={tmp_path / 'api'}"]
+    code = f"from qlora_fsdp import train\nprint('steps', train('tiny_cpu', {api_overrides})['steps'])"
+    api = run([sys.executable, "-c", code], timeout=200, env={"PYTHONPATH": str(REPO)})
+    assert api.returncode == 0 and "steps 3" in api.stdout, api.stderr[-3000:]
+    assert eval_losses(tmp_path / "plain") == eval_losses(tmp_path / "single") == eval_losses(tmp_path / "api")
+
+    png = tmp_path / "plain" / "loss_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    trace = json.loads((tmp_path / "plain" / "profile" / "trace_rank0.json").read_text())
+    assert [e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")] == [
+        "ProfilerStep#1"]  # the warm-up step is not recorded, one step is
+    calls = [json.loads(line) for line in (tmp_path / "wandb.jsonl").read_text().splitlines()]
+    assert calls[0]["init"] == {"project": "qlora-test", "dir": str(tmp_path / "plain")}
+    assert "optim" in calls[0]["config_keys"]  # the resolved config goes with the run
+    train_logs = {c["step"]: c for c in calls if "loss" in c}
+    assert sorted(train_logs) == [1, 2, 3] and calls[-1] == {"finished": True}
+    metrics = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert train_logs[3]["loss"] == next(r["loss"] for r in metrics if r.get("step") == 3 and "loss" in r)
+
+
+def test_missing_tracker_package_is_a_one_line_error(tmp_path, tiny_model_dir):
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here; the check is for machines without it")
+    out = tmp_path / "run"
+    result = run([sys.executable, "train.py", "--recipe", "tiny_cpu", f"model.path={tiny_model_dir}",
+                  f"train.output_dir={out}", "logging.tensorboard=true"], timeout=200)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: logging.tensorboard: true needs the tensorboard package: pip install tensorboard (or turn it off)")
+    assert not out.exists()  # refused before anything was written
 
 
 def test_existing_output_folder_is_refused(tmp_path, tiny_model_dir):

@@ -17,7 +17,7 @@ from tests.helpers import run_ranks, tiny_config
 
 
 def train_briefly(info, cfg):
-    return train(cfg, info)
+    return train(cfg, info=info)
 
 
 def peer_eval_loss(model_dir, adapter_dir, cfg) -> float:
