@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.adapter import export_adapter
 from qlora_fsdp.batch_size import describe_batch
-from qlora_fsdp.checkpoint import Checkpointer
+from qlora_fsdp.checkpoint import Checkpointer, check_world_size
 from qlora_fsdp.config import Config, load_config, to_dict, to_yaml, validate
 from qlora_fsdp.data import Dataset, load_dataset
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
@@ -55,6 +55,8 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     info = info or init_distributed(cfg.fsdp.shard_size)
     out_dir = Path(cfg.train.output_dir)
     checkpoint = decide_on_main(lambda: prepare_run_dir(out_dir, cfg.train))  # before any rank writes
+    if checkpoint is not None:
+        check_world_size(checkpoint, info.world_size)  # before minutes of loading, not after
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, cfg.train.seed, info)

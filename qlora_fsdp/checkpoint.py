@@ -109,6 +109,17 @@ def sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def check_world_size(path: Path, world_size: int) -> dict:
+    """The checkpoint's trainer state, if this world can load it (checked before any weight is read)."""
+    state = json.loads((path / STATE_FILE).read_text())
+    if state["world_size"] != world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {state['world_size']} ranks and this run has {world_size}: each "
+            "rank's optimizer state (8-bit, block-wise over its own shard) cannot be re-split; resume with "
+            f"--nproc_per_node {state['world_size']}")
+    return state
+
+
 @dataclass
 class Checkpointer:
     run_dir: Path
@@ -151,12 +162,7 @@ class Checkpointer:
 
     def load(self, path: Path, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
         """Load weights, optimizer state and RNG in place; returns the trainer state to apply."""
-        state = json.loads((path / STATE_FILE).read_text())
-        if state["world_size"] != self.info.world_size:
-            raise CheckpointError(
-                f"checkpoint {path} was written by {state['world_size']} ranks and this run has "
-                f"{self.info.world_size}: each rank's optimizer state (8-bit, block-wise over its own shard) cannot "
-                f"be re-split; resume with --nproc_per_node {state['world_size']}")
+        state = check_world_size(path, self.info.world_size)
         if state["optimizer_state"]:  # False only if every step so far was skipped as non-finite
             optimizer.materialize_state()
         rank, device = self.info.rank, self.info.device

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import math
-import subprocess
-import sys
-
 import pytest
 
 from qlora_fsdp.batch_size import describe_batch, resolve_batch
 from qlora_fsdp.config import load_config
 from qlora_fsdp.errors import ConfigError
-from tests.helpers import REPO, run_ranks, tiny_config
+from tests.helpers import run_ranks, tiny_config
 
 TARGET = ["data.grad_accum_steps=1", "data.effective_batch=32"]
 
@@ -100,19 +96,3 @@ def test_auto_by_the_planner_picks_the_largest_planned_to_fit(tiny_model_dir, tm
     limit = 1.5 * 2**30
     assert totals[chosen] <= limit < totals[chosen * 2], totals
     assert 1 < chosen < 16
-
-
-def test_hsdp_recipe_plans_fits_with_the_printed_choice():
-    result = subprocess.run([sys.executable, "train.py", "--recipe", "llama70b_hsdp_2x8x4090", "--plan"], cwd=REPO,
-                            capture_output=True, text=True, timeout=300,
-                            env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    assert lines[0].endswith("on 16 x rtx4090 (24 GiB): 70.55B base parameters, world size 16")
-    shard_row = next(line for line in lines if line.startswith("| 4-bit base weights"))
-    h, kv, inter, layers = 8192, 1024, 28672, 80  # model_configs/llama-3.1-70b
-    packed_bytes = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) / 2  # two 4-bit values a byte
-    assert float(shard_row.split("|")[2]) == pytest.approx(packed_bytes / 8 / 2**30, abs=0.01)  # over 8, not 16
-    batch = next(line for line in lines if line.startswith("batch:"))
-    assert "x 16 ranks = 64 rows a step" in batch and f"lr {1e-4 * math.sqrt(2):.3g} (sqrt scaling" in batch
-    assert lines[-1] == "FITS"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import bitsandbytes as bnb
 import pytest
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from qlora_fsdp.api import train
 from qlora_fsdp.data import load_dataset
-from tests.helpers import run_ranks, tiny_config
+from tests.helpers import run_ranks_sequence, tiny_config
 
 
 def train_briefly(info, cfg):
@@ -47,15 +48,23 @@ def peer_eval_loss(model_dir, adapter_dir, cfg) -> float:
     return total / n_targets
 
 
+@pytest.fixture(scope="module")
+def trained_runs(tiny_model_dir, tmp_path_factory):
+    """Two short 2-rank runs, LoRA and DoRA, in one start-up of the ranks: {use_dora: (cfg, summary)}."""
+    root = tmp_path_factory.mktemp("export")
+    cfgs = {dora: tiny_config(tiny_model_dir, model={"dtype": "bfloat16"}, quant={"compute_dtype": "bfloat16"},
+                              lora={"use_dora": dora}, optim={"lr": 3e-3},
+                              train={"max_steps": 8, "output_dir": str(root / f"dora_{dora}")},
+                              data={"micro_batch_size": 4, "grad_accum_steps": 1, "eval_samples": 32})
+            for dora in (False, True)}
+    summaries = run_ranks_sequence([(train_briefly, (cfg,)) for cfg in cfgs.values()], 2, root)
+    return {dora: (cfg, summary) for (dora, cfg), summary in zip(cfgs.items(), summaries, strict=True)}
+
+
 @pytest.mark.parametrize("use_dora", [False, True])
-def test_exported_adapter_reproduces_trained_loss(tiny_model_dir, tmp_path, use_dora):
-    out = tmp_path / "run"
-    cfg = tiny_config(tiny_model_dir, model={"dtype": "bfloat16"}, quant={"compute_dtype": "bfloat16"},
-                      lora={"use_dora": use_dora},
-                      train={"max_steps": 8, "output_dir": str(out)}, optim={"lr": 3e-3},
-                      data={"micro_batch_size": 4, "grad_accum_steps": 1, "eval_samples": 32})
-    summary = run_ranks(train_briefly, 2, cfg, tmp_dir=tmp_path)[0]
-    adapter = out / "adapter"
+def test_exported_adapter_reproduces_trained_loss(tiny_model_dir, trained_runs, use_dora):
+    cfg, summary = trained_runs[use_dora]
+    adapter = Path(cfg.train.output_dir) / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == cfg.lora.r and config["use_dora"] == use_dora
     assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "tokenizer.json").is_file()

@@ -38,29 +38,29 @@ def loss_and_grads(info, cfg, micro_batches_per_rank, shard=True):
     return {"loss": result.loss, "grads": full_grads(model)}
 
 
-def hsdp_step(info, cfg, micro_batches_per_rank, shard_size):
-    """loss_and_grads on a 2-D mesh (replicas x shards), plus the clipped norm and an optimizer update."""
+def hsdp_and_fsdp_steps(info, cfg, micro_batches_per_rank, shard_size):
+    """The same step on a 2-D mesh (replicas x shards) and on the plain 1-D mesh of the same ranks: loss,
+    gradients, clipped norm and an SGD update of each."""
     import dataclasses
 
     from qlora_fsdp.distributed import data_parallel_mesh
     from qlora_fsdp.optim import clip_grad_norm
     from qlora_fsdp.sharding import local_shard
 
-    info = dataclasses.replace(info, mesh=data_parallel_mesh("cpu", info.world_size, shard_size))
-    model = build_model(cfg, info)
-    shard_shapes = {n: tuple(local_shard(p).shape) for n, p in model.named_parameters() if p.requires_grad}
-    before = gather_trainable_state(model)
-    result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
-    grads = full_grads(model)
-    norm = clip_grad_norm(model, 1e-3)  # small enough to clip: the scaling uses the global norm
-    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
-    after = gather_trainable_state(model)
-    return {"loss": result.loss, "grads": grads, "norm": norm, "delta": {k: after[k] - before[k] for k in before},
-            "mesh": tuple(info.mesh.shape), "shard_shapes": shard_shapes}
-
-
-def reference_step(info, cfg, micro_batches_per_rank):
-    return hsdp_step(info, cfg, micro_batches_per_rank, None)
+    results = []
+    for size in (shard_size, None):
+        mesh_info = dataclasses.replace(info, mesh=data_parallel_mesh("cpu", info.world_size, size))
+        model = build_model(cfg, mesh_info)
+        shard_shapes = {n: tuple(local_shard(p).shape) for n, p in model.named_parameters() if p.requires_grad}
+        before = gather_trainable_state(model)
+        result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
+        grads = full_grads(model)
+        norm = clip_grad_norm(model, 1e-3)  # small enough to clip: the scaling uses the global norm
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+        after = gather_trainable_state(model)
+        results.append({"loss": result.loss, "grads": grads, "norm": norm, "mesh": tuple(mesh_info.mesh.shape),
+                        "delta": {k: after[k] - before[k] for k in before}, "shard_shapes": shard_shapes})
+    return results
 
 
 def naive_mean_of_means(info, cfg, micro_batches_per_rank):
@@ -157,21 +157,20 @@ def test_sharded_two_ranks_match_unsharded(tiny_model_dir, samples, tmp_path):
     assert relative_difference(sharded[1]["grads"], reference["grads"]) <= 1e-5
 
 
-def test_hsdp_two_replicas_of_two_shards_match_one_rank(tiny_model_dir, samples, tmp_path):
-    """HSDP (the multi-node layout): 4 ranks as 2 replicas x 2 shards give one rank's loss, gradients, clipped
-    norm and update on the same 16 samples."""
+def test_hsdp_two_replicas_of_two_shards_match_plain_fsdp(tiny_model_dir, samples, tmp_path):
+    """HSDP (the multi-node layout): 4 ranks as 2 replicas x 2 shards give the loss, gradients, clipped norm and
+    update of the same 4 ranks sharding one copy (which test_sharded_two_ranks_match_unsharded ties to one
+    unsharded model)."""
     cfg = tiny_config(tiny_model_dir)
     per_rank = [batches(samples[4 * r : 4 * r + 4], 2, PAD) for r in range(4)]
-    hsdp = run_ranks(hsdp_step, 4, cfg, per_rank, 2, tmp_dir=tmp_path)
-    reference = run_ranks(reference_step, 1, cfg, [[b for rank in per_rank for b in rank]], tmp_dir=tmp_path)[0]
-    assert hsdp[0]["mesh"] == (2, 2) and reference["mesh"] == (1,)
-    name, shape = next(iter(hsdp[0]["shard_shapes"].items()))
-    assert shape[0] * 2 == reference["shard_shapes"][name][0]  # sharded over 2 ranks, not 4
-    for rank in hsdp:
-        assert rank["loss"] == pytest.approx(reference["loss"], rel=1e-6)
-        assert relative_difference(rank["grads"], reference["grads"]) <= 1e-5
-        assert rank["norm"] == pytest.approx(reference["norm"], rel=1e-5)
-        assert relative_difference(rank["delta"], reference["delta"]) <= 1e-5
+    for hsdp, fsdp in run_ranks(hsdp_and_fsdp_steps, 4, cfg, per_rank, 2, tmp_dir=tmp_path):
+        assert hsdp["mesh"] == (2, 2) and fsdp["mesh"] == (4,)
+        name, shape = next(iter(hsdp["shard_shapes"].items()))
+        assert shape[0] == 2 * fsdp["shard_shapes"][name][0]  # sharded over 2 ranks, not 4
+        assert hsdp["loss"] == pytest.approx(fsdp["loss"], rel=1e-6)
+        assert relative_difference(hsdp["grads"], fsdp["grads"]) <= 1e-5
+        assert hsdp["norm"] == pytest.approx(fsdp["norm"], rel=1e-5)
+        assert relative_difference(hsdp["delta"], fsdp["delta"]) <= 1e-5
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

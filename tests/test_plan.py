@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import torch
 
 from qlora_fsdp.api import build_model
 from qlora_fsdp.trainer import accumulate_gradients
-from tests.helpers import REPO, batches, run_ranks, tiny_config, variable_length_samples
+from tests.helpers import REPO, batches, run_ranks_sequence, tiny_config, variable_length_samples
 
 PAD = 2
 
@@ -48,37 +49,57 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     return measured, planned
 
 
-@pytest.mark.parametrize("optimizer", ["paged_adamw_8bit", "adamw"])
-def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path, optimizer):
+def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path):
     # r=64 makes the LoRA shards large enough for bitsandbytes' 8-bit state (4096+ elements); r=16 stays 32-bit
-    cfg = tiny_config(tiny_model_dir, optim={"name": optimizer}, lora={"r": 64, "alpha": 128},
-                      model={"dtype": "bfloat16"})
-    samples = variable_length_samples(cfg, 8)
-    per_rank = [batches(samples[:4], 4, PAD), batches(samples[4:], 4, PAD)]
-    measured, planned = run_ranks(measured_and_planned, 2, cfg, per_rank, tmp_dir=tmp_path)[0]
-    assert measured == planned and all(measured.values())
+    calls = []
+    for optimizer in ("paged_adamw_8bit", "adamw"):
+        cfg = tiny_config(tiny_model_dir, optim={"name": optimizer}, lora={"r": 64, "alpha": 128},
+                          model={"dtype": "bfloat16"})
+        samples = variable_length_samples(cfg, 8)
+        calls.append((measured_and_planned, (cfg, [batches(samples[:4], 4, PAD), batches(samples[4:], 4, PAD)])))
+    for measured, planned in run_ranks_sequence(calls, 2, tmp_path):
+        assert measured == planned and all(measured.values())
 
 
-def test_70b_on_two_4090s_needs_offload():
-    # one meta build of the 70B for both presets: offload moves bytes between GPU and host, no shape changes
-    code = ("from qlora_fsdp.config import load_config\n"
-            "from qlora_fsdp.plan import meta_held, plan, planning_mesh, variants\n"
-            "cfg = load_config('llama70b_2x4090', ['fsdp_preset=full_shard'])\n"
-            "held = meta_held(cfg, planning_mesh(2))\n"
-            "offload = load_config('llama70b_2x4090', ['fsdp_preset=full_shard_cpu_offload'])\n"
-            "for name, c in (('full_shard', cfg), ('full_shard_cpu_offload', offload)):\n"
-            "    result = plan(c, held)\n"
-            "    print(name, 'FITS' if result.fits else 'DOES NOT FIT', round(result.gpu_total / 2**30, 2))\n"
-            "print(result.description)\n"
-            "print([label for label, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(c, held).fits])\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+PLAN_70B = """
+import torch.distributed as dist
+from qlora_fsdp.config import load_config
+from qlora_fsdp.plan import meta_held, plan, planning_mesh, report, variants
+cfg = load_config('llama70b_2x4090', ['fsdp_preset=full_shard'])
+held = meta_held(cfg, planning_mesh(2))  # one meta build for both presets: offload moves bytes, not shapes
+offload = load_config('llama70b_2x4090', ['fsdp_preset=full_shard_cpu_offload'])
+for name, c in (('full_shard', cfg), ('full_shard_cpu_offload', offload)):
+    result = plan(c, held)
+    print(name, 'FITS' if result.fits else 'DOES NOT FIT', round(result.gpu_total / 2**30, 2))
+print(result.description)
+print([label for label, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(c, held).fits])
+dist.destroy_process_group()  # the HSDP recipe plans over a fake world of 16
+text, fits = report(load_config('llama70b_hsdp_2x8x4090'))
+print(text)
+"""
+
+
+def test_70b_plans_from_config_json_alone():
+    """2x RTX 4090: DOES NOT FIT without offload (and offload is named as the fix), FITS with it. 2 nodes x 8
+    in HSDP: the shard is over a node's 8 GPUs, the auto micro-batch and scaled lr are printed, FITS."""
+    result = subprocess.run([sys.executable, "-c", PLAN_70B], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("full_shard DOES NOT FIT") and float(lines[0].split()[-1]) > 24
     assert lines[1].startswith("full_shard_cpu_offload FITS") and float(lines[1].split()[-1]) < 24
     assert lines[2].startswith("70.55B base parameters")
     assert lines[3].startswith("['fsdp_preset=full_shard_cpu_offload")  # the only single fix, and it is named
+
+    hsdp = lines[4:]
+    assert hsdp[0].endswith("on 16 x rtx4090 (24 GiB): 70.55B base parameters, world size 16")
+    shard_row = next(line for line in hsdp if line.startswith("| 4-bit base weights"))
+    h, kv, inter, layers = 8192, 1024, 28672, 80  # model_configs/llama-3.1-70b
+    packed_bytes = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) / 2  # two 4-bit values a byte
+    assert float(shard_row.split("|")[2]) == pytest.approx(packed_bytes / 8 / 2**30, abs=0.01)  # over 8, not 16
+    batch = next(line for line in hsdp if line.startswith("batch:"))
+    assert "x 16 ranks = 64 rows a step" in batch and f"lr {1e-4 * math.sqrt(2):.3g} (sqrt scaling" in batch
+    assert hsdp[-1] == "FITS"
 
 
 def test_mfu_counts_6n_flops_a_token():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -177,15 +178,22 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path
     assert sorted(p.name for p in (streak / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
 
 
-def test_existing_run_is_refused_and_other_world_size_explained(tiny_model_dir, reference):
-    again = run([sys.executable, "train.py", *recipe_args(tiny_model_dir, reference)])
-    assert again.returncode == 2
-    assert again.stderr.strip().splitlines()[-1] == (
-        f"error: output folder {reference} already holds a run (latest checkpoint step-000010); resume it with "
+def test_existing_run_is_refused_and_other_world_size_explained(reference, tmp_path):
+    from qlora_fsdp.checkpoint import check_world_size
+    from qlora_fsdp.config import TrainConfig
+    from qlora_fsdp.errors import CheckpointError, OutputExistsError
+    from qlora_fsdp.run_dir import prepare_run_dir
+
+    run = shutil.copytree(reference, tmp_path / "run")  # resuming trims the log: leave the shared reference alone
+    with pytest.raises(OutputExistsError) as refused:  # what train.py prints after `error: `, with exit code 2
+        prepare_run_dir(run, TrainConfig(output_dir=str(run)))
+    assert str(refused.value) == (
+        f"output folder {run} already holds a run (latest checkpoint step-000010); resume it with "
         "--resume (train.resume=auto), choose another train.output_dir, or pass train.overwrite=true to start over")
-    one_rank = run([sys.executable, "train.py", *recipe_args(tiny_model_dir, reference), "--resume"])
-    assert one_rank.returncode == 2
-    assert "was written by 2 ranks and this run has 1" in one_rank.stderr.strip().splitlines()[-1]
+    latest = prepare_run_dir(run, TrainConfig(output_dir=str(run), resume="auto"))
+    assert latest == run / "checkpoints" / "step-000010"
+    with pytest.raises(CheckpointError, match="was written by 2 ranks and this run has 1: .* --nproc_per_node 2"):
+        check_world_size(latest, 1)  # api.train checks this before loading the model
     assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step-000006", "step-000008",
                                                                               "step-000010"]
     # the last checkpoint's PEFT adapter is the final one (the export itself is tested in test_export.py)
