@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from qlora_fsdp.config import load_config, to_yaml
-from qlora_fsdp.errors import UserError
+from qlora_fsdp.errors import run_command
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -28,32 +28,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    return run_command(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.resume and "=" in args.resume:  # `--resume optim.lr=1e-4`: an override, not a checkpoint
+        overrides.insert(0, args.resume)
+        args.resume = "auto"
+    resume = [f"train.resume={args.resume}"] if args.resume else []
+    cfg = load_config(args.recipe, [*overrides, *resume])
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    if args.plan:
+        from qlora_fsdp.plan import report
+
+        text, fits = report(cfg)
+        print(text)
+        return 0 if fits else 1
+    from qlora_fsdp.api import train  # heavy imports only once the config is known to be good
+    from qlora_fsdp.distributed import cleanup
+
     try:
-        overrides = list(args.overrides)
-        if args.resume and "=" in args.resume:  # `--resume optim.lr=1e-4`: an override, not a checkpoint
-            overrides.insert(0, args.resume)
-            args.resume = "auto"
-        resume = [f"train.resume={args.resume}"] if args.resume else []
-        cfg = load_config(args.recipe, [*overrides, *resume])
-        if args.print_config:
-            print(to_yaml(cfg), end="")
-            return 0
-        if args.plan:
-            from qlora_fsdp.plan import report
-
-            text, fits = report(cfg)
-            print(text)
-            return 0 if fits else 1
-        from qlora_fsdp.api import train  # heavy imports only once the config is known to be good
-        from qlora_fsdp.distributed import cleanup
-
-        try:
-            train(cfg)
-        finally:
-            cleanup()
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        train(cfg)
+    finally:
+        cleanup()
     return 0
 
 

@@ -3,6 +3,11 @@
 Kept free of heavy imports so a bad recipe is reported before torch or bitsandbytes load.
 """
 
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
 
 class UserError(Exception):
     """Base of every error that is the user's to fix (bad recipe, data, checkpoint or folder)."""
@@ -30,3 +35,12 @@ class CheckpointError(UserError, RuntimeError):
 
 class TrainingStopped(UserError, RuntimeError):
     """The run stopped itself (e.g. too many non-finite steps in a row); the message says what to do."""
+
+
+def run_command(body: Callable[[], int]) -> int:
+    """A command-line entry point's body; a UserError becomes one `error: ...` line on stderr and exit code 2."""
+    try:
+        return body()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -108,7 +108,7 @@ class ShardWriter:
 
 
 def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: str = "bfloat16",
-                  max_shard_bytes: int = 5 * 2**30, base_weights: Literal["dequantized", "original"] = "dequantized",
+                  max_shard_bytes: int = 2 * 10**9, base_weights: Literal["dequantized", "original"] = "dequantized",
                   device: str = "cpu") -> int:
     """Write base + adapter to `out_dir` (which must not exist); returns the number of shards."""
     if cfg.model.init == "random":
@@ -136,10 +136,18 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: str = "b
     hf_config.dtype = dtype
     hf_config.__dict__.pop("quantization_config", None)  # a plain checkpoint now
     hf_config.save_pretrained(tmp)
+    copy_tokenizer(adapter_dir, tmp)
     if out_dir.exists():  # the caller allowed replacing it; removed only now that the new one is complete
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return shards
+
+
+def copy_tokenizer(adapter_dir: Path, out_dir: Path) -> None:
+    """The tokenizer saved with the adapter (the one training used), so the folder is complete."""
+    for path in adapter_dir.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template")) or path.suffix == ".model":
+            shutil.copy(path, out_dir / path.name)
 
 
 def parse_size(text: str) -> int:

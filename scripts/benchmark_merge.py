@@ -59,23 +59,23 @@ def write_adapter(model_dir: Path, out: Path) -> None:
     (out / TRAINING_CONFIG).write_text(to_yaml(cfg))
 
 
-def merge_ours(adapter: Path, out: Path, base_weights: str) -> None:
+def merge_ours(adapter: Path, out: Path, base_weights: str, shard_bytes: int) -> None:
     from qlora_fsdp.adapter import config_for_adapter
     from qlora_fsdp.merge import merge_adapter
 
-    merge_adapter(config_for_adapter(adapter, None, []), adapter, out, "bfloat16", 2 * 10**9, base_weights)
+    merge_adapter(config_for_adapter(adapter, None, []), adapter, out, "bfloat16", shard_bytes, base_weights)
 
 
-def merge_peer(adapter: Path, out: Path, model_dir: Path) -> None:
+def merge_peer(adapter: Path, out: Path, model_dir: Path, shard_bytes: int) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
-    merged.save_pretrained(out, max_shard_size="2GB")
+    merged.save_pretrained(out, max_shard_size=shard_bytes)
 
 
-def worker(which: str, model_dir: str, adapter: str, out: str, queue) -> None:
+def worker(which: str, model_dir: str, adapter: str, out: str, shard_bytes: int, queue) -> None:
     torch.set_num_threads(2)
     import peft  # noqa: F401
     import transformers  # noqa: F401
@@ -87,9 +87,9 @@ def worker(which: str, model_dir: str, adapter: str, out: str, queue) -> None:
     started = time.perf_counter()
     with AnonPeak() as anon:
         if which == "peer (PEFT merge_and_unload)":
-            merge_peer(Path(adapter), Path(out), Path(model_dir))
+            merge_peer(Path(adapter), Path(out), Path(model_dir), shard_bytes)
         else:
-            merge_ours(Path(adapter), Path(out), "original" if "original" in which else "dequantized")
+            merge_ours(Path(adapter), Path(out), "original" if "original" in which else "dequantized", shard_bytes)
     queue.put((which, proc_status_bytes("VmHWM") - baseline, anon.peak - baseline_anon,
                time.perf_counter() - started))
 
@@ -97,7 +97,11 @@ def worker(which: str, model_dir: str, adapter: str, out: str, queue) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/bench-merge"))
+    parser.add_argument("--max-shard-size", default="500MB", help="output shard size, for both paths")
     args = parser.parse_args()
+    from qlora_fsdp.merge import parse_size
+
+    shard_bytes = parse_size(args.max_shard_size)
     model_dir, adapter = args.out_dir / "model", args.out_dir / "adapter"
     if not (model_dir / "model.safetensors.index.json").is_file():
         write_checkpoint(model_dir)
@@ -110,12 +114,12 @@ def main() -> None:
         out = args.out_dir / f"merged-{len(rows)}"
         shutil.rmtree(out, ignore_errors=True)
         queue = ctx.Queue()
-        proc = ctx.Process(target=worker, args=(which, str(model_dir), str(adapter), str(out), queue))
+        proc = ctx.Process(target=worker, args=(which, str(model_dir), str(adapter), str(out), shard_bytes, queue))
         proc.start()
         rows.append(queue.get())
         proc.join()
     print(f"\nmerge of a {n_bytes / GB:.2f} GiB bf16 checkpoint ({CONFIG['num_hidden_layers']} layers), "
-          f"LoRA r={RANK} on all linears, bf16 output\n")
+          f"LoRA r={RANK} on all linears, bf16 output in shards of {args.max_shard_size}\n")
     print("| path | peak RSS above baseline (GiB) | peak anonymous (GiB) | time (s) |")
     print("| --- | ---: | ---: | ---: |")
     for which, rss, anon, seconds in rows:

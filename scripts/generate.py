@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qlora_fsdp.adapter import config_for_adapter  # noqa: E402
 from qlora_fsdp.config import load_config  # noqa: E402
-from qlora_fsdp.errors import UserError  # noqa: E402
+from qlora_fsdp.errors import UserError, run_command  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -52,24 +52,24 @@ def prompts(args: argparse.Namespace):
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    try:
-        if args.no_adapter == (args.adapter is not None):
-            raise UserError("give --adapter ADAPTER, or --no-adapter with --recipe")
-        if args.no_adapter:
-            if not args.recipe:
-                raise UserError("--no-adapter needs --recipe to know the base model")
-            cfg = load_config(args.recipe, args.overrides)
-        else:
-            cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
-        from qlora_fsdp.generate import Sampling, load_generator  # heavy imports once the arguments are good
+    return run_command(lambda: run(args))
 
-        generator = load_generator(cfg, args.adapter)
-        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-        for prompt in prompts(args):
-            print(generator.reply(prompt, sampling, args.system), flush=True)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+
+def run(args: argparse.Namespace) -> int:
+    if args.no_adapter == (args.adapter is not None):
+        raise UserError("give --adapter ADAPTER, or --no-adapter with --recipe")
+    if args.no_adapter:
+        if not args.recipe:
+            raise UserError("--no-adapter needs --recipe to know the base model")
+        cfg = load_config(args.recipe, args.overrides)
+    else:
+        cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
+    from qlora_fsdp.generate import Sampling, load_generator  # heavy imports once the arguments are good
+
+    generator = load_generator(cfg, args.adapter)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    for prompt in prompts(args):
+        print(generator.reply(prompt, sampling, args.system), flush=True)
     return 0
 
 

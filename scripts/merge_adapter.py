@@ -1,18 +1,18 @@
 """Merge a trained adapter into its base and save a standard Hugging Face checkpoint (safetensors shards).
 
     python scripts/merge_adapter.py --adapter outputs/demo/adapter --out outputs/demo/merged
-    python scripts/merge_adapter.py --adapter ADAPTER --out OUT --dtype float16 --max-shard-size 2GB
+    python scripts/merge_adapter.py --adapter ADAPTER --out OUT --dtype float16 --max-shard-size 1GB
     python scripts/merge_adapter.py --adapter ADAPTER --out OUT --recipe llama70b_2x4090 --device cuda
 
 The run's settings come from the adapter folder's training_config.yaml (written by train.py); a PEFT adapter
-trained elsewhere needs --recipe. The base is read tensor by tensor, so a 70B merge needs a few GB of host RAM.
+trained elsewhere needs --recipe. The base is read tensor by tensor and written a shard at a time, so host RAM
+peaks near one output shard plus one weight (a 70B merge fits in a few GB).
 The result loads with `AutoModelForCausalLM.from_pretrained(OUT)`.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qlora_fsdp.adapter import config_for_adapter  # noqa: E402
-from qlora_fsdp.errors import UserError  # noqa: E402
+from qlora_fsdp.errors import UserError, run_command  # noqa: E402
 from qlora_fsdp.merge import merge_adapter, parse_size  # noqa: E402
 
 
@@ -30,7 +30,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="new folder for the merged checkpoint")
     parser.add_argument("--recipe", help="the run's recipe, where the adapter has no training_config.yaml")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
+    parser.add_argument("--max-shard-size", default="2GB",
+                        help="largest safetensors file, e.g. 2GB or 500MB; host RAM peaks near one shard")
     parser.add_argument("--base-weights", default="dequantized", choices=["dequantized", "original"],
                         help="dequantized: the 4-bit weights training saw (default); original: the unquantized ones")
     parser.add_argument("--device", default="cpu", help="where to quantize and merge: cpu, or cuda for speed")
@@ -41,27 +42,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    try:
-        if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
-            raise UserError(f"{args.out} exists and is not empty: choose another --out, or pass --overwrite")
-        cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
-        started = time.perf_counter()
-        shards = merge_adapter(cfg, args.adapter, args.out, args.dtype, parse_size(args.max_shard_size),
-                               args.base_weights, args.device)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    copy_tokenizer(args.adapter, args.out)
+    return run_command(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
+        raise UserError(f"{args.out} exists and is not empty: choose another --out, or pass --overwrite")
+    cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
+    started = time.perf_counter()
+    shards = merge_adapter(cfg, args.adapter, args.out, args.dtype, parse_size(args.max_shard_size),
+                           args.base_weights, args.device)
     print(f"merged {args.adapter} into {cfg.model.path}: {args.out} ({shards} shard{'s' * (shards > 1)}, "
           f"{args.dtype}, {time.perf_counter() - started:.1f} s)")
     return 0
-
-
-def copy_tokenizer(adapter_dir: Path, out_dir: Path) -> None:
-    """The tokenizer saved with the adapter (the one training used), so the folder is complete."""
-    for path in adapter_dir.iterdir():
-        if path.name.startswith(("tokenizer", "special_tokens", "chat_template")) or path.suffix == ".model":
-            shutil.copy(path, out_dir / path.name)
 
 
 if __name__ == "__main__":
