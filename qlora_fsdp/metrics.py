@@ -9,6 +9,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def peak_memory_gb(device: torch.device) -> float:
 class MetricsLogger:
     """metrics.jsonl, the progress bar, and any trackers (TensorBoard, W&B) fed with each step's values."""
 
-    def __init__(self, output_dir: Path, total_steps: int, enabled: bool, trackers: list[Tracker] = ()) -> None:
+    def __init__(self, output_dir: Path, total_steps: int, enabled: bool, trackers: Sequence[Tracker] = ()) -> None:
         self.enabled = enabled
         self.trackers = list(trackers)
         self.path = output_dir / "metrics.jsonl"
