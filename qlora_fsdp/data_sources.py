@@ -135,10 +135,8 @@ class ConversationMaker:
         return value
 
     def alpaca(self, record: dict[str, Any], index: int) -> list[dict[str, str]]:
-        prompt = self.text(record, index, "instruction")
-        extra = self.text(record, index, "input", optional=True)
-        if extra:
-            prompt = f"{prompt}\n\n### Input:\n{extra}"
+        prompt = alpaca_user_turn(self.text(record, index, "instruction"),
+                                  self.text(record, index, "input", optional=True))
         system = self.text(record, index, "system", optional=True)
         turns = [{"role": "system", "content": system}] if system else []
         return turns + [{"role": "user", "content": prompt},
@@ -176,3 +174,8 @@ def weighted(dataset: datasets.Dataset, weight: float, seed: int) -> datasets.Da
     indices = list(range(n)) * int(weight)
     indices += sorted(random.Random(seed).sample(range(n), round((weight - int(weight)) * n)))
     return dataset.select(indices)
+
+
+def alpaca_user_turn(instruction: str, extra_input: str = "") -> str:
+    """An alpaca record's instruction and optional input as one user turn (training and generation alike)."""
+    return f"{instruction}\n\n### Input:\n{extra_input}" if extra_input else instruction

@@ -1,6 +1,6 @@
 """Sample from the 4-bit base + a trained adapter, with the prompt template training used.
 
-    python scripts/generate.py --adapter outputs/demo/adapter --prompt "Reverse the word: cat"
+    python scripts/generate.py --adapter outputs/demo/adapter --prompt "Reverse the letters of the word." --input river
     python scripts/generate.py --adapter outputs/demo/adapter              # interactive: one prompt a line
     python scripts/generate.py --adapter ADAPTER --temperature 0.7 --top-p 0.9 --max-new-tokens 256
     python scripts/generate.py --recipe tiny_cpu --no-adapter --prompt ... # the base alone, to compare
@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qlora_fsdp.adapter import config_for_adapter  # noqa: E402
 from qlora_fsdp.config import load_config  # noqa: E402
+from qlora_fsdp.data_sources import alpaca_user_turn  # noqa: E402
 from qlora_fsdp.errors import UserError, run_command  # noqa: E402
 
 
@@ -27,6 +28,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-adapter", action="store_true", help="the base model alone (needs --recipe)")
     parser.add_argument("--recipe", help="settings, where the adapter has no training_config.yaml")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); none: read prompts from stdin")
+    parser.add_argument("--input", default="", help="an alpaca-style input for every prompt (the record's `input`)")
     parser.add_argument("--system", help="a system message before each prompt")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     generator = load_generator(cfg, args.adapter)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     for prompt in prompts(args):
-        print(generator.reply(prompt, sampling, args.system), flush=True)
+        print(generator.reply(alpaca_user_turn(prompt, args.input), sampling, args.system), flush=True)
     return 0
 
 
