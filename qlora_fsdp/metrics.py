@@ -6,7 +6,6 @@ Named metrics.py rather than logging.py so it never shadows the standard library
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -29,7 +28,8 @@ def peak_memory_gb(device: torch.device) -> float:
     """Peak accelerator memory on GPU; peak resident host memory of this process on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    # VmHWM, not ru_maxrss: a child started by exec or spawn inherits its parent's ru_maxrss
+    return proc_status_bytes("VmHWM") / 2**30
 
 
 class MetricsLogger:
