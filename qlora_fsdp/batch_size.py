@@ -68,7 +68,8 @@ def scaled_lr(cfg: Config, batch: int) -> float:
 
 def resolve_batch(cfg: Config, world_size: int, fits: Callable[[int], bool] | None = None) -> Config:
     """A concrete copy of `cfg`: an integer micro-batch, the accumulation steps that reach the effective
-    batch, and the scaled lr (with lr_scaling then none, so a saved config is never scaled twice)."""
+    batch, and the scaled lr. The targets and the scaling are then dropped (effective batch null, lr_scaling
+    none), so a saved config loads back as it is and is never scaled twice."""
     target = effective_rows(cfg)
     data = cfg.data
     if target is None:
@@ -78,7 +79,8 @@ def resolve_batch(cfg: Config, world_size: int, fits: Callable[[int], bool] | No
         micro = choose_micro_batch(cfg, per_rank, fits)
         accum = per_rank // micro
     batch = micro * accum * world_size
-    new_data = dataclasses.replace(data, micro_batch_size=micro, grad_accum_steps=accum)
+    new_data = dataclasses.replace(data, micro_batch_size=micro, grad_accum_steps=accum, effective_batch=None,
+                                   effective_batch_tokens=None)
     new_optim = dataclasses.replace(cfg.optim, lr=scaled_lr(cfg, batch), lr_scaling="none")
     return dataclasses.replace(cfg, data=new_data, optim=new_optim)
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, PretrainedConfig
 
-from qlora_fsdp.batch_size import describe_batch, resolve_batch
+from qlora_fsdp.batch_size import describe_batch, effective_rows, resolve_batch
 from qlora_fsdp.config import REPO_ROOT, Config, HardwareConfig
 from qlora_fsdp.distributed import DistInfo, data_parallel_mesh, init_fake_distributed
 from qlora_fsdp.errors import ConfigError
@@ -236,15 +236,18 @@ def plan(cfg: Config, held: Held) -> Plan:
     return Plan(gpu, host_rows(held, cfg), gpu_spec(cfg).memory_gib, cfg.hardware.host_ram_gib, description)
 
 
-def variants(cfg: Config) -> list[tuple[str, Config]]:
-    """Changes that shrink the footprint, the ones that keep the most throughput first."""
+def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, Config]]:
+    """Changes that shrink the footprint, the ones that keep the most throughput first. With
+    `batch_from_target` the recipe states an effective batch, so only the micro-batch is the user's to set."""
     changes: list[tuple[str, dict[str, object]]] = []
     if cfg.checkpointing.mode != "every_layer":
         changes.append(("checkpointing.mode=every_layer", {"checkpointing.mode": "every_layer"}))
     if cfg.data.micro_batch_size > 1:
         half, accum = max(1, cfg.data.micro_batch_size // 2), cfg.data.grad_accum_steps * 2
-        changes.append((f"data.micro_batch_size={half} data.grad_accum_steps={accum} (same effective batch)",
-                        {"data.micro_batch_size": half, "data.grad_accum_steps": accum}))
+        label = (f"data.micro_batch_size={half} (the effective batch then takes {accum} accumulation steps)"
+                 if batch_from_target else
+                 f"data.micro_batch_size={half} data.grad_accum_steps={accum} (same effective batch)")
+        changes.append((label, {"data.micro_batch_size": half, "data.grad_accum_steps": accum}))
     if cfg.data.context_length > 512:
         changes.append((f"data.context_length={cfg.data.context_length // 2}",
                         {"data.context_length": cfg.data.context_length // 2}))
@@ -263,10 +266,10 @@ def variants(cfg: Config) -> list[tuple[str, Config]]:
     return out
 
 
-def suggestions(cfg: Config, held: Held, mesh: DeviceMesh) -> list[str]:
+def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bool = False) -> list[str]:
     """Each single change that makes a misfit fit, with the total it gives."""
     found = []
-    for label, changed in variants(cfg):
+    for label, changed in variants(cfg, batch_from_target):
         same_shapes = changed.lora.r == cfg.lora.r  # only the rank changes what is allocated
         result = plan(changed, held if same_shapes else meta_held(changed, mesh))
         if result.fits:
@@ -321,7 +324,7 @@ def report(cfg: Config) -> tuple[str, bool]:
              f"| **total** | **{result.host_total / GIB:.2f}** | {host_capacity} |",
              "", describe_batch(recipe, cfg, cfg.hardware.world_size), "FITS" if result.fits else "DOES NOT FIT"]
     if not result.fits:
-        fixes = suggestions(cfg, held, mesh)
+        fixes = suggestions(cfg, held, mesh, effective_rows(recipe) is not None)
         lines += ["changes that make it fit, most throughput kept first:", *[f"  - {f}" for f in fixes]] if fixes \
             else ["no single change makes it fit; combine them, or use more GPUs"]
     return "\n".join(lines), result.fits

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qlora_fsdp.batch_size import describe_batch, resolve_batch
-from qlora_fsdp.config import load_config
+from qlora_fsdp.config import load_config, to_yaml
 from qlora_fsdp.errors import ConfigError
 from tests.helpers import run_ranks, tiny_config
 
@@ -19,6 +19,19 @@ def test_effective_batch_sets_the_accumulation_for_any_world_size(world, micro, 
     assert (resolved.data.micro_batch_size, resolved.data.grad_accum_steps) == (micro, accum)
     assert micro * accum * world == 32
     assert describe_batch(cfg, resolved, world).startswith(f"batch: micro-batch 4 x {accum} accumulation steps")
+
+
+def test_resolved_config_loads_back_as_it_is(tmp_path):
+    """What checkpoints and adapters save (config.yaml, training_config.yaml) must load for resume, merge and
+    generate: concrete micro-batch and accumulation, no target left to derive them again."""
+    cfg = load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=4", "optim.lr_scaling=sqrt",
+                                   "optim.lr_base_batch=8"])
+    resolved = resolve_batch(cfg, 2)
+    saved = tmp_path / "training_config.yaml"
+    saved.write_text(to_yaml(resolved))
+    reloaded = load_config(str(saved))
+    assert reloaded == resolved and reloaded.data.grad_accum_steps == 4
+    assert resolve_batch(reloaded, 2) == resolved
 
 
 def test_effective_batch_in_tokens():
@@ -96,3 +109,18 @@ def test_auto_by_the_planner_picks_the_largest_planned_to_fit(tiny_model_dir, tm
     limit = 1.5 * 2**30
     assert totals[chosen] <= limit < totals[chosen * 2], totals
     assert 1 < chosen < 16
+
+
+def test_halving_advice_fits_a_recipe_with_an_effective_batch():
+    """A misfit's 'halve the micro-batch' advice must be something the recipe accepts: with an effective batch,
+    grad_accum_steps is derived, so naming it would be refused."""
+    from qlora_fsdp.plan import variants
+
+    resolved = resolve_batch(load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=4"]), 2)
+    label, changed = next((label, c) for label, c in variants(resolved, batch_from_target=True)
+                          if label.startswith("data.micro_batch_size"))
+    assert label == "data.micro_batch_size=2 (the effective batch then takes 8 accumulation steps)"
+    assert (changed.data.micro_batch_size, changed.data.grad_accum_steps) == (2, 8)
+    load_config("tiny_cpu", [*TARGET, label.split()[0]])  # the advice, applied, is accepted
+    plain = variants(load_config("tiny_cpu"))
+    assert any(label == "data.micro_batch_size=2 data.grad_accum_steps=4 (same effective batch)" for label, _ in plain)
