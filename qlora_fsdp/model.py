@@ -21,9 +21,12 @@ from qlora_fsdp.config import Config, LoraConfig, QuantConfig
 from qlora_fsdp.errors import ModelLoadError
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# 4-bit values are packed two to a byte, then viewed as this dtype. bf16 storage lets FSDP2 shard and
-# all-gather the packed weight like any other bf16 tensor, byte-exactly; uint8 storage breaks under FSDP.
-QUANT_STORAGE = torch.bfloat16
+# 4-bit values are packed two to a byte and stored as raw bytes. FSDP2 never casts a non-float parameter and
+# all-gathers it as bytes, whatever the mixed-precision policy or the LoRA dtype. The earlier bf16 storage was
+# not safe: on CUDA (sm80+) FSDP2's all-gather copy-in reads bf16 through float and rewrites every bf16 NaN bit
+# pattern as 0x7FFF, so about 0.1% of the packed bytes decode to other 4-bit values whenever a layer's
+# all-gather is uniformly bf16 (bitsandbytes #1945, pytorch #159333; emulated on CPU in tests/test_numerics.py).
+QUANT_STORAGE = torch.uint8
 
 
 def checkpoint_dir(model_path: str) -> Path:

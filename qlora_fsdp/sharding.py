@@ -93,9 +93,10 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def uses_fsdp(fsdp: FSDPConfig, world_size: int) -> bool:
-    """Several ranks, or offload, need FSDP2; for one process without offload the wrap would only add copies
-    (measured 8% fewer tokens/s, tiny_cpu, one process)."""
-    return world_size > 1 or fsdp.cpu_offload
+    """Several ranks, offload or a mixed-precision policy need FSDP2 (the policy is FSDP2's, so without the wrap
+    one process would silently compute in storage dtypes); otherwise the wrap would only add copies (measured 8%
+    fewer tokens/s, tiny_cpu, one process)."""
+    return world_size > 1 or fsdp.cpu_offload or fsdp.param_dtype is not None
 
 
 def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh, shard: bool = True) -> nn.Module:

@@ -7,7 +7,8 @@ import os
 import socket
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,26 @@ def run_ranks(
     codes = [p.exitcode for p in procs]
     assert codes == [0] * n_procs, f"rank exit codes {codes}"
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(n_procs)]
+
+
+BF16_CANONICAL_NAN = 0x7FFF
+
+
+@contextmanager
+def cuda_bf16_copy_emulated() -> Iterator[None]:
+    """`torch._foreach_copy_` as CUDA runs it on sm80+: bf16 is read through float, so every bf16 NaN bit
+    pattern is written back as 0x7FFF (on CPU the copy is byte-exact). FSDP2's all-gather copy-in calls it."""
+    original = torch._foreach_copy_
+
+    def canonicalizing_copy(dsts, srcs, non_blocking=False):
+        original(dsts, srcs, non_blocking=non_blocking)
+        for dst in dsts:
+            if dst.dtype == torch.bfloat16:
+                dst.view(torch.int16)[dst.isnan()] = BF16_CANONICAL_NAN
+        return None
+
+    torch._foreach_copy_ = canonicalizing_copy
+    try:
+        yield
+    finally:
+        torch._foreach_copy_ = original

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import bitsandbytes as bnb
 import pytest
 import torch
@@ -19,6 +21,7 @@ from qlora_fsdp.model import TORCH_DTYPES, checkpoint_dir
 from qlora_fsdp.trainer import accumulate_gradients, set_gradient_sync
 from tests.helpers import (
     batches,
+    cuda_bf16_copy_emulated,
     full_grads,
     relative_difference,
     run_ranks,
@@ -36,6 +39,17 @@ def loss_and_grads(info, cfg, micro_batches_per_rank, shard=True):
     model = build_model(cfg, info, shard=shard)
     result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
     return {"loss": result.loss, "grads": full_grads(model)}
+
+
+def loss_and_grads_on_cuda_copies(info, cfg, micro_batches_per_rank, storage=None):
+    """loss_and_grads with FSDP2's copy-in behaving as on CUDA; `storage` overrides the packed 4-bit dtype
+    (the model module's constant, which loading follows) to show what the old bf16 storage did."""
+    import qlora_fsdp.model
+
+    if storage is not None:
+        qlora_fsdp.model.QUANT_STORAGE = storage
+    with cuda_bf16_copy_emulated():
+        return loss_and_grads(info, cfg, micro_batches_per_rank)
 
 
 def hsdp_and_fsdp_steps(info, cfg, micro_batches_per_rank, shard_size):
@@ -125,7 +139,7 @@ def packed_weights_match(info, cfg):
         if isinstance(module, bnb.nn.Linear4bit):
             original = originals[checkpoint_key(f"{name}.weight")].to(TORCH_DTYPES[cfg.model.dtype])
             packed, state = quantize(original, cfg)
-            same_bytes = torch.equal(module.weight.detach().view(torch.int16), packed.view(torch.int16))
+            same_bytes = torch.equal(module.weight.detach().view(torch.uint8), packed.view(torch.uint8))
             same_state = torch.equal(module.quant_state.absmax, state.absmax) and torch.equal(
                 module.quant_state.state2.absmax, state.state2.absmax)
             checked += 1
@@ -155,6 +169,36 @@ def test_sharded_two_ranks_match_unsharded(tiny_model_dir, samples, tmp_path):
     assert sharded[1]["loss"] == sharded[0]["loss"]
     assert relative_difference(sharded[0]["grads"], reference["grads"]) <= 1e-5
     assert relative_difference(sharded[1]["grads"], reference["grads"]) <= 1e-5
+
+
+# every dtype setting the config accepts, with bf16 base weights (the default, and the case where a layer's
+# all-gather can be uniformly bf16)
+DTYPE_COMBINATIONS = list(itertools.product(("float32", "bfloat16", "float16"), (None, "bfloat16"), (False, True)))
+
+
+def test_packed_weights_survive_cuda_copy_behaviour(tiny_model_dir, samples, tmp_path):
+    """Under the CUDA copy (bf16 NaN patterns canonicalized), 2 sharded ranks still equal one rank, for every
+    accepted lora.dtype x fsdp.param_dtype x lora.use_dora; the reference is unsharded (world of one; with a bf16
+    policy FSDP2 wraps it too, so both compute with the same casts). The old bf16 storage fails the same check."""
+    def config(lora_dtype, param_dtype, dora):
+        return tiny_config(tiny_model_dir, model={"dtype": "bfloat16"}, lora={"dtype": lora_dtype, "use_dora": dora},
+                           fsdp={"param_dtype": param_dtype})
+
+    per_rank = [batches(samples[:4], 4, PAD), batches(samples[4:8], 4, PAD)]
+    configs = [config(*combination) for combination in DTYPE_COMBINATIONS]
+    old_storage = config("bfloat16", None, False)
+    sharded = run_ranks_sequence([(loss_and_grads_on_cuda_copies, (c, per_rank)) for c in configs]
+                                 + [(loss_and_grads_on_cuda_copies, (old_storage, per_rank, torch.bfloat16))],
+                                 2, tmp_path)
+    references = run_ranks_sequence([(loss_and_grads, (c, [per_rank[0] + per_rank[1]])) for c in configs],
+                                    1, tmp_path)
+    for combination, ours, reference in zip(DTYPE_COMBINATIONS, sharded, references, strict=False):
+        assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-6), combination
+        assert relative_difference(ours["grads"], reference["grads"]) <= 1e-5, combination
+    # the check can fail: bf16-stored packed weights in an all-bf16 layer decode wrong after the CUDA copy
+    corrupted, reference = sharded[-1], references[DTYPE_COMBINATIONS.index(("bfloat16", None, False))]
+    assert abs(corrupted["loss"] - reference["loss"]) > 1e-3 * reference["loss"]
+    assert relative_difference(corrupted["grads"], reference["grads"]) > 0.1
 
 
 def test_hsdp_two_replicas_of_two_shards_match_plain_fsdp(tiny_model_dir, samples, tmp_path):
