@@ -52,7 +52,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     """
     cfg = load_config(config, overrides) if isinstance(config, str) else validate(config)
     check_trackers_available(cfg.logging)  # every rank, before anything is read
-    info = info or init_distributed(cfg.fsdp.shard_size)
+    info = info or init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes)
     out_dir = Path(cfg.train.output_dir)
     checkpoint = decide_on_main(lambda: prepare_run_dir(out_dir, cfg.train))  # before any rank writes
     if checkpoint is not None:

@@ -131,6 +131,7 @@ class TrainConfig:
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
     resume: str = "never"  # never | auto (latest complete checkpoint in output_dir, if any) | a checkpoint folder
     max_bad_steps: int = 5  # steps in a row with non-finite loss or gradients before the run stops
+    collective_timeout_minutes: float = 60.0  # a rank waiting for the others (rank 0 tokenizing) stops after this
 
 
 @dataclass
@@ -215,8 +216,8 @@ def to_yaml(config: Config) -> str:
     return yaml.safe_dump(to_dict(config), sort_keys=False)
 
 
-RUN_CONTROL_KEYS = ("train.resume", "train.overwrite", "logging.", "profile.")  # how a run starts or is
-# observed, not what it computes (a trailing dot: the whole section)
+# how a run starts or is observed, not what it computes (a trailing dot: the whole section)
+RUN_CONTROL_KEYS = ("train.resume", "train.overwrite", "train.collective_timeout_minutes", "logging.", "profile.")
 
 
 def changed_settings(saved_yaml: str, config: Config) -> list[str]:
@@ -432,10 +433,13 @@ def validate(config: Config) -> Config:
         if value < 1:
             raise ConfigError(f"'{key}' must be at least 1, got {value}")
     if config.fsdp.param_dtype not in (None, "bfloat16"):
-        # the packed 4-bit weights are stored as bf16; casting them to anything else corrupts them
+        # the packed 4-bit bytes are never cast (uint8 storage); bf16 is the one compute policy tested end to end
         raise ConfigError(f"'fsdp.param_dtype' must be null or bfloat16, got {config.fsdp.param_dtype!r}")
     if config.optim.lr <= 0:
         raise ConfigError(f"'optim.lr' must be positive, got {config.optim.lr}")
+    if config.train.collective_timeout_minutes <= 0:
+        raise ConfigError("'train.collective_timeout_minutes' must be positive, got "
+                          f"{config.train.collective_timeout_minutes}")
     _validate_batch(config)
     if config.train.save_every < 0:
         raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")

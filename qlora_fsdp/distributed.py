@@ -7,8 +7,10 @@ The same code path serves `torchrun --nproc_per_node N` (nccl on CUDA, gloo on C
 from __future__ import annotations
 
 import os
+import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -17,9 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.errors import CollectiveTimeoutError, ConfigError
 
 T = TypeVar("T")
+# gloo: "Timed out waiting 3000ms for recv operation"; nccl: "... milliseconds before timing out"
+TIMEOUT_ERROR = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)
+_timeout_minutes = 60.0  # this process group's, for the error message
 
 
 @dataclass(frozen=True)
@@ -66,9 +71,11 @@ def data_parallel_mesh(device_type: str, world_size: int, shard_size: int | None
                             mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def init_distributed(shard_size: int | None = None) -> DistInfo:
+def init_distributed(shard_size: int | None = None, timeout_minutes: float = 60.0) -> DistInfo:
     """Join the torchrun world, or make a world of one for a plain `python` run; `shard_size` as in
-    data_parallel_mesh."""
+    data_parallel_mesh. A collective fails after `timeout_minutes` (train.collective_timeout_minutes): torch's
+    default, 30 minutes (10 for NCCL alone), can stop ranks that wait while rank 0 tokenizes a large dataset."""
+    global _timeout_minutes
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -81,12 +88,13 @@ def init_distributed(shard_size: int | None = None) -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        store = elastic_attempt_store()
+        store, timeout = elastic_attempt_store(), timedelta(minutes=timeout_minutes)
+        _timeout_minutes = timeout_minutes
         if store is None:
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=timeout)
         else:
             dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]))
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     world_size = dist.get_world_size()
     mesh = data_parallel_mesh(device.type, world_size, shard_size)
     return DistInfo(dist.get_rank(), local_rank, world_size, device, mesh)
@@ -110,9 +118,27 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
+@contextmanager
+def waiting_for_other_ranks() -> Iterator[None]:
+    """Around a collective where another rank may be busy for long: a timeout becomes one actionable line.
+
+    With "cuda:nccl,cpu:gloo", barriers and object collectives run over gloo, which raises here (an NCCL timeout
+    would instead abort the process from its watchdog)."""
+    try:
+        yield
+    except RuntimeError as err:  # gloo raises RuntimeError, NCCL's blocking wait DistBackendError (a subclass)
+        if not TIMEOUT_ERROR.search(str(err)):
+            raise
+        raise CollectiveTimeoutError(
+            f"a collective waited longer than train.collective_timeout_minutes={_timeout_minutes:g} for another "
+            "rank (rank 0 tokenizing, deciding or saving, or a rank that died: see its log); raise it, e.g. "
+            f"train.collective_timeout_minutes={4 * _timeout_minutes:g}") from None
+
+
 def barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        with waiting_for_other_ranks():
+            dist.barrier()
 
 
 def all_reduce_sum(value: float | int, device: torch.device) -> float:
@@ -149,7 +175,8 @@ def decide_on_main(decide: Callable[[], T]) -> T:
         except Exception as err:  # every rank raises it, not just rank 0
             outcome[0] = ("error", err)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(outcome, src=0)
+        with waiting_for_other_ranks():
+            dist.broadcast_object_list(outcome, src=0)
     kind, value = outcome[0]
     if kind == "error":
         raise value

@@ -33,6 +33,10 @@ class CheckpointError(UserError, RuntimeError):
     """A training checkpoint that cannot be resumed from."""
 
 
+class CollectiveTimeoutError(UserError, RuntimeError):
+    """A rank waited for the others longer than train.collective_timeout_minutes."""
+
+
 class TrainingStopped(UserError, RuntimeError):
     """The run stopped itself (e.g. too many non-finite steps in a row); the message says what to do."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -14,28 +15,44 @@ class GPU:
     bf16_tflops: float  # dense peak (vendor datasheets), for MFU
 
 
+# L40/L40S: NVIDIA's L40/L40S datasheet (bf16 tensor 181.05 and 362.05 TFLOP/s dense; 48 GB GDDR6 with ECC, on
+# by default, which leaves about 45 GiB: nvidia-smi's 46,068 MiB, not yet seen on one here). H100 PCIe: NVIDIA's
+# H100 datasheet (1,513 TFLOP/s with sparsity, half that dense; 80 GB). H100 NVL: NVIDIA's H100 page (1,671 with
+# sparsity; 94 GB), a figure the datasheets found here did not carry
 GPUS = {
     "rtx3090": GPU(24.0, 71.0),
     "rtx4090": GPU(24.0, 165.2),
     "rtx6000ada": GPU(48.0, 364.2),
     "l4": GPU(24.0, 121.0),
+    "l40": GPU(45.0, 181.0),
+    "l40s": GPU(45.0, 362.0),
     "a100-40gb": GPU(40.0, 312.0),
     "a100-80gb": GPU(80.0, 312.0),
-    "h100": GPU(79.6, 989.0),
+    "h100": GPU(79.6, 989.0),  # SXM
+    "h100-pcie": GPU(79.6, 756.0),
+    "h100-nvl": GPU(93.6, 835.0),
     "h200": GPU(139.8, 989.0),
     "cpu": GPU(math.inf, 0.0),
 }
-NAME_HINTS = (("4090", "rtx4090"), ("3090", "rtx3090"), ("6000 Ada", "rtx6000ada"), ("H200", "h200"),
-              ("H100", "h100"), ("A100-SXM4-80GB", "a100-80gb"), ("A100 80GB", "a100-80gb"), ("A100", "a100-40gb"),
-              ("L4", "l4"))
+# words of torch.cuda.get_device_name -> table key, most specific first; whole words, since "L4" is inside
+# "L40S" and "H100" inside "H100 PCIe"
+NAME_HINTS = ((("H100", "NVL"), "h100-nvl"), (("H100", "PCIE"), "h100-pcie"), (("H100",), "h100"),
+              (("H200",), "h200"), (("A100", "80GB"), "a100-80gb"), (("A100",), "a100-40gb"),
+              (("L40S",), "l40s"), (("L40",), "l40"), (("L4",), "l4"), (("4090",), "rtx4090"),
+              (("3090",), "rtx3090"), (("6000", "ADA"), "rtx6000ada"))
+
+
+def gpu_key(device_name: str) -> str | None:
+    """The table's name for a device name as CUDA reports it ("NVIDIA A100-SXM4-80GB" -> a100-80gb), or None."""
+    words = set(re.split(r"[\s_-]+", device_name.upper()))
+    return next((key for hint, key in NAME_HINTS if words.issuperset(hint)), None)
 
 
 def detect_gpu(device: torch.device) -> str | None:
     """The table's name for this CUDA device, or None (CPU, or a GPU not in the table)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((key for hint, key in NAME_HINTS if hint in name), None)
+    return gpu_key(torch.cuda.get_device_name(device))
 
 
 def peak_flops(device: torch.device) -> float | None:

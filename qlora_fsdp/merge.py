@@ -38,10 +38,12 @@ class LoraDelta:
 
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
         """W + s B A in fp32; for DoRA, each row then rescaled to its learned magnitude (PEFT's definition)."""
-        combined = weight.float() + self.scale * (self.b.float() @ self.a.float())
+        # the adapter is read onto the CPU; the weight may be on the merge device (--device cuda)
+        a, b = self.a.to(weight.device).float(), self.b.to(weight.device).float()
+        combined = weight.float() + self.scale * (b @ a)
         if self.magnitude is None:
             return combined
-        return combined * (self.magnitude.float() / combined.norm(dim=1)).unsqueeze(1)
+        return combined * (self.magnitude.to(weight.device).float() / combined.norm(dim=1)).unsqueeze(1)
 
 
 def lora_deltas(adapter_dir: Path) -> dict[str, LoraDelta]:

@@ -26,6 +26,14 @@ OPTIMIZERS = {
 }
 
 
+def optimizer_class(name: str, shards: list[torch.Tensor]) -> type[torch.optim.Optimizer]:
+    """The configured optimizer; paged state only where it can page. Host shards (FSDP2's CPU offload, a CPU
+    run) keep their state in host RAM already, and bitsandbytes would fall back with a warning."""
+    if name == "paged_adamw_8bit" and all(shard.device.type == "cpu" for shard in shards):
+        return bnb.optim.AdamW8bit
+    return OPTIMIZERS[name]
+
+
 class ShardedOptimizer:
     """Runs an optimizer over the local shards of (possibly DTensor) parameters."""
 
@@ -33,7 +41,7 @@ class ShardedOptimizer:
         self.params = [p for p in params if p.requires_grad]
         self.locals = [local_shard(p).detach().requires_grad_(True) for p in self.params]
         kwargs = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
-        self.inner = OPTIMIZERS[optim.name](self.locals, **kwargs)
+        self.inner = optimizer_class(optim.name, self.locals)(self.locals, **kwargs)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -292,10 +292,20 @@ def micro_batch_fits(cfg: Config, held: Held) -> Callable[[int], bool]:
 
 
 def this_run_hardware(cfg: Config, info: DistInfo) -> HardwareConfig:
-    """The hardware a run really has, for `micro_batch_size: auto` at launch: this GPU's own memory (or no
-    limit on CPU), the ranks torchrun started; the recipe's host RAM figure is kept."""
+    """The hardware a run really has, for `micro_batch_size: auto` at launch: the GPU memory this process can
+    use (or no limit on CPU), the ranks torchrun started; the recipe's host RAM figure is kept."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    memory = torch.cuda.get_device_properties(info.device).total_memory / GIB if info.device.type == "cuda" else None
+    memory = None
+    if info.device.type == "cuda":
+        # free now (a display or another process may hold part of the total) plus what this process holds: this
+        # runs with the shards allocated, and the plan counts them; it counts the CUDA context too, which is
+        # spent already (not free), so that is added back at the plan's estimate
+        free, total = torch.cuda.mem_get_info(info.device)
+        available = free + torch.cuda.memory_reserved(info.device) + CUDA_CONTEXT_GIB * GIB
+        memory = min(total, available) / GIB
+        if memory < total / GIB and cfg.data.micro_batch_size == "auto":
+            print(f"micro_batch_size auto: sized for {memory:.1f} GiB of this GPU's {total / GIB:.1f} GiB; other "
+                  "processes (a display, another run) hold the rest", flush=True)
     return dataclasses.replace(cfg.hardware, gpu="cpu", gpu_memory_gib=memory, gpus_per_node=local,
                                nodes=max(1, info.world_size // local))
 

@@ -111,6 +111,33 @@ def test_auto_by_the_planner_picks_the_largest_planned_to_fit(tiny_model_dir, tm
     assert 1 < chosen < 16
 
 
+def test_auto_at_launch_sizes_for_the_memory_this_process_can_have(monkeypatch, capsys):
+    """A 24 GiB GPU that also drives a display: auto sizes for what is free plus what this run holds already
+    (its shards, which the plan counts itself), not for the whole card. CUDA is faked: no GPU needed."""
+    import types
+
+    import torch
+
+    from qlora_fsdp.distributed import DistInfo
+    from qlora_fsdp.plan import CUDA_CONTEXT_GIB, this_run_hardware
+
+    gib, reserved = 2**30, 5 * 2**30
+    cfg = load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=auto"])
+    info = DistInfo(0, 0, 1, torch.device("cuda", 0), mesh=None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
+        total_memory=24 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+
+    def planned_gib(held_by_others: float) -> float:
+        free = 24 * gib - held_by_others * gib - CUDA_CONTEXT_GIB * gib - reserved
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), 24 * gib))
+        return this_run_hardware(cfg, info).gpu_memory_gib
+
+    assert planned_gib(0) == 24 and capsys.readouterr().out == ""
+    assert planned_gib(1.5) == 22.5
+    assert "sized for 22.5 GiB of this GPU's 24.0 GiB" in capsys.readouterr().out
+
+
 def test_halving_advice_fits_a_recipe_with_an_effective_batch():
     """A misfit's 'halve the micro-batch' advice must be something the recipe accepts: with an effective batch,
     grad_accum_steps is derived, so naming it would be refused."""

@@ -69,6 +69,13 @@ def test_semantic_checks():
         load_config("tiny_cpu", ["data.micro_batch_size=0"])
 
 
+def test_collective_timeout_takes_fractions_of_a_minute_and_must_be_positive():
+    assert load_config("tiny_cpu").train.collective_timeout_minutes == 60
+    assert load_config("tiny_cpu", ["train.collective_timeout_minutes=0.5"]).train.collective_timeout_minutes == 0.5
+    with pytest.raises(ConfigError, match="'train.collective_timeout_minutes' must be positive, got 0"):
+        load_config("tiny_cpu", ["train.collective_timeout_minutes=0"])
+
+
 def test_print_config_shows_the_resolved_values():
     result = run_train("--recipe", "tiny_cpu", "optim.lr=0.5", "--print-config")
     assert result.returncode == 0

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from qlora_fsdp.adapter import config_for_adapter, export_adapter
 from qlora_fsdp.api import build_model
 from qlora_fsdp.config import to_yaml
-from qlora_fsdp.merge import merge_adapter
+from qlora_fsdp.merge import LoraDelta, merge_adapter
 from qlora_fsdp.model import load_tokenizer
 from qlora_fsdp.templates import prompt_ids
 from tests.helpers import REPO, run_ranks_sequence, tiny_config
@@ -75,6 +75,18 @@ def test_merged_checkpoint_reproduces_base_plus_adapter(adapters, tmp_path, kind
     with torch.no_grad():  # adding to the unquantized weights is a different model (the quantization error)
         other = AutoModelForCausalLM.from_pretrained(tmp_path / "original", dtype=torch.float32)(input_ids).logits
     assert original == 1 and (other - ours).abs().max() > 100 * (logits - ours).abs().max()
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_merge_moves_the_adapter_to_the_device_of_the_weight(dora):
+    """`merge_adapter.py --device cuda`: the base weight is on the GPU, the adapter as read, on the CPU. The meta
+    device stands in for the GPU: torch refuses to mix it with CPU tensors in one op, as it does cuda and cpu."""
+    generator = torch.Generator().manual_seed(0)
+    a, b, weight = (torch.randn(shape, generator=generator) for shape in [(2, 4), (6, 2), (6, 4)])
+    delta = LoraDelta(a, b, 0.5, torch.rand(6, generator=generator) + 0.5 if dora else None)
+    on_cpu = delta.merged(weight.bfloat16())
+    on_meta = delta.merged(weight.bfloat16().to("meta"))
+    assert on_meta.device.type == "meta" and on_meta.shape == on_cpu.shape and on_meta.dtype == on_cpu.dtype
 
 
 def merge_script():

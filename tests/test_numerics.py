@@ -41,6 +41,61 @@ def loss_and_grads(info, cfg, micro_batches_per_rank, shard=True):
     return {"loss": result.loss, "grads": full_grads(model)}
 
 
+def offloaded_parameters(model):
+    """How many parameters FSDP2 keeps in host memory between uses (its CPU-offload policy)."""
+    return sum(fsdp_param.offload_to_cpu for module in model.modules() if isinstance(module, FSDPModule)
+               for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params)
+
+
+def clipped_update(info, cfg, micro_batches_per_rank, shard=True, sgd=True):
+    """One step as training takes it: accumulate, clip to a norm small enough to clip, update (plain SGD, whose
+    update is the clipped gradient itself, or the recipe's optimizer over the local shards). Loss, gradients,
+    global norm and the change of every LoRA weight, gathered."""
+    from qlora_fsdp.optim import ShardedOptimizer, clip_grad_norm
+
+    model = build_model(cfg, info, shard=shard)
+    before = gather_trainable_state(model)
+    result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
+    grads = full_grads(model)
+    norm = clip_grad_norm(model, 1e-3)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=0.1) if sgd else ShardedOptimizer(trainable, cfg.optim)
+    optimizer.step()
+    after = gather_trainable_state(model)
+    return {"loss": result.loss, "grads": grads, "norm": norm, "delta": {k: after[k] - before[k] for k in before},
+            "offloaded": offloaded_parameters(model), "optimizer": type(getattr(optimizer, "inner", optimizer))}
+
+
+def trainer_step_and_reference(info, cfg):
+    """Trainer.train_step over several micro-batches, and by hand on a second model: one accumulated gradient,
+    one clip, one optimizer step. Both end states, the optimizer's step counts and the gradients left over."""
+    from qlora_fsdp.api import make_trainer
+    from qlora_fsdp.data import load_dataset
+    from qlora_fsdp.model import load_tokenizer
+    from qlora_fsdp.optim import build_optimizer, build_scheduler, clip_grad_norm
+
+    tokenizer = load_tokenizer(cfg)
+    data = load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
+    trainer = make_trainer(cfg, info, build_model(cfg, info), data, tokenizer)
+    position = trainer.sampler.state_dict()
+    micro_batches = trainer.micro_batches()  # the very batches train_step will draw
+    trainer.sampler.load_state_dict(position)
+
+    reference = build_model(cfg, info)
+    optimizer = build_optimizer(reference, cfg.optim)
+    build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)  # sets the warm-up lr, as the trainer's does
+    accumulate_gradients(reference, micro_batches, info.device)
+    clip_grad_norm(reference, cfg.optim.max_grad_norm)
+    optimizer.step()
+
+    trainer.train_step()
+    left = sum(p.grad is not None for p in trainer.model.parameters())
+    left += sum(local.grad is not None for local in trainer.optimizer.locals)
+    return {"trainer": gather_trainable_state(trainer.model), "reference": gather_trainable_state(reference),
+            "optimizer_steps": {int(state["step"]) for state in trainer.optimizer.inner.state.values()},
+            "grads_left": left, "micro_batches": len(micro_batches)}
+
+
 def loss_and_grads_on_cuda_copies(info, cfg, micro_batches_per_rank, storage=None):
     """loss_and_grads with FSDP2's copy-in behaving as on CUDA; `storage` overrides the packed 4-bit dtype
     (the model module's constant, which loading follows) to show what the old bf16 storage did."""
@@ -161,14 +216,48 @@ def samples(tiny_model_dir):
 
 
 def test_sharded_two_ranks_match_unsharded(tiny_model_dir, samples, tmp_path):
+    """Loss, every LoRA gradient, the clipped global norm and the clipped update: 2 ranks against one unsharded
+    model (a norm over the local shard only would be about 1/sqrt(2) of the real one and clip less)."""
     cfg = tiny_config(tiny_model_dir)
     per_rank = [batches(samples[:4], 4, PAD), batches(samples[4:8], 4, PAD)]
-    sharded = run_ranks(loss_and_grads, 2, cfg, per_rank, tmp_dir=tmp_path)
-    reference = run_ranks(loss_and_grads, 1, cfg, [per_rank[0] + per_rank[1]], False, tmp_dir=tmp_path)[0]
+    sharded = run_ranks(clipped_update, 2, cfg, per_rank, tmp_dir=tmp_path)
+    reference = run_ranks(clipped_update, 1, cfg, [per_rank[0] + per_rank[1]], False, tmp_dir=tmp_path)[0]
     assert sharded[0]["loss"] == pytest.approx(reference["loss"], rel=1e-6)
     assert sharded[1]["loss"] == sharded[0]["loss"]
-    assert relative_difference(sharded[0]["grads"], reference["grads"]) <= 1e-5
-    assert relative_difference(sharded[1]["grads"], reference["grads"]) <= 1e-5
+    assert reference["norm"] > 1e-2  # far above the 1e-3 clip: the update is scaled by the norm
+    for rank in sharded:
+        assert relative_difference(rank["grads"], reference["grads"]) <= 1e-5
+        assert rank["norm"] == pytest.approx(reference["norm"], rel=1e-5)
+        assert relative_difference(rank["delta"], reference["delta"]) <= 1e-5
+
+
+def test_cpu_offload_matches_no_offload(tiny_model_dir, samples, tmp_path):
+    """FSDP2's CPU-offload path (host shards and gradients, the 8-bit optimizer stepping host tensors, global
+    clipping) runs on the CPU mesh and gives the numbers of the same 2 ranks without offload."""
+    per_rank = [batches(samples[:8], 4, PAD), batches(samples[8:16], 4, PAD)]  # 2 micro-batches a rank
+    calls = [(clipped_update, (tiny_config(tiny_model_dir, fsdp={"cpu_offload": offload}), per_rank, True, False))
+             for offload in (True, False)]
+    offloaded, plain = run_ranks_sequence(calls, 2, tmp_path)
+    assert offloaded["offloaded"] > 0 and plain["offloaded"] == 0
+    assert offloaded["optimizer"] is bnb.optim.AdamW8bit  # paged state has nothing to page on host shards
+    assert offloaded["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert relative_difference(offloaded["grads"], plain["grads"]) <= 1e-6
+    assert offloaded["norm"] == pytest.approx(plain["norm"], rel=1e-6)
+    assert relative_difference(offloaded["delta"], plain["delta"]) <= 1e-6
+    assert relative_difference(plain["delta"], {k: torch.zeros_like(v) for k, v in plain["delta"].items()}) > 0
+
+
+def test_train_step_is_one_optimizer_update(tiny_model_dir, tmp_path):
+    """Trainer.train_step with 3 micro-batches a rank equals one accumulated gradient, one clip and one optimizer
+    step; the optimizer counts one step and no gradient is left for the next."""
+    (tmp_path / "run").mkdir()  # the trainer's log goes there
+    cfg = tiny_config(tiny_model_dir, data={"micro_batch_size": 2, "grad_accum_steps": 3},
+                      train={"output_dir": str(tmp_path / "run")})
+    for rank in run_ranks(trainer_step_and_reference, 2, cfg, tmp_dir=tmp_path):
+        assert rank["micro_batches"] == 3
+        assert rank["optimizer_steps"] == {1}
+        assert rank["grads_left"] == 0
+        assert relative_difference(rank["trainer"], rank["reference"]) <= 1e-6
 
 
 # every dtype setting the config accepts, with bf16 base weights (the default, and the case where a layer's
