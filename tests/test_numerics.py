@@ -16,7 +16,7 @@ from qlora_fsdp.adapter import gather_trainable_state
 from qlora_fsdp.api import build_model
 from qlora_fsdp.checkpoint_files import weight_files
 from qlora_fsdp.data import IGNORE_INDEX
-from qlora_fsdp.loading import checkpoint_key, quantize
+from qlora_fsdp.loading import checkpoint_key
 from qlora_fsdp.model import TORCH_DTYPES, checkpoint_dir
 from qlora_fsdp.trainer import accumulate_gradients, set_gradient_sync
 from tests.helpers import (
@@ -179,8 +179,10 @@ def count_reduce_scatters(info, cfg, micro_batches_per_rank):
     return {"accumulated": with_accumulation, "every_micro_batch": every_micro_batch, "layer_groups": groups}
 
 
-def packed_weights_match(info, cfg):
-    """Each 4-bit weight, all-gathered by FSDP2's own unshard, against quantizing the checkpoint tensor whole."""
+def packed_weights_match(info, cfg, literal):
+    """Each 4-bit weight, all-gathered by FSDP2's own unshard, against bitsandbytes' quantize_4bit of the
+    checkpoint tensor called with `literal` settings (not through our code): the bytes, the absmax (nested too)
+    and the state's blocksize, quant type and nesting."""
     model = build_model(cfg, info)
     originals = {}
     for file in weight_files(checkpoint_dir(cfg.model.path)):
@@ -189,14 +191,16 @@ def packed_weights_match(info, cfg):
     layers = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     for layer in layers:
         layer.unshard()  # the all-gather a forward does
-    checked, identical = 0, 0
+    checked, identical, settings = 0, 0, set()
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             original = originals[checkpoint_key(f"{name}.weight")].to(TORCH_DTYPES[cfg.model.dtype])
-            packed, state = quantize(original, cfg)
-            same_bytes = torch.equal(module.weight.detach().view(torch.uint8), packed.view(torch.uint8))
-            same_state = torch.equal(module.quant_state.absmax, state.absmax) and torch.equal(
-                module.quant_state.state2.absmax, state.state2.absmax)
+            packed, state = bnb.functional.quantize_4bit(original, quant_storage=torch.uint8, **literal)
+            ours = module.quant_state
+            settings.add((ours.blocksize, ours.quant_type, ours.nested, module.weight.dtype))
+            same_bytes = torch.equal(module.weight.detach().view(torch.uint8), packed)
+            same_state = torch.equal(ours.absmax, state.absmax) and (
+                not state.nested or torch.equal(ours.state2.absmax, state.state2.absmax))
             checked += 1
             identical += same_bytes and same_state
     for layer in layers:
@@ -205,7 +209,8 @@ def packed_weights_match(info, cfg):
     plain = {checkpoint_key(name): param.full_tensor() for name, param in model.named_parameters()
              if not param.requires_grad and checkpoint_key(name) not in quantized}
     plain_identical = sum(torch.equal(t, originals[k].to(t.dtype)) for k, t in plain.items())
-    return {"checked": checked, "identical": identical, "plain": len(plain), "plain_identical": plain_identical}
+    return {"checked": checked, "identical": identical, "plain": len(plain), "plain_identical": plain_identical,
+            "settings": settings}
 
 
 # ---- the tests ----------------------------------------------------------------------------------
@@ -345,10 +350,20 @@ def test_activation_checkpointing_changes_nothing(tiny_model_dir, samples, tmp_p
         assert relative_difference(results[mode]["grads"], results["off"]["grads"]) <= 1e-6
 
 
+# (recipe keys, the same settings spelled out for bitsandbytes)
+QUANT_SETTINGS = [({}, {"blocksize": 64, "quant_type": "nf4", "compress_statistics": True}),
+                  ({"blocksize": 128, "quant_type": "fp4", "double_quant": False},
+                   {"blocksize": 128, "quant_type": "fp4", "compress_statistics": False})]
+
+
 def test_packed_4bit_weights_unshard_byte_identical(tiny_model_dir, tmp_path):
-    cfg = tiny_config(tiny_model_dir, model={"dtype": "bfloat16"})
-    for result in run_ranks(packed_weights_match, 2, cfg, tmp_dir=tmp_path):
-        assert result["checked"] == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
-        assert result["identical"] == result["checked"]
-        assert result["plain"] == 2 * 2 + 3  # 2 layers x 2 norms; embeddings, final norm, lm_head
-        assert result["plain_identical"] == result["plain"]  # read as row ranges, gathered back whole
+    calls = [(packed_weights_match, (tiny_config(tiny_model_dir, model={"dtype": "bfloat16"}, quant=keys), literal))
+             for keys, literal in QUANT_SETTINGS]
+    for rank in run_ranks_sequence(calls, 2, tmp_path, all_ranks=True):
+        for result, (_, literal) in zip(rank, QUANT_SETTINGS, strict=True):
+            assert result["settings"] == {(literal["blocksize"], literal["quant_type"], literal["compress_statistics"],
+                                           torch.uint8)}
+            assert result["checked"] == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+            assert result["identical"] == result["checked"]
+            assert result["plain"] == 2 * 2 + 3  # 2 layers x 2 norms; embeddings, final norm, lm_head
+            assert result["plain_identical"] == result["plain"]  # read as row ranges, gathered back whole

@@ -160,6 +160,25 @@ def test_sigterm_then_kill_9_then_resume_equals_the_uninterrupted_run(tiny_model
     assert_same_run(out, reference)
 
 
+def test_cpu_offload_run_killed_and_resumed_equals_the_run_without_offload(tiny_model_dir, tmp_path, reference):
+    """The CPU-offload path end to end (host shards and gradients, the 8-bit optimizer on host tensors, DCP save
+    and load of that state, adapter export), killed with kill -9 at a random step and resumed: the per-step
+    losses and the final adapter of the uninterrupted run without offload."""
+    out = tmp_path / "run"
+    args = recipe_args(tiny_model_dir, out, "fsdp_preset=full_shard_cpu_offload")
+    kill_at = random.Random().randint(3, MAX_STEPS - 2)  # after the first checkpoint (step 2), before the end
+    proc = start(torchrun("train.py", *args))
+    wait_for_step(out, kill_at, proc)
+    kill_tree(proc)
+    finish(proc)
+    assert not (out / "adapter").exists(), f"killed at step {kill_at} but the run had finished"
+    resumed = run(torchrun("train.py", *args, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout, f"killed at step {kill_at}"
+    assert records(out)[0]["config"]["fsdp"]["cpu_offload"] is True
+    assert_same_run(out, reference)
+
+
 def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path):
     once = tmp_path / "once"  # one process: the skip decision rests on global values, alike on every rank
     result = run([sys.executable, "tests/fault_run.py", "--nan-steps", "3", "--", *recipe_args(tiny_model_dir, once)])
