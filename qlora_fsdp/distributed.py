@@ -160,10 +160,15 @@ def print0(*args: object) -> None:
 
 
 def all_reduce_max(value: float, device: torch.device) -> float:
-    tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
+    return all_reduce_maxes([value], device)[0]
+
+
+def all_reduce_maxes(values: list[float], device: torch.device) -> list[float]:
+    """The largest of several Python numbers over ranks, in one collective."""
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
+    return tensor.tolist()
 
 
 def decide_on_main(decide: Callable[[], T]) -> T:

@@ -24,12 +24,21 @@ def proc_status_bytes(field: str) -> int:
     return int(line.split()[1]) * 1024  # the file gives kB
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak accelerator memory on GPU; peak resident host memory of this process on CPU."""
+def memory_peaks_gb(device: torch.device) -> dict[str, float]:
+    """Peak memory since the last `reset_memory_peaks`, in GiB. On CUDA, allocated and reserved side by side:
+    reserved minus allocated is what the caching allocator holds unused (fragmentation), and reserved is what
+    runs out first. On CPU, the process's peak resident memory since it started."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+                "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
     # VmHWM, not ru_maxrss: a child started by exec or spawn inherits its parent's ru_maxrss
-    return proc_status_bytes("VmHWM") / 2**30
+    return {"peak_memory_gb": proc_status_bytes("VmHWM") / 2**30}
+
+
+def reset_memory_peaks(device: torch.device) -> None:
+    """Start a new peak window (each step's record shows that step's peak); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 class MetricsLogger:
@@ -79,6 +88,8 @@ def format_progress(values: dict[str, float]) -> str:
             parts.append(f"tok/s={value:,.0f}")
         elif key == "mfu":
             parts.append(f"mfu={value:.1%}")
+        elif key == "peak_memory_gb":
+            parts.append(f"mem={value:.2f}G")
         else:
             parts.append(f"{key}={value:.4f}")
     return " ".join(parts)

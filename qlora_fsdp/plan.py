@@ -83,10 +83,10 @@ def quant_state_bytes(n_elements: int, blocksize: int, double_quant: bool) -> in
     return blocks + nested + codebook
 
 
-def optimizer_state_bytes(n_elements: int, name: str) -> int:
-    """Optimizer state for one local shard of n elements, by each optimizer's own rule."""
+def optimizer_state_bytes(n_elements: int, name: str, itemsize: int = 4) -> int:
+    """Optimizer state for one local shard of n elements of `itemsize` bytes, by each optimizer's own rule."""
     if name == "adamw":
-        return 2 * 4 * n_elements + 4  # exp_avg, exp_avg_sq in fp32; a fp32 step counter
+        return 2 * itemsize * n_elements + 4  # exp_avg, exp_avg_sq in the parameter's dtype; a fp32 step counter
     if n_elements < BNB_MIN_8BIT_SIZE:
         return 2 * 4 * n_elements  # bitsandbytes falls back to 32-bit state for small tensors
     blocks = math.ceil(n_elements / BNB_STATE_BLOCK)
@@ -129,6 +129,8 @@ class Held:
     root_gathered: int = 0  # embeddings, final norm and head, unsharded
     largest_linear: int = 0  # elements of the biggest Linear4bit (dequantized for each matmul)
     base_parameters: int = 0  # unpacked count, for MFU
+    lora_elements: int = 0  # all ranks' LoRA elements together (the unsharded count)
+    lora_input_features: int = 0  # summed input width of one decoder layer's LoRA-adapted linears
 
 
 def held_bytes(model: nn.Module, cfg: Config) -> Held:
@@ -144,8 +146,9 @@ def held_bytes(model: nn.Module, cfg: Config) -> Held:
         shard = local_shard(param)
         if param.requires_grad:
             held.lora += nbytes(shard)
-            held.grads += shard.numel() * 4  # gradients of the fp32 LoRA weights
-            held.optimizer += optimizer_state_bytes(shard.numel(), cfg.optim.name)
+            held.grads += nbytes(shard)  # FSDP2 hands each shard its gradient in the parameter's dtype
+            held.optimizer += optimizer_state_bytes(shard.numel(), cfg.optim.name, shard.element_size())
+            held.lora_elements += param.numel()
         elif id(param) in packed:
             held.base_4bit += nbytes(shard)
         else:
@@ -155,23 +158,50 @@ def held_bytes(model: nn.Module, cfg: Config) -> Held:
     held.layer_gathered = max(sum(nbytes(p) for p in layer.parameters()) for layer in layers)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     held.root_gathered = sum(nbytes(p) for p in model.parameters() if id(p) not in in_layers)
+    held.lora_input_features = max(lora_input_features(layer) for layer in layers)
     return held
 
 
-def activation_bytes(cfg: Config, hf_config: object, micro_batch: int) -> tuple[int, int]:
+def lora_input_features(layer: nn.Module) -> int:
+    """Summed in_features of a layer's LoRA-adapted linears: PEFT casts each one's input to the LoRA dtype
+    separately, and the copy stays saved for backward."""
+    return sum(module.in_features for module in layer.modules()
+               if hasattr(module, "lora_A") and module.lora_A and hasattr(module, "in_features"))
+
+
+def accumulated_grad_itemsize(cfg: Config) -> int:
+    """Bytes an element of a gradient FSDP2 accumulates unsharded while gradient sync is off: upcast to the
+    reduce dtype unless it equals the compute dtype (then FSDP2 drops it and keeps the compute dtype)."""
+    compute = cfg.fsdp.param_dtype or cfg.lora.dtype
+    kept = compute if cfg.fsdp.reduce_dtype == cfg.fsdp.param_dtype else cfg.fsdp.reduce_dtype
+    return TORCH_DTYPES[kept].itemsize
+
+
+def lora_cast_bytes_per_feature(cfg: Config) -> int:
+    """What PEFT's LoRA branch keeps per input element: the input cast to the LoRA compute dtype (nothing when
+    it already is that dtype) and, with dropout, the dropped-out copy and its mask."""
+    activation = cfg.fsdp.param_dtype or cfg.model.dtype  # the hidden states' dtype
+    lora = cfg.fsdp.param_dtype or cfg.lora.dtype
+    cast = 0 if lora == activation else TORCH_DTYPES[lora].itemsize
+    dropout = TORCH_DTYPES[lora].itemsize + 1 if cfg.lora.dropout > 0 else 0
+    return cast + dropout
+
+
+def activation_bytes(cfg: Config, hf_config: object, micro_batch: int, lora_features: int = 0) -> tuple[int, int]:
     """(activations, logits and loss) per rank for one micro-batch, estimated from the architecture.
 
     A layer's forward keeps, per token, in the compute dtype: the two norm outputs, q/k/v and their rotated
     copies, attention and o_proj outputs, two residual sums, gate, up, act(gate), their product, down's
-    output; plus the norms' fp32 upcasts. A checkpointed layer keeps only its input, and backward recomputes
-    one layer at a time.
+    output; plus the norms' fp32 upcasts and PEFT's casts of each LoRA input (`lora_features` wide). A
+    checkpointed layer keeps only its input, and backward recomputes one layer at a time.
     """
     d = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     h, inter, layers = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
     head_dim = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
     kv = hf_config.num_key_value_heads * head_dim
     tokens = micro_batch * cfg.data.context_length
-    per_layer = tokens * (d * (9 * h + 3 * kv + 4 * inter) + 2 * 4 * h)
+    lora_casts = lora_features * lora_cast_bytes_per_feature(cfg)
+    per_layer = tokens * (d * (9 * h + 3 * kv + 4 * inter) + 2 * 4 * h + lora_casts)
     kept_input = tokens * h * d
     checkpointed = sum(1 for i in range(layers) if cfg.checkpointing.mode == "every_layer" or (
         cfg.checkpointing.mode == "every_nth" and i % cfg.checkpointing.every_n == 0))
@@ -193,19 +223,22 @@ def resident_rows(held: Held, cfg: Config) -> list[Row]:
     """What lives with the shards: on the GPU, or in host RAM under CPU offload."""
     return [Row("4-bit base weights (this rank's shard)", held.base_4bit, True),
             Row("other base weights: embeddings, norms, head (shard)", held.other_base, True),
-            Row("LoRA weights (shard, fp32)", held.lora, True),
-            Row("LoRA gradients (shard, fp32)", held.grads, True),
+            Row(f"LoRA weights (shard, {cfg.lora.dtype})", held.lora, True),
+            Row(f"LoRA gradients (shard, {cfg.lora.dtype})", held.grads, True),
             Row(f"optimizer state ({cfg.optim.name})", held.optimizer, True)]
 
 
 def compute_rows(held: Held, cfg: Config, hf_config: object, sharded: bool) -> list[Row]:
     """What the step itself needs on the GPU, beyond the resident shards."""
-    activations, logits = activation_bytes(cfg, hf_config, cfg.data.micro_batch_size)
+    activations, logits = activation_bytes(cfg, hf_config, cfg.data.micro_batch_size, held.lora_input_features)
     compute = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     rows = [Row("quantization state (whole, on every rank)", held.quant_state, True)]
     if sharded:  # the layer computing and the one prefetched; the root stays gathered for the whole step
         rows += [Row("all-gather buffers (2 decoder layers unsharded)", 2 * held.layer_gathered, True),
                  Row("root unit unsharded (embeddings, norm, head)", held.root_gathered, True)]
+    if sharded and cfg.data.grad_accum_steps > 1:  # on the GPU even under offload, until the last micro-batch
+        rows.append(Row("LoRA gradients while accumulating (unsharded: sync is off until the last micro-batch)",
+                        held.lora_elements * accumulated_grad_itemsize(cfg), True))
     rows += [Row("dequantized weight of the largest linear", held.largest_linear * compute, True),
              Row(f"activations ({cfg.checkpointing.mode} checkpointing, micro-batch {cfg.data.micro_batch_size} x "
                  f"{cfg.data.context_length} tokens)", activations, False),

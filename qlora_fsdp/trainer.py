@@ -22,9 +22,9 @@ from qlora_fsdp.batching import Batch, Sample, StepSampler, collate, collate_pac
 from qlora_fsdp.checkpoint import Checkpointer
 from qlora_fsdp.config import Config, changed_settings
 from qlora_fsdp.data import Dataset
-from qlora_fsdp.distributed import DistInfo, all_reduce_max, all_reduce_sum, all_reduce_sums
+from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.errors import TrainingStopped
-from qlora_fsdp.metrics import MetricsLogger, peak_memory_gb
+from qlora_fsdp.metrics import MetricsLogger, memory_peaks_gb, reset_memory_peaks
 from qlora_fsdp.optim import ShardedOptimizer, clip_grad_norm
 from qlora_fsdp.profiling import StepProfiler
 from qlora_fsdp.signals import GracefulStop
@@ -108,6 +108,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profile, Path(cfg.train.output_dir), info.rank, info.device)
         self.flops_per_token = 0.0  # set with set_mfu_reference; 0: no MFU (unknown device)
         self.peak_flops = 0.0
+        self.memory_peaks: dict[str, float] = {}  # the run's largest, over ranks
 
     def set_mfu_reference(self, base_parameters: int, peak_flops_per_device: float | None) -> None:
         """MFU counts 6N FLOP a token: forward 2N, its recompute under checkpointing 2N, input gradients 2N
@@ -144,6 +145,15 @@ class Trainer:
         if self.checkpointer is not None:
             self.last_checkpoint = self.checkpointer.save(self.step, self.model, self.optimizer, self.state_dict())
             self.logger.log({"event": "checkpoint", "step": self.step, "path": str(self.last_checkpoint)})
+
+    def step_memory(self) -> dict[str, float]:
+        """This step's peak memory, the largest over ranks; reset for the next step, kept for the summary."""
+        local = memory_peaks_gb(self.info.device)
+        peaks = dict(zip(local, all_reduce_maxes(list(local.values()), self.info.device), strict=True))
+        reset_memory_peaks(self.info.device)
+        for key, value in peaks.items():
+            self.memory_peaks[key] = max(value, self.memory_peaks.get(key, 0.0))
+        return peaks
 
     def evaluate(self) -> float:
         return evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id, self.info)
@@ -197,8 +207,9 @@ class Trainer:
             record = {"step": self.step, **stats, "tokens_per_s": rate, **self.mfu(rate), "step_time_s": elapsed}
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != cfg.max_steps and self.eval_samples:
                 record.update(eval_record(self.evaluate()))
+            record.update(self.step_memory())
             self.logger.log(record)
-            shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "tokens_per_s", "mfu")
+            shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gb")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
             self.check_bad_steps(record)
             stop = self.stop.requested(self.info.device)
@@ -231,7 +242,7 @@ class Trainer:
                    "tokens_per_s": tokens / wall, **self.mfu(tokens / wall), "eval_loss_start": first_eval,
                    "eval_loss_end": final_eval,
                    "eval_ppl_end": math.exp(final_eval) if math.isfinite(final_eval) else math.nan,
-                   "peak_memory_gb_max_rank": all_reduce_max(peak_memory_gb(self.info.device), self.info.device)}
+                   **{f"{key}_max_rank": value for key, value in (self.memory_peaks or self.step_memory()).items()}}
         if stopped:
             summary["stopped_by_signal"] = True
         if self.last_checkpoint is not None:

@@ -20,19 +20,47 @@ def tensor_bytes(values) -> int:
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
+def unsharded_grad_bytes(model) -> int:
+    """Bytes of the gradients FSDP2 holds unsharded between micro-batches (its private per-parameter state)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params:
+                grad = fsdp_param.unsharded_accumulated_grad
+                if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+                    grad = fsdp_param._unsharded_param.grad
+                total += tensor_bytes([grad])
+    return total
+
+
 def measured_and_planned(info, cfg, micro_batches_per_rank):
-    """After one real optimizer step: bytes rank 0 holds, by kind, next to the planner's figures."""
+    """Bytes rank 0 holds, by kind, next to the planner's figures: the gradients FSDP2 keeps unsharded just before
+    the last micro-batch (sync off until then), the rest after one real optimizer step."""
     from load_as_rank import quant_state_bytes as measured_quant_state_bytes  # scripts/, on the path via helpers
 
+    import qlora_fsdp.trainer
     from qlora_fsdp.optim import build_optimizer
-    from qlora_fsdp.plan import meta_held, quant_state_bytes
+    from qlora_fsdp.plan import compute_rows, meta_held, planning_config, quant_state_bytes
     from qlora_fsdp.sharding import local_shard
 
     model = build_model(cfg, info)
     optimizer = build_optimizer(model, cfg.optim)
-    accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
+    measured = {"lora": 0, "grads": 0, "base": 0, "optimizer": 0, "quant_state": 0, "accumulating": 0}
+    original_sync = qlora_fsdp.trainer.set_gradient_sync
+
+    def measuring_sync(model, enabled):
+        if enabled:  # the last micro-batch is next: every earlier one ran with sync off
+            measured["accumulating"] = unsharded_grad_bytes(model)
+        original_sync(model, enabled)
+
+    qlora_fsdp.trainer.set_gradient_sync = measuring_sync
+    try:
+        accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
+    finally:
+        qlora_fsdp.trainer.set_gradient_sync = original_sync
     optimizer.step()  # state exists after the first step
-    measured = {"lora": 0, "grads": 0, "base": 0, "optimizer": 0, "quant_state": 0}
     for param in model.parameters():
         if param.requires_grad:
             measured["lora"] += tensor_bytes([local_shard(param)])
@@ -43,22 +71,35 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     measured["quant_state"] = sum(measured_quant_state_bytes(module.quant_state) for module in model.modules()
                                   if getattr(module, "quant_state", None) is not None)
     held = meta_held(cfg, info.mesh)
+    rows = compute_rows(held, cfg, planning_config(cfg), sharded=True)
     planned = {"lora": held.lora, "grads": held.grads, "base": held.base_4bit + held.other_base,
-               "optimizer": held.optimizer, "quant_state": held.quant_state}
+               "optimizer": held.optimizer, "quant_state": held.quant_state,
+               "accumulating": sum(r.bytes for r in rows if r.name.startswith("LoRA gradients while accumulating"))}
     assert quant_state_bytes(64 * 64, 64, False) == 64 * 4 + 64  # absmax per block + the 16-value code
     return measured, planned
 
 
+# optimizer, LoRA dtype, FSDP2 compute and reduce dtypes: accumulation in fp32 (no policy), upcast from bf16
+# LoRA, and in bf16 (reduce dtype = compute dtype, so FSDP2 keeps the compute dtype)
+PLANNED_SETUPS = [("paged_adamw_8bit", "float32", None, "float32"), ("adamw", "bfloat16", None, "float32"),
+                  ("paged_adamw_8bit", "float32", "bfloat16", "bfloat16")]
+
+
 def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path):
+    """Byte for byte, after a step and mid-accumulation (2 micro-batches a rank)."""
     # r=64 makes the LoRA shards large enough for bitsandbytes' 8-bit state (4096+ elements); r=16 stays 32-bit
     calls = []
-    for optimizer in ("paged_adamw_8bit", "adamw"):
-        cfg = tiny_config(tiny_model_dir, optim={"name": optimizer}, lora={"r": 64, "alpha": 128},
-                          model={"dtype": "bfloat16"})
+    for optimizer, lora_dtype, param_dtype, reduce_dtype in PLANNED_SETUPS:
+        cfg = tiny_config(tiny_model_dir, optim={"name": optimizer}, model={"dtype": "bfloat16"},
+                          lora={"r": 64, "alpha": 128, "dtype": lora_dtype}, data={"grad_accum_steps": 2},
+                          fsdp={"param_dtype": param_dtype, "reduce_dtype": reduce_dtype})
         samples = variable_length_samples(cfg, 8)
-        calls.append((measured_and_planned, (cfg, [batches(samples[:4], 4, PAD), batches(samples[4:], 4, PAD)])))
-    for measured, planned in run_ranks_sequence(calls, 2, tmp_path):
-        assert measured == planned and all(measured.values())
+        calls.append((measured_and_planned, (cfg, [batches(samples[:4], 2, PAD), batches(samples[4:], 2, PAD)])))
+    run_results = run_ranks_sequence(calls, 2, tmp_path)
+    for setup, (measured, planned) in zip(PLANNED_SETUPS, run_results, strict=True):
+        assert measured == planned and all(measured.values()), setup
+    measured, _ = run_results[0]  # fp32 throughout: the accumulating gradients are both ranks' shards
+    assert measured["accumulating"] == 2 * measured["grads"]
 
 
 PLAN_70B = """

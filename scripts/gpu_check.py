@@ -1,0 +1,218 @@
+"""The one command to run the day a GPU is lent: what the CPU test suite cannot show, checked on the device.
+
+    make gpu-check                                  # all six checks, at most 10 minutes on one H100/4090
+    python scripts/gpu_check.py --out docs/gpu_check.md   # also write the table (and its figures as .json)
+    python scripts/gpu_check.py --only nan_canary,fsdp_real_path
+    python scripts/gpu_check.py --dry-run           # CPU, small sizes; what needs CUDA is listed as skipped
+
+Checks (each in its own process, with its own time budget, so an OOM, a crash or a fake process group stays
+inside it; `python scripts/gpu_check_cases.py NAME --device cpu` runs one in the foreground, at CPU sizes):
+  nan_canary            all 65,536 bf16 bit patterns through FSDP2's all-gather copy-in, as bf16 and as uint8
+  fsdp_real_path        Llama 3.1 70B architecture (2 layers) sharded over a fake 2-rank group: every gathered
+                        4-bit weight equals this rank's loaded shard byte for byte (offload on and off)
+  merge_device          a tiny adapter (2 steps) merged with --device cuda against --device cpu
+  generate              scripts/generate.py with that adapter prints tokens
+  plan_vs_measured_70b  llama70b_2x4090 as rank 0 of 2, GPU capped at 24 GiB: measured peak against the plan
+  one_gpu_70b_offload   70B on one GPU with CPU offload: peak GPU memory, host RSS, tokens/s
+Nothing is fetched from a hub: the models are built locally from config.json (random weights).
+Exit code: 0 when no check that ran failed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CASES = Path(__file__).resolve().parent / "gpu_check_cases.py"
+TOTAL_SECONDS = 570  # under the 10 minutes a device command may run, start-up included
+LOG_TAIL_LINES = 15
+
+
+@dataclass
+class Row:
+    """One line of the table: a check, or one part of it."""
+
+    check: str
+    status: str  # passed | failed | skipped | info (informational: never fails the run)
+    result: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    budget_s: int
+    cuda_only: bool
+
+
+# cheap checks first, so the 70B ones get what is left of the total budget
+CHECKS = (
+    Check("nan_canary", 60, cuda_only=False),
+    Check("fsdp_real_path", 150, cuda_only=False),
+    Check("merge_device", 90, cuda_only=False),
+    Check("generate", 60, cuda_only=False),
+    Check("plan_vs_measured_70b", 240, cuda_only=True),
+    Check("one_gpu_70b_offload", 240, cuda_only=True),
+)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run on the CPU at small sizes, skip what needs CUDA (the default without a GPU)")
+    parser.add_argument("--only", type=selected_checks, default=[c.name for c in CHECKS],
+                        help=f"comma-separated subset of: {', '.join(c.name for c in CHECKS)}")
+    parser.add_argument("--out", type=Path, help="write the table to this file and its figures to FILE.json")
+    parser.add_argument("--total-seconds", type=float, default=TOTAL_SECONDS,
+                        help=f"time budget of the whole run (default {TOTAL_SECONDS}); each check also has its own")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, adapter, merged models)")
+    return parser.parse_args(argv)
+
+
+def selected_checks(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = {c.name for c in CHECKS}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown check {unknown[0] if unknown else '(none)'}; "
+                                         f"choose from {', '.join(c.name for c in CHECKS)}")
+    return names
+
+
+def cuda_available() -> bool:
+    # in a child process: the parent then never creates a CUDA context of its own (it would skew the figures)
+    probe = "import torch; print(torch.cuda.is_available())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=child_env(None))
+    return done.stdout.strip() == "True"
+
+
+def child_env(device: str | None) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a dry run on a GPU machine stays on the CPU, training included
+    return env
+
+
+def run_check(check: Check, device: str, work: Path, timeout: float) -> tuple[list[Row], dict[str, Any]]:
+    """The check in its own process; its rows, and the environment it reports (device name, versions)."""
+    result, log = work / f"{check.name}.json", work / f"{check.name}.log"
+    command = [sys.executable, str(CASES), check.name, "--device", device, "--work", str(work), "--result",
+               str(result)]
+    try:
+        with log.open("w") as out:
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=child_env(device), cwd=REPO,
+                                  timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [Row(check.name, "failed", f"timed out after {timeout:.0f} s (killed); see {log.name}")], {}
+    if not result.is_file():
+        return [Row(check.name, "failed", f"crashed with exit code {done.returncode}; see {log.name}")], {}
+    data = json.loads(result.read_text())
+    return [Row(**row) for row in data["rows"]], data.get("env", {})
+
+
+def log_tail(path: Path) -> str:
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return "\n".join("    " + line for line in lines[-LOG_TAIL_LINES:])
+
+
+def run_all(names: list[str], device: str, work: Path, total_s: float) -> tuple[list[Row], dict[str, Any]]:
+    rows: list[Row] = []
+    env: dict[str, Any] = {}
+    deadline = time.monotonic() + total_s
+    for check in (c for c in CHECKS if c.name in names):
+        left = deadline - time.monotonic()
+        if check.cuda_only and device != "cuda":
+            rows.append(Row(check.name, "skipped", "needs a CUDA device (dry run)"))
+        elif left < 5:
+            rows.append(Row(check.name, "skipped", "no time left in the total budget"))
+        else:
+            started = time.monotonic()
+            check_rows, check_env = run_check(check, device, work, min(check.budget_s, left))
+            rows += check_rows
+            env = env or check_env
+            took = time.monotonic() - started
+            failed = any(r.status == "failed" for r in check_rows)
+            print(f"{check.name}: {'failed' if failed else 'done'} in {took:.1f} s", file=sys.stderr, flush=True)
+            if failed:
+                print(log_tail(work / f"{check.name}.log"), file=sys.stderr, flush=True)
+            continue
+        print(f"{check.name}: skipped", file=sys.stderr, flush=True)
+    return rows, env
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = ["| check | result | figures | status |", "| --- | --- | --- | --- |"]
+    for row in rows:
+        figures = ", ".join(f"{k} {format_value(v)}" for k, v in row.figures.items())
+        lines.append(f"| {row.check} | {row.result} | {figures or '-'} | {row.status} |")
+    return "\n".join(lines)
+
+
+def headline(device: str, env: dict[str, Any], wall_s: float) -> str:
+    where = env.get("device_name", device)
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "bitsandbytes") if k in env)
+    return (f"`make gpu-check` on {where} ({versions}), {datetime.date.today().isoformat()}: "
+            f"{wall_s:.0f} s wall{' (dry run: CPU, small sizes)' if device == 'cpu' else ''}")
+
+
+@contextmanager
+def work_dir(keep: bool) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"work folder kept: {path}", file=sys.stderr)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def write_outputs(out: Path, text: str, rows: list[Row], device: str, env: dict[str, Any], wall_s: float) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    figures = {"device": device, "env": env, "wall_s": wall_s, "date": datetime.date.today().isoformat(),
+               "checks": [asdict(r) for r in rows]}
+    json_path = out.with_suffix(".json") if out.suffix != ".json" else out.with_name(out.name + ".json")
+    json_path.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is fetched, whatever the caller's environment says
+    started = time.monotonic()
+    device = "cpu" if args.dry_run or not cuda_available() else "cuda"
+    if device == "cpu" and not args.dry_run:
+        print("no CUDA device: dry run (CPU, small sizes)", file=sys.stderr)
+    with work_dir(args.keep) as work:
+        rows, env = run_all(args.only, device, work, args.total_seconds)
+    wall = time.monotonic() - started
+    text = headline(device, env, wall) + "\n\n" + format_table(rows)
+    print(text)
+    if args.out:
+        write_outputs(args.out, text, rows, device, env, wall)
+    return 1 if any(r.status == "failed" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,533 @@
+"""The checks of scripts/gpu_check.py, one function each, run one per process by it.
+
+    python scripts/gpu_check_cases.py fsdp_real_path --device cpu --work /tmp/gc   # one check, in the foreground
+
+Any check runs on either device: on the CPU at small sizes (the CUDA-only ones too, which then only try their
+code, without GPU figures). Prints a JSON list of table rows, or writes it to --result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import math
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import bitsandbytes as bnb  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed.fsdp  # noqa: E402, F401  (registers torch.ops.fsdp.all_gather_copy_in)
+from safetensors.torch import load_file  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import make_tiny_model  # noqa: E402
+import qlora_fsdp.model  # noqa: E402
+from gpu_check import Row  # noqa: E402
+from qlora_fsdp.adapter import config_for_adapter  # noqa: E402
+from qlora_fsdp.api import build_model, train  # noqa: E402
+from qlora_fsdp.batching import Batch, Sample, collate_packed  # noqa: E402
+from qlora_fsdp.config import Config, load_config, validate  # noqa: E402
+from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed  # noqa: E402
+from qlora_fsdp.merge import merge_adapter  # noqa: E402
+from qlora_fsdp.optim import build_optimizer, clip_grad_norm  # noqa: E402
+from qlora_fsdp.plan import Plan, format_rows, held_bytes, plan  # noqa: E402
+from qlora_fsdp.sharding import local_shard  # noqa: E402
+from qlora_fsdp.trainer import accumulate_gradients  # noqa: E402
+
+GIB = 2**30
+ARCH_70B = REPO / "model_configs" / "llama-3.1-70b" / "config.json"
+RECIPE_70B = "llama70b_2x4090"
+MERGE_TOLERANCE = 1e-2  # bf16 output: one rounding step of a weight near 1 is 2**-7
+PLAN_TOLERANCE = 0.15
+
+
+@dataclass
+class Context:
+    device: torch.device
+    work: Path
+
+    @property
+    def small(self) -> bool:
+        """CPU: small sizes, so the dry run stays well under two minutes on two cores."""
+        return self.device.type != "cuda"
+
+
+# ---- shared helpers ---------------------------------------------------------------------------------------
+
+def arch_dir(ctx: Context, layers: int | None) -> Path:
+    """A folder with the Llama 3.1 70B config.json (fewer layers if asked); on the CPU, hidden, intermediate and
+    vocab sizes / 32 and heads / 8, so the shape ratios (and GQA's 8 query heads per KV head) stay the 70B's."""
+    config = json.loads(ARCH_70B.read_text())
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    if ctx.small:
+        for key in ("hidden_size", "intermediate_size", "vocab_size"):
+            config[key] //= 32
+        config["num_attention_heads"] //= 8
+        config["num_key_value_heads"] //= 8
+        config["bos_token_id"], config["eos_token_id"] = 1, 2  # inside the smaller vocabulary
+    folder = ctx.work / f"llama-3.1-70b-arch-{config['num_hidden_layers']}{'-small' if ctx.small else ''}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def host_peak_rss_gib() -> float:
+    """VmHWM: this process's peak resident memory (ru_maxrss would include the parent's)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024 / GIB
+
+
+def cap_gpu_memory(device: torch.device, gib: float) -> None:
+    """Make this process see a `gib` GPU (a 24 GB card on an 80 GB H100): allocations past it raise OOM."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), device)
+
+
+def gpu_memory(device: torch.device) -> dict[str, float]:
+    """Peaks since the last reset; outside_allocator is what the process holds beyond the caching allocator
+    (CUDA context, cuBLAS workspace), which the plan's context row estimates."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+            "outside_allocator_gib": (total - free - torch.cuda.memory_reserved(device)) / GIB}
+
+
+def reset_peaks(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def random_batches(cfg: Config, vocab: int, count: int, seed: int = 0) -> list[Batch]:
+    """Micro-batches of random tokens filling the context, packed rows as the 70B recipes train on."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        rows = [[Sample(ids, ids)] for ids in
+                torch.randint(vocab, (cfg.data.micro_batch_size, cfg.data.context_length), generator=generator).tolist()]
+        batches.append(collate_packed(rows, pad_id=0))
+    return batches
+
+
+@dataclass
+class StepTimes:
+    seconds: list[float]
+    losses: list[float]
+    tokens_per_step: float
+
+    def tokens_per_s(self) -> float:
+        """After the first step (warm-up: kernels load, the optimizer state is created)."""
+        timed = self.seconds[1:] or self.seconds
+        return self.tokens_per_step * len(timed) / sum(timed)
+
+
+def train_steps(model: nn.Module, cfg: Config, info: DistInfo, steps: int) -> StepTimes:
+    """Optimizer steps as the trainer takes them: accumulate, clip the global norm, step the local shards."""
+    optimizer = build_optimizer(model, cfg.optim)
+    batches = random_batches(cfg, model.config.vocab_size, cfg.data.grad_accum_steps)
+    model.train()
+    times = StepTimes([], [], 0.0)
+    for _ in range(steps):
+        started = time.perf_counter()
+        result = accumulate_gradients(model, batches, info.device)
+        clip_grad_norm(model, cfg.optim.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        synchronize(info.device)
+        times.seconds.append(time.perf_counter() - started)
+        times.losses.append(result.loss)
+        times.tokens_per_step = result.n_tokens
+        print(f"step {len(times.seconds)}: {times.seconds[-1]:.1f} s, loss {result.loss:.4f}", flush=True)
+    return times
+
+
+# ---- 1. nan_canary ----------------------------------------------------------------------------------------
+
+def copy_in(data: torch.Tensor, device: torch.device, world_size: int = 2, rank: int = 0) -> torch.Tensor:
+    """This rank's part of an all-gather output after FSDP2's copy-in, the data split as two parameters."""
+    source = data.to(device)
+    inputs = list(source.chunk(2))
+    output = torch.empty(world_size * source.numel(), dtype=source.dtype, device=device)
+    part, _ = torch.ops.fsdp.all_gather_copy_in(inputs, output, [t.numel() for t in inputs], source.numel(), rank)
+    return part.cpu()
+
+
+def nan_canary(ctx: Context) -> list[Row]:
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    as_bf16, as_bytes = patterns.view(torch.bfloat16), patterns.view(torch.uint8)
+    changed = copy_in(as_bf16, ctx.device).view(torch.int16) != patterns
+    bytes_changed = int((copy_in(as_bytes, ctx.device) != as_bytes).sum())
+    bf16_changed, nan_changed = int(changed.sum()), int((changed & as_bf16.isnan()).sum())
+    figures = {"bf16_patterns_changed": bf16_changed, "of_them_nan": nan_changed,
+               "bf16_nan_patterns": int(as_bf16.isnan().sum()), "uint8_bytes_changed": bytes_changed}
+    result = (f"uint8 (our storage): {bytes_changed} of {as_bytes.numel():,} bytes changed; bf16 (the hazard): "
+              f"{bf16_changed} of {patterns.numel():,} bit patterns changed, {nan_changed} of them NaNs")
+    if ctx.small:  # positive control: the count a GPU shows, from CUDA's copy emulated
+        with emulated_cuda_copy():
+            figures["emulated_cuda_bf16_changed"] = int((copy_in(as_bf16, ctx.device).view(torch.int16) != patterns).sum())
+        result += f" ({figures['emulated_cuda_bf16_changed']} with CUDA's copy emulated)"
+    return [Row("nan_canary", "passed" if bytes_changed == 0 else "failed", result, figures)]
+
+
+# ---- 2. fsdp_real_path ------------------------------------------------------------------------------------
+
+def storage_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Elements as integers of their own width, so a comparison is bitwise (NaN == NaN, -0 != +0)."""
+    flat = tensor.detach().reshape(-1)
+    return flat.view(torch.int16) if flat.element_size() == 2 else flat.view(torch.uint8)
+
+
+class GatherWatch:
+    """Forward pre-hooks on every Linear4bit: this rank's rows of the gathered packed weight (FSDP2 shards dim 0
+    like torch.chunk, rank 0 holds the first chunk) against its shard as loaded. They fire in the forward and
+    again in the backward's recompute, after its own all-gather."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.loaded: dict[nn.Module, torch.Tensor] = {}
+        self.counts = {"gathers": 0, "not_gathered": 0, "bytes_compared": 0, "bytes_differing": 0,
+                       "elements_differing": 0}
+        for module in model.modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                self.loaded[module] = storage_bits(local_shard(module.weight)).to(device).clone()
+                module.register_forward_pre_hook(self.compare)
+
+    def compare(self, module: nn.Module, args: Any) -> None:
+        loaded, weight = self.loaded[module], module.weight
+        if isinstance(weight, DTensor) or weight.numel() <= loaded.numel():  # FSDP2 did not gather it
+            self.counts["not_gathered"] += 1
+            return
+        mine = storage_bits(weight)[: loaded.numel()]
+        self.counts["gathers"] += 1
+        self.counts["bytes_compared"] += loaded.numel() * loaded.element_size()
+        self.counts["elements_differing"] += int((mine != loaded).sum())
+        self.counts["bytes_differing"] += int((mine.view(torch.uint8) != loaded.view(torch.uint8)).sum())
+
+
+def fsdp_path_config(arch: Path, offload: bool) -> Config:
+    """bf16 LoRA, base and compute policy: under the old storage, every layer's all-gather was uniformly bf16."""
+    cfg = Config()
+    cfg.model.path, cfg.model.init, cfg.model.dtype = str(arch), "random", "bfloat16"
+    cfg.lora.dtype, cfg.fsdp.param_dtype, cfg.fsdp.cpu_offload = "bfloat16", "bfloat16", offload
+    return validate(cfg)
+
+
+@contextlib.contextmanager
+def quant_storage(dtype: torch.dtype) -> Iterator[None]:
+    """The packed 4-bit dtype models are built with (loading follows the model module's constant)."""
+    saved = qlora_fsdp.model.QUANT_STORAGE
+    qlora_fsdp.model.QUANT_STORAGE = dtype
+    try:
+        yield
+    finally:
+        qlora_fsdp.model.QUANT_STORAGE = saved
+
+
+def gathered_bytes_case(ctx: Context, arch: Path, storage: torch.dtype, offload: bool,
+                        emulate_cuda_copy: bool = False) -> dict[str, int]:
+    """Build, shard (fake 2-rank group) and load the model; a forward and backward under the watch."""
+    info = init_fake_distributed(2, ctx.device)
+    try:
+        with quant_storage(storage):
+            cfg = fsdp_path_config(arch, offload)
+            model = build_model(cfg, info)
+        watch = GatherWatch(model, ctx.device)
+        ids = torch.randint(model.config.vocab_size, (1, 16 if ctx.small else 128), device=ctx.device)
+        with emulated_cuda_copy() if emulate_cuda_copy else contextlib.nullcontext():
+            model(input_ids=ids, use_cache=False).logits.float().mean().backward()
+        synchronize(ctx.device)
+        return watch.counts
+    finally:
+        cleanup()
+        free_memory(ctx.device)
+
+
+def emulated_cuda_copy() -> contextlib.AbstractContextManager[None]:
+    """FSDP2's copy-in as CUDA sm80+ runs it (bf16 NaNs rewritten as 0x7FFF): the CPU's positive control."""
+    from tests.helpers import cuda_bf16_copy_emulated
+
+    return cuda_bf16_copy_emulated()
+
+
+def fsdp_real_path(ctx: Context) -> list[Row]:
+    arch = arch_dir(ctx, layers=2)
+    # on the CPU under CUDA's copy, emulated: what the check would see on a GPU
+    uint8 = {offload: gathered_bytes_case(ctx, arch, torch.uint8, offload, emulate_cuda_copy=ctx.small)
+             for offload in (False, True)}
+    bf16 = {offload: gathered_bytes_case(ctx, arch, torch.bfloat16, offload) for offload in (False, True)}
+    control = gathered_bytes_case(ctx, arch, torch.bfloat16, False, emulate_cuda_copy=True) if ctx.small else None
+    ok = all(c["bytes_differing"] == 0 and c["gathers"] > 0 and c["not_gathered"] == 0 for c in uint8.values())
+    ok = ok and (control is None or control["elements_differing"] > 0)  # the watch must see what it looks for
+    figures = {f"uint8_{name}_{key}": c[key] for name, c in (("offload_off", uint8[False]), ("offload_on", uint8[True]))
+               for key in ("gathers", "bytes_compared", "bytes_differing")}
+    size = "70B architecture, 2 layers" if not ctx.small else "70B shape ratios, 2 layers, hidden 256, CUDA copy emulated"
+    result = (f"uint8 storage ({size}; fake 2-rank group; bf16 LoRA, base and param_dtype): "
+              f"{uint8[False]['bytes_differing']:,} of {uint8[False]['bytes_compared']:,} gathered bytes differ from "
+              f"the loaded shard with offload off, {uint8[True]['bytes_differing']:,} of "
+              f"{uint8[True]['bytes_compared']:,} with offload on")
+    rows = [Row("fsdp_real_path", "passed" if ok else "failed", result, figures)]
+    return rows + [old_storage_row(bf16, control)]
+
+
+def old_storage_row(bf16: dict[bool, dict[str, int]], control: dict[str, int] | None) -> Row:
+    figures = {f"bf16_offload_{'on' if offload else 'off'}_elements_changed": c["elements_differing"]
+               for offload, c in bf16.items()}
+    result = (f"old bf16 storage: {bf16[False]['elements_differing']:,} of {bf16[False]['bytes_compared'] // 2:,} "
+              f"gathered elements changed with offload off, {bf16[True]['elements_differing']:,} with offload on")
+    if control is not None:
+        figures["emulated_cuda_copy_elements_changed"] = control["elements_differing"]
+        result += (f"; with CUDA's copy emulated on the CPU {control['elements_differing']:,} "
+                   "(the watch sees the hazard)")
+    return Row("fsdp_real_path (old bf16 storage)", "info", result, figures)
+
+
+# ---- 3. plan_vs_measured_70b ------------------------------------------------------------------------------
+
+def recipe_70b(ctx: Context, world_size: int, accumulation: int) -> Config:
+    """The 70B recipe with random weights from the shipped config.json (no download, no tokenizer needed)."""
+    overrides = ["model.init=random", f"model.path={arch_dir(ctx, None if not ctx.small else 4)}",
+                 f"hardware.gpus_per_node={world_size}", f"data.grad_accum_steps={accumulation}",
+                 f"train.output_dir={ctx.work / 'unused-output'}"]
+    if ctx.small:
+        overrides.append("data.context_length=128")
+    return load_config(RECIPE_70B, overrides)
+
+
+def plan_allocated(planned: Plan) -> float:
+    """The plan's total without its CUDA-context-and-slack row: what the caching allocator should hold."""
+    return sum(r.bytes for r in planned.gpu_rows if not r.name.lower().startswith("cuda context"))
+
+
+def plan_vs_measured_70b(ctx: Context) -> list[Row]:
+    cfg = recipe_70b(ctx, world_size=2, accumulation=2)
+    info = init_fake_distributed(2, ctx.device)
+    try:
+        started = time.perf_counter()
+        model = build_model(cfg, info)
+        load_s = time.perf_counter() - started
+        planned = plan(cfg, held_bytes(model, cfg))
+        print("\n".join(format_rows(planned.gpu_rows)), flush=True)
+        cap_gpu_memory(ctx.device, planned.capacity_gib)  # after loading: the plan is about the step
+        reset_peaks(ctx.device)
+        times = train_steps(model, cfg, info, steps=2)
+        measured = gpu_memory(ctx.device)
+    finally:
+        cleanup()
+    figures = {"plan_gib": planned.gpu_total / GIB, **measured, "load_s": load_s,
+               "step_s": times.seconds[-1], "host_peak_rss_gib": host_peak_rss_gib()}
+    if not measured:
+        return [Row("plan_vs_measured_70b", "passed", "CPU smoke run: the steps ran; no GPU figures", figures)]
+    return [plan_row(planned, measured, figures)]
+
+
+def plan_row(planned: Plan, measured: dict[str, float], figures: dict[str, Any]) -> Row:
+    total = measured["peak_reserved_gib"] + measured["outside_allocator_gib"]
+    ratio, ratio_allocated = total * GIB / planned.gpu_total, measured["peak_allocated_gib"] * GIB / plan_allocated(
+        planned)
+    figures.update(measured_total_gib=total, ratio=ratio, ratio_allocated=ratio_allocated)
+    within_cap = measured["peak_reserved_gib"] <= planned.capacity_gib
+    ok = within_cap and abs(ratio - 1) <= PLAN_TOLERANCE
+    result = (f"rank 0 of 2, GPU capped at {planned.capacity_gib:g} GiB: measured {total:.2f} GiB (peak reserved "
+              f"{measured['peak_reserved_gib']:.2f} + {measured['outside_allocator_gib']:.2f} outside the allocator; "
+              f"peak allocated {measured['peak_allocated_gib']:.2f}) against the plan's "
+              f"{planned.gpu_total / GIB:.2f} GiB: ratio {ratio:.2f} (allocated {ratio_allocated:.2f})")
+    if not ok:
+        result += "; over the cap" if not within_cap else f"; more than {PLAN_TOLERANCE:.0%} off the plan"
+    return Row("plan_vs_measured_70b", "passed" if ok else "failed", result, figures)
+
+
+# ---- 4. one_gpu_70b_offload -------------------------------------------------------------------------------
+
+def one_gpu_70b_offload(ctx: Context) -> list[Row]:
+    cfg = recipe_70b(ctx, world_size=1, accumulation=1)
+    info = init_distributed()  # a world of one, as `python train.py` on one GPU makes it
+    try:
+        started = time.perf_counter()
+        model = build_model(cfg, info)
+        load_s = time.perf_counter() - started
+        planned = plan(cfg, held_bytes(model, cfg))
+        cap_gpu_memory(ctx.device, planned.capacity_gib)
+        reset_peaks(ctx.device)
+        times = train_steps(model, cfg, info, steps=2 if ctx.small else 3)
+        measured = gpu_memory(ctx.device)
+    finally:
+        cleanup()
+    figures = {**measured, "host_peak_rss_gib": host_peak_rss_gib(), "tokens_per_s": times.tokens_per_s(),
+               "load_s": load_s, "loss_first": times.losses[0], "loss_last": times.losses[-1],
+               "plan_gib": planned.gpu_total / GIB, "plan_host_gib": planned.host_total / GIB}
+    finite = all(math.isfinite(loss) for loss in times.losses)
+    within_cap = not measured or measured["peak_reserved_gib"] <= planned.capacity_gib
+    tokens = int(times.tokens_per_step)
+    result = (f"world size 1, CPU offload, {len(times.seconds)} steps of {tokens:,} tokens: "
+              f"{times.tokens_per_s():,.0f} tokens/s, host RSS peak {figures['host_peak_rss_gib']:.1f} GiB")
+    if measured:
+        result += (f", GPU peak allocated {measured['peak_allocated_gib']:.2f} / reserved "
+                   f"{measured['peak_reserved_gib']:.2f} GiB (capped at {planned.capacity_gib:g}; plan "
+                   f"{planned.gpu_total / GIB:.2f})")
+    if not finite:
+        result += "; a loss was not finite"
+    return [Row("one_gpu_70b_offload", "passed" if finite and within_cap else "failed", result, figures)]
+
+
+# ---- 5. merge_device and 6. generate: a tiny adapter trained by the repo ---------------------------------
+
+def tiny_model(ctx: Context) -> Path:
+    """The tests' tiny Llama (2 layers, hidden 128, seeded), built with scripts/make_tiny_model.py."""
+    out = ctx.work / "tiny-llama"
+    if not (out / "config.json").is_file():
+        args = argparse.Namespace(hidden_size=128, layers=2, seed=0, init_std=0.1, family="llama")
+        tokenizer = make_tiny_model.train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", vocab_size=512)
+        make_tiny_model.build_model(tokenizer, args).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def tiny_adapter(ctx: Context) -> Path:
+    """Two steps of the tiny_cpu recipe on a world of one (on this device), trained once per work folder."""
+    run = ctx.work / "tiny-run"
+    if not (run / "adapter" / "adapter_config.json").is_file():
+        train("tiny_cpu", [f"model.path={tiny_model(ctx)}", f"train.output_dir={run}", "train.max_steps=2",
+                           "train.eval_every=0", "data.eval_samples=8", "logging.plot=false", "train.overwrite=true"])
+        cleanup()  # the next user of this process makes its own group
+    return run / "adapter"
+
+
+def merged_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def timed_merge(cfg: Config, adapter: Path, out: Path, device: str) -> float:
+    started = time.perf_counter()
+    merge_adapter(cfg, adapter, out, device=device)
+    return time.perf_counter() - started
+
+
+def merge_device(ctx: Context) -> list[Row]:
+    adapter = tiny_adapter(ctx)
+    cfg = config_for_adapter(adapter, None, [])
+    cpu_s = timed_merge(cfg, adapter, ctx.work / "merged-cpu", "cpu")
+    cpu = merged_tensors(ctx.work / "merged-cpu")
+    rows = [Row("merge_device (cpu)", "passed", f"{len(cpu)} tensors merged on the CPU (bf16)",
+                {"tensors": len(cpu), "cpu_s": cpu_s})]
+    if ctx.device.type != "cuda":
+        return rows + [Row("merge_device (cuda vs cpu)", "skipped", "no CUDA device: only the CPU merge ran")]
+    cuda_s = timed_merge(cfg, adapter, ctx.work / "merged-cuda", "cuda")
+    return rows + [merge_comparison(cpu, merged_tensors(ctx.work / "merged-cuda"), cuda_s)]
+
+
+def merge_comparison(cpu: dict[str, torch.Tensor], cuda: dict[str, torch.Tensor], cuda_s: float) -> Row:
+    if cpu.keys() != cuda.keys():
+        return Row("merge_device (cuda vs cpu)", "failed", f"different tensors: {sorted(cpu.keys() ^ cuda.keys())[:3]}")
+    diffs = {k: (cpu[k].float() - cuda[k].float()).abs() for k in cpu}
+    worst = max(diffs, key=lambda k: float(diffs[k].max()))
+    max_diff = float(diffs[worst].max())
+    figures = {"max_abs_diff": max_diff, "elements_differing": sum(int((d > 0).sum()) for d in diffs.values()),
+               "elements": sum(d.numel() for d in diffs.values()), "cuda_s": cuda_s}
+    result = f"--device cuda against --device cpu: max abs difference {max_diff:.3g} ({worst})"
+    return Row("merge_device (cuda vs cpu)", "passed" if max_diff <= MERGE_TOLERANCE else "failed", result, figures)
+
+
+def run_script(path: Path, argv: list[str]) -> tuple[int, str]:
+    """A script's command line, in this process (no second start-up of torch); its exit code and stdout."""
+    saved, sys.argv = sys.argv, [str(path), *argv]
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            runpy.run_path(str(path), run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    finally:
+        sys.argv = saved
+    print(buffer.getvalue(), flush=True)
+    return code, buffer.getvalue()
+
+
+def generate(ctx: Context) -> list[Row]:
+    adapter = tiny_adapter(ctx)
+    argv = ["--adapter", str(adapter), "--prompt", "Reverse the letters of the word.", "--input", "river",
+            "--max-new-tokens", "16"]
+    started = time.perf_counter()
+    code, text = run_script(REPO / "scripts" / "generate.py", argv)
+    figures = {"device": ctx.device.type, "characters": len(text.strip()), "seconds": time.perf_counter() - started}
+    ok = code == 0 and bool(text.strip())
+    shown = " ".join(text.split())[:40]
+    result = f"scripts/generate.py --adapter (tiny, 2 steps) printed '{shown}'" if ok else f"exit code {code}, no text"
+    return [Row("generate", "passed" if ok else "failed", result, figures)]
+
+
+# ---- entry --------------------------------------------------------------------------------------------------
+
+CASES: dict[str, Callable[[Context], list[Row]]] = {
+    "nan_canary": nan_canary, "fsdp_real_path": fsdp_real_path, "plan_vs_measured_70b": plan_vs_measured_70b,
+    "one_gpu_70b_offload": one_gpu_70b_offload, "merge_device": merge_device, "generate": generate}
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        name = f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
+    else:
+        name = f"CPU ({torch.get_num_threads()} threads)"
+    return {"device_name": name, "torch": torch.__version__, "bitsandbytes": bnb.__version__}
+
+
+def run_case(name: str, ctx: Context) -> list[Row]:
+    try:
+        return CASES[name](ctx)
+    except Exception as err:  # an OOM or a bug: this check fails, the others still run
+        traceback.print_exc()
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        return [Row(name, "failed", f"{type(err).__name__}: {first}")]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=sorted(CASES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--work", type=Path, required=True, help="a folder for models, adapters and results")
+    parser.add_argument("--result", type=Path, help="write the rows here (JSON); default: print them")
+    args = parser.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(0)
+    rows = run_case(args.name, Context(device, args.work))
+    payload = json.dumps({"rows": [asdict(r) for r in rows], "env": environment(device)}, indent=2, default=str)
+    if args.result:
+        args.result.write_text(payload)
+    else:
+        print(payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
