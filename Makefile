@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint tiny-model data clean
+.PHONY: demo test lint gpu-check tiny-model data clean
 
 $(BIN)/activate: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: $(BIN)/activate tiny-model
 
 test: $(BIN)/activate tiny-model
 	$(BIN)/python -m pytest -q tests
+
+# the day a GPU is lent: six device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
+gpu-check: $(BIN)/activate
+	$(BIN)/python scripts/gpu_check.py
 
 lint: $(BIN)/activate
 	$(BIN)/ruff check .

@@ -59,8 +59,8 @@ def apply_activation_checkpointing(model: nn.Module, ac: CheckpointingConfig) ->
 
 def fsdp_policies(fsdp: FSDPConfig, device: torch.device) -> dict:
     mp_policy = MixedPrecisionPolicy(
-        # None keeps every parameter in its storage dtype; the 4-bit weights are stored as bf16 so a
-        # bf16 policy is the only cast that leaves their bytes alone (config validation enforces it)
+        # None keeps every parameter in its storage dtype; FSDP2 never casts the uint8 packed 4-bit weights
+        # and gathers them as bytes, so no policy can touch their bit patterns
         param_dtype=TORCH_DTYPES[fsdp.param_dtype] if fsdp.param_dtype else None,
         reduce_dtype=TORCH_DTYPES[fsdp.reduce_dtype],
     )

@@ -165,15 +165,19 @@ def format_table(rows: list[Row]) -> str:
     lines = ["| check | result | figures | status |", "| --- | --- | --- | --- |"]
     for row in rows:
         figures = ", ".join(f"{k} {format_value(v)}" for k, v in row.figures.items())
-        lines.append(f"| {row.check} | {row.result} | {figures or '-'} | {row.status} |")
+        cells = [row.check, row.result, figures or "-", row.status]
+        lines.append("| " + " | ".join(" ".join(c.split()).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
 
-def headline(device: str, env: dict[str, Any], wall_s: float) -> str:
-    where = env.get("device_name", device)
-    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "bitsandbytes") if k in env)
-    return (f"`make gpu-check` on {where} ({versions}), {datetime.date.today().isoformat()}: "
-            f"{wall_s:.0f} s wall{' (dry run: CPU, small sizes)' if device == 'cpu' else ''}")
+def headline(argv: list[str], device: str, env: dict[str, Any], wall_s: float) -> str:
+    command = " ".join(["python scripts/gpu_check.py", *argv])
+    parts = [f"`{command}`", env.get("device_name", device),
+             *(f"{k} {env[k]}" for k in ("torch", "bitsandbytes") if k in env),
+             datetime.date.today().isoformat(), f"{wall_s:.0f} s wall"]
+    if device == "cpu":
+        parts.append("dry run: CPU, small sizes")
+    return "; ".join(parts)
 
 
 @contextmanager
@@ -207,7 +211,7 @@ def main(argv: list[str]) -> int:
     with work_dir(args.keep) as work:
         rows, env = run_all(args.only, device, work, args.total_seconds)
     wall = time.monotonic() - started
-    text = headline(device, env, wall) + "\n\n" + format_table(rows)
+    text = headline(argv, device, env, wall) + "\n\n" + format_table(rows)
     print(text)
     if args.out:
         write_outputs(args.out, text, rows, device, env, wall)

@@ -27,15 +27,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import bitsandbytes as bnb  # noqa: E402
+import make_tiny_model  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.fsdp  # noqa: E402, F401  (registers torch.ops.fsdp.all_gather_copy_in)
+from gpu_check import Row  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-import make_tiny_model  # noqa: E402
 import qlora_fsdp.model  # noqa: E402
-from gpu_check import Row  # noqa: E402
 from qlora_fsdp.adapter import config_for_adapter  # noqa: E402
 from qlora_fsdp.api import build_model, train  # noqa: E402
 from qlora_fsdp.batching import Batch, Sample, collate_packed  # noqa: E402
@@ -43,7 +43,7 @@ from qlora_fsdp.config import Config, load_config, validate  # noqa: E402
 from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed  # noqa: E402
 from qlora_fsdp.merge import merge_adapter  # noqa: E402
 from qlora_fsdp.optim import build_optimizer, clip_grad_norm  # noqa: E402
-from qlora_fsdp.plan import Plan, format_rows, held_bytes, plan  # noqa: E402
+from qlora_fsdp.plan import Plan, format_rows, gpu_spec, held_bytes, plan  # noqa: E402
 from qlora_fsdp.sharding import local_shard  # noqa: E402
 from qlora_fsdp.trainer import accumulate_gradients  # noqa: E402
 
@@ -130,8 +130,8 @@ def random_batches(cfg: Config, vocab: int, count: int, seed: int = 0) -> list[B
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(count):
-        rows = [[Sample(ids, ids)] for ids in
-                torch.randint(vocab, (cfg.data.micro_batch_size, cfg.data.context_length), generator=generator).tolist()]
+        shape = (cfg.data.micro_batch_size, cfg.data.context_length)
+        rows = [[Sample(ids, ids)] for ids in torch.randint(vocab, shape, generator=generator).tolist()]
         batches.append(collate_packed(rows, pad_id=0))
     return batches
 
@@ -191,7 +191,8 @@ def nan_canary(ctx: Context) -> list[Row]:
               f"{bf16_changed} of {patterns.numel():,} bit patterns changed, {nan_changed} of them NaNs")
     if ctx.small:  # positive control: the count a GPU shows, from CUDA's copy emulated
         with emulated_cuda_copy():
-            figures["emulated_cuda_bf16_changed"] = int((copy_in(as_bf16, ctx.device).view(torch.int16) != patterns).sum())
+            emulated = copy_in(as_bf16, ctx.device).view(torch.int16) != patterns
+        figures["emulated_cuda_bf16_changed"] = int(emulated.sum())
         result += f" ({figures['emulated_cuda_bf16_changed']} with CUDA's copy emulated)"
     return [Row("nan_canary", "passed" if bytes_changed == 0 else "failed", result, figures)]
 
@@ -262,7 +263,9 @@ def gathered_bytes_case(ctx: Context, arch: Path, storage: torch.dtype, offload:
         with emulated_cuda_copy() if emulate_cuda_copy else contextlib.nullcontext():
             model(input_ids=ids, use_cache=False).logits.float().mean().backward()
         synchronize(ctx.device)
-        return watch.counts
+        counts = watch.counts
+        del model, watch  # freed before the next case builds its model (the hooks make a cycle: gc below)
+        return counts
     finally:
         cleanup()
         free_memory(ctx.device)
@@ -286,7 +289,8 @@ def fsdp_real_path(ctx: Context) -> list[Row]:
     ok = ok and (control is None or control["elements_differing"] > 0)  # the watch must see what it looks for
     figures = {f"uint8_{name}_{key}": c[key] for name, c in (("offload_off", uint8[False]), ("offload_on", uint8[True]))
                for key in ("gathers", "bytes_compared", "bytes_differing")}
-    size = "70B architecture, 2 layers" if not ctx.small else "70B shape ratios, 2 layers, hidden 256, CUDA copy emulated"
+    size = "70B architecture, 2 layers"
+    size += "" if not ctx.small else " shrunk to hidden 256, CUDA's copy emulated"
     result = (f"uint8 storage ({size}; fake 2-rank group; bf16 LoRA, base and param_dtype): "
               f"{uint8[False]['bytes_differing']:,} of {uint8[False]['bytes_compared']:,} gathered bytes differ from "
               f"the loaded shard with offload off, {uint8[True]['bytes_differing']:,} of "
@@ -319,6 +323,19 @@ def recipe_70b(ctx: Context, world_size: int, accumulation: int) -> Config:
     return load_config(RECIPE_70B, overrides)
 
 
+def load_capped(cfg: Config, info: DistInfo) -> tuple[nn.Module, dict[str, float]]:
+    """The model built and loaded with the GPU capped at the recipe's memory (a 24 GB card on a bigger one);
+    then the peaks are reset, so the figures that follow are the training steps'."""
+    cap_gpu_memory(info.device, gpu_spec(cfg).memory_gib)
+    started = time.perf_counter()
+    model = build_model(cfg, info)
+    figures = {"load_s": time.perf_counter() - started}
+    if info.device.type == "cuda":
+        figures["load_peak_reserved_gib"] = torch.cuda.max_memory_reserved(info.device) / GIB
+    reset_peaks(info.device)
+    return model, figures
+
+
 def plan_allocated(planned: Plan) -> float:
     """The plan's total without its CUDA-context-and-slack row: what the caching allocator should hold."""
     return sum(r.bytes for r in planned.gpu_rows if not r.name.lower().startswith("cuda context"))
@@ -328,28 +345,25 @@ def plan_vs_measured_70b(ctx: Context) -> list[Row]:
     cfg = recipe_70b(ctx, world_size=2, accumulation=2)
     info = init_fake_distributed(2, ctx.device)
     try:
-        started = time.perf_counter()
-        model = build_model(cfg, info)
-        load_s = time.perf_counter() - started
+        model, load = load_capped(cfg, info)
         planned = plan(cfg, held_bytes(model, cfg))
         print("\n".join(format_rows(planned.gpu_rows)), flush=True)
-        cap_gpu_memory(ctx.device, planned.capacity_gib)  # after loading: the plan is about the step
-        reset_peaks(ctx.device)
         times = train_steps(model, cfg, info, steps=2)
         measured = gpu_memory(ctx.device)
     finally:
         cleanup()
-    figures = {"plan_gib": planned.gpu_total / GIB, **measured, "load_s": load_s,
-               "step_s": times.seconds[-1], "host_peak_rss_gib": host_peak_rss_gib()}
+    # the loss means nothing here: in a fake group the other rank's half of every all-gather is left unset
+    figures = {"plan_gib": planned.gpu_total / GIB, **measured, **load, "step_s": times.seconds[-1],
+               "tokens_per_s_this_rank": times.tokens_per_s(), "host_peak_rss_gib": host_peak_rss_gib()}
     if not measured:
         return [Row("plan_vs_measured_70b", "passed", "CPU smoke run: the steps ran; no GPU figures", figures)]
     return [plan_row(planned, measured, figures)]
 
 
 def plan_row(planned: Plan, measured: dict[str, float], figures: dict[str, Any]) -> Row:
-    total = measured["peak_reserved_gib"] + measured["outside_allocator_gib"]
-    ratio, ratio_allocated = total * GIB / planned.gpu_total, measured["peak_allocated_gib"] * GIB / plan_allocated(
-        planned)
+    total = measured["peak_reserved_gib"] + measured["outside_allocator_gib"]  # what the plan's total counts
+    ratio = total * GIB / planned.gpu_total
+    ratio_allocated = measured["peak_allocated_gib"] * GIB / plan_allocated(planned)
     figures.update(measured_total_gib=total, ratio=ratio, ratio_allocated=ratio_allocated)
     within_cap = measured["peak_reserved_gib"] <= planned.capacity_gib
     ok = within_cap and abs(ratio - 1) <= PLAN_TOLERANCE
@@ -368,18 +382,14 @@ def one_gpu_70b_offload(ctx: Context) -> list[Row]:
     cfg = recipe_70b(ctx, world_size=1, accumulation=1)
     info = init_distributed()  # a world of one, as `python train.py` on one GPU makes it
     try:
-        started = time.perf_counter()
-        model = build_model(cfg, info)
-        load_s = time.perf_counter() - started
+        model, load = load_capped(cfg, info)
         planned = plan(cfg, held_bytes(model, cfg))
-        cap_gpu_memory(ctx.device, planned.capacity_gib)
-        reset_peaks(ctx.device)
         times = train_steps(model, cfg, info, steps=2 if ctx.small else 3)
         measured = gpu_memory(ctx.device)
     finally:
         cleanup()
     figures = {**measured, "host_peak_rss_gib": host_peak_rss_gib(), "tokens_per_s": times.tokens_per_s(),
-               "load_s": load_s, "loss_first": times.losses[0], "loss_last": times.losses[-1],
+               **load, "loss_first": times.losses[0], "loss_last": times.losses[-1],
                "plan_gib": planned.gpu_total / GIB, "plan_host_gib": planned.host_total / GIB}
     finite = all(math.isfinite(loss) for loss in times.losses)
     within_cap = not measured or measured["peak_reserved_gib"] <= planned.capacity_gib
@@ -480,7 +490,7 @@ def generate(ctx: Context) -> list[Row]:
     code, text = run_script(REPO / "scripts" / "generate.py", argv)
     figures = {"device": ctx.device.type, "characters": len(text.strip()), "seconds": time.perf_counter() - started}
     ok = code == 0 and bool(text.strip())
-    shown = " ".join(text.split())[:40]
+    shown = " ".join(text.split()).encode("ascii", "replace").decode()[:40]  # a random tiny model prints byte soup
     result = f"scripts/generate.py --adapter (tiny, 2 steps) printed '{shown}'" if ok else f"exit code {code}, no text"
     return [Row("generate", "passed" if ok else "failed", result, figures)]
 

@@ -1,0 +1,100 @@
+"""scripts/gpu_check.py, the command for the day a GPU is lent, works on the CPU: help, a dry run, isolation."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up by name
+_spec.loader.exec_module(gpu_check)
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+
+
+def table_rows(text: str) -> dict[str, tuple[str, str]]:
+    """check -> (result, status) from the markdown table."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if line.startswith("| ") and len(cells) == 4 and cells[0] not in ("check", "---"):
+            rows[cells[0]] = (cells[1], cells[3])
+    return rows
+
+
+def test_help_lists_every_check():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, env=ENV,
+                          timeout=60)
+    assert done.returncode == 0
+    for check in gpu_check.CHECKS:
+        assert check.name in done.stdout
+
+
+def test_unknown_check_is_a_one_line_error():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--only", "nan_canry"], capture_output=True, text=True,
+                          env=ENV, timeout=60)
+    assert done.returncode == 2 and "unknown check nan_canry" in done.stderr
+
+
+def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
+    out = tmp_path / "gpu_check.md"
+    only = "nan_canary,fsdp_real_path,plan_vs_measured_70b"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", only, "--out", str(out)],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = table_rows(out.read_text())
+    assert {name: status for name, (_, status) in rows.items()} == {
+        "nan_canary": "passed", "fsdp_real_path": "passed", "fsdp_real_path (old bf16 storage)": "info",
+        "plan_vs_measured_70b": "skipped"}
+    assert "needs a CUDA device" in rows["plan_vs_measured_70b"][0]
+    figures = {c["check"]: c["figures"] for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
+    assert figures["nan_canary"]["uint8_bytes_changed"] == 0
+    assert figures["nan_canary"]["emulated_cuda_bf16_changed"] == 253  # every NaN pattern but 0x7FFF itself
+    assert figures["fsdp_real_path"]["uint8_offload_on_bytes_differing"] == 0
+    assert figures["fsdp_real_path"]["uint8_offload_on_gathers"] > 0
+    # the positive control: the watch does see CUDA's rewrite of the old bf16 storage
+    assert figures["fsdp_real_path (old bf16 storage)"]["emulated_cuda_copy_elements_changed"] > 0
+
+
+FAKE_CASES = """
+import json, sys, time
+name, result = sys.argv[1], sys.argv[sys.argv.index("--result") + 1]
+if name == "nan_canary":
+    sys.exit(3)  # a crash: no result written
+if name == "fsdp_real_path":
+    time.sleep(60)  # past its budget
+json.dump({"rows": [{"check": name, "status": "passed", "result": "ok", "figures": {"x": 1}}]}, open(result, "w"))
+"""
+
+
+def test_a_crash_or_a_timeout_fails_that_check_only(tmp_path, monkeypatch):
+    cases = tmp_path / "cases.py"
+    cases.write_text(FAKE_CASES)
+    monkeypatch.setattr(gpu_check, "CASES", cases)
+    monkeypatch.setattr(gpu_check, "CHECKS", (
+        gpu_check.Check("nan_canary", 30, cuda_only=False), gpu_check.Check("fsdp_real_path", 2, cuda_only=False),
+        gpu_check.Check("merge_device", 30, cuda_only=False), gpu_check.Check("one_gpu_70b_offload", 30, True)))
+    names = [c.name for c in gpu_check.CHECKS]
+    rows, _ = gpu_check.run_all(names, "cpu", tmp_path, total_s=120)
+    by_name = {r.check: r for r in rows}
+    assert by_name["nan_canary"].status == "failed" and "exit code 3" in by_name["nan_canary"].result
+    assert by_name["fsdp_real_path"].status == "failed" and "timed out" in by_name["fsdp_real_path"].result
+    assert by_name["merge_device"].status == "passed"
+    assert by_name["one_gpu_70b_offload"].status == "skipped"
+
+
+@pytest.mark.parametrize(("name", "json_name"), [("table.md", "table.json"), ("table.json", "table.json.json")])
+def test_out_writes_the_table_and_its_figures(tmp_path, name, json_name):
+    rows = [gpu_check.Row("nan_canary", "passed", "a | b", {"n": 1234, "r": 0.5})]
+    gpu_check.write_outputs(tmp_path / name, gpu_check.format_table(rows), rows, "cpu", {}, 1.0)
+    assert "| nan_canary | a \\| b | n 1,234, r 0.5 | passed |" in (tmp_path / name).read_text()
+    figures = json.loads((tmp_path / json_name).read_text())
+    assert figures["checks"][0]["figures"] == {"n": 1234, "r": 0.5}
