@@ -113,9 +113,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, a
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
         del result
         gc.collect()
-        if not fake:
-            dist.barrier()  # no rank destroys the group while another still uses it
         code = 0
+        if not fake:
+            _barrier_before_teardown()
     except BaseException:
         traceback.print_exc()
     finally:
@@ -123,6 +123,15 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, a
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _barrier_before_teardown() -> None:
+    """No rank destroys the group while another still uses it; best effort, since some tests make the ranks
+    part ways on purpose (a timeout test leaves one rank behind) and their results are already written."""
+    try:
+        dist.barrier()
+    except RuntimeError:
+        pass
 
 
 def _in_sequence(info: Any, calls: list[tuple[Callable, tuple]]) -> list[Any]:
