@@ -1,0 +1,98 @@
+"""Plant known bugs one at a time and check that the test guarding each one fails.
+
+Each mutation replaces one exact snippet of a committed file, runs the guarding test, and restores the file
+(also on Ctrl-C). It refuses to start when a file it mutates has uncommitted changes, so a restore can never
+lose work. A mutation the test does not catch prints MISSED and makes the exit code 1.
+
+    python scripts/mutation_check.py                 # all (about 3 minutes on 2 cores)
+    python scripts/mutation_check.py blocksize norm  # those whose name contains a word
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    original: str
+    planted: str
+    test: str
+
+
+MUTATIONS = [
+    Mutation("optimizer steps once per micro-batch", "qlora_fsdp/trainer.py",
+             "        result = accumulate_gradients(self.model, micro_batches, self.info.device)\n",
+             "        for batch in micro_batches[:-1]:\n"
+             "            accumulate_gradients(self.model, [batch], self.info.device)\n"
+             "            self.optimizer.step()\n"
+             "        result = accumulate_gradients(self.model, micro_batches[-1:], self.info.device)\n",
+             "tests/test_numerics.py::test_train_step_is_one_optimizer_update"),
+    Mutation("quantize with blocksize 128", "qlora_fsdp/loading.py", "        blocksize=cfg.quant.blocksize,\n",
+             "        blocksize=128,\n", "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
+    Mutation("double quantization off", "qlora_fsdp/loading.py",
+             "        compress_statistics=cfg.quant.double_quant,\n", "        compress_statistics=False,\n",
+             "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
+    Mutation("gradient norm over the local shard only", "qlora_fsdp/optim.py",
+             "    params = [p for p in model.parameters() if p.grad is not None]\n",
+             "    with_grad = [p for p in model.parameters() if p.grad is not None]\n"
+             "    params = [local_shard(p) for p in with_grad]\n"
+             "    for local, param in zip(params, with_grad):\n"
+             "        local.grad = local_shard(param.grad)\n",
+             "tests/test_numerics.py::test_sharded_two_ranks_match_unsharded"),
+    Mutation("offload switched off on CPU", "qlora_fsdp/sharding.py",
+             "    offload_policy = CPUOffloadPolicy(pin_memory=pin) if fsdp.cpu_offload else OffloadPolicy()\n",
+             "    offload_policy = (CPUOffloadPolicy(pin_memory=pin) if fsdp.cpu_offload and device.type != 'cpu'\n"
+             "                      else OffloadPolicy())\n",
+             "tests/test_numerics.py::test_cpu_offload_matches_no_offload"),
+    Mutation("bf16 packed storage", "qlora_fsdp/model.py", "QUANT_STORAGE = torch.uint8\n",
+             "QUANT_STORAGE = torch.bfloat16\n",
+             "tests/test_numerics.py::test_packed_weights_survive_cuda_copy_behaviour"),
+    Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan.py",
+             "                        held.lora_elements * accumulated_grad_itemsize(cfg), True))\n",
+             "                        held.grads, True))\n", "tests/test_plan.py::test_planned_sizes_equal_measured"),
+]
+
+
+def run_with(mutation: Mutation) -> tuple[bool, str]:
+    """(caught, the first assertion lines) for one planted bug; the file is restored whatever happens."""
+    path = REPO / mutation.path
+    text = path.read_text()
+    if text.count(mutation.original) != 1:
+        raise SystemExit(f"error: {mutation.path} no longer holds the snippet for '{mutation.name}'; update it")
+    path.write_text(text.replace(mutation.original, mutation.planted))
+    try:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", mutation.test],
+                                cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    finally:
+        path.write_text(text)
+    evidence = [line for line in result.stdout.splitlines() if line.startswith("E ")][:2]
+    return result.returncode != 0, " / ".join(line[1:].strip() for line in evidence)
+
+
+def main(words: list[str]) -> int:
+    chosen = [m for m in MUTATIONS if not words or any(w in m.name for w in words)]
+    dirty = subprocess.run(["git", "diff", "--quiet", "--", *{m.path for m in chosen}], cwd=REPO).returncode
+    if dirty:
+        print("error: a file to mutate has uncommitted changes; commit or stash them first", file=sys.stderr)
+        return 2
+    print("| planted bug | guarding test | result |\n| --- | --- | --- |")
+    missed = 0
+    for mutation in chosen:
+        caught, evidence = run_with(mutation)
+        missed += not caught
+        print(f"| {mutation.name} | `{mutation.test.split('::')[1]}` | "
+              f"{'caught: ' + evidence if caught else 'MISSED'} |", flush=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
