@@ -74,8 +74,8 @@ def run_with(mutation: Mutation) -> tuple[bool, str]:
                                 cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     finally:
         path.write_text(text)
-    evidence = [line for line in result.stdout.splitlines() if line.startswith("E ")][:2]
-    return result.returncode != 0, " / ".join(line[1:].strip() for line in evidence)
+    evidence = [line[1:].strip() for line in result.stdout.splitlines() if line.startswith("E ")]
+    return result.returncode != 0, " / ".join([line for line in evidence if line][:2])
 
 
 def main(words: list[str]) -> int:
