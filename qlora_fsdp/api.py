@@ -10,24 +10,24 @@ import peft
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.adapter import export_adapter
-from qlora_fsdp.batch_size import describe_batch
-from qlora_fsdp.checkpoint import Checkpointer, check_world_size
 from qlora_fsdp.config import Config, load_config, to_dict, to_yaml, validate
-from qlora_fsdp.data import Dataset, load_dataset
+from qlora_fsdp.data.pipeline import Dataset, load_dataset
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
-from qlora_fsdp.hardware import peak_flops
-from qlora_fsdp.loading import load_weights, materialize
-from qlora_fsdp.metrics import MetricsLogger, format_summary
-from qlora_fsdp.model import base_parameter_count, load_hf_config, load_tokenizer
-from qlora_fsdp.optim import build_optimizer, build_scheduler
-from qlora_fsdp.plan import resolve_run_batch
-from qlora_fsdp.plots import plot_loss_curves
-from qlora_fsdp.run_dir import prepare_run_dir
-from qlora_fsdp.sharding import sharded_meta_model
-from qlora_fsdp.tracking import check_available as check_trackers_available
-from qlora_fsdp.tracking import open_trackers
-from qlora_fsdp.trainer import Trainer
+from qlora_fsdp.model.adapter import export_adapter
+from qlora_fsdp.model.build import base_parameter_count, load_hf_config, load_tokenizer
+from qlora_fsdp.model.loading import load_weights, materialize
+from qlora_fsdp.model.sharding import sharded_meta_model
+from qlora_fsdp.plan.batch_size import describe_batch
+from qlora_fsdp.plan.hardware import peak_flops
+from qlora_fsdp.plan.memory import resolve_run_batch
+from qlora_fsdp.training.checkpoints import Checkpointer, check_world_size
+from qlora_fsdp.training.loop import Trainer
+from qlora_fsdp.training.metrics import MetricsLogger, format_summary
+from qlora_fsdp.training.optimizer import build_optimizer, build_scheduler
+from qlora_fsdp.training.plots import plot_loss_curves
+from qlora_fsdp.training.run_dir import prepare_run_dir
+from qlora_fsdp.training.tracking import check_available as check_trackers_available
+from qlora_fsdp.training.tracking import open_trackers
 
 
 def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftModel:

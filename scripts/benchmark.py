@@ -40,8 +40,8 @@ def write_split(data_dir: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
 def ours(model: str, train: Path, held_out: Path, out: Path, packing: bool, rows: int | None = None) -> dict:
     """train.py in one process, for one epoch of the training file (`rows`: packed rows per micro-batch)."""
     from qlora_fsdp.config import load_config
-    from qlora_fsdp.data import load_dataset
-    from qlora_fsdp.model import load_tokenizer
+    from qlora_fsdp.data.pipeline import load_dataset
+    from qlora_fsdp.model.build import load_tokenizer
 
     overrides = [f"model.path={model}", f"data.path={train}", f"data.eval_path={held_out}", "data.eval_samples=1000",
                  f"data.packing={packing}", f"data.context_length={SETTINGS['context_length']}",
@@ -74,11 +74,11 @@ def peer(model: str, train: Path, held_out: Path, out: Path) -> dict:
     )
 
     import qlora_fsdp  # noqa: F401  (quiets the same bitsandbytes notices)
-    from qlora_fsdp.batching import collate
     from qlora_fsdp.config import load_config
-    from qlora_fsdp.data import load_dataset
-    from qlora_fsdp.model import load_tokenizer
-    from qlora_fsdp.trainer import loss_sum
+    from qlora_fsdp.data.batching import collate
+    from qlora_fsdp.data.pipeline import load_dataset
+    from qlora_fsdp.model.build import load_tokenizer
+    from qlora_fsdp.training.loop import loss_sum
 
     torch.manual_seed(SETTINGS["seed"])
     cfg = load_config("tiny_cpu", [f"model.path={model}", f"data.path={train}", f"data.eval_path={held_out}",

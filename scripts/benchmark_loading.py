@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from qlora_fsdp.metrics import proc_status_bytes  # noqa: E402
+from qlora_fsdp.training.metrics import proc_status_bytes  # noqa: E402
 
 GB = 2**30
 CONFIG = {  # a TinyLlama-like shape, 16 layers: about 1.0B parameters

@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmark_loading import CONFIG, GB, AnonPeak, reset_peak_rss, write_checkpoint  # noqa: E402
 
-from qlora_fsdp.metrics import proc_status_bytes  # noqa: E402
+from qlora_fsdp.training.metrics import proc_status_bytes  # noqa: E402
 
 RANK, ALPHA = 16, 32
 LINEARS = {"self_attn.q_proj": ("h", "h"), "self_attn.k_proj": ("kv", "h"), "self_attn.v_proj": ("kv", "h"),
@@ -37,8 +37,8 @@ LINEARS = {"self_attn.q_proj": ("h", "h"), "self_attn.k_proj": ("kv", "h"), "sel
 
 def write_adapter(model_dir: Path, out: Path) -> None:
     """A PEFT LoRA adapter (r=16, all linears, B far from zero) plus the training config merge reads."""
-    from qlora_fsdp.adapter import TRAINING_CONFIG
     from qlora_fsdp.config import Config, to_yaml
+    from qlora_fsdp.model.adapter import TRAINING_CONFIG
 
     dims = {"h": CONFIG["hidden_size"], "f": CONFIG["intermediate_size"], "kv": CONFIG["hidden_size"] // 8}
     generator = torch.Generator().manual_seed(1)
@@ -60,8 +60,8 @@ def write_adapter(model_dir: Path, out: Path) -> None:
 
 
 def merge_ours(adapter: Path, out: Path, base_weights: str, shard_bytes: int) -> None:
-    from qlora_fsdp.adapter import config_for_adapter
-    from qlora_fsdp.merge import merge_adapter
+    from qlora_fsdp.model.adapter import config_for_adapter
+    from qlora_fsdp.tools.merge import merge_adapter
 
     merge_adapter(config_for_adapter(adapter, None, []), adapter, out, "bfloat16", shard_bytes, base_weights)
 
@@ -80,7 +80,7 @@ def worker(which: str, model_dir: str, adapter: str, out: str, shard_bytes: int,
     import peft  # noqa: F401
     import transformers  # noqa: F401
 
-    import qlora_fsdp.merge  # noqa: F401  (same imports on both paths before the baseline)
+    import qlora_fsdp.tools.merge  # noqa: F401  (same imports on both paths before the baseline)
 
     baseline, baseline_anon = proc_status_bytes("VmRSS"), proc_status_bytes("RssAnon")
     reset_peak_rss()
@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/bench-merge"))
     parser.add_argument("--max-shard-size", default="500MB", help="output shard size, for both paths")
     args = parser.parse_args()
-    from qlora_fsdp.merge import parse_size
+    from qlora_fsdp.tools.merge import parse_size
 
     shard_bytes = parse_size(args.max_shard_size)
     model_dir, adapter = args.out_dir / "model", args.out_dir / "adapter"

@@ -23,12 +23,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import qlora_fsdp.model  # noqa: E402
+import qlora_fsdp.model.build  # noqa: E402
 from qlora_fsdp.api import build_model  # noqa: E402
-from qlora_fsdp.batching import Sample, collate  # noqa: E402
 from qlora_fsdp.config import load_config  # noqa: E402
+from qlora_fsdp.data.batching import Sample, collate  # noqa: E402
 from qlora_fsdp.distributed import cleanup, init_fake_distributed  # noqa: E402
-from qlora_fsdp.trainer import loss_sum  # noqa: E402
+from qlora_fsdp.training.loop import loss_sum  # noqa: E402
 
 ARCHITECTURE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
                 "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 16,
@@ -40,7 +40,7 @@ def step_times(model_dir: Path, storage: torch.dtype, offload: bool, info, steps
     cfg = load_config("tiny_cpu", [f"model.path={model_dir}", "model.init=random", "model.dtype=bfloat16",
                                    "quant.compute_dtype=bfloat16", "lora.dtype=bfloat16",
                                    "fsdp.param_dtype=bfloat16", f"fsdp.cpu_offload={str(offload).lower()}"])
-    qlora_fsdp.model.QUANT_STORAGE = storage  # loading follows the dtype the model was built with
+    qlora_fsdp.model.build.QUANT_STORAGE = storage  # loading follows the dtype the model was built with
     model = build_model(cfg, info)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(10, ARCHITECTURE["vocab_size"], (tokens,), generator=generator).tolist()

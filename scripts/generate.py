@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qlora_fsdp.adapter import config_for_adapter  # noqa: E402
 from qlora_fsdp.config import load_config  # noqa: E402
-from qlora_fsdp.data_sources import alpaca_user_turn  # noqa: E402
+from qlora_fsdp.data.sources import alpaca_user_turn  # noqa: E402
 from qlora_fsdp.errors import UserError, run_command  # noqa: E402
+from qlora_fsdp.model.adapter import config_for_adapter  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.recipe, args.overrides)
     else:
         cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
-    from qlora_fsdp.generate import Sampling, load_generator  # heavy imports once the arguments are good
+    from qlora_fsdp.tools.generate import Sampling, load_generator  # heavy imports once the arguments are good
 
     generator = load_generator(cfg, args.adapter)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)

@@ -35,17 +35,17 @@ from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-import qlora_fsdp.model  # noqa: E402
-from qlora_fsdp.adapter import config_for_adapter  # noqa: E402
+import qlora_fsdp.model.build  # noqa: E402
 from qlora_fsdp.api import build_model, train  # noqa: E402
-from qlora_fsdp.batching import Batch, Sample, collate_packed  # noqa: E402
 from qlora_fsdp.config import Config, load_config, validate  # noqa: E402
+from qlora_fsdp.data.batching import Batch, Sample, collate_packed  # noqa: E402
 from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed  # noqa: E402
-from qlora_fsdp.merge import merge_adapter  # noqa: E402
-from qlora_fsdp.optim import build_optimizer, clip_grad_norm  # noqa: E402
-from qlora_fsdp.plan import Plan, format_rows, gpu_spec, held_bytes, plan  # noqa: E402
-from qlora_fsdp.sharding import local_shard  # noqa: E402
-from qlora_fsdp.trainer import accumulate_gradients  # noqa: E402
+from qlora_fsdp.model.adapter import config_for_adapter  # noqa: E402
+from qlora_fsdp.model.sharding import local_shard  # noqa: E402
+from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, held_bytes, plan  # noqa: E402
+from qlora_fsdp.tools.merge import merge_adapter  # noqa: E402
+from qlora_fsdp.training.loop import accumulate_gradients  # noqa: E402
+from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm  # noqa: E402
 
 GIB = 2**30
 ARCH_70B = REPO / "model_configs" / "llama-3.1-70b" / "config.json"
@@ -242,12 +242,12 @@ def fsdp_path_config(arch: Path, offload: bool) -> Config:
 @contextlib.contextmanager
 def quant_storage(dtype: torch.dtype) -> Iterator[None]:
     """The packed 4-bit dtype models are built with (loading follows the model module's constant)."""
-    saved = qlora_fsdp.model.QUANT_STORAGE
-    qlora_fsdp.model.QUANT_STORAGE = dtype
+    saved = qlora_fsdp.model.build.QUANT_STORAGE
+    qlora_fsdp.model.build.QUANT_STORAGE = dtype
     try:
         yield
     finally:
-        qlora_fsdp.model.QUANT_STORAGE = saved
+        qlora_fsdp.model.build.QUANT_STORAGE = saved
 
 
 def gathered_bytes_case(ctx: Context, arch: Path, storage: torch.dtype, offload: bool,

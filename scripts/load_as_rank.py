@@ -27,8 +27,8 @@ import bitsandbytes as bnb  # noqa: E402
 from qlora_fsdp.api import build_model  # noqa: E402
 from qlora_fsdp.config import load_config  # noqa: E402
 from qlora_fsdp.distributed import cleanup, init_fake_distributed  # noqa: E402
-from qlora_fsdp.metrics import proc_status_bytes  # noqa: E402
-from qlora_fsdp.sharding import local_shard  # noqa: E402
+from qlora_fsdp.training.metrics import proc_status_bytes  # noqa: E402
+from qlora_fsdp.model.sharding import local_shard  # noqa: E402
 
 GB = 2**30
 

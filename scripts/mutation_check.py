@@ -29,34 +29,34 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("optimizer steps once per micro-batch", "qlora_fsdp/trainer.py",
+    Mutation("optimizer steps once per micro-batch", "qlora_fsdp/training/loop.py",
              "        result = accumulate_gradients(self.model, micro_batches, self.info.device)\n",
              "        for batch in micro_batches[:-1]:\n"
              "            accumulate_gradients(self.model, [batch], self.info.device)\n"
              "            self.optimizer.step()\n"
              "        result = accumulate_gradients(self.model, micro_batches[-1:], self.info.device)\n",
              "tests/test_numerics.py::test_train_step_is_one_optimizer_update"),
-    Mutation("quantize with blocksize 128", "qlora_fsdp/loading.py", "        blocksize=cfg.quant.blocksize,\n",
+    Mutation("quantize with blocksize 128", "qlora_fsdp/model/loading.py", "        blocksize=cfg.quant.blocksize,\n",
              "        blocksize=128,\n", "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
-    Mutation("double quantization off", "qlora_fsdp/loading.py",
+    Mutation("double quantization off", "qlora_fsdp/model/loading.py",
              "        compress_statistics=cfg.quant.double_quant,\n", "        compress_statistics=False,\n",
              "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
-    Mutation("gradient norm over the local shard only", "qlora_fsdp/optim.py",
+    Mutation("gradient norm over the local shard only", "qlora_fsdp/training/optimizer.py",
              "    params = [p for p in model.parameters() if p.grad is not None]\n",
              "    with_grad = [p for p in model.parameters() if p.grad is not None]\n"
              "    params = [local_shard(p) for p in with_grad]\n"
              "    for local, param in zip(params, with_grad):\n"
              "        local.grad = local_shard(param.grad)\n",
              "tests/test_numerics.py::test_sharded_two_ranks_match_unsharded"),
-    Mutation("offload switched off on CPU", "qlora_fsdp/sharding.py",
+    Mutation("offload switched off on CPU", "qlora_fsdp/model/sharding.py",
              "    offload_policy = CPUOffloadPolicy(pin_memory=pin) if fsdp.cpu_offload else OffloadPolicy()\n",
              "    offload_policy = (CPUOffloadPolicy(pin_memory=pin) if fsdp.cpu_offload and device.type != 'cpu'\n"
              "                      else OffloadPolicy())\n",
              "tests/test_numerics.py::test_cpu_offload_matches_no_offload"),
-    Mutation("bf16 packed storage", "qlora_fsdp/model.py", "QUANT_STORAGE = torch.uint8\n",
+    Mutation("bf16 packed storage", "qlora_fsdp/model/build.py", "QUANT_STORAGE = torch.uint8\n",
              "QUANT_STORAGE = torch.bfloat16\n",
              "tests/test_numerics.py::test_packed_weights_survive_cuda_copy_behaviour"),
-    Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan.py",
+    Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan/memory.py",
              "                        held.lora_elements * accumulated_grad_itemsize(cfg), True))\n",
              "                        held.grads, True))\n", "tests/test_plan.py::test_planned_sizes_equal_measured"),
 ]

@@ -15,8 +15,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import qlora_fsdp.checkpoint as checkpoint_module  # noqa: E402
-import qlora_fsdp.trainer as trainer_module  # noqa: E402
+import qlora_fsdp.training.checkpoints as checkpoint_module  # noqa: E402
+import qlora_fsdp.training.loop as trainer_module  # noqa: E402
 import train  # noqa: E402
 
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from qlora_fsdp.batching import Sample, collate
 from qlora_fsdp.config import Config
-from qlora_fsdp.data import load_dataset
+from qlora_fsdp.data.batching import Sample, collate
+from qlora_fsdp.data.pipeline import load_dataset
 from qlora_fsdp.distributed import cleanup, init_distributed, init_fake_distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def tiny_config(model_dir: Path, **sections: dict[str, Any]) -> Config:
 
 def variable_length_samples(cfg: Config, n: int) -> list[Sample]:
     """n training samples of clearly different lengths (and target counts)."""
-    from qlora_fsdp.model import load_tokenizer
+    from qlora_fsdp.model.build import load_tokenizer
 
     data = load_dataset(load_tokenizer(cfg), cfg.data, seed=0)
     samples = data.samples(data.train, list(range(min(200, len(data.train)))))
@@ -70,7 +70,7 @@ def batches(samples: list[Sample], size: int, pad_id: int):
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded LoRA gradients by clean name (a collective under FSDP: every rank calls it)."""
-    from qlora_fsdp.sharding import clean_name
+    from qlora_fsdp.model.sharding import clean_name
 
     out = {}
     for name, param in model.named_parameters():

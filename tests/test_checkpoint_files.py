@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qlora_fsdp.checkpoint_files import checkpoint_tensors
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.loading import chunk_rows
+from qlora_fsdp.model.loading import chunk_rows
+from qlora_fsdp.model.weight_files import checkpoint_tensors
 
 
 @pytest.fixture()

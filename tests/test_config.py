@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from qlora_fsdp.config import ConfigError, load_config
-from qlora_fsdp.hardware import GPUS
+from qlora_fsdp.config import load_config
+from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.plan.hardware import GPUS
 from tests.helpers import REPO
 
 

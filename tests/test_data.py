@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import qlora_fsdp.data as data_module
-from qlora_fsdp.batching import Sample, StepSampler, collate, collate_packed, pack
+import qlora_fsdp.data.pipeline as data_module
 from qlora_fsdp.config import DataConfig, SourceConfig
-from qlora_fsdp.data import load_dataset
+from qlora_fsdp.data.batching import Sample, StepSampler, collate, collate_packed, pack
+from qlora_fsdp.data.pipeline import load_dataset
+from qlora_fsdp.data.templates import IGNORE_INDEX, encode
 from qlora_fsdp.errors import DataError
-from qlora_fsdp.model import load_tokenizer
-from qlora_fsdp.templates import IGNORE_INDEX, encode
+from qlora_fsdp.model.build import load_tokenizer
 from tests.helpers import run_ranks, tiny_config
 
 CHATML_JINJA = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

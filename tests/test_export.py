@@ -13,7 +13,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from qlora_fsdp.api import train
-from qlora_fsdp.data import load_dataset
+from qlora_fsdp.data.pipeline import load_dataset
 from tests.helpers import run_ranks_sequence, tiny_config
 
 

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from qlora_fsdp.api import build_model
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.sharding import local_shard
-from qlora_fsdp.trainer import loss_sum
+from qlora_fsdp.model.sharding import local_shard
+from qlora_fsdp.training.loop import loss_sum
 from tests.helpers import (
     batches,
     build_tiny_checkpoint,

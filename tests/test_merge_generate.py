@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from qlora_fsdp.adapter import config_for_adapter, export_adapter
 from qlora_fsdp.api import build_model
 from qlora_fsdp.config import to_yaml
-from qlora_fsdp.merge import LoraDelta, merge_adapter
-from qlora_fsdp.model import load_tokenizer
-from qlora_fsdp.templates import prompt_ids
+from qlora_fsdp.data.templates import prompt_ids
+from qlora_fsdp.model.adapter import config_for_adapter, export_adapter
+from qlora_fsdp.model.build import load_tokenizer
+from qlora_fsdp.tools.merge import LoraDelta, merge_adapter
 from tests.helpers import REPO, run_ranks_sequence, tiny_config
 
 ENV = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}

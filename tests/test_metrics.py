@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qlora_fsdp.metrics import format_progress, memory_peaks_gb, reset_memory_peaks
+from qlora_fsdp.training.metrics import format_progress, memory_peaks_gb, reset_memory_peaks
 
 GIB = 2**30
 

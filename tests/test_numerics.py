@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch.distributed.fsdp import FSDPModule
 
-from qlora_fsdp.adapter import gather_trainable_state
 from qlora_fsdp.api import build_model
-from qlora_fsdp.checkpoint_files import weight_files
-from qlora_fsdp.data import IGNORE_INDEX
-from qlora_fsdp.loading import checkpoint_key
-from qlora_fsdp.model import TORCH_DTYPES, checkpoint_dir
-from qlora_fsdp.trainer import accumulate_gradients, set_gradient_sync
+from qlora_fsdp.data.pipeline import IGNORE_INDEX
+from qlora_fsdp.model.adapter import gather_trainable_state
+from qlora_fsdp.model.build import TORCH_DTYPES, checkpoint_dir
+from qlora_fsdp.model.loading import checkpoint_key
+from qlora_fsdp.model.weight_files import weight_files
+from qlora_fsdp.training.loop import accumulate_gradients, set_gradient_sync
 from tests.helpers import (
     batches,
     cuda_bf16_copy_emulated,
@@ -51,7 +51,7 @@ def clipped_update(info, cfg, micro_batches_per_rank, shard=True, sgd=True):
     """One step as training takes it: accumulate, clip to a norm small enough to clip, update (plain SGD, whose
     update is the clipped gradient itself, or the recipe's optimizer over the local shards). Loss, gradients,
     global norm and the change of every LoRA weight, gathered."""
-    from qlora_fsdp.optim import ShardedOptimizer, clip_grad_norm
+    from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
 
     model = build_model(cfg, info, shard=shard)
     before = gather_trainable_state(model)
@@ -70,9 +70,9 @@ def trainer_step_and_reference(info, cfg):
     """Trainer.train_step over several micro-batches, and by hand on a second model: one accumulated gradient,
     one clip, one optimizer step. Both end states, the optimizer's step counts and the gradients left over."""
     from qlora_fsdp.api import make_trainer
-    from qlora_fsdp.data import load_dataset
-    from qlora_fsdp.model import load_tokenizer
-    from qlora_fsdp.optim import build_optimizer, build_scheduler, clip_grad_norm
+    from qlora_fsdp.data.pipeline import load_dataset
+    from qlora_fsdp.model.build import load_tokenizer
+    from qlora_fsdp.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm
 
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
@@ -99,10 +99,10 @@ def trainer_step_and_reference(info, cfg):
 def loss_and_grads_on_cuda_copies(info, cfg, micro_batches_per_rank, storage=None):
     """loss_and_grads with FSDP2's copy-in behaving as on CUDA; `storage` overrides the packed 4-bit dtype
     (the model module's constant, which loading follows) to show what the old bf16 storage did."""
-    import qlora_fsdp.model
+    import qlora_fsdp.model.build
 
     if storage is not None:
-        qlora_fsdp.model.QUANT_STORAGE = storage
+        qlora_fsdp.model.build.QUANT_STORAGE = storage
     with cuda_bf16_copy_emulated():
         return loss_and_grads(info, cfg, micro_batches_per_rank)
 
@@ -113,8 +113,8 @@ def hsdp_and_fsdp_steps(info, cfg, micro_batches_per_rank, shard_size):
     import dataclasses
 
     from qlora_fsdp.distributed import data_parallel_mesh
-    from qlora_fsdp.optim import clip_grad_norm
-    from qlora_fsdp.sharding import local_shard
+    from qlora_fsdp.model.sharding import local_shard
+    from qlora_fsdp.training.optimizer import clip_grad_norm
 
     results = []
     for size in (shard_size, None):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qlora_fsdp.api import build_model
-from qlora_fsdp.trainer import accumulate_gradients
+from qlora_fsdp.training.loop import accumulate_gradients
 from tests.helpers import REPO, batches, run_ranks_sequence, tiny_config, variable_length_samples
 
 PAD = 2
@@ -40,26 +40,26 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     the last micro-batch (sync off until then), the rest after one real optimizer step."""
     from load_as_rank import quant_state_bytes as measured_quant_state_bytes  # scripts/, on the path via helpers
 
-    import qlora_fsdp.trainer
-    from qlora_fsdp.optim import build_optimizer
-    from qlora_fsdp.plan import compute_rows, meta_held, planning_config, quant_state_bytes
-    from qlora_fsdp.sharding import local_shard
+    import qlora_fsdp.training.loop
+    from qlora_fsdp.model.sharding import local_shard
+    from qlora_fsdp.plan.memory import compute_rows, meta_held, planning_config, quant_state_bytes
+    from qlora_fsdp.training.optimizer import build_optimizer
 
     model = build_model(cfg, info)
     optimizer = build_optimizer(model, cfg.optim)
     measured = {"lora": 0, "grads": 0, "base": 0, "optimizer": 0, "quant_state": 0, "accumulating": 0}
-    original_sync = qlora_fsdp.trainer.set_gradient_sync
+    original_sync = qlora_fsdp.training.loop.set_gradient_sync
 
     def measuring_sync(model, enabled):
         if enabled:  # the last micro-batch is next: every earlier one ran with sync off
             measured["accumulating"] = unsharded_grad_bytes(model)
         original_sync(model, enabled)
 
-    qlora_fsdp.trainer.set_gradient_sync = measuring_sync
+    qlora_fsdp.training.loop.set_gradient_sync = measuring_sync
     try:
         accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
     finally:
-        qlora_fsdp.trainer.set_gradient_sync = original_sync
+        qlora_fsdp.training.loop.set_gradient_sync = original_sync
     optimizer.step()  # state exists after the first step
     for param in model.parameters():
         if param.requires_grad:
@@ -105,7 +105,7 @@ def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path):
 PLAN_70B = """
 import torch.distributed as dist
 from qlora_fsdp.config import load_config
-from qlora_fsdp.plan import meta_held, plan, planning_mesh, report, variants
+from qlora_fsdp.plan.memory import meta_held, plan, planning_mesh, report, variants
 cfg = load_config('llama70b_2x4090', ['fsdp_preset=full_shard'])
 held = meta_held(cfg, planning_mesh(2))  # one meta build for both presets: offload moves bytes, not shapes
 offload = load_config('llama70b_2x4090', ['fsdp_preset=full_shard_cpu_offload'])
@@ -146,7 +146,7 @@ def test_70b_plans_from_config_json_alone():
 def test_mfu_counts_6n_flops_a_token():
     from types import SimpleNamespace
 
-    from qlora_fsdp.trainer import Trainer
+    from qlora_fsdp.training.loop import Trainer
 
     trainer = object.__new__(Trainer)  # only the MFU bookkeeping is exercised
     trainer.info, trainer.flops_per_token, trainer.peak_flops = SimpleNamespace(world_size=2), 0.0, 0.0

@@ -198,10 +198,10 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path
 
 
 def test_existing_run_is_refused_and_other_world_size_explained(reference, tmp_path):
-    from qlora_fsdp.checkpoint import check_world_size
     from qlora_fsdp.config import TrainConfig
     from qlora_fsdp.errors import CheckpointError, OutputExistsError
-    from qlora_fsdp.run_dir import prepare_run_dir
+    from qlora_fsdp.training.checkpoints import check_world_size
+    from qlora_fsdp.training.run_dir import prepare_run_dir
 
     run = shutil.copytree(reference, tmp_path / "run")  # resuming trims the log: leave the shared reference alone
     with pytest.raises(OutputExistsError) as refused:  # what train.py prints after `error: `, with exit code 2
@@ -222,7 +222,7 @@ def test_existing_run_is_refused_and_other_world_size_explained(reference, tmp_p
 
 def test_second_signal_exits_at_once_but_a_forwarded_copy_does_not(tmp_path):
     code = ("import os, signal, time\n"
-            "from qlora_fsdp.signals import GracefulStop\n"
+            "from qlora_fsdp.training.signals import GracefulStop\n"
             "stop = GracefulStop().install()\n"
             "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGINT)  # torchrun forwards Ctrl-C\n"
             "print('still here', stop.received == signal.SIGINT, flush=True)\n"
@@ -236,7 +236,7 @@ def test_second_signal_exits_at_once_but_a_forwarded_copy_does_not(tmp_path):
 def test_trimmed_log_and_bad_resume_path(tmp_path):
     from qlora_fsdp.config import TrainConfig
     from qlora_fsdp.errors import CheckpointError
-    from qlora_fsdp.run_dir import choose_checkpoint, trim_metrics
+    from qlora_fsdp.training.run_dir import choose_checkpoint, trim_metrics
 
     log = tmp_path / "metrics.jsonl"
     lines = [{"event": "start"}, {"step": 0}, {"step": 1}, {"step": 2}, {"event": "checkpoint", "step": 2},

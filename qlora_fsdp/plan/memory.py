@@ -23,13 +23,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, PretrainedConfig
 
-from qlora_fsdp.batch_size import describe_batch, effective_rows, resolve_batch
 from qlora_fsdp.config import REPO_ROOT, Config, HardwareConfig
 from qlora_fsdp.distributed import DistInfo, data_parallel_mesh, init_fake_distributed
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.hardware import GPU, GPUS
-from qlora_fsdp.model import TORCH_DTYPES, base_parameter_count, decoder_layers, load_hf_config
-from qlora_fsdp.sharding import local_shard, sharded_meta_model, uses_fsdp
+from qlora_fsdp.model.build import TORCH_DTYPES, base_parameter_count, decoder_layers, load_hf_config
+from qlora_fsdp.model.sharding import local_shard, sharded_meta_model, uses_fsdp
+from qlora_fsdp.plan.batch_size import describe_batch, effective_rows, resolve_batch
+from qlora_fsdp.plan.hardware import GPU, GPUS
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace: outside the caching allocator

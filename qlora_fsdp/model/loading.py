@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from qlora_fsdp.checkpoint_files import InMemoryTensor, StoredTensor, checkpoint_tensors
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.model import QUANT_STORAGE, TORCH_DTYPES, checkpoint_dir
-from qlora_fsdp.sharding import clean_name
+from qlora_fsdp.model.build import QUANT_STORAGE, TORCH_DTYPES, checkpoint_dir
+from qlora_fsdp.model.sharding import clean_name
+from qlora_fsdp.model.weight_files import InMemoryTensor, StoredTensor, checkpoint_tensors
 
 PEFT_PREFIX = "base_model.model."
 _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None

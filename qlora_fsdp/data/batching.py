@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qlora_fsdp.templates import IGNORE_INDEX
+from qlora_fsdp.data.templates import IGNORE_INDEX
 
 
 @dataclass

@@ -25,11 +25,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.adapter import export_adapter
 from qlora_fsdp.distributed import DistInfo, barrier
 from qlora_fsdp.errors import CheckpointError
-from qlora_fsdp.optim import ShardedOptimizer
-from qlora_fsdp.sharding import clean_name
+from qlora_fsdp.model.adapter import export_adapter
+from qlora_fsdp.model.sharding import clean_name
+from qlora_fsdp.training.optimizer import ShardedOptimizer
 
 CHECKPOINTS_DIR = "checkpoints"
 TMP_PREFIX = ".tmp-"

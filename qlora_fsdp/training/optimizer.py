@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from qlora_fsdp.config import OptimConfig
-from qlora_fsdp.sharding import local_shard
+from qlora_fsdp.model.sharding import local_shard
 
 OPTIMIZERS = {
     "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,

@@ -18,17 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from qlora_fsdp.batching import Batch, Sample, StepSampler, collate, collate_packed
-from qlora_fsdp.checkpoint import Checkpointer
 from qlora_fsdp.config import Config, changed_settings
-from qlora_fsdp.data import Dataset
+from qlora_fsdp.data.batching import Batch, Sample, StepSampler, collate, collate_packed
+from qlora_fsdp.data.pipeline import Dataset
+from qlora_fsdp.data.templates import IGNORE_INDEX
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.errors import TrainingStopped
-from qlora_fsdp.metrics import MetricsLogger, memory_peaks_gb, reset_memory_peaks
-from qlora_fsdp.optim import ShardedOptimizer, clip_grad_norm
-from qlora_fsdp.profiling import StepProfiler
-from qlora_fsdp.signals import GracefulStop
-from qlora_fsdp.templates import IGNORE_INDEX
+from qlora_fsdp.training.checkpoints import Checkpointer
+from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gb, reset_memory_peaks
+from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
+from qlora_fsdp.training.profiling import StepProfiler
+from qlora_fsdp.training.signals import GracefulStop
 
 
 @dataclass

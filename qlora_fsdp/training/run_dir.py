@@ -10,9 +10,9 @@ import os
 import shutil
 from pathlib import Path
 
-from qlora_fsdp.checkpoint import CHECKPOINTS_DIR, STATE_FILE, complete_checkpoints, remove_incomplete
 from qlora_fsdp.config import TrainConfig
 from qlora_fsdp.errors import CheckpointError, OutputExistsError
+from qlora_fsdp.training.checkpoints import CHECKPOINTS_DIR, STATE_FILE, complete_checkpoints, remove_incomplete
 
 METRICS_FILE = "metrics.jsonl"
 RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "adapter")  # what a run writes, and overwrite=true removes

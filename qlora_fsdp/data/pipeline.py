@@ -16,12 +16,12 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.batching import Sample, pack
 from qlora_fsdp.config import DataConfig, SourceConfig
-from qlora_fsdp.data_sources import mixed_conversations, sources_of
+from qlora_fsdp.data.batching import Sample, pack
+from qlora_fsdp.data.sources import mixed_conversations, sources_of
+from qlora_fsdp.data.templates import IGNORE_INDEX, choose_template, encode
 from qlora_fsdp.distributed import DistInfo, barrier
 from qlora_fsdp.errors import DataError
-from qlora_fsdp.templates import IGNORE_INDEX, choose_template, encode
 
 
 @dataclass

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from qlora_fsdp.config import CheckpointingConfig, Config, FSDPConfig
-from qlora_fsdp.model import TORCH_DTYPES, build_meta_model, decoder_layers
+from qlora_fsdp.model.build import TORCH_DTYPES, build_meta_model, decoder_layers
 
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 

@@ -19,12 +19,12 @@ import bitsandbytes.functional as bnbf
 import torch
 from safetensors.torch import save_file
 
-from qlora_fsdp.adapter import read_adapter
-from qlora_fsdp.checkpoint_files import checkpoint_tensors
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
-from qlora_fsdp.loading import base_targets, quantize
-from qlora_fsdp.model import TORCH_DTYPES, build_meta_model, checkpoint_dir, load_hf_config
+from qlora_fsdp.model.adapter import read_adapter
+from qlora_fsdp.model.build import TORCH_DTYPES, build_meta_model, checkpoint_dir, load_hf_config
+from qlora_fsdp.model.loading import base_targets, quantize
+from qlora_fsdp.model.weight_files import checkpoint_tensors
 
 PEFT_PREFIX = "base_model.model."
 

@@ -10,12 +10,12 @@ import peft
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from qlora_fsdp.adapter import load_adapter_into
 from qlora_fsdp.api import build_model
 from qlora_fsdp.config import Config
+from qlora_fsdp.data.templates import choose_template, prompt_ids
 from qlora_fsdp.distributed import init_distributed
-from qlora_fsdp.model import load_tokenizer
-from qlora_fsdp.templates import choose_template, prompt_ids
+from qlora_fsdp.model.adapter import load_adapter_into
+from qlora_fsdp.model.build import load_tokenizer
 
 
 @dataclass

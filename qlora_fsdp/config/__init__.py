@@ -1,0 +1,37 @@
+"""Recipe configuration: the schema (`schema.py`) and its loader (`loader.py`)."""
+
+from qlora_fsdp.config.loader import (
+    RUN_CONTROL_KEYS,
+    changed_settings,
+    load_config,
+    resolve_recipe_path,
+    to_dict,
+    to_yaml,
+    validate,
+)
+from qlora_fsdp.config.schema import (
+    FSDP_CONFIGS_DIR,
+    RECIPES_DIR,
+    REPO_ROOT,
+    CheckpointingConfig,
+    Config,
+    DataConfig,
+    DType,
+    FSDPConfig,
+    HardwareConfig,
+    LoggingConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    ProfileConfig,
+    QuantConfig,
+    SourceConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "FSDP_CONFIGS_DIR", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "CheckpointingConfig", "Config", "DType",
+    "DataConfig", "FSDPConfig", "HardwareConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimConfig",
+    "ProfileConfig", "QuantConfig", "SourceConfig", "TrainConfig", "changed_settings", "load_config",
+    "resolve_recipe_path", "to_dict", "to_yaml", "validate",
+]

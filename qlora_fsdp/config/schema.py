@@ -1,0 +1,169 @@
+"""The recipe schema: one typed dataclass per section, every mode a `Literal` (checked once, at load)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RECIPES_DIR = REPO_ROOT / "recipes"
+FSDP_CONFIGS_DIR = REPO_ROOT / "fsdp_configs"
+
+DType = Literal["bfloat16", "float16", "float32"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/tiny-llama"  # a local checkpoint folder, or a hub id where a network is there
+    trust_remote_code: bool = False
+    dtype: DType = "bfloat16"  # non-quantized weights (embeddings, norms, lm_head)
+    init: Literal["checkpoint", "random"] = "checkpoint"  # random: seeded weights from config.json alone
+    allow_pickle: bool = False  # .bin/.pt weights can run code when unpickled; refused unless this is true
+
+
+@dataclass
+class QuantConfig:
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True  # quantize the absmax too: ~0.13 instead of 0.5 extra bit per parameter
+    compute_dtype: DType = "bfloat16"
+    blocksize: int = 64
+    skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"  # or a list such as [q_proj, v_proj]
+    use_dora: bool = False
+    dtype: DType = "float32"  # trainable weights; fp32 keeps small updates from rounding away
+
+
+@dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = True  # free gathered layers after forward; re-gather in backward
+    cpu_offload: bool = False  # sharded params, grads and optimizer state live in host RAM
+    param_dtype: DType | None = None  # None: compute in storage dtypes (the 4-bit storage is never cast)
+    reduce_dtype: DType = "float32"
+    shard_size: int | None = None  # None: shard over all ranks; n: HSDP, shard within groups of n ranks
+    # (a node), replicate across the groups, so the parameter all-gathers stay on the fast local links
+
+
+@dataclass
+class CheckpointingConfig:
+    mode: Literal["every_layer", "every_nth", "off"] = "every_layer"
+    every_n: int = 2  # with mode every_nth: checkpoint layers 0, n, 2n, ...
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["paged_adamw_8bit", "adamw_8bit", "adamw"] = "paged_adamw_8bit"
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0  # None: no clipping
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine/linear decay floor, as a fraction of lr
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr by (effective batch / lr_base_batch)
+    lr_base_batch: int | None = None  # the effective batch (rows) that `lr` was tuned for
+
+
+DataFormat = Literal["alpaca", "chat", "sharegpt", "text"]
+
+
+@dataclass
+class SourceConfig:
+    path: str = ""  # a JSON/JSONL/Parquet/CSV file, a folder of them, a save_to_disk folder, or a hub dataset id
+    format: DataFormat = "alpaca"
+    fields: dict[str, str] = field(default_factory=dict)  # our field name -> the data's, e.g. {output: response}
+    weight: float = 1.0  # copies per epoch: 2.0 repeats the source, 0.5 takes a seeded half
+    split: str = "train"  # for hub ids and save_to_disk dataset dicts
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/tiny_instruct.jsonl"  # one source; or list several under `sources` (then path is unused)
+    format: DataFormat = "alpaca"  # alpaca: instruction/input/output; chat: messages; sharegpt; text
+    fields: dict[str, str] = field(default_factory=dict)
+    sources: list[SourceConfig] = field(default_factory=list)
+    eval_path: str | None = None  # a separate held-out set (same format); else eval_samples are held out
+    template: Literal["auto", "tokenizer", "alpaca", "chatml"] = "auto"  # auto: the tokenizer's chat template
+    # where it has one, else alpaca for alpaca data and chatml for chats
+    train_on_inputs: bool = False  # False: loss only on responses (every non-assistant turn masked)
+    context_length: int = 256
+    overlong: Literal["truncate", "drop", "split"] = "truncate"  # samples longer than context_length
+    packing: bool = False  # several samples per row, attention kept within each sample
+    group_by_length: bool = True  # without packing: similar lengths share a micro-batch (less padding)
+    micro_batch_size: int | Literal["auto"] = 4  # rows per rank per forward; auto: the largest the planner fits
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; derived when an effective batch is set
+    effective_batch: int | None = None  # rows (samples, or packed rows) per optimizer step over all ranks
+    effective_batch_tokens: int | None = None  # the same in tokens: effective_batch = this / context_length
+    eval_samples: int = 200  # held out (seeded), never trained on
+    eval_batch_size: int = 16
+    cache_dir: str | None = None  # tokenized-dataset cache; None: the datasets library's default
+    num_proc: int = 1  # processes for tokenization
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    eval_every: int = 0  # 0: evaluate only at start and end
+    log_every: int = 1
+    seed: int = 42
+    output_dir: str = "outputs/run"
+    overwrite: bool = False  # an existing, non-empty output_dir is refused unless this is true
+    save_every: int = 0  # steps between checkpoints; 0: only at the end and on SIGTERM/SIGINT
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    resume: str = "never"  # never | auto (latest complete checkpoint in output_dir, if any) | a checkpoint folder
+    max_bad_steps: int = 5  # steps in a row with non-finite loss or gradients before the run stops
+    collective_timeout_minutes: float = 60.0  # a rank waiting for the others (rank 0 tokenizing) stops after this
+
+
+@dataclass
+class HardwareConfig:
+    """What the recipe is planned for (`--plan`); training itself uses whatever torchrun gives it."""
+    gpu: str = "cpu"  # a name in plan.GPUS (rtx4090, rtx3090, a100-80gb, h100, ...), or cpu
+    gpus_per_node: int = 1
+    nodes: int = 1
+    gpu_memory_gib: float | None = None  # None: the table's figure for `gpu`
+    host_ram_gib: float | None = None  # per node; None: not checked
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass
+class LoggingConfig:
+    """metrics.jsonl is always written; these add to it."""
+    tensorboard: bool = False  # event files in OUTPUT_DIR/tensorboard (needs `pip install tensorboard`)
+    wandb: dict[str, Any] | None = None  # wandb.init arguments, e.g. {project: my-runs}; needs `pip install wandb`
+    plot: bool = True  # OUTPUT_DIR/loss_curves.png at the end (training and held-out loss against step)
+
+
+@dataclass
+class ProfileConfig:
+    memory: bool = False  # CUDA memory snapshot of the first `steps` steps: OUTPUT_DIR/profile/memory_rank{r}.pickle
+    trace: bool = False  # torch.profiler trace of `steps` steps after one warm-up: profile/trace_rank{r}.json
+    steps: int = 3
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    fsdp_preset: str = "full_shard"  # a file in fsdp_configs/, merged under `fsdp`
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
