@@ -6,20 +6,23 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint gpu-check tiny-model data clean
+.PHONY: demo test test-fast test-slow lint gpu-check tiny-model data clean
 
-$(BIN)/activate: requirements.txt
+# pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
+$(BIN)/activate: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: a loose requirement elsewhere must not pull a CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -r requirements.txt
+	# the package itself, editable; --no-deps: requirements.txt (the same pins) installed them just above
+	$(BIN)/pip install --quiet --no-deps -e .
 	touch $(BIN)/activate
 
 data/tiny_instruct.jsonl: scripts/make_dataset.py
 	$(BIN)/python scripts/make_dataset.py --out $@
 
-$(TINY_MODEL)/config.json: $(BIN)/activate scripts/make_tiny_model.py data/tiny_instruct.jsonl
+$(TINY_MODEL)/config.json: $(BIN)/activate scripts/make_tiny_model.py qlora_fsdp/tools/tiny_model.py data/tiny_instruct.jsonl
 	$(BIN)/python scripts/make_tiny_model.py --out $(TINY_MODEL) --dataset data/tiny_instruct.jsonl
 
 tiny-model: $(TINY_MODEL)/config.json
@@ -27,8 +30,16 @@ tiny-model: $(TINY_MODEL)/config.json
 demo: $(BIN)/activate tiny-model
 	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu train.output_dir=outputs/demo train.overwrite=true
 
+# all tests, both lanes (about 10 minutes on 2 cores)
 test: $(BIN)/activate tiny-model
 	$(BIN)/python -m pytest -q tests
+
+# the fast lane: in-process unit tests, under 2 minutes; the slow lane (ranks, torchrun, subprocesses) is `-m slow`
+test-fast: $(BIN)/activate
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-slow: $(BIN)/activate tiny-model
+	$(BIN)/python -m pytest -q -m slow tests
 
 # the day a GPU is lent: six device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
 gpu-check: $(BIN)/activate

@@ -1,4 +1,4 @@
-"""Wiring: config -> sharded, loaded model -> data, optimizer -> trainer -> adapter. Used by train.py."""
+"""Wiring: config -> sharded, loaded model -> data, optimizer -> trainer -> adapter. Used by train.py and notebooks."""
 
 from __future__ import annotations
 
@@ -14,29 +14,19 @@ from qlora_fsdp.config import Config, load_config, to_dict, to_yaml, validate
 from qlora_fsdp.data.pipeline import Dataset, load_dataset
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
 from qlora_fsdp.model.adapter import export_adapter
-from qlora_fsdp.model.build import base_parameter_count, load_hf_config, load_tokenizer
-from qlora_fsdp.model.loading import load_weights, materialize
-from qlora_fsdp.model.sharding import sharded_meta_model
+from qlora_fsdp.model.build import base_parameter_count, load_tokenizer
+from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.plan.batch_size import describe_batch
 from qlora_fsdp.plan.hardware import peak_flops
 from qlora_fsdp.plan.memory import resolve_run_batch
 from qlora_fsdp.training.checkpoints import Checkpointer, check_world_size
-from qlora_fsdp.training.loop import Trainer
+from qlora_fsdp.training.loop import MfuReference, RunSummary, Trainer
 from qlora_fsdp.training.metrics import MetricsLogger, format_summary
 from qlora_fsdp.training.optimizer import build_optimizer, build_scheduler
 from qlora_fsdp.training.plots import plot_loss_curves
 from qlora_fsdp.training.run_dir import prepare_run_dir
 from qlora_fsdp.training.tracking import check_available as check_trackers_available
 from qlora_fsdp.training.tracking import open_trackers
-
-
-def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftModel:
-    """Meta build -> checkpointing -> fully_shard -> allocate -> stream and quantize weights."""
-    model = sharded_meta_model(cfg, load_hf_config(cfg), info.mesh, shard)
-    offload = shard and cfg.fsdp.cpu_offload  # offload always comes with FSDP (sharding.uses_fsdp)
-    materialize(model, info.device, torch.device("cpu") if offload else info.device)
-    load_weights(model, cfg, info.device)
-    return model
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -83,27 +73,28 @@ def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Datas
                  f"{data.describe(cfg.data.context_length, cfg.data.overlong)}")
     logger.write(f"LoRA parameters {trainable:,} on a {base:,}-parameter 4-bit base")
     checkpointer = Checkpointer(out_dir, info, cfg.train.keep_last, to_yaml(cfg), tokenizer, cfg.model.path)
-    trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger, checkpointer)
-    trainer.set_mfu_reference(base, peak_flops(info.device))
+    mfu_reference = MfuReference.for_run(base, peak_flops(info.device), info.world_size)
+    trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger, checkpointer,
+                      mfu_reference)
     for note in trainer.profiler.notes():
         logger.write(note)
     return trainer
 
 
-def finish(trainer: Trainer, summary: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
-    """Adapter (unless stopped by a signal), summary record, curves and the closing lines."""
+def finish(trainer: Trainer, summary: RunSummary, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """Adapter (unless stopped by a signal), summary record, curves and the closing lines; the summary as a dict."""
     cfg, logger, info = trainer.cfg, trainer.logger, trainer.info
     out_dir = Path(cfg.train.output_dir)
-    if summary.get("stopped_by_signal"):
+    if summary.stopped_by_signal:
         logger.write(f"stopped at step {trainer.step}; checkpoint {trainer.last_checkpoint}; continue with --resume")
     else:
         export_adapter(trainer.model, tokenizer, out_dir / "adapter", cfg.model.path, info.is_main, to_yaml(cfg))
-        summary["adapter"] = str(out_dir / "adapter")
+        summary.adapter = str(out_dir / "adapter")
     if trainer.profiler.written:
-        summary["profile"] = str(out_dir / "profile")
-    logger.log({"event": "summary", **summary})
+        summary.profile = str(out_dir / "profile")
+    logger.log({"event": "summary", **summary.as_dict()})
     logger.close()
     if info.is_main and cfg.logging.plot and plot_loss_curves(logger.path, out_dir / "loss_curves.png"):
-        summary["loss_curves"] = str(out_dir / "loss_curves.png")
-    logger.write(format_summary(summary))
-    return summary
+        summary.loss_curves = str(out_dir / "loss_curves.png")
+    logger.write(format_summary(summary.as_dict()))
+    return summary.as_dict()

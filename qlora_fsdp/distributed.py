@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from qlora_fsdp.errors import CollectiveTimeoutError, ConfigError
 
@@ -133,6 +134,11 @@ def waiting_for_other_ranks() -> Iterator[None]:
             f"a collective waited longer than train.collective_timeout_minutes={_timeout_minutes:g} for another "
             "rank (rank 0 tokenizing, deciding or saving, or a rank that died: see its log); raise it, e.g. "
             f"train.collective_timeout_minutes={4 * _timeout_minutes:g}") from None
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) parameter or gradient."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def barrier() -> None:

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SETTINGS = {"context_length": 128, "micro_batch_size": 8, "grad_accum_steps": 2, "lr": 3e-3, "warmup_steps": 10,

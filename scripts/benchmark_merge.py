@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmark_loading import CONFIG, GB, AnonPeak, reset_peak_rss, write_checkpoint  # noqa: E402

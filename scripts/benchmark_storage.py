@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,13 +20,12 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 import qlora_fsdp.model.build  # noqa: E402
-from qlora_fsdp.api import build_model  # noqa: E402
 from qlora_fsdp.config import load_config  # noqa: E402
 from qlora_fsdp.data.batching import Sample, collate  # noqa: E402
 from qlora_fsdp.distributed import cleanup, init_fake_distributed  # noqa: E402
+from qlora_fsdp.model.factory import build_model  # noqa: E402
 from qlora_fsdp.training.loop import loss_sum  # noqa: E402
 
 ARCHITECTURE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,

@@ -14,12 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qlora_fsdp.config import load_config  # noqa: E402
-from qlora_fsdp.data.sources import alpaca_user_turn  # noqa: E402
-from qlora_fsdp.errors import UserError, run_command  # noqa: E402
-from qlora_fsdp.model.adapter import config_for_adapter  # noqa: E402
+from qlora_fsdp.config import load_config
+from qlora_fsdp.data.sources import alpaca_user_turn
+from qlora_fsdp.errors import UserError, run_command
+from qlora_fsdp.model.adapter import config_for_adapter
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

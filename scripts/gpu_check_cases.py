@@ -24,26 +24,25 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 import bitsandbytes as bnb  # noqa: E402
-import make_tiny_model  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.fsdp  # noqa: E402, F401  (registers torch.ops.fsdp.all_gather_copy_in)
-from gpu_check import Row  # noqa: E402
+from gpu_check import Row  # noqa: E402  (a sibling: Python puts scripts/ on the path)
 from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import qlora_fsdp.model.build  # noqa: E402
-from qlora_fsdp.api import build_model, train  # noqa: E402
+from qlora_fsdp.api import train  # noqa: E402
 from qlora_fsdp.config import Config, load_config, validate  # noqa: E402
 from qlora_fsdp.data.batching import Batch, Sample, collate_packed  # noqa: E402
-from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed  # noqa: E402
+from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed, local_shard  # noqa: E402
 from qlora_fsdp.model.adapter import config_for_adapter  # noqa: E402
-from qlora_fsdp.model.sharding import local_shard  # noqa: E402
+from qlora_fsdp.model.factory import build_model  # noqa: E402
 from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, held_bytes, plan  # noqa: E402
 from qlora_fsdp.tools.merge import merge_adapter  # noqa: E402
+from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
 from qlora_fsdp.training.loop import accumulate_gradients  # noqa: E402
 from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm  # noqa: E402
 
@@ -273,7 +272,7 @@ def gathered_bytes_case(ctx: Context, arch: Path, storage: torch.dtype, offload:
 
 def emulated_cuda_copy() -> contextlib.AbstractContextManager[None]:
     """FSDP2's copy-in as CUDA sm80+ runs it (bf16 NaNs rewritten as 0x7FFF): the CPU's positive control."""
-    from tests.helpers import cuda_bf16_copy_emulated
+    from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
 
     return cuda_bf16_copy_emulated()
 
@@ -408,13 +407,10 @@ def one_gpu_70b_offload(ctx: Context) -> list[Row]:
 # ---- 5. merge_device and 6. generate: a tiny adapter trained by the repo ---------------------------------
 
 def tiny_model(ctx: Context) -> Path:
-    """The tests' tiny Llama (2 layers, hidden 128, seeded), built with scripts/make_tiny_model.py."""
+    """The tests' tiny Llama (2 layers, hidden 128, seeded), built as `make tiny-model` builds its own."""
     out = ctx.work / "tiny-llama"
     if not (out / "config.json").is_file():
-        args = argparse.Namespace(hidden_size=128, layers=2, seed=0, init_std=0.1, family="llama")
-        tokenizer = make_tiny_model.train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", vocab_size=512)
-        make_tiny_model.build_model(tokenizer, args).save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        write_tiny_model(out, REPO / "data" / "tiny_instruct.jsonl", TinyModelSpec(hidden_size=128, layers=2))
     return out
 
 

@@ -12,37 +12,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import qlora_fsdp  # noqa: E402, F401, I001  (first: it quiets a bitsandbytes CPU notice)
 import bitsandbytes as bnb  # noqa: E402
 
-from qlora_fsdp.api import build_model  # noqa: E402
+from qlora_fsdp.model.factory import build_model  # noqa: E402
 from qlora_fsdp.config import load_config  # noqa: E402
-from qlora_fsdp.distributed import cleanup, init_fake_distributed  # noqa: E402
+from qlora_fsdp.distributed import cleanup, init_fake_distributed, local_shard  # noqa: E402
+from qlora_fsdp.plan.measure import held_quant_state_bytes  # noqa: E402
 from qlora_fsdp.training.metrics import proc_status_bytes  # noqa: E402
-from qlora_fsdp.model.sharding import local_shard  # noqa: E402
 
 GB = 2**30
 
 
 def size(n_bytes: float) -> str:
     return f"{n_bytes / GB:.2f} GiB" if n_bytes >= GB / 10 else f"{n_bytes / 2**20:.2f} MiB"
-
-
-def quant_state_bytes(state: object) -> int:
-    """absmax (uint8 with double quantization) plus the nested fp32 absmax and both codebooks."""
-    tensors = [state.absmax, state.code]
-    if getattr(state, "state2", None) is not None:
-        tensors += [state.state2.absmax, state.state2.code, state.offset]
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def held_bytes(model: torch.nn.Module) -> dict[str, int]:
@@ -52,7 +41,7 @@ def held_bytes(model: torch.nn.Module) -> dict[str, int]:
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             packed_ids.add(id(module.weight))
-            held["quantization state"] += quant_state_bytes(module.quant_state)
+            held["quantization state"] += held_quant_state_bytes(module.quant_state)
     for param in model.parameters():
         local = local_shard(param)
         size = local.numel() * local.element_size()

@@ -17,11 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qlora_fsdp.errors import UserError, run_command  # noqa: E402
-from qlora_fsdp.model.adapter import config_for_adapter  # noqa: E402
-from qlora_fsdp.tools.merge import merge_adapter, parse_size  # noqa: E402
+from qlora_fsdp.errors import UserError, run_command
+from qlora_fsdp.model.adapter import config_for_adapter
+from qlora_fsdp.tools.merge import merge_adapter, parse_size
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

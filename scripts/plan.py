@@ -9,11 +9,8 @@ in model_configs/). Exit code 0 when it fits, 1 when it does not.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import train  # noqa: E402
+from qlora_fsdp.cli import main
 
 if __name__ == "__main__":
-    sys.exit(train.main([*sys.argv[1:], "--plan"]))
+    sys.exit(main([*sys.argv[1:], "--plan"]))

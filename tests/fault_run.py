@@ -12,12 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import qlora_fsdp.training.checkpoints as checkpoint_module  # noqa: E402
-import qlora_fsdp.training.loop as trainer_module  # noqa: E402
-import train  # noqa: E402
+import qlora_fsdp.training.checkpoints as checkpoint_module
+import qlora_fsdp.training.loop as trainer_module
+from qlora_fsdp.cli import main
 
 
 def inject_nan(steps: set[int]) -> None:
@@ -59,4 +56,4 @@ if __name__ == "__main__":
         inject_nan({int(s) for s in args.nan_steps.split(",")})
     if args.die_saving:
         die_while_saving(args.die_saving)
-    sys.exit(train.main([a for a in rest if a != "--"]))
+    sys.exit(main([a for a in rest if a != "--"]))

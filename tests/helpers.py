@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +20,15 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Sample, collate
 from qlora_fsdp.data.pipeline import load_dataset
 from qlora_fsdp.distributed import cleanup, init_distributed, init_fake_distributed
+from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-import make_tiny_model  # noqa: E402
 
 
 def build_tiny_checkpoint(out: Path, layers: int = 2, max_shard_size: str = "50GB", family: str = "llama") -> Path:
     """A seeded tiny causal LM + tokenizer, saved like a hub checkpoint (seconds on a CPU)."""
-    args = argparse.Namespace(hidden_size=128, layers=layers, seed=0, init_std=0.1, family=family)
-    tokenizer = make_tiny_model.train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", vocab_size=512)
-    model = make_tiny_model.build_model(tokenizer, args)
-    model.save_pretrained(out, max_shard_size=max_shard_size)
-    tokenizer.save_pretrained(out)
+    spec = TinyModelSpec(hidden_size=128, layers=layers, family=family)
+    write_tiny_model(out, REPO / "data" / "tiny_instruct.jsonl", spec, max_shard_size)
     return out
 
 
@@ -70,7 +64,7 @@ def batches(samples: list[Sample], size: int, pad_id: int):
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded LoRA gradients by clean name (a collective under FSDP: every rank calls it)."""
-    from qlora_fsdp.model.sharding import clean_name
+    from qlora_fsdp.model.names import clean_name
 
     out = {}
     for name, param in model.named_parameters():
@@ -170,25 +164,3 @@ def run_ranks(
     assert codes == [0] * n_procs, f"rank exit codes {codes}"
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(n_procs)]
 
-
-BF16_CANONICAL_NAN = 0x7FFF
-
-
-@contextmanager
-def cuda_bf16_copy_emulated() -> Iterator[None]:
-    """`torch._foreach_copy_` as CUDA runs it on sm80+: bf16 is read through float, so every bf16 NaN bit
-    pattern is written back as 0x7FFF (on CPU the copy is byte-exact). FSDP2's all-gather copy-in calls it."""
-    original = torch._foreach_copy_
-
-    def canonicalizing_copy(dsts, srcs, non_blocking=False):
-        original(dsts, srcs, non_blocking=non_blocking)
-        for dst in dsts:
-            if dst.dtype == torch.bfloat16:
-                dst.view(torch.int16)[dst.isnan()] = BF16_CANONICAL_NAN
-        return None
-
-    torch._foreach_copy_ = canonicalizing_copy
-    try:
-        yield
-    finally:
-        torch._foreach_copy_ = original

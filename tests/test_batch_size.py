@@ -100,6 +100,7 @@ def planned_micro_batches(info, cfg):
     return chosen, totals
 
 
+@pytest.mark.slow
 def test_auto_by_the_planner_picks_the_largest_planned_to_fit(tiny_model_dir, tmp_path):
     # context 4096 on the tiny model: activations grow with the micro-batch while the weights stay ~MB
     cfg = tiny_config(tiny_model_dir, data={"micro_batch_size": "auto", "effective_batch": 32,

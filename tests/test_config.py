@@ -34,11 +34,16 @@ def test_recipe_path_and_fsdp_preset():
     assert cfg.fsdp.cpu_offload is False  # an explicit key beats the preset
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, expected", [
     ("optim.lrr=3e-4", "unknown key 'optim.lrr' in the command-line overrides; did you mean 'optim.lr'?"),
+    ("optim.name=sgd", "'optim.name' must be one of 'paged_adamw_8bit', 'adamw_8bit', 'adamw', got 'sgd'"),
+    ("checkpointing.mode=off", "'checkpointing.mode' in the command-line overrides is now "
+                               "'activation_checkpointing.mode': rename it"),
     ("optimm.lr=3e-4", "did you mean 'optim.lr'?"),
     ("data.grad_accum_steps=big", "'data.grad_accum_steps' must be an integer, got 'big'"),
-    ("checkpointing.mode=sometimes", "'checkpointing.mode' must be one of 'every_layer', 'every_nth', 'off'"),
+    ("activation_checkpointing.mode=sometimes",
+     "'activation_checkpointing.mode' must be one of 'every_layer', 'every_nth', 'off'"),
     ("fsdp_preset=nope", "unknown fsdp_preset 'nope'"),
     ("optim.lr", "is not of the form key=value"),
 ])
@@ -49,6 +54,7 @@ def test_bad_overrides_fail_in_one_line(override, expected):
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
 
 
+@pytest.mark.slow
 def test_missing_recipe_names_the_nearest():
     result = run_train("--recipe", "tiny_cpuu")
     assert result.returncode == 2
@@ -77,12 +83,14 @@ def test_collective_timeout_takes_fractions_of_a_minute_and_must_be_positive():
         load_config("tiny_cpu", ["train.collective_timeout_minutes=0"])
 
 
+@pytest.mark.slow
 def test_print_config_shows_the_resolved_values():
     result = run_train("--recipe", "tiny_cpu", "optim.lr=0.5", "--print-config")
     assert result.returncode == 0
     assert "lr: 0.5" in result.stdout and "cpu_offload: false" in result.stdout
 
 
+@pytest.mark.slow
 def test_resume_flag_with_or_without_a_checkpoint():
     latest = run_train("--recipe", "tiny_cpu", "--resume", "optim.lr=0.5", "--print-config")  # an override follows
     assert latest.returncode == 0 and "resume: auto" in latest.stdout and "lr: 0.5" in latest.stdout

@@ -225,9 +225,21 @@ def count_tokenizations(info, cfg, data_cfg):
     return len(calls), data.train["input_ids"]
 
 
+@pytest.mark.slow
 def test_each_node_tokenizes_once(tiny_model_dir, tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"instruction": f"q{i}", "output": "a"} for i in range(40)])
     results = run_ranks(count_tokenizations, 2, tiny_config(tiny_model_dir), data_config(tmp_path, path=str(path)),
                         tmp_dir=tmp_path)
     assert results[0][0] == 40 and results[1][0] == 0  # rank 1 read rank 0's cache
     assert results[0][1] == results[1][1]
+
+
+def test_training_and_generation_share_one_template_choice(tokenizer):
+    """Chat data under data.sources on a tokenizer without a chat template: chatml for training and for the tools
+    (generation once chose from data.format, the alpaca default, instead)."""
+    from qlora_fsdp.data.pipeline import run_template
+
+    data = DataConfig(sources=[SourceConfig(path="chats.jsonl", format="chat")])
+    assert data.format == "alpaca" and not getattr(tokenizer, "chat_template", None)
+    assert run_template(data, tokenizer) == "chatml"
+    assert run_template(DataConfig(path="records.jsonl"), tokenizer) == "alpaca"

@@ -11,6 +11,8 @@ import pytest
 from qlora_fsdp.distributed import barrier, cleanup, decide_on_main, init_distributed
 from tests.helpers import _free_port, run_ranks
 
+pytestmark = pytest.mark.slow  # every test runs gloo ranks
+
 TIMEOUT_MINUTES = 0.05  # 3 s
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers import REPO
 
+pytestmark = pytest.mark.slow  # every test runs train.py or torchrun
+
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 

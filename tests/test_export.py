@@ -16,6 +16,8 @@ from qlora_fsdp.api import train
 from qlora_fsdp.data.pipeline import load_dataset
 from tests.helpers import run_ranks_sequence, tiny_config
 
+pytestmark = pytest.mark.slow  # every test trains on gloo ranks
+
 
 def train_briefly(info, cfg):
     return train(cfg, info=info)

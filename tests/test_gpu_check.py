@@ -30,6 +30,7 @@ def table_rows(text: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_help_lists_every_check():
     done = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, env=ENV,
                           timeout=60)
@@ -38,12 +39,14 @@ def test_help_lists_every_check():
         assert check.name in done.stdout
 
 
+@pytest.mark.slow
 def test_unknown_check_is_a_one_line_error():
     done = subprocess.run([sys.executable, str(SCRIPT), "--only", "nan_canry"], capture_output=True, text=True,
                           env=ENV, timeout=60)
     assert done.returncode == 2 and "unknown check nan_canry" in done.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
     out = tmp_path / "gpu_check.md"
     only = "nan_canary,fsdp_real_path,plan_vs_measured_70b"
@@ -75,6 +78,7 @@ json.dump({"rows": [{"check": name, "status": "passed", "result": "ok", "figures
 """
 
 
+@pytest.mark.slow
 def test_a_crash_or_a_timeout_fails_that_check_only(tmp_path, monkeypatch):
     cases = tmp_path / "cases.py"
     cases.write_text(FAKE_CASES)

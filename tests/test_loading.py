@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from qlora_fsdp.api import build_model
+from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.model.sharding import local_shard
+from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.training.loop import loss_sum
 from tests.helpers import (
     batches,
@@ -23,6 +23,8 @@ from tests.helpers import (
     tiny_config,
     variable_length_samples,
 )
+
+pytestmark = pytest.mark.slow  # every test loads on gloo ranks or in a subprocess
 
 PAD = 2
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from qlora_fsdp.api import build_model
 from qlora_fsdp.config import to_yaml
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.model.adapter import config_for_adapter, export_adapter
 from qlora_fsdp.model.build import load_tokenizer
+from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.tools.merge import LoraDelta, merge_adapter
 from tests.helpers import REPO, run_ranks_sequence, tiny_config
 
@@ -57,6 +57,7 @@ def adapters(tiny_model_dir, tmp_path_factory):
     return {kind: (root / kind, *result) for kind, result in zip(kinds, results, strict=True)}, input_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_merged_checkpoint_reproduces_base_plus_adapter(adapters, tmp_path, kind):
     (adapter, ours, base), input_ids = adapters[0][kind], adapters[1]
@@ -96,6 +97,7 @@ def merge_script():
     return module
 
 
+@pytest.mark.slow
 def test_merge_script_writes_a_bf16_checkpoint_and_never_clobbers(adapters, tmp_path, capsys):
     (adapter, ours, _), input_ids = adapters[0]["lora"], adapters[1]
     out = tmp_path / "merged"
@@ -111,6 +113,7 @@ def test_merge_script_writes_a_bf16_checkpoint_and_never_clobbers(adapters, tmp_
     assert again == 2 and "exists and is not empty" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_applies_the_adapter_and_matches_the_merged_model(adapters, tmp_path):
     (adapter, _, _), input_ids = adapters[0]["lora"], adapters[1]
     cfg = config_for_adapter(adapter, None, [])

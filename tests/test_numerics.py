@@ -12,16 +12,17 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch.distributed.fsdp import FSDPModule
 
-from qlora_fsdp.api import build_model
 from qlora_fsdp.data.pipeline import IGNORE_INDEX
+from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.model.adapter import gather_trainable_state
-from qlora_fsdp.model.build import TORCH_DTYPES, checkpoint_dir
-from qlora_fsdp.model.loading import checkpoint_key
+from qlora_fsdp.model.build import model_dir
+from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.model.names import weight_key
 from qlora_fsdp.model.weight_files import weight_files
+from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
 from qlora_fsdp.training.loop import accumulate_gradients, set_gradient_sync
 from tests.helpers import (
     batches,
-    cuda_bf16_copy_emulated,
     full_grads,
     relative_difference,
     run_ranks,
@@ -29,6 +30,8 @@ from tests.helpers import (
     tiny_config,
     variable_length_samples,
 )
+
+pytestmark = pytest.mark.slow  # every test runs gloo ranks
 
 PAD = 2
 
@@ -112,8 +115,7 @@ def hsdp_and_fsdp_steps(info, cfg, micro_batches_per_rank, shard_size):
     gradients, clipped norm and an SGD update of each."""
     import dataclasses
 
-    from qlora_fsdp.distributed import data_parallel_mesh
-    from qlora_fsdp.model.sharding import local_shard
+    from qlora_fsdp.distributed import data_parallel_mesh, local_shard
     from qlora_fsdp.training.optimizer import clip_grad_norm
 
     results = []
@@ -185,7 +187,7 @@ def packed_weights_match(info, cfg, literal):
     and the state's blocksize, quant type and nesting."""
     model = build_model(cfg, info)
     originals = {}
-    for file in weight_files(checkpoint_dir(cfg.model.path)):
+    for file in weight_files(model_dir(cfg.model.path)):
         with safe_open(file, framework="pt") as reader:
             originals.update({k: reader.get_tensor(k) for k in reader.keys()})
     layers = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
@@ -194,7 +196,7 @@ def packed_weights_match(info, cfg, literal):
     checked, identical, settings = 0, 0, set()
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
-            original = originals[checkpoint_key(f"{name}.weight")].to(TORCH_DTYPES[cfg.model.dtype])
+            original = originals[weight_key(f"{name}.weight")].to(TORCH_DTYPES[cfg.model.dtype])
             packed, state = bnb.functional.quantize_4bit(original, quant_storage=torch.uint8, **literal)
             ours = module.quant_state
             settings.add((ours.blocksize, ours.quant_type, ours.nested, module.weight.dtype))
@@ -205,9 +207,9 @@ def packed_weights_match(info, cfg, literal):
             identical += same_bytes and same_state
     for layer in layers:
         layer.reshard()
-    quantized = {checkpoint_key(f"{n}.weight") for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-    plain = {checkpoint_key(name): param.full_tensor() for name, param in model.named_parameters()
-             if not param.requires_grad and checkpoint_key(name) not in quantized}
+    quantized = {weight_key(f"{n}.weight") for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    plain = {weight_key(name): param.full_tensor() for name, param in model.named_parameters()
+             if not param.requires_grad and weight_key(name) not in quantized}
     plain_identical = sum(torch.equal(t, originals[k].to(t.dtype)) for k, t in plain.items())
     return {"checked": checked, "identical": identical, "plain": len(plain), "plain_identical": plain_identical,
             "settings": settings}
@@ -342,7 +344,7 @@ def test_gradients_reduce_scattered_once_per_step(tiny_model_dir, samples, tmp_p
 def test_activation_checkpointing_changes_nothing(tiny_model_dir, samples, tmp_path):
     micro = [batches(samples[:8], 4, PAD)]
     modes = ("every_layer", "every_nth", "off")
-    calls = [(loss_and_grads, (tiny_config(tiny_model_dir, checkpointing={"mode": m, "every_n": 2}), micro))
+    calls = [(loss_and_grads, (tiny_config(tiny_model_dir, activation_checkpointing={"mode": m, "every_n": 2}), micro))
              for m in modes]
     results = dict(zip(modes, run_ranks_sequence(calls, 1, tmp_path), strict=True))
     for mode in ("every_layer", "every_nth"):

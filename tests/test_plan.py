@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from qlora_fsdp.api import build_model
+from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.training.loop import accumulate_gradients
 from tests.helpers import REPO, batches, run_ranks_sequence, tiny_config, variable_length_samples
 
@@ -38,10 +38,9 @@ def unsharded_grad_bytes(model) -> int:
 def measured_and_planned(info, cfg, micro_batches_per_rank):
     """Bytes rank 0 holds, by kind, next to the planner's figures: the gradients FSDP2 keeps unsharded just before
     the last micro-batch (sync off until then), the rest after one real optimizer step."""
-    from load_as_rank import quant_state_bytes as measured_quant_state_bytes  # scripts/, on the path via helpers
-
     import qlora_fsdp.training.loop
-    from qlora_fsdp.model.sharding import local_shard
+    from qlora_fsdp.distributed import local_shard
+    from qlora_fsdp.plan.measure import held_quant_state_bytes
     from qlora_fsdp.plan.memory import compute_rows, meta_held, planning_config, quant_state_bytes
     from qlora_fsdp.training.optimizer import build_optimizer
 
@@ -68,7 +67,7 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
         else:
             measured["base"] += tensor_bytes([local_shard(param)])
     measured["optimizer"] = sum(tensor_bytes(state.values()) for state in optimizer.inner.state.values())
-    measured["quant_state"] = sum(measured_quant_state_bytes(module.quant_state) for module in model.modules()
+    measured["quant_state"] = sum(held_quant_state_bytes(module.quant_state) for module in model.modules()
                                   if getattr(module, "quant_state", None) is not None)
     held = meta_held(cfg, info.mesh)
     rows = compute_rows(held, cfg, planning_config(cfg), sharded=True)
@@ -85,6 +84,7 @@ PLANNED_SETUPS = [("paged_adamw_8bit", "float32", None, "float32"), ("adamw", "b
                   ("paged_adamw_8bit", "float32", "bfloat16", "bfloat16")]
 
 
+@pytest.mark.slow
 def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path):
     """Byte for byte, after a step and mid-accumulation (2 micro-batches a rank)."""
     # r=64 makes the LoRA shards large enough for bitsandbytes' 8-bit state (4096+ elements); r=16 stays 32-bit
@@ -120,6 +120,7 @@ print(text)
 """
 
 
+@pytest.mark.slow
 def test_70b_plans_from_config_json_alone():
     """2x RTX 4090: DOES NOT FIT without offload (and offload is named as the fix), FITS with it. 2 nodes x 8
     in HSDP: the shard is over a node's 8 GPUs, the auto micro-batch and scaled lr are printed, FITS."""
@@ -144,15 +145,12 @@ def test_70b_plans_from_config_json_alone():
 
 
 def test_mfu_counts_6n_flops_a_token():
-    from types import SimpleNamespace
 
-    from qlora_fsdp.training.loop import Trainer
+    from qlora_fsdp.training.loop import MfuReference
 
-    trainer = object.__new__(Trainer)  # only the MFU bookkeeping is exercised
-    trainer.info, trainer.flops_per_token, trainer.peak_flops = SimpleNamespace(world_size=2), 0.0, 0.0
-    trainer.set_mfu_reference(70_553_706_496, None)  # unknown device (CPU): no MFU reported
-    assert trainer.mfu(477.0) == {}
-    trainer.set_mfu_reference(70_553_706_496, 165.2e12)
+    unknown = MfuReference.for_run(70_553_706_496, None, world_size=2)  # unknown device (CPU): no MFU reported
+    assert unknown.mfu(477.0) is None
+    reference = MfuReference.for_run(70_553_706_496, 165.2e12, world_size=2)
     # Answer.AI's published 70B run: 477 tokens/s on 2x RTX 4090
-    assert trainer.mfu(477.0)["mfu"] == pytest.approx(477.0 * 6 * 70_553_706_496 / (2 * 165.2e12))
-    assert 0.60 < trainer.mfu(477.0)["mfu"] < 0.62
+    assert reference.mfu(477.0) == pytest.approx(477.0 * 6 * 70_553_706_496 / (2 * 165.2e12))
+    assert 0.60 < reference.mfu(477.0) < 0.62

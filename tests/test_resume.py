@@ -109,6 +109,7 @@ def reference(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp_path, reference):
     out = tmp_path / "run"
     died = run(torchrun("tests/fault_run.py", "--die-saving", "4", "--", *recipe_args(tiny_model_dir, out)))
@@ -122,6 +123,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow
 def test_elastic_restart_resumes_by_itself(tiny_model_dir, tmp_path, reference):
     out = tmp_path / "run"
     proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out), max_restarts=1))
@@ -133,6 +135,7 @@ def test_elastic_restart_resumes_by_itself(tiny_model_dir, tmp_path, reference):
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow
 def test_sigterm_then_kill_9_then_resume_equals_the_uninterrupted_run(tiny_model_dir, tmp_path, reference):
     """Preempted politely (SIGTERM: save at once, exit 0), resumed, then killed hard at a random step and
     resumed again: the losses and the adapter are the uninterrupted run's."""
@@ -160,6 +163,7 @@ def test_sigterm_then_kill_9_then_resume_equals_the_uninterrupted_run(tiny_model
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow
 def test_cpu_offload_run_killed_and_resumed_equals_the_run_without_offload(tiny_model_dir, tmp_path, reference):
     """The CPU-offload path end to end (host shards and gradients, the 8-bit optimizer on host tensors, DCP save
     and load of that state, adapter export), killed with kill -9 at a random step and resumed: the per-step
@@ -179,6 +183,7 @@ def test_cpu_offload_run_killed_and_resumed_equals_the_run_without_offload(tiny_
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path):
     once = tmp_path / "once"  # one process: the skip decision rests on global values, alike on every rank
     result = run([sys.executable, "tests/fault_run.py", "--nan-steps", "3", "--", *recipe_args(tiny_model_dir, once)])
@@ -197,6 +202,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path
     assert sorted(p.name for p in (streak / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
 
 
+@pytest.mark.slow
 def test_existing_run_is_refused_and_other_world_size_explained(reference, tmp_path):
     from qlora_fsdp.config import TrainConfig
     from qlora_fsdp.errors import CheckpointError, OutputExistsError
@@ -220,6 +226,7 @@ def test_existing_run_is_refused_and_other_world_size_explained(reference, tmp_p
         reference / "adapter" / "adapter_model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once_but_a_forwarded_copy_does_not(tmp_path):
     code = ("import os, signal, time\n"
             "from qlora_fsdp.training.signals import GracefulStop\n"

@@ -13,7 +13,7 @@ from qlora_fsdp.config.schema import (
     FSDP_CONFIGS_DIR,
     RECIPES_DIR,
     REPO_ROOT,
-    CheckpointingConfig,
+    ActivationCheckpointingConfig,
     Config,
     DataConfig,
     DType,
@@ -30,8 +30,8 @@ from qlora_fsdp.config.schema import (
 )
 
 __all__ = [
-    "FSDP_CONFIGS_DIR", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "CheckpointingConfig", "Config", "DType",
-    "DataConfig", "FSDPConfig", "HardwareConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimConfig",
+    "FSDP_CONFIGS_DIR", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "ActivationCheckpointingConfig", "Config",
+    "DType", "DataConfig", "FSDPConfig", "HardwareConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimConfig",
     "ProfileConfig", "QuantConfig", "SourceConfig", "TrainConfig", "changed_settings", "load_config",
     "resolve_recipe_path", "to_dict", "to_yaml", "validate",
 ]

@@ -17,6 +17,7 @@ from qlora_fsdp.config.schema import (
     Config,
 )
 from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.optimizers import OPTIMIZERS
 
 
 def resolve_recipe_path(recipe: str) -> Path:
@@ -170,7 +171,14 @@ def _first_leaf(dotted: str, value: Any) -> str:
     return dotted
 
 
+# keys renamed so each word means one thing ("checkpoint": a training checkpoint, never the recomputation)
+RENAMED_KEYS = {"checkpointing": "activation_checkpointing"}
+
+
 def _unknown_key_message(dotted: str, source: str, candidates: list[str] | None = None) -> str:
+    section, dot, rest = dotted.partition(".")
+    if section in RENAMED_KEYS:
+        return f"'{dotted}' in {source} is now '{RENAMED_KEYS[section]}{dot}{rest}': rename it"
     candidates = candidates or _all_keys(Config)
     best = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.5)
     if not best:  # a typo in the section name: compare the last part alone
@@ -253,7 +261,7 @@ def validate(config: Config) -> Config:
         "data.eval_batch_size": config.data.eval_batch_size,
         "train.max_steps": config.train.max_steps,
         "lora.r": config.lora.r,
-        "checkpointing.every_n": config.checkpointing.every_n,
+        "activation_checkpointing.every_n": config.activation_checkpointing.every_n,
         "quant.blocksize": config.quant.blocksize,
         "train.keep_last": config.train.keep_last,
         "train.max_bad_steps": config.train.max_bad_steps,
@@ -275,6 +283,9 @@ def validate(config: Config) -> Config:
     if config.fsdp.param_dtype not in (None, "bfloat16"):
         # the packed 4-bit bytes are never cast (uint8 storage); bf16 is the one compute policy tested end to end
         raise ConfigError(f"'fsdp.param_dtype' must be null or bfloat16, got {config.fsdp.param_dtype!r}")
+    if config.optim.name not in OPTIMIZERS:
+        raise ConfigError(f"'optim.name' must be one of {', '.join(repr(n) for n in OPTIMIZERS)}, got "
+                          f"{config.optim.name!r}")
     if config.optim.lr <= 0:
         raise ConfigError(f"'optim.lr' must be positive, got {config.optim.lr}")
     if config.train.collective_timeout_minutes <= 0:

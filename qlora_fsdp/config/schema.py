@@ -52,14 +52,28 @@ class FSDPConfig:
 
 
 @dataclass
-class CheckpointingConfig:
+class ActivationCheckpointingConfig:
+    """Which decoder layers recompute their activations in backward: the one policy sharding applies and the
+    planner counts (a new mode is a new `mode` value and its branch in `wraps`)."""
+
     mode: Literal["every_layer", "every_nth", "off"] = "every_layer"
-    every_n: int = 2  # with mode every_nth: checkpoint layers 0, n, 2n, ...
+    every_n: int = 2  # with every_nth: layers 0, n, 2n, ... are checkpointed
+
+    def wraps(self, index: int) -> bool:
+        """Whether decoder layer `index` is checkpointed."""
+        if self.mode == "every_layer":
+            return True
+        if self.mode == "every_nth":
+            return index % self.every_n == 0
+        return False
+
+    def wrapped_count(self, n_layers: int) -> int:
+        return sum(self.wraps(index) for index in range(n_layers))
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["paged_adamw_8bit", "adamw_8bit", "adamw"] = "paged_adamw_8bit"
+    name: str = "paged_adamw_8bit"  # a key of qlora_fsdp/optimizers.py's registry
     lr: float = 2e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -159,7 +173,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     fsdp_preset: str = "full_shard"  # a file in fsdp_configs/, merged under `fsdp`
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -107,13 +107,19 @@ def tokenized(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerBase, d
     return fitted, len(conversations), n_overlong, n_without_targets
 
 
+def run_template(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The template a run trains with, and its tools prompt with: from the first source's format (`data.sources`
+    or the single `data.path`), so training and generation can never choose differently."""
+    return choose_template(data.template, tokenizer, sources_of(data)[0].format)
+
+
 def load_dataset(tokenizer: PreTrainedTokenizerBase, data: DataConfig, seed: int,
                  info: DistInfo | None = None) -> Dataset:
     """Read, tokenize and split the recipe's data; the held-out set is chosen by the seed."""
     sources = sources_of(data)
     if info is not None and info.rank != 0:
         datasets.disable_progress_bars()  # one set of bars per run, from rank 0
-    template = choose_template(data.template, tokenizer, sources[0].format)
+    template = run_template(data, tokenizer)
     with main_process_first(info):
         samples, n_records, n_overlong, n_without_targets = tokenized(sources, tokenizer, data, template, seed)
         held_out = None

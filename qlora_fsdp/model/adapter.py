@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
-from qlora_fsdp.model.sharding import clean_name
+from qlora_fsdp.model.names import clean_name
 
 ADAPTER_NAME = "default"
 TRAINING_CONFIG = "training_config.yaml"  # the resolved recipe, next to the PEFT files

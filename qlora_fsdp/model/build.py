@@ -18,9 +18,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, LoraConfig, QuantConfig
+from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # 4-bit values are packed two to a byte and stored as raw bytes. FSDP2 never casts a non-float parameter and
 # all-gathers it as bytes, whatever the mixed-precision policy or the LoRA dtype. The earlier bf16 storage was
 # not safe: on CUDA (sm80+) FSDP2's all-gather copy-in reads bf16 through float and rewrites every bf16 NaN bit
@@ -29,7 +29,7 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 QUANT_STORAGE = torch.uint8
 
 
-def checkpoint_dir(model_path: str) -> Path:
+def model_dir(model_path: str) -> Path:
     """A local checkpoint folder as is; otherwise a hub id, fetched (config, tokenizer and safetensors only)."""
     path = Path(model_path)
     if path.is_dir():
@@ -46,14 +46,14 @@ def checkpoint_dir(model_path: str) -> Path:
 
 
 def load_hf_config(cfg: Config) -> PretrainedConfig:
-    path = checkpoint_dir(cfg.model.path)
+    path = model_dir(cfg.model.path)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
     return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
 
 
 def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
-    path = checkpoint_dir(cfg.model.path)
+    path = model_dir(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     if tokenizer.pad_token is None:  # Llama 3 ships none; padding is masked out of loss and attention
         tokenizer.pad_token = tokenizer.eos_token

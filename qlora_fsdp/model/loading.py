@@ -23,12 +23,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from qlora_fsdp.config import Config
+from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.model.build import QUANT_STORAGE, TORCH_DTYPES, checkpoint_dir
-from qlora_fsdp.model.sharding import clean_name
+from qlora_fsdp.model.build import QUANT_STORAGE, model_dir
+from qlora_fsdp.model.names import clean_name, weight_key
 from qlora_fsdp.model.weight_files import InMemoryTensor, StoredTensor, checkpoint_tensors
 
-PEFT_PREFIX = "base_model.model."
 _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
 
 
@@ -102,18 +102,13 @@ def base_targets(model: nn.Module) -> dict[str, Target]:
             continue
         module_name, _, attr = name.rpartition(".")
         module = modules[module_name]
-        key = checkpoint_key(name)
+        key = weight_key(name)
         target = Target(param)
         if isinstance(module, bnb.nn.Linear4bit) and attr == "weight":
             target.quantized_module = module
             target.dora_magnitude = dora_magnitude_of(modules, module_name)
         targets[key] = target
     return targets
-
-
-def checkpoint_key(param_name: str) -> str:
-    name = clean_name(param_name).replace(".base_layer.", ".")
-    return name.removeprefix(PEFT_PREFIX)
 
 
 def dora_magnitude_of(modules: dict[str, nn.Module], linear_name: str) -> nn.Parameter | None:
@@ -161,7 +156,7 @@ def tensor_source(
 ) -> Iterator[tuple[str, StoredTensor, str]]:
     if cfg.model.init == "random":
         return random_tensors(targets, getattr(hf_config, "initializer_range", 0.02), cfg.train.seed, device)
-    return checkpoint_tensors(checkpoint_dir(cfg.model.path), cfg.model.allow_pickle)
+    return checkpoint_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle)
 
 
 @torch.no_grad()

@@ -15,13 +15,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
-from qlora_fsdp.config import CheckpointingConfig, Config, FSDPConfig
-from qlora_fsdp.model.build import TORCH_DTYPES, build_meta_model, decoder_layers
-
-CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+from qlora_fsdp.config import ActivationCheckpointingConfig, Config, FSDPConfig
+from qlora_fsdp.dtypes import TORCH_DTYPES
+from qlora_fsdp.model.build import build_meta_model, decoder_layers
 
 
 def layer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -38,19 +36,11 @@ def layer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return slots
 
 
-def should_checkpoint(index: int, ac: CheckpointingConfig) -> bool:
-    if ac.mode == "every_layer":
-        return True
-    if ac.mode == "every_nth":
-        return index % ac.every_n == 0
-    return False
-
-
-def apply_activation_checkpointing(model: nn.Module, ac: CheckpointingConfig) -> int:
-    """Wrap the chosen decoder layers; returns how many were wrapped."""
+def apply_activation_checkpointing(model: nn.Module, policy: ActivationCheckpointingConfig) -> int:
+    """Wrap the layers the policy chooses; returns how many were wrapped."""
     wrapped = 0
     for index, (parent, name) in enumerate(layer_slots(model)):
-        if should_checkpoint(index, ac):
+        if policy.wraps(index):
             layer = getattr(parent, name)
             parent.register_module(name, checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
             wrapped += 1
@@ -84,16 +74,6 @@ def shard_model(model: nn.Module, fsdp: FSDPConfig, mesh: DeviceMesh) -> None:
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
 
-def clean_name(name: str) -> str:
-    """Parameter name without the checkpoint wrapper's prefix, as PEFT and checkpoints spell it."""
-    return name.replace(CHECKPOINT_PREFIX, "")
-
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly DTensor) parameter or gradient."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def uses_fsdp(fsdp: FSDPConfig, world_size: int) -> bool:
     """Several ranks, offload or a mixed-precision policy need FSDP2 (the policy is FSDP2's, so without the wrap
     one process would silently compute in storage dtypes); otherwise the wrap would only add copies (measured 8%
@@ -105,7 +85,7 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
     """Meta build -> checkpointing -> fully_shard (where FSDP is used): the model as this rank will hold it,
     before a byte is allocated. Training then allocates and loads it; the planner only measures it."""
     model = build_meta_model(cfg, hf_config)
-    apply_activation_checkpointing(model, cfg.checkpointing)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if shard and uses_fsdp(cfg.fsdp, mesh.size()):
         shard_model(model, cfg.fsdp, mesh)
     return model

@@ -24,10 +24,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, PretrainedConfig
 
 from qlora_fsdp.config import REPO_ROOT, Config, HardwareConfig
-from qlora_fsdp.distributed import DistInfo, data_parallel_mesh, init_fake_distributed
+from qlora_fsdp.distributed import DistInfo, data_parallel_mesh, init_fake_distributed, local_shard
+from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.model.build import TORCH_DTYPES, base_parameter_count, decoder_layers, load_hf_config
-from qlora_fsdp.model.sharding import local_shard, sharded_meta_model, uses_fsdp
+from qlora_fsdp.model.build import base_parameter_count, decoder_layers, load_hf_config
+from qlora_fsdp.model.sharding import sharded_meta_model, uses_fsdp
+from qlora_fsdp.optimizers import OPTIMIZERS
 from qlora_fsdp.plan.batch_size import describe_batch, effective_rows, resolve_batch
 from qlora_fsdp.plan.hardware import GPU, GPUS
 
@@ -35,8 +37,6 @@ GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace: outside the caching allocator
 ALLOCATOR_SLACK = 0.05  # fragmentation, as a fraction of what the allocator holds
 HOST_BASELINE_GIB = 1.5  # a rank's Python, torch, transformers and bitsandbytes before any weight
-BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state for tensors smaller than this
-BNB_STATE_BLOCK = 256  # block size of bitsandbytes' 8-bit optimizer state
 NESTED_BLOCK = 256  # block size of the double quantization of absmax
 
 
@@ -81,16 +81,6 @@ def quant_state_bytes(n_elements: int, blocksize: int, double_quant: bool) -> in
         return blocks * 4 + codebook
     nested = math.ceil(blocks / NESTED_BLOCK) * 4 + 256 * 4 + 4  # nested absmax, its 8-bit code, the offset
     return blocks + nested + codebook
-
-
-def optimizer_state_bytes(n_elements: int, name: str, itemsize: int = 4) -> int:
-    """Optimizer state for one local shard of n elements of `itemsize` bytes, by each optimizer's own rule."""
-    if name == "adamw":
-        return 2 * itemsize * n_elements + 4  # exp_avg, exp_avg_sq in the parameter's dtype; a fp32 step counter
-    if n_elements < BNB_MIN_8BIT_SIZE:
-        return 2 * 4 * n_elements  # bitsandbytes falls back to 32-bit state for small tensors
-    blocks = math.ceil(n_elements / BNB_STATE_BLOCK)
-    return 2 * n_elements + 2 * 4 * blocks + 2 * 256 * 4  # two uint8 states, their absmax, two 8-bit codes
 
 
 def planning_config(cfg: Config) -> PretrainedConfig:
@@ -147,7 +137,7 @@ def held_bytes(model: nn.Module, cfg: Config) -> Held:
         if param.requires_grad:
             held.lora += nbytes(shard)
             held.grads += nbytes(shard)  # FSDP2 hands each shard its gradient in the parameter's dtype
-            held.optimizer += optimizer_state_bytes(shard.numel(), cfg.optim.name, shard.element_size())
+            held.optimizer += OPTIMIZERS[cfg.optim.name].state_bytes(shard.numel(), shard.element_size())
             held.lora_elements += param.numel()
         elif id(param) in packed:
             held.base_4bit += nbytes(shard)
@@ -203,8 +193,7 @@ def activation_bytes(cfg: Config, hf_config: object, micro_batch: int, lora_feat
     lora_casts = lora_features * lora_cast_bytes_per_feature(cfg)
     per_layer = tokens * (d * (9 * h + 3 * kv + 4 * inter) + 2 * 4 * h + lora_casts)
     kept_input = tokens * h * d
-    checkpointed = sum(1 for i in range(layers) if cfg.checkpointing.mode == "every_layer" or (
-        cfg.checkpointing.mode == "every_nth" and i % cfg.checkpointing.every_n == 0))
+    checkpointed = cfg.activation_checkpointing.wrapped_count(layers)
     activations = checkpointed * kept_input + (layers - checkpointed) * per_layer + per_layer
     # logits in the compute dtype, their fp32 copy, log-softmax kept for backward, fp32 and compute-dtype grads
     logits = tokens * hf_config.vocab_size * (d + 4 + 4 + 4 + d)
@@ -240,8 +229,8 @@ def compute_rows(held: Held, cfg: Config, hf_config: object, sharded: bool) -> l
         rows.append(Row("LoRA gradients while accumulating (unsharded: sync is off until the last micro-batch)",
                         held.lora_elements * accumulated_grad_itemsize(cfg), True))
     rows += [Row("dequantized weight of the largest linear", held.largest_linear * compute, True),
-             Row(f"activations ({cfg.checkpointing.mode} checkpointing, micro-batch {cfg.data.micro_batch_size} x "
-                 f"{cfg.data.context_length} tokens)", activations, False),
+             Row(f"activations ({cfg.activation_checkpointing.mode} checkpointing, micro-batch "
+                 f"{cfg.data.micro_batch_size} x {cfg.data.context_length} tokens)", activations, False),
              Row("logits and loss", logits, False)]
     return rows
 
@@ -273,8 +262,8 @@ def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, Co
     """Changes that shrink the footprint, the ones that keep the most throughput first. With
     `batch_from_target` the recipe states an effective batch, so only the micro-batch is the user's to set."""
     changes: list[tuple[str, dict[str, object]]] = []
-    if cfg.checkpointing.mode != "every_layer":
-        changes.append(("checkpointing.mode=every_layer", {"checkpointing.mode": "every_layer"}))
+    if cfg.activation_checkpointing.mode != "every_layer":
+        changes.append(("activation_checkpointing.mode=every_layer", {"activation_checkpointing.mode": "every_layer"}))
     if cfg.data.micro_batch_size > 1:
         half, accum = max(1, cfg.data.micro_batch_size // 2), cfg.data.grad_accum_steps * 2
         label = (f"data.micro_batch_size={half} (the effective batch then takes {accum} accumulation steps)"

@@ -10,12 +10,13 @@ import peft
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from qlora_fsdp.api import build_model
 from qlora_fsdp.config import Config
-from qlora_fsdp.data.templates import choose_template, prompt_ids
+from qlora_fsdp.data.pipeline import run_template
+from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import init_distributed
 from qlora_fsdp.model.adapter import load_adapter_into
 from qlora_fsdp.model.build import load_tokenizer
+from qlora_fsdp.model.factory import build_model
 
 
 @dataclass
@@ -51,13 +52,13 @@ def load_generator(cfg: Config, adapter_dir: Path | None) -> Generator:
     """The recipe's base in 4-bit on this machine's device (one process), with the adapter's weights; without
     an adapter, LoRA stays at its zero init, so replies are the base model's."""
     info = init_distributed()
-    no_recompute = dataclasses.replace(cfg.checkpointing, mode="off")  # nothing to save for a backward pass
-    model = build_model(dataclasses.replace(cfg, checkpointing=no_recompute), info, shard=False)
+    no_recompute = dataclasses.replace(cfg.activation_checkpointing, mode="off")  # no backward pass to save for
+    model = build_model(dataclasses.replace(cfg, activation_checkpointing=no_recompute), info, shard=False)
     tokenizer = load_tokenizer(cfg)
     if adapter_dir is not None:
         load_adapter_into(model, adapter_dir)
         if (adapter_dir / "tokenizer_config.json").is_file():  # the tokenizer the run used, saved with it
             tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     model.eval()
-    template = choose_template(cfg.data.template, tokenizer, cfg.data.format)
+    template = run_template(cfg.data, tokenizer)
     return Generator(model, tokenizer, template, info.device)

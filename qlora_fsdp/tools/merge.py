@@ -20,13 +20,13 @@ import torch
 from safetensors.torch import save_file
 
 from qlora_fsdp.config import Config
+from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.model.adapter import read_adapter
-from qlora_fsdp.model.build import TORCH_DTYPES, build_meta_model, checkpoint_dir, load_hf_config
+from qlora_fsdp.model.build import build_meta_model, load_hf_config, model_dir
 from qlora_fsdp.model.loading import base_targets, quantize
+from qlora_fsdp.model.names import PEFT_PREFIX
 from qlora_fsdp.model.weight_files import checkpoint_tensors
-
-PEFT_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -123,7 +123,7 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: str = "b
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     writer = ShardWriter(tmp, max_shard_bytes)
-    for key, stored, _ in checkpoint_tensors(checkpoint_dir(cfg.model.path), cfg.model.allow_pickle):
+    for key, stored, _ in checkpoint_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
         if key.endswith("rotary_emb.inv_freq"):
             continue
         weight = stored.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])

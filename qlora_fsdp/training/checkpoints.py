@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from qlora_fsdp.distributed import DistInfo, barrier
 from qlora_fsdp.errors import CheckpointError
 from qlora_fsdp.model.adapter import export_adapter
-from qlora_fsdp.model.sharding import clean_name
+from qlora_fsdp.model.names import clean_name
 from qlora_fsdp.training.optimizer import ShardedOptimizer
 
 CHECKPOINTS_DIR = "checkpoints"

@@ -31,6 +31,80 @@ from qlora_fsdp.training.profiling import StepProfiler
 from qlora_fsdp.training.signals import GracefulStop
 
 
+@dataclass(frozen=True)
+class MfuReference:
+    """Model FLOP utilization: 6N FLOP a token (forward 2N, its recompute under checkpointing 2N, input gradients
+    2N; the frozen base has no weight gradients) against the peak of all ranks; none on an unknown device."""
+
+    flops_per_token: float = 0.0
+    peak_flops: float = 0.0
+
+    @classmethod
+    def for_run(cls, base_parameters: int, peak_flops_per_device: float | None, world_size: int) -> MfuReference:
+        if not peak_flops_per_device:
+            return cls()
+        return cls(6.0 * base_parameters, peak_flops_per_device * world_size)
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        return tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One optimizer step, global over ranks."""
+
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: float
+    target_tokens: float
+    samples: float
+    skipped: bool
+
+    def record(self) -> dict[str, float]:
+        """The fields metrics.jsonl keeps for a step."""
+        return {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "tokens": self.tokens,
+                "target_tokens": self.target_tokens, "skipped": int(self.skipped)}
+
+
+@dataclass
+class RunSummary:
+    """The end of a run; `as_dict` is the summary record, the printed table and what `train()` returns."""
+
+    train_runtime_s: float
+    steps: int
+    skipped_steps: int
+    samples: int
+    tokens: int
+    mfu: float | None
+    eval_loss_start: float
+    eval_loss_end: float
+    memory_peaks_gb: dict[str, float]
+    stopped_by_signal: bool = False
+    checkpoint: str | None = None
+    adapter: str | None = None
+    profile: str | None = None
+    loss_curves: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        wall = self.train_runtime_s
+        out: dict[str, Any] = {"train_runtime_s": wall, "steps": self.steps, "skipped_steps": self.skipped_steps,
+                               "samples": self.samples, "samples_per_s": self.samples / wall, "tokens": self.tokens,
+                               "tokens_per_s": self.tokens / wall}
+        if self.mfu is not None:
+            out["mfu"] = self.mfu
+        end = self.eval_loss_end
+        out.update(eval_loss_start=self.eval_loss_start, eval_loss_end=end,
+                   eval_ppl_end=math.exp(end) if math.isfinite(end) else math.nan)
+        out.update({f"{key}_max_rank": value for key, value in self.memory_peaks_gb.items()})
+        if self.stopped_by_signal:
+            out["stopped_by_signal"] = True
+        for key in ("checkpoint", "adapter", "profile", "loss_curves"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -94,7 +168,8 @@ def eval_record(loss: float) -> dict[str, float]:
 class Trainer:
     def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, data: Dataset, pad_id: int,
                  optimizer: ShardedOptimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 logger: MetricsLogger, checkpointer: Checkpointer | None = None) -> None:
+                 logger: MetricsLogger, checkpointer: Checkpointer | None = None,
+                 mfu_reference: MfuReference | None = None) -> None:
         self.cfg, self.info, self.model, self.data, self.pad_id = cfg, info, model, data, pad_id
         self.optimizer, self.scheduler, self.logger, self.checkpointer = optimizer, scheduler, logger, checkpointer
         grouped = cfg.data.group_by_length or data.packs is not None
@@ -106,19 +181,8 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.stop = GracefulStop()
         self.profiler = StepProfiler(cfg.profile, Path(cfg.train.output_dir), info.rank, info.device)
-        self.flops_per_token = 0.0  # set with set_mfu_reference; 0: no MFU (unknown device)
-        self.peak_flops = 0.0
+        self.mfu_reference = mfu_reference or MfuReference()
         self.memory_peaks: dict[str, float] = {}  # the run's largest, over ranks
-
-    def set_mfu_reference(self, base_parameters: int, peak_flops_per_device: float | None) -> None:
-        """MFU counts 6N FLOP a token: forward 2N, its recompute under checkpointing 2N, input gradients 2N
-        (the frozen base has no weight gradients)."""
-        if peak_flops_per_device:
-            self.flops_per_token = 6.0 * base_parameters
-            self.peak_flops = peak_flops_per_device * self.info.world_size
-
-    def mfu(self, tokens_per_s: float) -> dict[str, float]:
-        return {"mfu": tokens_per_s * self.flops_per_token / self.peak_flops} if self.peak_flops else {}
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides weights, optimizer state and RNG (those go through DCP)."""
@@ -166,7 +230,7 @@ class Trainer:
         return [collate_packed([data.samples(data.train, data.packs[u]) for u in units], self.pad_id)
                 for units in self.sampler.next_step()]
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> StepStats:
         """One optimizer step; a non-finite loss or gradient norm skips the update (the data is consumed)."""
         micro_batches = self.micro_batches()
         result = accumulate_gradients(self.model, micro_batches, self.info.device)
@@ -179,16 +243,15 @@ class Trainer:
         self.bad_in_a_row = 0 if finite else self.bad_in_a_row + 1
         self.scheduler.step()
         self.optimizer.zero_grad()
-        return {"loss": result.loss, "lr": lr, "grad_norm": grad_norm, "tokens": result.n_tokens,
-                "target_tokens": result.n_targets, "samples": result.n_samples, "skipped": int(not finite)}
+        return StepStats(result.loss, lr, grad_norm, result.n_tokens, result.n_targets, result.n_samples, not finite)
 
-    def check_bad_steps(self, record: dict[str, float]) -> None:
+    def check_bad_steps(self, stats: StepStats) -> None:
         if self.bad_in_a_row < self.cfg.train.max_bad_steps:
             return
         kept = self.last_checkpoint or "none yet (the weights in memory are the last good ones)"
         raise TrainingStopped(
             f"stopping at step {self.step}: {self.bad_in_a_row} steps in a row had a non-finite loss or gradient "
-            f"(loss {record['loss']}, grad norm {record['grad_norm']}); last good checkpoint: {kept}; lower "
+            f"(loss {stats.loss}, grad norm {stats.grad_norm}); last good checkpoint: {kept}; lower "
             "optim.lr or check the data, then resume with --resume")
 
     def run_steps(self) -> tuple[float, int, bool]:
@@ -201,17 +264,19 @@ class Trainer:
             elapsed = time.perf_counter() - step_start
             self.profiler.step_done()
             self.step += 1
-            tokens += stats["tokens"]
-            samples += stats.pop("samples")
-            rate = stats["tokens"] / elapsed
-            record = {"step": self.step, **stats, "tokens_per_s": rate, **self.mfu(rate), "step_time_s": elapsed}
+            tokens += stats.tokens
+            samples += int(stats.samples)
+            rate = stats.tokens / elapsed
+            mfu = self.mfu_reference.mfu(rate)
+            record = {"step": self.step, **stats.record(), "tokens_per_s": rate,
+                      **({"mfu": mfu} if mfu is not None else {}), "step_time_s": elapsed}
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != cfg.max_steps and self.eval_samples:
                 record.update(eval_record(self.evaluate()))
             record.update(self.step_memory())
             self.logger.log(record)
             shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gb")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
-            self.check_bad_steps(record)
+            self.check_bad_steps(stats)
             stop = self.stop.requested(self.info.device)
             if stop or self.step == cfg.max_steps or (cfg.save_every and self.step % cfg.save_every == 0):
                 self.save()
@@ -219,7 +284,7 @@ class Trainer:
                 return tokens, samples, True
         return tokens, samples, False
 
-    def train(self) -> dict[str, Any]:
+    def train(self) -> RunSummary:
         self.model.train()
         resumed = self.step > 0
         first_eval = self.evaluate() if self.eval_samples and not resumed else math.nan
@@ -237,14 +302,7 @@ class Trainer:
         final_eval = self.evaluate() if self.eval_samples and not stopped else math.nan
         if not stopped:
             self.logger.log({"step": self.step, **eval_record(final_eval)})
-        summary = {"train_runtime_s": wall, "steps": self.step, "skipped_steps": self.skipped_steps,
-                   "samples": samples, "samples_per_s": samples / wall, "tokens": int(tokens),
-                   "tokens_per_s": tokens / wall, **self.mfu(tokens / wall), "eval_loss_start": first_eval,
-                   "eval_loss_end": final_eval,
-                   "eval_ppl_end": math.exp(final_eval) if math.isfinite(final_eval) else math.nan,
-                   **{f"{key}_max_rank": value for key, value in (self.memory_peaks or self.step_memory()).items()}}
-        if stopped:
-            summary["stopped_by_signal"] = True
-        if self.last_checkpoint is not None:
-            summary["checkpoint"] = str(self.last_checkpoint)
-        return summary
+        checkpoint = str(self.last_checkpoint) if self.last_checkpoint is not None else None
+        return RunSummary(wall, self.step, self.skipped_steps, samples, int(tokens),
+                          self.mfu_reference.mfu(tokens / wall), first_eval, final_eval,
+                          self.memory_peaks or self.step_memory(), stopped_by_signal=stopped, checkpoint=checkpoint)

@@ -10,28 +10,22 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-import bitsandbytes as bnb
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from qlora_fsdp.config import OptimConfig
-from qlora_fsdp.model.sharding import local_shard
-
-OPTIMIZERS = {
-    "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
-    "adamw_8bit": bnb.optim.AdamW8bit,
-    "adamw": torch.optim.AdamW,
-}
+from qlora_fsdp.distributed import local_shard
+from qlora_fsdp.optimizers import OPTIMIZERS
 
 
 def optimizer_class(name: str, shards: list[torch.Tensor]) -> type[torch.optim.Optimizer]:
-    """The configured optimizer; paged state only where it can page. Host shards (FSDP2's CPU offload, a CPU
-    run) keep their state in host RAM already, and bitsandbytes would fall back with a warning."""
-    if name == "paged_adamw_8bit" and all(shard.device.type == "cpu" for shard in shards):
-        return bnb.optim.AdamW8bit
-    return OPTIMIZERS[name]
+    """The registry's class for `name`, or its host variant when every shard is in host memory."""
+    spec = OPTIMIZERS[name]
+    if spec.on_host and all(shard.device.type == "cpu" for shard in shards):
+        spec = OPTIMIZERS[spec.on_host]
+    return spec.load_class()
 
 
 class ShardedOptimizer:

@@ -1,0 +1,21 @@
+"""The model as a rank trains (or samples from) it: built, sharded, allocated and filled, in that order."""
+
+from __future__ import annotations
+
+import peft
+import torch
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.distributed import DistInfo
+from qlora_fsdp.model.build import load_hf_config
+from qlora_fsdp.model.loading import load_weights, materialize
+from qlora_fsdp.model.sharding import sharded_meta_model
+
+
+def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftModel:
+    """Meta build -> activation checkpointing -> fully_shard -> allocate -> stream and quantize weights."""
+    model = sharded_meta_model(cfg, load_hf_config(cfg), info.mesh, shard)
+    offload = shard and cfg.fsdp.cpu_offload  # offload always comes with FSDP (sharding.uses_fsdp)
+    materialize(model, info.device, torch.device("cpu") if offload else info.device)
+    load_weights(model, cfg, info.device)
+    return model
