@@ -45,8 +45,10 @@ test-slow: $(BIN)/activate tiny-model
 gpu-check: $(BIN)/activate
 	$(BIN)/python scripts/gpu_check.py
 
+# ruff, then the type checker (mypy, pinned in requirements.txt; settings in pyproject.toml's [tool.mypy])
 lint: $(BIN)/activate
 	$(BIN)/ruff check .
+	$(BIN)/mypy qlora_fsdp scripts
 
 clean:
-	rm -rf $(VENV) models outputs .pytest_cache
+	rm -rf $(VENV) models outputs .pytest_cache .mypy_cache

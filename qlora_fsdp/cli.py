@@ -4,6 +4,7 @@
     python train.py --recipe tiny_cpu optim.lr=3e-4 data.micro_batch_size=4
     python train.py --recipe tiny_cpu --print-config
     torchrun --nproc_per_node 2 train.py --recipe tiny_cpu --resume    # continue from the latest checkpoint
+    torchrun --nproc_per_node 2 train.py --recipe tiny_cpu --resume-from outputs/x/checkpoints/step-000200
 """
 
 # train.py's command line (its docstring is the --help text). It lives in the package so that scripts/plan.py
@@ -12,9 +13,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from qlora_fsdp.config import load_config, to_yaml
-from qlora_fsdp.errors import run_command
+from qlora_fsdp.errors import ConfigError, run_command
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -22,8 +24,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--recipe", default="tiny_cpu", help="a name in recipes/ or a path to a YAML file")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--plan", action="store_true", help="print the memory plan (no GPU, no weights) and exit")
-    parser.add_argument("--resume", nargs="?", const="auto", metavar="CHECKPOINT",
-                        help="continue from the latest checkpoint in train.output_dir, or from CHECKPOINT")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from the latest complete checkpoint in train.output_dir (train.resume=auto)")
+    resume.add_argument("--resume-from", metavar="CHECKPOINT", help="continue from this checkpoint folder")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=3e-4")
     return parser.parse_args(argv)
 
@@ -34,12 +38,12 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if args.resume and "=" in args.resume:  # `--resume optim.lr=1e-4`: an override, not a checkpoint
-        overrides.insert(0, args.resume)
-        args.resume = "auto"
-    resume = [f"train.resume={args.resume}"] if args.resume else []
-    cfg = load_config(args.recipe, [*overrides, *resume])
+    for item in args.overrides:
+        if "=" not in item and ("/" in item or Path(item).is_dir()):  # `--resume PATH`: the old spelling
+            raise ConfigError(f"'{item}' is not a key=value override; to resume from a checkpoint folder, pass "
+                              f"--resume-from {item}")
+    resume = "auto" if args.resume else args.resume_from
+    cfg = load_config(args.recipe, [*args.overrides, *([f"train.resume={resume}"] if resume else [])])
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0

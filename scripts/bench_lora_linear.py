@@ -17,6 +17,7 @@ import bitsandbytes as bnb
 import bitsandbytes.functional as bnb_f
 import torch
 from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraLayer
 
 
 class FusedLoraNF4(torch.autograd.Function):
@@ -41,15 +42,30 @@ class FusedLoraNF4(torch.autograd.Function):
 
 
 def peft_layer(d_in: int, d_out: int) -> torch.nn.Module:
+    proj = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                             quant_storage=torch.bfloat16)
+    proj.weight = bnb.nn.Params4bit(torch.randn(d_out, d_in, dtype=torch.bfloat16) * 0.05,
+                                    requires_grad=False, quant_type="nf4", quant_storage=torch.bfloat16,
+                                    compress_statistics=True)._quantize("cpu")
     holder = torch.nn.Module()
-    holder.proj = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
-                                    quant_storage=torch.bfloat16)
-    holder.proj.weight = bnb.nn.Params4bit(torch.randn(d_out, d_in, dtype=torch.bfloat16) * 0.05,
-                                           requires_grad=False, quant_type="nf4", quant_storage=torch.bfloat16,
-                                           compress_statistics=True)._quantize("cpu")
-    layer = get_peft_model(holder, LoraConfig(r=16, lora_alpha=32, target_modules=["proj"])).base_model.model.proj
-    torch.nn.init.normal_(layer.lora_B.default.weight, std=0.02)  # nonzero, so every gradient path is exercised
+    holder.proj = proj
+    peft_model = get_peft_model(holder, LoraConfig(r=16, lora_alpha=32, target_modules=["proj"]))
+    layer = peft_model.get_submodule("base_model.model.proj")
+    assert isinstance(layer, LoraLayer), "get_peft_model put a LoRA layer where proj was"
+    torch.nn.init.normal_(adapter_weight(layer.lora_B), std=0.02)  # nonzero, so every gradient path is exercised
     return layer
+
+
+def adapter_weight(linears: torch.nn.ModuleDict) -> torch.Tensor:
+    """The weight of a LoRA layer's A or B for the default adapter."""
+    linear = linears["default"]
+    assert isinstance(linear, torch.nn.Linear), "LoRA's A and B of a linear are linears"
+    return linear.weight
+
+
+def grad_of(tensor: torch.Tensor) -> torch.Tensor:
+    assert tensor.grad is not None, "read after backward"
+    return tensor.grad
 
 
 def main() -> None:
@@ -59,17 +75,20 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     layer = peft_layer(128, 256)  # the tiny model's MLP up-projection shape
+    assert isinstance(layer, LoraLayer), "peft_layer returns PEFT's LoRA layer"
     x = torch.randn(args.tokens, 128, dtype=torch.bfloat16, requires_grad=True)
-    a, b = layer.lora_A.default.weight, layer.lora_B.default.weight
+    a, b = adapter_weight(layer.lora_A), adapter_weight(layer.lora_B)
+    base = layer.base_layer
+    assert isinstance(base, bnb.nn.Linear4bit), "the layer PEFT wrapped is the 4-bit linear built above"
     runs: dict[str, Callable[[], torch.Tensor]] = {
         "PEFT LoRA on bnb Linear4bit": lambda: layer(x),
-        "fused autograd op": lambda: FusedLoraNF4.apply(x, layer.base_layer.weight, a, b, layer.scaling["default"]),
+        "fused autograd op": lambda: FusedLoraNF4.apply(x, base.weight, a, b, layer.scaling["default"]),
     }
     grads = {}
     for name, forward in runs.items():
         x.grad = a.grad = b.grad = None
         forward().float().sum().backward()
-        grads[name] = [t.grad.float().clone() for t in (x, a, b)]
+        grads[name] = [grad_of(t).float().clone() for t in (x, a, b)]
     reference, fused = grads.values()
     worst = max(((r - f).abs().max() / r.abs().max()).item() for r, f in zip(reference, fused, strict=True))
     print(f"gradients (x, A, B): max relative difference {worst:.2e}")

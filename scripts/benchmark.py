@@ -19,12 +19,24 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SETTINGS = {"context_length": 128, "micro_batch_size": 8, "grad_accum_steps": 2, "lr": 3e-3, "warmup_steps": 10,
-            "r": 16, "alpha": 32, "seed": 42}
+class Settings(TypedDict):
+    context_length: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    lr: float
+    warmup_steps: int
+    r: int
+    alpha: int
+    seed: int
+
+
+SETTINGS: Settings = {"context_length": 128, "micro_batch_size": 8, "grad_accum_steps": 2, "lr": 3e-3,
+                      "warmup_steps": 10, "r": 16, "alpha": 32, "seed": 42}
 
 
 def write_split(data_dir: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
@@ -51,7 +63,7 @@ def ours(model: str, train: Path, held_out: Path, out: Path, packing: bool, rows
                  f"train.output_dir={out}", "train.overwrite=true"]
     cfg = load_config("tiny_cpu", overrides)
     data = load_dataset(load_tokenizer(cfg), cfg.data, cfg.train.seed)
-    steps = math.ceil(data.n_units / (cfg.data.micro_batch_size * cfg.data.grad_accum_steps))
+    steps = math.ceil(data.n_units / (cfg.data.micro_batch * cfg.data.grad_accum_steps))
     command = [sys.executable, str(REPO / "train.py"), "--recipe", "tiny_cpu", *overrides, f"train.max_steps={steps}"]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "2"})
     summary = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]

@@ -1,35 +1,46 @@
-"""Peak host RAM per rank while loading a ~1B Llama in NF4 on 2 CPU ranks: our streaming loader vs the peer path.
+"""Peak host RAM per rank while loading a ~1B Llama in NF4 on 2 CPU ranks: our streaming loader, with each
+safetensors reader, against the peer path.
 
-The peer is what a user would otherwise do: every rank calls transformers' from_pretrained with the NF4
-BitsAndBytesConfig. Figures are above the process's memory just before loading: peak RSS (VmHWM, reset
-then), and peak anonymous memory (RSS without file-backed pages, sampled every 5 ms).
+Readers (`qlora_fsdp.model.weight_files`): `mmap` is safetensors' `safe_open(..., backend="mmap")` (the
+library's default: tensors are views of the mapped file), `pread` the same library reading each tensor (or row
+range) into a fresh buffer with pread(2). The peer is what a user would otherwise do: every rank calls
+transformers' from_pretrained with the NF4 BitsAndBytesConfig.
 
-    python scripts/benchmark_loading.py --out-dir /tmp/bench-1b
+Figures are above the process's memory just before loading. Peak anonymous memory (RssAnon: heap and
+tensors, without file-backed pages such as a mapped checkpoint, which the kernel can drop at will) is what a
+load strictly needs; the kernel keeps no peak of it, so a thread samples /proc/self/status every millisecond.
+Peak RSS is exact (VmHWM, reset just before loading); it adds the mapped checkpoint pages. Where a reader maps
+nothing, the two agree, which checks that the sampling misses no spike.
+
+    python scripts/benchmark_loading.py --out-dir /tmp/bench-1b --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
-import sys
+import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from qlora_fsdp.training.metrics import proc_status_bytes  # noqa: E402
 
-GB = 2**30
-CONFIG = {  # a TinyLlama-like shape, 16 layers: about 1.0B parameters
+GB, MB = 2**30, 2**20
+LOADERS = ("own", "mmap", "pread", "peer")  # our loader with each safetensors reader, then the peer
+CONFIG: dict[str, Any] = {  # a TinyLlama-like shape, 16 layers: about 1.0B parameters (config.json)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 2048,
     "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 4,
     "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "dtype": "bfloat16",
@@ -80,8 +91,8 @@ def reset_peak_rss() -> None:
 
 
 class AnonPeak:
-    """Peak of anonymous memory (RSS without file-backed pages such as a memory-mapped checkpoint),
-    sampled every 5 ms by a thread: a fairer view of what a load strictly needs."""
+    """Peak of anonymous memory, sampled every millisecond by a thread. The peaks of a load are plateaus
+    (a full tensor held while it is quantized, for tens of milliseconds), far longer than the interval."""
 
     def __init__(self) -> None:
         self.peak, self.stop = 0, threading.Event()
@@ -90,7 +101,7 @@ class AnonPeak:
     def run(self) -> None:
         while not self.stop.is_set():
             self.peak = max(self.peak, proc_status_bytes("RssAnon"))
-            time.sleep(0.005)
+            time.sleep(0.001)
 
     def __enter__(self) -> AnonPeak:
         self.thread.start()
@@ -102,15 +113,18 @@ class AnonPeak:
         self.peak = max(self.peak, proc_status_bytes("RssAnon"))
 
 
-def prepare_ours(model_dir: str) -> Callable[[], object]:
-    from qlora_fsdp.api import build_model
+def prepare_ours(model_dir: str, reader: str) -> Callable[[], object]:
     from qlora_fsdp.config import Config
     from qlora_fsdp.distributed import init_distributed
+    from qlora_fsdp.model import loading, weight_files
+    from qlora_fsdp.model.factory import build_model
 
+    # training has one reader; only this benchmark swaps in another, in its own process
+    loading.checkpoint_tensors = functools.partial(weight_files.checkpoint_tensors, backend=reader)
     info = init_distributed()
     cfg = Config()
     cfg.model.path = model_dir
-    cfg.checkpointing.mode = "off"
+    cfg.activation_checkpointing.mode = "off"
     return lambda: build_model(cfg, info)
 
 
@@ -124,28 +138,39 @@ def prepare_peer(model_dir: str) -> Callable[[], object]:
     return lambda: AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, dtype=torch.bfloat16)
 
 
+@dataclass
+class Peaks:
+    """One rank's load: bytes above the baseline, and seconds."""
+
+    anon: int
+    rss: int
+    seconds: float
+
+
 def worker(which: str, model_dir: str, rank: int, port: int, queue) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import transformers  # noqa: F401
 
-    import qlora_fsdp  # noqa: F401  (same imports for both paths before the baseline)
+    import qlora_fsdp  # noqa: F401  (same imports for every loader before the baseline)
 
-    load = (prepare_ours if which == "ours" else prepare_peer)(model_dir)
+    load = prepare_peer(model_dir) if which == "peer" else prepare_ours(model_dir, which)
     baseline, baseline_anon = proc_status_bytes("VmRSS"), proc_status_bytes("RssAnon")
     reset_peak_rss()
+    started = time.perf_counter()
     with AnonPeak() as anon:
         model = load()  # noqa: F841  (held until the peaks are read)
-    queue.put((which, rank, proc_status_bytes("VmHWM") - baseline, anon.peak - baseline_anon))
+    seconds = time.perf_counter() - started
+    queue.put((rank, Peaks(anon.peak - baseline_anon, proc_status_bytes("VmHWM") - baseline, seconds)))
     import torch.distributed as dist
 
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure(which: str, model_dir: Path) -> list[tuple[int, int]]:
-    """(peak RSS, peak anonymous memory) above the baseline, per rank."""
+def measure(which: str, model_dir: Path) -> list[Peaks]:
+    """Both ranks of one load, in fresh processes (a process's peak and allocator state are its own)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as s:
@@ -157,27 +182,52 @@ def measure(which: str, model_dir: Path) -> list[tuple[int, int]]:
     results = sorted(queue.get(timeout=1800) for _ in procs)
     for p in procs:
         p.join()
-    return [(peak, anon) for _, _, peak, anon in results]
+    return [peaks for _, peaks in results]
+
+
+def spread(values: Sequence[float], scale: float, unit: str) -> str:
+    """Median, and the range where there were several runs."""
+    digits = 0 if unit == " MiB" else 1  # MiB: the readers differ by tens of them
+    text = f"{statistics.median(values) / scale:.{digits}f}{unit}"
+    return text if len(values) == 1 else f"{text} ({min(values) / scale:.{digits}f}-{max(values) / scale:.{digits}f})"
+
+
+def print_table(runs: dict[str, list[list[Peaks]]]) -> None:
+    """One row per loader and rank; ratios are medians against the peer's."""
+    print("| loader | rank | peak anonymous | peak RSS | wall time | anonymous / peer | RSS / peer |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for which, repeats in runs.items():
+        for rank in range(2):
+            own = [r[rank] for r in repeats]
+            peer = [r[rank] for r in runs["peer"]]
+            anon, rss = [p.anon for p in own], [p.rss for p in own]
+            ratio_anon = statistics.median(anon) / statistics.median([p.anon for p in peer])
+            ratio_rss = statistics.median(rss) / statistics.median([p.rss for p in peer])
+            print(f"| {which} | {rank} | {spread(anon, MB, ' MiB')} | {spread(rss, MB, ' MiB')} | "
+                  f"{spread([p.seconds for p in own], 1, ' s')} | {ratio_anon:.2f} | {ratio_rss:.2f} |")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/bench-1b"))
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every loader, interleaved")
+    parser.add_argument("--loaders", default=",".join(LOADERS), help=f"a subset of {','.join(LOADERS)}")
     args = parser.parse_args()
     n_params, two_largest = write_checkpoint(args.out_dir)
     linear = n_params - 2 * CONFIG["vocab_size"] * CONFIG["hidden_size"]
     nf4_bytes = linear * 0.5 * (1 + 0.127 / 4) + (n_params - linear) * 2  # packed + double-quant state + bf16 rest
     budget = (nf4_bytes / 2 + two_largest) * 1.10
-    ours, peer = measure("ours", args.out_dir), measure("peer", args.out_dir)
+    loaders = args.loaders.split(",")
+    runs: dict[str, list[list[Peaks]]] = {which: [] for which in loaders}
+    for _ in range(args.repeats):  # interleaved, so a slower spell of a shared machine hits every loader
+        for which in loaders:
+            runs[which].append(measure(which, args.out_dir))
     n_shards = len(list(args.out_dir.glob("*.safetensors")))
     print(f"\n{n_params / 1e9:.2f}B-parameter Llama, {n_shards} safetensors shards, "
-          f"2 CPU ranks; NF4 model {nf4_bytes / GB:.2f} GiB; budget per rank {budget / GB:.2f} GiB "
-          "(NF4/2 + two largest bf16 tensors + 10%)\n")
-    print("| rank | ours: peak RSS | peer: peak RSS | ratio | ours: peak anonymous | peer: peak anonymous | ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for rank, ((o_rss, o_anon), (p_rss, p_anon)) in enumerate(zip(ours, peer, strict=True)):
-        print(f"| {rank} | {o_rss / GB:.2f} GiB | {p_rss / GB:.2f} GiB | {o_rss / p_rss:.2f} | "
-              f"{o_anon / GB:.2f} GiB | {p_anon / GB:.2f} GiB | {o_anon / p_anon:.2f} |")
+          f"2 CPU ranks, {args.repeats} run(s) each: median (range); NF4 model {nf4_bytes / GB:.2f} GiB; "
+          f"budget per rank {budget / GB:.2f} GiB (NF4/2 + two largest bf16 tensors + 10%)\n")
+    print_table(runs)
+
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.multiprocessing as mp
@@ -57,7 +58,8 @@ def write_adapter(model_dir: Path, out: Path) -> None:
     (out / TRAINING_CONFIG).write_text(to_yaml(cfg))
 
 
-def merge_ours(adapter: Path, out: Path, base_weights: str, shard_bytes: int) -> None:
+def merge_ours(adapter: Path, out: Path, base_weights: Literal["dequantized", "original"],
+               shard_bytes: int) -> None:
     from qlora_fsdp.model.adapter import config_for_adapter
     from qlora_fsdp.tools.merge import merge_adapter
 
@@ -106,7 +108,7 @@ def main() -> None:
     write_adapter(model_dir, adapter)
     n_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     ctx = mp.get_context("spawn")
-    rows = []
+    rows: list[tuple[str, int, int, float]] = []  # what worker puts on its queue
     for which in ("ours, into dequantized NF4 (default)", "ours, into original weights",
                   "peer (PEFT merge_and_unload)"):
         out = args.out_dir / f"merged-{len(rows)}"

@@ -16,6 +16,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -24,24 +25,32 @@ REPO = Path(__file__).resolve().parent.parent
 import qlora_fsdp.model.build  # noqa: E402
 from qlora_fsdp.config import load_config  # noqa: E402
 from qlora_fsdp.data.batching import Sample, collate  # noqa: E402
-from qlora_fsdp.distributed import cleanup, init_fake_distributed  # noqa: E402
+from qlora_fsdp.distributed import DistInfo, cleanup, init_fake_distributed  # noqa: E402
 from qlora_fsdp.model.factory import build_model  # noqa: E402
 from qlora_fsdp.training.loop import loss_sum  # noqa: E402
 
+VOCAB_SIZE = 8192
 ARCHITECTURE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
                 "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 16,
-                "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 1024,
+                "num_key_value_heads": 4, "vocab_size": VOCAB_SIZE, "max_position_embeddings": 1024,
                 "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 
 
-def step_times(model_dir: Path, storage: torch.dtype, offload: bool, info, steps: int, tokens: int) -> list[float]:
+class Row(TypedDict):
+    storage: str
+    offload: bool
+    median_s: float
+
+
+def step_times(model_dir: Path, storage: torch.dtype, offload: bool, info: DistInfo, steps: int,
+               tokens: int) -> list[float]:
     cfg = load_config("tiny_cpu", [f"model.path={model_dir}", "model.init=random", "model.dtype=bfloat16",
                                    "quant.compute_dtype=bfloat16", "lora.dtype=bfloat16",
                                    "fsdp.param_dtype=bfloat16", f"fsdp.cpu_offload={str(offload).lower()}"])
     qlora_fsdp.model.build.QUANT_STORAGE = storage  # loading follows the dtype the model was built with
     model = build_model(cfg, info)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, ARCHITECTURE["vocab_size"], (tokens,), generator=generator).tolist()
+    ids = torch.randint(10, VOCAB_SIZE, (tokens,), generator=generator).tolist()
     batch = collate([Sample(ids, ids)], pad_id=0)
     times = []
     for _ in range(steps + 2):  # two warm-up steps
@@ -61,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     info = init_fake_distributed(2, device)
-    rows = []
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         (model_dir / "config.json").write_text(json.dumps(ARCHITECTURE))

@@ -26,6 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 import bitsandbytes as bnb  # noqa: E402
+import peft  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.fsdp  # noqa: E402, F401  (registers torch.ops.fsdp.all_gather_copy_in)
 from gpu_check import Row  # noqa: E402  (a sibling: Python puts scripts/ on the path)
@@ -129,7 +130,7 @@ def random_batches(cfg: Config, vocab: int, count: int, seed: int = 0) -> list[B
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(count):
-        shape = (cfg.data.micro_batch_size, cfg.data.context_length)
+        shape = (cfg.data.micro_batch, cfg.data.context_length)
         rows = [[Sample(ids, ids)] for ids in torch.randint(vocab, shape, generator=generator).tolist()]
         batches.append(collate_packed(rows, pad_id=0))
     return batches
@@ -147,7 +148,7 @@ class StepTimes:
         return self.tokens_per_step * len(timed) / sum(timed)
 
 
-def train_steps(model: nn.Module, cfg: Config, info: DistInfo, steps: int) -> StepTimes:
+def train_steps(model: peft.PeftModel, cfg: Config, info: DistInfo, steps: int) -> StepTimes:
     """Optimizer steps as the trainer takes them: accumulate, clip the global norm, step the local shards."""
     optimizer = build_optimizer(model, cfg.optim)
     batches = random_batches(cfg, model.config.vocab_size, cfg.data.grad_accum_steps)
@@ -219,6 +220,7 @@ class GatherWatch:
                 module.register_forward_pre_hook(self.compare)
 
     def compare(self, module: nn.Module, args: Any) -> None:
+        assert isinstance(module, bnb.nn.Linear4bit), "hooked on Linear4bit modules only (__init__)"
         loaded, weight = self.loaded[module], module.weight
         if isinstance(weight, DTensor) or weight.numel() <= loaded.numel():  # FSDP2 did not gather it
             self.counts["not_gathered"] += 1
@@ -322,7 +324,7 @@ def recipe_70b(ctx: Context, world_size: int, accumulation: int) -> Config:
     return load_config(RECIPE_70B, overrides)
 
 
-def load_capped(cfg: Config, info: DistInfo) -> tuple[nn.Module, dict[str, float]]:
+def load_capped(cfg: Config, info: DistInfo) -> tuple[peft.PeftModel, dict[str, float]]:
     """The model built and loaded with the GPU capped at the recipe's memory (a 24 GB card on a bigger one);
     then the peaks are reset, so the figures that follow are the training steps'."""
     cap_gpu_memory(info.device, gpu_spec(cfg).memory_gib)

@@ -41,6 +41,7 @@ def held_bytes(model: torch.nn.Module) -> dict[str, int]:
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             packed_ids.add(id(module.weight))
+            assert module.quant_state is not None, "a loaded Linear4bit holds its quantization state"
             held["quantization state"] += held_quant_state_bytes(module.quant_state)
     for param in model.parameters():
         local = local_shard(param)

@@ -26,17 +26,19 @@ def stored(tmp_path):
     return tmp_path
 
 
-def test_reads_match_safetensors(stored):
+@pytest.mark.parametrize("backend", ["own", "mmap", "pread"])
+def test_reads_match_safetensors(stored, backend):
     reference = load_file(stored / "model.safetensors")
-    read = {key: tensor.read() for key, tensor, _ in checkpoint_tensors(stored, allow_pickle=False)}
+    read = {key: tensor.read() for key, tensor, _ in checkpoint_tensors(stored, allow_pickle=False, backend=backend)}
     assert read.keys() == reference.keys()
     for key, tensor in reference.items():
         assert read[key].dtype == tensor.dtype and torch.equal(read[key], tensor), key
 
 
-def test_row_ranges_are_torch_chunks(stored):
+@pytest.mark.parametrize("backend", ["own", "mmap", "pread"])
+def test_row_ranges_are_torch_chunks(stored, backend):
     reference = load_file(stored / "model.safetensors")
-    for key, tensor, _ in checkpoint_tensors(stored, allow_pickle=False):
+    for key, tensor, _ in checkpoint_tensors(stored, allow_pickle=False, backend=backend):
         if not tensor.shape:
             continue
         for world in (1, 2, 3, 4):
@@ -56,12 +58,13 @@ def test_chunk_rows_matches_torch_chunk():
                 assert list(range(first, last)) == expected, (n_rows, world, rank)
 
 
+@pytest.mark.parametrize("backend", ["own", "mmap", "pread"])
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
-def test_damaged_file_is_named(stored, damage):
+def test_damaged_file_is_named(stored, damage, backend):
     path = stored / "model.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[:-10] if damage == "truncated" else b"\x05" * 64)
     with pytest.raises(ModelLoadError, match="model.safetensors") as err:
-        for _, tensor, _ in checkpoint_tensors(stored, allow_pickle=False):
+        for _, tensor, _ in checkpoint_tensors(stored, allow_pickle=False, backend=backend):
             tensor.read()
     assert "\n" not in str(err.value)

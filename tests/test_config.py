@@ -94,8 +94,12 @@ def test_print_config_shows_the_resolved_values():
 def test_resume_flag_with_or_without_a_checkpoint():
     latest = run_train("--recipe", "tiny_cpu", "--resume", "optim.lr=0.5", "--print-config")  # an override follows
     assert latest.returncode == 0 and "resume: auto" in latest.stdout and "lr: 0.5" in latest.stdout
-    given = run_train("--recipe", "tiny_cpu", "--resume", "runs/a/checkpoints/step-000100", "--print-config")
+    given = run_train("--recipe", "tiny_cpu", "--resume-from", "runs/a/checkpoints/step-000100", "--print-config")
     assert given.returncode == 0 and "resume: runs/a/checkpoints/step-000100" in given.stdout
+    old = run_train("--recipe", "tiny_cpu", "--resume", "runs/a/checkpoints/step-000100", "--print-config")
+    assert old.returncode == 2 and old.stderr.strip() == (
+        "error: 'runs/a/checkpoints/step-000100' is not a key=value override; to resume from a checkpoint folder, "
+        "pass --resume-from runs/a/checkpoints/step-000100")
 
 
 def test_every_shipped_recipe_loads():

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -36,7 +37,7 @@ def resolve_recipe_path(recipe: str) -> Path:
     raise ConfigError(f"unknown recipe '{recipe}': {suggestion}known recipes: {', '.join(known)}")
 
 
-def load_config(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(recipe: str, overrides: Sequence[str] = ()) -> Config:
     """Recipe YAML, then its fsdp preset under the recipe's own `fsdp` keys, then command-line overrides."""
     path = resolve_recipe_path(recipe)
     raw = _read_yaml(path)

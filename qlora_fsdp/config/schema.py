@@ -121,6 +121,13 @@ class DataConfig:
     cache_dir: str | None = None  # tokenized-dataset cache; None: the datasets library's default
     num_proc: int = 1  # processes for tokenization
 
+    @property
+    def micro_batch(self) -> int:
+        """micro_batch_size as the number it is once plan.batch_size.resolve_batch has run (every run, plan
+        and trainer resolves the config before reading it)."""
+        assert self.micro_batch_size != "auto", "micro_batch_size auto is resolved by plan.batch_size.resolve_batch"
+        return self.micro_batch_size
+
 
 @dataclass
 class TrainConfig:
@@ -135,6 +142,14 @@ class TrainConfig:
     resume: str = "never"  # never | auto (latest complete checkpoint in output_dir, if any) | a checkpoint folder
     max_bad_steps: int = 5  # steps in a row with non-finite loss or gradients before the run stops
     collective_timeout_minutes: float = 60.0  # a rank waiting for the others (rank 0 tokenizing) stops after this
+
+    def resume_target(self) -> Literal["never", "auto"] | Path:
+        """`resume` as what it names: a mode, or a checkpoint folder."""
+        if self.resume == "never":
+            return "never"
+        if self.resume == "auto":
+            return "auto"
+        return Path(self.resume)
 
 
 @dataclass

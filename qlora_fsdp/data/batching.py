@@ -145,8 +145,9 @@ class StepSampler:
     def next_step(self) -> list[list[int]]:
         """Unit indices of this rank's micro-batches for the next optimizer step."""
         units = self._next_units()
-        if self.lengths is not None:
-            units.sort(key=lambda unit: self.lengths[unit])
+        lengths = self.lengths
+        if lengths is not None:
+            units.sort(key=lambda unit: lengths[unit])
         chunks = [units[i : i + self.micro_batch_size] for i in range(0, len(units), self.micro_batch_size)]
         return chunks[self.rank :: self.world_size]  # ranks take turns, so each rank's lengths are alike
 

@@ -68,9 +68,9 @@ def data_files(path: Path) -> list[Path]:
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in FILE_BUILDERS)
     if not files:
         raise DataError(f"{path} holds no data files ({', '.join(FILE_BUILDERS)})")
-    kinds = {FILE_BUILDERS.get(f.suffix) for f in files}
-    if None in kinds:
+    if any(f.suffix not in FILE_BUILDERS for f in files):
         raise DataError(f"{files[0]}: unsupported data file type; use one of {', '.join(FILE_BUILDERS)}")
+    kinds = {FILE_BUILDERS[f.suffix] for f in files}
     if len(kinds) > 1:
         raise DataError(f"{path} mixes file types {sorted(kinds)}; list them as separate data.sources")
     return files

@@ -84,8 +84,16 @@ def encode_segments(segments: list[Segment], tokenizer: PreTrainedTokenizerBase)
     return ids, labels
 
 
+def render_chat(messages: list[Message], tokenizer: PreTrainedTokenizerBase,
+                add_generation_prompt: bool = False) -> str:
+    """The conversation as the tokenizer's chat template writes it, as text."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert isinstance(text, str), "tokenize=False renders text"
+    return text
+
+
 def encode_with_chat_template(messages: list[Message], tokenizer: PreTrainedTokenizerBase) -> tuple[list, list]:
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    full = render_chat(messages, tokenizer)
     spans = assistant_spans(messages, tokenizer, full)
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"]
@@ -102,8 +110,8 @@ def assistant_spans(messages: list[Message], tokenizer: PreTrainedTokenizerBase,
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+        before = render_chat(messages[:index], tokenizer, add_generation_prompt=True)
+        through = render_chat(messages[: index + 1], tokenizer)
         if not (full.startswith(before) and full.startswith(through)):
             raise DataError("the tokenizer's chat template renders earlier turns differently in longer chats, so "
                             "assistant turns cannot be located; set data.template to chatml or alpaca")
@@ -114,7 +122,7 @@ def assistant_spans(messages: list[Message], tokenizer: PreTrainedTokenizerBase,
 def prompt_ids(messages: list[Message], tokenizer: PreTrainedTokenizerBase, template: str) -> list[int]:
     """Token ids that open the assistant's next turn, exactly as training rendered the part before a response."""
     if template == "tokenizer":
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render_chat(messages, tokenizer, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if template == "alpaca":
         segments = alpaca_segments(messages, tokenizer)

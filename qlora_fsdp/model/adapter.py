@@ -32,7 +32,8 @@ def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
+            detached = param.detach()  # a DTensor's detach is a DTensor
+            full = detached.full_tensor() if isinstance(detached, DTensor) else detached
             state[clean_name(name)] = full.cpu().clone()
     return state
 
@@ -49,9 +50,10 @@ def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, ou
     save_file({k: v.contiguous() for k, v in adapter_state.items()}, out_dir / "adapter_model.safetensors",
               metadata={"format": "pt"})
     config = model.peft_config[ADAPTER_NAME]
+    assert isinstance(config, peft.LoraConfig), "build.attach_lora makes every adapter from a peft.LoraConfig"
     config.base_model_name_or_path = base_model_path
     config.init_lora_weights = True  # we initialized them ourselves; loaders should use PEFT's default
-    config.save_pretrained(out_dir)
+    config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(out_dir)
     (out_dir / TRAINING_CONFIG).write_text(config_yaml)
 

@@ -141,8 +141,10 @@ def base_parameter_count(model: nn.Module) -> int:
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad:
-                is_packed = isinstance(module, bnb.nn.Linear4bit) and name == "weight"
-                count += module.in_features * module.out_features if is_packed else param.numel()
+                if isinstance(module, bnb.nn.Linear4bit) and name == "weight":  # packed: count the unpacked size
+                    count += module.in_features * module.out_features
+                else:
+                    count += param.numel()
     return count
 
 
@@ -156,7 +158,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     lists = [m for m in base.modules() if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1]
     if not lists:
         raise ModelLoadError(f"cannot find the decoder layers of {type(base).__name__}")
-    return list(max(lists, key=len))
+    longest: nn.ModuleList = max(lists, key=len)
+    return list(longest)
 
 
 @contextmanager
@@ -171,8 +174,9 @@ def meta_dora_magnitudes() -> Iterator[None]:
                           lora_B: torch.Tensor, scaling: float, place_on_cpu: bool = False) -> None:
         self.weight = nn.Parameter(torch.empty(lora_B.shape[0], dtype=lora_A.dtype, device="meta"))
 
-    DoraLinearLayer.update_layer = meta_update_layer
+    # a deliberate patch of PEFT's method, undone on exit; mypy refuses any assignment to a method
+    DoraLinearLayer.update_layer = meta_update_layer  # type: ignore[method-assign]
     try:
         yield
     finally:
-        DoraLinearLayer.update_layer = original
+        DoraLinearLayer.update_layer = original  # type: ignore[method-assign]

@@ -51,7 +51,7 @@ def rebuild_non_persistent_buffers(model: nn.Module, device: torch.device) -> No
     # to_empty leaves garbage in computed buffers such as rotary `inv_freq` (the loss turns NaN);
     # re-create the owning module from its config on the CPU and copy the fresh values over
     for module in model.modules():
-        names = getattr(module, "_non_persistent_buffers_set", set())
+        names: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         if not names:
             continue
         if not hasattr(module, "config"):
@@ -196,6 +196,7 @@ def load_tensor(target: Target, stored: StoredTensor, cfg: Config, device: torch
 def load_quantized(target: Target, full: torch.Tensor, cfg: Config) -> None:
     """Quantize the whole weight (the quantization state is per whole tensor), keep this rank's packed rows."""
     module = target.quantized_module
+    assert module is not None, "load_tensor sends only targets with a quantized module here"
     if (full.shape[0], full.shape[1]) != (module.out_features, module.in_features):
         raise ModelLoadError(f"checkpoint weight of shape {tuple(full.shape)} for a "
                              f"{module.out_features}x{module.in_features} linear: config and weights disagree")

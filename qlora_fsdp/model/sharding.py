@@ -6,6 +6,7 @@ reentrant variant), so FSDP's gather hooks sit outside the recomputed region.
 
 from __future__ import annotations
 
+import peft
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -81,7 +82,8 @@ def uses_fsdp(fsdp: FSDPConfig, world_size: int) -> bool:
     return world_size > 1 or fsdp.cpu_offload or fsdp.param_dtype is not None
 
 
-def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh, shard: bool = True) -> nn.Module:
+def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh,
+                       shard: bool = True) -> peft.PeftModel:
     """Meta build -> checkpointing -> fully_shard (where FSDP is used): the model as this rank will hold it,
     before a byte is allocated. Training then allocates and loads it; the planner only measures it."""
     model = build_meta_model(cfg, hf_config)

@@ -7,14 +7,17 @@ top of every rank's peak. A read leaves them in the shared page cache instead.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from qlora_fsdp.errors import ModelLoadError
 
@@ -50,7 +53,7 @@ class InMemoryTensor(StoredTensor):
 class SafetensorsEntry(StoredTensor):
     """One tensor of a safetensors file: its dtype, shape and byte range (absolute file offsets)."""
 
-    file: BinaryIO
+    file: io.FileIO  # opened unbuffered: reads go straight into the tensor's memory
     dtype: torch.dtype
     shape: tuple[int, ...]
     start: int
@@ -62,10 +65,49 @@ class SafetensorsEntry(StoredTensor):
         row_bytes = (self.end - self.start) // max(n_rows, 1)
         buffer = torch.empty((last - first) * row_bytes, dtype=torch.uint8)
         self.file.seek(self.start + first * row_bytes)
-        if self.file.readinto(memoryview(buffer.numpy())) != buffer.numel():
+        # ignore: numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python 3.12+
+        if self.file.readinto(memoryview(buffer.numpy())) != buffer.numel():  # type: ignore[arg-type]
             raise ModelLoadError(f"{self.file.name} ends early: the file is truncated")
         shape = (last - first, *self.shape[1:]) if self.shape else ()
         return buffer.view(self.dtype).reshape(shape)
+
+
+@dataclass
+class LibraryTensor(StoredTensor):
+    """One tensor of an open safetensors file, read by the library (whole, or a range of rows)."""
+
+    file: Path
+    handle: safe_open
+    name: str
+    shape: tuple[int, ...]
+
+    def read(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        with library_errors(self.file):
+            if rows is None or rows[0] >= rows[1]:
+                # safetensors refuses an empty slice at the end of a dimension ([n:n]); an empty range only
+                # occurs for tensors with fewer rows than about world_size squared, so a whole read is cheap
+                whole = self.handle.get_tensor(self.name)
+                return whole if rows is None else whole[rows[0] : rows[1]]
+            return self.handle.get_slice(self.name)[rows[0] : rows[1]]
+
+
+@contextmanager
+def library_errors(file: Path) -> Iterator[None]:
+    """safetensors' own error, as the loader's one-line error that names the file."""
+    try:
+        yield
+    except SafetensorError as err:
+        reason = " ".join(str(err).split())  # one line, whatever the library wrote
+        raise ModelLoadError(f"{file} is not a readable safetensors file ({reason}): damaged or truncated?") from None
+
+
+def library_tensors(file: Path, backend: str) -> Iterator[tuple[str, StoredTensor, str]]:
+    """The file's tensors in file order (reads go forward); the file stays open until the last is yielded."""
+    with library_errors(file):
+        handle = safe_open(file, framework="pt", backend=backend)
+    with handle:
+        for key in handle.offset_keys():
+            yield key, LibraryTensor(file, handle, key, tuple(handle.get_slice(key).get_shape())), file.name
 
 
 def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
@@ -89,7 +131,7 @@ def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
     raise ModelLoadError(f"{path} has no weights (*.safetensors); for an architecture-only run set model.init=random")
 
 
-def safetensors_entries(file: BinaryIO) -> dict[str, SafetensorsEntry]:
+def safetensors_entries(file: io.FileIO) -> dict[str, SafetensorsEntry]:
     """Parse the header (8-byte length, then JSON); entries in file order, so reads go forward."""
     size = Path(file.name).stat().st_size
     length = int.from_bytes(file.read(8), "little")
@@ -104,8 +146,8 @@ def safetensors_entries(file: BinaryIO) -> dict[str, SafetensorsEntry]:
     return dict(sorted(entries.items(), key=lambda item: item[1].start))
 
 
-def entry_of(file: BinaryIO, name: str, info: dict, data_start: int, size: int) -> SafetensorsEntry:
-    dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+def entry_of(file: io.FileIO, name: str, info: dict[str, Any], data_start: int, size: int) -> SafetensorsEntry:
+    dtype = SAFETENSORS_DTYPES.get(info.get("dtype", ""))  # a missing dtype is unsupported too
     if dtype is None:
         raise ModelLoadError(f"{file.name}: tensor '{name}' has unsupported dtype {info.get('dtype')}")
     shape = tuple(info["shape"])
@@ -116,10 +158,13 @@ def entry_of(file: BinaryIO, name: str, info: dict, data_start: int, size: int) 
     return SafetensorsEntry(file, dtype, shape, data_start + begin, data_start + end)
 
 
-def checkpoint_tensors(path: Path, allow_pickle: bool) -> Iterator[tuple[str, StoredTensor, str]]:
+def checkpoint_tensors(path: Path, allow_pickle: bool, backend: str = "own"
+                       ) -> Iterator[tuple[str, StoredTensor, str]]:
     """(key, tensor not yet read, file name), one file open at a time."""
     for file in weight_files(path, allow_pickle):
-        if file.suffix == ".safetensors":
+        if file.suffix == ".safetensors" and backend != "own":
+            yield from library_tensors(file, backend)
+        elif file.suffix == ".safetensors":
             with open(file, "rb", buffering=0) as handle:
                 for key, entry in safetensors_entries(handle).items():
                     yield key, entry, file.name

@@ -74,6 +74,7 @@ def resolve_batch(cfg: Config, world_size: int, fits: Callable[[int], bool] | No
     data = cfg.data
     if target is None:
         micro, accum = data.micro_batch_size, data.grad_accum_steps
+        assert micro != "auto", "the loader refuses micro_batch_size auto without an effective batch to size it"
     else:
         per_rank = rows_per_rank(target, world_size)
         micro = choose_micro_batch(cfg, per_rank, fits)

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import bitsandbytes as bnb
 import torch
@@ -155,7 +156,8 @@ def held_bytes(model: nn.Module, cfg: Config) -> Held:
 def lora_input_features(layer: nn.Module) -> int:
     """Summed in_features of a layer's LoRA-adapted linears: PEFT casts each one's input to the LoRA dtype
     separately, and the copy stays saved for backward."""
-    return sum(module.in_features for module in layer.modules()
+    # cast: nn.Module types any attribute as Tensor | Module; a LoRA layer's in_features is an int
+    return sum(cast(int, module.in_features) for module in layer.modules()
                if hasattr(module, "lora_A") and module.lora_A and hasattr(module, "in_features"))
 
 
@@ -177,7 +179,8 @@ def lora_cast_bytes_per_feature(cfg: Config) -> int:
     return cast + dropout
 
 
-def activation_bytes(cfg: Config, hf_config: object, micro_batch: int, lora_features: int = 0) -> tuple[int, int]:
+def activation_bytes(cfg: Config, hf_config: PretrainedConfig, micro_batch: int,
+                     lora_features: int = 0) -> tuple[int, int]:
     """(activations, logits and loss) per rank for one micro-batch, estimated from the architecture.
 
     A layer's forward keeps, per token, in the compute dtype: the two norm outputs, q/k/v and their rotated
@@ -217,9 +220,9 @@ def resident_rows(held: Held, cfg: Config) -> list[Row]:
             Row(f"optimizer state ({cfg.optim.name})", held.optimizer, True)]
 
 
-def compute_rows(held: Held, cfg: Config, hf_config: object, sharded: bool) -> list[Row]:
+def compute_rows(held: Held, cfg: Config, hf_config: PretrainedConfig, sharded: bool) -> list[Row]:
     """What the step itself needs on the GPU, beyond the resident shards."""
-    activations, logits = activation_bytes(cfg, hf_config, cfg.data.micro_batch_size, held.lora_input_features)
+    activations, logits = activation_bytes(cfg, hf_config, cfg.data.micro_batch, held.lora_input_features)
     compute = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     rows = [Row("quantization state (whole, on every rank)", held.quant_state, True)]
     if sharded:  # the layer computing and the one prefetched; the root stays gathered for the whole step
@@ -264,8 +267,8 @@ def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, Co
     changes: list[tuple[str, dict[str, object]]] = []
     if cfg.activation_checkpointing.mode != "every_layer":
         changes.append(("activation_checkpointing.mode=every_layer", {"activation_checkpointing.mode": "every_layer"}))
-    if cfg.data.micro_batch_size > 1:
-        half, accum = max(1, cfg.data.micro_batch_size // 2), cfg.data.grad_accum_steps * 2
+    if cfg.data.micro_batch > 1:
+        half, accum = max(1, cfg.data.micro_batch // 2), cfg.data.grad_accum_steps * 2
         label = (f"data.micro_batch_size={half} (the effective batch then takes {accum} accumulation steps)"
                  if batch_from_target else
                  f"data.micro_batch_size={half} data.grad_accum_steps={accum} (same effective batch)")

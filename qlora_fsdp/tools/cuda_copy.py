@@ -6,7 +6,7 @@ Shared by tests/test_numerics.py and scripts/gpu_check_cases.py, hence in the pa
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -20,10 +20,11 @@ def cuda_bf16_copy_emulated() -> Iterator[None]:
     pattern is written back as 0x7FFF (on CPU the copy is byte-exact). FSDP2's all-gather copy-in calls it."""
     original = torch._foreach_copy_
 
-    def canonicalizing_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
-                            non_blocking: bool = False) -> None:
-        original(dsts, srcs, non_blocking=non_blocking)
-        for dst in dsts:
+    # the parameters named and typed as torch's own signature has them, so the stand-in is a drop-in
+    def canonicalizing_copy(self: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                            src: list[torch.Tensor] | tuple[torch.Tensor, ...], non_blocking: bool = False) -> None:
+        original(self, src, non_blocking=non_blocking)
+        for dst in self:
             if dst.dtype == torch.bfloat16:
                 dst.view(torch.int16)[dst.isnan()] = BF16_CANONICAL_NAN
 

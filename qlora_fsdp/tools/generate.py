@@ -45,7 +45,9 @@ class Generator:
             do_sample=sample, temperature=sampling.temperature if sample else None,
             top_p=sampling.top_p if sample else None, pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id)
-        return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        text = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert isinstance(text, str), "one sequence of ids decodes to one string"
+        return text
 
 
 def load_generator(cfg: Config, adapter_dir: Path | None) -> Generator:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import peft
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -47,7 +48,14 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if STEP_NAME.fullmatch(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(STEP_NAME.fullmatch(p.name).group(1)))
+    return sorted(found, key=step_in_name)
+
+
+def step_in_name(folder: Path) -> int:
+    """The step a checkpoint folder is named after (step-000120 -> 120)."""
+    match = STEP_NAME.fullmatch(folder.name)
+    assert match is not None, f"{folder.name} is not a checkpoint folder name"
+    return int(match.group(1))
 
 
 def remove_incomplete(run_dir: Path) -> None:
@@ -129,7 +137,7 @@ class Checkpointer:
     tokenizer: PreTrainedTokenizerBase
     base_model_path: str
 
-    def save(self, step: int, model: nn.Module, optimizer: ShardedOptimizer, trainer_state: dict) -> Path:
+    def save(self, step: int, model: peft.PeftModel, optimizer: ShardedOptimizer, trainer_state: dict) -> Path:
         """Every rank calls this; returns the complete checkpoint's folder."""
         root = self.run_dir / CHECKPOINTS_DIR
         final, tmp = root / checkpoint_name(step), root / f"{TMP_PREFIX}{checkpoint_name(step)}"

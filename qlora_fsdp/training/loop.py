@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import peft
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -157,8 +158,8 @@ def evaluate(model: nn.Module, samples: list[Sample], batch_size: int, pad_id: i
         else:  # keep the collectives in step with ranks that still have samples
             model(input_ids=torch.tensor([[pad_id]], device=info.device))
     model.train(was_training)
-    total, n_targets = all_reduce_sums([total, n_targets], info.device)
-    return total / max(n_targets, 1.0)
+    summed, targets = all_reduce_sums([total, n_targets], info.device)
+    return summed / max(targets, 1.0)
 
 
 def eval_record(loss: float) -> dict[str, float]:
@@ -166,14 +167,14 @@ def eval_record(loss: float) -> dict[str, float]:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, data: Dataset, pad_id: int,
+    def __init__(self, cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset, pad_id: int,
                  optimizer: ShardedOptimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  logger: MetricsLogger, checkpointer: Checkpointer | None = None,
                  mfu_reference: MfuReference | None = None) -> None:
         self.cfg, self.info, self.model, self.data, self.pad_id = cfg, info, model, data, pad_id
         self.optimizer, self.scheduler, self.logger, self.checkpointer = optimizer, scheduler, logger, checkpointer
         grouped = cfg.data.group_by_length or data.packs is not None
-        self.sampler = StepSampler(data.n_units, cfg.data.micro_batch_size, cfg.data.grad_accum_steps,
+        self.sampler = StepSampler(data.n_units, cfg.data.micro_batch, cfg.data.grad_accum_steps,
                                    info.world_size, info.rank, cfg.train.seed,
                                    lengths=data.unit_lengths() if grouped else None)
         self.eval_samples = data.samples(data.eval, list(range(len(data.eval))))
@@ -197,6 +198,7 @@ class Trainer:
             group["lr"] = lr
 
     def resume(self, checkpoint: Path) -> None:
+        assert self.checkpointer is not None, "resuming reads a checkpoint; api.make_trainer always makes one"
         self.load_state_dict(self.checkpointer.load(checkpoint, self.model, self.optimizer))
         self.last_checkpoint = checkpoint
         self.logger.log({"event": "resume", "step": self.step, "checkpoint": str(checkpoint)})
@@ -235,7 +237,7 @@ class Trainer:
         micro_batches = self.micro_batches()
         result = accumulate_gradients(self.model, micro_batches, self.info.device)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])  # torch types it float | Tensor; with a float lr it is a float
         finite = math.isfinite(result.loss) and math.isfinite(grad_norm)  # both global: every rank agrees
         if finite:
             self.optimizer.step()

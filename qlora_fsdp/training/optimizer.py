@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +35,8 @@ class ShardedOptimizer:
     def __init__(self, params: Iterable[nn.Parameter], optim: OptimConfig) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.locals = [local_shard(p).detach().requires_grad_(True) for p in self.params]
-        kwargs = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
+        kwargs: dict[str, Any] = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps,
+                                  "weight_decay": optim.weight_decay}
         self.inner = optimizer_class(optim.name, self.locals)(self.locals, **kwargs)
 
     @property

@@ -59,6 +59,7 @@ class StepProfiler:
 
     def finish_trace(self) -> None:
         trace, self.trace = self.trace, None
+        assert trace is not None, "called only while a trace runs (step_done, stop)"
         trace.stop()
 
     def save_trace(self, prof: profile) -> None:

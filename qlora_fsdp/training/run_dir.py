@@ -28,15 +28,15 @@ def checkpoint_step(path: Path) -> int:
 
 
 def choose_checkpoint(run_dir: Path, train: TrainConfig, restarted: bool) -> Path | None:
-    mode = "auto" if restarted else train.resume
-    if mode == "never":
+    target = "auto" if restarted else train.resume_target()
+    if target == "never":
         return None
-    if mode == "auto":
+    if target == "auto":
         found = complete_checkpoints(run_dir)
         return found[-1] if found else None
-    path = Path(mode)
+    path = target
     if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"train.resume={mode} is not a complete checkpoint (no {STATE_FILE}); pass auto, never, "
+        raise CheckpointError(f"train.resume={path} is not a complete checkpoint (no {STATE_FILE}); pass auto, never, "
                               f"or a folder such as {run_dir / CHECKPOINTS_DIR / 'step-000050'}")
     return path
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
+from typing import Any, TypeAlias
 
 import torch
 
@@ -19,13 +21,15 @@ HANDLED = (signal.SIGTERM, signal.SIGINT)
 # Ctrl-C under torchrun reaches a worker twice within milliseconds (from the terminal, then forwarded by the
 # agent); a repeat inside this window is the same request, not the user insisting.
 SAME_REQUEST_S = 1.0
+# what signal.signal installs and returns: a function, SIG_DFL / SIG_IGN, or None (not installed from Python)
+Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class GracefulStop:
     def __init__(self) -> None:
         self.received: int | None = None
         self.received_at = 0.0
-        self.previous = {}
+        self.previous: dict[signal.Signals, Handler] = {}
 
     def install(self) -> GracefulStop:
         for sig in HANDLED:
