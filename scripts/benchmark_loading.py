@@ -2,9 +2,9 @@
 safetensors reader, against the peer path.
 
 Readers (`qlora_fsdp.model.weight_files`): `mmap` is safetensors' `safe_open(..., backend="mmap")` (the
-library's default: tensors are views of the mapped file), `pread` the same library reading each tensor (or row
-range) into a fresh buffer with pread(2). The peer is what a user would otherwise do: every rank calls
-transformers' from_pretrained with the NF4 BitsAndBytesConfig.
+library's default, and the loader's: tensors are views of the mapped file), `pread` the same library reading
+each tensor (or row range) into a fresh buffer with pread(2), as the header parser it replaced did. The peer is
+what a user would otherwise do: every rank calls transformers' from_pretrained with the NF4 BitsAndBytesConfig.
 
 Figures are above the process's memory just before loading. Peak anonymous memory (RssAnon: heap and
 tensors, without file-backed pages such as a mapped checkpoint, which the kernel can drop at will) is what a
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.multiprocessing as mp
@@ -36,10 +36,12 @@ from safetensors.torch import save_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from qlora_fsdp.model.weight_files import Backend  # noqa: E402
 from qlora_fsdp.training.metrics import proc_status_bytes  # noqa: E402
 
 GB, MB = 2**30, 2**20
-LOADERS = ("own", "mmap", "pread", "peer")  # our loader with each safetensors reader, then the peer
+Loader = Literal["mmap", "pread", "peer"]  # our loader with each safetensors reader, then the peer
+LOADERS: tuple[Loader, ...] = get_args(Loader)
 CONFIG: dict[str, Any] = {  # a TinyLlama-like shape, 16 layers: about 1.0B parameters (config.json)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 2048,
     "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 4,
@@ -113,7 +115,7 @@ class AnonPeak:
         self.peak = max(self.peak, proc_status_bytes("RssAnon"))
 
 
-def prepare_ours(model_dir: str, reader: str) -> Callable[[], object]:
+def prepare_ours(model_dir: str, reader: Backend) -> Callable[[], object]:
     from qlora_fsdp.config import Config
     from qlora_fsdp.distributed import init_distributed
     from qlora_fsdp.model import loading, weight_files
@@ -147,7 +149,7 @@ class Peaks:
     seconds: float
 
 
-def worker(which: str, model_dir: str, rank: int, port: int, queue) -> None:
+def worker(which: Loader, model_dir: str, rank: int, port: int, queue) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -169,7 +171,7 @@ def worker(which: str, model_dir: str, rank: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def measure(which: str, model_dir: Path) -> list[Peaks]:
+def measure(which: Loader, model_dir: Path) -> list[Peaks]:
     """Both ranks of one load, in fresh processes (a process's peak and allocator state are its own)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -192,14 +194,14 @@ def spread(values: Sequence[float], scale: float, unit: str) -> str:
     return text if len(values) == 1 else f"{text} ({min(values) / scale:.{digits}f}-{max(values) / scale:.{digits}f})"
 
 
-def print_table(runs: dict[str, list[list[Peaks]]]) -> None:
-    """One row per loader and rank; ratios are medians against the peer's."""
+def print_table(runs: dict[Loader, list[list[Peaks]]]) -> None:
+    """One row per loader and rank; ratios are medians against the peer's (1.00 where it was not run)."""
     print("| loader | rank | peak anonymous | peak RSS | wall time | anonymous / peer | RSS / peer |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for which, repeats in runs.items():
         for rank in range(2):
             own = [r[rank] for r in repeats]
-            peer = [r[rank] for r in runs["peer"]]
+            peer = [r[rank] for r in runs.get("peer", repeats)]
             anon, rss = [p.anon for p in own], [p.rss for p in own]
             ratio_anon = statistics.median(anon) / statistics.median([p.anon for p in peer])
             ratio_rss = statistics.median(rss) / statistics.median([p.rss for p in peer])
@@ -217,8 +219,8 @@ def main() -> None:
     linear = n_params - 2 * CONFIG["vocab_size"] * CONFIG["hidden_size"]
     nf4_bytes = linear * 0.5 * (1 + 0.127 / 4) + (n_params - linear) * 2  # packed + double-quant state + bf16 rest
     budget = (nf4_bytes / 2 + two_largest) * 1.10
-    loaders = args.loaders.split(",")
-    runs: dict[str, list[list[Peaks]]] = {which: [] for which in loaders}
+    loaders = [which for which in LOADERS if which in args.loaders.split(",")]
+    runs: dict[Loader, list[list[Peaks]]] = {which: [] for which in loaders}
     for _ in range(args.repeats):  # interleaved, so a slower spell of a shared machine hits every loader
         for which in loaders:
             runs[which].append(measure(which, args.out_dir))
