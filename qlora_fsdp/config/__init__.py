@@ -16,6 +16,7 @@ from qlora_fsdp.config.schema import (
     ActivationCheckpointingConfig,
     Config,
     DataConfig,
+    DataFormat,
     DType,
     FSDPConfig,
     HardwareConfig,
@@ -26,12 +27,14 @@ from qlora_fsdp.config.schema import (
     ProfileConfig,
     QuantConfig,
     SourceConfig,
+    Template,
+    TemplateChoice,
     TrainConfig,
 )
 
 __all__ = [
     "FSDP_CONFIGS_DIR", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "ActivationCheckpointingConfig", "Config",
-    "DType", "DataConfig", "FSDPConfig", "HardwareConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimConfig",
-    "ProfileConfig", "QuantConfig", "SourceConfig", "TrainConfig", "changed_settings", "load_config",
-    "resolve_recipe_path", "to_dict", "to_yaml", "validate",
+    "DType", "DataConfig", "FSDPConfig", "HardwareConfig", "LoggingConfig", "LoraConfig", "ModelConfig",
+    "OptimConfig", "ProfileConfig", "QuantConfig", "SourceConfig", "Template", "TemplateChoice", "TrainConfig",
+    "DataFormat", "changed_settings", "load_config", "resolve_recipe_path", "to_dict", "to_yaml", "validate",
 ]

@@ -87,6 +87,8 @@ class OptimConfig:
 
 
 DataFormat = Literal["alpaca", "chat", "sharegpt", "text"]
+TemplateChoice = Literal["auto", "tokenizer", "alpaca", "chatml"]  # what a recipe may ask for
+Template = Literal["tokenizer", "alpaca", "chatml"]  # what a run renders with, once `auto` is decided
 
 
 @dataclass
@@ -105,7 +107,7 @@ class DataConfig:
     fields: dict[str, str] = field(default_factory=dict)
     sources: list[SourceConfig] = field(default_factory=list)
     eval_path: str | None = None  # a separate held-out set (same format); else eval_samples are held out
-    template: Literal["auto", "tokenizer", "alpaca", "chatml"] = "auto"  # auto: the tokenizer's chat template
+    template: TemplateChoice = "auto"  # auto: the tokenizer's chat template
     # where it has one, else alpaca for alpaca data and chatml for chats
     train_on_inputs: bool = False  # False: loss only on responses (every non-assistant turn masked)
     context_length: int = 256

@@ -16,7 +16,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.config import DataConfig, SourceConfig
+from qlora_fsdp.config import DataConfig, SourceConfig, Template
 from qlora_fsdp.data.batching import Sample, pack
 from qlora_fsdp.data.sources import mixed_conversations, sources_of
 from qlora_fsdp.data.templates import IGNORE_INDEX, choose_template, encode
@@ -28,7 +28,7 @@ from qlora_fsdp.errors import DataError
 class Dataset:
     train: datasets.Dataset  # columns: input_ids, labels, length
     eval: datasets.Dataset
-    template: str
+    template: Template
     n_records: int
     n_overlong: int  # longer than context_length (then truncated, dropped or split as the recipe says)
     n_without_targets: int  # dropped: nothing left to learn from (e.g. a prompt filling the context)
@@ -56,7 +56,7 @@ class Dataset:
 class Tokenize:
     """A picklable, hashable map function: conversation -> input_ids, labels, length."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str, train_on_inputs: bool) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: Template, train_on_inputs: bool) -> None:
         self.tokenizer, self.template, self.train_on_inputs = tokenizer, template, train_on_inputs
 
     def __call__(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def main_process_first(info: DistInfo | None) -> Iterator[None]:
         barrier()
 
 
-def tokenized(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerBase, data: DataConfig, template: str,
+def tokenized(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerBase, data: DataConfig, template: Template,
               seed: int) -> tuple[datasets.Dataset, int, int, int]:
     """(samples that fit the context, records read, records longer than the context, records with no target)."""
     conversations = mixed_conversations(sources, seed, data.cache_dir)
@@ -107,7 +107,7 @@ def tokenized(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerBase, d
     return fitted, len(conversations), n_overlong, n_without_targets
 
 
-def run_template(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+def run_template(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Template:
     """The template a run trains with, and its tools prompt with: from the first source's format (`data.sources`
     or the single `data.path`), so training and generation can never choose differently."""
     return choose_template(data.template, tokenizer, sources_of(data)[0].format)

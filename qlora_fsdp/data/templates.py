@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from qlora_fsdp.config import DataFormat, Template, TemplateChoice
 from qlora_fsdp.errors import DataError
 
 IGNORE_INDEX = -100
@@ -19,12 +20,12 @@ Segment = tuple[str | list[int], bool]  # (text or token ids, is a training targ
 ALPACA_PROMPT = "### Instruction:\n{content}\n\n### Response:\n"
 
 
-def choose_template(template: str, tokenizer: PreTrainedTokenizerBase, data_format: str) -> str:
+def choose_template(template: TemplateChoice, tokenizer: PreTrainedTokenizerBase, data_format: DataFormat) -> Template:
     """`auto`: the tokenizer's chat template where it has one, else alpaca for alpaca data, chatml for chats."""
     has_own = bool(getattr(tokenizer, "chat_template", None))
     if template == "tokenizer" and not has_own:
         raise DataError("data.template=tokenizer, but the tokenizer has no chat template; choose alpaca or chatml")
-    if template != "auto":
+    if template == "tokenizer" or template == "alpaca" or template == "chatml":
         return template
     if has_own:
         return "tokenizer"
@@ -32,7 +33,7 @@ def choose_template(template: str, tokenizer: PreTrainedTokenizerBase, data_form
 
 
 def encode(
-    messages: list[Message], tokenizer: PreTrainedTokenizerBase, template: str, train_on_inputs: bool
+    messages: list[Message], tokenizer: PreTrainedTokenizerBase, template: Template, train_on_inputs: bool
 ) -> tuple[list[int], list[int]]:
     """(input_ids, labels) with labels[t] = input_ids[t] where token t is a target, else IGNORE_INDEX."""
     if messages and messages[0]["role"] == "text":  # plain text: every token is a target
@@ -119,7 +120,7 @@ def assistant_spans(messages: list[Message], tokenizer: PreTrainedTokenizerBase,
     return spans
 
 
-def prompt_ids(messages: list[Message], tokenizer: PreTrainedTokenizerBase, template: str) -> list[int]:
+def prompt_ids(messages: list[Message], tokenizer: PreTrainedTokenizerBase, template: Template) -> list[int]:
     """Token ids that open the assistant's next turn, exactly as training rendered the part before a response."""
     if template == "tokenizer":
         text = render_chat(messages, tokenizer, add_generation_prompt=True)

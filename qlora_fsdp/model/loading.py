@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from qlora_fsdp.config import Config
+from qlora_fsdp.config import Config, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.model.build import QUANT_STORAGE, model_dir
@@ -200,7 +200,7 @@ def load_quantized(target: Target, full: torch.Tensor, cfg: Config) -> None:
     if (full.shape[0], full.shape[1]) != (module.out_features, module.in_features):
         raise ModelLoadError(f"checkpoint weight of shape {tuple(full.shape)} for a "
                              f"{module.out_features}x{module.in_features} linear: config and weights disagree")
-    packed, quant_state = quantize(full, cfg, target.param.dtype)
+    packed, quant_state = quantize(full, cfg.quant, target.param.dtype)
     module.quant_state = quant_state  # replicated per rank: double quantization keeps it small
     if isinstance(module.weight, bnb.nn.Params4bit):
         module.weight.quant_state = quant_state
@@ -210,14 +210,14 @@ def load_quantized(target: Target, full: torch.Tensor, cfg: Config) -> None:
         copy_full_into(target.dora_magnitude, weight.norm(dim=1).to(target.dora_magnitude.dtype))
 
 
-def quantize(weight: torch.Tensor, cfg: Config, storage: torch.dtype = QUANT_STORAGE
+def quantize(weight: torch.Tensor, quant: QuantConfig, storage: torch.dtype = QUANT_STORAGE
              ) -> tuple[torch.Tensor, bnbf.QuantState]:
     """NF4/FP4 as the config says, packed into `storage` (the dtype the model's 4-bit parameters were built with)."""
     return bnbf.quantize_4bit(
         weight,
-        blocksize=cfg.quant.blocksize,
-        compress_statistics=cfg.quant.double_quant,
-        quant_type=cfg.quant.quant_type,
+        blocksize=quant.blocksize,
+        compress_statistics=quant.double_quant,
+        quant_type=quant.quant_type,
         quant_storage=storage,
     )
 

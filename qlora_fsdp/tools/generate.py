@@ -10,7 +10,7 @@ import peft
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from qlora_fsdp.config import Config
+from qlora_fsdp.config import Config, Template
 from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import init_distributed
@@ -31,7 +31,7 @@ class Sampling:
 class Generator:
     model: peft.PeftModel
     tokenizer: PreTrainedTokenizerBase
-    template: str
+    template: Template
     device: torch.device
 
     @torch.no_grad()

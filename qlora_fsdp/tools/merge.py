@@ -66,7 +66,7 @@ def lora_deltas(adapter_dir: Path) -> dict[str, LoraDelta]:
 
 def as_trained(weight: torch.Tensor, cfg: Config) -> torch.Tensor:
     """The weight the 4-bit model computed with: quantized as the loader does, then dequantized."""
-    packed, state = quantize(weight, cfg)
+    packed, state = quantize(weight, cfg.quant)
     return bnbf.dequantize_4bit(packed, state)
 
 
