@@ -24,6 +24,7 @@ from qlora_fsdp.config.schema import (
     LoraConfig,
     ModelConfig,
     OptimConfig,
+    OverlongPolicy,
     ProfileConfig,
     QuantConfig,
     SourceConfig,
@@ -33,8 +34,9 @@ from qlora_fsdp.config.schema import (
 )
 
 __all__ = [
-    "FSDP_CONFIGS_DIR", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "ActivationCheckpointingConfig", "Config",
-    "DType", "DataConfig", "FSDPConfig", "HardwareConfig", "LoggingConfig", "LoraConfig", "ModelConfig",
-    "OptimConfig", "ProfileConfig", "QuantConfig", "SourceConfig", "Template", "TemplateChoice", "TrainConfig",
-    "DataFormat", "changed_settings", "load_config", "resolve_recipe_path", "to_dict", "to_yaml", "validate",
+    "ActivationCheckpointingConfig", "Config", "DType", "DataConfig", "DataFormat", "FSDPConfig",
+    "FSDP_CONFIGS_DIR", "HardwareConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimConfig",
+    "OverlongPolicy", "ProfileConfig", "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS",
+    "SourceConfig", "Template", "TemplateChoice", "TrainConfig", "changed_settings", "load_config",
+    "resolve_recipe_path", "to_dict", "to_yaml", "validate",
 ]

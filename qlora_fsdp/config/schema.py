@@ -89,6 +89,7 @@ class OptimConfig:
 DataFormat = Literal["alpaca", "chat", "sharegpt", "text"]
 TemplateChoice = Literal["auto", "tokenizer", "alpaca", "chatml"]  # what a recipe may ask for
 Template = Literal["tokenizer", "alpaca", "chatml"]  # what a run renders with, once `auto` is decided
+OverlongPolicy = Literal["truncate", "drop", "split"]
 
 
 @dataclass
@@ -111,7 +112,7 @@ class DataConfig:
     # where it has one, else alpaca for alpaca data and chatml for chats
     train_on_inputs: bool = False  # False: loss only on responses (every non-assistant turn masked)
     context_length: int = 256
-    overlong: Literal["truncate", "drop", "split"] = "truncate"  # samples longer than context_length
+    overlong: OverlongPolicy = "truncate"  # samples longer than context_length
     packing: bool = False  # several samples per row, attention kept within each sample
     group_by_length: bool = True  # without packing: similar lengths share a micro-batch (less padding)
     micro_batch_size: int | Literal["auto"] = 4  # rows per rank per forward; auto: the largest the planner fits

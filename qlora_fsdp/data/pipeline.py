@@ -16,7 +16,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.config import DataConfig, SourceConfig, Template
+from qlora_fsdp.config import DataConfig, OverlongPolicy, SourceConfig, Template
 from qlora_fsdp.data.batching import Sample, pack
 from qlora_fsdp.data.sources import mixed_conversations, sources_of
 from qlora_fsdp.data.templates import IGNORE_INDEX, choose_template, encode
@@ -46,7 +46,7 @@ class Dataset:
         lengths = self.train["length"]
         return [sum(lengths[i] for i in row) for row in self.packs] if self.packs is not None else lengths
 
-    def describe(self, context_length: int, overlong: str) -> str:
+    def describe(self, context_length: int, overlong: OverlongPolicy) -> str:
         rows = f", packed into {len(self.packs)} rows" if self.packs is not None else ""
         return (f"{self.n_records} records, {len(self.train)} train / {len(self.eval)} eval samples{rows} "
                 f"(template {self.template}); {self.n_overlong} longer than {context_length} tokens ({overlong}); "

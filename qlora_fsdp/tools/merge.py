@@ -19,7 +19,7 @@ import bitsandbytes.functional as bnbf
 import torch
 from safetensors.torch import save_file
 
-from qlora_fsdp.config import Config
+from qlora_fsdp.config import Config, DType
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.model.adapter import read_adapter
@@ -109,7 +109,7 @@ class ShardWriter:
         return len(self.files)
 
 
-def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: str = "bfloat16",
+def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = "bfloat16",
                   max_shard_bytes: int = 2 * 10**9, base_weights: Literal["dequantized", "original"] = "dequantized",
                   device: str = "cpu") -> int:
     """Write base + adapter to `out_dir` (which must not exist); returns the number of shards."""
