@@ -23,30 +23,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import bitsandbytes as bnb
+import peft
+import torch
+import torch.distributed.fsdp  # noqa: F401  (registers torch.ops.fsdp.all_gather_copy_in)
+from gpu_check import Row  # a sibling: Python puts scripts/ on the path
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import qlora_fsdp.model.build
+from qlora_fsdp.api import train
+from qlora_fsdp.config import Config, load_config, validate
+from qlora_fsdp.data.batching import Batch, Sample, collate_packed
+from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed, local_shard
+from qlora_fsdp.model.adapter import config_for_adapter
+from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, held_bytes, plan
+from qlora_fsdp.tools.merge import merge_adapter
+from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
+from qlora_fsdp.training.loop import accumulate_gradients
+from qlora_fsdp.training.metrics import proc_status_bytes, reset_memory_peaks
+from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm
+
 REPO = Path(__file__).resolve().parent.parent
-
-import bitsandbytes as bnb  # noqa: E402
-import peft  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed.fsdp  # noqa: E402, F401  (registers torch.ops.fsdp.all_gather_copy_in)
-from gpu_check import Row  # noqa: E402  (a sibling: Python puts scripts/ on the path)
-from safetensors.torch import load_file  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-import qlora_fsdp.model.build  # noqa: E402
-from qlora_fsdp.api import train  # noqa: E402
-from qlora_fsdp.config import Config, load_config, validate  # noqa: E402
-from qlora_fsdp.data.batching import Batch, Sample, collate_packed  # noqa: E402
-from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed, local_shard  # noqa: E402
-from qlora_fsdp.model.adapter import config_for_adapter  # noqa: E402
-from qlora_fsdp.model.factory import build_model  # noqa: E402
-from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, held_bytes, plan  # noqa: E402
-from qlora_fsdp.tools.merge import merge_adapter  # noqa: E402
-from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
-from qlora_fsdp.training.loop import accumulate_gradients  # noqa: E402
-from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm  # noqa: E402
-
 GIB = 2**30
 ARCH_70B = REPO / "model_configs" / "llama-3.1-70b" / "config.json"
 RECIPE_70B = "llama70b_2x4090"
@@ -96,12 +96,6 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def host_peak_rss_gib() -> float:
-    """VmHWM: this process's peak resident memory (ru_maxrss would include the parent's)."""
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024 / GIB
-
-
 def cap_gpu_memory(device: torch.device, gib: float) -> None:
     """Make this process see a `gib` GPU (a 24 GB card on an 80 GB H100): allocations past it raise OOM."""
     if device.type == "cuda":
@@ -118,11 +112,6 @@ def gpu_memory(device: torch.device) -> dict[str, float]:
     return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
             "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
             "outside_allocator_gib": (total - free - torch.cuda.memory_reserved(device)) / GIB}
-
-
-def reset_peaks(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def random_batches(cfg: Config, vocab: int, count: int, seed: int = 0) -> list[Batch]:
@@ -333,7 +322,7 @@ def load_capped(cfg: Config, info: DistInfo) -> tuple[peft.PeftModel, dict[str, 
     figures = {"load_s": time.perf_counter() - started}
     if info.device.type == "cuda":
         figures["load_peak_reserved_gib"] = torch.cuda.max_memory_reserved(info.device) / GIB
-    reset_peaks(info.device)
+    reset_memory_peaks(info.device)
     return model, figures
 
 
@@ -355,7 +344,7 @@ def plan_vs_measured_70b(ctx: Context) -> list[Row]:
         cleanup()
     # the loss means nothing here: in a fake group the other rank's half of every all-gather is left unset
     figures = {"plan_gib": planned.gpu_total / GIB, **measured, **load, "step_s": times.seconds[-1],
-               "tokens_per_s_this_rank": times.tokens_per_s(), "host_peak_rss_gib": host_peak_rss_gib()}
+               "tokens_per_s_this_rank": times.tokens_per_s(), "host_peak_rss_gib": proc_status_bytes("VmHWM") / GIB}
     if not measured:
         return [Row("plan_vs_measured_70b", "passed", "CPU smoke run: the steps ran; no GPU figures", figures)]
     return [plan_row(planned, measured, figures)]
@@ -389,7 +378,7 @@ def one_gpu_70b_offload(ctx: Context) -> list[Row]:
         measured = gpu_memory(ctx.device)
     finally:
         cleanup()
-    figures = {**measured, "host_peak_rss_gib": host_peak_rss_gib(), "tokens_per_s": times.tokens_per_s(),
+    figures = {**measured, "host_peak_rss_gib": proc_status_bytes("VmHWM") / GIB, "tokens_per_s": times.tokens_per_s(),
                **load, "loss_first": times.losses[0], "loss_last": times.losses[-1],
                "plan_gib": planned.gpu_total / GIB, "plan_host_gib": planned.host_total / GIB}
     finite = all(math.isfinite(loss) for loss in times.losses)

@@ -74,6 +74,14 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def fsdp_params(model: torch.nn.Module) -> list[Any]:
+    """FSDP2's private per-parameter records (offload flag, unsharded gradients): what tests look inside."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [fsdp_param for module in model.modules() if isinstance(module, FSDPModule)
+            for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params]
+
+
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys() and a
     diff = sum((a[k].double() - b[k].double()).pow(2).sum() for k in a) ** 0.5

@@ -23,6 +23,7 @@ from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
 from qlora_fsdp.training.loop import accumulate_gradients, set_gradient_sync
 from tests.helpers import (
     batches,
+    fsdp_params,
     full_grads,
     relative_difference,
     run_ranks,
@@ -46,8 +47,7 @@ def loss_and_grads(info, cfg, micro_batches_per_rank, shard=True):
 
 def offloaded_parameters(model):
     """How many parameters FSDP2 keeps in host memory between uses (its CPU-offload policy)."""
-    return sum(fsdp_param.offload_to_cpu for module in model.modules() if isinstance(module, FSDPModule)
-               for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params)
+    return sum(fsdp_param.offload_to_cpu for fsdp_param in fsdp_params(model))
 
 
 def clipped_update(info, cfg, micro_batches_per_rank, shard=True, sgd=True):

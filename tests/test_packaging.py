@@ -29,10 +29,24 @@ def test_the_package_is_installed_from_this_checkout():
     assert qlora_fsdp.__file__.startswith(str(REPO / "qlora_fsdp"))  # editable: recipes/ etc. sit beside it
 
 
-def test_no_sys_path_edits_in_scripts_or_tests():
-    offenders = [path.name for path in python_files("scripts", "tests", ".")
-                 if "sys.path.insert" in path.read_text() and path.name != "test_packaging.py"]
-    assert offenders == []
+def edits_sys_path(path) -> bool:
+    """Whether the file calls a method of `sys.path` (insert, append, extend, ...) or assigns to it."""
+    def is_sys_path(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                and node.value.id == "sys")
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value):
+            return True
+        if isinstance(node, ast.Assign) and any(is_sys_path(target) for target in node.targets):
+            return True
+    return False
+
+
+def test_no_sys_path_edits_in_the_repo():
+    files = python_files("scripts", "tests", ".") + sorted((REPO / "qlora_fsdp").rglob("*.py"))
+    assert len(files) > 30
+    assert [path.name for path in files if edits_sys_path(path)] == []
 
 
 def imported_modules(path) -> set[str]:

@@ -11,7 +11,7 @@ import torch
 
 from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.training.loop import accumulate_gradients
-from tests.helpers import REPO, batches, run_ranks_sequence, tiny_config, variable_length_samples
+from tests.helpers import REPO, batches, fsdp_params, run_ranks_sequence, tiny_config, variable_length_samples
 
 PAD = 2
 
@@ -21,17 +21,13 @@ def tensor_bytes(values) -> int:
 
 
 def unsharded_grad_bytes(model) -> int:
-    """Bytes of the gradients FSDP2 holds unsharded between micro-batches (its private per-parameter state)."""
-    from torch.distributed.fsdp import FSDPModule
-
+    """Bytes of the gradients FSDP2 holds unsharded between micro-batches."""
     total = 0
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params:
-                grad = fsdp_param.unsharded_accumulated_grad
-                if grad is None and hasattr(fsdp_param, "_unsharded_param"):
-                    grad = fsdp_param._unsharded_param.grad
-                total += tensor_bytes([grad])
+    for fsdp_param in fsdp_params(model):
+        grad = fsdp_param.unsharded_accumulated_grad
+        if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+            grad = fsdp_param._unsharded_param.grad
+        total += tensor_bytes([grad])
     return total
 
 
