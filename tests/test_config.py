@@ -43,7 +43,7 @@ def test_recipe_path_and_fsdp_preset():
     ("optimm.lr=3e-4", "did you mean 'optim.lr'?"),
     ("data.grad_accum_steps=big", "'data.grad_accum_steps' must be an integer, got 'big'"),
     ("activation_checkpointing.mode=sometimes",
-     "'activation_checkpointing.mode' must be one of 'every_layer', 'every_nth', 'off'"),
+     "'activation_checkpointing.mode' must be one of 'every_layer', 'every_nth', 'first_last', 'layers', 'off'"),
     ("fsdp_preset=nope", "unknown fsdp_preset 'nope'"),
     ("optim.lr", "is not of the form key=value"),
 ])

@@ -14,6 +14,8 @@ from qlora_fsdp.config.schema import (
     RECIPES_DIR,
     REPO_ROOT,
     ActivationCheckpointingConfig,
+    CheckpointedLayers,
+    CheckpointScope,
     Config,
     DataConfig,
     DataFormat,
@@ -22,6 +24,7 @@ from qlora_fsdp.config.schema import (
     HardwareConfig,
     LoggingConfig,
     LoraConfig,
+    LossConfig,
     ModelConfig,
     OptimConfig,
     OverlongPolicy,
@@ -34,8 +37,9 @@ from qlora_fsdp.config.schema import (
 )
 
 __all__ = [
-    "ActivationCheckpointingConfig", "Config", "DType", "DataConfig", "DataFormat", "FSDPConfig",
-    "FSDP_CONFIGS_DIR", "HardwareConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimConfig",
+    "ActivationCheckpointingConfig", "CheckpointScope", "CheckpointedLayers",
+    "Config", "DType", "DataConfig", "DataFormat", "FSDPConfig",
+    "FSDP_CONFIGS_DIR", "HardwareConfig", "LoggingConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig",
     "OverlongPolicy", "ProfileConfig", "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS",
     "SourceConfig", "Template", "TemplateChoice", "TrainConfig", "changed_settings", "load_config",
     "resolve_recipe_path", "to_dict", "to_yaml", "validate",

@@ -263,6 +263,8 @@ def validate(config: Config) -> Config:
         "train.max_steps": config.train.max_steps,
         "lora.r": config.lora.r,
         "activation_checkpointing.every_n": config.activation_checkpointing.every_n,
+        "activation_checkpointing.first_last": config.activation_checkpointing.first_last,
+        "loss.chunk_tokens": config.loss.chunk_tokens,
         "quant.blocksize": config.quant.blocksize,
         "train.keep_last": config.train.keep_last,
         "train.max_bad_steps": config.train.max_bad_steps,
@@ -293,6 +295,10 @@ def validate(config: Config) -> Config:
         raise ConfigError("'train.collective_timeout_minutes' must be positive, got "
                           f"{config.train.collective_timeout_minutes}")
     _validate_batch(config)
+    checkpointing = config.activation_checkpointing
+    if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
+        raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
+                          f"of 0-based layer indices, got {checkpointing.layers}")
     if config.train.save_every < 0:
         raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")
     return config

@@ -51,24 +51,49 @@ class FSDPConfig:
     # (a node), replicate across the groups, so the parameter all-gathers stay on the fast local links
 
 
+CheckpointedLayers = Literal["every_layer", "every_nth", "first_last", "layers", "off"]
+CheckpointScope = Literal["layer", "attention", "mlp", "ops"]
+
+
 @dataclass
 class ActivationCheckpointingConfig:
-    """Which decoder layers recompute their activations in backward: the one policy sharding applies and the
-    planner counts (a new mode is a new `mode` value and its branch in `wraps`)."""
+    """What backward recomputes instead of keeping: the one policy sharding applies, training runs and the
+    planner measures. `mode` picks the layers, `scope` what inside each chosen layer is recomputed."""
 
-    mode: Literal["every_layer", "every_nth", "off"] = "every_layer"
-    every_n: int = 2  # with every_nth: layers 0, n, 2n, ... are checkpointed
+    mode: CheckpointedLayers = "every_layer"
+    every_n: int = 2  # every_nth: layers 0, n, 2n, ... are checkpointed
+    first_last: int = 1  # first_last: the first N and the last N layers are checkpointed
+    layers: list[int] = field(default_factory=list)  # layers: these layer indices (0-based) are checkpointed
+    # layer: the whole decoder layer (keeps only its input); attention / mlp: only that sub-layer (the other's
+    # activations are kept); ops: the whole layer, but matmul and attention outputs are saved and only the
+    # cheap element-wise ops are recomputed (torch's selective checkpointing)
+    scope: CheckpointScope = "layer"
+    offload: bool = False  # what checkpointing keeps (each layer's input) waits in host memory until backward
 
-    def wraps(self, index: int) -> bool:
-        """Whether decoder layer `index` is checkpointed."""
+    def wraps(self, index: int, n_layers: int) -> bool:
+        """Whether decoder layer `index` (of `n_layers`) is checkpointed."""
         if self.mode == "every_layer":
             return True
         if self.mode == "every_nth":
             return index % self.every_n == 0
+        if self.mode == "first_last":
+            return index < self.first_last or index >= n_layers - self.first_last
+        if self.mode == "layers":
+            return index in self.layers
         return False
 
     def wrapped_count(self, n_layers: int) -> int:
-        return sum(self.wraps(index) for index in range(n_layers))
+        return sum(self.wraps(index, n_layers) for index in range(n_layers))
+
+
+@dataclass
+class LossConfig:
+    """The next-token cross-entropy. Chunked: the output projection and the loss run `chunk_tokens` tokens at a
+    time and are recomputed in backward, so the full fp32 logits (tokens x vocabulary) never exist at once;
+    the summed loss and its gradients are the full computation's (to float rounding)."""
+
+    chunked: bool = True
+    chunk_tokens: int = 256
 
 
 @dataclass
@@ -192,6 +217,7 @@ class Config:
     fsdp_preset: str = "full_shard"  # a file in fsdp_configs/, merged under `fsdp`
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -1,51 +1,18 @@
-"""Activation checkpointing, then FSDP2 `fully_shard` per decoder layer, then the root.
-
-Checkpointing wraps each chosen layer before sharding (non-reentrant: FSDP2 leaks memory with the
-reentrant variant), so FSDP's gather hooks sit outside the recomputed region.
-"""
+"""Activation checkpointing (checkpointing.py), then FSDP2 `fully_shard` per decoder layer, then the root."""
 
 from __future__ import annotations
 
 import peft
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    CheckpointWrapper,
-    checkpoint_wrapper,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import PretrainedConfig
 
-from qlora_fsdp.config import ActivationCheckpointingConfig, Config, FSDPConfig
+from qlora_fsdp.config import Config, FSDPConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.model.build import build_meta_model, decoder_layers
-
-
-def layer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(parent, attribute) of every decoder layer, or of its checkpoint wrapper once wrapped."""
-    layer_ids = {id(layer) for layer in decoder_layers(model)}
-    slots = []
-    for parent in model.modules():
-        if isinstance(parent, CheckpointWrapper):
-            continue
-        for name, child in parent.named_children():
-            inner = child._checkpoint_wrapped_module if isinstance(child, CheckpointWrapper) else child
-            if id(inner) in layer_ids:
-                slots.append((parent, name))
-    return slots
-
-
-def apply_activation_checkpointing(model: nn.Module, policy: ActivationCheckpointingConfig) -> int:
-    """Wrap the layers the policy chooses; returns how many were wrapped."""
-    wrapped = 0
-    for index, (parent, name) in enumerate(layer_slots(model)):
-        if policy.wraps(index):
-            layer = getattr(parent, name)
-            parent.register_module(name, checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-            wrapped += 1
-    return wrapped
+from qlora_fsdp.model.build import build_meta_model
+from qlora_fsdp.model.checkpointing import apply_activation_checkpointing, layer_slots
 
 
 def fsdp_policies(fsdp: FSDPConfig, device: torch.device) -> dict:
@@ -67,7 +34,9 @@ def shard_model(model: nn.Module, fsdp: FSDPConfig, mesh: DeviceMesh) -> None:
     policies = fsdp_policies(fsdp, torch.device(mesh.device_type))
     for parent, name in layer_slots(model):
         fully_shard(getattr(parent, name), mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **policies)
-    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **policies)
+    # the root (embeddings, final norm, head) stays gathered from forward to backward: the chunked loss runs the
+    # head after the forward returns, and backward would gather it again at once anyway
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # sum, not average, across ranks: the loss is already normalized by the global token count

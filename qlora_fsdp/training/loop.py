@@ -11,25 +11,27 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import peft
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.config import Config, changed_settings
 from qlora_fsdp.data.batching import Batch, Sample, StepSampler, collate, collate_packed
 from qlora_fsdp.data.pipeline import Dataset
-from qlora_fsdp.data.templates import IGNORE_INDEX
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.errors import TrainingStopped
+from qlora_fsdp.model.loss import summed_loss
 from qlora_fsdp.training.checkpoints import Checkpointer
 from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gb, reset_memory_peaks
 from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
 from qlora_fsdp.training.profiling import StepProfiler
 from qlora_fsdp.training.signals import GracefulStop
+
+if TYPE_CHECKING:
+    from qlora_fsdp.model.activation_offload import ActivationOffloader
 
 
 @dataclass(frozen=True)
@@ -114,12 +116,35 @@ class StepResult:
     n_samples: float
 
 
+@dataclass(frozen=True)
+class ForwardLoss:
+    """A micro-batch's forward and summed loss as the recipe runs it: chunked or full logits, and what
+    checkpointing keeps offloaded to host memory or not. Training and the planner's measured step share it."""
+
+    chunk_tokens: int | None = None  # None: the full logits
+    offloader: ActivationOffloader | None = None
+
+    @classmethod
+    def for_config(cls, cfg: Config, device: torch.device) -> ForwardLoss:
+        chunk = cfg.loss.chunk_tokens if cfg.loss.chunked else None
+        if not cfg.activation_checkpointing.offload:
+            return cls(chunk)
+        from qlora_fsdp.model.activation_offload import ActivationOffloader  # TODO: top-level once it lands
+
+        return cls(chunk, ActivationOffloader(device))
+
+    def __call__(self, model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+        """Summed cross-entropy over the batch's target tokens (labels are pre-shifted)."""
+        inputs, labels = batch.model_inputs(device), batch.labels.to(device)
+        if self.offloader is None or not torch.is_grad_enabled():
+            return summed_loss(model, inputs, labels, self.chunk_tokens)
+        with self.offloader.offloading():  # what the forward saves for backward waits in host memory
+            return summed_loss(model, inputs, labels, self.chunk_tokens)
+
+
 def loss_sum(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
-    """Summed cross-entropy over the batch's target tokens (labels are pre-shifted)."""
-    logits = model(**batch.model_inputs(device)).logits
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), batch.labels.to(device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    """The full loss, the reference the chunked one is held to."""
+    return ForwardLoss()(model, batch, device)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -127,22 +152,31 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def accumulate_gradients(model: nn.Module, micro_batches: list[Batch], device: torch.device) -> StepResult:
+def backward_micro_batch(model: nn.Module, batch: Batch, device: torch.device, normalizer: float,
+                         forward_loss: ForwardLoss) -> torch.Tensor:
+    """Forward, loss (its share of the step's token-normalized loss) and backward; the detached loss."""
+    loss = forward_loss(model, batch, device) / normalizer
+    loss.backward()
+    return loss.detach()
+
+
+def accumulate_gradients(model: nn.Module, micro_batches: list[Batch], device: torch.device,
+                         forward_loss: ForwardLoss | None = None) -> StepResult:
     """Forward and backward every micro-batch; gradients reduce-scatter once, after the last."""
+    forward_loss = forward_loss or ForwardLoss()
     n_targets, n_tokens, n_samples = all_reduce_sums(
         [sum(b.n_targets for b in micro_batches), sum(b.n_tokens for b in micro_batches),
          sum(b.n_samples for b in micro_batches)], device)
     local_loss = 0.0
     for index, batch in enumerate(micro_batches):
         set_gradient_sync(model, index == len(micro_batches) - 1)
-        loss = loss_sum(model, batch, device) / max(n_targets, 1.0)
-        loss.backward()
-        local_loss += loss.item()
+        local_loss += backward_micro_batch(model, batch, device, max(n_targets, 1.0), forward_loss).item()
     return StepResult(all_reduce_sum(local_loss, device), n_targets, n_tokens, n_samples)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, samples: list[Sample], batch_size: int, pad_id: int, info: DistInfo) -> float:
+def evaluate(model: nn.Module, samples: list[Sample], batch_size: int, pad_id: int, info: DistInfo,
+             forward_loss: ForwardLoss | None = None) -> float:
     """Token-weighted held-out loss over all ranks; every rank runs the same number of forwards."""
     mine = sorted(samples, key=lambda s: len(s.input_ids))[info.rank :: info.world_size]  # alike lengths batch up
     n_batches = math.ceil(math.ceil(len(samples) / info.world_size) / batch_size)
@@ -153,7 +187,7 @@ def evaluate(model: nn.Module, samples: list[Sample], batch_size: int, pad_id: i
         chunk = mine[index * batch_size : (index + 1) * batch_size]
         if chunk:
             batch = collate(chunk, pad_id)
-            total += loss_sum(model, batch, info.device).item()
+            total += (forward_loss or ForwardLoss())(model, batch, info.device).item()
             n_targets += batch.n_targets
         else:  # keep the collectives in step with ranks that still have samples
             model(input_ids=torch.tensor([[pad_id]], device=info.device))
@@ -184,6 +218,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profile, Path(cfg.train.output_dir), info.rank, info.device)
         self.mfu_reference = mfu_reference or MfuReference()
         self.memory_peaks: dict[str, float] = {}  # the run's largest, over ranks
+        self.forward_loss = ForwardLoss.for_config(cfg, info.device)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides weights, optimizer state and RNG (those go through DCP)."""
@@ -222,7 +257,8 @@ class Trainer:
         return peaks
 
     def evaluate(self) -> float:
-        return evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id, self.info)
+        return evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id, self.info,
+                        self.forward_loss)
 
     def micro_batches(self) -> list[Batch]:
         """This rank's micro-batches for the next step: padded samples, or packed rows."""
@@ -235,7 +271,7 @@ class Trainer:
     def train_step(self) -> StepStats:
         """One optimizer step; a non-finite loss or gradient norm skips the update (the data is consumed)."""
         micro_batches = self.micro_batches()
-        result = accumulate_gradients(self.model, micro_batches, self.info.device)
+        result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
         lr = float(self.scheduler.get_last_lr()[0])  # torch types it float | Tensor; with a float lr it is a float
         finite = math.isfinite(result.loss) and math.isfinite(grad_norm)  # both global: every rank agrees

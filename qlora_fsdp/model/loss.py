@@ -1,0 +1,83 @@
+"""The summed next-token cross-entropy of a batch whose labels are already shifted; chunked, the full logits
+never exist at once.
+
+Full: logits for every token (tokens x vocabulary, in the compute dtype, plus an fp32 copy, the log-softmax
+and their gradients: 3.9 GiB for 2,048 tokens of Llama 3's 128k vocabulary). Chunked: the model returns its
+final hidden states instead (the output layer sees an empty slice), then the output layer and the loss run
+`chunk_tokens` tokens at a time, each chunk checkpointed so backward recomputes its logits; only one chunk's
+logits are alive at any moment. Same sum, in a different order: equal to float rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100  # the label of a token that is not a target (the convention of torch and transformers)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed fp32 cross-entropy of the target tokens (labels are pre-shifted)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # a plain Linear head runs as its function: calling the module again after the model's forward would look
+    # to module-level memory trackers (torch's MemTracker, the planner's measured step) like a second forward
+    logits = F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
+    return cross_entropy_sum(logits, labels)
+
+
+@contextmanager
+def hidden_states_instead_of_logits(head: nn.Module) -> Iterator[None]:
+    """For one forward: the output layer computes nothing (an empty slice of tokens) and its output, hence the
+    model's `logits`, is the final hidden states. Going through the model's own forward keeps FSDP's hooks
+    (the root's gather, its backward hooks on the output) exactly as in the full loss."""
+    kept: list[torch.Tensor] = []
+
+    def empty_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        kept.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    def hidden_output(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        return kept.pop()
+
+    handles = [head.register_forward_pre_hook(empty_input), head.register_forward_hook(hidden_output)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def post_processes_logits(model: nn.Module) -> bool:
+    """Models that transform the head's output inside their forward (Gemma 2's soft-capping) would transform
+    the hidden states handed back in its place, so they take the full loss."""
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None
+
+
+def summed_loss(model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
+                chunk_tokens: int | None) -> torch.Tensor:
+    """Summed cross-entropy over the target tokens; chunked when `chunk_tokens` is set (and the model allows)."""
+    if chunk_tokens is None or post_processes_logits(model):
+        return cross_entropy_sum(model(**inputs).logits, labels)
+    head = model.get_output_embeddings()
+    assert isinstance(head, nn.Module), "a causal LM has an output layer"
+    with hidden_states_instead_of_logits(head):
+        hidden = model(**inputs).logits
+    hidden, labels = hidden.flatten(0, 1), labels.flatten()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled():  # backward recomputes this chunk's logits instead of keeping them
+            total = total + checkpoint(head_loss, head, hidden[part], labels[part], use_reentrant=False)
+        else:
+            total = total + head_loss(head, hidden[part], labels[part])
+    return total

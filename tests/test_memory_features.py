@@ -1,0 +1,113 @@
+"""Memory levers change memory, never numbers: chunked loss vs full logits, every checkpointing policy vs none,
+and the activation bytes each policy keeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from qlora_fsdp.data.batching import collate_packed
+from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.training.loop import ForwardLoss, accumulate_gradients
+from tests.helpers import (
+    batches,
+    full_grads,
+    relative_difference,
+    run_ranks_sequence,
+    tiny_config,
+    variable_length_samples,
+)
+
+pytestmark = pytest.mark.slow  # every test runs gloo ranks
+
+PAD = 2
+
+# (name, activation_checkpointing keys): which layers and what inside them; the tiny model has 2 layers
+POLICIES = [
+    ("every layer", {"mode": "every_layer"}),
+    ("attention only", {"mode": "every_layer", "scope": "attention"}),
+    ("MLP only", {"mode": "every_layer", "scope": "mlp"}),
+    ("matmul outputs saved (per operator)", {"mode": "every_layer", "scope": "ops"}),
+    ("every 2nd layer", {"mode": "every_nth", "every_n": 2}),
+    ("first and last 1", {"mode": "first_last", "first_last": 1}),
+    ("explicit list [1]", {"mode": "layers", "layers": [1]}),
+]
+
+
+def loss_and_grads(info, cfg, micro_batches_per_rank, chunk_tokens):
+    model = build_model(cfg, info)
+    result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device, ForwardLoss(chunk_tokens))
+    return {"loss": result.loss, "grads": full_grads(model)}
+
+
+def activation_bytes(info, cfg, batch):
+    """Bytes the forward leaves alive for backward (live tensor bytes after it, less before), by torch's tracker."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class ForwardTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # its gradient hooks need every parameter to require grad; the frozen 4-bit base does not
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    model = build_model(cfg, info)
+    tracker = ForwardTracker()
+    tracker.track_external(model)
+    with tracker:
+        before = tracker.get_tracker_snapshot()[info.device]["Total"]
+        loss = ForwardLoss(cfg.loss.chunk_tokens)(model, batch, info.device)
+        after = tracker.get_tracker_snapshot()[info.device]["Total"]
+        loss.backward()
+    return after - before
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_model_dir):
+    return variable_length_samples(tiny_config(tiny_model_dir), 16)
+
+
+def per_rank_batches(samples, world_size, packed):
+    """Each rank's micro-batches: padded samples, or rows of several samples each."""
+    share = len(samples) // world_size
+    mine = [samples[r * share:(r + 1) * share] for r in range(world_size)]
+    if packed:
+        return [[collate_packed([s[i:i + 2] for i in range(0, len(s), 2)], PAD)] for s in mine]
+    return [batches(s, 4, PAD) for s in mine]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_chunked_loss_equals_full_loss(tiny_model_dir, samples, tmp_path, world_size):
+    """Chunks that split rows and samples (5 tokens), and one chunk bigger than the batch; padded and packed."""
+    cfg = tiny_config(tiny_model_dir, activation_checkpointing={"mode": "off"})
+    setups = [(packed, chunk) for packed in (False, True) for chunk in (None, 5, 4096)]
+    calls = [(loss_and_grads, (cfg, per_rank_batches(samples, world_size, packed), chunk)) for packed, chunk in setups]
+    results = dict(zip(setups, run_ranks_sequence(calls, world_size, tmp_path), strict=True))
+    for packed, chunk in setups:
+        full = results[(packed, None)]
+        assert results[(packed, chunk)]["loss"] == pytest.approx(full["loss"], rel=1e-5)
+        assert relative_difference(results[(packed, chunk)]["grads"], full["grads"]) <= 1e-5
+
+
+def test_every_checkpointing_policy_equals_none(tiny_model_dir, samples, tmp_path):
+    """Two ranks (FSDP2 around the wrapped layers and sub-layers), chunked loss, packed rows."""
+    per_rank = per_rank_batches(samples, 2, packed=True)
+    policies = [("none", {"mode": "off"}), *POLICIES]
+    calls = [(loss_and_grads, (tiny_config(tiny_model_dir, activation_checkpointing=keys), per_rank, 64))
+             for _, keys in policies]
+    results = dict(zip([name for name, _ in policies], run_ranks_sequence(calls, 2, tmp_path), strict=True))
+    for name, _ in POLICIES:
+        assert results[name]["loss"] == pytest.approx(results["none"]["loss"], rel=1e-6), name
+        assert relative_difference(results[name]["grads"], results["none"]["grads"]) <= 1e-6, name
+
+
+def test_activation_bytes_order_none_then_selective_then_every_layer(tmp_path):
+    """What the forward keeps for backward: none > each selective policy > every layer (a model with a
+    hidden size large enough that activations, not bookkeeping, dominate)."""
+    from tests.helpers import build_tiny_checkpoint
+
+    model_dir = build_tiny_checkpoint(tmp_path / "tiny4", layers=4)
+    samples = variable_length_samples(tiny_config(model_dir), 8)
+    batch = collate_packed([samples[i:i + 4] for i in range(0, 8, 4)], PAD)
+    policies = [("none", {"mode": "off"}), *POLICIES[:4], ("every 2nd layer", {"mode": "every_nth"})]
+    calls = [(activation_bytes, (tiny_config(model_dir, activation_checkpointing=keys), batch)) for _, keys in policies]
+    kept = dict(zip([name for name, _ in policies], run_ranks_sequence(calls, 1, tmp_path), strict=True))
+    for name in ("attention only", "MLP only", "matmul outputs saved (per operator)", "every 2nd layer"):
+        assert kept["none"] > kept[name] > kept["every layer"], (name, kept)
