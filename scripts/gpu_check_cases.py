@@ -42,7 +42,7 @@ from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, held_bytes, plan
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
-from qlora_fsdp.training.loop import accumulate_gradients
+from qlora_fsdp.training.loop import ForwardLoss, accumulate_gradients
 from qlora_fsdp.training.metrics import proc_status_bytes, reset_memory_peaks
 from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm
 
@@ -143,9 +143,10 @@ def train_steps(model: peft.PeftModel, cfg: Config, info: DistInfo, steps: int) 
     batches = random_batches(cfg, model.config.vocab_size, cfg.data.grad_accum_steps)
     model.train()
     times = StepTimes([], [], 0.0)
+    forward_loss = ForwardLoss.for_config(cfg, info.device)  # the recipe's loss and activation offload
     for _ in range(steps):
         started = time.perf_counter()
-        result = accumulate_gradients(model, batches, info.device)
+        result = accumulate_gradients(model, batches, info.device, forward_loss)
         clip_grad_norm(model, cfg.optim.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()

@@ -6,9 +6,11 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qlora_fsdp.config import to_yaml
@@ -16,8 +18,9 @@ from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.model.adapter import config_for_adapter, export_adapter
 from qlora_fsdp.model.build import load_tokenizer
 from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import LoraDelta, merge_adapter
-from tests.helpers import REPO, run_ranks_sequence, tiny_config
+from tests.helpers import REPO, fsdp_params, run_ranks, run_ranks_sequence, tiny_config
 
 ENV = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 PROMPT = "Reverse the word: planet"
@@ -137,3 +140,51 @@ def test_generate_applies_the_adapter_and_matches_the_merged_model(adapters, tmp
                        "--max-new-tokens", "12")
     assert base_only.returncode == 0, base_only.stderr[-3000:]
     assert base_only.stdout.rstrip("\n") != expected  # the adapter changed the reply
+
+
+GREEDY, SAMPLED = Sampling(max_new_tokens=12), Sampling(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+
+
+def sample_as_loaded(info, adapter, offload, apply_adapter=True):
+    """Greedy and seeded-sampled token ids of the reply to PROMPT, how the model was held (FSDP2 or not, and
+    each parameter's offload), and the world size; the adapter's settings either way, its weights if applied."""
+    generator = load_generator(config_for_adapter(adapter, None, []), adapter if apply_adapter else None, offload)
+    held = (isinstance(generator.model, FSDPModule), sorted({p.offload_to_cpu for p in fsdp_params(generator.model)}))
+    return generator.token_ids(PROMPT, GREEDY), generator.token_ids(PROMPT, SAMPLED), held, info.world_size
+
+
+@pytest.fixture(scope="module")
+def one_process_replies(adapters, tmp_path_factory):
+    """One process: the 4-bit model unsharded (as generate.py always ran), without the adapter, and offloaded
+    (FSDP2 at world size 1 with CPUOffloadPolicy: the one-GPU 70B path)."""
+    adapter = adapters[0]["lora"][0]
+    calls = [(sample_as_loaded, (adapter, False)), (sample_as_loaded, (adapter, False, False)),
+             (sample_as_loaded, (adapter, True))]
+    unsharded, base, offloaded = run_ranks_sequence(calls, 1, tmp_path_factory.mktemp("one_process"))
+    assert unsharded[2:] == ((False, []), 1) and offloaded[2:] == ((True, [True]), 1)  # no FSDP2; FSDP2 offloaded
+    assert unsharded[0] != base[0]  # the adapter changes the greedy reply, so matching it means something
+    return adapter, unsharded[:2], offloaded[:2]
+
+
+@pytest.mark.slow
+def test_sharded_and_offloaded_sampling_give_the_unsharded_tokens(one_process_replies, tmp_path):
+    """FSDP2 over 2 gloo ranks and offloaded at world size 1 draw exactly the unsharded model's greedy and
+    seeded-sampled tokens, on every rank (2 ranks with offload: the torchrun test below)."""
+    adapter, expected, offloaded = one_process_replies
+    assert offloaded == expected
+    for sharded in run_ranks(sample_as_loaded, 2, adapter, False, tmp_dir=tmp_path):
+        assert sharded[2:] == ((True, [False]), 2) and sharded[:2] == expected
+
+
+@pytest.mark.slow
+def test_generate_under_torchrun_prints_rank_0s_replies_once(one_process_replies):
+    """`torchrun --nproc_per_node 2 scripts/generate.py --offload`: rank 0 reads stdin and hands each prompt to
+    both ranks; one reply a prompt, the unsharded model's."""
+    adapter, (greedy, _), _ = one_process_replies
+    expected = AutoTokenizer.from_pretrained(adapter).decode(greedy, skip_special_tokens=True)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    result = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "scripts/generate.py", "--adapter",
+                             str(adapter), "--max-new-tokens", "12", "--offload"], cwd=REPO,
+                            input=f"{PROMPT}\n{PROMPT}\n", capture_output=True, text=True, timeout=300, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:-1] == [expected, expected]

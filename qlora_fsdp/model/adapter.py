@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
+from qlora_fsdp.model.loading import copy_full_into
 from qlora_fsdp.model.names import clean_name
 
 ADAPTER_NAME = "default"
@@ -68,19 +69,20 @@ def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
 
 
 @torch.no_grad()
+@torch.no_grad()
 def load_adapter_into(model: peft.PeftModel, adapter_dir: Path) -> None:
-    """Put a saved adapter's weights into an unsharded model built with the same LoRA settings (the inverse of
-    export_adapter's naming)."""
+    """Put a saved adapter's weights into a model built with the same LoRA settings, sharded or not: each rank
+    keeps its FSDP2 dim-0 chunk of every tensor, as the base loader does (the inverse of export_adapter)."""
     _, tensors = read_adapter(adapter_dir)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         key = peft_adapter_key(clean_name(name), ADAPTER_NAME)
         saved = tensors.pop(key, None)
-        if saved is None or saved.shape != param.shape:
+        if saved is None or saved.shape != param.shape:  # a DTensor's shape is the whole tensor's
             raise ModelLoadError(f"adapter in {adapter_dir} does not fit the model at '{key}': trained with other "
                                  "lora.r / target_modules settings, or on another base?")
-        param.copy_(saved)
+        copy_full_into(param, saved.to(param.dtype))
     if tensors:
         raise ModelLoadError(f"adapter in {adapter_dir} has '{next(iter(tensors))}', which the model lacks")
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     CheckpointWrapper,
     checkpoint_wrapper,
 )
-from torch.ops import aten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from qlora_fsdp.config import ActivationCheckpointingConfig
@@ -27,6 +27,7 @@ SUB_LAYERS = {"attention": "self_attn", "mlp": "mlp"}  # the attribute names of 
 
 # scope `ops` keeps these outputs (the matmuls and attention: the costly ops) and recomputes the rest (norms,
 # rotary, activations, casts, the 4-bit dequantization, whose output is a whole weight and cheap to redo)
+aten = torch.ops.aten
 SAVED_OPS = frozenset({
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
     aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
@@ -39,7 +40,7 @@ def save_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpo
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpointed(module: nn.Module, selective: bool = False) -> CheckpointWrapper:
+def checkpointed(module: nn.Module, selective: bool = False) -> nn.Module:
     extra = {"context_fn": partial(create_selective_checkpoint_contexts, save_matmul_outputs)} if selective else {}
     return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
 

@@ -10,9 +10,9 @@ logits are alive at any moment. Same sum, in a different order: equal to float r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -63,12 +63,13 @@ def post_processes_logits(model: nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None
 
 
-def summed_loss(model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
+def summed_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
                 chunk_tokens: int | None) -> torch.Tensor:
     """Summed cross-entropy over the target tokens; chunked when `chunk_tokens` is set (and the model allows)."""
     if chunk_tokens is None or post_processes_logits(model):
         return cross_entropy_sum(model(**inputs).logits, labels)
-    head = model.get_output_embeddings()
+    # nn.Module types every attribute as Tensor | Module; a causal LM's method it is
+    head = cast(Callable[[], nn.Module | None], model.get_output_embeddings)()
     assert isinstance(head, nn.Module), "a causal LM has an output layer"
     with hidden_states_instead_of_logits(head):
         hidden = model(**inputs).logits

@@ -1,22 +1,33 @@
-"""Sampling from the 4-bit base + adapter, with the prompt rendered by the template the run trained with."""
+"""Sampling from the 4-bit base + adapter, held as training holds it, with the prompt rendered by the template the
+run trained with.
+
+The model is built by the training code path: FSDP2 over every torchrun rank, with the recipe's CPU parameter
+offload, so sampling fits wherever training fits (one process, unsharded, where the recipe trains so). Under FSDP2
+each forward all-gathers one decoder layer at a time, so every rank must run the same forwards: all ranks get
+the same prompt and seed, and HF's `synced_gpus` keeps them stepping together until the last one stops.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import peft
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, Template
 from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.templates import prompt_ids
-from qlora_fsdp.distributed import init_distributed
+from qlora_fsdp.distributed import DistInfo, init_distributed
 from qlora_fsdp.model.adapter import load_adapter_into
 from qlora_fsdp.model.build import load_tokenizer
 from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.model.sharding import uses_fsdp
 
 
 @dataclass
@@ -32,35 +43,75 @@ class Generator:
     model: peft.PeftModel
     tokenizer: PreTrainedTokenizerBase
     template: Template
-    device: torch.device
+    info: DistInfo
+
+    @property
+    def is_main(self) -> bool:
+        return self.info.is_main
 
     @torch.no_grad()
-    def reply(self, prompt: str, sampling: Sampling, system: str | None = None) -> str:
+    def token_ids(self, prompt: str, sampling: Sampling, system: str | None = None) -> list[int]:
+        """The new tokens of one reply. A collective under FSDP: every rank calls it with the same arguments."""
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        ids = torch.tensor([prompt_ids(messages, self.tokenizer, self.template)], device=self.device)
-        torch.manual_seed(sampling.seed)
+        ids = torch.tensor([prompt_ids(messages, self.tokenizer, self.template)], device=self.info.device)
+        torch.manual_seed(sampling.seed)  # the same draws on every rank, so the same tokens and the same forwards
         sample = sampling.temperature > 0
         out = self.model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=sampling.max_new_tokens,
             do_sample=sample, temperature=sampling.temperature if sample else None,
             top_p=sampling.top_p if sample else None, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id)
-        text = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            eos_token_id=self.tokenizer.eos_token_id,
+            use_cache=True,  # explicit, as training turned config.use_cache off: new tokens attend to cached K/V
+            # a rank that reached EOS keeps running dummy forwards (and all-gathers) until every rank has: should
+            # numerics ever differ between GPUs, no rank waits forever for another's gather
+            synced_gpus=self.info.world_size > 1)
+        release_root(self.model)
+        return out[0, ids.shape[1]:].tolist()
+
+    def reply(self, prompt: str, sampling: Sampling, system: str | None = None) -> str:
+        text = self.tokenizer.decode(self.token_ids(prompt, sampling, system), skip_special_tokens=True)
         assert isinstance(text, str), "one sequence of ids decodes to one string"
         return text
 
 
-def load_generator(cfg: Config, adapter_dir: Path | None) -> Generator:
-    """The recipe's base in 4-bit on this machine's device (one process), with the adapter's weights; without
-    an adapter, LoRA stays at its zero init, so replies are the base model's."""
-    info = init_distributed()
-    no_recompute = dataclasses.replace(cfg.activation_checkpointing, mode="off")  # no backward pass to save for
-    model = build_model(dataclasses.replace(cfg, activation_checkpointing=no_recompute), info, shard=False)
+def sampling_config(cfg: Config, offload: bool | None = None) -> Config:
+    """The recipe as sampling runs it: no activation checkpointing (no backward pass to save for), and CPU
+    parameter offload as the recipe says unless `offload` decides."""
+    no_recompute = dataclasses.replace(cfg.activation_checkpointing, mode="off")
+    fsdp = cfg.fsdp if offload is None else dataclasses.replace(cfg.fsdp, cpu_offload=offload)
+    return dataclasses.replace(cfg, activation_checkpointing=no_recompute, fsdp=fsdp)
+
+
+def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None = None) -> Generator:
+    """The recipe's base in 4-bit with the adapter's weights, sharded and offloaded as training does it (see
+    `sampling_config`); without an adapter, LoRA stays at its zero init, so replies are the base model's."""
+    cfg = sampling_config(cfg, offload)
+    info = init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes)
+    note_unsharded_fallback(cfg, info)
+    model = build_model(cfg, info, shard=True)  # unsharded where uses_fsdp says so (one process, no offload)
     tokenizer = load_tokenizer(cfg)
     if adapter_dir is not None:
         load_adapter_into(model, adapter_dir)
         if (adapter_dir / "tokenizer_config.json").is_file():  # the tokenizer the run used, saved with it
             tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     model.eval()
-    template = run_template(cfg.data, tokenizer)
-    return Generator(model, tokenizer, template, info.device)
+    # PeftModel.generate calls the inner model's forward, past the FSDP root's hooks: make generate a forward of
+    # the root, so embeddings, norm and head are gathered for it (a no-op for an unsharded model)
+    register_fsdp_forward_method(model, "generate")
+    return Generator(model, tokenizer, run_template(cfg.data, tokenizer), info)
+
+
+def note_unsharded_fallback(cfg: Config, info: DistInfo) -> None:
+    """One process where the recipe trains sharded holds the whole 4-bit model on its device: say how not to."""
+    if info.is_main and info.world_size < cfg.hardware.world_size and not uses_fsdp(cfg.fsdp, info.world_size):
+        print(f"note: the recipe trains on {cfg.hardware.world_size} ranks; this one process holds the whole 4-bit "
+              f"model on {info.device.type}. If it runs out of memory: torchrun --nproc_per_node "
+              f"{cfg.hardware.gpus_per_node} scripts/generate.py ..., or --offload (one layer at a time on the GPU)",
+              file=sys.stderr, flush=True)  # stdout carries only replies
+
+
+def release_root(model: nn.Module) -> None:
+    """Free the gathered root (embeddings, norm, head) between replies: the root may keep it gathered after a
+    forward, which training wants (its backward follows at once) and sampling does not."""
+    if isinstance(model, FSDPModule):
+        model.reshard()

@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import peft
 import torch
@@ -23,15 +23,13 @@ from qlora_fsdp.data.batching import Batch, Sample, StepSampler, collate, collat
 from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.errors import TrainingStopped
+from qlora_fsdp.model.activation_offload import ActivationOffloader
 from qlora_fsdp.model.loss import summed_loss
 from qlora_fsdp.training.checkpoints import Checkpointer
 from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gb, reset_memory_peaks
 from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
 from qlora_fsdp.training.profiling import StepProfiler
 from qlora_fsdp.training.signals import GracefulStop
-
-if TYPE_CHECKING:
-    from qlora_fsdp.model.activation_offload import ActivationOffloader
 
 
 @dataclass(frozen=True)
@@ -127,11 +125,8 @@ class ForwardLoss:
     @classmethod
     def for_config(cls, cfg: Config, device: torch.device) -> ForwardLoss:
         chunk = cfg.loss.chunk_tokens if cfg.loss.chunked else None
-        if not cfg.activation_checkpointing.offload:
-            return cls(chunk)
-        from qlora_fsdp.model.activation_offload import ActivationOffloader  # TODO: top-level once it lands
-
-        return cls(chunk, ActivationOffloader(device))
+        offload = ActivationOffloader(device) if cfg.activation_checkpointing.offload else None
+        return cls(chunk, offload)
 
     def __call__(self, model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
         """Summed cross-entropy over the batch's target tokens (labels are pre-shifted)."""
