@@ -1,6 +1,6 @@
 """The one command to run the day a GPU is lent: what the CPU test suite cannot show, checked on the device.
 
-    make gpu-check                                  # all six checks, at most 10 minutes on one H100/4090
+    make gpu-check                                  # all seven checks, at most 10 minutes on one H100/4090
     python scripts/gpu_check.py --out docs/gpu_check.md   # also write the table (and its figures as .json)
     python scripts/gpu_check.py --only nan_canary,fsdp_real_path
     python scripts/gpu_check.py --dry-run           # CPU, small sizes; what needs CUDA is listed as skipped
@@ -14,6 +14,8 @@ inside it; `python scripts/gpu_check_cases.py NAME --device cpu` runs one in the
   generate              scripts/generate.py with that adapter prints tokens
   plan_vs_measured_70b  llama70b_2x4090 as rank 0 of 2, GPU capped at 24 GiB: measured peak against the plan
   one_gpu_70b_offload   70B on one GPU with CPU offload: peak GPU memory, host RSS, tokens/s
+  memory_levers         70B layer shapes and vocabulary at 8,192 tokens: peak memory and tokens/s of full vs
+                        chunked loss, activation offload, selective and no checkpointing
 Nothing is fetched from a hub: the models are built locally from config.json (random weights).
 Exit code: 0 when no check that ran failed, 1 otherwise.
 """
@@ -64,6 +66,7 @@ CHECKS = (
     Check("fsdp_real_path", 150, cuda_only=False),
     Check("merge_device", 90, cuda_only=False),
     Check("generate", 60, cuda_only=False),
+    Check("memory_levers", 150, cuda_only=False),
     Check("plan_vs_measured_70b", 240, cuda_only=True),
     Check("one_gpu_70b_offload", 240, cuda_only=True),
 )

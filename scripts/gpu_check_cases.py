@@ -396,7 +396,61 @@ def one_gpu_70b_offload(ctx: Context) -> list[Row]:
     return [Row("one_gpu_70b_offload", "passed" if finite and within_cap else "failed", result, figures)]
 
 
-# ---- 5. merge_device and 6. generate: a tiny adapter trained by the repo ---------------------------------
+# ---- 5. memory_levers -------------------------------------------------------------------------------------
+
+# (label, overrides): each lever against the recipe's default (chunked loss, every layer checkpointed)
+LEVERS = [
+    ("full logits", ["loss.chunked=false"]),
+    ("chunked loss (default)", []),
+    ("+ activation offload", ["activation_checkpointing.offload=true"]),
+    ("selective: per operator", ["activation_checkpointing.scope=ops"]),
+    ("selective: MLP only", ["activation_checkpointing.scope=mlp"]),
+    ("no checkpointing", ["activation_checkpointing.mode='off'"]),
+]
+
+
+def lever_config(ctx: Context, overrides: list[str]) -> Config:
+    """The 70B's layer shapes and vocabulary at one GPU (no parameter offload), 2 layers, a long row."""
+    context = 256 if ctx.small else 8192
+    return load_config("llama70b_1x4090", ["model.init=random", f"model.path={arch_dir(ctx, 2)}",
+                                            "fsdp.cpu_offload=false", f"data.context_length={context}",
+                                            "data.micro_batch_size=1", "data.grad_accum_steps=1",
+                                            f"train.output_dir={ctx.work / 'unused-output'}", *overrides])
+
+
+def lever_row(ctx: Context, label: str, overrides: list[str]) -> dict[str, Any]:
+    cfg = lever_config(ctx, overrides)
+    info = init_distributed()
+    try:
+        model = build_model(cfg, info)
+        reset_memory_peaks(info.device)
+        times = train_steps(model, cfg, info, steps=2)
+        measured = gpu_memory(ctx.device)
+    finally:
+        del model
+        cleanup()
+        free_memory(ctx.device)
+    return {"lever": label, "tokens_per_s": times.tokens_per_s(), "loss": times.losses[-1], **measured}
+
+
+def memory_levers(ctx: Context) -> list[Row]:
+    """What each memory lever saves on the device, and what it costs in tokens/s, measured one after another."""
+    results = [lever_row(ctx, label, overrides) for label, overrides in LEVERS]
+    for result in results:
+        print(json.dumps(result), flush=True)
+    if ctx.device.type != "cuda":
+        return [Row("memory_levers", "passed", f"CPU smoke run: {len(results)} settings trained two steps each; "
+                    "no GPU figures", {"settings": results})]
+    rows = []
+    for result in results:
+        figures = {k: v for k, v in result.items() if k != "lever"}
+        rows.append(Row(f"memory_levers: {result['lever']}", "info",
+                        f"peak allocated {result['peak_allocated_gib']:.2f} GiB, "
+                        f"{result['tokens_per_s']:,.0f} tokens/s", figures))
+    return rows
+
+
+# ---- 6. merge_device and 7. generate: a tiny adapter trained by the repo ---------------------------------
 
 def tiny_model(ctx: Context) -> Path:
     """The tests' tiny Llama (2 layers, hidden 128, seeded), built as `make tiny-model` builds its own."""
@@ -487,7 +541,7 @@ def generate(ctx: Context) -> list[Row]:
 
 CASES: dict[str, Callable[[Context], list[Row]]] = {
     "nan_canary": nan_canary, "fsdp_real_path": fsdp_real_path, "plan_vs_measured_70b": plan_vs_measured_70b,
-    "one_gpu_70b_offload": one_gpu_70b_offload, "merge_device": merge_device, "generate": generate}
+    "one_gpu_70b_offload": one_gpu_70b_offload, "memory_levers": memory_levers, "merge_device": merge_device, "generate": generate}
 
 
 def environment(device: torch.device) -> dict[str, Any]:
