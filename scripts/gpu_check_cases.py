@@ -541,7 +541,8 @@ def generate(ctx: Context) -> list[Row]:
 
 CASES: dict[str, Callable[[Context], list[Row]]] = {
     "nan_canary": nan_canary, "fsdp_real_path": fsdp_real_path, "plan_vs_measured_70b": plan_vs_measured_70b,
-    "one_gpu_70b_offload": one_gpu_70b_offload, "memory_levers": memory_levers, "merge_device": merge_device, "generate": generate}
+    "one_gpu_70b_offload": one_gpu_70b_offload, "memory_levers": memory_levers, "merge_device": merge_device,
+    "generate": generate}
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -306,6 +306,10 @@ class Trainer:
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != cfg.max_steps and self.eval_samples:
                 record.update(eval_record(self.evaluate()))
             record.update(self.step_memory())
+            offloader = self.forward_loss.offloader
+            if offloader is not None:  # host bytes what checkpointing kept took at their peak, this step
+                record["activation_offload_gb"] = offloader.stats.peak_host_bytes / 2**30
+                offloader.reset()
             self.logger.log(record)
             shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gb")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
