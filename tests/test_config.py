@@ -74,6 +74,22 @@ def test_semantic_checks():
         load_config("tiny_cpu", ["fsdp.param_dtype=float32"])
     with pytest.raises(ConfigError, match="data.micro_batch_size"):
         load_config("tiny_cpu", ["data.micro_batch_size=0"])
+    with pytest.raises(ConfigError, match="'activation_checkpointing.mode: layers' needs"):
+        load_config("tiny_cpu", ["activation_checkpointing.mode=layers"])
+    with pytest.raises(ConfigError, match="'loss.chunk_tokens' must be at least 1, got 0"):
+        load_config("tiny_cpu", ["loss.chunk_tokens=0"])
+
+
+def test_checkpointing_policies_choose_layers():
+    policy = load_config("tiny_cpu", ["activation_checkpointing.mode=first_last",
+                                      "activation_checkpointing.first_last=2"]).activation_checkpointing
+    assert [i for i in range(8) if policy.wraps(i, 8)] == [0, 1, 6, 7]
+    policy = load_config("tiny_cpu", ["activation_checkpointing.mode=layers",
+                                      "activation_checkpointing.layers=[1,4]"]).activation_checkpointing
+    assert [i for i in range(8) if policy.wraps(i, 8)] == [1, 4] and policy.wrapped_count(8) == 2
+    policy = load_config("tiny_cpu", ["activation_checkpointing.mode=every_nth",
+                                      "activation_checkpointing.every_n=3"]).activation_checkpointing
+    assert [i for i in range(8) if policy.wraps(i, 8)] == [0, 3, 6]
 
 
 def test_collective_timeout_takes_fractions_of_a_minute_and_must_be_positive():
