@@ -17,8 +17,6 @@ from tests.helpers import (
     variable_length_samples,
 )
 
-pytestmark = pytest.mark.slow  # every test runs gloo ranks
-
 PAD = 2
 
 # (name, activation_checkpointing keys): which layers and what inside them; the tiny model has 2 layers
@@ -73,6 +71,7 @@ def per_rank_batches(samples, world_size, packed):
     return [batches(s, 4, PAD) for s in mine]
 
 
+@pytest.mark.slow  # gloo ranks
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_chunked_loss_equals_full_loss(tiny_model_dir, samples, tmp_path, world_size):
     """Chunks that split rows and samples (5 tokens), and one chunk bigger than the batch; padded and packed."""
@@ -86,6 +85,7 @@ def test_chunked_loss_equals_full_loss(tiny_model_dir, samples, tmp_path, world_
         assert relative_difference(results[(packed, chunk)]["grads"], full["grads"]) <= 1e-5
 
 
+@pytest.mark.slow  # gloo ranks
 def test_every_checkpointing_policy_equals_none(tiny_model_dir, samples, tmp_path):
     """Two ranks (FSDP2 around the wrapped layers and sub-layers), chunked loss, packed rows."""
     per_rank = per_rank_batches(samples, 2, packed=True)
@@ -98,6 +98,7 @@ def test_every_checkpointing_policy_equals_none(tiny_model_dir, samples, tmp_pat
         assert relative_difference(results[name]["grads"], results["none"]["grads"]) <= 1e-6, name
 
 
+@pytest.mark.slow  # gloo ranks
 def test_activation_bytes_order_none_then_selective_then_every_layer(tmp_path):
     """What the forward keeps for backward: none > each selective policy > every layer (a model with a
     hidden size large enough that activations, not bookkeeping, dominate)."""
@@ -111,3 +112,14 @@ def test_activation_bytes_order_none_then_selective_then_every_layer(tmp_path):
     kept = dict(zip([name for name, _ in policies], run_ranks_sequence(calls, 1, tmp_path), strict=True))
     for name in ("attention only", "MLP only", "matmul outputs saved (per operator)", "every 2nd layer"):
         assert kept["none"] > kept[name] > kept["every layer"], (name, kept)
+
+
+def test_checkpointing_names_a_layer_the_model_lacks_in_one_line(tiny_model_dir):
+    from qlora_fsdp.errors import ConfigError
+    from qlora_fsdp.model.build import build_meta_model, load_hf_config
+    from qlora_fsdp.model.checkpointing import apply_activation_checkpointing
+
+    cfg = tiny_config(tiny_model_dir, activation_checkpointing={"mode": "layers", "layers": [0, 2]})
+    model = build_meta_model(cfg, load_hf_config(cfg))
+    with pytest.raises(ConfigError, match="names layer 2, but the model has 2"):
+        apply_activation_checkpointing(model, cfg.activation_checkpointing)
