@@ -426,6 +426,9 @@ def lever_row(ctx: Context, label: str, overrides: list[str]) -> dict[str, Any]:
         reset_memory_peaks(info.device)
         times = train_steps(model, cfg, info, steps=2)
         measured = gpu_memory(ctx.device)
+        if measured:  # the planner's peak for the same setting (its measured step runs in a child process)
+            planned = plan_allocated(plan(cfg, held_bytes(model, cfg))) / GIB
+            measured.update(plan_allocated_gib=planned, ratio=measured["peak_allocated_gib"] / planned)
     finally:
         del model
         cleanup()
@@ -445,8 +448,9 @@ def memory_levers(ctx: Context) -> list[Row]:
     for result in results:
         figures = {k: v for k, v in result.items() if k != "lever"}
         rows.append(Row(f"memory_levers: {result['lever']}", "info",
-                        f"peak allocated {result['peak_allocated_gib']:.2f} GiB, "
-                        f"{result['tokens_per_s']:,.0f} tokens/s", figures))
+                        f"peak allocated {result['peak_allocated_gib']:.2f} GiB (plan "
+                        f"{result['plan_allocated_gib']:.2f}, "
+                        f"ratio {result['ratio']:.2f}), {result['tokens_per_s']:,.0f} tokens/s", figures))
     return rows
 
 

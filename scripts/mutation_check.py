@@ -57,8 +57,8 @@ MUTATIONS = [
              "QUANT_STORAGE = torch.bfloat16\n",
              "tests/test_numerics.py::test_packed_weights_survive_cuda_copy_behaviour"),
     Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan/memory.py",
-             "                        held.lora_elements * accumulated_grad_itemsize(cfg), True))\n",
-             "                        held.grads, True))\n", "tests/test_plan.py::test_planned_sizes_equal_measured"),
+             "    return held.lora_elements * accumulated_grad_itemsize(cfg)\n",
+             "    return held.grads\n", "tests/test_plan.py::test_planned_sizes_equal_measured"),
 ]
 
 

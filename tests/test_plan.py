@@ -37,7 +37,7 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     import qlora_fsdp.training.loop
     from qlora_fsdp.distributed import local_shard
     from qlora_fsdp.plan.measure import held_quant_state_bytes
-    from qlora_fsdp.plan.memory import compute_rows, meta_held, planning_config, quant_state_bytes
+    from qlora_fsdp.plan.memory import accumulating_gradient_bytes, meta_held, quant_state_bytes
     from qlora_fsdp.training.optimizer import build_optimizer
 
     model = build_model(cfg, info)
@@ -66,10 +66,9 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     measured["quant_state"] = sum(held_quant_state_bytes(module.quant_state) for module in model.modules()
                                   if getattr(module, "quant_state", None) is not None)
     held = meta_held(cfg, info.mesh)
-    rows = compute_rows(held, cfg, planning_config(cfg), sharded=True)
     planned = {"lora": held.lora, "grads": held.grads, "base": held.base_4bit + held.other_base,
                "optimizer": held.optimizer, "quant_state": held.quant_state,
-               "accumulating": sum(r.bytes for r in rows if r.name.startswith("LoRA gradients while accumulating"))}
+               "accumulating": accumulating_gradient_bytes(held, cfg)}
     assert quant_state_bytes(64 * 64, 64, False) == 64 * 4 + 64  # absmax per block + the 16-value code
     return measured, planned
 
@@ -101,7 +100,7 @@ def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path):
 PLAN_70B = """
 import torch.distributed as dist
 from qlora_fsdp.config import load_config
-from qlora_fsdp.plan.memory import meta_held, plan, planning_mesh, report, variants
+from qlora_fsdp.plan.memory import GIB, meta_held, plan, planning_mesh, report, variants
 cfg = load_config('llama70b_2x4090', ['fsdp_preset=full_shard'])
 held = meta_held(cfg, planning_mesh(2))  # one meta build for both presets: offload moves bytes, not shapes
 offload = load_config('llama70b_2x4090', ['fsdp_preset=full_shard_cpu_offload'])
@@ -110,18 +109,25 @@ for name, c in (('full_shard', cfg), ('full_shard_cpu_offload', offload)):
     print(name, 'FITS' if result.fits else 'DOES NOT FIT', round(result.gpu_total / 2**30, 2))
 print(result.description)
 print([label for label, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(c, held).fits])
+for row in result.gpu_rows:
+    print('row', row.basis, round(row.bytes / GIB, 3), row.name)
 dist.destroy_process_group()  # the HSDP recipe plans over a fake world of 16
 text, fits = report(load_config('llama70b_hsdp_2x8x4090'))
+print(text)
+dist.destroy_process_group()
+text, fits = report(load_config('llama3_8b_1x4090', ['loss.chunked=false', 'hardware.gpu_memory_gib=12']))
 print(text)
 """
 
 
 @pytest.mark.slow
 def test_70b_plans_from_config_json_alone():
-    """2x RTX 4090: DOES NOT FIT without offload (and offload is named as the fix), FITS with it. 2 nodes x 8
-    in HSDP: the shard is over a node's 8 GPUs, the auto micro-batch and scaled lr are printed, FITS."""
+    """2x RTX 4090: DOES NOT FIT without offload (and offload is named as the fix), FITS with it; the step's rows
+    are measured, the chunked loss takes under 0.5 GiB. 2 nodes x 8 in HSDP: the shard is over a node's 8 GPUs,
+    the auto micro-batch and scaled lr are printed, FITS. An 8B with full logits on 12 GiB: the chunked loss is
+    the first fix named, with its total."""
     result = subprocess.run([sys.executable, "-c", PLAN_70B], cwd=REPO, capture_output=True, text=True,
-                            timeout=300, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+                            timeout=600, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("full_shard DOES NOT FIT") and float(lines[0].split()[-1]) > 24
@@ -129,7 +135,15 @@ def test_70b_plans_from_config_json_alone():
     assert lines[2].startswith("70.55B base parameters")
     assert lines[3].startswith("['fsdp_preset=full_shard_cpu_offload")  # the only single fix, and it is named
 
-    hsdp = lines[4:]
+    rows = [line.split(maxsplit=3)[1:] for line in lines if line.startswith("row ")]
+    assert {basis for basis, _, name in rows if not name.startswith("CUDA context")} == {"exact", "measured"}
+    logits = next((float(gib), name) for basis, gib, name in rows if name.startswith("logits and loss"))
+    own = float(logits[1].split("; ")[1].split()[0])  # the loss's own bytes, given in the row's name
+    assert logits[0] <= 0.5 and 0 < own <= 0.5, logits
+    activations = next(float(gib) for _, gib, name in rows if name.startswith("activations"))
+    assert 2.5 < activations < 8  # at least the 80 layers' checkpointed inputs: 80 x 2048 x 8192 x 2 bytes
+
+    hsdp = lines[len(rows) + 4:]
     assert hsdp[0].endswith("on 16 x rtx4090 (24 GiB): 70.55B base parameters, world size 16")
     shard_row = next(line for line in hsdp if line.startswith("| 4-bit base weights"))
     h, kv, inter, layers = 8192, 1024, 28672, 80  # model_configs/llama-3.1-70b
@@ -137,7 +151,14 @@ def test_70b_plans_from_config_json_alone():
     assert float(shard_row.split("|")[2]) == pytest.approx(packed_bytes / 8 / 2**30, abs=0.01)  # over 8, not 16
     batch = next(line for line in hsdp if line.startswith("batch:"))
     assert "x 16 ranks = 64 rows a step" in batch and f"lr {1e-4 * math.sqrt(2):.3g} (sqrt scaling" in batch
-    assert hsdp[-1] == "FITS"
+    verdicts = [i for i, line in enumerate(hsdp) if line in ("FITS", "DOES NOT FIT")]
+    assert hsdp[verdicts[0]] == "FITS"
+
+    eight_b = hsdp[verdicts[0] + 1:]
+    assert eight_b[eight_b.index("DOES NOT FIT") + 1].startswith("changes that make it fit")
+    fixes = [line.strip()[2:] for line in eight_b if line.startswith("  - ")]
+    assert fixes[0].startswith("loss.chunked=true: ") and fixes[0].endswith(" GiB a GPU"), fixes
+    assert float(fixes[0].split(": ")[1].split()[0]) < 12
 
 
 def test_mfu_counts_6n_flops_a_token():

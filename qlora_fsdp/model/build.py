@@ -152,7 +152,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks, found from the model (its `_no_split_modules`, else the longest ModuleList)."""
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     names = set(getattr(base, "_no_split_modules", None) or [])
-    layers = [m for m in base.modules() if type(m).__name__ in names]
+    # by the class or a base of it: fully_shard swaps a module's class for a subclass (FSDPLlamaDecoderLayer)
+    layers = [m for m in base.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if layers:
         return layers
     lists = [m for m in base.modules() if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1]

@@ -10,6 +10,7 @@ logits are alive at any moment. Same sum, in a different order: equal to float r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -71,7 +72,10 @@ def summed_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
     # nn.Module types every attribute as Tensor | Module; a causal LM's method it is
     head = cast(Callable[[], nn.Module | None], model.get_output_embeddings)()
     assert isinstance(head, nn.Module), "a causal LM has an output layer"
-    with hidden_states_instead_of_logits(head):
+    with hidden_states_instead_of_logits(head), warnings.catch_warnings():
+        # FSDP2 warns that the root returned a view (the head's input slice), since an in-place op on it would skip
+        # its backward hook; nothing here changes it in place
+        warnings.filterwarnings("ignore", message=".*returned a view tensor", category=UserWarning)
         hidden = model(**inputs).logits
     hidden, labels = hidden.flatten(0, 1), labels.flatten()
     total = hidden.new_zeros((), dtype=torch.float32)

@@ -1,12 +1,27 @@
 """What a loaded model really holds, counted from its tensors: the measured side of the planner's figures.
 
 The planner (plan.memory) predicts bytes from shapes on the meta device; these count the real tensors, so
-scripts/load_as_rank.py can report one rank's memory and the tests can hold the planner to it byte for byte.
+scripts/load_as_rank.py can report one rank's memory and the tests can hold the planner to it byte for byte;
+`measured_step` runs the training step for real under the tracker the planner's fake step uses.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import bitsandbytes.functional as bnbf
+import torch
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.data.batching import Batch
+from qlora_fsdp.distributed import DistInfo
+from qlora_fsdp.model.activation_offload import ActivationOffloader
+from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.plan.fake_step import synthetic_batches
+from qlora_fsdp.plan.step_memory import StepMemory, run_step
+from qlora_fsdp.training.loop import ForwardLoss
+from qlora_fsdp.training.optimizer import build_optimizer
 
 
 def held_quant_state_bytes(state: bnbf.QuantState) -> int:
@@ -17,3 +32,36 @@ def held_quant_state_bytes(state: bnbf.QuantState) -> int:
     if getattr(state, "state2", None) is not None:
         tensors += [state.state2.absmax, state.state2.code, state.offset]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measured_step(cfg: Config, info: DistInfo, batches: list[Batch] | None = None) -> StepMemory:
+    """The step of `cfg` run for real on this rank (random weights from config.json do: memory does not depend on
+    values), counted by the tracker the planner counts with: its figures are the plan's to match. The batches
+    default to the planner's own (full rows of the recipe's shape)."""
+    model = build_model(cfg, info)
+    optimizer = build_optimizer(model, cfg.optim)
+    optimizer.materialize_state()  # the state exists from the first step on, as in the plan
+    forward_loss = ForwardLoss.for_config(cfg, info.device)
+    offloader = forward_loss.offloader
+    host_bytes = host_copy_bytes(offloader) if offloader is not None and offloader.host_device == info.device \
+        else (lambda: 0)
+    return run_step(model, optimizer, batches or synthetic_batches(cfg), info.device, forward_loss,
+                    offload_to_host=cfg.fsdp.cpu_offload, host_bytes=host_bytes)
+
+
+def host_copy_bytes(offloader: ActivationOffloader) -> Callable[[], int]:
+    """Bytes of activation offload's host copies alive now, for a CPU mesh, where they sit on the very device
+    the tracker counts. Its counters take a copy only once made, so the copy being made is added: its buffer
+    exists, and the tracker sees it, from the allocation on."""
+    in_progress = [0]
+    offload = offloader._offload
+
+    def counted_offload(tensor: torch.Tensor) -> Any:
+        in_progress[0] = tensor.numel() * tensor.element_size()
+        try:
+            return offload(tensor)
+        finally:
+            in_progress[0] = 0
+
+    offloader._offload = counted_offload  # type: ignore[method-assign]
+    return lambda: offloader.stats.host_bytes + in_progress[0]

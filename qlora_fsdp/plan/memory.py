@@ -2,8 +2,10 @@
 
 The parameter side is exact: the model is built on the meta device and sharded by FSDP2 over a fake process
 group of the recipe's world size, so each local shard has the shape rank 0 will allocate; gradients and
-optimizer state follow from those shapes by the optimizers' own rules. Activations, logits, gather buffers
-and CUDA overhead are estimates from the architecture (formulas below), to be checked on a GPU.
+optimizer state follow from those shapes by the optimizers' own rules. The step itself (gathered layers,
+gradients while accumulating, activations, logits and loss, the optimizer update) is measured: training's own
+step runs on fake tensors under torch's FSDP2 memory tracker (plan/fake_step.py), and the GPU total is that
+step's peak. Only the CUDA context and the allocator's slack stay estimates.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import multiprocessing
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, Literal, TypeVar
 
 import bitsandbytes as bnb
 import torch
@@ -29,10 +32,12 @@ from qlora_fsdp.distributed import DistInfo, data_parallel_mesh, init_fake_distr
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.model.build import base_parameter_count, decoder_layers, load_hf_config
-from qlora_fsdp.model.sharding import sharded_meta_model, uses_fsdp
+from qlora_fsdp.model.sharding import sharded_meta_model
 from qlora_fsdp.optimizers import OPTIMIZERS
 from qlora_fsdp.plan.batch_size import describe_batch, effective_rows, resolve_batch
+from qlora_fsdp.plan.fake_step import cached_step
 from qlora_fsdp.plan.hardware import GPU, GPUS
+from qlora_fsdp.plan.step_memory import StepMemory
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace: outside the caching allocator
@@ -41,11 +46,17 @@ HOST_BASELINE_GIB = 1.5  # a rank's Python, torch, transformers and bitsandbytes
 NESTED_BLOCK = 256  # block size of the double quantization of absmax
 
 
+Basis = Literal["exact", "measured", "estimate"]
+T = TypeVar("T")
+
+
 @dataclass
 class Row:
     name: str
     bytes: float
-    exact: bool  # from the sharded meta model; else an estimate from the architecture
+    # exact: from the sharded meta model's shapes; measured: from the step run on fake tensors under torch's memory
+    # tracker; estimate: neither (the CUDA context, the allocator's slack, host processes)
+    basis: Basis
 
 
 @dataclass
@@ -116,12 +127,10 @@ class Held:
     lora: int = 0
     grads: int = 0
     optimizer: int = 0
-    layer_gathered: int = 0  # one decoder layer, unsharded (what an all-gather materializes)
-    root_gathered: int = 0  # embeddings, final norm and head, unsharded
-    largest_linear: int = 0  # elements of the biggest Linear4bit (dequantized for each matmul)
+    layer_shard: int = 0  # one decoder layer's local shards (what offload copies to the GPU to gather it)
+    largest_linear: int = 0  # elements of the biggest Linear4bit (read whole and quantized while loading)
     base_parameters: int = 0  # unpacked count, for MFU
     lora_elements: int = 0  # all ranks' LoRA elements together (the unsharded count)
-    lora_input_features: int = 0  # summed input width of one decoder layer's LoRA-adapted linears
 
 
 def held_bytes(model: nn.Module, cfg: Config) -> Held:
@@ -145,20 +154,8 @@ def held_bytes(model: nn.Module, cfg: Config) -> Held:
         else:
             held.other_base += nbytes(shard)
     held.base_parameters = base_parameter_count(model)
-    layers = decoder_layers(model)
-    held.layer_gathered = max(sum(nbytes(p) for p in layer.parameters()) for layer in layers)
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    held.root_gathered = sum(nbytes(p) for p in model.parameters() if id(p) not in in_layers)
-    held.lora_input_features = max(lora_input_features(layer) for layer in layers)
+    held.layer_shard = max(sum(nbytes(local_shard(p)) for p in layer.parameters()) for layer in decoder_layers(model))
     return held
-
-
-def lora_input_features(layer: nn.Module) -> int:
-    """Summed in_features of a layer's LoRA-adapted linears: PEFT casts each one's input to the LoRA dtype
-    separately, and the copy stays saved for backward."""
-    # cast: nn.Module types any attribute as Tensor | Module; a LoRA layer's in_features is an int
-    return sum(cast(int, module.in_features) for module in layer.modules()
-               if hasattr(module, "lora_A") and module.lora_A and hasattr(module, "in_features"))
 
 
 def accumulated_grad_itemsize(cfg: Config) -> int:
@@ -169,38 +166,10 @@ def accumulated_grad_itemsize(cfg: Config) -> int:
     return TORCH_DTYPES[kept].itemsize
 
 
-def lora_cast_bytes_per_feature(cfg: Config) -> int:
-    """What PEFT's LoRA branch keeps per input element: the input cast to the LoRA compute dtype (nothing when
-    it already is that dtype) and, with dropout, the dropped-out copy and its mask."""
-    activation = cfg.fsdp.param_dtype or cfg.model.dtype  # the hidden states' dtype
-    lora = cfg.fsdp.param_dtype or cfg.lora.dtype
-    cast = 0 if lora == activation else TORCH_DTYPES[lora].itemsize
-    dropout = TORCH_DTYPES[lora].itemsize + 1 if cfg.lora.dropout > 0 else 0
-    return cast + dropout
-
-
-def activation_bytes(cfg: Config, hf_config: PretrainedConfig, micro_batch: int,
-                     lora_features: int = 0) -> tuple[int, int]:
-    """(activations, logits and loss) per rank for one micro-batch, estimated from the architecture.
-
-    A layer's forward keeps, per token, in the compute dtype: the two norm outputs, q/k/v and their rotated
-    copies, attention and o_proj outputs, two residual sums, gate, up, act(gate), their product, down's
-    output; plus the norms' fp32 upcasts and PEFT's casts of each LoRA input (`lora_features` wide). A
-    checkpointed layer keeps only its input, and backward recomputes one layer at a time.
-    """
-    d = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
-    h, inter, layers = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
-    head_dim = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
-    kv = hf_config.num_key_value_heads * head_dim
-    tokens = micro_batch * cfg.data.context_length
-    lora_casts = lora_features * lora_cast_bytes_per_feature(cfg)
-    per_layer = tokens * (d * (9 * h + 3 * kv + 4 * inter) + 2 * 4 * h + lora_casts)
-    kept_input = tokens * h * d
-    checkpointed = cfg.activation_checkpointing.wrapped_count(layers)
-    activations = checkpointed * kept_input + (layers - checkpointed) * per_layer + per_layer
-    # logits in the compute dtype, their fp32 copy, log-softmax kept for backward, fp32 and compute-dtype grads
-    logits = tokens * hf_config.vocab_size * (d + 4 + 4 + 4 + d)
-    return activations, logits
+def accumulating_gradient_bytes(held: Held, cfg: Config) -> int:
+    """The LoRA gradients FSDP2 holds unsharded between micro-batches (sync off): the measured step's gradient
+    rows include them; this exact figure is what the tests hold FSDP2 itself to."""
+    return held.lora_elements * accumulated_grad_itemsize(cfg)
 
 
 def gpu_spec(cfg: Config) -> GPU:
@@ -211,62 +180,144 @@ def gpu_spec(cfg: Config) -> GPU:
     return GPU(cfg.hardware.gpu_memory_gib or spec.memory_gib, spec.bf16_tflops)
 
 
+# ---- the measured step --------------------------------------------------------------------------------------
+
+def _in_fake_world(cfg: Config, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a fresh process acting as rank 0 of a fake world of the recipe's size. For a process already
+    in a real process group (a launched run sizing its auto micro-batch, the GPU check): the fake step's
+    collectives must not reach the real ranks, and a process has one default group."""
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(_run_in_fake_world, (cfg.hardware.world_size, cfg.fsdp.shard_size, fn, args))
+
+
+def _run_in_fake_world(world_size: int, shard_size: int | None, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    planning_mesh(world_size, shard_size)
+    return fn(*args)
+
+
+def in_real_world() -> bool:
+    return dist.is_initialized() and dist.get_backend() != "fake"
+
+
+def step_memory(cfg: Config) -> StepMemory:
+    """The recipe's step measured on fake tensors (once per setting: see fake_step.cached_step)."""
+    if in_real_world():
+        return _in_fake_world(cfg, step_memory, cfg)
+    return cached_step(cfg, planning_config(cfg), planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size))
+
+
+# ---- the plan -----------------------------------------------------------------------------------------------
+
 def resident_rows(held: Held, cfg: Config) -> list[Row]:
-    """What lives with the shards: on the GPU, or in host RAM under CPU offload."""
-    return [Row("4-bit base weights (this rank's shard)", held.base_4bit, True),
-            Row("other base weights: embeddings, norms, head (shard)", held.other_base, True),
-            Row(f"LoRA weights (shard, {cfg.lora.dtype})", held.lora, True),
-            Row(f"LoRA gradients (shard, {cfg.lora.dtype})", held.grads, True),
-            Row(f"optimizer state ({cfg.optim.name})", held.optimizer, True)]
+    """What lives with the shards for the whole step: on the GPU, or in host RAM under CPU offload."""
+    return [Row("4-bit base weights (this rank's shard)", held.base_4bit, "exact"),
+            Row("other base weights: embeddings, norms, head (shard)", held.other_base, "exact"),
+            Row(f"LoRA weights (shard, {cfg.lora.dtype})", held.lora, "exact"),
+            Row(f"optimizer state ({cfg.optim.name})", held.optimizer, "exact")]
 
 
-def compute_rows(held: Held, cfg: Config, hf_config: PretrainedConfig, sharded: bool) -> list[Row]:
-    """What the step itself needs on the GPU, beyond the resident shards."""
-    activations, logits = activation_bytes(cfg, hf_config, cfg.data.micro_batch, held.lora_input_features)
-    compute = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
-    rows = [Row("quantization state (whole, on every rank)", held.quant_state, True)]
-    if sharded:  # the layer computing and the one prefetched; the root stays gathered for the whole step
-        rows += [Row("all-gather buffers (2 decoder layers unsharded)", 2 * held.layer_gathered, True),
-                 Row("root unit unsharded (embeddings, norm, head)", held.root_gathered, True)]
-    if sharded and cfg.data.grad_accum_steps > 1:  # on the GPU even under offload, until the last micro-batch
-        rows.append(Row("LoRA gradients while accumulating (unsharded: sync is off until the last micro-batch)",
-                        held.lora_elements * accumulated_grad_itemsize(cfg), True))
-    rows += [Row("dequantized weight of the largest linear", held.largest_linear * compute, True),
-             Row(f"activations ({cfg.activation_checkpointing.mode} checkpointing, micro-batch "
-                 f"{cfg.data.micro_batch_size} x {cfg.data.context_length} tokens)", activations, False),
-             Row("logits and loss", logits, False)]
+def checkpointing_words(cfg: Config) -> str:
+    policy = cfg.activation_checkpointing
+    if policy.mode == "off":
+        return "no checkpointing" + (", saved tensors offloaded" if policy.offload else "")
+    scope = "" if policy.scope == "layer" else f" ({policy.scope})"
+    return f"{policy.mode} checkpointing{scope}" + (", its inputs offloaded" if policy.offload else "")
+
+
+def loss_words(cfg: Config) -> str:
+    return f"chunks of {cfg.loss.chunk_tokens} tokens" if cfg.loss.chunked else "full logits"
+
+
+def measured_rows(cfg: Config, step: StepMemory, exact_on_gpu: float) -> list[Row]:
+    """The step's peak, in rows that add up to it: what was alive at the peak of forward and backward, then what
+    the loss and the optimizer update reach above it (each only when it does)."""
+    top = step.model
+    tokens = f"micro-batch {cfg.data.micro_batch} x {cfg.data.context_length} tokens"
+    rows = [Row("gathered parameters: unsharded layers and root, all-gather buffers (measured at the peak of "
+                "forward and backward)", top.gathered, "measured")] if top.gathered else []
+    rows += [Row("LoRA gradients at that peak (unsharded while accumulating, reduce-scatter buffers)", top.gradients,
+                 "measured"),
+             Row(f"activations and temporaries at that peak ({checkpointing_words(cfg)}, {tokens})",
+                 top.total - exact_on_gpu - top.gathered - top.gradients, "measured"),
+             Row(f"logits and loss above that peak ({loss_words(cfg)}; {step.own_loss_bytes / GIB:.2f} GiB their own)",
+                 max(0, step.loss.total - top.total), "measured")]
+    if step.optimizer.total > max(top.total, step.loss.total):
+        rows.append(Row("optimizer update above both", step.optimizer.total - max(top.total, step.loss.total),
+                        "measured"))
     return rows
 
 
-def host_rows(held: Held, cfg: Config) -> list[Row]:
-    ranks = cfg.hardware.gpus_per_node
-    rows = [Row(f"{ranks} rank processes before loading", ranks * HOST_BASELINE_GIB * GIB, False),
-            Row("loading: each rank's largest tensor read and quantized",
-                ranks * 2 * held.largest_linear * TORCH_DTYPES[cfg.model.dtype].itemsize, False)]
+def gpu_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
+    rows = [] if cfg.fsdp.cpu_offload else resident_rows(held, cfg)
+    rows.append(Row("quantization state (whole, on every rank)", held.quant_state, "exact"))
+    rows += measured_rows(cfg, step, sum(r.bytes for r in rows))
     if cfg.fsdp.cpu_offload:
-        rows += [Row(f"offloaded {r.name}, {ranks} ranks", ranks * r.bytes, r.exact) for r in resident_rows(held, cfg)]
+        # on a GPU, FSDP2 copies a layer's host shards to the device before gathering them; on the CPU mesh the
+        # step is measured on they already are there, so this transient is added: a conservative bound
+        rows.append(Row("offloaded shards copied to the GPU to gather a layer (not in the measured step; added)",
+                        held.layer_shard, "exact"))
+    allocated = sum(r.bytes for r in rows)
+    rows.append(Row("CUDA context and allocator slack", CUDA_CONTEXT_GIB * GIB + ALLOCATOR_SLACK * allocated,
+                    "estimate"))
     return rows
 
 
-def plan(cfg: Config, held: Held) -> Plan:
-    """The plan for `cfg`, from the bytes its sharded model holds (or a config's with the same shapes)."""
-    gpu = compute_rows(held, cfg, planning_config(cfg), uses_fsdp(cfg.fsdp, cfg.hardware.world_size))
-    if not cfg.fsdp.cpu_offload:
-        gpu = resident_rows(held, cfg) + gpu
-    allocated = sum(r.bytes for r in gpu)
-    gpu.append(Row("CUDA context and allocator slack", CUDA_CONTEXT_GIB * GIB + ALLOCATOR_SLACK * allocated, False))
+def host_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
+    ranks = cfg.hardware.gpus_per_node
+    rows = [Row(f"{ranks} rank processes before loading", ranks * HOST_BASELINE_GIB * GIB, "estimate"),
+            Row("loading: each rank's largest tensor read and quantized",
+                ranks * 2 * held.largest_linear * TORCH_DTYPES[cfg.model.dtype].itemsize, "estimate")]
+    if cfg.fsdp.cpu_offload:
+        rows += [Row(f"offloaded {r.name}, {ranks} ranks", ranks * r.bytes, r.basis) for r in resident_rows(held, cfg)]
+        rows.append(Row(f"offloaded LoRA gradients (shard, {cfg.lora.dtype}), {ranks} ranks", ranks * held.grads,
+                        "exact"))
+    if step.offloaded:
+        rows.append(Row(f"activations offloaded to host memory (peak), {ranks} ranks", ranks * step.offloaded,
+                        "measured"))
+    return rows
+
+
+def plan(cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
+    """The plan for `cfg`, from the bytes its sharded model holds (or a config's with the same shapes) and its
+    measured step (measured here unless given)."""
+    step = step if step is not None else step_memory(cfg)
     n = held.base_parameters
     count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     description = f"{count} base parameters, world size {cfg.hardware.world_size}"
-    return Plan(gpu, host_rows(held, cfg), gpu_spec(cfg).memory_gib, cfg.hardware.host_ram_gib, description)
+    return Plan(gpu_rows(held, cfg, step), host_rows(held, cfg, step), gpu_spec(cfg).memory_gib,
+                cfg.hardware.host_ram_gib, description)
+
+
+# ---- what to change when it does not fit --------------------------------------------------------------------
+
+# selective checkpointing scopes, least recompute first: element-wise ops only, then attention (about a fifth of a
+# Llama layer's matmul FLOPs), then the MLP, then the whole layer
+SCOPES_BY_RECOMPUTE = ("ops", "attention", "mlp", "layer")
+
+
+def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
+    """The loss and activation levers, the ones that cost the least throughput first."""
+    policy = cfg.activation_checkpointing
+    changes: list[tuple[str, dict[str, object]]] = []
+    if not cfg.loss.chunked:  # recomputes only the output layer, a chunk at a time
+        changes.append(("loss.chunked=true", {"loss.chunked": True}))
+    if policy.mode != "off" and not policy.offload:  # copies that overlap compute; nothing recomputed
+        changes.append(("activation_checkpointing.offload=true (what checkpointing keeps waits in host memory)",
+                        {"activation_checkpointing.offload": True}))
+    current = SCOPES_BY_RECOMPUTE.index(policy.scope) if policy.mode == "every_layer" else -1
+    for scope in SCOPES_BY_RECOMPUTE[current + 1:]:
+        what = "every layer" if scope == "layer" else f"{'element-wise ops' if scope == 'ops' else scope} only"
+        changes.append((f"activation_checkpointing.mode=every_layer activation_checkpointing.scope={scope} "
+                        f"(recomputes {what})", {"activation_checkpointing.mode": "every_layer",
+                                                 "activation_checkpointing.scope": scope}))
+    return changes
 
 
 def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, Config]]:
     """Changes that shrink the footprint, the ones that keep the most throughput first. With
     `batch_from_target` the recipe states an effective batch, so only the micro-batch is the user's to set."""
-    changes: list[tuple[str, dict[str, object]]] = []
-    if cfg.activation_checkpointing.mode != "every_layer":
-        changes.append(("activation_checkpointing.mode=every_layer", {"activation_checkpointing.mode": "every_layer"}))
+    changes = memory_levers(cfg)
     if cfg.data.micro_batch > 1:
         half, accum = max(1, cfg.data.micro_batch // 2), cfg.data.grad_accum_steps * 2
         label = (f"data.micro_batch_size={half} (the effective batch then takes {accum} accumulation steps)"
@@ -296,7 +347,10 @@ def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bo
     found = []
     for label, changed in variants(cfg, batch_from_target):
         same_shapes = changed.lora.r == cfg.lora.r  # only the rank changes what is allocated
-        result = plan(changed, held if same_shapes else meta_held(changed, mesh))
+        try:
+            result = plan(changed, held if same_shapes else meta_held(changed, mesh))
+        except ConfigError:  # a lever this architecture lacks (a sub-layer scope it has no module for)
+            continue
         if result.fits:
             found.append(f"{label}: {result.gpu_total / GIB:.1f} GiB a GPU")
     return found
@@ -304,7 +358,7 @@ def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bo
 
 def format_rows(rows: list[Row]) -> list[str]:
     lines = ["| item | GiB | |", "| --- | ---: | --- |"]
-    lines += [f"| {r.name} | {r.bytes / GIB:.2f} | {'exact' if r.exact else 'estimate'} |" for r in rows]
+    lines += [f"| {r.name} | {r.bytes / GIB:.2f} | {r.basis} |" for r in rows]
     return lines
 
 
@@ -335,11 +389,20 @@ def this_run_hardware(cfg: Config, info: DistInfo) -> HardwareConfig:
                                nodes=max(1, info.world_size // local))
 
 
+def _resolve_with_plans(cfg: Config, run_cfg: Config, held: Held, world_size: int) -> Config:
+    return resolve_batch(cfg, world_size, micro_batch_fits(run_cfg, held))
+
+
 def resolve_run_batch(cfg: Config, model: nn.Module, info: DistInfo) -> Config:
-    """`resolve_batch` for a launched run: the planner measures the model this rank really holds."""
+    """`resolve_batch` for a launched run: the planner measures the model this rank really holds. Its step is
+    measured in a fake world of its own (one process start, every candidate micro-batch in it)."""
     run_cfg = dataclasses.replace(cfg, hardware=this_run_hardware(cfg, info))
-    fits = micro_batch_fits(run_cfg, held_bytes(model, cfg))
-    return resolve_batch(cfg, info.world_size, fits)
+    held = held_bytes(model, cfg)
+    if cfg.data.micro_batch_size != "auto":  # nothing to size: no step to measure
+        return resolve_batch(cfg, info.world_size)
+    if in_real_world():
+        return _in_fake_world(run_cfg, _resolve_with_plans, cfg, run_cfg, held, info.world_size)
+    return _resolve_with_plans(cfg, run_cfg, held, info.world_size)
 
 
 def report(cfg: Config) -> tuple[str, bool]:

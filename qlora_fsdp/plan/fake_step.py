@@ -1,0 +1,265 @@
+"""The recipe's training step run on fake tensors: measured memory without weights, a GPU or a real process group.
+
+The model is built and sharded exactly as training builds it (meta device, NF4 swap, LoRA, checkpointing,
+`fully_shard` over a fake process group of the recipe's world size), then allocated under FakeTensorMode: every
+tensor has its shape, dtype and device but no data, and every op (bitsandbytes' 4-bit and 8-bit kernels included:
+bitsandbytes registers fake kernels) computes only the shapes of its outputs. Each Linear4bit gets a quantization
+state of the real shapes. Then step_memory.run_step runs training's own step under torch's FSDP2 memory tracker.
+
+The fake device is the CPU (CUDA streams cannot exist in a CPU-only torch): FSDP2's offloaded shards then sit on
+the same device as the compute, and the tracker's categories (sharded parameters, gradients, optimizer state) tell
+them apart; activation offload's host copies go to the meta device instead.
+
+A long model is measured shorter: a fake op costs about as much as a real op's Python overhead, so the 80 layers
+of a 70B would take minutes. Decoder layers are identical in shape, so the layers are split into a head, a block
+repeated k times and a tail (`Repeats`); the step is measured with the block repeated 4 and 5 times, and the peak
+of every part of the step (a layer's forward or backward, the loss, the update) is continued along its line to k
+repeats. tests/test_step_memory.py holds that equal to the whole model's run, part by part.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnbf
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import PretrainedConfig
+
+from qlora_fsdp.config import CheckpointedLayers, Config
+from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
+from qlora_fsdp.dtypes import TORCH_DTYPES
+from qlora_fsdp.model.activation_offload import ActivationOffloader
+from qlora_fsdp.model.loading import materialize
+from qlora_fsdp.model.sharding import sharded_meta_model
+from qlora_fsdp.plan.step_memory import Moment, Segment, StepMemory, run_step
+from qlora_fsdp.training.loop import ForwardLoss
+from qlora_fsdp.training.optimizer import build_optimizer
+
+DEVICE = torch.device("cpu")
+HOST_STAND_IN = torch.device("meta")  # activation offload's host copies: counted apart, never on the device
+NESTED_BLOCK = 256  # bitsandbytes' block size for the double quantization of absmax
+WHOLE_MODEL_LAYERS = 12  # up to this many decoder layers, the whole model runs (about 0.3 s a layer and micro-batch)
+# a layer's step depends on its neighbours (FSDP2 gathers the next layer while one computes, and reduce-scatters the
+# previous one's gradients; offload copies the next one back): the first and last EDGE repeats of a block differ
+# from the others, so a long model runs with its block repeated 4 and 5 times, where one more adds a middle repeat
+EDGE = 2
+SHORT_REPEATS = (2 * EDGE, 2 * EDGE + 1)
+MICRO_BATCHES = 2  # the first (no gradients yet, sync off), the last (sync on); a middle one adds nothing (tested)
+
+
+def fake_quant_state(linear: bnb.nn.Linear4bit, cfg: Config) -> bnbf.QuantState:
+    """A quantization state with the shapes quantize_4bit gives this weight (its own values cannot be faked: it
+    builds the 8-bit code table from Python numbers)."""
+    quant, n = cfg.quant, linear.in_features * linear.out_features
+    blocks = -(-n // quant.blocksize)
+    common = {"shape": torch.Size([linear.out_features, linear.in_features]), "code": torch.empty(16),
+              "blocksize": quant.blocksize, "quant_type": quant.quant_type, "dtype": TORCH_DTYPES[cfg.model.dtype]}
+    if not quant.double_quant:
+        return bnbf.QuantState(absmax=torch.empty(blocks), **common)
+    nested = bnbf.QuantState(absmax=torch.empty(-(-blocks // NESTED_BLOCK)), code=torch.empty(256),
+                             blocksize=NESTED_BLOCK, dtype=torch.float32)
+    return bnbf.QuantState(absmax=torch.empty(blocks, dtype=torch.uint8), offset=torch.empty(()), state2=nested,
+                           **common)
+
+
+def attach_quant_state(module: bnb.nn.Linear4bit, args: tuple[object, ...]) -> None:
+    """What bitsandbytes' own forward does when FSDP2 hands a Linear4bit a plain gathered weight (it re-wraps the
+    weight as Params4bit, which a fake tensor cannot be): the weight carries the module's quantization state."""
+    weight: Any = module.weight  # a gathered plain tensor here, given the attribute bitsandbytes reads
+    if getattr(weight, "quant_state", None) is None:
+        weight.quant_state = module.quant_state
+
+
+def give_quant_states(model: nn.Module, cfg: Config) -> None:
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.quant_state = fake_quant_state(module, cfg)
+            module.register_forward_pre_hook(attach_quant_state)
+
+
+def synthetic_batches(cfg: Config) -> list[Batch]:
+    """The step's micro-batches at full length, laid out as training lays them out (real tensors: transformers
+    looks at their values to choose its attention mask). Packed rows hold two samples and padded micro-batches
+    have a shorter last row, so the mask is built whenever real batches can need one."""
+    rows, length = cfg.data.micro_batch, cfg.data.context_length
+    sample = Sample(input_ids=[0] * length, labels=[0] * length)
+    if cfg.data.packing:
+        half = length // 2
+        pair = [Sample(sample.input_ids[:half], sample.labels[:half]), Sample(sample.input_ids[half:],
+                                                                               sample.labels[half:])]
+        batch = collate_packed([pair] * rows, pad_id=0)
+    else:
+        shorter = Sample(sample.input_ids[:-1], sample.labels[:-1])
+        batch = collate([sample] * (rows - 1) + [shorter if rows > 1 else sample], pad_id=0)
+    return [batch] * min(cfg.data.grad_accum_steps, MICRO_BATCHES)
+
+
+def planning_forward_loss(cfg: Config) -> ForwardLoss:
+    """Training's forward and loss for this recipe, with activation offload's host copies sent to the stand-in."""
+    forward_loss = ForwardLoss.for_config(cfg, DEVICE)
+    if forward_loss.offloader is None:
+        return forward_loss
+    return dataclasses.replace(forward_loss, offloader=ActivationOffloader(DEVICE, host_device=HOST_STAND_IN))
+
+
+def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh) -> StepMemory:
+    """The step of `cfg` on fake tensors, whole model.
+
+    Micro-batches: one when the recipe accumulates none, else two (sync off, then on). The middle micro-batches
+    of a longer accumulation find the same tensors alive as the last (FSDP2 accumulates into the unsharded
+    gradients the first one allocated) and reduce-scatter nothing, so they reach no higher (tested)."""
+    model = sharded_meta_model(cfg, hf_config, mesh)
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():  # meta and real inputs become fake
+        # the chunked loss's forward hands back the head's input, a view: training's concern, noise in a plan
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        materialize(model, DEVICE, DEVICE)
+        give_quant_states(model, cfg)
+        # real: bitsandbytes builds its 8-bit code tables from Python numbers, collate counts the targets
+        with unset_fake_temporarily():
+            optimizer = build_optimizer(model, cfg.optim)
+            batches = synthetic_batches(cfg)
+        optimizer.materialize_state()  # as from the 2nd step on: the state exists before the step starts
+        return run_step(model, optimizer, batches, DEVICE, planning_forward_loss(cfg),
+                        offload_to_host=cfg.fsdp.cpu_offload, host_device=HOST_STAND_IN)
+
+
+# ---- a long model, measured shorter ---------------------------------------------------------------------------
+
+Kind = tuple[bool, object]  # a decoder layer as the step sees it: checkpointed or not, and its layer type
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """Decoder layers as head + block * count + tail."""
+
+    head: tuple[Kind, ...]
+    block: tuple[Kind, ...]
+    count: int
+    tail: tuple[Kind, ...]
+
+    def layers(self, count: int) -> tuple[Kind, ...]:
+        return self.head + self.block * count + self.tail
+
+    @property
+    def saved(self) -> int:
+        """Layers the shortened runs leave out (the longer one repeats the block SHORT_REPEATS[1] times)."""
+        return (self.count - SHORT_REPEATS[1]) * len(self.block)
+
+
+def layer_kinds(cfg: Config, hf_config: PretrainedConfig) -> tuple[Kind, ...]:
+    """Per decoder layer: whether it is checkpointed, and its type where the architecture mixes types (sliding
+    window and full attention layers)."""
+    n = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None) or [None] * n
+    return tuple((cfg.activation_checkpointing.wraps(index, n), types[index]) for index in range(n))
+
+
+def find_repeats(kinds: tuple[Kind, ...], max_block: int = 8) -> Repeats:
+    """The split that leaves out the most layers (a block of up to `max_block` layers repeated in a row)."""
+    best = Repeats(kinds, (), 0, ())
+    for size in range(1, max_block + 1):
+        for start in range(len(kinds) - 2 * size + 1):
+            block = kinds[start : start + size]
+            count = 1
+            while kinds[start + count * size : start + (count + 1) * size] == block:
+                count += 1
+            found = Repeats(kinds[:start], block, count, kinds[start + count * size :])
+            if found.saved > best.saved:
+                best = found
+    return best
+
+
+def shortened(cfg: Config, hf_config: PretrainedConfig, kinds: tuple[Kind, ...]) -> tuple[Config, PretrainedConfig]:
+    """The recipe and architecture with exactly these layers, in this order."""
+    short_hf = copy.deepcopy(hf_config)
+    short_hf.num_hidden_layers = len(kinds)
+    if getattr(hf_config, "layer_types", None):
+        short_hf.layer_types = [layer_type for _, layer_type in kinds]
+    wrapped = [index for index, (checkpointed, _) in enumerate(kinds) if checkpointed]
+    mode: CheckpointedLayers = "every_layer" if len(wrapped) == len(kinds) else "layers" if wrapped else "off"
+    policy = dataclasses.replace(cfg.activation_checkpointing, mode=mode, layers=wrapped)
+    return dataclasses.replace(cfg, activation_checkpointing=policy), short_hf
+
+
+def position(layer: int, repeats: Repeats) -> object | None:
+    """Where a layer sits in the split: the same label in the shortened runs and in the whole model; None for the
+    block's middle repeats, which never hold a peak of their own (see extrapolated). -1 (no layer) stays."""
+    head, size = len(repeats.head), len(repeats.block)
+    if layer < head:
+        return layer
+    if layer >= head + repeats.count * size:
+        return "tail", layer - head - repeats.count * size
+    instance, offset = divmod(layer - head, size)
+    if instance < EDGE:
+        return "block", "from start", instance, offset
+    if instance >= repeats.count - EDGE:
+        return "block", "from end", repeats.count - 1 - instance, offset
+    return None
+
+
+def relabelled(step: StepMemory, repeats: Repeats) -> dict[Segment, Moment]:
+    labelled = {}
+    for (micro, part, layer), moment in step.segments.items():
+        where = position(layer, repeats)
+        if where is not None:
+            labelled[micro, part, where] = moment
+    return labelled
+
+
+def extrapolated(shorter: StepMemory, longer: StepMemory, repeats: Repeats) -> StepMemory:
+    """The whole model's step from the runs with the block repeated SHORT_REPEATS times.
+
+    Every part's peak is a line in the number of repeats: from the second repeat on, one more block adds the same
+    bytes to every instant (its shards, its kept activations, its gradients) and changes nothing else. A middle
+    repeat's peak is a line in its place between the EDGE repeats at either end, so one of those holds the
+    block's peak; only their parts are continued, each along its own line (the largest part at 4 and 5 repeats
+    need not be the largest at 80)."""
+    first, second = SHORT_REPEATS
+    a = relabelled(shorter, dataclasses.replace(repeats, count=first))
+    b = relabelled(longer, dataclasses.replace(repeats, count=second))
+
+    def line(x: int, y: int) -> int:
+        return x + (y - x) * (repeats.count - first)
+
+    segments = {segment: Moment(*(line(getattr(a[segment], f.name), getattr(b[segment], f.name))
+                                  for f in dataclasses.fields(Moment))) for segment in a}
+    own = {micro: line(shorter.loss_own[micro], longer.loss_own[micro]) for micro in shorter.loss_own}
+    return StepMemory(segments, own, line(shorter.offloaded, longer.offloaded))
+
+
+def planned_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh,
+                 whole_model_layers: int = WHOLE_MODEL_LAYERS) -> StepMemory:
+    """The measured step of `cfg`: the whole model when it is short, else the shortened runs continued."""
+    repeats = find_repeats(layer_kinds(cfg, hf_config))
+    if hf_config.num_hidden_layers <= whole_model_layers or repeats.saved <= 0:
+        return measure_fake_step(cfg, hf_config, mesh)
+    shorter, longer = (measure_fake_step(*shortened(cfg, hf_config, repeats.layers(count)), mesh)
+                       for count in SHORT_REPEATS)
+    return extrapolated(shorter, longer, repeats)
+
+
+def step_setting(cfg: Config, hf_config: PretrainedConfig) -> str:
+    """What the step's memory depends on; plans that differ elsewhere (a GPU size, the host RAM, the lr) share it."""
+    data = cfg.data
+    return repr((hf_config.to_json_string(use_diff=False), cfg.model, cfg.quant, cfg.lora, cfg.fsdp,
+                 cfg.activation_checkpointing, cfg.loss, cfg.optim.name, data.micro_batch, data.context_length,
+                 data.packing, min(data.grad_accum_steps, MICRO_BATCHES), cfg.hardware.world_size))
+
+
+_MEASURED: dict[str, StepMemory] = {}
+
+
+def cached_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh) -> StepMemory:
+    """planned_step, once per setting: the auto micro-batch and the misfit fixes plan many configs."""
+    key = step_setting(cfg, hf_config)
+    if key not in _MEASURED:
+        _MEASURED[key] = planned_step(cfg, hf_config, mesh)
+    return _MEASURED[key]

@@ -1,0 +1,146 @@
+"""The planner's measured step: its peak against the same step run for real, and a long model measured shorter
+against the whole model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from qlora_fsdp.config import Config, load_config
+from qlora_fsdp.plan.fake_step import find_repeats, position
+from tests.helpers import run_ranks
+
+
+def architecture(folder: Path, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int) -> Path:
+    """A Llama of these shapes as config.json alone: `model.init: random` needs no weights."""
+    LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 16 * 16, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                max_position_embeddings=8192, tie_word_embeddings=False).save_pretrained(folder)
+    return folder
+
+
+def step_config(model_dir: Path, context: int, accumulation: int, *overrides: str) -> Config:
+    """tiny_cpu's training setup (NF4, LoRA r=16 on every linear, paged 8-bit AdamW, packed rows, bf16) on a
+    random-weight model, rank 0 of 2."""
+    return load_config("tiny_cpu", [f"model.path={model_dir}", "model.init=random", "hardware.gpus_per_node=2",
+                                    "data.micro_batch_size=1", f"data.context_length={context}",
+                                    f"data.grad_accum_steps={accumulation}", *overrides])
+
+
+# ---- a long model measured shorter: the split (no process needed) ---------------------------------------------
+
+def test_layers_split_into_head_repeated_block_and_tail():
+    wrapped, plain = (True, None), (False, None)
+    first_last = find_repeats((wrapped,) + (plain,) * 10 + (wrapped,))
+    assert (len(first_last.head), first_last.block, first_last.count, len(first_last.tail)) == (1, (plain,), 10, 1)
+    every_third = find_repeats((wrapped, plain, plain) * 26 + (wrapped, plain))  # every_nth 3 on 80 layers
+    assert every_third.block in {(wrapped, plain, plain), (plain, plain, wrapped), (plain, wrapped, plain)}
+    assert every_third.count == 26 and every_third.saved == (26 - 5) * 3
+    # the two repeats at either end keep their own labels (a layer's neighbours change its step), the rest go
+    uniform = find_repeats((wrapped,) * 80)
+    labels = [position(layer, uniform) for layer in range(80)]
+    assert labels[:2] == [("block", "from start", 0, 0), ("block", "from start", 1, 0)]
+    assert labels[-2:] == [("block", "from end", 1, 0), ("block", "from end", 0, 0)]
+    assert labels[2:-2] == [None] * 76 and position(-1, uniform) == -1
+
+
+# ---- planned against real ----------------------------------------------------------------------------------------
+
+def planned_and_measured(info, configs):
+    """On a fake rank of 2: per config, the plan's peak (fake step) and the same step's, run for real."""
+    from qlora_fsdp.plan.measure import measured_step
+    from qlora_fsdp.plan.memory import step_memory
+
+    return [(step_memory(cfg).peak, measured_step(cfg, info).peak) for cfg in configs]
+
+
+@pytest.mark.slow
+def test_planned_peak_is_the_real_steps(tmp_path):
+    """Three scales, the loss, checkpointing and both offloads varied: the planned peak of live tensor bytes is
+    within 10% of the real step's (it comes out equal to a few KB: the same code runs, only the values differ)."""
+    small = architecture(tmp_path / "small", layers=4, hidden=256, heads=4, kv_heads=2, vocab=8192)
+    medium = architecture(tmp_path / "medium", layers=6, hidden=384, heads=6, kv_heads=2, vocab=16384)
+    long = architecture(tmp_path / "long", layers=8, hidden=256, heads=4, kv_heads=2, vocab=16384)
+    cases = {
+        "small (1,024 tokens), chunked loss, every layer": step_config(small, 1024, 2),
+        "small, full loss, no checkpointing, activation offload": step_config(
+            small, 1024, 2, "loss.chunked=false", "activation_checkpointing.mode='off'",
+            "activation_checkpointing.offload=true"),
+        "medium (2,048 tokens), per-operator checkpointing, activation offload": step_config(
+            medium, 2048, 1, "activation_checkpointing.scope=ops", "activation_checkpointing.offload=true"),
+        "small, 2 padded rows, FSDP2 CPU offload, attention checkpointed": step_config(
+            small, 1024, 1, "data.packing=false", "data.micro_batch_size=2", "fsdp_preset=full_shard_cpu_offload",
+            "activation_checkpointing.scope=attention"),
+        "long (8 layers, 4,096 tokens), full loss, every layer, activation offload": step_config(
+            long, 4096, 1, "loss.chunked=false", "activation_checkpointing.offload=true"),
+    }
+    results = run_ranks(planned_and_measured, 2, list(cases.values()), tmp_dir=tmp_path, fake=True)[0]
+    for name, (planned, measured) in zip(cases, results, strict=True):
+        assert abs(planned / measured - 1) <= 0.10, f"{name}: planned {planned:,} B, measured {measured:,} B"
+        assert abs(planned - measured) < 2**16, f"{name}: planned {planned:,} B, measured {measured:,} B"
+
+
+def planned_in_a_fake_world_and_measured(info, cfg):
+    from qlora_fsdp.plan.measure import measured_step
+    from qlora_fsdp.plan.memory import in_real_world, step_memory
+
+    assert in_real_world()
+    return step_memory(cfg).peak, measured_step(cfg, info).peak
+
+
+@pytest.mark.slow
+def test_a_launched_run_plans_in_a_fake_world_of_its_own(tmp_path):
+    """A run already in a real process group (one gloo rank here; torchrun's ranks at launch, sizing an auto
+    micro-batch) plans in a fresh process: the fake step's collectives never reach the real group. One process,
+    no FSDP2 wrap: torch's plain tracker, the peak again the real step's."""
+    small = architecture(tmp_path / "small", layers=4, hidden=256, heads=4, kv_heads=2, vocab=8192)
+    cfg = step_config(small, 1024, 2, "hardware.gpus_per_node=1")
+    planned, measured = run_ranks(planned_in_a_fake_world_and_measured, 1, cfg, tmp_dir=tmp_path)[0]
+    assert abs(planned - measured) < 2**16, (planned, measured)
+
+
+# ---- a long model measured shorter: the figures ---------------------------------------------------------------
+
+def whole_and_shortened(info, configs, accumulating):
+    """Per config: the step's figures from the whole model and from the shortened runs; then a step with three
+    micro-batches (a middle one, sync off, with gradients already accumulated) against the planner's two."""
+    from qlora_fsdp.plan import fake_step
+    from qlora_fsdp.plan.memory import planning_config
+
+    def figures(step):
+        return step.model, step.loss, step.optimizer, step.own_loss_bytes, step.offloaded, step.peak
+
+    out = []
+    for cfg in configs:
+        hf_config = planning_config(cfg)
+        assert fake_step.find_repeats(fake_step.layer_kinds(cfg, hf_config)).saved > 0
+        whole = fake_step.measure_fake_step(cfg, hf_config, info.mesh)
+        shortened = fake_step.planned_step(cfg, hf_config, info.mesh, whole_model_layers=0)
+        out.append((figures(whole), figures(shortened)))
+    two = fake_step.measure_fake_step(accumulating, planning_config(accumulating), info.mesh)
+    fake_step.MICRO_BATCHES = 3
+    three = fake_step.measure_fake_step(accumulating, planning_config(accumulating), info.mesh)
+    return out, (figures(two), figures(three))
+
+
+@pytest.mark.slow
+def test_shortened_runs_give_the_whole_models_figures(tmp_path):
+    """12 layers measured with their repeated block 4 and 5 times and continued: every phase's peak, the loss's
+    own bytes and the offloaded bytes equal the whole model's, for a uniform, an edged and a periodic policy. And
+    a third micro-batch (sync off, gradients accumulated) reaches no higher than the planner's two."""
+    model_dir = architecture(tmp_path / "twelve", layers=12, hidden=64, heads=2, kv_heads=1, vocab=512)
+    configs = [
+        step_config(model_dir, 128, 2, "loss.chunked=false", "activation_checkpointing.offload=true"),
+        step_config(model_dir, 128, 1, "activation_checkpointing.mode=first_last",
+                    "activation_checkpointing.scope=attention"),
+        step_config(model_dir, 128, 1, "activation_checkpointing.mode=every_nth", "activation_checkpointing.every_n=2",
+                    "fsdp_preset=full_shard_cpu_offload"),
+    ]
+    four = architecture(tmp_path / "four", layers=4, hidden=64, heads=2, kv_heads=1, vocab=512)
+    accumulating = step_config(four, 128, 3, "activation_checkpointing.offload=true")
+    results, (two, three) = run_ranks(whole_and_shortened, 2, configs, accumulating, tmp_dir=tmp_path, fake=True)[0]
+    for index, (whole, shortened) in enumerate(results):
+        assert whole == shortened, f"policy {index}"
+    assert two == three
