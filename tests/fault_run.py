@@ -22,9 +22,9 @@ def inject_nan(steps: set[int]) -> None:
     original = trainer_module.accumulate_gradients
     calls = [0]
 
-    def poisoned(model, micro_batches, device):  # noqa: ANN001, ANN202
+    def poisoned(model, micro_batches, device, forward_loss):  # noqa: ANN001, ANN202
         calls[0] += 1
-        result = original(model, micro_batches, device)
+        result = original(model, micro_batches, device, forward_loss)
         if calls[0] in steps:
             for param in model.parameters():
                 if param.grad is not None:
