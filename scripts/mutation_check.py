@@ -30,11 +30,12 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("optimizer steps once per micro-batch", "qlora_fsdp/training/loop.py",
-             "        result = accumulate_gradients(self.model, micro_batches, self.info.device)\n",
+             "        result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss)\n",
              "        for batch in micro_batches[:-1]:\n"
-             "            accumulate_gradients(self.model, [batch], self.info.device)\n"
+             "            accumulate_gradients(self.model, [batch], self.info.device, self.forward_loss)\n"
              "            self.optimizer.step()\n"
-             "        result = accumulate_gradients(self.model, micro_batches[-1:], self.info.device)\n",
+             "        result = accumulate_gradients(self.model, micro_batches[-1:], self.info.device,\n"
+             "                                      self.forward_loss)\n",
              "tests/test_numerics.py::test_train_step_is_one_optimizer_update"),
     Mutation("quantize with blocksize 128", "qlora_fsdp/model/loading.py", "        blocksize=cfg.quant.blocksize,\n",
              "        blocksize=128,\n", "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
@@ -59,6 +60,10 @@ MUTATIONS = [
     Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan/memory.py",
              "    return held.lora_elements * accumulated_grad_itemsize(cfg)\n",
              "    return held.grads\n", "tests/test_plan.py::test_planned_sizes_equal_measured"),
+    Mutation("chunked loss drops the last, shorter chunk", "qlora_fsdp/model/loss.py",
+             "    for start in range(0, hidden.shape[0], chunk_tokens):\n",
+             "    for start in range(0, hidden.shape[0] - chunk_tokens + 1, chunk_tokens):\n",
+             "tests/test_memory_features.py::test_chunked_loss_equals_full_loss"),
 ]
 
 
