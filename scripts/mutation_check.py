@@ -37,10 +37,10 @@ MUTATIONS = [
              "        result = accumulate_gradients(self.model, micro_batches[-1:], self.info.device,\n"
              "                                      self.forward_loss)\n",
              "tests/test_numerics.py::test_train_step_is_one_optimizer_update"),
-    Mutation("quantize with blocksize 128", "qlora_fsdp/model/loading.py", "        blocksize=cfg.quant.blocksize,\n",
+    Mutation("quantize with blocksize 128", "qlora_fsdp/model/loading.py", "        blocksize=quant.blocksize,\n",
              "        blocksize=128,\n", "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
     Mutation("double quantization off", "qlora_fsdp/model/loading.py",
-             "        compress_statistics=cfg.quant.double_quant,\n", "        compress_statistics=False,\n",
+             "        compress_statistics=quant.double_quant,\n", "        compress_statistics=False,\n",
              "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
     Mutation("gradient norm over the local shard only", "qlora_fsdp/training/optimizer.py",
              "    params = [p for p in model.parameters() if p.grad is not None]\n",
