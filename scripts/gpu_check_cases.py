@@ -421,6 +421,7 @@ def lever_config(ctx: Context, overrides: list[str]) -> Config:
 def lever_row(ctx: Context, label: str, overrides: list[str]) -> dict[str, Any]:
     cfg = lever_config(ctx, overrides)
     info = init_distributed()
+    model = None  # freed in `finally` even when building it fails
     try:
         model = build_model(cfg, info)
         reset_memory_peaks(info.device)

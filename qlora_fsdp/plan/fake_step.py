@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +43,8 @@ from qlora_fsdp.training.loop import ForwardLoss
 from qlora_fsdp.training.optimizer import build_optimizer
 
 DEVICE = torch.device("cpu")
-HOST_STAND_IN = torch.device("meta")  # activation offload's host copies: counted apart, never on the device
 NESTED_BLOCK = 256  # bitsandbytes' block size for the double quantization of absmax
+HOST_STAND_IN = torch.device("meta")  # activation offload's host copies: counted apart, never on the device
 WHOLE_MODEL_LAYERS = 12  # up to this many decoder layers, the whole model runs (about 0.3 s a layer and micro-batch)
 # a layer's step depends on its neighbours (FSDP2 gathers the next layer while one computes, and reduce-scatters the
 # previous one's gradients; offload copies the next one back): the first and last EDGE repeats of a block differ
@@ -117,9 +116,7 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
     of a longer accumulation find the same tensors alive as the last (FSDP2 accumulates into the unsharded
     gradients the first one allocated) and reduce-scatter nothing, so they reach no higher (tested)."""
     model = sharded_meta_model(cfg, hf_config, mesh)
-    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():  # meta and real inputs become fake
-        # the chunked loss's forward hands back the head's input, a view: training's concern, noise in a plan
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    with FakeTensorMode(allow_non_fake_inputs=True):  # meta and real inputs become fake
         materialize(model, DEVICE, DEVICE)
         give_quant_states(model, cfg)
         # real: bitsandbytes builds its 8-bit code tables from Python numbers, collate counts the targets

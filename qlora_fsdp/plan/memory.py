@@ -35,7 +35,7 @@ from qlora_fsdp.model.build import base_parameter_count, decoder_layers, load_hf
 from qlora_fsdp.model.sharding import sharded_meta_model
 from qlora_fsdp.optimizers import OPTIMIZERS
 from qlora_fsdp.plan.batch_size import describe_batch, effective_rows, resolve_batch
-from qlora_fsdp.plan.fake_step import cached_step
+from qlora_fsdp.plan.fake_step import NESTED_BLOCK, cached_step
 from qlora_fsdp.plan.hardware import GPU, GPUS
 from qlora_fsdp.plan.step_memory import StepMemory
 
@@ -43,7 +43,6 @@ GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace: outside the caching allocator
 ALLOCATOR_SLACK = 0.05  # fragmentation, as a fraction of what the allocator holds
 HOST_BASELINE_GIB = 1.5  # a rank's Python, torch, transformers and bitsandbytes before any weight
-NESTED_BLOCK = 256  # block size of the double quantization of absmax
 
 
 Basis = Literal["exact", "measured", "estimate"]
