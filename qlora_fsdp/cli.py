@@ -56,8 +56,6 @@ def run(args: argparse.Namespace) -> int:
     from qlora_fsdp.api import train  # heavy imports only once the config is known to be good
     from qlora_fsdp.distributed import cleanup
 
-    try:
-        train(cfg)
-    finally:
-        cleanup()
+    train(cfg)
+    cleanup()  # on error, run_command closes the group (after telling the other ranks)
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ T = TypeVar("T")
 # gloo: "Timed out waiting 3000ms for recv operation"; nccl: "... milliseconds before timing out"
 TIMEOUT_ERROR = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)
 _timeout_minutes = 60.0  # this process group's, for the error message
+_store: dist.Store | None = None  # shared_store's
+_barriers = 0  # barriers passed: each gets its own key in the store
+BARRIER_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -115,8 +119,10 @@ def init_fake_distributed(world_size: int, device: torch.device, rank: int = 0,
 
 
 def cleanup() -> None:
+    global _store, _barriers
     if dist.is_initialized():
         dist.destroy_process_group()
+    _store, _barriers = None, 0  # a later group in this process gets a store and barrier keys of its own
 
 
 @contextmanager
@@ -141,10 +147,55 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def shared_store() -> dist.Store | None:
+    """The store every rank of this attempt reaches, even after a rank has exited: torchrun's agent store, else
+    the default process group's; None in a plain process (nothing to share)."""
+    global _store
+    if _store is None:
+        try:
+            _store = elastic_attempt_store()
+            if _store is None and dist.is_initialized():
+                _store = dist.distributed_c10d._get_default_store()
+        except Exception:  # no store to reach: callers report locally
+            return None
+    return _store
+
+
 def barrier() -> None:
-    if dist.is_initialized():
+    """Every rank meets here. Where there is a shared store the wait polls it rather than blocking in a
+    collective, so a rank waiting here (for rank 0 tokenizing or saving) sees at once when another rank ended
+    with a user error, and ends with it (qlora_fsdp.rank_errors) instead of waiting to be killed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return  # nobody to wait for (a fake group, for planning, is one process acting as one rank)
+    store = shared_store()
+    if store is None:
         with waiting_for_other_ranks():
             dist.barrier()
+        return
+    global _barriers
+    _barriers += 1
+    key = f"qlora_fsdp/barrier/{_barriers}"
+    store.add(key, 1)
+    deadline = time.monotonic() + 60 * _timeout_minutes
+    while store.add(key, 0) < dist.get_world_size():
+        if peer_failed():
+            end_if_peer_failed()
+        if time.monotonic() > deadline:
+            with waiting_for_other_ranks():
+                raise RuntimeError("barrier timed out")
+        time.sleep(BARRIER_POLL_S)
+
+
+def peer_failed() -> bool:
+    from qlora_fsdp.rank_errors import peer_failed as published
+
+    return published()
+
+
+def end_if_peer_failed() -> None:
+    from qlora_fsdp.rank_errors import end_if_peer_failed as end
+
+    end()
 
 
 def all_reduce_sum(value: float | int, device: torch.device) -> float:

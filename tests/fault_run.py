@@ -2,6 +2,8 @@
 
     torchrun ... tests/fault_run.py --nan-steps 3,4 -- --recipe tiny_cpu key=value ...
     torchrun ... tests/fault_run.py --die-saving 4 -- --recipe tiny_cpu key=value ...
+    torchrun ... tests/fault_run.py --user-error-step 2 --on-rank 1 -- --recipe tiny_cpu key=value ...
+    torchrun ... tests/fault_run.py --disk-full-saving 4 -- --recipe tiny_cpu key=value ...
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
 import qlora_fsdp.training.checkpoints as checkpoint_module
 import qlora_fsdp.training.loop as trainer_module
 from qlora_fsdp.cli import main
+from qlora_fsdp.errors import DataError
 
 
 def inject_nan(steps: set[int]) -> None:
@@ -47,13 +52,53 @@ def die_while_saving(step: int) -> None:
     checkpoint_module.write_synced = deadly
 
 
+def user_error_at_step(step: int, rank: int) -> None:
+    """One rank raises a user error at the start of an optimizer step, while its peer enters the step's
+    collectives (a bad record met mid-run, say)."""
+    original = trainer_module.accumulate_gradients
+    calls = [0]
+
+    def failing(model, micro_batches, device, forward_loss):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        if calls[0] == step and int(os.environ["RANK"]) == rank:
+            raise DataError(f"injected user error on rank {rank} at step {step}")
+        return original(model, micro_batches, device, forward_loss)
+
+    trainer_module.accumulate_gradients = failing
+
+
+def disk_full_saving(step: int) -> None:
+    """Rank 0's checkpoint write fails the way torch.save's zip writer fails on a full disk, inside DCP."""
+    original_save, original_write = checkpoint_module.Checkpointer.save, dcp_filesystem._write_item
+    saving = [0]
+
+    def save(self, at_step, *args, **kwargs):  # noqa: ANN001, ANN202
+        saving[0] = at_step
+        return original_save(self, at_step, *args, **kwargs)
+
+    def write_item(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if saving[0] == step and int(os.environ["RANK"]) == 0:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 5184 vs 5078")
+        return original_write(*args, **kwargs)
+
+    checkpoint_module.Checkpointer.save = save
+    dcp_filesystem._write_item = write_item
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--nan-steps", default="")
     parser.add_argument("--die-saving", type=int)
+    parser.add_argument("--user-error-step", type=int)
+    parser.add_argument("--on-rank", type=int, default=1)
+    parser.add_argument("--disk-full-saving", type=int)
     args, rest = parser.parse_known_args()
     if args.nan_steps:
         inject_nan({int(s) for s in args.nan_steps.split(",")})
     if args.die_saving:
         die_while_saving(args.die_saving)
+    if args.user_error_step:
+        user_error_at_step(args.user_error_step, args.on_rank)
+    if args.disk_full_saving:
+        disk_full_saving(args.disk_full_saving)
     sys.exit(main([a for a in rest if a != "--"]))

@@ -12,6 +12,7 @@ moment leaves the previous one loadable.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import peft
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.distributed import DistInfo, barrier
@@ -117,6 +119,38 @@ def sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def out_of_space(err: BaseException) -> BaseException | None:
+    """The error in the chain saying a write ran out of room: ENOSPC/EDQUOT, or torch.save's zip writer reporting
+    a short write ("unexpected pos"), which is how a full disk surfaces through it; None if none does."""
+    for exc in exception_chain(err):
+        if isinstance(exc, CheckpointException):  # its text quotes every rank's error: look at those instead
+            continue
+        if (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+                sign in str(exc) for sign in ("No space left", "unexpected pos", "Disk quota")):
+            return exc
+    return None
+
+
+def exception_chain(err: BaseException) -> list[BaseException]:
+    """The error, its causes and contexts, and the per-rank errors DCP wraps in a CheckpointException."""
+    found: list[BaseException] = []
+    pending = [err]
+    while pending:
+        exc = pending.pop()
+        if exc in found:
+            continue
+        found.append(exc)
+        pending += [e for e in (exc.__cause__, exc.__context__) if e is not None]
+        if isinstance(exc, CheckpointException):
+            pending += [failure[0] for failure in exc.failures.values()]
+    return found
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
 def check_world_size(path: Path, world_size: int) -> dict:
     """The checkpoint's trainer state, if this world can load it (checked before any weight is read)."""
     state = json.loads((path / STATE_FILE).read_text())
@@ -147,6 +181,22 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
+        try:
+            self.write(tmp, step, model, optimizer, trainer_state)
+        except (OSError, RuntimeError, CheckpointException) as err:  # DCP's error is a BaseException
+            cause = out_of_space(err)
+            if cause is None:
+                raise
+            raise self.disk_full(tmp, cause) from None
+        if self.info.is_main:
+            os.rename(tmp, final)  # the commit point
+            sync_dir(root)
+            self.prune()
+        barrier()
+        return final
+
+    def write(self, tmp: Path, step: int, model: peft.PeftModel, optimizer: ShardedOptimizer,
+              trainer_state: dict) -> None:
         entries = {**lora_entries(model), **optimizer_entries(optimizer, self.info.rank),
                    **rng_entries(self.info.rank, self.info.device)}
         dcp.save(entries, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
@@ -158,11 +208,19 @@ class Checkpointer:
             write_synced(tmp / STATE_FILE, json.dumps(state, indent=1))
             write_synced(tmp / "config.yaml", self.config_yaml)
             sync_dir(tmp)
-            os.rename(tmp, final)  # the commit point
-            sync_dir(root)
-            self.prune()
-        barrier()
-        return final
+
+    def disk_full(self, tmp: Path, err: BaseException) -> CheckpointError:
+        """The one line for a checkpoint the disk had no room for; the partial folder is removed to free space."""
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free_gb = shutil.disk_usage(tmp.parent).free / 2**30
+        complete = complete_checkpoints(self.run_dir)
+        resume = (f"resume from {complete[-1]} (the last complete checkpoint) with --resume" if complete
+                  else "no complete checkpoint exists yet, so the run starts over")
+        return CheckpointError(
+            f"disk full: writing checkpoint {tmp.name.removeprefix(TMP_PREFIX)} to {tmp.parent} failed "
+            f"({first_line(err)}; {free_gb:.1f} GiB free there). Free space or point train.output_dir at a larger "
+            f"disk (fewer kept: train.keep_last); {resume}")
 
     def prune(self) -> None:
         for old in complete_checkpoints(self.run_dir)[: -self.keep_last]:

@@ -16,6 +16,7 @@ from typing import Any, TypeAlias
 import torch
 
 from qlora_fsdp.distributed import all_reduce_max
+from qlora_fsdp.rank_errors import end_if_peer_failed, peer_failed
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 # Ctrl-C under torchrun reaches a worker twice within milliseconds (from the terminal, then forwarded by the
@@ -42,6 +43,8 @@ class GracefulStop:
         self.previous = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM and peer_failed():  # torchrun stopping us because a peer hit a user error
+            end_if_peer_failed()
         if self.received is None:
             self.received, self.received_at = signum, time.monotonic()
             print(f"\n{signal.Signals(signum).name}: finishing this step, saving a checkpoint, then exiting "

@@ -1,0 +1,110 @@
+"""A user error in a multi-rank run ends every rank with one line and exit code 2, and no tracebacks.
+
+The rank that raises it publishes the line in the rendezvous store, writes it where torchrun reads a worker's
+error (so torchrun's closing summary names it as the root cause), prints it once for all ranks, and exits at
+once: only its exit closes gloo's connections (destroying or aborting the group leaves them open). A peer whose
+collective then fails ("Connection closed by peer") finds the line in the store and ends the same way, silently,
+within milliseconds, before torchrun's agent (polling every 0.1 s) sends it SIGTERM. A peer that is computing,
+or blocked where nothing fails (an NCCL kernel), is SIGTERMed by the agent instead; the summary then lists it as
+signalled, still with the raising rank as the root cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import NoReturn
+
+from qlora_fsdp.distributed import shared_store
+
+ERROR_KEY = "qlora_fsdp/user_error"
+PRINTED_KEY = "qlora_fsdp/user_error_printed"  # the first rank to add 1 prints the line
+ENDED_KEY = "qlora_fsdp/user_error_ended"  # ranks that have ended because of it
+PEERS_WAIT_S = 1.0  # a raising rank waits this long for peers waiting in a barrier to end first
+PUBLISH_WAIT_S = 2.0  # how long a failed peer looks for a published line before treating its error as its own
+
+def end_with_user_error(line: str) -> NoReturn:
+    """This rank raised a user error: publish it, print it once over all ranks, exit 2 now."""
+    hold_sigterm()  # torchrun may stop us while we write; finish first
+    store = shared_store()
+    first = True
+    try:
+        if store is not None:
+            store.set(ERROR_KEY, line)
+            store.add(ENDED_KEY, 1)
+            first = store.add(PRINTED_KEY, 1) == 1
+    except Exception:  # the store went away with the rank hosting it: print for ourselves
+        store, first = None, True
+    if first:
+        print(line, file=sys.stderr, flush=True)
+    write_torchrun_error_file(line)
+    if store is not None:  # peers polling in a barrier end before torchrun's agent sees us gone and SIGTERMs them
+        wait_until(lambda: store.add(ENDED_KEY, 0) >= world_size(), PEERS_WAIT_S)
+    exit_now(2)
+
+
+def end_if_peer_failed() -> None:
+    """After an unexpected error (typically a failed collective): if another rank published a user error, this
+    rank ends as it did, with exit code 2 and nothing printed; otherwise it returns and the error is this rank's."""
+    hold_sigterm()
+    store = shared_store()
+    if store is not None and wait_until(lambda: store.check([ERROR_KEY]), PUBLISH_WAIT_S):
+        write_torchrun_error_file(store.get(ERROR_KEY).decode())
+        store.add(ENDED_KEY, 1)
+        exit_now(2)
+    release_sigterm()
+
+
+def peer_failed() -> bool:
+    """Whether a rank has published a user error (no waiting): for a signal handler deciding what SIGTERM means."""
+    store = shared_store() if world_size() > 1 else None
+    try:
+        return store is not None and store.check([ERROR_KEY])
+    except Exception:  # the store is gone: nothing published that we can read
+        return False
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def write_torchrun_error_file(line: str) -> None:
+    """torchrun shows a worker's error file as that worker's failure, and the earliest one as the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not os.path.exists(path):  # the shape torchrun's own @record writes, the line for a traceback
+        record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+        with open(path, "w") as file:
+            json.dump({"message": record}, file)
+
+
+def hold_sigterm() -> None:
+    """A SIGTERM from torchrun's agent waits (pending) until we have exited or let it through."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def release_sigterm() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def wait_until(condition: Callable[[], object], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if condition():
+                return True
+        except Exception:  # the store went away with the rank hosting it
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit without interpreter teardown: destructors of a process group whose peers are gone can hang or print."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
