@@ -25,6 +25,7 @@ from qlora_fsdp.training.metrics import MetricsLogger, format_summary
 from qlora_fsdp.training.optimizer import build_optimizer, build_scheduler
 from qlora_fsdp.training.plots import plot_loss_curves
 from qlora_fsdp.training.run_dir import prepare_run_dir
+from qlora_fsdp.training.shared_dir import check_output_dir_shared
 from qlora_fsdp.training.tracking import check_available as check_trackers_available
 from qlora_fsdp.training.tracking import open_trackers
 
@@ -45,6 +46,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     info = info or init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes)
     out_dir = Path(cfg.train.output_dir)
     checkpoint = decide_on_main(lambda: prepare_run_dir(out_dir, cfg.train))  # before any rank writes
+    check_output_dir_shared(out_dir, info)  # across nodes: one folder every node sees, or one line now
     if checkpoint is not None:
         check_world_size(checkpoint, info.world_size)  # before minutes of loading, not after
     torch.manual_seed(cfg.train.seed)

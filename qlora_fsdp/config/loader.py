@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -19,6 +20,24 @@ from qlora_fsdp.config.schema import (
 )
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.optimizers import OPTIMIZERS
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that only true/false are booleans: YAML 1.1 also reads yes/no/on/off as booleans,
+    which turns `activation_checkpointing.mode: off` into false. Keys that are booleans take yes/no/on/off
+    (see _check_type); keys that are strings get the word as written."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+BOOLEAN_WORDS = {"yes": True, "on": True, "no": False, "off": False}
+
+
+def read_yaml_text(text: str) -> Any:
+    return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 (RecipeLoader is a SafeLoader)
 
 
 def resolve_recipe_path(recipe: str) -> Path:
@@ -70,14 +89,18 @@ def changed_settings(saved_yaml: str, config: Config) -> list[str]:
             out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
         return out
 
-    before, after = flat(yaml.safe_load(saved_yaml) or {}), flat(yaml.safe_load(to_yaml(config)))
+    # a key added since the checkpoint was written: that run used its default (lora.use_rslora: false)
+    before = flat(read_yaml_text(to_yaml(Config()))) | flat(read_yaml_text(saved_yaml) or {})
+    after = flat(read_yaml_text(to_yaml(config)))
     return [f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in sorted(before.keys() | after.keys())
             if before.get(key) != after.get(key) and not key.startswith(RUN_CONTROL_KEYS)]
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml_text(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); save the recipe as UTF-8 YAML") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
@@ -100,7 +123,7 @@ def _parse_override(item: str) -> dict[str, Any]:
     if not sep or not key:
         raise ConfigError(f"override '{item}' is not of the form key=value (for example optim.lr=3e-4)")
     try:
-        parsed = yaml.safe_load(value) if value else ""
+        parsed = read_yaml_text(value) if value else ""
     except yaml.YAMLError:
         parsed = value
     tree: dict[str, Any] = {}
@@ -193,6 +216,8 @@ def _unknown_key_message(dotted: str, source: str, candidates: list[str] | None 
 
 def _check_type(key: str, value: Any, expected: Any) -> Any:
     value = _yaml11_float(value) if _accepts_float(expected) else value
+    if isinstance(value, str) and value.lower() in BOOLEAN_WORDS and _matches(True, expected):
+        value = BOOLEAN_WORDS[value.lower()]  # `packing: yes` on a boolean key
     if _matches(value, expected):
         if expected is float and isinstance(value, int):
             return float(value)
@@ -295,6 +320,7 @@ def validate(config: Config) -> Config:
         raise ConfigError("'train.collective_timeout_minutes' must be positive, got "
                           f"{config.train.collective_timeout_minutes}")
     _validate_batch(config)
+    _validate_warmup(config)
     checkpointing = config.activation_checkpointing
     if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
         raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
@@ -318,3 +344,13 @@ def _validate_batch(config: Config) -> None:
     if optim.lr_scaling != "none" and optim.lr_base_batch is None:
         raise ConfigError(f"'optim.lr_scaling: {optim.lr_scaling}' needs 'optim.lr_base_batch', the effective "
                           "batch (rows) that optim.lr was tuned for")
+
+
+def _validate_warmup(config: Config) -> None:
+    optim = config.optim
+    if not 0 <= optim.warmup_ratio < 1:
+        raise ConfigError(f"'optim.warmup_ratio' must be at least 0 and below 1 (a fraction of train.max_steps), "
+                          f"got {optim.warmup_ratio}")
+    if optim.warmup_steps and optim.warmup_ratio:
+        raise ConfigError(f"'optim.warmup_steps: {optim.warmup_steps}' and 'optim.warmup_ratio: "
+                          f"{optim.warmup_ratio}' are both set: keep one (the other 0)")

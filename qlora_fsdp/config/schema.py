@@ -38,6 +38,7 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: str | list[str] = "all-linear"  # or a list such as [q_proj, v_proj]
     use_dora: bool = False
+    use_rslora: bool = False  # rank-stabilized: scale the update by alpha/sqrt(r) instead of alpha/r
     dtype: DType = "float32"  # trainable weights; fp32 keeps small updates from rounding away
 
 
@@ -106,6 +107,7 @@ class OptimConfig:
     max_grad_norm: float | None = 1.0  # None: no clipping
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # or warmup as a fraction of train.max_steps (optimizer steps); not both
     min_lr_ratio: float = 0.1  # cosine/linear decay floor, as a fraction of lr
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr by (effective batch / lr_base_batch)
     lr_base_batch: int | None = None  # the effective batch (rows) that `lr` was tuned for

@@ -68,12 +68,26 @@ def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     return json.loads(config_file.read_text()), load_file(weights)
 
 
-@torch.no_grad()
+# adapter_config.json key -> recipe key, for the settings that set the scaling (a shape check cannot see them)
+SCALING_KEYS = {"lora_alpha": "lora.alpha", "use_rslora": "lora.use_rslora"}
+
+
+def check_scaling(saved: dict[str, Any], model: peft.PeftModel, adapter_dir: Path) -> None:
+    """The saved adapter scales its update as the model will (alpha/r, or alpha/sqrt(r) with rsLoRA)."""
+    ours = model.peft_config[ADAPTER_NAME]
+    for key, recipe_key in SCALING_KEYS.items():
+        theirs, mine = saved.get(key, False), getattr(ours, key)  # PEFT before rsLoRA wrote no use_rslora
+        if theirs != mine:
+            raise ModelLoadError(f"adapter in {adapter_dir} was trained with {recipe_key}={theirs}, the recipe "
+                                 f"says {mine}: pass the settings it was trained with")
+
+
 @torch.no_grad()
 def load_adapter_into(model: peft.PeftModel, adapter_dir: Path) -> None:
     """Put a saved adapter's weights into a model built with the same LoRA settings, sharded or not: each rank
     keeps its FSDP2 dim-0 chunk of every tensor, as the base loader does (the inverse of export_adapter)."""
-    _, tensors = read_adapter(adapter_dir)
+    saved_config, tensors = read_adapter(adapter_dir)
+    check_scaling(saved_config, model, adapter_dir)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

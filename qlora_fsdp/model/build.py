@@ -6,6 +6,8 @@ parameters afterwards, one tensor at a time.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from qlora_fsdp.config import Config, LoraConfig, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.errors import ModelLoadError
+from qlora_fsdp.errors import ConfigError, ModelLoadError
 
 # 4-bit values are packed two to a byte and stored as raw bytes. FSDP2 never casts a non-float parameter and
 # all-gathers it as bytes, whatever the mixed-precision policy or the LoRA dtype. The earlier bf16 storage was
@@ -45,16 +47,34 @@ def model_dir(model_path: str) -> Path:
                              f"({type(err).__name__}); for the tiny default run `make tiny-model`") from None
 
 
-def load_hf_config(cfg: Config) -> PretrainedConfig:
+def checkpoint_dir(cfg: Config) -> Path:
+    """model.path as a folder with a config.json (asked first: without one, a tokenizer load fails obscurely)."""
     path = model_dir(cfg.model.path)
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
-    return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face checkpoint folder (point model.path "
+                             "at the folder holding config.json, the tokenizer and the *.safetensors)")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as err:  # transformers' own message names neither line nor cause
+        raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({first_line(err)})") from None
+    return path
+
+
+def load_hf_config(cfg: Config) -> PretrainedConfig:
+    path = checkpoint_dir(cfg)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    except ValueError as err:  # JSON that is not a config, an unknown model_type, remote code refused
+        raise ModelLoadError(f"{path / 'config.json'}: {first_line(err)}") from None
 
 
 def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
-    path = model_dir(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    path = checkpoint_dir(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError, TypeError) as err:  # no or broken tokenizer files
+        raise ModelLoadError(f"{path}: cannot load its tokenizer ({first_line(err)}); the folder needs "
+                             "tokenizer.json or the tokenizer files of its model family") from None
     if tokenizer.pad_token is None:  # Llama 3 ships none; padding is masked out of loss and attention
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -123,16 +143,41 @@ def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
         use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,  # saved in adapter_config.json, so PEFT and the merge scale alike
         bias="none",
         task_type="CAUSAL_LM",
         init_lora_weights=False,  # weights are meta now; loading.py initializes them, the same on any world size
     )
+    check_targets(model, lora.target_modules)
     with meta_dora_magnitudes():
         model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.to(TORCH_DTYPES[lora.dtype])
     return model
+
+
+def check_targets(model: nn.Module, targets: str | list[str]) -> None:
+    """lora.target_modules must name some linear layer (PEFT's own error is a traceback). As in PEFT, a list
+    entry matches a module name or its dotted suffix, a single string is a regular expression on the full name."""
+    if targets == "all-linear":
+        return
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+    def wanted(name: str) -> bool:
+        if isinstance(targets, str):
+            return re.fullmatch(targets, name) is not None
+        return any(name == target or name.endswith(f".{target}") for target in targets)
+
+    if not any(wanted(name) for name in linears):
+        leaves = sorted({name.rsplit(".", 1)[-1] for name in linears})
+        raise ConfigError(f"lora.target_modules {targets!r} names no linear layer of this model; its linear layers "
+                          f"are {leaves} (or use all-linear)")
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 def base_parameter_count(model: nn.Module) -> int:

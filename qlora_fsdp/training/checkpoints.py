@@ -151,9 +151,25 @@ def first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
+def read_trainer_state(path: Path) -> dict:
+    """A checkpoint's trainer_state.json; a damaged one is one line naming it and the checkpoint to use instead."""
+    file = path / STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+        if not isinstance(state, dict) or not {"step", "world_size"} <= state.keys():
+            raise ValueError("it lacks 'step' or 'world_size'")
+        return state
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        earlier = [p for p in complete_checkpoints(path.parent.parent) if p.name < path.name]
+        instead = (f"resume from {earlier[-1]} with --resume-from {earlier[-1]}" if earlier
+                   else "no earlier checkpoint exists, so start over with train.overwrite=true")
+        raise CheckpointError(f"{file} is damaged ({first_line(err)}): checkpoint {path.name} cannot be resumed; "
+                              f"{instead} (and delete {path})") from None
+
+
 def check_world_size(path: Path, world_size: int) -> dict:
     """The checkpoint's trainer state, if this world can load it (checked before any weight is read)."""
-    state = json.loads((path / STATE_FILE).read_text())
+    state = read_trainer_state(path)
     if state["world_size"] != world_size:
         raise CheckpointError(
             f"checkpoint {path} was written by {state['world_size']} ranks and this run has {world_size}: each "

@@ -90,8 +90,9 @@ class RunSummary:
     def as_dict(self) -> dict[str, Any]:
         wall = self.train_runtime_s
         out: dict[str, Any] = {"train_runtime_s": wall, "steps": self.steps, "skipped_steps": self.skipped_steps,
-                               "samples": self.samples, "samples_per_s": self.samples / wall, "tokens": self.tokens,
-                               "tokens_per_s": self.tokens / wall}
+                               # counts as ints, so the record and the printed table show 5204, not 5204.0
+                               "samples": int(self.samples), "samples_per_s": self.samples / wall,
+                               "tokens": int(self.tokens), "tokens_per_s": self.tokens / wall}
         if self.mfu is not None:
             out["mfu"] = self.mfu
         end = self.eval_loss_end

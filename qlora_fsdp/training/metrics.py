@@ -6,6 +6,7 @@ Named metrics.py rather than logging.py so it never shadows the standard library
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -99,6 +100,43 @@ def format_summary(summary: dict[str, Any]) -> str:
     width = max(len(k) for k in summary)
     lines = ["", "summary".center(width + 16, "-")]
     for key, value in summary.items():
-        shown = f"{value:,.4f}" if isinstance(value, float) else str(value)
-        lines.append(f"{key.ljust(width)} : {shown}")
+        lines.append(f"{key.ljust(width)} : {format_summary_value(key, value)}")
     return "\n".join(lines)
+
+
+def format_summary_value(key: str, value: Any) -> str:
+    """Each figure as a reader wants it; the key's suffix says what it is (`_s` seconds, `_per_s` a rate, ...)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"  # counts: 5,204, never 5,204.0000
+    if not math.isfinite(value):
+        return str(value)  # nan: no held-out set was evaluated
+    if key.endswith("_per_s"):
+        return format_rate(value)
+    if key.endswith("_s"):
+        return format_duration(value)
+    if key == "mfu":
+        return f"{value:.2%}"
+    if key.endswith(("_gb", "_gb_max_rank")):
+        return f"{value:,.2f} GiB"  # memory_peaks_gb divides by 2**30
+    if "ppl" in key:
+        return f"{value:,.2f}"
+    return f"{value:,.4f}"  # losses
+
+
+def format_rate(value: float) -> str:
+    """At least three significant digits, and no decimals once in the hundreds: 0.0123, 3.21, 45.6, 1,234."""
+    decimals = max(0, 2 - math.floor(math.log10(abs(value)))) if value else 0
+    return f"{value:,.{decimals}f}"
+
+
+def format_duration(seconds: float) -> str:
+    """41.3 s, 3 min 12 s, 1 h 02 min: tenths of a second under a minute, whole seconds under an hour."""
+    if round(seconds, 1) < 60:
+        return f"{seconds:.1f} s"
+    whole = round(seconds)
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min"

@@ -74,13 +74,21 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> ShardedOptimizer:
     return ShardedOptimizer(model.parameters(), optim)
 
 
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """optim.warmup_steps, or optim.warmup_ratio of the run's optimizer steps (rounded up, as transformers does),
+    so the warmup stays the same share of the run when max_steps changes with the effective batch."""
+    # rounded first: 0.1 * 30 is 3.0000000000000004 in floats, which must give 3 steps, not 4
+    return optim.warmup_steps or math.ceil(round(optim.warmup_ratio * total_steps, 9))
+
+
 def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
     """Linear warmup to 1, then cosine/linear decay to min_lr_ratio, or constant."""
-    if step < optim.warmup_steps:
-        return (step + 1) / (optim.warmup_steps + 1)
+    warmup = warmup_steps(optim, total_steps)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
     if optim.scheduler == "constant":
         return 1.0
-    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     decay = 0.5 * (1 + math.cos(math.pi * progress)) if optim.scheduler == "cosine" else 1 - progress
     return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * decay
 

@@ -12,7 +12,13 @@ from pathlib import Path
 
 from qlora_fsdp.config import TrainConfig
 from qlora_fsdp.errors import CheckpointError, OutputExistsError
-from qlora_fsdp.training.checkpoints import CHECKPOINTS_DIR, STATE_FILE, complete_checkpoints, remove_incomplete
+from qlora_fsdp.training.checkpoints import (
+    CHECKPOINTS_DIR,
+    STATE_FILE,
+    complete_checkpoints,
+    read_trainer_state,
+    remove_incomplete,
+)
 
 METRICS_FILE = "metrics.jsonl"
 RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "adapter")  # what a run writes, and overwrite=true removes
@@ -24,7 +30,7 @@ def elastic_restart() -> bool:
 
 
 def checkpoint_step(path: Path) -> int:
-    return int(json.loads((path / STATE_FILE).read_text())["step"])
+    return int(read_trainer_state(path)["step"])
 
 
 def choose_checkpoint(run_dir: Path, train: TrainConfig, restarted: bool) -> Path | None:
@@ -56,8 +62,11 @@ def trim_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
-        if json.loads(line).get("step", -1) > step:
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            if json.loads(line).get("step", -1) > step:
+                break
+        except ValueError:  # a record cut short when the run was killed mid-write: it and what follows go
             break
         kept.append(line)
     path.write_text("".join(f"{line}\n" for line in kept))
@@ -65,6 +74,8 @@ def trim_metrics(path: Path, step: int) -> None:
 
 def prepare_run_dir(run_dir: Path, train: TrainConfig) -> Path | None:
     """Ready the folder for this run; returns the checkpoint to resume from, or None for a fresh start."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise OutputExistsError(f"train.output_dir {run_dir} is a file, not a folder; choose another train.output_dir")
     restarted = elastic_restart()
     checkpoint = choose_checkpoint(run_dir, train, restarted)
     inside = checkpoint is not None and checkpoint.resolve().parent.parent == run_dir.resolve()

@@ -1,0 +1,344 @@
+"""A corpus of bad inputs, as users write them: each ends train.py with one `error:` line naming the file or key
+and the fix, exit code 2, no traceback, and the output folder as it was.
+
+Run in-process through the command line's own entry point (qlora_fsdp.cli.main, which train.py exits with), so
+forty cases cost seconds, not forty interpreter starts. What torchrun adds on top is tests/test_rank_errors.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from qlora_fsdp.cli import main
+from tests.helpers import REPO
+
+Setup = Callable[[Path, Path], list[str]]  # (this case's folder, the tiny model) -> extra train.py arguments
+PROGRESS_BAR = re.compile(r"\| \d+/\d+ \[|\d+ examples \[")  # tqdm's, from datasets and the shard writer
+GOOD_RECORDS = (REPO / "data" / "tiny_instruct.jsonl").read_text().splitlines()[:40]
+
+
+@dataclass(frozen=True)
+class BadInput:
+    name: str
+    expected: str  # a regular expression the error line must match (after "error: ")
+    setup: Setup
+
+
+CASES: list[BadInput] = []
+
+
+def bad_input(expected: str) -> Callable[[Setup], Setup]:
+    def register(setup: Setup) -> Setup:
+        CASES.append(BadInput(setup.__name__, expected, setup))
+        return setup
+    return register
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def data_file(d: Path, lines: list[str], name: str = "data.jsonl") -> str:
+    text = "".join(line + "\n" for line in lines)
+    return f"data.path={write(d / name, text)}"
+
+
+def recipe(d: Path, text: str | bytes) -> list[str]:
+    return ["--recipe", str(write(d / "recipe.yaml", text))]
+
+
+def fake_run_folder(d: Path, state: str, world_size: int = 1) -> Path:
+    """An earlier run's folder with one checkpoint whose trainer_state.json is `state` (or valid JSON)."""
+    out = d / "run"
+    write(out / "metrics.jsonl", json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    write(out / "checkpoints" / "step-000002" / "trainer_state.json",
+          state or json.dumps({"step": 2, "world_size": world_size}))
+    return out
+
+
+# --- recipes ---------------------------------------------------------------------------------------------------
+@bad_input(r"recipe\.yaml: not UTF-8 text \(byte \d+\); save the recipe as UTF-8")
+def recipe_not_utf8(d: Path, model: Path) -> list[str]:
+    return recipe(d, "# r\xe9glages\noptim:\n  lr: 1.0e-4\n".encode("latin-1"))
+
+
+@bad_input(r"recipe\.yaml:3: not valid YAML")
+def recipe_bad_indentation(d: Path, model: Path) -> list[str]:
+    return recipe(d, "optim:\n  lr: 1.0e-4\n warmup_steps: 3\n")
+
+
+@bad_input(r"recipe\.yaml: expected a mapping of keys at the top level")
+def recipe_is_a_list(d: Path, model: Path) -> list[str]:
+    return recipe(d, "- optim\n- lr\n")
+
+
+@bad_input(r"unknown key 'optim\.lrr' in .*recipe\.yaml; did you mean 'optim\.lr'\?")
+def recipe_key_typo(d: Path, model: Path) -> list[str]:
+    return recipe(d, "optim:\n  lrr: 1.0e-4\n")
+
+
+@bad_input(r"'optim\.lr' must be a number, got 'fast'")
+def recipe_wrong_type(d: Path, model: Path) -> list[str]:
+    return recipe(d, "optim:\n  lr: fast\n")
+
+
+@bad_input(r"unknown recipe 'tiny_cpuu': did you mean 'tiny_cpu'\?")
+def recipe_name_typo(d: Path, model: Path) -> list[str]:
+    return ["--recipe", "tiny_cpuu"]
+
+
+@bad_input(r"recipe file not found: .*missing\.yaml")
+def recipe_file_missing(d: Path, model: Path) -> list[str]:
+    return ["--recipe", str(d / "missing.yaml")]
+
+
+@bad_input(r"'checkpointing\.mode' in .*recipe\.yaml is now 'activation_checkpointing\.mode'")
+def recipe_old_key(d: Path, model: Path) -> list[str]:
+    return recipe(d, "checkpointing:\n  mode: off\n")
+
+
+# --- overrides -------------------------------------------------------------------------------------------------
+@bad_input(r"override 'optim\.lr' is not of the form key=value")
+def override_without_value(d: Path, model: Path) -> list[str]:
+    return ["optim.lr"]
+
+
+@bad_input(r"unknown key 'data\.micro_batch' .*did you mean 'data\.micro_batch_size'\?")
+def override_key_typo(d: Path, model: Path) -> list[str]:
+    return ["data.micro_batch=4"]
+
+
+@bad_input(r"'activation_checkpointing\.mode' must be one of .*got 'offf'")
+def override_bad_choice(d: Path, model: Path) -> list[str]:
+    return ["activation_checkpointing.mode=offf"]
+
+
+@bad_input(r"unknown fsdp_preset 'shard_everything': choose one of")
+def override_unknown_preset(d: Path, model: Path) -> list[str]:
+    return ["fsdp_preset=shard_everything"]
+
+
+@bad_input(r"'data\.format' must be one of .*got 'xml'")
+def override_unknown_format(d: Path, model: Path) -> list[str]:
+    return ["data.format=xml"]
+
+
+@bad_input(r"'optim\.warmup_ratio' must be at least 0 and below 1")
+def override_warmup_ratio_too_large(d: Path, model: Path) -> list[str]:
+    return ["optim.warmup_ratio=1.5"]
+
+
+@bad_input(r"'optim\.warmup_steps: 5' and 'optim\.warmup_ratio: 0\.1' are both set")
+def override_two_warmups(d: Path, model: Path) -> list[str]:
+    return ["optim.warmup_steps=5", "optim.warmup_ratio=0.1"]
+
+
+@bad_input(r"'data\.packing' must be true or false, got 'maybe'")
+def override_boolean_word(d: Path, model: Path) -> list[str]:
+    return ["data.packing=maybe"]
+
+
+@bad_input(r"'.*' is not a key=value override; to resume from a checkpoint folder, pass --resume-from")
+def override_old_resume_spelling(d: Path, model: Path) -> list[str]:
+    (d / "ckpt").mkdir()
+    return [str(d / "ckpt")]
+
+
+# --- data files ------------------------------------------------------------------------------------------------
+@bad_input(r"data source .*nothere\.jsonl does not exist")
+def data_missing(d: Path, model: Path) -> list[str]:
+    return [f"data.path={d / 'nothere.jsonl'}"]
+
+
+@bad_input(r"data\.jsonl:41: not valid JSON")
+def data_truncated_last_line(d: Path, model: Path) -> list[str]:
+    return [data_file(d, [*GOOD_RECORDS, '{"instruction": "Count the words.", "output": "th'])]
+
+
+@bad_input(r"data\.jsonl:3: a record must be a JSON object, got list")
+def data_record_not_an_object(d: Path, model: Path) -> list[str]:
+    return [data_file(d, [*GOOD_RECORDS[:2], '["instruction", "output"]', *GOOD_RECORDS[2:]])]
+
+
+@bad_input(r"data\.jsonl: record 41 lacks the text field 'output'")
+def data_missing_field(d: Path, model: Path) -> list[str]:
+    return [data_file(d, [*GOOD_RECORDS, '{"instruction": "Say hi.", "input": ""}'])]
+
+
+@bad_input(r"chat\.jsonl: record 1 has a turn without a known 'role'")
+def data_unknown_role(d: Path, model: Path) -> list[str]:
+    turns = [{"role": "narrator", "content": "Once"}, {"role": "assistant", "content": "upon"}]
+    return [data_file(d, [json.dumps({"messages": turns})], "chat.jsonl"), "data.format=chat"]
+
+
+@bad_input(r"chat\.jsonl: record 1 has no assistant turn to learn from")
+def data_no_assistant_turn(d: Path, model: Path) -> list[str]:
+    return [data_file(d, [json.dumps({"messages": [{"role": "user", "content": "hi"}]})], "chat.jsonl"),
+            "data.format=chat"]
+
+
+@bad_input(r"data\.txt: unsupported data file type; use one of \.json, \.jsonl, \.parquet, \.csv")
+def data_unsupported_extension(d: Path, model: Path) -> list[str]:
+    return [f"data.path={write(d / 'data.txt', 'hello')}"]
+
+
+@bad_input(r"empty_folder holds no data files")
+def data_empty_folder(d: Path, model: Path) -> list[str]:
+    (d / "empty_folder").mkdir()
+    return [f"data.path={d / 'empty_folder'}"]
+
+
+@bad_input(r"data fields \['question'\] do not apply to format 'alpaca'")
+def data_unknown_field_name(d: Path, model: Path) -> list[str]:
+    return [data_file(d, GOOD_RECORDS), "data.fields={question: q}"]
+
+
+@bad_input(r"no trainable samples in .*data\.jsonl after fitting to 8 tokens")
+def data_every_sample_too_long(d: Path, model: Path) -> list[str]:
+    return [data_file(d, GOOD_RECORDS), "data.context_length=8", "data.overlong=drop"]
+
+
+@bad_input(r"data\.csv: record 1 lacks the text field 'instruction'")
+def data_csv_wrong_columns(d: Path, model: Path) -> list[str]:
+    csv = write(d / "data.csv", "question,answer\nWhat?,That.\n")
+    return [f"data.path={csv}"]
+
+
+@bad_input(r"tools\.jsonl: record 1 has a tool call that is not a JSON \{name, arguments\} object")
+def data_bad_function_call(d: Path, model: Path) -> list[str]:
+    turns = [{"from": "human", "value": "Weather in Oslo?"}, {"from": "function_call", "value": "{not json"},
+             {"from": "observation", "value": "{}"}, {"from": "gpt", "value": "Sunny."}]
+    return [data_file(d, [json.dumps({"conversations": turns})], "tools.jsonl"), "data.format=sharegpt"]
+
+
+# --- model folders ---------------------------------------------------------------------------------------------
+@bad_input(r"no_config has no config\.json: not a Hugging Face checkpoint folder")
+def model_without_config(d: Path, model: Path) -> list[str]:
+    folder = shutil.copytree(model, d / "no_config")
+    (folder / "config.json").unlink()
+    return [f"model.path={folder}"]
+
+
+@bad_input(r"model\.path '\./nowhere/model' is not a checkpoint folder")
+def model_path_missing(d: Path, model: Path) -> list[str]:
+    return ["model.path=./nowhere/model"]
+
+
+@bad_input(r"no_tokenizer: cannot load its tokenizer .*tokenizer\.json")
+def model_without_tokenizer(d: Path, model: Path) -> list[str]:
+    folder = d / "no_tokenizer"
+    folder.mkdir()
+    shutil.copy(model / "config.json", folder)
+    return [f"model.path={folder}"]
+
+
+@bad_input(r"broken_config/config\.json: not valid JSON \(Expecting value: line 1")
+def model_config_not_json(d: Path, model: Path) -> list[str]:
+    folder = shutil.copytree(model, d / "broken_config")
+    write(folder / "config.json", '{"model_type": "llama", "hidden_size": ')
+    return [f"model.path={folder}"]
+
+
+@bad_input(r"lora\.target_modules \['query', 'value'\] names no linear layer of this model; its linear layers are "
+           r"\[.*'q_proj'.*\]")
+def lora_targets_nothing(d: Path, model: Path) -> list[str]:
+    return ["lora.target_modules=[query, value]"]
+
+
+# --- checkpoints and run folders -------------------------------------------------------------------------------
+@bad_input(r"trainer_state\.json is damaged \(.*\): checkpoint step-000002 cannot be resumed; no earlier checkpoint")
+def checkpoint_state_not_json(d: Path, model: Path) -> list[str]:
+    fake_run_folder(d, '{"step": 2, "world_si')
+    return ["--resume"]
+
+
+@bad_input(r"trainer_state\.json is damaged \(it lacks 'step' or 'world_size'\)")
+def checkpoint_state_without_step(d: Path, model: Path) -> list[str]:
+    fake_run_folder(d, json.dumps({"world_size": 1}))
+    return ["--resume"]
+
+
+@bad_input(r"checkpoint .*step-000002 was written by 4 ranks and this run has 1")
+def checkpoint_other_world_size(d: Path, model: Path) -> list[str]:
+    fake_run_folder(d, "", world_size=4)
+    return ["--resume"]
+
+
+@bad_input(r"train\.resume=.*not_a_checkpoint is not a complete checkpoint \(no trainer_state\.json\)")
+def checkpoint_folder_not_a_checkpoint(d: Path, model: Path) -> list[str]:
+    (d / "not_a_checkpoint").mkdir()
+    return ["--resume-from", str(d / "not_a_checkpoint")]
+
+
+@bad_input(r"output folder .*run already holds a run \(latest checkpoint step-000002\); resume it with --resume")
+def run_folder_holds_a_run(d: Path, model: Path) -> list[str]:
+    fake_run_folder(d, "")
+    return []
+
+
+@bad_input(r"output folder .*run already exists and is not empty")
+def run_folder_holds_other_files(d: Path, model: Path) -> list[str]:
+    write(d / "run" / "notes.txt", "mine")
+    return []
+
+
+@bad_input(r"train\.output_dir .*run is a file, not a folder")
+def run_folder_is_a_file(d: Path, model: Path) -> list[str]:
+    write(d / "run", "a file where the run folder should go")
+    return []
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` (or the file itself): its bytes, None for a folder."""
+    if folder.is_file():
+        return {".": folder.read_bytes()}
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in folder.rglob("*")}
+
+
+def split_arguments(extra: list[str]) -> tuple[list[str], list[str]]:
+    """(flags with their values, key=value overrides): flags go first, the case's overrides after the base ones."""
+    flags, overrides, tokens = [], [], iter(extra)
+    for token in tokens:
+        if token in ("--recipe", "--resume-from"):
+            flags += [token, next(tokens)]
+        elif token.startswith("--"):
+            flags.append(token)
+        else:
+            overrides.append(token)
+    return flags, overrides
+
+
+def test_the_corpus_is_large():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_bad_input_is_one_line_exit_2_and_nothing_touched(case, tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "run"
+    extra = case.setup(tmp_path, tiny_model_dir)
+    before = snapshot(out) if out.exists() else None
+    flags, overrides = split_arguments(extra)
+    base = [f"model.path={tiny_model_dir}", "data.eval_samples=4", "train.max_steps=2", f"train.output_dir={out}"]
+    argv = [*([] if "--recipe" in flags else ["--recipe", "tiny_cpu"]), *flags, *base, *overrides]
+    code = main(argv)
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1, captured.err[-3000:]
+    assert re.search(case.expected, errors[0].removeprefix("error: ")), errors[0]
+    assert "Traceback" not in captured.err and "Traceback" not in captured.out
+    noise = [line for line in captured.err.splitlines() if line.strip() and not line.startswith("error: ")
+             and not PROGRESS_BAR.search(line)]
+    assert not noise, noise  # nothing but the line (progress bars aside)
+    if before is None:  # a fresh run: nothing written (an empty folder at most)
+        assert not out.exists() or not any(out.iterdir())
+    else:
+        assert snapshot(out) == before
