@@ -124,3 +124,17 @@ def test_every_shipped_recipe_loads():
     for name in names:
         cfg = load_config(name, [])
         assert cfg.hardware.gpu in GPUS, name
+        if name != "tiny_cpu":  # what Answer.AI trained on, by hub id (fetched at launch, never by a test or plan)
+            assert (cfg.data.path, cfg.data.format, cfg.data.sources) == ("yahma/alpaca-cleaned", "alpaca", []), name
+
+
+def test_yes_no_on_off_are_strings_where_strings_are_expected(tmp_path):
+    """YAML 1.1 reads `off` as false; a recipe means the word where a key takes words, a boolean where it takes
+    one. Quoted or not, in a file or an override."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("activation_checkpointing:\n  mode: off\ndata:\n  packing: yes\ntrain:\n  overwrite: On\n")
+    cfg = load_config(str(recipe))
+    assert (cfg.activation_checkpointing.mode, cfg.data.packing, cfg.train.overwrite) == ("off", True, True)
+    cfg = load_config("tiny_cpu", ["activation_checkpointing.mode=off", "data.packing=no", "train.output_dir=on"])
+    assert (cfg.activation_checkpointing.mode, cfg.data.packing, cfg.train.output_dir) == ("off", False, "on")
+    assert load_config("tiny_cpu", ["activation_checkpointing.mode='off'"]).activation_checkpointing.mode == "off"

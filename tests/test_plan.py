@@ -98,6 +98,10 @@ def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path):
 
 
 PLAN_70B = """
+import datasets, huggingface_hub
+def fetch(*args, **kwargs):
+    raise SystemExit(f"planning fetched {args[:1]}")  # the recipes name hub data and models; a plan reads neither
+datasets.load_dataset = huggingface_hub.snapshot_download = fetch
 import torch.distributed as dist
 from qlora_fsdp.config import load_config
 from qlora_fsdp.plan.memory import GIB, meta_held, plan, planning_mesh, report, variants
@@ -174,6 +178,10 @@ def test_mfu_counts_6n_flops_a_token():
 
 
 NO_PEER_RECIPES = """
+import datasets, huggingface_hub
+def fetch(*args, **kwargs):
+    raise SystemExit(f"planning fetched {args[:1]}")  # the recipes name hub data and models; a plan reads neither
+datasets.load_dataset = huggingface_hub.snapshot_download = fetch
 import torch.distributed as dist
 from qlora_fsdp.config import load_config
 from qlora_fsdp.plan.memory import GIB, meta_held, plan, planning_mesh
