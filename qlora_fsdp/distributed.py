@@ -22,12 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from qlora_fsdp.errors import CollectiveTimeoutError, ConfigError
+from qlora_fsdp.rank_errors import elastic_attempt_store, end_if_peer_failed, forget_store, peer_failed, shared_store
 
 T = TypeVar("T")
 # gloo: "Timed out waiting 3000ms for recv operation"; nccl: "... milliseconds before timing out"
 TIMEOUT_ERROR = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)
 _timeout_minutes = 60.0  # this process group's, for the error message
-_store: dist.Store | None = None  # shared_store's
 _barriers = 0  # barriers passed: each gets its own key in the store
 BARRIER_POLL_S = 0.05
 
@@ -49,19 +49,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def elastic_attempt_store() -> dist.Store | None:
-    """Under torchrun, the agent's store with keys prefixed by the restart attempt.
-
-    The agent keeps one store across `--max-restarts` attempts and workers use it unprefixed (torch 2.13), so a
-    restarted rank could read a dead attempt's gloo address and hang in connect (seen in the elastic test).
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                           is_master=False, timeout=timedelta(minutes=30))
-    return dist.PrefixStore(f"qlora_fsdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 def data_parallel_mesh(device_type: str, world_size: int, shard_size: int | None = None) -> DeviceMesh:
@@ -119,10 +106,11 @@ def init_fake_distributed(world_size: int, device: torch.device, rank: int = 0,
 
 
 def cleanup() -> None:
-    global _store, _barriers
+    global _barriers
     if dist.is_initialized():
         dist.destroy_process_group()
-    _store, _barriers = None, 0  # a later group in this process gets a store and barrier keys of its own
+    forget_store()  # a later group in this process gets a store and barrier keys of its own
+    _barriers = 0
 
 
 @contextmanager
@@ -145,20 +133,6 @@ def waiting_for_other_ranks() -> Iterator[None]:
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly DTensor) parameter or gradient."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def shared_store() -> dist.Store | None:
-    """The store every rank of this attempt reaches, even after a rank has exited: torchrun's agent store, else
-    the default process group's; None in a plain process (nothing to share)."""
-    global _store
-    if _store is None:
-        try:
-            _store = elastic_attempt_store()
-            if _store is None and dist.is_initialized():
-                _store = dist.distributed_c10d._get_default_store()
-        except Exception:  # no store to reach: callers report locally
-            return None
-    return _store
 
 
 def barrier() -> None:
@@ -184,18 +158,6 @@ def barrier() -> None:
             with waiting_for_other_ranks():
                 raise RuntimeError("barrier timed out")
         time.sleep(BARRIER_POLL_S)
-
-
-def peer_failed() -> bool:
-    from qlora_fsdp.rank_errors import peer_failed as published
-
-    return published()
-
-
-def end_if_peer_failed() -> None:
-    from qlora_fsdp.rank_errors import end_if_peer_failed as end
-
-    end()
 
 
 def all_reduce_sum(value: float | int, device: torch.device) -> float:

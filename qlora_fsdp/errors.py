@@ -51,6 +51,7 @@ def run_command(body: Callable[[], int]) -> int:
         return body()
     except UserError as err:
         line = f"error: {err}"
+        finish_progress_bars()
         if in_multi_rank_run():
             from qlora_fsdp.rank_errors import end_with_user_error
 
@@ -73,6 +74,17 @@ def in_multi_rank_run() -> bool:
 def close_process_group() -> None:
     """A world of one leaves no group behind after an error (in-process callers may start another run)."""
     if "torch.distributed" in sys.modules:
-        from qlora_fsdp.distributed import cleanup
+        import torch.distributed as dist
 
-        cleanup()
+        from qlora_fsdp.rank_errors import forget_store
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        forget_store()
+
+
+def finish_progress_bars() -> None:
+    """End this process's progress bars with their line, so the error starts a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", [])):
+        bar.close()

@@ -17,31 +17,69 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import NoReturn
 
-from qlora_fsdp.distributed import shared_store
+import torch.distributed as dist
 
 ERROR_KEY = "qlora_fsdp/user_error"
+RAISED_AT_KEY = "qlora_fsdp/user_error_raised_at"  # seconds since the epoch, as torchrun's error files keep time
 PRINTED_KEY = "qlora_fsdp/user_error_printed"  # the first rank to add 1 prints the line
 ENDED_KEY = "qlora_fsdp/user_error_ended"  # ranks that have ended because of it
 PEERS_WAIT_S = 1.0  # a raising rank waits this long for peers waiting in a barrier to end first
 PUBLISH_WAIT_S = 2.0  # how long a failed peer looks for a published line before treating its error as its own
 
+_store: dist.Store | None = None  # shared_store's
+
+
+def elastic_attempt_store() -> dist.Store | None:
+    """Under torchrun, the agent's store with keys prefixed by the restart attempt.
+
+    The agent keeps one store across `--max-restarts` attempts and workers use it unprefixed (torch 2.13), so a
+    restarted rank could read a dead attempt's gloo address and hang in connect (seen in the elastic test).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                           is_master=False, timeout=timedelta(minutes=30))
+    return dist.PrefixStore(f"qlora_fsdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
+def shared_store() -> dist.Store | None:
+    """The store every rank of this attempt reaches, even after a rank has exited: torchrun's agent store, else
+    the default process group's; None in a plain process (nothing to share)."""
+    global _store
+    if _store is None:
+        try:
+            _store = elastic_attempt_store()
+            if _store is None and dist.is_initialized():
+                _store = dist.distributed_c10d._get_default_store()
+        except Exception:  # no store to reach: callers report locally
+            return None
+    return _store
+
+
+def forget_store() -> None:
+    """The process group is gone: a later one in this process has a store of its own."""
+    global _store
+    _store = None
+
 def end_with_user_error(line: str) -> NoReturn:
     """This rank raised a user error: publish it, print it once over all ranks, exit 2 now."""
     hold_sigterm()  # torchrun may stop us while we write; finish first
     store = shared_store()
-    first = True
+    first, raised_at = True, int(time.time())
     try:
         if store is not None:
+            store.set(RAISED_AT_KEY, str(raised_at))  # before the line: a peer that sees the line sees the time
             store.set(ERROR_KEY, line)
             store.add(ENDED_KEY, 1)
             first = store.add(PRINTED_KEY, 1) == 1
     except Exception:  # the store went away with the rank hosting it: print for ourselves
         store, first = None, True
-    if first:
-        print(line, file=sys.stderr, flush=True)
-    write_torchrun_error_file(line)
+    if first:  # another rank's progress bar may be mid-line on the same terminal
+        print(("\n" if os.environ.get("RANK", "0") != "0" else "") + line, file=sys.stderr, flush=True)
+    write_torchrun_error_file(line, raised_at)
     if store is not None:  # peers polling in a barrier end before torchrun's agent sees us gone and SIGTERMs them
         wait_until(lambda: store.add(ENDED_KEY, 0) >= world_size(), PEERS_WAIT_S)
     exit_now(2)
@@ -53,7 +91,9 @@ def end_if_peer_failed() -> None:
     hold_sigterm()
     store = shared_store()
     if store is not None and wait_until(lambda: store.check([ERROR_KEY]), PUBLISH_WAIT_S):
-        write_torchrun_error_file(store.get(ERROR_KEY).decode())
+        # a second after the raising rank's: torchrun's root cause is the earliest, and ours follows from it
+        raised_at = int(store.get(RAISED_AT_KEY).decode())
+        write_torchrun_error_file(store.get(ERROR_KEY).decode(), max(int(time.time()), raised_at + 1))
         store.add(ENDED_KEY, 1)
         exit_now(2)
     release_sigterm()
@@ -72,11 +112,11 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def write_torchrun_error_file(line: str) -> None:
+def write_torchrun_error_file(line: str, timestamp: int) -> None:
     """torchrun shows a worker's error file as that worker's failure, and the earliest one as the root cause."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and not os.path.exists(path):  # the shape torchrun's own @record writes, the line for a traceback
-        record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+        record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(timestamp)}}
         with open(path, "w") as file:
             json.dump({"message": record}, file)
 

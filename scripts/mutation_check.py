@@ -64,6 +64,22 @@ MUTATIONS = [
              "    for start in range(0, hidden.shape[0], chunk_tokens):\n",
              "    for start in range(0, hidden.shape[0] - chunk_tokens + 1, chunk_tokens):\n",
              "tests/test_memory_features.py::test_chunked_loss_equals_full_loss"),
+    Mutation("a peer's failed collective is taken as its own crash", "qlora_fsdp/errors.py",
+             "            end_if_peer_failed()  # returns when no peer published a user error: then the error is "
+             "ours\n",
+             "            pass\n",
+             "tests/test_rank_errors.py::test_user_error_on_one_rank_mid_step"),
+    Mutation("a barrier blocks in the collective", "qlora_fsdp/distributed.py",
+             "    store = shared_store()\n    if store is None:\n",
+             "    store = shared_store()\n    if True:\n",
+             "tests/test_rank_errors.py::test_bad_data_file_under_torchrun"),
+    Mutation("recipes read off/on/yes/no as YAML 1.1 booleans", "qlora_fsdp/config/loader.py",
+             "RecipeLoader.yaml_implicit_resolvers = {\n",
+             "RecipeLoader.yaml_implicit_resolvers = yaml.SafeLoader.yaml_implicit_resolvers or {\n",
+             "tests/test_config.py::test_yes_no_on_off_are_strings_where_strings_are_expected"),
+    Mutation("rsLoRA not passed to PEFT", "qlora_fsdp/model/build.py",
+             "        use_rslora=lora.use_rslora,", "        use_rslora=False,",
+             "tests/test_small_features.py::test_exported_rslora_adapter_loads_in_peft_with_the_same_outputs"),
 ]
 
 

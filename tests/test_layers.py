@@ -6,10 +6,11 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qlora_fsdp"
-BASE = {"errors", "dtypes", "optimizers", "distributed", "config"}
+BASE = {"errors", "rank_errors", "dtypes", "optimizers", "distributed", "config"}
 # what each part of the package may import (besides itself)
 ALLOWED = {
-    "errors": set(), "dtypes": set(), "optimizers": set(), "distributed": {"errors"},
+    "rank_errors": set(), "errors": {"rank_errors"}, "dtypes": set(), "optimizers": set(),
+    "distributed": {"errors", "rank_errors"},
     "config": {"errors", "optimizers"},
     "data": BASE,  # never model/: data and model do not know each other
     "model": BASE,

@@ -43,6 +43,11 @@ def assert_one_clean_error(result: subprocess.CompletedProcess, expected: str) -
     return lines[0]
 
 
+def root_cause_rank(result: subprocess.CompletedProcess) -> int:
+    root_cause = (result.stdout + result.stderr).split("Root Cause (first observed failure):")[1]
+    return int(re.search(r"rank\s+: (\d+)", root_cause).group(1))
+
+
 def test_bad_data_file_under_torchrun(tmp_path, tiny_model_dir):
     """Rank 0 tokenizes while rank 1 waits for it: the broken record's file and line, once, and nothing else."""
     bad = tmp_path / "bad.jsonl"
@@ -51,6 +56,7 @@ def test_bad_data_file_under_torchrun(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     result = torchrun("train.py", *recipe_args(tiny_model_dir, out, f"data.path={bad}"))
     assert_one_clean_error(result, rf"^error: {re.escape(str(bad))}:4: not valid JSON")
+    assert root_cause_rank(result) == 0  # the rank that raised it, though its waiting peer may exit first
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -60,6 +66,7 @@ def test_user_error_on_one_rank_mid_step(tmp_path, tiny_model_dir):
     result = torchrun("tests/fault_run.py", "--user-error-step", "2", "--on-rank", "1", "--",
                       *recipe_args(tiny_model_dir, out))
     assert_one_clean_error(result, r"^error: injected user error on rank 1 at step 2$")
+    assert root_cause_rank(result) == 1
 
 
 def test_disk_full_during_a_checkpoint(tmp_path, tiny_model_dir):

@@ -60,7 +60,9 @@ class Tokenize:
         self.tokenizer, self.template, self.train_on_inputs = tokenizer, template, train_on_inputs
 
     def __call__(self, record: dict[str, Any]) -> dict[str, Any]:
-        ids, labels = encode(record["messages"], self.tokenizer, self.template, self.train_on_inputs)
+        # tools passed positionally; a conversations cache from before tool support has no tools column
+        ids, labels = encode(record["messages"], self.tokenizer, self.template, self.train_on_inputs,
+                             record.get("tools") or "")
         return {"input_ids": ids, "labels": labels, "length": len(ids)}
 
 
@@ -96,7 +98,8 @@ def tokenized(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerBase, d
               seed: int) -> tuple[datasets.Dataset, int, int, int]:
     """(samples that fit the context, records read, records longer than the context, records with no target)."""
     conversations = mixed_conversations(sources, seed, data.cache_dir)
-    encoded = conversations.map(Tokenize(tokenizer, template, data.train_on_inputs), remove_columns=["messages"],
+    encoded = conversations.map(Tokenize(tokenizer, template, data.train_on_inputs),
+                                remove_columns=conversations.column_names,  # messages, tools
                                 num_proc=data.num_proc if data.num_proc > 1 else None, desc="tokenizing")
     n_overlong = sum(length > data.context_length for length in encoded["length"])
     fitted = encoded.map(fit_to_context, batched=True, with_indices=True, desc="fitting",

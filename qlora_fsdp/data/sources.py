@@ -1,13 +1,17 @@
 """Data sources -> one Hugging Face dataset of conversations, mixed by weight.
 
 A source is a JSON/JSONL/Parquet/CSV file, a folder of such files, a `save_to_disk` folder, or a hub id.
-Every record becomes a `messages` list of {role, content}: alpaca records a user/assistant pair, chats
-(and ShareGPT `conversations`) their turns, plain text one turn of role `text` (trained on whole).
+Every record becomes a `messages` list of {role, content, reasoning_content, tool_calls, tool_call_id} and a
+`tools` text: alpaca records a user/assistant pair, chats (and ShareGPT `conversations`) their turns, plain
+text one turn of role `text` (trained on whole). Tool calls (OpenAI's assistant `tool_calls`, or ShareGPT's
+`function_call` turns) and the record's `tools` are checked here and carried as JSON text: Arrow needs one
+schema for every record, and tool arguments differ from record to record.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -15,17 +19,29 @@ from typing import Any
 import datasets
 
 from qlora_fsdp.config import DataConfig, SourceConfig
+from qlora_fsdp.data.templates import tool_calls_of, tools_of
 from qlora_fsdp.errors import DataError
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 DEFAULT_FIELDS = {
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
-    "chat": {"messages": "messages", "role": "role", "content": "content"},
-    "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
+    "chat": {"messages": "messages", "role": "role", "content": "content", "tools": "tools"},
+    "sharegpt": {"messages": "conversations", "role": "from", "content": "value", "tools": "tools"},
     "text": {"text": "text"},
 }
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-         "model": "assistant", "tool": "tool"}
+         "model": "assistant", "tool": "tool", "observation": "tool", "function": "tool", "ipython": "tool"}
+CALL_ROLES = ("function_call", "tool_call")  # ShareGPT turns (glaive, LLaMA-Factory) holding the assistant's calls
+MESSAGE_FIELDS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id")
+Message = dict[str, str]
+# stated, not inferred: an input column of the same name (a chat's `tools` list) would lend its type to ours
+CONVERSATION = datasets.Features({"messages": datasets.List(dict.fromkeys(MESSAGE_FIELDS, datasets.Value("string"))),
+                                  "tools": datasets.Value("string")})
+
+
+def message(role: str, content: str, **extra: str) -> Message:
+    """Every message carries every field (one Arrow schema); templates leave the empty ones out."""
+    return {**dict.fromkeys(MESSAGE_FIELDS, ""), "role": role, "content": content, **extra}
 
 
 def sources_of(data: DataConfig) -> list[SourceConfig]:
@@ -78,6 +94,9 @@ def data_files(path: Path) -> list[Path]:
 
 def read_files(files: list[Path], cache_dir: str | None) -> datasets.Dataset:
     builder = FILE_BUILDERS[files[0].suffix]
+    # datasets logs its own, row-numbered error before raising; ours (file and line) replaces it
+    json_logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level, json_logger.level = json_logger.level, logging.CRITICAL
     try:
         return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir)
     except Exception as err:
@@ -86,6 +105,8 @@ def read_files(files: list[Path], cache_dir: str | None) -> datasets.Dataset:
                 raise_first_bad_json(file)
         detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(f"{files[0]}: cannot be read as {builder} ({detail})") from None
+    finally:
+        json_logger.setLevel(level)
 
 
 def raise_first_bad_json(file: Path) -> None:
@@ -118,13 +139,14 @@ class ConversationMaker:
             raise DataError(f"data fields {sorted(unknown)} do not apply to format '{source.format}'; "
                             f"its fields are {sorted(DEFAULT_FIELDS[source.format])}")
         self.fields = {**DEFAULT_FIELDS[source.format], **source.fields}
+        self.version = 2  # part of the map function's hash: conversations cached by older code are not reused
 
-    def __call__(self, record: dict[str, Any], index: int) -> dict[str, list[dict[str, str]]]:
+    def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
         if self.format == "alpaca":
-            return {"messages": self.alpaca(record, index)}
+            return {"messages": self.alpaca(record, index), "tools": ""}
         if self.format == "text":
-            return {"messages": [{"role": "text", "content": self.text(record, index, "text")}]}
-        return {"messages": self.chat(record, index)}
+            return {"messages": [message("text", self.text(record, index, "text"))], "tools": ""}
+        return {"messages": self.chat(record, index), "tools": self.tools(record, index)}
 
     def text(self, record: dict[str, Any], index: int, name: str, optional: bool = False) -> str:
         value = record.get(self.fields[name])
@@ -134,34 +156,69 @@ class ConversationMaker:
             raise DataError(f"{self.origin}: record {index + 1} lacks the text field '{self.fields[name]}'")
         return value
 
-    def alpaca(self, record: dict[str, Any], index: int) -> list[dict[str, str]]:
+    def alpaca(self, record: dict[str, Any], index: int) -> list[Message]:
         prompt = alpaca_user_turn(self.text(record, index, "instruction"),
                                   self.text(record, index, "input", optional=True))
         system = self.text(record, index, "system", optional=True)
-        turns = [{"role": "system", "content": system}] if system else []
-        return turns + [{"role": "user", "content": prompt},
-                        {"role": "assistant", "content": self.text(record, index, "output")}]
+        turns = [message("system", system)] if system else []
+        return turns + [message("user", prompt), message("assistant", self.text(record, index, "output"))]
 
-    def chat(self, record: dict[str, Any], index: int) -> list[dict[str, str]]:
+    def chat(self, record: dict[str, Any], index: int) -> list[Message]:
         turns = record.get(self.fields["messages"])
         if not isinstance(turns, list) or not turns:
             raise DataError(f"{self.origin}: record {index + 1} lacks the list of turns '{self.fields['messages']}'")
-        messages = []
+        messages: list[Message] = []
         for turn in turns:
-            role = ROLES.get(str(turn.get(self.fields["role"])).lower()) if isinstance(turn, dict) else None
-            content = turn.get(self.fields["content"]) if isinstance(turn, dict) else None
-            if role is None or not isinstance(content, str):
-                raise DataError(f"{self.origin}: record {index + 1} has a turn without a known "
-                                f"'{self.fields['role']}' or a text '{self.fields['content']}': {turn!r:.80}")
-            messages.append({"role": role, "content": content})
+            self.add_turn(messages, turn, index)
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{self.origin}: record {index + 1} has no assistant turn to learn from")
         return messages
 
+    def add_turn(self, messages: list[Message], turn: Any, index: int) -> None:
+        said = str(turn.get(self.fields["role"])).lower() if isinstance(turn, dict) else ""
+        content = turn.get(self.fields["content"]) if isinstance(turn, dict) else None
+        if said in CALL_ROLES:  # ShareGPT: the value is the call(s) as JSON
+            called = self.tool_calls(content, index)
+            if messages and messages[-1]["role"] == "assistant" and not messages[-1]["tool_calls"]:
+                messages[-1]["tool_calls"] = called  # a reply, then its calls: one assistant turn
+            else:
+                messages.append(message("assistant", "", tool_calls=called))
+            return
+        role = ROLES.get(said)
+        # OpenAI's tool_calls, or its older single function_call; a message that only calls has content null
+        calls = (turn.get("tool_calls") or turn.get("function_call")) if role == "assistant" else None
+        if content is None and calls:
+            content = ""
+        if role is None or not isinstance(content, str):
+            raise DataError(f"{self.origin}: record {index + 1} has a turn without a known "
+                            f"'{self.fields['role']}' or a text '{self.fields['content']}': {turn!r:.80}")
+        extra = {"tool_calls": self.tool_calls(calls, index)} if calls else {}
+        for name in ("reasoning_content", "tool_call_id"):  # Qwen3 / DeepSeek reasoning; OpenAI result ids
+            value = turn.get(name)
+            if isinstance(value, str):
+                extra[name] = value
+        messages.append(message(role, content, **extra))
+
+    def tool_calls(self, value: Any, index: int) -> str:
+        try:
+            return json.dumps(tool_calls_of(value), ensure_ascii=False)
+        except ValueError as err:
+            raise DataError(f"{self.origin}: record {index + 1} has a tool call that is not a JSON "
+                            f"{{name, arguments}} object ({str(err).splitlines()[0]:.120})") from None
+
+    def tools(self, record: dict[str, Any], index: int) -> str:
+        value = record.get(self.fields["tools"])
+        try:
+            tools = tools_of(value)
+        except ValueError as err:
+            raise DataError(f"{self.origin}: record {index + 1} has {err}") from None
+        return json.dumps(tools, ensure_ascii=False) if tools else ""
+
 
 def as_conversations(dataset: datasets.Dataset, source: SourceConfig) -> datasets.Dataset:
     maker = ConversationMaker(source)
-    return dataset.map(maker, with_indices=True, remove_columns=dataset.column_names, desc=f"reading {source.path}")
+    return dataset.map(maker, with_indices=True, remove_columns=dataset.column_names, features=CONVERSATION,
+                       desc=f"reading {source.path}")
 
 
 def weighted(dataset: datasets.Dataset, weight: float, seed: int) -> datasets.Dataset:
