@@ -20,17 +20,10 @@ from datasets.fingerprint import Hasher
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from qlora_fsdp.data.chat_turns import as_the_template_wants, render_chat, turn_markers
 from qlora_fsdp.data.pipeline import Tokenize
-from qlora_fsdp.data.templates import (
-    IGNORE_INDEX,
-    as_the_template_wants,
-    encode,
-    prompt_ids,
-    render_chat,
-    template_messages,
-    tools_of,
-    turn_markers,
-)
+from qlora_fsdp.data.templates import IGNORE_INDEX, encode, prompt_ids
+from qlora_fsdp.data.tool_calls import template_messages, tools_of
 from qlora_fsdp.errors import DataError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"

@@ -19,7 +19,7 @@ from typing import Any
 import datasets
 
 from qlora_fsdp.config import DataConfig, SourceConfig
-from qlora_fsdp.data.templates import tool_calls_of, tools_of
+from qlora_fsdp.data.tool_calls import tool_calls_of, tools_of
 from qlora_fsdp.errors import DataError
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
