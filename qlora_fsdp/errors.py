@@ -47,6 +47,10 @@ def run_command(body: Callable[[], int]) -> int:
 
     In a multi-rank run the line is printed once, every rank exits 2 without a traceback, and a rank whose
     collective failed because a peer raised one ends the same way (qlora_fsdp.rank_errors)."""
+    if in_multi_rank_run():
+        from qlora_fsdp.rank_errors import install_sigterm_handler
+
+        install_sigterm_handler()
     try:
         return body()
     except UserError as err:

@@ -1,12 +1,12 @@
 """A user error in a multi-rank run ends every rank with one line and exit code 2, and no tracebacks.
 
 The rank that raises it publishes the line in the rendezvous store, writes it where torchrun reads a worker's
-error (so torchrun's closing summary names it as the root cause), prints it once for all ranks, and exits at
-once: only its exit closes gloo's connections (destroying or aborting the group leaves them open). A peer whose
-collective then fails ("Connection closed by peer") finds the line in the store and ends the same way, silently,
-within milliseconds, before torchrun's agent (polling every 0.1 s) sends it SIGTERM. A peer that is computing,
-or blocked where nothing fails (an NCCL kernel), is SIGTERMed by the agent instead; the summary then lists it as
-signalled, still with the raising rank as the root cause.
+error (so torchrun's closing summary names it, with the raising rank as the root cause), prints it once for all
+ranks, gives peers waiting in a barrier (which polls the store) a second to end first, and exits: only its exit
+closes gloo's connections (destroying or aborting the group leaves them open). A peer whose collective then fails
+("Connection closed by peer") finds the line in the store and ends the same way, silently; on CPU ranks a SIGTERM
+from torchrun's agent, racing that, ends it the same way too. On CUDA a peer blocked in an NCCL kernel cannot run
+Python: torchrun's SIGTERM kills it at once (the summary lists it as signalled), as before.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import NoReturn
 
+import torch
 import torch.distributed as dist
 
 ERROR_KEY = "qlora_fsdp/user_error"
@@ -119,6 +120,23 @@ def write_torchrun_error_file(line: str, timestamp: int) -> None:
         record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(timestamp)}}
         with open(path, "w") as file:
             json.dump({"message": record}, file)
+
+
+def install_sigterm_handler() -> None:
+    """For the whole multi-rank run: torchrun's agent SIGTERMs the ranks left once one has exited, and a rank
+    that is just then leaving a failed collective must still end as its peer's user error says (exit 2, quiet).
+    Any other SIGTERM kills as before. Training's graceful stop installs its own handler over this one and checks
+    the same (training/signals.py), then puts this one back. Not on CUDA: there a rank blocked in an NCCL kernel
+    would only run a Python handler after torchrun's SIGKILL grace (30 s), where SIGTERM kills it at once."""
+    if not torch.cuda.is_available():
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def on_sigterm(signum: int, frame: object) -> None:
+    if peer_failed():
+        end_if_peer_failed()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not ours to handle: die by it, as without a handler
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def hold_sigterm() -> None:
