@@ -65,6 +65,7 @@ def forget_store() -> None:
     global _store
     _store = None
 
+
 def end_with_user_error(line: str) -> NoReturn:
     """This rank raised a user error: publish it, print it once over all ranks, exit 2 now."""
     hold_sigterm()  # torchrun may stop us while we write; finish first

@@ -23,6 +23,24 @@ def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> su
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def run_together(commands: list[tuple[list[str], dict[str, str] | None]],
+                 timeout: float) -> list[subprocess.CompletedProcess]:
+    """Start every command at once (as `run` would), then wait for each."""
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
+             for cmd, env in commands]
+    results = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return results
+
+
 def eval_losses(out_dir: Path) -> list[float]:
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["eval_loss"] for r in records if "eval_loss" in r]
@@ -78,15 +96,18 @@ def test_plain_python_single_rank_torchrun_and_the_python_api_are_one_run(tmp_pa
     fake.mkdir()
     (fake / "wandb.py").write_text(FAKE_WANDB)
     env = {"PYTHONPATH": str(fake), "FAKE_WANDB_LOG": str(tmp_path / "wandb.jsonl")}
-    plain = run([sys.executable, "train.py", "--recipe", "tiny_cpu", *common, f"train.output_dir={tmp_path / 'plain'}",
-                 "profile.trace=true", "profile.steps=1", "logging.wandb={project: qlora-test}"], timeout=200, env=env)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    single = run([TORCHRUN, "--nproc_per_node", "1", "train.py", "--recipe", "tiny_cpu", *common,
-                  f"train.output_dir={tmp_path / 'single'}"], timeout=200)
-    assert single.returncode == 0, single.stderr[-3000:]
-    api_overrides = [*common, f"train.output_dir={tmp_path / 'api'}"]
+    api_overrides = [*common, f"train.output_dir={tmp_path / 'api'}", f"data.cache_dir={tmp_path / 'cache_api'}"]
     code = f"from qlora_fsdp import train\nprint('steps', train('tiny_cpu', {api_overrides})['steps'])"
-    api = run([sys.executable, "-c", code], timeout=200, env={"PYTHONPATH": str(REPO)})
+    plain, single, api = run_together([  # one process each, so they share the 2 cores; each its own data cache
+        ([sys.executable, "train.py", "--recipe", "tiny_cpu", *common, f"train.output_dir={tmp_path / 'plain'}",
+          f"data.cache_dir={tmp_path / 'cache_plain'}", "profile.trace=true", "profile.steps=1",
+          "logging.wandb={project: qlora-test}"], env),
+        ([TORCHRUN, "--nproc_per_node", "1", "train.py", "--recipe", "tiny_cpu", *common,
+          f"train.output_dir={tmp_path / 'single'}", f"data.cache_dir={tmp_path / 'cache_single'}"], None),
+        ([sys.executable, "-c", code], {"PYTHONPATH": str(REPO)}),
+    ], timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert single.returncode == 0, single.stderr[-3000:]
     assert api.returncode == 0 and "steps 3" in api.stdout, api.stderr[-3000:]
     assert eval_losses(tmp_path / "plain") == eval_losses(tmp_path / "single") == eval_losses(tmp_path / "api")
 
