@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,13 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def two_free_ports() -> tuple[int, int]:
+    with socket.socket() as first, socket.socket() as second:  # bound at once, so never the same
+        first.bind(("127.0.0.1", 0))
+        second.bind(("127.0.0.1", 0))
+        return first.getsockname()[1], second.getsockname()[1]
 
 
 def run_together(commands: list[tuple[list[str], dict[str, str] | None]],
@@ -98,13 +106,14 @@ def test_plain_python_single_rank_torchrun_and_the_python_api_are_one_run(tmp_pa
     env = {"PYTHONPATH": str(fake), "FAKE_WANDB_LOG": str(tmp_path / "wandb.jsonl")}
     api_overrides = [*common, f"train.output_dir={tmp_path / 'api'}", f"data.cache_dir={tmp_path / 'cache_api'}"]
     code = f"from qlora_fsdp import train\nprint('steps', train('tiny_cpu', {api_overrides})['steps'])"
+    plain_port, api_port = two_free_ports()  # started together, each picking a free port could pick the same
     plain, single, api = run_together([  # one process each, so they share the 2 cores; each its own data cache
         ([sys.executable, "train.py", "--recipe", "tiny_cpu", *common, f"train.output_dir={tmp_path / 'plain'}",
           f"data.cache_dir={tmp_path / 'cache_plain'}", "profile.trace=true", "profile.steps=1",
-          "logging.wandb={project: qlora-test}"], env),
+          "logging.wandb={project: qlora-test}"], {**env, "MASTER_PORT": str(plain_port)}),
         ([TORCHRUN, "--nproc_per_node", "1", "train.py", "--recipe", "tiny_cpu", *common,
           f"train.output_dir={tmp_path / 'single'}", f"data.cache_dir={tmp_path / 'cache_single'}"], None),
-        ([sys.executable, "-c", code], {"PYTHONPATH": str(REPO)}),
+        ([sys.executable, "-c", code], {"PYTHONPATH": str(REPO), "MASTER_PORT": str(api_port)}),
     ], timeout=300)
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert single.returncode == 0, single.stderr[-3000:]
