@@ -15,6 +15,7 @@ fsdp.cpu_offload; --offload / --no-offload override that. Only rank 0 reads prom
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,4 +99,10 @@ def shared_prompts(args: argparse.Namespace) -> Iterator[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    # Everything is printed and the process group closed: skip interpreter teardown. Twice (once per session,
+    # under torchrun with --offload) both ranks ended in "terminate called without an active exception" (C++
+    # abort, exit -6); a thread left by the offloaded, sharded model being torn down is the suspect, unconfirmed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
