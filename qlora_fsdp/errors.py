@@ -42,6 +42,12 @@ class TrainingStopped(UserError, RuntimeError):
     """The run stopped itself (e.g. too many non-finite steps in a row); the message says what to do."""
 
 
+def first_line(err: BaseException) -> str:
+    """An exception's message cut to its first line (its type's name if it has none): for one-line errors."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def run_command(body: Callable[[], int]) -> int:
     """A command-line entry point's body; a UserError becomes one `error: ...` line on stderr and exit code 2.
 

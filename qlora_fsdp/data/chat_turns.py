@@ -20,7 +20,7 @@ from typing import Any
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from qlora_fsdp.data.tool_calls import Message
-from qlora_fsdp.errors import DataError
+from qlora_fsdp.errors import DataError, first_line
 
 IGNORE_INDEX = -100
 Span = tuple[int, int]  # character range in the rendered conversation
@@ -49,11 +49,6 @@ def render_chat(messages: list[Message], tokenizer: PreTrainedTokenizerBase, add
 def as_template_tools(tools: list[dict[str, Any]] | None) -> list[dict | Callable] | None:
     listed: list[dict | Callable] = list(tools or [])
     return listed or None  # templates test `tools is not none`: no tools must be None, not []
-
-
-def first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def encode_with_chat_template(messages: list[Message], tools: list[dict[str, Any]],

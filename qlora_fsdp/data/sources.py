@@ -20,7 +20,7 @@ import datasets
 
 from qlora_fsdp.config import DataConfig, SourceConfig
 from qlora_fsdp.data.tool_calls import tool_calls_of, tools_of
-from qlora_fsdp.errors import DataError
+from qlora_fsdp.errors import DataError, first_line
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 DEFAULT_FIELDS = {
@@ -103,8 +103,7 @@ def read_files(files: list[Path], cache_dir: str | None) -> datasets.Dataset:
         if builder == "json":
             for file in files:
                 raise_first_bad_json(file)
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DataError(f"{files[0]}: cannot be read as {builder} ({detail})") from None
+        raise DataError(f"{files[0]}: cannot be read as {builder} ({first_line(err)})") from None
     finally:
         json_logger.setLevel(level)
 

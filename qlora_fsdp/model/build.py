@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from qlora_fsdp.config import Config, LoraConfig, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.errors import ConfigError, ModelLoadError
+from qlora_fsdp.errors import ConfigError, ModelLoadError, first_line
 
 # 4-bit values are packed two to a byte and stored as raw bytes. FSDP2 never casts a non-float parameter and
 # all-gathers it as bytes, whatever the mixed-precision policy or the LoRA dtype. The earlier bf16 storage was
@@ -173,11 +173,6 @@ def check_targets(model: nn.Module, targets: str | list[str]) -> None:
         leaves = sorted({name.rsplit(".", 1)[-1] for name in linears})
         raise ConfigError(f"lora.target_modules {targets!r} names no linear layer of this model; its linear layers "
                           f"are {leaves} (or use all-linear)")
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 def base_parameter_count(model: nn.Module) -> int:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.distributed import DistInfo, barrier
-from qlora_fsdp.errors import CheckpointError
+from qlora_fsdp.errors import CheckpointError, first_line
 from qlora_fsdp.model.adapter import export_adapter
 from qlora_fsdp.model.names import clean_name
 from qlora_fsdp.training.optimizer import ShardedOptimizer
@@ -144,11 +144,6 @@ def exception_chain(err: BaseException) -> list[BaseException]:
         if isinstance(exc, CheckpointException):
             pending += [failure[0] for failure in exc.failures.values()]
     return found
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 def read_trainer_state(path: Path) -> dict:
