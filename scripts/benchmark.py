@@ -1,77 +1,159 @@
-"""Useful (non-padding) tokens/s of train.py against the Hugging Face Trainer + PEFT, one CPU process each.
+"""Useful (non-padding) tokens/s of train.py against the Hugging Face Trainer + PEFT, on long-tailed data.
 
-Same NF4 tiny model, LoRA config, context length, micro-batch, accumulation, checkpointing, optimizer,
-schedule, and the same training samples (one epoch of a fixed subset of the shipped instruction data,
-tokenized by our pipeline for both, so the token streams are identical); the final held-out loss of both
-is measured by the same code on the same held-out records.
+The same work for every run: the same records (seeded, long-tailed lengths: qlora_fsdp/tools/bench_data.py), one
+epoch, the same number of optimizer steps and on average the same samples per step, the same NF4 model (a
+26M-parameter Llama built here, large enough that time goes to tokens), LoRA, schedule, optimizer,
+checkpointing and context length (1,024), one process each with the same threads. The final held-out loss
+of every run is measured by the same code on the same held-out records.
 
-    python scripts/benchmark.py            # needs `make tiny-model`; about 10 minutes on 2 cores
+Runs:
+- peer: `Trainer` with `get_peft_model`, 8 samples a micro-batch padded to the longest (its defaults), 2
+  accumulation steps (4)
+- peer, grouped: the same with length-grouped batches (`train_sampling_strategy="group_by_length"`, which
+  was `group_by_length=True` before transformers 5)
+- train.py: packed rows, as many per step as carry the peer's samples per step on average; its default
+  attention (`auto`: each sample attends within itself, no mask), decoder layers compiled (`train.compile`)
+- train.py uncompiled; and uncompiled with `model.attn_implementation=sdpa` (a block-diagonal mask over the row)
+
+    python scripts/benchmark.py            # about 30 minutes on 2 cores (--runs peer,peer_grouped,ours: 20)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TypedDict
+from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from qlora_fsdp.tools.bench_data import generate, write
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-class Settings(TypedDict):
-    context_length: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    lr: float
-    warmup_steps: int
-    r: int
-    alpha: int
-    seed: int
+CONTEXT = 1024
+PEER_MICRO_BATCH, PEER_ACCUM = 8, 4  # the Trainer's default micro-batch, four a step (32 samples: 7 packed rows)
+MAX_TOKENS_PER_CALL = 8192  # train.py: packed rows per micro-batch up to this many tokens
+SETTINGS: dict[str, Any] = {"lr": 2e-3, "warmup_steps": 3, "r": 16, "alpha": 32, "seed": 42}
+MODEL = {"hidden_size": 512, "layers": 8, "intermediate_size": 1408, "attention_heads": 8, "kv_heads": 2,
+         "init_std": 0.05, "vocab_size": 4096}
+RUNS = {"peer": "HF Trainer + PEFT (peer, padded)", "peer_grouped": "HF Trainer + PEFT, group_by_length",
+        "ours": "train.py: packed, per-sample attention, compiled layers",
+        "ours_uncompiled": "train.py: packed, per-sample attention", "ours_dense": "train.py: packed, dense mask"}
+OUR_SETTINGS = {"ours": ["model.attn_implementation=auto", "train.compile=true"],
+                "ours_uncompiled": ["model.attn_implementation=auto", "train.compile=false"],
+                "ours_dense": ["model.attn_implementation=sdpa", "train.compile=false"]}
 
 
-SETTINGS: Settings = {"context_length": 128, "micro_batch_size": 8, "grad_accum_steps": 2, "lr": 3e-3,
-                      "warmup_steps": 10, "r": 16, "alpha": 32, "seed": 42}
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the runs share: data, model, and the step arithmetic."""
+
+    train: Path
+    held_out: Path
+    model: Path
+    steps: int
+    rows_per_micro_batch: int
+    accum_steps: int
 
 
-def write_split(data_dir: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
-    records = (REPO / "data" / "tiny_instruct.jsonl").read_text().splitlines()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    train, held_out = data_dir / "train.jsonl", data_dir / "eval.jsonl"
-    train.write_text("\n".join(records[:n_train]) + "\n")
-    held_out.write_text("\n".join(records[n_train : n_train + n_eval]) + "\n")
-    return train, held_out
-
-
-def ours(model: str, train: Path, held_out: Path, out: Path, packing: bool, rows: int | None = None) -> dict:
-    """train.py in one process, for one epoch of the training file (`rows`: packed rows per micro-batch)."""
+def token_lengths(model: Path, data_file: Path) -> list[int]:
+    """Each record's tokens after fitting to the context, in file order, as the pipeline makes them."""
     from qlora_fsdp.config import load_config
-    from qlora_fsdp.data.pipeline import load_dataset
+    from qlora_fsdp.data.pipeline import run_template, sources_of, tokenized
     from qlora_fsdp.model.build import load_tokenizer
 
-    overrides = [f"model.path={model}", f"data.path={train}", f"data.eval_path={held_out}", "data.eval_samples=1000",
-                 f"data.packing={packing}", f"data.context_length={SETTINGS['context_length']}",
-                 f"data.micro_batch_size={rows or SETTINGS['micro_batch_size']}",
-                 f"data.grad_accum_steps={SETTINGS['grad_accum_steps']}", f"optim.lr={SETTINGS['lr']}",
-                 f"optim.warmup_steps={SETTINGS['warmup_steps']}", f"lora.r={SETTINGS['r']}",
-                 f"lora.alpha={SETTINGS['alpha']}", f"train.seed={SETTINGS['seed']}", "train.eval_every=0",
-                 f"train.output_dir={out}", "train.overwrite=true"]
-    cfg = load_config("tiny_cpu", overrides)
-    data = load_dataset(load_tokenizer(cfg), cfg.data, cfg.train.seed)
-    steps = math.ceil(data.n_units / (cfg.data.micro_batch * cfg.data.grad_accum_steps))
-    command = [sys.executable, str(REPO / "train.py"), "--recipe", "tiny_cpu", *overrides, f"train.max_steps={steps}"]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    summary = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
-    return {"samples": summary["samples"], "steps": steps, "tokens": summary["tokens"],
-            "seconds": summary["train_runtime_s"], "eval_loss": summary["eval_loss_end"]}
+    cfg = load_config("tiny_cpu", [f"model.path={model}", f"data.path={data_file}", f"data.context_length={CONTEXT}"])
+    tokenizer = load_tokenizer(cfg)
+    samples = tokenized(sources_of(cfg.data), tokenizer, cfg.data, run_template(cfg.data, tokenizer), 0)[0]
+    return list(samples["length"])
 
 
-def peer(model: str, train: Path, held_out: Path, out: Path) -> dict:
+def matching_split(lengths: list[int], wanted: int) -> tuple[int, int, int]:
+    """(records, packed rows per step, steps): the first number of records from `wanted` up whose packed rows
+    split into exactly as many optimizer steps of equal rows as the peer's epoch of padded micro-batches."""
+    from qlora_fsdp.data.batching import pack
+
+    for n in range(wanted, len(lengths)):
+        peer_steps = math.ceil(math.ceil(n / PEER_MICRO_BATCH) / PEER_ACCUM)
+        rows = len(pack(lengths[:n], CONTEXT))
+        if rows % peer_steps == 0:  # every step takes whole rows: no row twice, none left out
+            return n, rows // peer_steps, peer_steps
+    raise SystemExit("no record count matches the peer's steps; raise --pool")
+
+
+def micro_batching(rows_per_step: int) -> tuple[int, int]:
+    """(rows per micro-batch, accumulation steps): the fewest calls with at most MAX_TOKENS_PER_CALL each."""
+    for accum in range(1, rows_per_step + 1):
+        if rows_per_step % accum == 0 and rows_per_step // accum * CONTEXT <= MAX_TOKENS_PER_CALL:
+            return rows_per_step // accum, accum
+    return 1, rows_per_step
+
+
+def prepare(work: Path, records: int, eval_records: int, seed: int) -> Plan:
+    from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
+
+    pool = generate(records * 2 + eval_records, seed)
+    write(work / "pool.jsonl", pool[eval_records:])
+    write(work / "held_out.jsonl", pool[:eval_records])
+    model = work / "bench-llama"
+    write_tiny_model(model, work / "pool.jsonl", TinyModelSpec(**MODEL))
+    lengths = token_lengths(model, work / "pool.jsonl")
+    n, per_step, steps = matching_split(lengths, records)
+    write(work / "train.jsonl", pool[eval_records : eval_records + n])
+    print_lengths(lengths[:n])
+    rows, accum = micro_batching(per_step)
+    print(f"{n} training records, {eval_records} held out; one epoch: {steps} optimizer steps of {PEER_MICRO_BATCH} x "
+          f"{PEER_ACCUM} samples (peers) or {rows} x {accum} packed rows of {CONTEXT} tokens (train.py)")
+    return Plan(work / "train.jsonl", work / "held_out.jsonl", model, steps, rows, accum)
+
+
+def print_lengths(lengths: list[int]) -> None:
+    ordered = sorted(lengths)
+
+    def pct(q: float) -> int:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    print(f"training sample lengths (tokens, after fitting to {CONTEXT}): median {statistics.median(ordered):.0f}, "
+          f"mean {statistics.mean(ordered):.0f}, p90 {pct(0.9)}, p99 {pct(0.99)}, max {ordered[-1]}, "
+          f"{sum(x >= CONTEXT for x in ordered) / len(ordered):.1%} at the context length")
+    edges = [0, 64, 128, 256, 512, 768, CONTEXT]
+    counts = [sum(lo < x <= hi for x in ordered) for lo, hi in zip(edges[:-1], edges[1:], strict=False)]
+    print("  histogram: " + ", ".join(f"{lo + 1}-{hi}: {c}" for lo, hi, c in
+                                     zip(edges[:-1], edges[1:], counts, strict=False)))
+
+
+def peak_rss_gib() -> float:
+    from qlora_fsdp.training.metrics import proc_status_bytes
+
+    return proc_status_bytes("VmHWM") / 2**30
+
+
+def run_ours(plan: Plan, out: Path, settings: list[str]) -> dict[str, Any]:
+    from qlora_fsdp.api import train
+
+    overrides = [*settings, f"model.path={plan.model}", f"data.path={plan.train}",
+                 f"data.eval_path={plan.held_out}", "data.eval_samples=100000", "data.packing=true",
+                 f"data.context_length={CONTEXT}", f"data.micro_batch_size={plan.rows_per_micro_batch}",
+                 f"data.grad_accum_steps={plan.accum_steps}", f"optim.lr={SETTINGS['lr']}",
+                 f"optim.warmup_steps={SETTINGS['warmup_steps']}", "optim.min_lr_ratio=0.0",  # the peer's cosine
+                 f"lora.r={SETTINGS['r']}", f"lora.alpha={SETTINGS['alpha']}", f"train.seed={SETTINGS['seed']}",
+                 "train.eval_every=0", f"train.max_steps={plan.steps}", f"train.output_dir={out}",
+                 "train.overwrite=true", "logging.plot=false"]
+    summary = train("tiny_cpu", overrides)
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"samples": summary["samples"], "steps": summary["steps"], "tokens": summary["tokens"],
+            "positions": sum(s.get("positions", 0) for s in steps), "seconds": summary["train_runtime_s"],
+            "eval_loss": summary["eval_loss_end"]}
+
+
+def run_peer(plan: Plan, out: Path, group_by_length: bool) -> dict[str, Any]:
     """The Hugging Face Trainer with PEFT on the same NF4 model and the same token streams."""
     import datasets
     import torch
@@ -92,26 +174,34 @@ def peer(model: str, train: Path, held_out: Path, out: Path) -> dict:
     from qlora_fsdp.training.loop import loss_sum
 
     torch.manual_seed(SETTINGS["seed"])
-    cfg = load_config("tiny_cpu", [f"model.path={model}", f"data.path={train}", f"data.eval_path={held_out}",
-                                   "data.eval_samples=1000", f"data.context_length={SETTINGS['context_length']}"])
+    cfg = load_config("tiny_cpu", [f"model.path={plan.model}", f"data.path={plan.train}",
+                                   f"data.eval_path={plan.held_out}", "data.eval_samples=100000",
+                                   f"data.context_length={CONTEXT}"])
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, SETTINGS["seed"])
     train_set = datasets.Dataset.from_dict({"input_ids": data.train["input_ids"], "labels": data.train["labels"]})
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
-    base = AutoModelForCausalLM.from_pretrained(model, quantization_config=quant, dtype=torch.bfloat16)
+    base = AutoModelForCausalLM.from_pretrained(plan.model, quantization_config=quant, dtype=torch.bfloat16)
     lora = LoraConfig(r=SETTINGS["r"], lora_alpha=SETTINGS["alpha"], target_modules="all-linear", task_type="CAUSAL_LM")
     peft_model = get_peft_model(base, lora)
     args = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=SETTINGS["micro_batch_size"],
-        gradient_accumulation_steps=SETTINGS["grad_accum_steps"], learning_rate=SETTINGS["lr"],
-        warmup_steps=SETTINGS["warmup_steps"], lr_scheduler_type="cosine", num_train_epochs=1,
-        optim="paged_adamw_8bit", max_grad_norm=1.0, gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=50, save_strategy="no",
+        output_dir=str(out), per_device_train_batch_size=PEER_MICRO_BATCH, gradient_accumulation_steps=PEER_ACCUM,
+        learning_rate=SETTINGS["lr"], warmup_steps=SETTINGS["warmup_steps"], lr_scheduler_type="cosine",
+        num_train_epochs=1, optim="paged_adamw_8bit", max_grad_norm=1.0, gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=10, save_strategy="no",
         report_to=[], use_cpu=True, seed=SETTINGS["seed"], dataloader_num_workers=0,
+        train_sampling_strategy="group_by_length" if group_by_length else "random",
     )
-    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-    trainer = Trainer(model=peft_model, args=args, train_dataset=train_set, data_collator=collator)
+    positions = [0]
+
+    def counting_collator(features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = padded(features)
+        positions[0] += batch["input_ids"].numel()
+        return batch
+
+    padded = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    trainer = Trainer(model=peft_model, args=args, train_dataset=train_set, data_collator=counting_collator)
     result = trainer.train()
     peft_model.eval()
     samples = data.samples(data.eval, list(range(len(data.eval))))
@@ -122,57 +212,70 @@ def peer(model: str, train: Path, held_out: Path, out: Path) -> dict:
             total += loss_sum(peft_model, batch, torch.device("cpu")).item()
             n_targets += batch.n_targets
     return {"samples": len(train_set), "steps": result.global_step, "tokens": sum(data.train["length"]),
-            "seconds": result.metrics["train_runtime"], "eval_loss": total / n_targets}
+            "positions": positions[0], "seconds": result.metrics["train_runtime"], "eval_loss": total / n_targets}
 
 
-def run_isolated(which: str, args: argparse.Namespace, train: Path, held_out: Path, work: Path) -> dict:
-    """Each contender in a fresh process (same threads, no shared caches in memory)."""
+def run_isolated(which: str, plan: Plan, work: Path, threads: int) -> dict[str, Any]:
+    """Each run in a fresh process with the same threads (no caches shared in memory)."""
     result_file = work / f"{which}.json"
-    command = [sys.executable, __file__, "--only", which, "--model", args.model, "--train", str(train),
-               "--eval", str(held_out), "--work", str(work), "--result", str(result_file)]
-    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    command = [sys.executable, __file__, "--only", which, "--plan", json.dumps(dataclasses.asdict(plan), default=str),
+               "--result", str(result_file), "--work", str(work)]
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return json.loads(result_file.read_text())
+
+
+def run_one(which: str, plan: Plan, work: Path) -> dict[str, Any]:
+    out = work / which
+    if which.startswith("peer"):
+        figures = run_peer(plan, out, group_by_length=which == "peer_grouped")
+    else:
+        figures = run_ours(plan, out, OUR_SETTINGS[which])
+    return {**figures, "peak_rss_gib": peak_rss_gib()}
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    print("\n| run | samples | steps | useful tokens | processed tokens | train time | useful tokens/s | samples/s "
+          "| final held-out loss | peak RSS |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in results.items():
+        print(f"| {RUNS[name]} | {r['samples']:.0f} | {r['steps']} | {r['tokens']:,.0f} | {r['positions']:,.0f} "
+              f"({r['tokens'] / r['positions']:.0%} real) | {r['seconds']:.1f} s | {r['tokens'] / r['seconds']:,.0f} "
+              f"| {r['samples'] / r['seconds']:.2f} | {r['eval_loss']:.4f} | {r['peak_rss_gib']:.2f} GiB |")
+    rate = {name: r["tokens"] / r["seconds"] for name, r in results.items()}
+    loss_change = results["ours"]["eval_loss"] / results["peer"]["eval_loss"] - 1
+    print()
+    if {"ours_uncompiled", "ours_dense"} <= results.keys():
+        print(f"per-sample attention vs dense mask (train.py, uncompiled): "
+              f"{rate['ours_uncompiled'] / rate['ours_dense']:.2f}x")
+    if "ours_uncompiled" in results:
+        print(f"compiled layers vs uncompiled (train.py): {rate['ours'] / rate['ours_uncompiled']:.2f}x")
+    print(f"useful tokens/s vs default peer: {rate['ours'] / rate['peer']:.2f}x; vs length-grouped peer: "
+          f"{rate['ours'] / rate['peer_grouped']:.2f}x; held-out loss vs default peer: {loss_change:+.1%}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(REPO / "models" / "tiny-llama"))
-    parser.add_argument("--train-samples", type=int, default=2400)
-    parser.add_argument("--eval-samples", type=int, default=200)
-    parser.add_argument("--only", choices=["packed", "packed_4", "grouped", "peer"], help=argparse.SUPPRESS)
-    for hidden in ("--train", "--eval", "--work", "--result"):  # set by the parent for each contender
-        parser.add_argument(hidden, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--records", type=int, default=800, help="training records (a few more, to match steps)")
+    parser.add_argument("--eval-records", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=17)
+    parser.add_argument("--threads", type=int, default=2, help="OMP threads of every run")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    parser.add_argument("--work", type=Path, help="folder for data, model and runs (default: a new temp folder)")
+    parser.add_argument("--only", choices=list(RUNS), help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.only:
-        train, held_out, work, result = args.train, args.eval, args.work, args.result
+    if args.only:  # a child: one run
+        fields = json.loads(args.plan)
+        plan = Plan(**{k: Path(v) if isinstance(v, str) else v for k, v in fields.items()})
         started = time.time()
-        if args.only == "peer":
-            figures = peer(args.model, train, held_out, work / "peer")
-        else:
-            rows = 4 if args.only == "packed_4" else None
-            figures = ours(args.model, train, held_out, work / args.only, args.only.startswith("packed"), rows)
-        result.write_text(json.dumps({**figures, "wall": time.time() - started}))
+        args.result.write_text(json.dumps({**run_one(args.only, plan, args.work), "wall": time.time() - started}))
         return
-    work = Path(tempfile.mkdtemp(prefix="qlora-bench-"))
-    train, held_out = write_split(work / "data", args.train_samples, args.eval_samples)
-    contenders = ("peer", "grouped", "packed", "packed_4")
-    results = {name: run_isolated(name, args, train, held_out, work) for name in contenders}
+    work = args.work or Path(tempfile.mkdtemp(prefix="qlora-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    plan = prepare(work, args.records, args.eval_records, args.seed)
+    results = {name: run_isolated(name, plan, work, args.threads) for name in args.runs.split(",")}
     print_table(results)
-
-
-def print_table(results: dict[str, dict]) -> None:
-    names = {"peer": "HF Trainer + PEFT (peer)", "grouped": "train.py, length-grouped",
-             "packed": "train.py, packed, 8 rows a micro-batch",
-             "packed_4": "train.py, packed, 4 rows a micro-batch (~8 samples)"}
-    peer_rate = results["peer"]["tokens"] / results["peer"]["seconds"]
-    peer_loss = results["peer"]["eval_loss"]
-    print("\n| run | samples | steps | useful tokens | train time | useful tokens/s | vs peer | final eval loss "
-          "| vs peer |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, r in results.items():
-        rate = r["tokens"] / r["seconds"]
-        print(f"| {names[name]} | {r['samples']:.0f} | {r['steps']} | {r['tokens']:,.0f} | {r['seconds']:.1f} s | "
-              f"{rate:,.0f} | {rate / peer_rate:.2f}x | {r['eval_loss']:.4f} | {r['eval_loss'] / peer_loss - 1:+.1%} |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from qlora_fsdp.data.batching import Sample, StepSampler, collate, collate_packe
 from qlora_fsdp.data.pipeline import load_dataset
 from qlora_fsdp.data.templates import IGNORE_INDEX, encode
 from qlora_fsdp.errors import DataError
+from qlora_fsdp.model.attention import VARLEN_SDPA, flattens_packed_rows
 from qlora_fsdp.model.build import load_tokenizer
 from tests.helpers import run_ranks, tiny_config
 
@@ -89,7 +90,7 @@ def test_formats_and_field_names(tokenizer, tmp_path):
 
 # ---- packing ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", VARLEN_SDPA, "flex_attention"])
 def test_sample_loss_is_the_same_packed_as_alone(tiny_model_dir, tokenizer, attention):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attention)
     texts = ["The cat sat on the mat.", "Reverse the letters: stone", "A much longer sample " * 4]
@@ -97,7 +98,8 @@ def test_sample_loss_is_the_same_packed_as_alone(tiny_model_dir, tokenizer, atte
 
     def token_losses(batch):
         with torch.no_grad():
-            logits = model(**batch.model_inputs(torch.device("cpu"))).logits
+            inputs = batch.model_inputs(torch.device("cpu"), one_row=flattens_packed_rows(attention))
+            logits = model(**inputs).logits
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(),
                                                  ignore_index=IGNORE_INDEX, reduction="none").view(batch.labels.shape)
 

@@ -321,6 +321,7 @@ def validate(config: Config) -> Config:
                           f"{config.train.collective_timeout_minutes}")
     _validate_batch(config)
     _validate_warmup(config)
+    _validate_compile(config)
     checkpointing = config.activation_checkpointing
     if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
         raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
@@ -328,6 +329,13 @@ def validate(config: Config) -> Config:
     if config.train.save_every < 0:
         raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")
     return config
+
+
+def _validate_compile(config: Config) -> None:
+    checkpointing = config.activation_checkpointing
+    if config.train.compile and (checkpointing.scope != "layer" or checkpointing.offload):
+        raise ConfigError("'train.compile: true' is tested with whole-layer checkpointing only; set "
+                          "'activation_checkpointing.scope: layer' and 'offload: false', or 'train.compile: false'")
 
 
 def _validate_batch(config: Config) -> None:

@@ -2,8 +2,8 @@
 
 Labels are shifted here (labels[t] is the token after input[t]), per sample, so in a packed row no
 sample's first token is ever a target of the sample before it. Packed rows carry position ids that
-restart at 0 for each sample and no attention mask: transformers then builds a block-diagonal causal
-mask (sdpa/eager) or runs flash-attention's variable-length kernel, so samples never see each other.
+restart at 0 for each sample and no attention mask: attention then stays within each sample, per sample
+(sdpa_varlen, flash_attention_2) or under a block-diagonal mask (sdpa, eager, flex); see model/attention.py.
 """
 
 from __future__ import annotations
@@ -31,14 +31,25 @@ class Batch:
     n_samples: int
     attention_mask: torch.Tensor | None = None  # padded rows
     position_ids: torch.Tensor | None = None  # packed rows
+    # flat indices of the target tokens, the only positions the output layer and the loss need; found when the
+    # batch is made (on the host, with real values: the planner runs the step on fake tensors)
+    target_positions: torch.Tensor = field(init=False, repr=False)
 
-    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | bool]:
+    def __post_init__(self) -> None:
+        self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()
+
+    def model_inputs(self, device: torch.device, one_row: bool = False) -> dict[str, torch.Tensor | bool]:
+        """`one_row`: packed rows go in as one long row (for kernels that find sample bounds in a single row's
+        position ids); the loss flattens logits and labels alike, so its sum is unchanged."""
         # no KV cache: with one, transformers would not build the packed rows' block-diagonal mask
         inputs: dict[str, torch.Tensor | bool] = {"input_ids": self.input_ids.to(device), "use_cache": False}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask.to(device)
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids.to(device)
+            if one_row:
+                inputs["input_ids"], inputs["position_ids"] = (
+                    self.input_ids.view(1, -1).to(device), self.position_ids.view(1, -1).to(device))
         return inputs
 
 

@@ -80,11 +80,13 @@ def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_meta_model(cfg: Config, hf_config: PretrainedConfig) -> peft.PeftModel:
-    """The full model on the meta device: frozen NF4 base with LoRA adapters, ready for sharding."""
+def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = "sdpa") -> peft.PeftModel:
+    """The full model on the meta device: frozen NF4 base with LoRA adapters, ready for sharding. `attention`:
+    the kernel (attention.resolve_attention's answer for the run)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            hf_config, dtype=TORCH_DTYPES[cfg.model.dtype], trust_remote_code=cfg.model.trust_remote_code
+            hf_config, dtype=TORCH_DTYPES[cfg.model.dtype], trust_remote_code=cfg.model.trust_remote_code,
+            attn_implementation=attention,
         )
     swap_linears_for_4bit(model, cfg.quant)
     model.requires_grad_(False)

@@ -7,7 +7,7 @@ import torch
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import DistInfo
-from qlora_fsdp.model.build import load_hf_config
+from qlora_fsdp.model.build import decoder_layers, load_hf_config
 from qlora_fsdp.model.loading import load_weights, materialize
 from qlora_fsdp.model.sharding import sharded_meta_model
 
@@ -18,4 +18,13 @@ def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftMod
     offload = shard and cfg.fsdp.cpu_offload  # offload always comes with FSDP (sharding.uses_fsdp)
     materialize(model, info.device, torch.device("cpu") if offload else info.device)
     load_weights(model, cfg, info.device)
+    if cfg.train.compile:
+        compile_decoder_layers(model)
     return model
+
+
+def compile_decoder_layers(model: peft.PeftModel) -> None:
+    """Each layer compiled in place (checkpointing and FSDP2 wrap it from outside, unchanged). Layers share
+    their code, and parameters are graph inputs, so one compiled graph serves them all."""
+    for layer in decoder_layers(model):
+        layer.compile()

@@ -5,7 +5,8 @@ Full: logits for every token (tokens x vocabulary, in the compute dtype, plus an
 and their gradients: 3.9 GiB for 2,048 tokens of Llama 3's 128k vocabulary). Chunked: the model returns its
 final hidden states instead (the output layer sees an empty slice), then the output layer and the loss run
 `chunk_tokens` tokens at a time, each chunk checkpointed so backward recomputes its logits; only one chunk's
-logits are alive at any moment. Same sum, in a different order: equal to float rounding.
+logits are alive at any moment, and only target tokens are run through it. Same sum, in a different order:
+equal to float rounding.
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ def post_processes_logits(model: nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None
 
 
-def summed_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
-                chunk_tokens: int | None) -> torch.Tensor:
-    """Summed cross-entropy over the target tokens; chunked when `chunk_tokens` is set (and the model allows)."""
+def summed_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int | None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed cross-entropy over the target tokens; chunked when `chunk_tokens` is set (and the model allows).
+    `targets` (flat indices of the target tokens): the chunked loss runs the output layer on those alone, as
+    the other positions add nothing to the sum (prompts, padding: often half the tokens or more)."""
     if chunk_tokens is None or post_processes_logits(model):
         return cross_entropy_sum(model(**inputs).logits, labels)
     # nn.Module types every attribute as Tensor | Module; a causal LM's method it is
@@ -78,6 +81,8 @@ def summed_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
         warnings.filterwarnings("ignore", message=".*returned a view tensor", category=UserWarning)
         hidden = model(**inputs).logits
     hidden, labels = hidden.flatten(0, 1), labels.flatten()
+    if targets is not None:
+        hidden, labels = hidden.index_select(0, targets), labels.index_select(0, targets)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)

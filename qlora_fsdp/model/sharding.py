@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from qlora_fsdp.config import Config, FSDPConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
+from qlora_fsdp.model.attention import resolve_attention
 from qlora_fsdp.model.build import build_meta_model
 from qlora_fsdp.model.checkpointing import apply_activation_checkpointing, layer_slots
 
@@ -55,7 +56,9 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
                        shard: bool = True) -> peft.PeftModel:
     """Meta build -> checkpointing -> fully_shard (where FSDP is used): the model as this rank will hold it,
     before a byte is allocated. Training then allocates and loads it; the planner only measures it."""
-    model = build_meta_model(cfg, hf_config)
+    device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    attention = resolve_attention(cfg.model.attn_implementation, cfg.data.packing, device_type)
+    model = build_meta_model(cfg, hf_config, attention)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if shard and uses_fsdp(cfg.fsdp, mesh.size()):
         shard_model(model, cfg.fsdp, mesh)

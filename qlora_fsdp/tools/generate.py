@@ -25,6 +25,7 @@ from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import DistInfo, init_distributed
 from qlora_fsdp.model.adapter import load_adapter_into
+from qlora_fsdp.model.attention import generation_attention
 from qlora_fsdp.model.build import load_tokenizer
 from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.model.sharding import uses_fsdp
@@ -79,7 +80,9 @@ def sampling_config(cfg: Config, offload: bool | None = None) -> Config:
     parameter offload as the recipe says unless `offload` decides."""
     no_recompute = dataclasses.replace(cfg.activation_checkpointing, mode="off")
     fsdp = cfg.fsdp if offload is None else dataclasses.replace(cfg.fsdp, cpu_offload=offload)
-    return dataclasses.replace(cfg, activation_checkpointing=no_recompute, fsdp=fsdp)
+    model = dataclasses.replace(cfg.model, attn_implementation=generation_attention(cfg.model.attn_implementation))
+    train = dataclasses.replace(cfg.train, compile=False)  # a KV cache changes shapes every token: recompiles
+    return dataclasses.replace(cfg, activation_checkpointing=no_recompute, fsdp=fsdp, model=model, train=train)
 
 
 def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None = None) -> Generator:

@@ -32,6 +32,10 @@ class TinyModelSpec:
     # +-2.5, so no adapter could make confident predictions and the demo loss could barely fall
     init_std: float = 0.1
     vocab_size: int = 512
+    intermediate_size: int | None = None  # None: twice the hidden size
+    attention_heads: int = 4
+    kv_heads: int = 2
+    max_positions: int = 1024
 
 
 def corpus(dataset: Path) -> Iterator[str]:
@@ -63,11 +67,11 @@ def build_model(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec) -> PreT
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
-        intermediate_size=spec.hidden_size * 2,
+        intermediate_size=spec.intermediate_size or spec.hidden_size * 2,
         num_hidden_layers=spec.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention, as in Llama 3
-        max_position_embeddings=1024,
+        num_attention_heads=spec.attention_heads,
+        num_key_value_heads=spec.kv_heads,  # grouped-query attention, as in Llama 3
+        max_position_embeddings=spec.max_positions,
         initializer_range=spec.init_std,
         # Qwen's small models tie the head to the embeddings; cover that path too
         tie_word_embeddings=spec.family.startswith("qwen"),

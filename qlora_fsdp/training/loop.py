@@ -24,6 +24,7 @@ from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.errors import TrainingStopped
 from qlora_fsdp.model.activation_offload import ActivationOffloader
+from qlora_fsdp.model.attention import flattens_packed_rows
 from qlora_fsdp.model.loss import summed_loss
 from qlora_fsdp.training.checkpoints import Checkpointer
 from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gb, reset_memory_peaks
@@ -61,11 +62,12 @@ class StepStats:
     target_tokens: float
     samples: float
     skipped: bool
+    positions: float = 0.0  # tokens the model ran: real ones and padding
 
     def record(self) -> dict[str, float]:
         """The fields metrics.jsonl keeps for a step."""
         return {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "tokens": self.tokens,
-                "target_tokens": self.target_tokens, "skipped": int(self.skipped)}
+                "target_tokens": self.target_tokens, "positions": self.positions, "skipped": int(self.skipped)}
 
 
 @dataclass
@@ -113,6 +115,7 @@ class StepResult:
     n_targets: float
     n_tokens: float
     n_samples: float
+    n_positions: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,13 @@ class ForwardLoss:
 
     def __call__(self, model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
         """Summed cross-entropy over the batch's target tokens (labels are pre-shifted)."""
-        inputs, labels = batch.model_inputs(device), batch.labels.to(device)
+        one_row = flattens_packed_rows(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+        inputs, labels = batch.model_inputs(device, one_row), batch.labels.to(device)
+        targets = batch.target_positions.to(device)
         if self.offloader is None or not torch.is_grad_enabled():
-            return summed_loss(model, inputs, labels, self.chunk_tokens)
+            return summed_loss(model, inputs, labels, self.chunk_tokens, targets)
         with self.offloader.offloading():  # what the forward saves for backward waits in host memory
-            return summed_loss(model, inputs, labels, self.chunk_tokens)
+            return summed_loss(model, inputs, labels, self.chunk_tokens, targets)
 
 
 def loss_sum(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
@@ -160,14 +165,14 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[Batch], device: t
                          forward_loss: ForwardLoss | None = None) -> StepResult:
     """Forward and backward every micro-batch; gradients reduce-scatter once, after the last."""
     forward_loss = forward_loss or ForwardLoss()
-    n_targets, n_tokens, n_samples = all_reduce_sums(
+    n_targets, n_tokens, n_samples, n_positions = all_reduce_sums(
         [sum(b.n_targets for b in micro_batches), sum(b.n_tokens for b in micro_batches),
-         sum(b.n_samples for b in micro_batches)], device)
+         sum(b.n_samples for b in micro_batches), sum(b.input_ids.numel() for b in micro_batches)], device)
     local_loss = 0.0
     for index, batch in enumerate(micro_batches):
         set_gradient_sync(model, index == len(micro_batches) - 1)
         local_loss += backward_micro_batch(model, batch, device, max(n_targets, 1.0), forward_loss).item()
-    return StepResult(all_reduce_sum(local_loss, device), n_targets, n_tokens, n_samples)
+    return StepResult(all_reduce_sum(local_loss, device), n_targets, n_tokens, n_samples, n_positions)
 
 
 @torch.no_grad()
@@ -277,7 +282,8 @@ class Trainer:
         self.bad_in_a_row = 0 if finite else self.bad_in_a_row + 1
         self.scheduler.step()
         self.optimizer.zero_grad()
-        return StepStats(result.loss, lr, grad_norm, result.n_tokens, result.n_targets, result.n_samples, not finite)
+        return StepStats(result.loss, lr, grad_norm, result.n_tokens, result.n_targets, result.n_samples, not finite,
+                         result.n_positions)
 
     def check_bad_steps(self, stats: StepStats) -> None:
         if self.bad_in_a_row < self.cfg.train.max_bad_steps:

@@ -1,0 +1,107 @@
+"""Attention kernels: per-sample attention of packed rows equals the dense block-diagonal mask, values and
+gradients, and the training loss of a packed batch is the same under every kernel (and the same as each sample
+alone). The packed-equals-alone check per kernel at model level is in test_data.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from qlora_fsdp.data.batching import Sample, collate, collate_packed
+from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.model import attention as attention_module
+from qlora_fsdp.model.attention import (
+    VARLEN_SDPA,
+    generation_attention,
+    resolve_attention,
+    sample_bounds,
+    varlen_sdpa_forward,
+)
+from qlora_fsdp.training.loop import ForwardLoss, loss_sum
+
+
+def test_sample_bounds_start_wherever_the_position_does_not_go_up_by_one():
+    positions = torch.tensor([0, 1, 2, 0, 1, 0, 0, 1, 2, 3])
+    assert sample_bounds(positions) == [(0, 3), (3, 5), (5, 6), (6, 10)]
+    assert sample_bounds(torch.arange(7)) == [(0, 7)]
+
+
+def dense_reference(query, key, value, positions):
+    """Causal attention within each sample, through one boolean block-diagonal mask."""
+    segment = torch.stack([torch.cumsum((torch.diff(row, prepend=row[:1] + 1) != 1).long(), 0) for row in positions])
+    n = positions.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    mask = (segment[:, :, None] == segment[:, None, :]) & causal
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None]).transpose(1, 2)
+
+
+def test_per_sample_attention_equals_the_dense_mask_values_and_gradients():
+    torch.manual_seed(0)
+    rows = [[5, 17, 1, 9], [32]]  # sample lengths of two rows of 32 tokens; grouped-query heads (4 over 2)
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in rows])
+    query = torch.randn(2, 4, 32, 8, requires_grad=True)
+    key, value = (torch.randn(2, 2, 32, 8, requires_grad=True) for _ in range(2))
+    ours, _ = varlen_sdpa_forward(torch.nn.Module(), query, key, value, None, position_ids=positions)
+    reference = dense_reference(query, key, value, positions)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    weights = torch.randn_like(ours)
+    grads = torch.autograd.grad((ours * weights).sum(), (query, key, value))
+    expected = torch.autograd.grad((reference * weights).sum(), (query, key, value))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_per_sample_attention_refuses_a_kv_cache():
+    query, key = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4)
+    with pytest.raises(RuntimeError, match="generate with sdpa"):
+        varlen_sdpa_forward(torch.nn.Module(), query, key, key, None)
+
+
+def test_auto_picks_per_sample_attention_for_packed_rows_only(monkeypatch):
+    monkeypatch.setattr(attention_module, "flash_attn_installed", lambda: False)
+    assert resolve_attention("auto", packing=True, device_type="cpu") == VARLEN_SDPA
+    assert resolve_attention("auto", packing=True, device_type="cuda") == VARLEN_SDPA
+    assert resolve_attention("auto", packing=False, device_type="cuda") == "sdpa"
+    assert resolve_attention("eager", packing=True, device_type="cpu") == "eager"
+    with pytest.raises(ConfigError, match="needs the flash-attn package"):
+        resolve_attention("flash_attention_2", packing=True, device_type="cuda")
+    monkeypatch.setattr(attention_module, "flash_attn_installed", lambda: True)
+    assert resolve_attention("auto", packing=True, device_type="cuda") == "flash_attention_2"
+    assert resolve_attention("auto", packing=True, device_type="cpu") == VARLEN_SDPA
+
+
+def test_generation_never_runs_per_sample_attention():
+    assert generation_attention(VARLEN_SDPA) == "sdpa" and generation_attention("auto") == "sdpa"
+    assert generation_attention("flash_attention_2") == "flash_attention_2"
+
+
+@pytest.fixture(scope="module")
+def packed_and_alone(tiny_model_dir):
+    generator = torch.Generator().manual_seed(3)
+    lengths = [40, 7, 90, 23, 61, 12]
+    samples = []
+    for n in lengths:
+        ids = torch.randint(5, 500, (n,), generator=generator).tolist()
+        labels = [-100] * (n // 3) + ids[n // 3 :]  # a masked prompt, then targets
+        samples.append(Sample(ids, labels))
+    return samples, collate_packed([samples[:3], samples[3:]], pad_id=0)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager", VARLEN_SDPA])
+def test_training_loss_and_gradients_of_a_packed_batch_are_the_same_under_every_kernel(tiny_model_dir,
+                                                                                       packed_and_alone, kernel):
+    samples, packed = packed_and_alone
+    reference_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                           attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=kernel)
+    alone = sum(loss_sum(reference_model, collate([s], pad_id=0), torch.device("cpu")) for s in samples)
+    chunked = ForwardLoss(chunk_tokens=64)(model, packed, torch.device("cpu"))  # training's loss: target rows only
+    torch.testing.assert_close(chunked, alone, rtol=1e-5, atol=1e-4)
+    chunked.backward()
+    alone.backward()
+    for (name, got), want in zip(model.named_parameters(), reference_model.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
