@@ -72,9 +72,10 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     return Batch(input_ids, labels, n_targets, int(attention_mask.sum()), len(samples), attention_mask=attention_mask)
 
 
-def collate_packed(rows: list[list[Sample]], pad_id: int) -> Batch:
-    """Several samples a row; the padding tail is a block of its own (positions from 0, no targets)."""
-    length = max(sum(len(s.input_ids) for s in row) for row in rows)
+def collate_packed(rows: list[list[Sample]], pad_id: int, length: int | None = None) -> Batch:
+    """Several samples a row; the padding tail is a block of its own (positions from 0, no targets). Rows are
+    as long as the longest, or `length`."""
+    length = max([sum(len(s.input_ids) for s in row) for row in rows] + [length or 0])
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((len(rows), length), dtype=torch.long)
