@@ -5,7 +5,8 @@ median 150, 90th percentile 500), as packing fills it. Kernels, all exact (check
 - dense mask: scaled_dot_product_attention with the rows x tokens x tokens boolean mask transformers builds
   for `sdpa` when position ids restart (cost: tokens squared, whatever the samples)
 - per sample (`sdpa_varlen`, ours): causal sdpa on each sample, no mask (cost: the sum of the samples' squares)
-- flex: torch's flex_attention with a block mask of the same samples, compiled (`flex_attention`)
+- flex: torch's flex_attention with a block mask of the same samples, compiled (`flex_attention`); CUDA only
+  (torch 2.13 has no flex_attention backward on CPU)
 
     python scripts/bench_attention.py            # a minute or two on 2 cores
 """
@@ -104,8 +105,12 @@ def main() -> None:
     args = parser.parse_args()
     kernels: dict[str, Callable[..., torch.Tensor]] = {"dense mask (sdpa)": dense,
                                                        "per sample (sdpa_varlen)": per_sample}
-    if not args.no_flex:
+    if args.no_flex:
+        pass
+    elif torch.cuda.is_available():
         kernels["flex attention, block mask"] = flex_kernel()
+    else:
+        print("flex attention left out: torch 2.13 has no flex_attention backward on CPU")
     rng = random.Random(0)
     print(f"threads: {torch.get_num_threads()}; heads {HEADS} (key/value {KV_HEADS}), head dim {HEAD_DIM}, bf16, "
           "forward + backward of one packed row, median of repeats")

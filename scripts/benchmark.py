@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_fsdp.tools.bench_data import generate, write
+from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,8 +43,8 @@ CONTEXT = 1024
 PEER_MICRO_BATCH, PEER_ACCUM = 8, 4  # the Trainer's default micro-batch, four a step (32 samples: 7 packed rows)
 MAX_TOKENS_PER_CALL = 8192  # train.py: packed rows per micro-batch up to this many tokens
 SETTINGS: dict[str, Any] = {"lr": 2e-3, "warmup_steps": 3, "r": 16, "alpha": 32, "seed": 42}
-MODEL = {"hidden_size": 512, "layers": 8, "intermediate_size": 1408, "attention_heads": 8, "kv_heads": 2,
-         "init_std": 0.05, "vocab_size": 4096}
+MODEL = TinyModelSpec(hidden_size=512, layers=8, intermediate_size=1408, attention_heads=8, kv_heads=2,
+                      init_std=0.05, vocab_size=4096)
 RUNS = {"peer": "HF Trainer + PEFT (peer, padded)", "peer_grouped": "HF Trainer + PEFT, group_by_length",
         "ours": "train.py: packed, per-sample attention (its defaults)",
         "ours_compiled": "train.py: the same, `train.compile=true`", "ours_dense": "train.py: packed, dense mask"}
@@ -63,6 +64,12 @@ class Plan:
     steps: int
     rows_per_micro_batch: int
     accum_steps: int
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        fields = json.loads(text)
+        return cls(Path(fields["train"]), Path(fields["held_out"]), Path(fields["model"]), int(fields["steps"]),
+                   int(fields["rows_per_micro_batch"]), int(fields["accum_steps"]))
 
 
 def token_lengths(model: Path, data_file: Path) -> list[int]:
@@ -99,13 +106,11 @@ def micro_batching(rows_per_step: int) -> tuple[int, int]:
 
 
 def prepare(work: Path, records: int, eval_records: int, seed: int) -> Plan:
-    from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
-
     pool = generate(records * 2 + eval_records, seed)
     write(work / "pool.jsonl", pool[eval_records:])
     write(work / "held_out.jsonl", pool[:eval_records])
     model = work / "bench-llama"
-    write_tiny_model(model, work / "pool.jsonl", TinyModelSpec(**MODEL))
+    write_tiny_model(model, work / "pool.jsonl", MODEL)
     lengths = token_lengths(model, work / "pool.jsonl")
     n, per_step, steps = matching_split(lengths, records)
     write(work / "train.jsonl", pool[eval_records : eval_records + n])
@@ -244,13 +249,15 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
               f"({r['tokens'] / r['positions']:.0%} real) | {r['seconds']:.1f} s | {r['tokens'] / r['seconds']:,.0f} "
               f"| {r['samples'] / r['seconds']:.2f} | {r['eval_loss']:.4f} | {r['peak_rss_gib']:.2f} GiB |")
     rate = {name: r["tokens"] / r["seconds"] for name, r in results.items()}
-    loss_change = results["ours"]["eval_loss"] / results["peer"]["eval_loss"] - 1
     print()
     if "ours_dense" in results:
         print(f"per-sample attention vs dense mask (train.py): {rate['ours'] / rate['ours_dense']:.2f}x")
     if "ours_compiled" in results:
         print(f"compiled layers vs not (train.py, compile time included): "
               f"{rate['ours_compiled'] / rate['ours']:.2f}x")
+    if not {"peer", "peer_grouped", "ours"} <= results.keys():
+        return
+    loss_change = results["ours"]["eval_loss"] / results["peer"]["eval_loss"] - 1
     print(f"useful tokens/s vs default peer: {rate['ours'] / rate['peer']:.2f}x; vs length-grouped peer: "
           f"{rate['ours'] / rate['peer_grouped']:.2f}x; held-out loss vs default peer: {loss_change:+.1%}")
 
@@ -268,8 +275,7 @@ def main() -> None:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.only:  # a child: one run
-        fields = json.loads(args.plan)
-        plan = Plan(**{k: Path(v) if isinstance(v, str) else v for k, v in fields.items()})
+        plan = Plan.from_json(args.plan)
         started = time.time()
         args.result.write_text(json.dumps({**run_one(args.only, plan, args.work), "wall": time.time() - started}))
         return

@@ -67,6 +67,9 @@ def test_auto_picks_per_sample_attention_for_packed_rows_only(monkeypatch):
     assert resolve_attention("auto", packing=True, device_type="cuda") == VARLEN_SDPA
     assert resolve_attention("auto", packing=False, device_type="cuda") == "sdpa"
     assert resolve_attention("eager", packing=True, device_type="cpu") == "eager"
+    assert resolve_attention("flex_attention", packing=True, device_type="cuda") == "flex_attention"
+    with pytest.raises(ConfigError, match="cannot train on CPU"):
+        resolve_attention("flex_attention", packing=True, device_type="cpu")
     with pytest.raises(ConfigError, match="needs the flash-attn package"):
         resolve_attention("flash_attention_2", packing=True, device_type="cuda")
     monkeypatch.setattr(attention_module, "flash_attn_installed", lambda: True)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
+from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.errors import ConfigError
 
 VARLEN_SDPA = "sdpa_varlen"
@@ -79,13 +80,16 @@ def resolve_attention(choice: str, packing: bool, device_type: str) -> str:
         if not packing:
             return "sdpa"
         return "flash_attention_2" if device_type == "cuda" and flash_attn_installed() else VARLEN_SDPA
+    if choice == "flex_attention" and device_type == "cpu":
+        raise ConfigError("'model.attn_implementation: flex_attention' cannot train on CPU (torch has no flex "
+                          "attention backward there); use auto (per-sample sdpa_varlen)")
     if choice == "flash_attention_2" and not flash_attn_installed():
         raise ConfigError("'model.attn_implementation: flash_attention_2' needs the flash-attn package "
                           "(pip install flash-attn); or use auto")
     return choice
 
 
-def generation_attention(choice: str) -> str:
+def generation_attention(choice: AttnImplementation) -> AttnImplementation:
     """Sampling runs a KV cache and left-padded prompts, which need a mask: sdpa unless a kernel that has one."""
     return choice if choice in ("eager", "flash_attention_2", "flex_attention") else "sdpa"
 
