@@ -67,6 +67,7 @@ CHECKS = (
     Check("merge_device", 90, cuda_only=False),
     Check("generate", 60, cuda_only=False),
     Check("memory_levers", 150, cuda_only=False),
+    Check("packed_attention", 90, cuda_only=False),
     Check("plan_vs_measured_70b", 240, cuda_only=True),
     Check("one_gpu_70b_offload", 240, cuda_only=True),
 )

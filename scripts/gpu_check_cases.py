@@ -31,13 +31,15 @@ from gpu_check import Row  # a sibling: Python puts scripts/ on the path
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import qlora_fsdp.model.build
 from qlora_fsdp.api import train
 from qlora_fsdp.config import Config, load_config, validate
-from qlora_fsdp.data.batching import Batch, Sample, collate_packed
+from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
 from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed, local_shard
 from qlora_fsdp.model.adapter import config_for_adapter
+from qlora_fsdp.model.attention import VARLEN_SDPA, flash_attn_installed, flattens_packed_rows, varlen_sdpa_forward
 from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, held_bytes, plan
 from qlora_fsdp.tools.merge import merge_adapter
@@ -542,12 +544,98 @@ def generate(ctx: Context) -> list[Row]:
     return [Row("generate", "passed" if ok else "failed", result, figures)]
 
 
+# ---- 8. packed_attention: every attention kernel keeps packed samples apart, and what per-sample saves ---------
+
+def attention_kernels(device: torch.device) -> list[str]:
+    """The kernels a packed run can use here: flash-attn only where installed, flex only on CUDA (no CPU backward)."""
+    kernels = ["sdpa", VARLEN_SDPA]
+    if device.type == "cuda":
+        kernels.append("flex_attention")
+        if flash_attn_installed():
+            kernels.append("flash_attention_2")
+    return kernels
+
+
+def token_losses(model: torch.nn.Module, batch: Batch, device: torch.device, one_row: bool) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(**batch.model_inputs(device, one_row)).logits.float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.to(device).flatten(),
+                                             reduction="none").view(batch.labels.shape)
+
+
+def packed_vs_alone(ctx: Context, kernel: str, samples: list[Sample]) -> Row:
+    """Each sample's per-token losses in two packed rows against the sample alone (bf16 where flash needs it)."""
+    dtype = torch.bfloat16 if kernel == "flash_attention_2" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(ctx), dtype=dtype, attn_implementation=kernel)
+    model.to(ctx.device)
+    packed = token_losses(model, collate_packed([samples[:3], samples[3:]], pad_id=0), ctx.device,
+                          flattens_packed_rows(kernel))
+    worst, row, start = 0.0, 0, 0
+    for index, sample in enumerate(samples):
+        if index == 3:
+            row, start = 1, 0
+        n = len(sample.input_ids)
+        alone = token_losses(model, collate([sample], pad_id=0), ctx.device, False)[0, :n]
+        worst = max(worst, float((packed[row, start : start + n] - alone).abs().max()))
+        start += n
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    status = "passed" if worst <= tolerance else "failed"
+    return Row("packed_attention", status, f"{kernel}: packed = alone, max |loss difference| {worst:.1e} "
+               f"(bound {tolerance:.0e})", {"kernel": kernel, "max_difference": worst})
+
+
+def per_sample_speed(ctx: Context) -> Row:
+    """Forward + backward of one packed row's attention, dense block-diagonal mask against per sample."""
+    tokens = 1024 if ctx.small else 4096
+    lengths = [int(x) for x in torch.randint(32, 600, (64,), generator=torch.Generator().manual_seed(0))]
+    positions = torch.cat([torch.arange(n) for n in lengths])[:tokens][None].to(ctx.device)
+    query = torch.randn(1, 8, tokens, 64, device=ctx.device, dtype=torch.bfloat16, requires_grad=True)
+    key, value = (torch.randn(1, 2, tokens, 64, device=ctx.device, dtype=torch.bfloat16, requires_grad=True)
+                  for _ in range(2))
+    sample = torch.cumsum((positions[0] == 0).long(), 0)
+    mask = (sample[:, None] == sample[None, :]) & torch.ones(tokens, tokens, dtype=torch.bool,
+                                                            device=ctx.device).tril()
+
+    def dense() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None],
+                                                                enable_gqa=True).transpose(1, 2)
+
+    def varlen() -> torch.Tensor:
+        return varlen_sdpa_forward(torch.nn.Module(), query, key, value, None, position_ids=positions)[0]
+
+    seconds = {}
+    for name, kernel in (("dense", dense), ("per_sample", varlen)):
+        kernel().float().sum().backward()  # warm-up
+        synchronize(ctx.device)
+        started = time.perf_counter()
+        for _ in range(5):
+            kernel().float().sum().backward()
+        synchronize(ctx.device)
+        seconds[name] = (time.perf_counter() - started) / 5
+    ratio = seconds["dense"] / seconds["per_sample"]
+    return Row("packed_attention", "info", f"{tokens} tokens, {int(sample[-1])} samples: dense mask "
+               f"{seconds['dense'] * 1e3:.1f} ms, per sample {seconds['per_sample'] * 1e3:.1f} ms ({ratio:.2f}x)",
+               {"tokens": tokens, **seconds})
+
+
+def packed_attention(ctx: Context) -> list[Row]:
+    texts = ["The cat sat on the mat.", "Reverse the letters: stone", "A much longer sample " * 6, "Count: 1 2 3",
+             "Another sample, in the second row " * 3]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model(ctx))
+    samples = []
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        samples.append(Sample(ids, ids))
+    rows = [packed_vs_alone(ctx, kernel, samples) for kernel in attention_kernels(ctx.device)]
+    return [*rows, per_sample_speed(ctx)]
+
+
 # ---- entry --------------------------------------------------------------------------------------------------
 
 CASES: dict[str, Callable[[Context], list[Row]]] = {
     "nan_canary": nan_canary, "fsdp_real_path": fsdp_real_path, "plan_vs_measured_70b": plan_vs_measured_70b,
     "one_gpu_70b_offload": one_gpu_70b_offload, "memory_levers": memory_levers, "merge_device": merge_device,
-    "generate": generate}
+    "generate": generate, "packed_attention": packed_attention}
 
 
 def environment(device: torch.device) -> dict[str, Any]:
