@@ -566,8 +566,8 @@ def token_losses(model: torch.nn.Module, batch: Batch, device: torch.device, one
 def packed_vs_alone(ctx: Context, kernel: str, samples: list[Sample]) -> Row:
     """Each sample's per-token losses in two packed rows against the sample alone (bf16 where flash needs it)."""
     dtype = torch.bfloat16 if kernel == "flash_attention_2" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(tiny_model(ctx), dtype=dtype, attn_implementation=kernel)
-    model.to(ctx.device)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(ctx), dtype=dtype, attn_implementation=kernel,
+                                                 device_map={"": ctx.device})
     packed = token_losses(model, collate_packed([samples[:3], samples[3:]], pad_id=0), ctx.device,
                           flattens_packed_rows(kernel))
     worst, row, start = 0.0, 0, 0
