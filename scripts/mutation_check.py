@@ -77,16 +77,12 @@ MUTATIONS = [
              "        use_rslora=lora.use_rslora,", "        use_rslora=False,",
              "tests/test_small_features.py::test_exported_rslora_adapter_loads_in_peft_with_the_same_outputs"),
     Mutation("per-sample attention lets a packed row's samples see each other", "qlora_fsdp/model/attention.py",
-             "    return list(zip(edges[:-1], edges[1:], strict=False))
-",
-             "    return [(0, position_ids.numel())]
-",
+             "    return list(zip(edges[:-1], edges[1:], strict=False))\n",
+             "    return [(0, position_ids.numel())]\n",
              "tests/test_attention.py::test_training_loss_and_gradients_of_a_packed_batch_are_the_same_under_every_kernel"),
     Mutation("the loss head skips the last target token", "qlora_fsdp/data/batching.py",
-             "        self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()
-",
-             "        self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()[:-1]
-",
+             "        self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()\n",
+             "        self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()[:-1]\n",
              "tests/test_attention.py::test_training_loss_and_gradients_of_a_packed_batch_are_the_same_under_every_kernel"),
 ]
 
