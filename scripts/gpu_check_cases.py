@@ -580,7 +580,7 @@ def packed_vs_alone(ctx: Context, kernel: str, samples: list[Sample]) -> Row:
         start += n
     tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
     status = "passed" if worst <= tolerance else "failed"
-    return Row("packed_attention", status, f"{kernel}: packed = alone, max |loss difference| {worst:.1e} "
+    return Row(f"packed_attention ({kernel})", status, f"packed = alone, max |loss difference| {worst:.1e} "
                f"(bound {tolerance:.0e})", {"kernel": kernel, "max_difference": worst})
 
 
@@ -613,7 +613,7 @@ def per_sample_speed(ctx: Context) -> Row:
         synchronize(ctx.device)
         seconds[name] = (time.perf_counter() - started) / 5
     ratio = seconds["dense"] / seconds["per_sample"]
-    return Row("packed_attention", "info", f"{tokens} tokens, {int(sample[-1])} samples: dense mask "
+    return Row("packed_attention (speed)", "info", f"{tokens} tokens, {int(sample[-1])} samples: dense mask "
                f"{seconds['dense'] * 1e3:.1f} ms, per sample {seconds['per_sample'] * 1e3:.1f} ms ({ratio:.2f}x)",
                {"tokens": tokens, **seconds})
 

@@ -49,14 +49,15 @@ def test_unknown_check_is_a_one_line_error():
 @pytest.mark.slow
 def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
     out = tmp_path / "gpu_check.md"
-    only = "nan_canary,fsdp_real_path,plan_vs_measured_70b,memory_levers"
+    only = "nan_canary,fsdp_real_path,plan_vs_measured_70b,memory_levers,packed_attention"
     done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", only, "--out", str(out)],
                           capture_output=True, text=True, env=ENV, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = table_rows(out.read_text())
     assert {name: status for name, (_, status) in rows.items()} == {
         "nan_canary": "passed", "fsdp_real_path": "passed", "fsdp_real_path (old bf16 storage)": "info",
-        "plan_vs_measured_70b": "skipped", "memory_levers": "passed"}
+        "plan_vs_measured_70b": "skipped", "memory_levers": "passed", "packed_attention (sdpa)": "passed",
+        "packed_attention (sdpa_varlen)": "passed", "packed_attention (speed)": "info"}
     assert "needs a CUDA device" in rows["plan_vs_measured_70b"][0]
     figures = {c["check"]: c["figures"] for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
     assert figures["nan_canary"]["uint8_bytes_changed"] == 0
@@ -65,6 +66,7 @@ def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
     settings = figures["memory_levers"]["settings"]  # each lever trained; none changed the loss
     assert len(settings) == 6 and len({round(s["loss"], 5) for s in settings}) == 1
     assert figures["fsdp_real_path"]["uint8_offload_on_gathers"] > 0
+    assert figures["packed_attention (sdpa_varlen)"]["max_difference"] <= 1e-4
     # the positive control: the watch does see CUDA's rewrite of the old bf16 storage
     assert figures["fsdp_real_path (old bf16 storage)"]["emulated_cuda_copy_elements_changed"] > 0
 
