@@ -21,8 +21,8 @@ class ModelConfig:
     dtype: DType = "bfloat16"  # non-quantized weights (embeddings, norms, lm_head)
     init: Literal["checkpoint", "random"] = "checkpoint"  # random: seeded weights from config.json alone
     # auto: per-sample attention for packed rows (flash_attention_2 on CUDA where flash-attn is installed, else
-    # sdpa_varlen), sdpa otherwise. sdpa/eager/flex_attention with packing score whole rows under a dense
-    # block-diagonal mask (exact, slower); see qlora_fsdp/model/attention.py
+    # sdpa_varlen), sdpa otherwise. With packing, sdpa and eager score whole rows under a dense block-diagonal
+    # mask (exact, slower); flex_attention trains on CUDA only. See qlora_fsdp/model/attention.py
     attn_implementation: AttnImplementation = "auto"
     allow_pickle: bool = False  # .bin/.pt weights can run code when unpickled; refused unless this is true
 
@@ -178,8 +178,8 @@ class TrainConfig:
     max_bad_steps: int = 5  # steps in a row with non-finite loss or gradients before the run stops
     collective_timeout_minutes: float = 60.0  # a rank waiting for the others (rank 0 tokenizing) stops after this
     # torch.compile each decoder layer: the graph breaks at the 4-bit matmuls and the rest (norms, rotary,
-    # LoRA glue, activations, residuals) is fused; ~12% faster steps measured on CPU (docs/benchmarks.md). The
-    # first steps pay the compile; on CPU it needs a C++ compiler
+    # LoRA glue, activations, residuals) is fused: steps about 10% faster on CPU after a compile of about 50 s
+    # (docs/benchmarks.md), so it pays off on longer runs. On CPU it needs a C++ compiler
     compile: bool = False
 
     def resume_target(self) -> Literal["never", "auto"] | Path:

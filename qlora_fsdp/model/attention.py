@@ -27,8 +27,6 @@ from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.errors import ConfigError
 
 VARLEN_SDPA = "sdpa_varlen"
-# transformers' own kernels the key may name; `auto` and ours are resolved here
-HF_KERNELS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
 def sample_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
