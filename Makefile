@@ -41,7 +41,7 @@ test-fast: $(BIN)/activate
 test-slow: $(BIN)/activate tiny-model
 	$(BIN)/python -m pytest -q -m slow tests
 
-# the day a GPU is lent: seven device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
+# the day a GPU is lent: eight device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
 gpu-check: $(BIN)/activate
 	$(BIN)/python scripts/gpu_check.py
 

@@ -1,6 +1,6 @@
 """The one command to run the day a GPU is lent: what the CPU test suite cannot show, checked on the device.
 
-    make gpu-check                                  # all seven checks, at most 10 minutes on one H100/4090
+    make gpu-check                                  # all eight checks, at most 10 minutes on one H100/4090
     python scripts/gpu_check.py --out docs/gpu_check.md   # also write the table (and its figures as .json)
     python scripts/gpu_check.py --only nan_canary,fsdp_real_path
     python scripts/gpu_check.py --dry-run           # CPU, small sizes; what needs CUDA is listed as skipped
@@ -16,6 +16,8 @@ inside it; `python scripts/gpu_check_cases.py NAME --device cpu` runs one in the
   one_gpu_70b_offload   70B on one GPU with CPU offload: peak GPU memory, host RSS, tokens/s
   memory_levers         70B layer shapes and vocabulary at 8,192 tokens: peak memory and tokens/s of full vs
                         chunked loss, activation offload, selective and no checkpointing
+  packed_attention      every attention kernel here keeps packed samples apart (loss packed = alone: sdpa,
+                        sdpa_varlen, flex, flash-attn if installed); per-sample vs dense mask at 4,096 tokens
 Nothing is fetched from a hub: the models are built locally from config.json (random weights).
 Exit code: 0 when no check that ran failed, 1 otherwise.
 """
