@@ -108,3 +108,10 @@ def test_training_loss_and_gradients_of_a_packed_batch_are_the_same_under_every_
     alone.backward()
     for (name, got), want in zip(model.named_parameters(), reference_model.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_bounds_from_the_batch_lengths_equal_those_read_from_the_position_ids(packed_and_alone):
+    _, packed = packed_and_alone
+    for one_row in (False, True):
+        positions = packed.position_ids.view(1, -1) if one_row else packed.position_ids
+        assert packed.sample_bounds(one_row) == [sample_bounds(row) for row in positions]

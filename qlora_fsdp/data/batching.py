@@ -31,6 +31,7 @@ class Batch:
     n_samples: int
     attention_mask: torch.Tensor | None = None  # padded rows
     position_ids: torch.Tensor | None = None  # packed rows
+    segments: list[list[int]] | None = None  # packed rows: each row's sample lengths, then its padding tail
     # flat indices of the target tokens, the only positions the output layer and the loss need; found when the
     # batch is made (on the host, with real values: the planner runs the step on fake tensors)
     target_positions: torch.Tensor = field(init=False, repr=False)
@@ -51,6 +52,21 @@ class Batch:
                 inputs["input_ids"], inputs["position_ids"] = (
                     self.input_ids.view(1, -1).to(device), self.position_ids.view(1, -1).to(device))
         return inputs
+
+    def sample_bounds(self, one_row: bool = False) -> list[list[tuple[int, int]]]:
+        """[start, end) of every sample (and padding tail) of each packed row, or of the one long row; from the
+        lengths, so no tensor is read."""
+        assert self.segments is not None, "packed rows"
+        rows: list[list[tuple[int, int]]] = []
+        start = 0
+        for lengths in self.segments:
+            start = start if one_row else 0
+            bounds = []
+            for n in lengths:
+                bounds.append((start, start + n))
+                start += n
+            rows.append(bounds)
+        return [[b for row in rows for b in row]] if one_row else rows
 
 
 def shifted(sample: Sample) -> list[int]:
@@ -91,7 +107,9 @@ def collate_packed(rows: list[list[Sample]], pad_id: int, length: int | None = N
         position_ids[r, start:] = torch.arange(length - start)
         n_tokens += start
     n_targets = int((labels != IGNORE_INDEX).sum())
-    return Batch(input_ids, labels, n_targets, n_tokens, sum(map(len, rows)), position_ids=position_ids)
+    segments = [[len(s.input_ids) for s in row] + [length - sum(len(s.input_ids) for s in row)] for row in rows]
+    return Batch(input_ids, labels, n_targets, n_tokens, sum(map(len, rows)), position_ids=position_ids,
+                 segments=[[n for n in row if n > 0] for row in segments])
 
 
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -43,6 +43,16 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
                                           enable_gqa=query.shape[1] != key.shape[1])
 
 
+def attach_sample_bounds(position_ids: torch.Tensor, bounds: list[list[tuple[int, int]]]) -> None:
+    """Give the position ids the model will see each row's sample bounds, known from the batch's lengths. The
+    attention then reads no tensor (no device-to-host copy per layer), so it also runs on the planner's fake
+    tensors, which have no values to read."""
+    position_ids.sample_bounds = bounds  # type: ignore[attr-defined]
+
+
+# compiled layers break the graph here and call this eagerly: the bounds differ every step, and a traced call
+# would specialize on them and recompile
+@torch.compiler.disable
 def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                         **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -54,11 +64,12 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.shape[0] != query.shape[0]:  # one sample a row (padded, or alone)
         return causal_sdpa(query, key, value, scaling).transpose(1, 2).contiguous(), None
+    bounds = getattr(position_ids, "sample_bounds", None) or [sample_bounds(row) for row in position_ids]
     rows = []
-    for row, positions in enumerate(position_ids):
+    for row, row_bounds in enumerate(bounds):
         parts = [causal_sdpa(query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
                              value[row : row + 1, :, start:end], scaling)
-                 for start, end in sample_bounds(positions)]
+                 for start, end in row_bounds]
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows).transpose(1, 2).contiguous(), None
 

@@ -115,9 +115,6 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
     Micro-batches: one when the recipe accumulates none, else two (sync off, then on). The middle micro-batches
     of a longer accumulation find the same tensors alive as the last (FSDP2 accumulates into the unsharded
     gradients the first one allocated) and reduce-scatter nothing, so they reach no higher (tested)."""
-    # per-sample attention reads sample bounds from the position ids' values, which fake tensors have not; the
-    # dense mask sdpa builds instead is rows x length^2 bytes (4 MiB for a 2,048-token row): a little over
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_implementation="sdpa"))
     model = sharded_meta_model(cfg, hf_config, mesh)
     with FakeTensorMode(allow_non_fake_inputs=True):  # meta and real inputs become fake
         materialize(model, DEVICE, DEVICE)

@@ -24,7 +24,7 @@ from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.errors import TrainingStopped
 from qlora_fsdp.model.activation_offload import ActivationOffloader
-from qlora_fsdp.model.attention import flattens_packed_rows
+from qlora_fsdp.model.attention import attach_sample_bounds, flattens_packed_rows
 from qlora_fsdp.model.loss import summed_loss
 from qlora_fsdp.training.checkpoints import Checkpointer
 from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gb, reset_memory_peaks
@@ -136,6 +136,9 @@ class ForwardLoss:
         """Summed cross-entropy over the batch's target tokens (labels are pre-shifted)."""
         one_row = flattens_packed_rows(getattr(getattr(model, "config", None), "_attn_implementation", ""))
         inputs, labels = batch.model_inputs(device, one_row), batch.labels.to(device)
+        positions = inputs.get("position_ids")
+        if isinstance(positions, torch.Tensor) and batch.segments is not None:
+            attach_sample_bounds(positions, batch.sample_bounds(one_row))
         targets = batch.target_positions.to(device)
         if self.offloader is None or not torch.is_grad_enabled():
             return summed_loss(model, inputs, labels, self.chunk_tokens, targets)
