@@ -23,7 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from qlora_fsdp.model.attention import varlen_sdpa_forward
+from qlora_fsdp.model.attention import packed_causal_mask, varlen_sdpa_forward
+from qlora_fsdp.tools.bench_data import MEDIAN_TOKENS, SIGMA
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # the benchmark model's attention (scripts/benchmark.py)
 
@@ -32,21 +33,15 @@ def packed_positions(tokens: int, rng: random.Random) -> torch.Tensor:
     """Position ids of one row filled with long-tailed samples (the last one cut to fit)."""
     lengths: list[int] = []
     while sum(lengths) < tokens:
-        draw = round(rng.lognormvariate(math.log(150), math.log(500 / 150) / 1.2816))
+        draw = round(rng.lognormvariate(math.log(MEDIAN_TOKENS), SIGMA))
         lengths.append(max(8, min(draw, tokens - sum(lengths))))
     return torch.cat([torch.arange(n) for n in lengths])[None]
-
-
-def dense_mask(positions: torch.Tensor) -> torch.Tensor:
-    sample = torch.cumsum((positions[0] == 0).long(), 0)
-    n = positions.shape[1]
-    return ((sample[:, None] == sample[None, :]) & torch.ones(n, n, dtype=torch.bool).tril())[None, None]
 
 
 def dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     groups = HEADS // KV_HEADS
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=dense_mask(positions)).transpose(1, 2)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=packed_causal_mask(positions)).transpose(1, 2)
 
 
 def per_sample(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

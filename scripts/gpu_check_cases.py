@@ -39,7 +39,13 @@ from qlora_fsdp.config import Config, load_config, validate
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
 from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed, local_shard
 from qlora_fsdp.model.adapter import config_for_adapter
-from qlora_fsdp.model.attention import VARLEN_SDPA, flash_attn_installed, flattens_packed_rows, varlen_sdpa_forward
+from qlora_fsdp.model.attention import (
+    VARLEN_SDPA,
+    flash_attn_installed,
+    flattens_packed_rows,
+    packed_causal_mask,
+    varlen_sdpa_forward,
+)
 from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, held_bytes, plan
 from qlora_fsdp.tools.merge import merge_adapter
@@ -592,12 +598,10 @@ def per_sample_speed(ctx: Context) -> Row:
     query = torch.randn(1, 8, tokens, 64, device=ctx.device, dtype=torch.bfloat16, requires_grad=True)
     key, value = (torch.randn(1, 2, tokens, 64, device=ctx.device, dtype=torch.bfloat16, requires_grad=True)
                   for _ in range(2))
-    sample = torch.cumsum((positions[0] == 0).long(), 0)
-    mask = (sample[:, None] == sample[None, :]) & torch.ones(tokens, tokens, dtype=torch.bool,
-                                                            device=ctx.device).tril()
+    mask = packed_causal_mask(positions)
 
     def dense() -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None],
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                                                 enable_gqa=True).transpose(1, 2)
 
     def varlen() -> torch.Tensor:
@@ -613,7 +617,8 @@ def per_sample_speed(ctx: Context) -> Row:
         synchronize(ctx.device)
         seconds[name] = (time.perf_counter() - started) / 5
     ratio = seconds["dense"] / seconds["per_sample"]
-    return Row("packed_attention (speed)", "info", f"{tokens} tokens, {int(sample[-1])} samples: dense mask "
+    n_samples = int((positions == 0).sum())
+    return Row("packed_attention (speed)", "info", f"{tokens} tokens, {n_samples} samples: dense mask "
                f"{seconds['dense'] * 1e3:.1f} ms, per sample {seconds['per_sample'] * 1e3:.1f} ms ({ratio:.2f}x)",
                {"tokens": tokens, **seconds})
 

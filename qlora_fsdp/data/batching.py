@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -57,16 +58,12 @@ class Batch:
         """[start, end) of every sample (and padding tail) of each packed row, or of the one long row; from the
         lengths, so no tensor is read."""
         assert self.segments is not None, "packed rows"
-        rows: list[list[tuple[int, int]]] = []
-        start = 0
-        for lengths in self.segments:
-            start = start if one_row else 0
-            bounds = []
-            for n in lengths:
-                bounds.append((start, start + n))
-                start += n
-            rows.append(bounds)
-        return [[b for row in rows for b in row]] if one_row else rows
+        width = self.input_ids.shape[1]
+        rows = []
+        for index, lengths in enumerate(self.segments):
+            edges = list(accumulate(lengths, initial=index * width if one_row else 0))
+            rows.append(list(zip(edges[:-1], edges[1:], strict=True)))
+        return [[bound for row in rows for bound in row]] if one_row else rows
 
 
 def shifted(sample: Sample) -> list[int]:
@@ -96,6 +93,7 @@ def collate_packed(rows: list[list[Sample]], pad_id: int, length: int | None = N
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((len(rows), length), dtype=torch.long)
     n_tokens = 0
+    segments = []
     for r, row in enumerate(rows):
         start = 0
         for sample in row:
@@ -106,10 +104,10 @@ def collate_packed(rows: list[list[Sample]], pad_id: int, length: int | None = N
             start += n
         position_ids[r, start:] = torch.arange(length - start)
         n_tokens += start
+        segments.append([len(s.input_ids) for s in row] + ([length - start] if length > start else []))
     n_targets = int((labels != IGNORE_INDEX).sum())
-    segments = [[len(s.input_ids) for s in row] + [length - sum(len(s.input_ids) for s in row)] for row in rows]
     return Batch(input_ids, labels, n_targets, n_tokens, sum(map(len, rows)), position_ids=position_ids,
-                 segments=[[n for n in row if n > 0] for row in segments])
+                 segments=segments)
 
 
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:
