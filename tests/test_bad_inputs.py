@@ -81,6 +81,16 @@ def recipe_is_a_list(d: Path, model: Path) -> list[str]:
     return recipe(d, "- optim\n- lr\n")
 
 
+@bad_input(r"recipe\.yaml: the file is empty \(or only comments\)")
+def recipe_empty(d: Path, model: Path) -> list[str]:
+    return recipe(d, "")
+
+
+@bad_input(r"recipe\.yaml: the file is empty \(or only comments\)")
+def recipe_only_comments(d: Path, model: Path) -> list[str]:
+    return recipe(d, "# llama70b_2x4090: 70B on two RTX 4090s\n#\n# model:\n#   path: meta-llama/Llama-3.1-70B\n")
+
+
 @bad_input(r"unknown key 'optim\.lrr' in .*recipe\.yaml; did you mean 'optim\.lr'\?")
 def recipe_key_typo(d: Path, model: Path) -> list[str]:
     return recipe(d, "optim:\n  lrr: 1.0e-4\n")

@@ -98,13 +98,16 @@ def changed_settings(saved_yaml: str, config: Config) -> list[str]:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = read_yaml_text(path.read_text(encoding="utf-8")) or {}
+        data = read_yaml_text(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); save the recipe as UTF-8 YAML") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    if data is None:  # a truncated copy or the wrong file would otherwise train the defaults
+        raise ConfigError(f"{path}: the file is empty (or only comments); a recipe sets at least model.path or "
+                          "train.output_dir: copy one from recipes/")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of keys at the top level")
     return data

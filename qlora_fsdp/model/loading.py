@@ -43,8 +43,31 @@ class Target:
 
 def materialize(model: nn.Module, device: torch.device, param_device: torch.device) -> None:
     """Allocate real (uninitialized) storage, then rebuild buffers that checkpoints do not hold."""
+    tied = tied_parameter_slots(model)
     model.to_empty(device=param_device)
+    retie(tied)
     rebuild_non_persistent_buffers(model, device)
+
+
+ParamSlot = tuple[nn.Module, str]  # a module and the attribute name it holds a parameter under
+
+
+def tied_parameter_slots(model: nn.Module) -> list[list[ParamSlot]]:
+    """The places that hold one shared parameter (a head tied to the embeddings), for each parameter held twice."""
+    slots: dict[int, list[ParamSlot]] = {}
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            slots.setdefault(id(param), []).append((module, attr))
+    return [group for group in slots.values() if len(group) > 1]
+
+
+def retie(groups: list[list[ParamSlot]]) -> None:
+    """`to_empty` gives every module its own new tensor, so a tied head would become a second, never-loaded
+    matrix (FSDP2 keeps its managed parameters shared, an unsharded model does not): share the first again."""
+    for (first_module, first_attr), *others in groups:
+        shared = getattr(first_module, first_attr)
+        for module, attr in others:
+            setattr(module, attr, shared)
 
 
 def rebuild_non_persistent_buffers(model: nn.Module, device: torch.device) -> None:
