@@ -19,6 +19,7 @@ from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.plan.batch_size import describe_batch
 from qlora_fsdp.plan.hardware import peak_flops
 from qlora_fsdp.plan.memory import resolve_run_batch
+from qlora_fsdp.precision import describe_device, describe_dtypes, resolve_dtypes
 from qlora_fsdp.training.checkpoints import Checkpointer, check_world_size
 from qlora_fsdp.training.loop import MfuReference, RunSummary, Trainer
 from qlora_fsdp.training.metrics import MetricsLogger, format_summary
@@ -44,6 +45,8 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     cfg = load_config(config, overrides) if isinstance(config, str) else validate(config)
     check_trackers_available(cfg.logging)  # every rank, before anything is read
     info = info or init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes)
+    device = describe_device(info.device)
+    written, cfg = cfg, resolve_dtypes(cfg, device)  # saved with checkpoints and adapter: what the run computed in
     out_dir = Path(cfg.train.output_dir)
     checkpoint = decide_on_main(lambda: prepare_run_dir(out_dir, cfg.train))  # before any rank writes
     check_output_dir_shared(out_dir, info)  # across nodes: one folder every node sees, or one line now
@@ -56,6 +59,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     recipe = cfg  # as written (auto micro-batch, unscaled lr); cfg from here on is what this run uses
     cfg = decide_on_main(lambda: resolve_run_batch(recipe, model, info))
     trainer = make_trainer(cfg, info, model, data, tokenizer)
+    trainer.logger.write(describe_dtypes(written, cfg, device))
     trainer.logger.write(describe_batch(recipe, cfg, info.world_size))
     if checkpoint is not None:
         trainer.resume(checkpoint)

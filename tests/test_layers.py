@@ -6,12 +6,13 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qlora_fsdp"
-BASE = {"errors", "rank_errors", "dtypes", "optimizers", "distributed", "config"}
+BASE = {"errors", "rank_errors", "dtypes", "optimizers", "distributed", "config", "precision"}
 # what each part of the package may import (besides itself)
 ALLOWED = {
     "rank_errors": set(), "errors": {"rank_errors"}, "dtypes": set(), "optimizers": set(),
     "distributed": {"errors", "rank_errors"},
     "config": {"errors", "optimizers"},
+    "precision": {"config", "dtypes", "errors", "optimizers"},
     "data": BASE,  # never model/: data and model do not know each other
     "model": BASE,
     "training": BASE | {"data", "model"},

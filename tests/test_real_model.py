@@ -104,9 +104,9 @@ def real_runs(real_model_dir, tmp_path_factory):
 
 
 def test_held_out_loss_equals_transformers_nf4_at_world_sizes_1_and_2(real_model_dir, real_runs):
-    reference = transformers_loss(real_model_dir, real_runs["cfg"])
-    print(f"held-out loss: transformers {reference:.5f}, ours world size 1 {real_runs['summary']['eval_loss_start']:.5f}"
-          f", 2 {real_runs['two_loss']:.5f}; after 4 steps {real_runs['summary']['eval_loss_end']:.5f}")  # pytest -s
+    reference, summary = transformers_loss(real_model_dir, real_runs["cfg"]), real_runs["summary"]
+    print(f"held-out loss: transformers {reference:.5f}, ours world size 1 {summary['eval_loss_start']:.5f}, "
+          f"2 {real_runs['two_loss']:.5f}; after 4 steps {summary['eval_loss_end']:.5f}")  # shown by pytest -s
     assert real_runs["summary"]["eval_loss_start"] == pytest.approx(reference, rel=1e-3)
     assert real_runs["two_loss"] == pytest.approx(reference, rel=1e-3)
 

@@ -20,6 +20,7 @@ from qlora_fsdp.config.schema import (
     DataConfig,
     DataFormat,
     DType,
+    DTypeChoice,
     FSDPConfig,
     HardwareConfig,
     LoggingConfig,
@@ -38,7 +39,7 @@ from qlora_fsdp.config.schema import (
 
 __all__ = [
     "ActivationCheckpointingConfig", "CheckpointScope", "CheckpointedLayers",
-    "Config", "DType", "DataConfig", "DataFormat", "FSDPConfig",
+    "Config", "DType", "DTypeChoice", "DataConfig", "DataFormat", "FSDPConfig",
     "FSDP_CONFIGS_DIR", "HardwareConfig", "LoggingConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig",
     "OverlongPolicy", "ProfileConfig", "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS",
     "SourceConfig", "Template", "TemplateChoice", "TrainConfig", "changed_settings", "load_config",

@@ -299,6 +299,7 @@ def validate(config: Config) -> Config:
         "hardware.gpus_per_node": config.hardware.gpus_per_node,
         "hardware.nodes": config.hardware.nodes,
         "profile.steps": config.profile.steps,
+        "optim.loss_scale_growth_interval": config.optim.loss_scale_growth_interval,
     }
     optional_positive = {
         "data.micro_batch_size": None if config.data.micro_batch_size == "auto" else config.data.micro_batch_size,
@@ -319,6 +320,8 @@ def validate(config: Config) -> Config:
                           f"{config.optim.name!r}")
     if config.optim.lr <= 0:
         raise ConfigError(f"'optim.lr' must be positive, got {config.optim.lr}")
+    if config.optim.loss_scale_init <= 0:
+        raise ConfigError(f"'optim.loss_scale_init' must be positive, got {config.optim.loss_scale_init}")
     if config.train.collective_timeout_minutes <= 0:
         raise ConfigError("'train.collective_timeout_minutes' must be positive, got "
                           f"{config.train.collective_timeout_minutes}")

@@ -11,6 +11,9 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 FSDP_CONFIGS_DIR = REPO_ROOT / "fsdp_configs"
 
 DType = Literal["bfloat16", "float16", "float32"]
+# auto: bfloat16 on GPUs of compute capability 8.0+, float16 (with loss scaling) on older ones, float32 on a CPU
+# without bf16 units (qlora_fsdp/precision.py); resolved once the device is known
+DTypeChoice = Literal["auto", "bfloat16", "float16", "float32"]
 AttnImplementation = Literal["auto", "sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flex_attention"]
 
 
@@ -18,7 +21,7 @@ AttnImplementation = Literal["auto", "sdpa", "sdpa_varlen", "eager", "flash_atte
 class ModelConfig:
     path: str = "models/tiny-llama"  # a local checkpoint folder, or a hub id where a network is there
     trust_remote_code: bool = False
-    dtype: DType = "bfloat16"  # non-quantized weights (embeddings, norms, lm_head)
+    dtype: DTypeChoice = "auto"  # non-quantized weights (embeddings, norms, lm_head)
     init: Literal["checkpoint", "random"] = "checkpoint"  # random: seeded weights from config.json alone
     # auto: per-sample attention for packed rows (flash_attention_2 on CUDA where flash-attn is installed, else
     # sdpa_varlen), sdpa otherwise. With packing, sdpa and eager score whole rows under a dense block-diagonal
@@ -31,7 +34,7 @@ class ModelConfig:
 class QuantConfig:
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True  # quantize the absmax too: ~0.13 instead of 0.5 extra bit per parameter
-    compute_dtype: DType = "bfloat16"
+    compute_dtype: DTypeChoice = "auto"  # what the 4-bit weights are dequantized to
     blocksize: int = 64
     skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])
 
@@ -116,6 +119,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # cosine/linear decay floor, as a fraction of lr
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr by (effective batch / lr_base_batch)
     lr_base_batch: int | None = None  # the effective batch (rows) that `lr` was tuned for
+    # float16 compute only (a pre-Ampere GPU): the loss is multiplied by a scale that halves when a step's
+    # gradients overflow (the step is skipped) and doubles after this many good steps in a row
+    loss_scale_init: float = 65536.0
+    loss_scale_growth_interval: int = 2000
 
 
 DataFormat = Literal["alpaca", "chat", "sharegpt", "text"]

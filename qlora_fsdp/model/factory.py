@@ -10,10 +10,12 @@ from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.model.build import decoder_layers, load_hf_config
 from qlora_fsdp.model.loading import load_weights, materialize
 from qlora_fsdp.model.sharding import sharded_meta_model
+from qlora_fsdp.precision import describe_device, resolve_dtypes
 
 
 def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftModel:
     """Meta build -> activation checkpointing -> fully_shard -> allocate -> stream and quantize weights."""
+    cfg = resolve_dtypes(cfg, describe_device(info.device))  # `auto` dtypes, if the caller left them
     model = sharded_meta_model(cfg, load_hf_config(cfg), info.mesh, shard)
     offload = shard and cfg.fsdp.cpu_offload  # offload always comes with FSDP (sharding.uses_fsdp)
     materialize(model, info.device, torch.device("cpu") if offload else info.device)

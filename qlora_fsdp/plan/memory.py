@@ -36,8 +36,9 @@ from qlora_fsdp.model.sharding import sharded_meta_model
 from qlora_fsdp.optimizers import OPTIMIZERS
 from qlora_fsdp.plan.batch_size import describe_batch, effective_rows, resolve_batch
 from qlora_fsdp.plan.fake_step import NESTED_BLOCK, cached_step
-from qlora_fsdp.plan.hardware import GPU, GPUS
+from qlora_fsdp.plan.hardware import GPU, GPUS, planned_device
 from qlora_fsdp.plan.step_memory import StepMemory
+from qlora_fsdp.precision import resolve_dtypes
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace: outside the caching allocator
@@ -112,8 +113,14 @@ def planning_mesh(world_size: int, shard_size: int | None = None) -> DeviceMesh:
     return data_parallel_mesh("cpu", world_size, shard_size)
 
 
+def planned_dtypes(cfg: Config) -> Config:
+    """`auto` dtypes as the recipe's hardware resolves them (float16 on a T4, bfloat16 on an RTX 4090)."""
+    return resolve_dtypes(cfg, planned_device(cfg.hardware))
+
+
 def meta_held(cfg: Config, mesh: DeviceMesh) -> Held:
     """Exact bytes from the recipe's model built and sharded as training does it, on the meta device."""
+    cfg = planned_dtypes(cfg)
     return held_bytes(sharded_meta_model(cfg, planning_config(cfg), mesh), cfg)
 
 
@@ -201,6 +208,7 @@ def in_real_world() -> bool:
 
 def step_memory(cfg: Config) -> StepMemory:
     """The recipe's step measured on fake tensors (once per setting: see fake_step.cached_step)."""
+    cfg = planned_dtypes(cfg)
     if in_real_world():
         return _in_fake_world(cfg, step_memory, cfg)
     return cached_step(cfg, planning_config(cfg), planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size))
@@ -280,10 +288,12 @@ def host_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
 def plan(cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
     """The plan for `cfg`, from the bytes its sharded model holds (or a config's with the same shapes) and its
     measured step (measured here unless given)."""
+    cfg = planned_dtypes(cfg)
     step = step if step is not None else step_memory(cfg)
     n = held.base_parameters
     count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    description = f"{count} base parameters, world size {cfg.hardware.world_size}"
+    description = (f"{count} base parameters, world size {cfg.hardware.world_size}, weights {cfg.model.dtype}, "
+                   f"4-bit compute {cfg.quant.compute_dtype}")
     return Plan(gpu_rows(held, cfg, step), host_rows(held, cfg, step), gpu_spec(cfg).memory_gib,
                 cfg.hardware.host_ram_gib, description)
 
@@ -407,6 +417,7 @@ def resolve_run_batch(cfg: Config, model: nn.Module, info: DistInfo) -> Config:
 def report(cfg: Config) -> tuple[str, bool]:
     """The planner's table and verdict for a recipe; (text, fits)."""
     gpu_spec(cfg)  # a mistyped GPU name fails here, before the model is built
+    cfg = planned_dtypes(cfg)
     mesh = planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size)
     held = meta_held(cfg, mesh)
     fits = micro_batch_fits(cfg, held)  # an auto micro-batch where none fits plans 1, to show the misfit

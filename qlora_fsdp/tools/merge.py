@@ -27,6 +27,7 @@ from qlora_fsdp.model.build import build_meta_model, load_hf_config, model_dir
 from qlora_fsdp.model.loading import base_targets, quantize
 from qlora_fsdp.model.names import PEFT_PREFIX
 from qlora_fsdp.model.weight_files import checkpoint_tensors
+from qlora_fsdp.precision import describe_device, resolve_dtypes
 
 
 @dataclass
@@ -115,6 +116,7 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     """Write base + adapter to `out_dir` (which must not exist); returns the number of shards."""
     if cfg.model.init == "random":
         raise ModelLoadError("model.init is random: there are no base weights to merge into")
+    cfg = resolve_dtypes(cfg, describe_device(torch.device(device)))  # `auto` as on the device that merges
     deltas = lora_deltas(adapter_dir)
     hf_config = load_hf_config(cfg)
     quantized = {key for key, target in base_targets(build_meta_model(cfg, hf_config)).items()

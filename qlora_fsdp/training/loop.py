@@ -26,7 +26,9 @@ from qlora_fsdp.errors import TrainingStopped
 from qlora_fsdp.model.activation_offload import ActivationOffloader
 from qlora_fsdp.model.attention import attach_sample_bounds, flattens_packed_rows
 from qlora_fsdp.model.loss import summed_loss
+from qlora_fsdp.precision import uses_loss_scaling
 from qlora_fsdp.training.checkpoints import Checkpointer
+from qlora_fsdp.training.loss_scale import LossScaler
 from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gb, reset_memory_peaks
 from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
 from qlora_fsdp.training.profiling import StepProfiler
@@ -63,11 +65,13 @@ class StepStats:
     samples: float
     skipped: bool
     positions: float = 0.0  # tokens the model ran: real ones and padding
+    loss_scale: float | None = None  # float16 runs: the scale this step's backward used
 
     def record(self) -> dict[str, float]:
         """The fields metrics.jsonl keeps for a step."""
-        return {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "tokens": self.tokens,
-                "target_tokens": self.target_tokens, "positions": self.positions, "skipped": int(self.skipped)}
+        record = {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "tokens": self.tokens,
+                  "target_tokens": self.target_tokens, "positions": self.positions, "skipped": int(self.skipped)}
+        return record if self.loss_scale is None else {**record, "loss_scale": self.loss_scale}
 
 
 @dataclass
@@ -88,6 +92,7 @@ class RunSummary:
     adapter: str | None = None
     profile: str | None = None
     loss_curves: str | None = None
+    overflow_steps: int | None = None  # float16 runs: steps skipped because their gradients overflowed
 
     def as_dict(self) -> dict[str, Any]:
         wall = self.train_runtime_s
@@ -103,6 +108,8 @@ class RunSummary:
         out.update({f"{key}_max_rank": value for key, value in self.memory_peaks_gb.items()})
         if self.stopped_by_signal:
             out["stopped_by_signal"] = True
+        if self.overflow_steps is not None:
+            out["overflow_steps"] = self.overflow_steps
         for key in ("checkpoint", "adapter", "profile", "loss_curves"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -157,15 +164,16 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def backward_micro_batch(model: nn.Module, batch: Batch, device: torch.device, normalizer: float,
-                         forward_loss: ForwardLoss) -> torch.Tensor:
-    """Forward, loss (its share of the step's token-normalized loss) and backward; the detached loss."""
+                         forward_loss: ForwardLoss, loss_factor: float = 1.0) -> torch.Tensor:
+    """Forward, loss (its share of the step's token-normalized loss) and backward of the loss times
+    `loss_factor` (float16's loss scale); the detached, unscaled loss."""
     loss = forward_loss(model, batch, device) / normalizer
-    loss.backward()
+    (loss * loss_factor if loss_factor != 1.0 else loss).backward()
     return loss.detach()
 
 
 def accumulate_gradients(model: nn.Module, micro_batches: list[Batch], device: torch.device,
-                         forward_loss: ForwardLoss | None = None) -> StepResult:
+                         forward_loss: ForwardLoss | None = None, loss_factor: float = 1.0) -> StepResult:
     """Forward and backward every micro-batch; gradients reduce-scatter once, after the last."""
     forward_loss = forward_loss or ForwardLoss()
     n_targets, n_tokens, n_samples, n_positions = all_reduce_sums(
@@ -174,7 +182,8 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[Batch], device: t
     local_loss = 0.0
     for index, batch in enumerate(micro_batches):
         set_gradient_sync(model, index == len(micro_batches) - 1)
-        local_loss += backward_micro_batch(model, batch, device, max(n_targets, 1.0), forward_loss).item()
+        local_loss += backward_micro_batch(model, batch, device, max(n_targets, 1.0), forward_loss,
+                                           loss_factor).item()
     return StepResult(all_reduce_sum(local_loss, device), n_targets, n_tokens, n_samples, n_positions)
 
 
@@ -224,16 +233,20 @@ class Trainer:
         self.mfu_reference = mfu_reference or MfuReference()
         self.memory_peaks: dict[str, float] = {}  # the run's largest, over ranks
         self.forward_loss = ForwardLoss.for_config(cfg, info.device)
+        self.scaler = LossScaler(uses_loss_scaling(cfg), cfg.optim.loss_scale_init,
+                                 cfg.optim.loss_scale_growth_interval)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides weights, optimizer state and RNG (those go through DCP)."""
         return {"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "skipped_steps": self.skipped_steps, "bad_in_a_row": self.bad_in_a_row}
+                "skipped_steps": self.skipped_steps, "bad_in_a_row": self.bad_in_a_row,
+                "loss_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.skipped_steps, self.bad_in_a_row = state["step"], state["skipped_steps"], state["bad_in_a_row"]
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state.get("loss_scaler", {}))  # checkpoints before float16 support have none
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
 
@@ -277,20 +290,25 @@ class Trainer:
                 for units in self.sampler.next_step()]
 
     def train_step(self) -> StepStats:
-        """One optimizer step; a non-finite loss or gradient norm skips the update (the data is consumed)."""
+        """One optimizer step; a non-finite loss or gradient norm skips the update (the data is consumed). Under
+        float16's loss scaling an overflow is expected now and then: the scale backs off, and the step does not
+        count toward max_bad_steps while the scale is still at least 1."""
         micro_batches = self.micro_batches()
-        result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss)
+        scale = self.scaler.factor
+        result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss, scale)
+        self.scaler.unscale_(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
         lr = float(self.scheduler.get_last_lr()[0])  # torch types it float | Tensor; with a float lr it is a float
         finite = math.isfinite(result.loss) and math.isfinite(grad_norm)  # both global: every rank agrees
+        overflow_handled = self.scaler.update(grad_norm) and math.isfinite(result.loss) and scale >= 1.0
         if finite:
             self.optimizer.step()
         self.skipped_steps += not finite
-        self.bad_in_a_row = 0 if finite else self.bad_in_a_row + 1
+        self.bad_in_a_row = 0 if finite or overflow_handled else self.bad_in_a_row + 1
         self.scheduler.step()
         self.optimizer.zero_grad()
         return StepStats(result.loss, lr, grad_norm, result.n_tokens, result.n_targets, result.n_samples, not finite,
-                         result.n_positions)
+                         result.n_positions, scale if self.scaler.enabled else None)
 
     def check_bad_steps(self, stats: StepStats) -> None:
         if self.bad_in_a_row < self.cfg.train.max_bad_steps:
@@ -325,7 +343,8 @@ class Trainer:
                 record["activation_offload_gb"] = offloader.stats.peak_host_bytes / 2**30
                 offloader.reset()
             self.logger.log(record)
-            shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gb")
+            shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu",
+                     "peak_memory_gb")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
             self.check_bad_steps(stats)
             stop = self.stop.requested(self.info.device)
@@ -356,4 +375,5 @@ class Trainer:
         checkpoint = str(self.last_checkpoint) if self.last_checkpoint is not None else None
         return RunSummary(wall, self.step, self.skipped_steps, samples, int(tokens),
                           self.mfu_reference.mfu(tokens / wall), first_eval, final_eval,
-                          self.memory_peaks or self.step_memory(), stopped_by_signal=stopped, checkpoint=checkpoint)
+                          self.memory_peaks or self.step_memory(), stopped_by_signal=stopped, checkpoint=checkpoint,
+                          overflow_steps=self.scaler.overflows if self.scaler.enabled else None)
