@@ -145,7 +145,9 @@ def peak_rss_gib() -> float:
 def run_ours(plan: Plan, out: Path, settings: list[str]) -> dict[str, Any]:
     from qlora_fsdp.api import train
 
-    overrides = [*settings, f"model.path={plan.model}", f"data.path={plan.train}",
+    # bf16 as the peers run (auto would pick float32 on a CPU without bf16 units)
+    overrides = [*settings, "model.dtype=bfloat16", "quant.compute_dtype=bfloat16", f"model.path={plan.model}",
+                 f"data.path={plan.train}",
                  f"data.eval_path={plan.held_out}", "data.eval_samples=100000", "data.packing=true",
                  f"data.context_length={CONTEXT}", f"data.micro_batch_size={plan.rows_per_micro_batch}",
                  f"data.grad_accum_steps={plan.accum_steps}", f"optim.lr={SETTINGS['lr']}",
