@@ -44,7 +44,8 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     """
     cfg = load_config(config, overrides) if isinstance(config, str) else validate(config)
     check_trackers_available(cfg.logging)  # every rank, before anything is read
-    info = info or init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes)
+    info = info or init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes,
+                                    first_collective_timeout_s=cfg.train.first_collective_timeout_s)
     device = describe_device(info.device)
     written, cfg = cfg, resolve_dtypes(cfg, device)  # saved with checkpoints and adapter: what the run computed in
     out_dir = Path(cfg.train.output_dir)

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from qlora_fsdp.errors import CollectiveTimeoutError, ConfigError
+from qlora_fsdp.first_contact import check_first_contact
 from qlora_fsdp.rank_errors import elastic_attempt_store, end_if_peer_failed, forget_store, peer_failed, shared_store
 
 T = TypeVar("T")
@@ -63,10 +64,14 @@ def data_parallel_mesh(device_type: str, world_size: int, shard_size: int | None
                             mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def init_distributed(shard_size: int | None = None, timeout_minutes: float = 60.0) -> DistInfo:
+def init_distributed(shard_size: int | None = None, timeout_minutes: float = 60.0, *,
+                     first_collective_timeout_s: float = 60.0) -> DistInfo:
     """Join the torchrun world, or make a world of one for a plain `python` run; `shard_size` as in
     data_parallel_mesh. A collective fails after `timeout_minutes` (train.collective_timeout_minutes): torch's
-    default, 30 minutes (10 for NCCL alone), can stop ranks that wait while rank 0 tokenizes a large dataset."""
+    default, 30 minutes (10 for NCCL alone), can stop ranks that wait while rank 0 tokenizes a large dataset.
+    A group made here is first checked with one all-reduce that must finish in `first_collective_timeout_s`
+    (train.first_collective_timeout_s), before any weight is read: a broken GPU link fails in a minute, not an
+    hour (qlora_fsdp.first_contact)."""
     global _timeout_minutes
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -87,6 +92,7 @@ def init_distributed(shard_size: int | None = None, timeout_minutes: float = 60.
         else:
             dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        check_first_contact(device, first_collective_timeout_s)
     world_size = dist.get_world_size()
     mesh = data_parallel_mesh(device.type, world_size, shard_size)
     return DistInfo(dist.get_rank(), local_rank, world_size, device, mesh)

@@ -78,7 +78,8 @@ def to_yaml(config: Config) -> str:
 
 
 # how a run starts or is observed, not what it computes (a trailing dot: the whole section)
-RUN_CONTROL_KEYS = ("train.resume", "train.overwrite", "train.collective_timeout_minutes", "logging.", "profile.")
+RUN_CONTROL_KEYS = ("train.resume", "train.overwrite", "train.collective_timeout_minutes",
+                    "train.first_collective_timeout_s", "logging.", "profile.")
 
 
 def changed_settings(saved_yaml: str, config: Config) -> list[str]:
@@ -325,6 +326,9 @@ def validate(config: Config) -> Config:
     if config.train.collective_timeout_minutes <= 0:
         raise ConfigError("'train.collective_timeout_minutes' must be positive, got "
                           f"{config.train.collective_timeout_minutes}")
+    if config.train.first_collective_timeout_s <= 0:
+        raise ConfigError("'train.first_collective_timeout_s' must be positive, got "
+                          f"{config.train.first_collective_timeout_s}")
     _validate_batch(config)
     _validate_warmup(config)
     _validate_compile(config)

@@ -184,6 +184,8 @@ class TrainConfig:
     resume: str = "never"  # never | auto (latest complete checkpoint in output_dir, if any) | a checkpoint folder
     max_bad_steps: int = 5  # steps in a row with non-finite loss or gradients before the run stops
     collective_timeout_minutes: float = 60.0  # a rank waiting for the others (rank 0 tokenizing) stops after this
+    # the first all-reduce, at start-up, must finish within this: broken GPU peer-to-peer access hangs it for good
+    first_collective_timeout_s: float = 60.0
     # torch.compile each decoder layer: the graph breaks at the 4-bit matmuls and the rest (norms, rotary,
     # LoRA glue, activations, residuals) is fused: steps about 10% faster on CPU after a compile of about 50 s
     # (docs/benchmarks.md), so it pays off on longer runs. On CPU it needs a C++ compiler

@@ -89,7 +89,8 @@ def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None =
     """The recipe's base in 4-bit with the adapter's weights, sharded and offloaded as training does it (see
     `sampling_config`); without an adapter, LoRA stays at its zero init, so replies are the base model's."""
     cfg = sampling_config(cfg, offload)
-    info = init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes)
+    info = init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes,
+                            first_collective_timeout_s=cfg.train.first_collective_timeout_s)
     note_unsharded_fallback(cfg, info)
     model = build_model(cfg, info, shard=True)  # unsharded where uses_fsdp says so (one process, no offload)
     tokenizer = load_tokenizer(cfg)
