@@ -30,12 +30,13 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("optimizer steps once per micro-batch", "qlora_fsdp/training/loop.py",
-             "        result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss)\n",
+             "        result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss, "
+             "scale)\n",
              "        for batch in micro_batches[:-1]:\n"
-             "            accumulate_gradients(self.model, [batch], self.info.device, self.forward_loss)\n"
+             "            accumulate_gradients(self.model, [batch], self.info.device, self.forward_loss, scale)\n"
              "            self.optimizer.step()\n"
              "        result = accumulate_gradients(self.model, micro_batches[-1:], self.info.device,\n"
-             "                                      self.forward_loss)\n",
+             "                                      self.forward_loss, scale)\n",
              "tests/test_numerics.py::test_train_step_is_one_optimizer_update"),
     Mutation("quantize with blocksize 128", "qlora_fsdp/model/loading.py", "        blocksize=quant.blocksize,\n",
              "        blocksize=128,\n", "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
@@ -84,6 +85,14 @@ MUTATIONS = [
              "        self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()\n",
              "        self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()[:-1]\n",
              "tests/test_attention.py::test_training_loss_and_gradients_of_a_packed_batch_are_the_same_under_every_kernel"),
+    Mutation("a tied head left untied after to_empty", "qlora_fsdp/model/loading.py", "    retie(tied)\n", "",
+             "tests/test_tied_weights.py::test_tied_model_loads_as_one_tensor_with_transformers_loss"),
+    Mutation("float16 gradients not unscaled", "qlora_fsdp/training/loop.py",
+             "        self.scaler.unscale_(self.model)\n", "",
+             "tests/test_precision.py::test_float16_overflow_is_skipped_backs_off_and_resumes_bit_identically"),
+    Mutation("the loss scale not restored on resume", "qlora_fsdp/training/loop.py",
+             "        self.scaler.load_state_dict(state.get(\"loss_scaler\", {}))", "        pass",
+             "tests/test_precision.py::test_float16_overflow_is_skipped_backs_off_and_resumes_bit_identically"),
 ]
 
 
