@@ -25,7 +25,10 @@ REPORTED = {
     "NVIDIA RTX 6000 Ada Generation": "rtx6000ada",
     "Quadro RTX 6000": None,  # Turing, not the Ada card
     "NVIDIA RTX A6000": None,
-    "Tesla T4": None,
+    "Tesla T4": "t4",  # Turing: no bf16, so `auto` trains in float16
+    "Tesla V100-SXM2-16GB": "v100-16gb",
+    "Tesla V100-PCIE-16GB": "v100-16gb",
+    "Tesla V100-SXM2-32GB": None,  # another memory size: not the 16 GB entry
 }
 
 

@@ -43,7 +43,7 @@ def test_explicit_dtypes_are_kept_and_the_planner_resolves_for_the_recipes_gpu()
     resolved = resolve_dtypes(cfg, DeviceDescription("cuda", (7, 5)))
     assert (resolved.model.dtype, resolved.quant.compute_dtype) == ("float32", "float16")
     assert planned_device(HardwareConfig(gpu="t4")).auto_dtype() == "float16"
-    assert planned_device(HardwareConfig(gpu="v100")).auto_dtype() == "float16"
+    assert planned_device(HardwareConfig(gpu="v100-16gb")).auto_dtype() == "float16"
     assert planned_device(HardwareConfig(gpu="rtx4090")).auto_dtype() == "bfloat16"
 
 

@@ -39,7 +39,7 @@ GPUS = {
     # T4: NVIDIA's T4 datasheet (65 TFLOP/s fp16 tensor; 16 GB GDDR6, nvidia-smi's 15,360 MiB), compute capability
     # 7.5 (Kaggle's and Colab's free GPUs). V100: NVIDIA's V100 datasheet, SXM2 16 GB (125 TFLOP/s fp16), capability 7.0
     "t4": GPU(15.0, 65.0, bf16=False),
-    "v100": GPU(15.8, 125.0, bf16=False),
+    "v100-16gb": GPU(15.8, 125.0, bf16=False),
     "cpu": GPU(math.inf, 0.0),
 }
 # words of torch.cuda.get_device_name -> table key, most specific first; whole words, since "L4" is inside
@@ -47,7 +47,8 @@ GPUS = {
 NAME_HINTS = ((("H100", "NVL"), "h100-nvl"), (("H100", "PCIE"), "h100-pcie"), (("H100",), "h100"),
               (("H200",), "h200"), (("A100", "80GB"), "a100-80gb"), (("A100",), "a100-40gb"),
               (("L40S",), "l40s"), (("L40",), "l40"), (("L4",), "l4"), (("4090",), "rtx4090"),
-              (("3090",), "rtx3090"), (("6000", "ADA"), "rtx6000ada"), (("T4",), "t4"), (("V100",), "v100"))
+              (("3090",), "rtx3090"), (("6000", "ADA"), "rtx6000ada"), (("T4",), "t4"),
+              (("V100", "16GB"), "v100-16gb"))
 
 
 def gpu_key(device_name: str) -> str | None:
