@@ -27,9 +27,9 @@ def inject_nan(steps: set[int]) -> None:
     original = trainer_module.accumulate_gradients
     calls = [0]
 
-    def poisoned(model, micro_batches, device, forward_loss):  # noqa: ANN001, ANN202
+    def poisoned(model, micro_batches, device, forward_loss, loss_factor=1.0):  # noqa: ANN001, ANN202
         calls[0] += 1
-        result = original(model, micro_batches, device, forward_loss)
+        result = original(model, micro_batches, device, forward_loss, loss_factor)
         if calls[0] in steps:
             for param in model.parameters():
                 if param.grad is not None:
@@ -58,11 +58,11 @@ def user_error_at_step(step: int, rank: int) -> None:
     original = trainer_module.accumulate_gradients
     calls = [0]
 
-    def failing(model, micro_batches, device, forward_loss):  # noqa: ANN001, ANN202
+    def failing(model, micro_batches, device, forward_loss, loss_factor=1.0):  # noqa: ANN001, ANN202
         calls[0] += 1
         if calls[0] == step and int(os.environ["RANK"]) == rank:
             raise DataError(f"injected user error on rank {rank} at step {step}")
-        return original(model, micro_batches, device, forward_loss)
+        return original(model, micro_batches, device, forward_loss, loss_factor)
 
     trainer_module.accumulate_gradients = failing
 

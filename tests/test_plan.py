@@ -168,7 +168,8 @@ def test_70b_plans_from_config_json_alone(tmp_path, no_peer_plans):
     assert 2.5 < activations < 8  # at least the 80 layers' checkpointed inputs: 80 x 2048 x 8192 x 2 bytes
 
     hsdp = lines[len(rows) + 4:]
-    assert hsdp[0].endswith("on 16 x rtx4090 (24 GiB): 70.55B base parameters, world size 16")
+    assert hsdp[0].endswith("on 16 x rtx4090 (24 GiB): 70.55B base parameters, world size 16, weights bfloat16, "
+                            "4-bit compute bfloat16")  # auto, resolved for the recipe's GPU
     shard_row = next(line for line in hsdp if line.startswith("| 4-bit base weights"))
     h, kv, inter, layers = 8192, 1024, 28672, 80  # model_configs/llama-3.1-70b
     packed_bytes = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) / 2  # two 4-bit values a byte

@@ -25,6 +25,7 @@ def step_config(model_dir: Path, context: int, accumulation: int, *overrides: st
     """tiny_cpu's training setup (NF4, LoRA r=16 on every linear, paged 8-bit AdamW, packed rows, bf16) on a
     random-weight model, rank 0 of 2."""
     return load_config("tiny_cpu", [f"model.path={model_dir}", "model.init=random", "hardware.gpus_per_node=2",
+                                    "model.dtype=bfloat16", "quant.compute_dtype=bfloat16",  # as on a GPU
                                     "data.micro_batch_size=1", f"data.context_length={context}",
                                     f"data.grad_accum_steps={accumulation}", *overrides])
 
