@@ -4,6 +4,7 @@ bit-identical (the scaler's state is in the checkpoint)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,10 +14,13 @@ import torch
 
 from qlora_fsdp.cli import main
 from qlora_fsdp.config import Config, HardwareConfig
+from qlora_fsdp.distributed import cleanup
 from qlora_fsdp.plan.hardware import planned_device
+from qlora_fsdp.plan.memory import meta_held, planning_mesh
 from qlora_fsdp.precision import DeviceDescription, cpu_has_bf16, resolve_dtypes, uses_loss_scaling
 from qlora_fsdp.training import loop
 from qlora_fsdp.training.loss_scale import LossScaler
+from tests.helpers import tiny_config
 
 AUTO = {
     DeviceDescription("cuda", (9, 0)): "bfloat16",  # H100
@@ -45,6 +49,20 @@ def test_explicit_dtypes_are_kept_and_the_planner_resolves_for_the_recipes_gpu()
     assert planned_device(HardwareConfig(gpu="t4")).auto_dtype() == "float16"
     assert planned_device(HardwareConfig(gpu="v100-16gb")).auto_dtype() == "float16"
     assert planned_device(HardwareConfig(gpu="rtx4090")).auto_dtype() == "bfloat16"
+
+
+def test_the_planner_counts_the_bytes_of_the_dtypes_auto_picks(tiny_model_dir):
+    """Embeddings, norms and head in 2 bytes on a T4 (float16) and an RTX 4090 (bfloat16), in float32's 4 on a
+    CPU without bf16 units."""
+    cfg = tiny_config(tiny_model_dir, model={"dtype": "auto"}, quant={"compute_dtype": "auto"})
+    try:
+        mesh = planning_mesh(1)
+        other = {gpu: meta_held(dataclasses.replace(cfg, hardware=HardwareConfig(gpu=gpu)), mesh).other_base
+                 for gpu in ("t4", "rtx4090", "cpu")}
+    finally:
+        cleanup()
+    assert other["t4"] == other["rtx4090"] > 0
+    assert other["cpu"] == other["t4"] * (1 if cpu_has_bf16() else 2)
 
 
 def test_cpu_bf16_units_are_read_from_the_flags():
