@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import bitsandbytes as bnb
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qlora_fsdp.api import train
 from qlora_fsdp.data.pipeline import load_dataset
@@ -24,7 +23,7 @@ from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.training.loop import evaluate
-from tests.helpers import REPO, run_ranks_sequence, tiny_config
+from tests.helpers import REPO, run_ranks_sequence, tiny_config, transformers_nf4
 
 pytestmark = pytest.mark.slow  # ranks on gloo
 
@@ -68,12 +67,7 @@ def fine_tune(info, cfg) -> dict:
 
 def transformers_loss(model_dir: Path, cfg) -> float:
     """transformers + bitsandbytes' own NF4 load, none of our loading code, on the same held-out records."""
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, dtype=torch.float32)
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False  # the kernel training uses (DESIGN.md, CPU eval trap)
+    model = transformers_nf4(model_dir)
     total, n_targets = 0.0, 0
     with torch.no_grad():
         for sample in eval_samples(cfg):

@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import bitsandbytes as bnb
 import pytest
 import torch
 from peft import PeftModel
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qlora_fsdp.api import train
 from qlora_fsdp.data.templates import prompt_ids
@@ -26,7 +25,14 @@ from qlora_fsdp.plan.memory import held_bytes, nbytes
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.training.loop import loss_sum
-from tests.helpers import batches, build_tiny_checkpoint, run_ranks_sequence, tiny_config, variable_length_samples
+from tests.helpers import (
+    batches,
+    build_tiny_checkpoint,
+    run_ranks_sequence,
+    tiny_config,
+    transformers_nf4,
+    variable_length_samples,
+)
 
 pytestmark = pytest.mark.slow  # every test loads on gloo ranks
 
@@ -88,16 +94,6 @@ def planned(info, cfg) -> tuple[int, int]:
     return held_bytes(model, cfg).other_base, nbytes(shard) + others
 
 
-def transformers_4bit(model_dir: Path) -> AutoModelForCausalLM:
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.uint8)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, dtype=torch.float32)
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False  # the kernel training uses (DESIGN.md, CPU eval trap)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory):
     """A tiny Llama-shaped model whose head is its embeddings (the qwen2 family ties them), a batch, a prompt."""
@@ -133,7 +129,7 @@ def runs(tied):
 def test_tied_model_loads_as_one_tensor_with_transformers_loss(tied, runs, world_size):
     _, model_dir, _, batch, _ = tied
     with torch.no_grad():
-        reference = loss_sum(transformers_4bit(model_dir), batch, torch.device("cpu")).item() / batch.n_targets
+        reference = loss_sum(transformers_nf4(model_dir), batch, torch.device("cpu")).item() / batch.n_targets
     losses = runs[world_size][0]
     for name, (is_one, loss) in losses.items():
         assert is_one, name
@@ -153,7 +149,7 @@ def test_one_process_trains_resumes_and_exports_a_tied_model(tied, runs):
     assert straight["eval_loss_end"] < straight["eval_loss_start"]
     assert resumed["eval_loss_end"] == pytest.approx(straight["eval_loss_end"], rel=1e-6)
     # PEFT loads the exported adapter onto transformers' own 4-bit tied model: the live model's logits
-    peft_model = PeftModel.from_pretrained(transformers_4bit(model_dir), root / "ws1" / "straight" / "adapter")
+    peft_model = PeftModel.from_pretrained(transformers_nf4(model_dir), root / "ws1" / "straight" / "adapter")
     assert one_tensor(peft_model)
     with torch.no_grad():
         theirs = peft_model(input_ids=ids).logits
