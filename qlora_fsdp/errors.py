@@ -1,13 +1,10 @@
-"""User-facing errors: each message is one actionable line; train.py prints it and exits non-zero.
+"""User-facing errors: each message is one actionable line; the commands print it and exit non-zero
+(qlora_fsdp.commands.exit).
 
 Kept free of heavy imports so a bad recipe is reported before torch or bitsandbytes load.
 """
 
 from __future__ import annotations
-
-import os
-import sys
-from collections.abc import Callable
 
 
 class UserError(Exception):
@@ -46,55 +43,3 @@ def first_line(err: BaseException) -> str:
     """An exception's message cut to its first line (its type's name if it has none): for one-line errors."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-def run_command(body: Callable[[], int]) -> int:
-    """A command-line entry point's body; a UserError becomes one `error: ...` line on stderr and exit code 2.
-
-    In a multi-rank run the line is printed once, every rank exits 2 without a traceback, and a rank whose
-    collective failed because a peer raised one ends the same way (qlora_fsdp.rank_errors)."""
-    if in_multi_rank_run():
-        from qlora_fsdp.rank_errors import install_sigterm_handler
-
-        install_sigterm_handler()
-    try:
-        return body()
-    except UserError as err:
-        line = f"error: {err}"
-        finish_progress_bars()
-        if in_multi_rank_run():
-            from qlora_fsdp.rank_errors import end_with_user_error
-
-            end_with_user_error(line)
-        print(line, file=sys.stderr)
-        close_process_group()
-        return 2
-    except Exception:
-        if in_multi_rank_run():
-            from qlora_fsdp.rank_errors import end_if_peer_failed
-
-            end_if_peer_failed()  # returns when no peer published a user error: then the error is ours
-        raise
-
-
-def in_multi_rank_run() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def close_process_group() -> None:
-    """A world of one leaves no group behind after an error (in-process callers may start another run)."""
-    if "torch.distributed" in sys.modules:
-        import torch.distributed as dist
-
-        from qlora_fsdp.rank_errors import forget_store
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        forget_store()
-
-
-def finish_progress_bars() -> None:
-    """End this process's progress bars with their line, so the error starts a line of its own."""
-    tqdm = sys.modules.get("tqdm")
-    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", [])):
-        bar.close()

@@ -1,4 +1,6 @@
-"""train.py with an injected fault, for the resume tests (runs under torchrun like train.py).
+"""train.py with an injected fault, for the resume and rank-error tests: under torchrun like train.py, or in the
+test session's rank pool through `main_with_faults` (each injection is undone when the run ends, since the pool's
+processes serve other tests next).
 
     torchrun ... tests/fault_run.py --nan-steps 3,4 -- --recipe tiny_cpu key=value ...
     torchrun ... tests/fault_run.py --die-saving 4 -- --recipe tiny_cpu key=value ...
@@ -12,17 +14,29 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
 import qlora_fsdp.training.checkpoints as checkpoint_module
 import qlora_fsdp.training.loop as trainer_module
-from qlora_fsdp.cli import main
+from qlora_fsdp.commands.train import main
 from qlora_fsdp.errors import DataError
 
 
-def inject_nan(steps: set[int]) -> None:
+@contextmanager
+def patched(module: object, name: str, replacement: object) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def inject_nan(steps: set[int]) -> ExitStack:
     """Poison the gradients and loss of the given optimizer steps (counted from this process's start)."""
     original = trainer_module.accumulate_gradients
     calls = [0]
@@ -37,10 +51,10 @@ def inject_nan(steps: set[int]) -> None:
             result.loss = math.nan
         return result
 
-    trainer_module.accumulate_gradients = poisoned
+    return _patches((trainer_module, "accumulate_gradients", poisoned))
 
 
-def die_while_saving(step: int) -> None:
+def die_while_saving(step: int) -> ExitStack:
     """Kill rank 0 hard after the checkpoint's data is written but before it is committed."""
     original = checkpoint_module.write_synced
 
@@ -49,25 +63,25 @@ def die_while_saving(step: int) -> None:
             os._exit(9)
         original(path, text)
 
-    checkpoint_module.write_synced = deadly
+    return _patches((checkpoint_module, "write_synced", deadly))
 
 
-def user_error_at_step(step: int, rank: int) -> None:
-    """One rank raises a user error at the start of an optimizer step, while its peer enters the step's
-    collectives (a bad record met mid-run, say)."""
+def user_error_at_step(step: int, rank: int | None) -> ExitStack:
+    """One rank (every rank with rank=None) raises a user error at the start of an optimizer step, while its peer
+    enters the step's collectives (a bad record met mid-run, say)."""
     original = trainer_module.accumulate_gradients
     calls = [0]
 
     def failing(model, micro_batches, device, forward_loss, loss_factor=1.0):  # noqa: ANN001, ANN202
         calls[0] += 1
-        if calls[0] == step and int(os.environ["RANK"]) == rank:
+        if calls[0] == step and rank in (None, int(os.environ["RANK"])):
             raise DataError(f"injected user error on rank {rank} at step {step}")
         return original(model, micro_batches, device, forward_loss, loss_factor)
 
-    trainer_module.accumulate_gradients = failing
+    return _patches((trainer_module, "accumulate_gradients", failing))
 
 
-def disk_full_saving(step: int) -> None:
+def disk_full_saving(step: int) -> ExitStack:
     """Rank 0's checkpoint write fails the way torch.save's zip writer fails on a full disk, inside DCP."""
     original_save, original_write = checkpoint_module.Checkpointer.save, dcp_filesystem._write_item
     saving = [0]
@@ -81,8 +95,23 @@ def disk_full_saving(step: int) -> None:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 5184 vs 5078")
         return original_write(*args, **kwargs)
 
-    checkpoint_module.Checkpointer.save = save
-    dcp_filesystem._write_item = write_item
+    return _patches((checkpoint_module.Checkpointer, "save", save), (dcp_filesystem, "_write_item", write_item))
+
+
+def _patches(*replacements: tuple[object, str, object]) -> ExitStack:
+    """Applied at once; closing the stack undoes them."""
+    stack = ExitStack()
+    for module, name, replacement in replacements:
+        stack.enter_context(patched(module, name, replacement))
+    return stack
+
+
+def main_with_faults(argv: list[str], *faults: ExitStack) -> int:
+    """train.py's main with the given injections, undone afterwards."""
+    with ExitStack() as stack:
+        for fault in faults:
+            stack.enter_context(fault)
+        return main(argv)
 
 
 if __name__ == "__main__":
@@ -93,12 +122,13 @@ if __name__ == "__main__":
     parser.add_argument("--on-rank", type=int, default=1)
     parser.add_argument("--disk-full-saving", type=int)
     args, rest = parser.parse_known_args()
+    faults = []
     if args.nan_steps:
-        inject_nan({int(s) for s in args.nan_steps.split(",")})
+        faults.append(inject_nan({int(s) for s in args.nan_steps.split(",")}))
     if args.die_saving:
-        die_while_saving(args.die_saving)
+        faults.append(die_while_saving(args.die_saving))
     if args.user_error_step:
-        user_error_at_step(args.user_error_step, args.on_rank)
+        faults.append(user_error_at_step(args.user_error_step, args.on_rank))
     if args.disk_full_saving:
-        disk_full_saving(args.disk_full_saving)
-    sys.exit(main([a for a in rest if a != "--"]))
+        faults.append(disk_full_saving(args.disk_full_saving))
+    sys.exit(main_with_faults([a for a in rest if a != "--"], *faults))

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import gc
+import io
 import os
-import socket
 import sys
-import traceback
 from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Sample, collate
 from qlora_fsdp.data.pipeline import load_dataset
-from qlora_fsdp.distributed import cleanup, init_distributed, init_fake_distributed
 from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
+from tests.rank_pool import free_port, retire_this_worker, session_pool
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,53 +102,6 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return float(diff / ref)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple, fake: bool) -> None:
-    """One rank: run fn, save its result, tear down in step with the other ranks, and leave without interpreter
-    finalization.
-
-    A rank once aborted after its work with "terminate called without an active exception" (both ranks, one run
-    in many; not reproduced in 40 reruns under load). libstdc++ prints that when std::terminate runs with no
-    exception in flight: a joinable std::thread destroyed, or a C++ thread force-unwound because it took the GIL
-    after Python began finalizing (torch's destroy_process_group guards one such case). So: models and hooks are
-    freed while Python is whole, ranks destroy the group together, and the process ends with os._exit once its
-    result file is written, so no C++ destructor runs against a finalizing interpreter."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    code = 1
-    try:
-        info = init_fake_distributed(world_size, torch.device("cpu")) if fake else init_distributed()
-        result = fn(info, *args)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-        del result
-        gc.collect()
-        code = 0
-        if not fake:
-            _barrier_before_teardown()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        cleanup()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _barrier_before_teardown() -> None:
-    """No rank destroys the group while another still uses it; best effort, since some tests make the ranks
-    part ways on purpose (a timeout test leaves one rank behind) and their results are already written."""
-    try:
-        dist.barrier()
-    except RuntimeError:
-        pass
-
-
 def _in_sequence(info: Any, calls: list[tuple[Callable, tuple]]) -> list[Any]:
     return [fn(info, *args) for fn, args in calls]
 
@@ -166,24 +117,80 @@ def run_ranks_sequence(calls: list[tuple[Callable, tuple]], world_size: int, tmp
 def run_ranks(
     fn: Callable, world_size: int, *args: Any, tmp_dir: Path, timeout: float = 300, fake: bool = False
 ) -> list[Any]:
-    """Run fn(info, *args) on `world_size` fresh gloo ranks; return each rank's result.
+    """Run fn(info, *args) on `world_size` gloo ranks of the session's pool (tests/rank_pool.py: workers that
+    imported everything once); return each rank's result.
 
     With fake=True, one process acts as rank 0 of a fake world of `world_size` (collectives do nothing)."""
-    ctx = mp.get_context("spawn")
-    out_dir = Path(tmp_dir) / f"ranks_{fn.__name__}_{_free_port()}"
+    out_dir = Path(tmp_dir) / f"ranks_{fn.__name__}_{free_port()}"
     out_dir.mkdir(parents=True)
-    port = _free_port()
-    n_procs = 1 if fake else world_size
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, str(out_dir), args, fake))
-             for r in range(n_procs)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * n_procs, f"rank exit codes {codes}"
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(n_procs)]
+    return session_pool().run(fn, world_size, args, out_dir, fake, timeout)
 
+
+@dataclass
+class CliResult:
+    """What `python train.py ...` would have returned and printed, from a call of cli.main in a pool rank."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class _RankExit(BaseException):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+def _raise_rank_exit(code: int) -> NoReturn:
+    raise _RankExit(code)
+
+
+def cli_in_rank(info: Any, argv: list[str], faults: tuple[tuple[str, tuple], ...] = ()) -> CliResult:
+    """train.py's main in this rank, with tests/fault_run.py's injections named in `faults` ((name, args) pairs,
+    built here, in the rank's process) and undone after.
+
+    A rank that ends a multi-rank run with a user error leaves the process at once (rank_errors.exit_now); here
+    that exit becomes the result's code, and the worker, whose process group is left as such a rank leaves it,
+    is retired after this task."""
+    import qlora_fsdp.rank_errors as rank_errors
+    from tests import fault_run
+
+    out, err = io.StringIO(), io.StringIO()
+    injections = [getattr(fault_run, name)(*args) for name, args in faults]
+    injections.append(fault_run._patches((rank_errors, "exit_now", _raise_rank_exit)))
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = fault_run.main_with_faults(argv, *injections)
+        except _RankExit as exit_:
+            code = exit_.code
+            retire_this_worker()
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def run_cli(argv: list[str], world_size: int, tmp_dir: Path,
+            faults: tuple[tuple[str, tuple], ...] = ()) -> list[CliResult]:
+    """`torchrun --nproc_per_node world_size train.py argv...` without torchrun: the same main on pool ranks."""
+    return run_ranks(cli_in_rank, world_size, [str(a) for a in argv], faults, tmp_dir=tmp_dir)
+
+
+def train_here(argv: list[str]) -> CliResult:
+    """`python train.py argv...` run in this process (train.py is that one call; test_end_to_end runs the file)."""
+    from qlora_fsdp.commands.train import main
+
+    return command_here(main, argv)
+
+
+def command_here(main: Callable[[list[str]], int], argv: list[str], stdin: str | None = None) -> CliResult:
+    """A command's main (qlora_fsdp.commands) run in this process as its console entry point would run it."""
+    out, err, environ, real_stdin = io.StringIO(), io.StringIO(), dict(os.environ), sys.stdin
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            if stdin is not None:
+                sys.stdin = io.StringIO(stdin)
+            code = main([str(a) for a in argv])
+        except SystemExit as exit_:  # argparse's own errors and --help
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        finally:  # a world of one sets RANK, WORLD_SIZE, MASTER_PORT: not for the tests that follow
+            sys.stdin = real_stdin
+            os.environ.clear()
+            os.environ.update(environ)
+    return CliResult(code, out.getvalue(), err.getvalue())

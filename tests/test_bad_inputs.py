@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.cli import main
+from qlora_fsdp.commands.train import main
 from tests.helpers import REPO
 
 Setup = Callable[[Path, Path], list[str]]  # (this case's folder, the tiny model) -> extra train.py arguments

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from qlora_fsdp.config import load_config
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.plan.hardware import GPUS
-from tests.helpers import REPO
+from tests.helpers import REPO, CliResult, train_here
 
 
-def run_train(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+def run_train(*args: str) -> CliResult:
+    return train_here(list(args))
 
 
 def test_overrides_are_typed_and_win_over_the_recipe():
@@ -34,7 +30,6 @@ def test_recipe_path_and_fsdp_preset():
     assert cfg.fsdp.cpu_offload is False  # an explicit key beats the preset
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("override, expected", [
     ("optim.lrr=3e-4", "unknown key 'optim.lrr' in the command-line overrides; did you mean 'optim.lr'?"),
     ("optim.name=sgd", "'optim.name' must be one of 'paged_adamw_8bit', 'adamw_8bit', 'adamw', got 'sgd'"),
@@ -54,7 +49,6 @@ def test_bad_overrides_fail_in_one_line(override, expected):
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
 
 
-@pytest.mark.slow
 def test_missing_recipe_names_the_nearest():
     result = run_train("--recipe", "tiny_cpuu")
     assert result.returncode == 2
@@ -99,14 +93,12 @@ def test_collective_timeout_takes_fractions_of_a_minute_and_must_be_positive():
         load_config("tiny_cpu", ["train.collective_timeout_minutes=0"])
 
 
-@pytest.mark.slow
 def test_print_config_shows_the_resolved_values():
     result = run_train("--recipe", "tiny_cpu", "optim.lr=0.5", "--print-config")
     assert result.returncode == 0
     assert "lr: 0.5" in result.stdout and "cpu_offload: false" in result.stdout
 
 
-@pytest.mark.slow
 def test_resume_flag_with_or_without_a_checkpoint():
     latest = run_train("--recipe", "tiny_cpu", "--resume", "optim.lr=0.5", "--print-config")  # an override follows
     assert latest.returncode == 0 and "resume: auto" in latest.stdout and "lr: 0.5" in latest.stdout

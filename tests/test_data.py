@@ -223,7 +223,10 @@ def count_tokenizations(info, cfg, data_cfg):
     calls = []
     original = data_module.encode
     data_module.encode = lambda *args: calls.append(1) or original(*args)
-    data = load_dataset(load_tokenizer(cfg), data_cfg, 0, info)
+    try:
+        data = load_dataset(load_tokenizer(cfg), data_cfg, 0, info)
+    finally:
+        data_module.encode = original  # the pool's worker serves other tests next
     return len(calls), data.train["input_ids"]
 
 

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from qlora_fsdp.distributed import barrier, cleanup, decide_on_main, init_distributed
-from tests.helpers import _free_port, run_ranks
+from tests.helpers import run_ranks
+from tests.rank_pool import free_port
 
 pytestmark = pytest.mark.slow  # every test runs gloo ranks
 
@@ -37,7 +38,7 @@ def wait_for_a_busy_rank_0(info, port: int, where: str) -> tuple[str, str] | Non
 
 @pytest.mark.parametrize("where", ["barrier", "decide_on_main"])
 def test_a_collective_timeout_names_the_key_in_one_line(tmp_path, where):
-    waited = run_ranks(wait_for_a_busy_rank_0, 2, _free_port(), where, tmp_dir=tmp_path)[1]
+    waited = run_ranks(wait_for_a_busy_rank_0, 2, free_port(), where, tmp_dir=tmp_path)[1]
     assert waited is not None, "rank 1 should have stopped waiting"
     kind, message = waited
     assert kind == "CollectiveTimeoutError" and "\n" not in message

@@ -1,4 +1,5 @@
-"""The real entry points: torchrun with 2 ranks (the demo), torchrun with 1, plain python, folder safety."""
+"""The real entry points: torchrun with 2 ranks (the demo), torchrun with 1, plain python; and refusals before
+any work (in this process: what train.py prints is cli.main's)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
-
-pytestmark = pytest.mark.slow  # every test runs train.py or torchrun
+from tests.helpers import REPO, train_here
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
@@ -54,6 +53,7 @@ def eval_losses(out_dir: Path) -> list[float]:
     return [r["eval_loss"] for r in records if "eval_loss" in r]
 
 
+@pytest.mark.slow
 def test_demo_recipe_learns(tmp_path, demo_model_dir):
     """The tiny_cpu recipe as `make demo` runs it, for 60 of its 150 steps: held-out loss falls by 30% or more.
     With activation offload on (numbers unchanged; the long-context recipes train so)."""
@@ -96,6 +96,7 @@ def init(**kwargs):
 """
 
 
+@pytest.mark.slow
 def test_plain_python_single_rank_torchrun_and_the_python_api_are_one_run(tmp_path, tiny_model_dir):
     """The same world size, seed and data give the same run, whichever way it is started; the plain python run
     also writes a profiler trace, the loss-curve PNG, and feeds a (stand-in) W&B tracker."""
@@ -138,8 +139,8 @@ def test_missing_tracker_package_is_a_one_line_error(tmp_path, tiny_model_dir):
     if importlib.util.find_spec("tensorboard") is not None:
         pytest.skip("tensorboard is installed here; the check is for machines without it")
     out = tmp_path / "run"
-    result = run([sys.executable, "train.py", "--recipe", "tiny_cpu", f"model.path={tiny_model_dir}",
-                  f"train.output_dir={out}", "logging.tensorboard=true"], timeout=200)
+    result = train_here(["--recipe", "tiny_cpu", f"model.path={tiny_model_dir}", f"train.output_dir={out}",
+                         "logging.tensorboard=true"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: logging.tensorboard: true needs the tensorboard package: pip install tensorboard (or turn it off)")
@@ -150,8 +151,7 @@ def test_existing_output_folder_is_refused(tmp_path, tiny_model_dir):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    result = run([sys.executable, "train.py", "--recipe", "tiny_cpu", f"model.path={tiny_model_dir}",
-                  f"train.output_dir={out}"], timeout=200)
+    result = train_here(["--recipe", "tiny_cpu", f"model.path={tiny_model_dir}", f"train.output_dir={out}"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: output folder {out} already exists")
     assert (out / "precious.txt").read_text() == "keep me" and sorted(p.name for p in out.iterdir()) == ["precious.txt"]

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 import qlora_fsdp.first_contact as first_contact
+from qlora_fsdp.commands.exit import run_command
 from qlora_fsdp.config import changed_settings, load_config, to_yaml
 from qlora_fsdp.distributed import cleanup, init_distributed
-from qlora_fsdp.errors import ConfigError, run_command
+from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.first_contact import FirstCollectiveError, GpuReport, format_gpu_report, from_record
 
 REPO = Path(__file__).resolve().parent.parent

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from qlora_fsdp.commands.generate import main as generate_main
+from qlora_fsdp.commands.merge import main as merge_main
 from qlora_fsdp.config import to_yaml
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.model.adapter import config_for_adapter, export_adapter
@@ -20,9 +18,8 @@ from qlora_fsdp.model.build import load_tokenizer
 from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import LoraDelta, merge_adapter
-from tests.helpers import REPO, fsdp_params, run_ranks, run_ranks_sequence, tiny_config
+from tests.helpers import CliResult, command_here, fsdp_params, run_ranks, run_ranks_sequence, tiny_config
 
-ENV = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 PROMPT = "Reverse the word: planet"
 
 
@@ -40,11 +37,6 @@ def adapter_and_logits(info, cfg, adapter_dir, input_ids):
         with model.disable_adapter():
             base = model(input_ids=input_ids).logits
     return with_adapter, base
-
-
-def script(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, f"scripts/{name}", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=ENV)
 
 
 @pytest.fixture(scope="module")
@@ -93,18 +85,11 @@ def test_merge_moves_the_adapter_to_the_device_of_the_weight(dora):
     assert on_meta.device.type == "meta" and on_meta.shape == on_cpu.shape and on_meta.dtype == on_cpu.dtype
 
 
-def merge_script():
-    spec = importlib.util.spec_from_file_location("merge_adapter", REPO / "scripts" / "merge_adapter.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
-def test_merge_script_writes_a_bf16_checkpoint_and_never_clobbers(adapters, tmp_path, capsys):
+def test_merge_command_writes_a_bf16_checkpoint_and_never_clobbers(adapters, tmp_path):
     (adapter, ours, _), input_ids = adapters[0]["lora"], adapters[1]
     out = tmp_path / "merged"
-    result = script("merge_adapter.py", "--adapter", str(adapter), "--out", str(out))
+    result = command_here(merge_main, ["--adapter", adapter, "--out", out])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(1 shard, bfloat16" in result.stdout
     half = AutoModelForCausalLM.from_pretrained(out)
@@ -112,8 +97,8 @@ def test_merge_script_writes_a_bf16_checkpoint_and_never_clobbers(adapters, tmp_
     assert (out / "tokenizer.json").is_file()  # the folder is complete for from_pretrained and pipelines
     with torch.no_grad():
         assert (half(input_ids=input_ids).logits.float() - ours).abs().max() < 0.05 * ours.abs().max()
-    again = merge_script().main(["--adapter", str(adapter), "--out", str(out)])  # in-process: it stops early
-    assert again == 2 and "exists and is not empty" in capsys.readouterr().err
+    again = command_here(merge_main, ["--adapter", adapter, "--out", out])
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr
 
 
 @pytest.mark.slow
@@ -128,16 +113,15 @@ def test_generate_applies_the_adapter_and_matches_the_merged_model(adapters, tmp
     expected = tokenizer.decode(greedy[0, input_ids.shape[1]:], skip_special_tokens=True)
     assert expected.strip()
 
-    piped = subprocess.run([sys.executable, "scripts/generate.py", "--adapter", str(adapter), "--max-new-tokens",
-                            "12"], cwd=REPO, input=f"{PROMPT}\n\n{PROMPT}\n", capture_output=True, text=True,
-                           timeout=300, env=ENV)
+    piped = command_here(generate_main, ["--adapter", adapter, "--max-new-tokens", "12"],
+                         stdin=f"{PROMPT}\n\n{PROMPT}\n")
     assert piped.returncode == 0, piped.stderr[-3000:]
     assert piped.stdout.split("\n")[:-1] == [expected, expected]  # one reply per prompt line, blank lines skipped
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(to_yaml(cfg))
-    base_only = script("generate.py", "--no-adapter", "--recipe", str(recipe), "--prompt", PROMPT,
-                       "--max-new-tokens", "12")
+    base_only = command_here(generate_main, ["--no-adapter", "--recipe", recipe, "--prompt", PROMPT,
+                                             "--max-new-tokens", "12"])
     assert base_only.returncode == 0, base_only.stderr[-3000:]
     assert base_only.stdout.rstrip("\n") != expected  # the adapter changed the reply
 
@@ -169,22 +153,24 @@ def one_process_replies(adapters, tmp_path_factory):
 @pytest.mark.slow
 def test_sharded_and_offloaded_sampling_give_the_unsharded_tokens(one_process_replies, tmp_path):
     """FSDP2 over 2 gloo ranks and offloaded at world size 1 draw exactly the unsharded model's greedy and
-    seeded-sampled tokens, on every rank (2 ranks with offload: the torchrun test below)."""
+    seeded-sampled tokens, on every rank (2 ranks with offload: the generate command test below)."""
     adapter, expected, offloaded = one_process_replies
     assert offloaded == expected
     for sharded in run_ranks(sample_as_loaded, 2, adapter, False, tmp_dir=tmp_path):
         assert sharded[2:] == ((True, [False]), 2) and sharded[:2] == expected
 
 
+def generate_on_rank(info, argv: list[str], stdin: str) -> CliResult:
+    return command_here(generate_main, argv, stdin if info.rank == 0 else "")  # a rank other than 0 reads nothing
+
+
 @pytest.mark.slow
-def test_generate_under_torchrun_prints_rank_0s_replies_once(one_process_replies):
+def test_generate_on_two_ranks_prints_rank_0s_replies_once(one_process_replies, tmp_path):
     """`torchrun --nproc_per_node 2 scripts/generate.py --offload`: rank 0 reads stdin and hands each prompt to
-    both ranks; one reply a prompt, the unsharded model's."""
+    both ranks; one reply a prompt, printed by rank 0 alone, the unsharded model's."""
     adapter, (greedy, _), _ = one_process_replies
     expected = AutoTokenizer.from_pretrained(adapter).decode(greedy, skip_special_tokens=True)
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    result = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "scripts/generate.py", "--adapter",
-                             str(adapter), "--max-new-tokens", "12", "--offload"], cwd=REPO,
-                            input=f"{PROMPT}\n{PROMPT}\n", capture_output=True, text=True, timeout=300, env=ENV)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[:-1] == [expected, expected]
+    first, second = run_ranks(generate_on_rank, 2, ["--adapter", str(adapter), "--max-new-tokens", "12", "--offload"],
+                              f"{PROMPT}\n{PROMPT}\n", tmp_dir=tmp_path)
+    assert first.returncode == second.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.split("\n")[:-1] == [expected, expected] and second.stdout == ""

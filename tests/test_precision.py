@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlora_fsdp.cli import main
+from qlora_fsdp.commands.train import main
 from qlora_fsdp.config import Config, HardwareConfig
 from qlora_fsdp.distributed import cleanup
 from qlora_fsdp.plan.hardware import planned_device

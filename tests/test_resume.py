@@ -1,7 +1,9 @@
 """Checkpoints and exact resume under faults: kill -9, kill during a write, elastic restart, SIGTERM, NaN.
 
 Every interrupted run is compared with one uninterrupted run of the same recipe (2 gloo ranks, fp32 compute):
-the same per-step losses and a final adapter equal to 1e-6.
+the same per-step losses and a final adapter equal to 1e-6. Real torchrun runs only where a process must die or
+torchrun itself acts (a kill during a write, elastic restart, SIGTERM then kill -9); the other runs call train.py's
+main on the test session's pool ranks (tests/helpers.py run_cli), the same code without 9 s of imports per rank.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import REPO
+from tests.helpers import REPO, CliResult, run_cli
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -60,6 +62,12 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         raise
+
+
+def finished(results: list[CliResult]) -> CliResult:
+    """Rank 0's output of a pool run in which every rank exited 0."""
+    assert [r.returncode for r in results] == [0] * len(results), results[0].stderr[-3000:]
+    return results[0]
 
 
 def records(out: Path) -> list[dict]:
@@ -102,9 +110,9 @@ def assert_same_run(out: Path, reference: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference") / "run"
-    result = run(torchrun("train.py", *recipe_args(tiny_model_dir, out)))
-    assert result.returncode == 0, result.stderr[-3000:]
+    root = tmp_path_factory.mktemp("reference")
+    out = root / "run"
+    finished(run_cli(recipe_args(tiny_model_dir, out), 2, root))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000006", "step-000008", "step-000010"]
     return out
 
@@ -116,8 +124,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp
     assert died.returncode != 0
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints == [".tmp-step-000004", "step-000002"]  # step 4's data written, never committed
-    resumed = run(torchrun("train.py", *recipe_args(tiny_model_dir, out), "--resume"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = finished(run_cli([*recipe_args(tiny_model_dir, out), "--resume"], 2, tmp_path))
     assert "step-000002 at step 2" in resumed.stdout
     assert not (out / "checkpoints" / ".tmp-step-000004").exists()
     assert_same_run(out, reference)
@@ -157,28 +164,25 @@ def test_sigterm_then_kill_9_then_resume_equals_the_uninterrupted_run(tiny_model
     kill_tree(proc)  # torchrun and both ranks, no warning
     finish(proc)
     assert not (out / "adapter").exists(), f"killed at step {kill_at} but the run had finished"
-    resumed = run(torchrun("train.py", *recipe_args(tiny_model_dir, out), "--resume"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = finished(run_cli([*recipe_args(tiny_model_dir, out), "--resume"], 2, tmp_path))
     assert "resumed from" in resumed.stdout, f"killed at step {kill_at}"
     assert_same_run(out, reference)
 
 
 @pytest.mark.slow
-def test_cpu_offload_run_killed_and_resumed_equals_the_run_without_offload(tiny_model_dir, tmp_path, reference):
+def test_cpu_offload_run_stopped_and_resumed_equals_the_run_without_offload(tiny_model_dir, tmp_path, reference):
     """The CPU-offload path end to end (host shards and gradients, the 8-bit optimizer on host tensors, DCP save
-    and load of that state, adapter export), killed with kill -9 at a random step and resumed: the per-step
-    losses and the final adapter of the uninterrupted run without offload."""
+    and load of that state, adapter export), stopped by an error on every rank at a random step (a hard kill of
+    the whole world is the SIGTERM test's) and resumed: the per-step losses and the final adapter of the
+    uninterrupted run without offload."""
     out = tmp_path / "run"
     args = recipe_args(tiny_model_dir, out, "fsdp_preset=full_shard_cpu_offload")
-    kill_at = random.Random().randint(3, MAX_STEPS - 2)  # after the first checkpoint (step 2), before the end
-    proc = start(torchrun("train.py", *args))
-    wait_for_step(out, kill_at, proc)
-    kill_tree(proc)
-    finish(proc)
-    assert not (out / "adapter").exists(), f"killed at step {kill_at} but the run had finished"
-    resumed = run(torchrun("train.py", *args, "--resume"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout, f"killed at step {kill_at}"
+    stop_at = random.Random().randint(3, MAX_STEPS - 2)  # after the first checkpoint (step 2), before the end
+    stopped = run_cli(args, 2, tmp_path, faults=(("user_error_at_step", (stop_at, None)),))
+    assert [r.returncode for r in stopped] == [2, 2], stopped[0].stderr[-3000:]
+    assert not (out / "adapter").exists(), f"stopped at step {stop_at} but the run had finished"
+    resumed = finished(run_cli([*args, "--resume"], 2, tmp_path))
+    assert "resumed from" in resumed.stdout, f"stopped at step {stop_at}"
     assert records(out)[0]["config"]["fsdp"]["cpu_offload"] is True
     assert_same_run(out, reference)
 
@@ -186,17 +190,18 @@ def test_cpu_offload_run_killed_and_resumed_equals_the_run_without_offload(tiny_
 @pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path):
     once = tmp_path / "once"  # one process: the skip decision rests on global values, alike on every rank
-    result = run([sys.executable, "tests/fault_run.py", "--nan-steps", "3", "--", *recipe_args(tiny_model_dir, once)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    finished(run_cli(recipe_args(tiny_model_dir, once), 1, tmp_path, faults=(("inject_nan", ({3},)),)))
     skipped = [r["step"] for r in records(once) if r.get("skipped")]
     assert skipped == [3] and records(once)[-1]["skipped_steps"] == 1
     assert all(v.isfinite().all() for v in load_file(once / "adapter" / "adapter_model.safetensors").values())
 
     streak = tmp_path / "streak"
-    result = run(torchrun("tests/fault_run.py", "--nan-steps", "3,4,5", "--",
-                          *recipe_args(tiny_model_dir, streak, "train.max_bad_steps=3")))
-    assert result.returncode != 0  # torchrun reports a rank's exit code 2 as 1
-    message = next(line for line in result.stderr.splitlines() if line.startswith("error: "))
+    results = run_cli(recipe_args(tiny_model_dir, streak, "train.max_bad_steps=3"), 2, tmp_path,
+                      faults=(("inject_nan", ({3, 4, 5},)),))
+    assert [r.returncode for r in results] == [2, 2]
+    errors = [line for r in results for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, errors  # printed once
+    message = errors[0]
     assert message.startswith("error: stopping at step 5: 3 steps in a row had a non-finite loss"), message
     assert "step-000004" in message  # saved mid-streak: skipped steps leave the weights as they were
     assert sorted(p.name for p in (streak / "checkpoints").iterdir()) == ["step-000002", "step-000004"]

@@ -1,22 +1,26 @@
 """Fine-tune a 4-bit base model with LoRA under FSDP2.
 
     torchrun --nproc_per_node 2 train.py --recipe tiny_cpu [key=value ...]
+    torchrun --nproc_per_node 2 -m qlora_fsdp.commands.train --recipe tiny_cpu    # the same, installed
+    qlora-train --recipe tiny_cpu                                                    # one process
     python train.py --recipe tiny_cpu optim.lr=3e-4 data.micro_batch_size=4
     python train.py --recipe tiny_cpu --print-config
     torchrun --nproc_per_node 2 train.py --recipe tiny_cpu --resume    # continue from the latest checkpoint
     torchrun --nproc_per_node 2 train.py --recipe tiny_cpu --resume-from outputs/x/checkpoints/step-000200
 """
 
-# train.py's command line (its docstring is the --help text). It lives in the package so that scripts/plan.py
-# and tests/fault_run.py run the same code without importing train.py from outside the package.
+# train.py's command line (its docstring is the --help text), in the package so that the plan command, the
+# console entry point and tests/fault_run.py run the same code.
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from qlora_fsdp.commands.exit import run_command
 from qlora_fsdp.config import load_config, to_yaml
-from qlora_fsdp.errors import ConfigError, run_command
+from qlora_fsdp.errors import ConfigError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -32,8 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     return run_command(lambda: run(args))
 
 
@@ -59,3 +63,7 @@ def run(args: argparse.Namespace) -> int:
     train(cfg)
     cleanup()  # on error, run_command closes the group (after telling the other ranks)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Gloo ranks that live for the whole test session.
+
+A fresh rank pays about 9 s to import torch, transformers, PEFT and bitsandbytes before it runs a line of a test;
+the suite starts dozens of rank groups. So each worker here imports once, then serves tasks: `run(fn, ...)` sends
+fn and its arguments to the first `world_size` workers, which join a new process group (a new port each time),
+call fn(info, *args), save the result, leave the group and wait for the next task (the idea of torch's own
+multi-process test harness, which keeps its workers between tests).
+
+A worker whose task failed, hung or left its group unclean (a test that makes the ranks part ways on purpose) is
+killed and replaced on the next task, so one bad test cannot leak a broken process group into the next.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# torch's default seed in a new process: each task starts from the generator state a fresh process would have
+FRESH_PROCESS_SEED = 67280421310721
+
+
+@dataclass
+class TaskReport:
+    ok: bool
+    error: str = ""  # the task's traceback when it failed
+    reusable: bool = True  # False: the worker leaves (its process group may be half-broken)
+
+
+@dataclass
+class Task:
+    fn: Callable
+    args: tuple
+    rank: int
+    world_size: int
+    port: int
+    out_dir: str
+    fake: bool
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_retiring = False
+
+
+def retire_this_worker() -> None:
+    """Called from a task: this worker leaves after the task (its process group was left in a state that only
+    a process exit cleans up, as a rank that ended a run with a user error leaves it)."""
+    global _retiring
+    _retiring = True
+
+
+def _warm_imports() -> None:
+    """What nearly every task imports: paid once per worker instead of once per task."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    import qlora_fsdp.api  # noqa: F401
+    import tests.helpers  # noqa: F401
+
+
+def _serve(conn: Connection) -> None:
+    """A worker's life: import, then run tasks until told to stop or until a task leaves it unusable."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    torch.set_num_threads(1)
+    _warm_imports()
+    baseline_env = dict(os.environ)
+    conn.send("ready")
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            break
+        if task is None:
+            break
+        report = _run_task(task, baseline_env)
+        conn.send(report)
+        if not report.reusable:
+            break
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no C++ destructors against a finalizing interpreter (see _run_task's teardown)
+
+
+def _fresh_process_state(task: Task, baseline_env: dict[str, str]) -> None:
+    """What a task may have changed for the next one: environment, seed, default dtype, thread count."""
+    os.environ.clear()
+    os.environ.update(baseline_env)
+    os.environ.update(RANK=str(task.rank), LOCAL_RANK=str(task.rank), WORLD_SIZE=str(task.world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(task.port))
+    torch.manual_seed(FRESH_PROCESS_SEED)
+    torch.set_default_dtype(torch.float32)
+    torch.set_num_threads(1)
+
+
+def _run_task(task: Task, baseline_env: dict[str, str]) -> TaskReport:
+    from qlora_fsdp.distributed import cleanup, init_distributed, init_fake_distributed
+
+    global _retiring
+    _retiring = False
+    _fresh_process_state(task, baseline_env)
+    try:
+        info = (init_fake_distributed(task.world_size, torch.device("cpu")) if task.fake else init_distributed())
+        result = task.fn(info, *task.args)
+        torch.save(result, Path(task.out_dir) / f"rank{task.rank}.pt")
+        del result
+    except BaseException:
+        return TaskReport(ok=False, error=traceback.format_exc(), reusable=False)
+    if _retiring:
+        return TaskReport(ok=True, reusable=False)
+    clean = task.fake or _barrier_before_teardown()
+    try:
+        cleanup()
+    except BaseException:
+        clean = False
+    _forget_compiled_code()
+    gc.collect()
+    return TaskReport(ok=True, reusable=clean)
+
+
+def _barrier_before_teardown() -> bool:
+    """No rank leaves the group while another still uses it. Some tests make the ranks part ways on purpose (a
+    timeout test leaves one rank behind); their results are written, but such a worker is not reused."""
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+        return True
+    except RuntimeError:
+        return False
+
+
+def _forget_compiled_code() -> None:
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+
+
+class RankPool:
+    """Workers 0..n-1, started on first need and kept for the session; `run` is `run_ranks` without the spawns."""
+
+    def __init__(self) -> None:
+        self._workers: list[tuple[mp.Process, Connection] | None] = []
+
+    def run(self, fn: Callable, world_size: int, args: tuple, out_dir: Path, fake: bool,
+            timeout: float) -> list[Any]:
+        n_procs = 1 if fake else world_size
+        workers = self._ready_workers(n_procs)
+        port = free_port()
+        for rank, (_, conn) in enumerate(workers):
+            conn.send(Task(fn, args, rank, world_size, port, str(out_dir), fake))
+        reports = self._collect(workers, timeout)
+        failed = [f"rank {rank}: {report.error or 'no report'}" for rank, report in enumerate(reports)
+                  if not report.ok]
+        for rank, report in enumerate(reports):
+            if not report.reusable:
+                self._discard(rank)
+        if failed:
+            for rank in range(n_procs):  # the peers of a failed rank may be stuck in the broken group
+                self._discard(rank)
+            raise AssertionError(f"{fn.__name__} failed on {len(failed)} of {n_procs} ranks:\n" + "\n".join(failed))
+        return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(n_procs)]
+
+    def _ready_workers(self, n: int) -> list[tuple[mp.Process, Connection]]:
+        while len(self._workers) < n:
+            self._workers.append(None)
+        started = [rank for rank in range(n) if self._workers[rank] is None]
+        for rank in started:  # start them all, then wait: they import side by side
+            self._workers[rank] = _start_worker()
+        for rank in started:
+            _, conn = self._workers[rank]
+            if not conn.poll(600) or conn.recv() != "ready":
+                self._discard(rank)
+                raise AssertionError(f"pool worker {rank} did not start")
+        return [self._workers[rank] for rank in range(n)]
+
+    def _collect(self, workers: list[tuple[mp.Process, Connection]], timeout: float) -> list[TaskReport]:
+        deadline = time.monotonic() + timeout
+        reports = []
+        for process, conn in workers:
+            try:
+                ready = conn.poll(max(0.0, deadline - time.monotonic()))
+                reports.append(conn.recv() if ready else
+                               TaskReport(ok=False, error=f"no result after {timeout:.0f} s", reusable=False))
+            except (EOFError, OSError):
+                reports.append(TaskReport(ok=False, error=f"worker died (exit code {process.exitcode})",
+                                          reusable=False))
+        return reports
+
+    def _discard(self, rank: int) -> None:
+        worker = self._workers[rank]
+        self._workers[rank] = None
+        if worker is not None:
+            process, conn = worker
+            process.kill()
+            process.join(10)
+            conn.close()
+
+    def close(self) -> None:
+        for rank, worker in enumerate(self._workers):
+            if worker is not None:
+                try:
+                    worker[1].send(None)
+                except OSError:
+                    pass
+                worker[0].join(10)
+                self._discard(rank)
+
+
+def _start_worker() -> tuple[mp.Process, Connection]:
+    parent_end, child_end = mp.get_context("spawn").Pipe()
+    # not a daemon: a task may start processes of its own (data loader workers)
+    process = mp.get_context("spawn").Process(target=_serve, args=(child_end,))
+    process.start()
+    child_end.close()
+    return process, parent_end
+
+
+_POOL: RankPool | None = None
+
+
+def session_pool() -> RankPool:
+    global _POOL
+    if _POOL is None:
+        _POOL = RankPool()
+        atexit.register(_POOL.close)
+    return _POOL
