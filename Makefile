@@ -48,7 +48,7 @@ test-slow: $(BIN)/activate tiny-model
 
 # the day a GPU is lent: eight device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
 gpu-check: $(BIN)/activate
-	$(BIN)/python scripts/gpu_check.py
+	$(BIN)/python -m tests.gpu_check
 
 # ruff, then the type checker (mypy, pinned in requirements.txt; settings in pyproject.toml's [tool.mypy])
 lint: $(BIN)/activate

@@ -1,8 +1,7 @@
-"""scripts/gpu_check.py, the command for the day a GPU is lent, works on the CPU: help, a dry run, isolation."""
+"""tests/gpu_check.py, the command for the day a GPU is lent, works on the CPU: help, a dry run, isolation."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,13 +9,9 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests import gpu_check
+from tests.helpers import REPO, command_here
 
-SCRIPT = REPO / "scripts" / "gpu_check.py"
-_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-gpu_check = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up by name
-_spec.loader.exec_module(gpu_check)
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
 
 
@@ -30,19 +25,15 @@ def table_rows(text: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
-@pytest.mark.slow
 def test_help_lists_every_check():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, env=ENV,
-                          timeout=60)
+    done = command_here(gpu_check.main, ["--help"])
     assert done.returncode == 0
     for check in gpu_check.CHECKS:
         assert check.name in done.stdout
 
 
-@pytest.mark.slow
 def test_unknown_check_is_a_one_line_error():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--only", "nan_canry"], capture_output=True, text=True,
-                          env=ENV, timeout=60)
+    done = command_here(gpu_check.main, ["--only", "nan_canry"])
     assert done.returncode == 2 and "unknown check nan_canry" in done.stderr
 
 
@@ -50,8 +41,8 @@ def test_unknown_check_is_a_one_line_error():
 def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
     out = tmp_path / "gpu_check.md"
     only = "nan_canary,fsdp_real_path,plan_vs_measured_70b,memory_levers,packed_attention"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", only, "--out", str(out)],
-                          capture_output=True, text=True, env=ENV, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "tests.gpu_check", "--dry-run", "--only", only, "--out", str(out)],
+                          capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = table_rows(out.read_text())
     assert {name: status for name, (_, status) in rows.items()} == {
@@ -86,7 +77,7 @@ json.dump({"rows": [{"check": name, "status": "passed", "result": "ok", "figures
 def test_a_crash_or_a_timeout_fails_that_check_only(tmp_path, monkeypatch):
     cases = tmp_path / "cases.py"
     cases.write_text(FAKE_CASES)
-    monkeypatch.setattr(gpu_check, "CASES", cases)
+    monkeypatch.setattr(gpu_check, "CASES_COMMAND", [sys.executable, str(cases)])
     monkeypatch.setattr(gpu_check, "CHECKS", (
         gpu_check.Check("nan_canary", 30, cuda_only=False), gpu_check.Check("fsdp_real_path", 2, cuda_only=False),
         gpu_check.Check("merge_device", 30, cuda_only=False), gpu_check.Check("one_gpu_70b_offload", 30, True)))

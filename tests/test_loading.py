@@ -89,7 +89,7 @@ def local_shards(info, cfg):
 
 
 def test_fake_world_rank_holds_what_the_real_rank_holds(tiny_model_dir, tmp_path):
-    """What scripts/load_as_rank.py measures on one device is what rank 0 of a real 2-rank run holds."""
+    """What benchmarks/load_as_rank.py measures on one device is what rank 0 of a real 2-rank run holds."""
     cfg = tiny_config(tiny_model_dir, model={"dtype": "bfloat16"})
     real = run_ranks(local_shards, 2, cfg, tmp_dir=tmp_path)[0]
     fake = run_ranks(local_shards, 2, cfg, tmp_dir=tmp_path, fake=True)[0]

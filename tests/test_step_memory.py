@@ -59,7 +59,7 @@ def planned_and_measured(info, configs):
 
 @pytest.mark.slow
 def test_planned_peak_is_the_real_steps(tmp_path):
-    """Two scales (scripts/benchmark_memory.py runs a third, 8 layers at 4,096 tokens), the loss, checkpointing
+    """Two scales (benchmarks/planner_memory.py runs a third, 8 layers at 4,096 tokens), the loss, checkpointing
     and both offloads varied: the planned peak of live tensor bytes is within 10% of the real step's (it comes out
     equal to a few KB: the same code runs, only the values differ)."""
     small = architecture(tmp_path / "small", layers=4, hidden=256, heads=4, kv_heads=2, vocab=8192)

@@ -16,3 +16,7 @@ from qlora_fsdp.commands.train import main as train_main
 
 def main(argv: list[str] | None = None) -> int:
     return train_main([*(sys.argv[1:] if argv is None else argv), "--plan"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

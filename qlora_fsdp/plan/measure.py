@@ -1,7 +1,7 @@
 """What a loaded model really holds, counted from its tensors: the measured side of the planner's figures.
 
 The planner (plan.memory) predicts bytes from shapes on the meta device; these count the real tensors, so
-scripts/load_as_rank.py can report one rank's memory and the tests can hold the planner to it byte for byte;
+benchmarks/load_as_rank.py can report one rank's memory and the tests can hold the planner to it byte for byte;
 `measured_step` runs the training step for real under the tracker the planner's fake step uses.
 """
 

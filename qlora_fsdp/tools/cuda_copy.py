@@ -1,7 +1,7 @@
 """CUDA's bf16 copy behaviour on the CPU: how the CPU suite and `make gpu-check --dry-run` show what a GPU would
 do to FSDP2's all-gather copy-in (the positive control of the uint8 storage of packed 4-bit weights).
 
-Shared by tests/test_numerics.py and scripts/gpu_check_cases.py, hence in the package.
+Shared by tests/test_numerics.py and tests/gpu_check_cases.py, hence in the package.
 """
 
 from __future__ import annotations

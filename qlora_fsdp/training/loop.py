@@ -284,7 +284,7 @@ class Trainer:
         if data.packs is None:
             return [collate(data.samples(data.train, units), self.pad_id) for units in self.sampler.next_step()]
         # rows padded to the context length: every step has one shape, so compiled layers never recompile (the
-        # rows are nearly full anyway: 99.6% in scripts/benchmark.py)
+        # rows are nearly full anyway: 99.6% in benchmarks/training_speed.py)
         length = self.cfg.data.context_length
         return [collate_packed([data.samples(data.train, data.packs[u]) for u in units], self.pad_id, length)
                 for units in self.sampler.next_step()]

@@ -2,9 +2,9 @@
 
 The fused op does the same math (dequantize, base matmul, low-rank path, hand-written backward) with no
 PEFT/bitsandbytes Python between the kernels and fewer autograd nodes; gradients are checked equal first.
-On CPU this bounds what removing per-call overhead can buy in scripts/benchmark.py.
+On CPU this bounds what removing per-call overhead can buy in benchmarks/training_speed.py.
 
-    python scripts/bench_lora_linear.py [--tokens 512] [--repeats 300]
+    python -m benchmarks.lora_linear [--tokens 512] [--repeats 300]
 """
 
 from __future__ import annotations

@@ -5,14 +5,13 @@ merge_and_unload, save_pretrained. Ours is scripts/merge_adapter.py's function, 
 NF4 weights (the default: what training computed with) and once into the original weights (what the peer
 does). Each runs in a fresh process; memory is above that process's baseline (VmHWM and sampled RssAnon).
 
-    python scripts/benchmark_merge.py --out-dir /tmp/bench-merge
+    python -m benchmarks.merge --out-dir /tmp/bench-merge
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -22,11 +21,9 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from benchmark_loading import CONFIG, GB, AnonPeak, reset_peak_rss, write_checkpoint  # noqa: E402
-
-from qlora_fsdp.training.metrics import proc_status_bytes  # noqa: E402
+from benchmarks.loading import CONFIG, GB, write_checkpoint
+from benchmarks.memory_sampler import AnonPeak, reset_peak_rss
+from qlora_fsdp.training.metrics import proc_status_bytes
 
 RANK, ALPHA = 16, 32
 LINEARS = {"self_attn.q_proj": ("h", "h"), "self_attn.k_proj": ("kv", "h"), "self_attn.v_proj": ("kv", "h"),

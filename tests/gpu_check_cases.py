@@ -1,6 +1,6 @@
-"""The checks of scripts/gpu_check.py, one function each, run one per process by it.
+"""The checks of tests/gpu_check.py, one function each, run one per process by it.
 
-    python scripts/gpu_check_cases.py fsdp_real_path --device cpu --work /tmp/gc   # one check, in the foreground
+    python -m tests.gpu_check_cases fsdp_real_path --device cpu --work /tmp/gc   # one check, in the foreground
 
 Any check runs on either device: on the CPU at small sizes (the CUDA-only ones too, which then only try their
 code, without GPU figures). Prints a JSON list of table rows, or writes it to --result.
@@ -27,7 +27,6 @@ import bitsandbytes as bnb
 import peft
 import torch
 import torch.distributed.fsdp  # noqa: F401  (registers torch.ops.fsdp.all_gather_copy_in)
-from gpu_check import Row  # a sibling: Python puts scripts/ on the path
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -53,6 +52,7 @@ from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
 from qlora_fsdp.training.loop import ForwardLoss, accumulate_gradients
 from qlora_fsdp.training.metrics import proc_status_bytes, reset_memory_peaks
 from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm
+from tests.gpu_check import Row
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30

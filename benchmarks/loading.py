@@ -12,7 +12,7 @@ load strictly needs; the kernel keeps no peak of it, so a thread samples /proc/s
 Peak RSS is exact (VmHWM, reset just before loading); it adds the mapped checkpoint pages. Where a reader maps
 nothing, the two agree, which checks that the sampling misses no spike.
 
-    python scripts/benchmark_loading.py --out-dir /tmp/bench-1b --repeats 3
+    python -m benchmarks.loading --out-dir /tmp/bench-1b --repeats 3
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import json
 import os
 import socket
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,10 +33,9 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from qlora_fsdp.model.weight_files import Backend  # noqa: E402
-from qlora_fsdp.training.metrics import proc_status_bytes  # noqa: E402
+from benchmarks.memory_sampler import AnonPeak, reset_peak_rss
+from qlora_fsdp.model.weight_files import Backend
+from qlora_fsdp.training.metrics import proc_status_bytes
 
 GB, MB = 2**30, 2**20
 Loader = Literal["mmap", "pread", "peer"]  # our loader with each safetensors reader, then the peer
@@ -84,35 +82,6 @@ def write_checkpoint(out: Path) -> tuple[int, int]:
         sizes += [t.numel() * 2 for t in group.values()]
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return n_params, sum(sorted(sizes)[-2:])
-
-
-def reset_peak_rss() -> None:
-    """Start the peak (VmHWM) afresh. ru_maxrss cannot be used: a spawned child inherits its parent's peak,
-    and the parent held the generated checkpoint (that error put 1.76 GiB on both of our ranks)."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-class AnonPeak:
-    """Peak of anonymous memory, sampled every millisecond by a thread. The peaks of a load are plateaus
-    (a full tensor held while it is quantized, for tens of milliseconds), far longer than the interval."""
-
-    def __init__(self) -> None:
-        self.peak, self.stop = 0, threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, proc_status_bytes("RssAnon"))
-            time.sleep(0.001)
-
-    def __enter__(self) -> AnonPeak:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.peak = max(self.peak, proc_status_bytes("RssAnon"))
 
 
 def prepare_ours(model_dir: str, reader: Backend) -> Callable[[], object]:

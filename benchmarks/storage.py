@@ -5,7 +5,7 @@ the rows is exactly what the storage changes: the copy into and out of the gathe
 The model is the Llama architecture at a small size with seeded random weights; bf16 base, LoRA and compute
 policy (the setting in which a layer's all-gather was uniformly bf16 under the old storage).
 
-    python scripts/benchmark_storage.py            # about a minute on 2 CPU cores; uses CUDA when present
+    python -m benchmarks.storage            # about a minute on 2 CPU cores; uses CUDA when present
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import TypedDict
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+import qlora_fsdp.model.build
+from qlora_fsdp.config import load_config
+from qlora_fsdp.data.batching import Sample, collate
+from qlora_fsdp.distributed import DistInfo, cleanup, init_fake_distributed
+from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.training.loop import loss_sum
 
-import qlora_fsdp.model.build  # noqa: E402
-from qlora_fsdp.config import load_config  # noqa: E402
-from qlora_fsdp.data.batching import Sample, collate  # noqa: E402
-from qlora_fsdp.distributed import DistInfo, cleanup, init_fake_distributed  # noqa: E402
-from qlora_fsdp.model.factory import build_model  # noqa: E402
-from qlora_fsdp.training.loop import loss_sum  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 VOCAB_SIZE = 8192
 ARCHITECTURE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,

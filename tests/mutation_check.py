@@ -4,8 +4,8 @@ Each mutation replaces one exact snippet of a committed file, runs the guarding 
 (also on Ctrl-C). It refuses to start when a file it mutates has uncommitted changes, so a restore can never
 lose work. A mutation the test does not catch prints MISSED and makes the exit code 1.
 
-    python scripts/mutation_check.py                 # all (about 3 minutes on 2 cores)
-    python scripts/mutation_check.py blocksize norm  # those whose name contains a word
+    python -m tests.mutation_check                 # all (about 3 minutes on 2 cores)
+    python -m tests.mutation_check blocksize norm  # those whose name contains a word
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ MUTATIONS = [
              "    for start in range(0, hidden.shape[0], chunk_tokens):\n",
              "    for start in range(0, hidden.shape[0] - chunk_tokens + 1, chunk_tokens):\n",
              "tests/test_memory_features.py::test_chunked_loss_equals_full_loss"),
-    Mutation("a peer's failed collective is taken as its own crash", "qlora_fsdp/errors.py",
+    Mutation("a peer's failed collective is taken as its own crash", "qlora_fsdp/commands/exit.py",
              "            end_if_peer_failed()  # returns when no peer published a user error: then the error is "
              "ours\n",
              "            pass\n",

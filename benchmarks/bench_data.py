@@ -2,7 +2,7 @@
 
 Instruction sets are mostly short samples with a long tail. Each record here draws a target length from a
 log-normal with median 150 and 90th percentile 500 tokens, so a tail runs past 1,024 (such samples are cut
-at the context length, as the pipeline does); `scripts/benchmark.py` prints the lengths it got after
+at the context length, as the pipeline does); `benchmarks/training_speed.py` prints the lengths it got after
 tokenizing. The tasks are learnable (copying, reversing, counting, templated stories), so a held-out loss
 can tell trainers apart.
 

@@ -1,6 +1,6 @@
 """Useful (non-padding) tokens/s of train.py against the Hugging Face Trainer + PEFT, on long-tailed data.
 
-The same work for every run: the same records (seeded, long-tailed lengths: qlora_fsdp/tools/bench_data.py), one
+The same work for every run: the same records (seeded, long-tailed lengths: benchmarks/bench_data.py), one
 epoch, the same number of optimizer steps and on average the same samples per step, the same NF4 model (a
 26M-parameter Llama built here, large enough that time goes to tokens), LoRA, schedule, optimizer,
 checkpointing and context length (1,024), one process each with the same threads. The final held-out loss
@@ -16,7 +16,7 @@ Runs:
 - train.py with compiled decoder layers (`train.compile=true`, compile time included); and, with
   `--runs ...,ours_dense`, with `model.attn_implementation=sdpa` (a block-diagonal mask over the row)
 
-    python scripts/benchmark.py            # about 25 minutes on 2 cores
+    python -m benchmarks.training_speed            # about 25 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qlora_fsdp.tools.bench_data import generate, write
+from benchmarks.bench_data import generate, write
+from benchmarks.memory_sampler import peak_rss_gib
 from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+REPO = Path(__file__).resolve().parent.parent
 CONTEXT = 1024
 PEER_MICRO_BATCH, PEER_ACCUM = 8, 4  # the Trainer's default micro-batch, four a step (32 samples: 7 packed rows)
 MAX_TOKENS_PER_CALL = 8192  # train.py: packed rows per micro-batch up to this many tokens
@@ -136,12 +138,6 @@ def print_lengths(lengths: list[int]) -> None:
                                      zip(edges[:-1], edges[1:], counts, strict=False)))
 
 
-def peak_rss_gib() -> float:
-    from qlora_fsdp.training.metrics import proc_status_bytes
-
-    return proc_status_bytes("VmHWM") / 2**30
-
-
 def run_ours(plan: Plan, out: Path, settings: list[str]) -> dict[str, Any]:
     from qlora_fsdp.api import train
 
@@ -227,9 +223,10 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool) -> dict[str, Any]:
 def run_isolated(which: str, plan: Plan, work: Path, threads: int) -> dict[str, Any]:
     """Each run in a fresh process with the same threads (no caches shared in memory)."""
     result_file = work / f"{which}.json"
-    command = [sys.executable, __file__, "--only", which, "--plan", json.dumps(dataclasses.asdict(plan), default=str),
-               "--result", str(result_file), "--work", str(work)]
-    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    command = [sys.executable, "-m", "benchmarks.training_speed", "--only", which,
+               "--plan", json.dumps(dataclasses.asdict(plan), default=str), "--result", str(result_file),
+               "--work", str(work)]
+    subprocess.run(command, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return json.loads(result_file.read_text())
 
 

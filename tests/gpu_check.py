@@ -1,12 +1,12 @@
 """The one command to run the day a GPU is lent: what the CPU test suite cannot show, checked on the device.
 
     make gpu-check                                  # all eight checks, at most 10 minutes on one H100/4090
-    python scripts/gpu_check.py --out docs/gpu_check.md   # also write the table (and its figures as .json)
-    python scripts/gpu_check.py --only nan_canary,fsdp_real_path
-    python scripts/gpu_check.py --dry-run           # CPU, small sizes; what needs CUDA is listed as skipped
+    python -m tests.gpu_check --out docs/gpu_check.md   # also write the table (and its figures as .json)
+    python -m tests.gpu_check --only nan_canary,fsdp_real_path
+    python -m tests.gpu_check --dry-run           # CPU, small sizes; what needs CUDA is listed as skipped
 
 Checks (each in its own process, with its own time budget, so an OOM, a crash or a fake process group stays
-inside it; `python scripts/gpu_check_cases.py NAME --device cpu` runs one in the foreground, at CPU sizes):
+inside it; `python -m tests.gpu_check_cases NAME --device cpu` runs one in the foreground, at CPU sizes):
   nan_canary            all 65,536 bf16 bit patterns through FSDP2's all-gather copy-in, as bf16 and as uint8
   fsdp_real_path        Llama 3.1 70B architecture (2 layers) sharded over a fake 2-rank group: every gathered
                         4-bit weight equals this rank's loaded shard byte for byte (offload on and off)
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-CASES = Path(__file__).resolve().parent / "gpu_check_cases.py"
+CASES_COMMAND = [sys.executable, "-m", "tests.gpu_check_cases"]  # then: NAME --device D --work W --result R
 TOTAL_SECONDS = 570  # under the 10 minutes a device command may run, start-up included
 LOG_TAIL_LINES = 15
 
@@ -115,8 +115,7 @@ def child_env(device: str | None) -> dict[str, str]:
 def run_check(check: Check, device: str, work: Path, timeout: float) -> tuple[list[Row], dict[str, Any]]:
     """The check in its own process; its rows, and the environment it reports (device name, versions)."""
     result, log = work / f"{check.name}.json", work / f"{check.name}.log"
-    command = [sys.executable, str(CASES), check.name, "--device", device, "--work", str(work), "--result",
-               str(result)]
+    command = [*CASES_COMMAND, check.name, "--device", device, "--work", str(work), "--result", str(result)]
     try:
         with log.open("w") as out:
             done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=child_env(device), cwd=REPO,
@@ -177,7 +176,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 def headline(argv: list[str], device: str, env: dict[str, Any], wall_s: float) -> str:
-    command = " ".join(["python scripts/gpu_check.py", *argv])
+    command = " ".join(["python -m tests.gpu_check", *argv])
     parts = [f"`{command}`", env.get("device_name", device),
              *(f"{k} {env[k]}" for k in ("torch", "bitsandbytes") if k in env),
              datetime.date.today().isoformat(), f"{wall_s:.0f} s wall"]

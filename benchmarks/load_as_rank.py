@@ -4,28 +4,24 @@ FSDP2 shards (and so allocates and loads) exactly what rank 0 of the real world 
 do nothing; so one GPU shows one rank's real memory for a model that needs several. With
 `model.init=random` only a config.json is needed:
 
-    python scripts/load_as_rank.py --recipe tiny_cpu --world-size 2 \\
+    python -m benchmarks.load_as_rank --recipe tiny_cpu --world-size 2 \\
         model.path=model_configs/llama-3.1-70b model.init=random
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
+import bitsandbytes as bnb
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import qlora_fsdp  # noqa: E402, F401, I001  (first: it quiets a bitsandbytes CPU notice)
-import bitsandbytes as bnb  # noqa: E402
-
-from qlora_fsdp.model.factory import build_model  # noqa: E402
-from qlora_fsdp.config import load_config  # noqa: E402
-from qlora_fsdp.distributed import cleanup, init_fake_distributed, local_shard  # noqa: E402
-from qlora_fsdp.plan.measure import held_quant_state_bytes  # noqa: E402
-from qlora_fsdp.training.metrics import proc_status_bytes  # noqa: E402
+import qlora_fsdp  # noqa: F401, I001  (first: it quiets a bitsandbytes CPU notice)
+from qlora_fsdp.config import load_config
+from qlora_fsdp.distributed import cleanup, init_fake_distributed, local_shard
+from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.plan.measure import held_quant_state_bytes
+from qlora_fsdp.training.metrics import proc_status_bytes
 
 GB = 2**30
 

@@ -1,7 +1,7 @@
 """Seconds per training step of a real pretrained model in each compute dtype, on this machine, in one process.
 
-    python scripts/bench_dtypes.py                          # SmolLM2-135M-Instruct, float32 then bfloat16
-    python scripts/bench_dtypes.py --tokens 512 --rows 2 --dtypes float32 bfloat16 float16
+    python -m benchmarks.dtypes                          # SmolLM2-135M-Instruct, float32 then bfloat16
+    python -m benchmarks.dtypes --tokens 512 --rows 2 --dtypes float32 bfloat16 float16
 
 Why `auto` picks float32 on a CPU without bf16 units: there, bf16 arithmetic is emulated. Each dtype trains the
 same rows (chat records made from the shipped tasks) for `--steps` optimizer steps; the table gives the first

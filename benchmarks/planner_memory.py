@@ -7,8 +7,8 @@ tensors under torch's FSDP2 memory tracker, as `--plan` measures it) against the
 when the very same step runs on real tensors. NF4 base, LoRA r=16 on every linear, paged 8-bit AdamW, packed
 bf16 rows (tiny_cpu's training setup). The last line is the ratio farthest from 1.
 
-    python scripts/benchmark_memory.py                  # 36 configurations, about 6 minutes on 2 CPU cores
-    python scripts/benchmark_memory.py --scales small   # 12 of them, under a minute
+    python -m benchmarks.planner_memory                  # 36 configurations, about 6 minutes on 2 CPU cores
+    python -m benchmarks.planner_memory --scales small   # 12 of them, under a minute
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Attention of one packed row: the dense block-diagonal mask against per-sample attention, forward + backward.
 
-A row of `--tokens` tokens is filled with samples of long-tailed lengths (qlora_fsdp/tools/bench_data.py's log-normal:
+A row of `--tokens` tokens is filled with samples of long-tailed lengths (benchmarks/bench_data.py's log-normal:
 median 150, 90th percentile 500), as packing fills it. Kernels, all exact (checked against the dense mask):
 - dense mask: scaled_dot_product_attention with the rows x tokens x tokens boolean mask transformers builds
   for `sdpa` when position ids restart (cost: tokens squared, whatever the samples)
@@ -8,7 +8,7 @@ median 150, 90th percentile 500), as packing fills it. Kernels, all exact (check
 - flex: torch's flex_attention with a block mask of the same samples, compiled (`flex_attention`); CUDA only
   (torch 2.13 has no flex_attention backward on CPU)
 
-    python scripts/bench_attention.py            # a minute or two on 2 cores
+    python -m benchmarks.attention            # a minute or two on 2 cores
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_data import MEDIAN_TOKENS, SIGMA
 from qlora_fsdp.model.attention import packed_causal_mask, varlen_sdpa_forward
-from qlora_fsdp.tools.bench_data import MEDIAN_TOKENS, SIGMA
 
-HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # the benchmark model's attention (scripts/benchmark.py)
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # the benchmark model's attention (benchmarks/training_speed.py)
 
 
 def packed_positions(tokens: int, rng: random.Random) -> torch.Tensor:
