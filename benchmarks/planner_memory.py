@@ -27,8 +27,8 @@ from transformers import LlamaConfig
 
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.distributed import DistInfo, cleanup, init_fake_distributed
+from qlora_fsdp.plan.fake_world import step_memory
 from qlora_fsdp.plan.measure import measured_step
-from qlora_fsdp.plan.memory import step_memory
 
 MIB = 2**20
 

@@ -25,7 +25,7 @@ from qlora_fsdp.config import load_config
 from qlora_fsdp.data.batching import Sample, collate
 from qlora_fsdp.distributed import DistInfo, cleanup, init_fake_distributed
 from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.training.loop import loss_sum
+from qlora_fsdp.model.forward_loss import loss_sum
 
 REPO = Path(__file__).resolve().parent.parent
 

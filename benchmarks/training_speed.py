@@ -176,7 +176,7 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool) -> dict[str, Any]:
     from qlora_fsdp.data.batching import collate
     from qlora_fsdp.data.pipeline import load_dataset
     from qlora_fsdp.model.build import load_tokenizer
-    from qlora_fsdp.training.loop import loss_sum
+    from qlora_fsdp.model.forward_loss import loss_sum
 
     torch.manual_seed(SETTINGS["seed"])
     cfg = load_config("tiny_cpu", [f"model.path={plan.model}", f"data.path={plan.train}",

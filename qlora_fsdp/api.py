@@ -18,7 +18,7 @@ from qlora_fsdp.model.build import base_parameter_count, load_tokenizer
 from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.plan.batch_size import describe_batch
 from qlora_fsdp.plan.hardware import peak_flops
-from qlora_fsdp.plan.memory import resolve_run_batch
+from qlora_fsdp.plan.run_batch import resolve_run_batch
 from qlora_fsdp.precision import describe_device, describe_dtypes, resolve_dtypes
 from qlora_fsdp.training.checkpoints import Checkpointer, check_world_size
 from qlora_fsdp.training.loop import MfuReference, RunSummary, Trainer

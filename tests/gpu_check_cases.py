@@ -46,10 +46,12 @@ from qlora_fsdp.model.attention import (
     varlen_sdpa_forward,
 )
 from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, held_bytes, plan
+from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.plan.held import held_bytes
+from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, plan
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
-from qlora_fsdp.training.loop import ForwardLoss, accumulate_gradients
+from qlora_fsdp.training.loop import accumulate_gradients
 from qlora_fsdp.training.metrics import proc_status_bytes, reset_memory_peaks
 from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm
 from tests.gpu_check import Row

@@ -151,7 +151,7 @@ def cli_in_rank(info: Any, argv: list[str], faults: tuple[tuple[str, tuple], ...
     A rank that ends a multi-rank run with a user error leaves the process at once (rank_errors.exit_now); here
     that exit becomes the result's code, and the worker, whose process group is left as such a rank leaves it,
     is retired after this task."""
-    import qlora_fsdp.rank_errors as rank_errors
+    import qlora_fsdp.distributed.rank_errors as rank_errors
     from tests import fault_run
 
     out, err = io.StringIO(), io.StringIO()

@@ -58,7 +58,7 @@ MUTATIONS = [
     Mutation("bf16 packed storage", "qlora_fsdp/model/build.py", "QUANT_STORAGE = torch.uint8\n",
              "QUANT_STORAGE = torch.bfloat16\n",
              "tests/test_numerics.py::test_packed_weights_survive_cuda_copy_behaviour"),
-    Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan/memory.py",
+    Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan/held.py",
              "    return held.lora_elements * accumulated_grad_itemsize(cfg)\n",
              "    return held.grads\n", "tests/test_plan.py::test_planned_sizes_equal_measured"),
     Mutation("chunked loss drops the last, shorter chunk", "qlora_fsdp/model/loss.py",

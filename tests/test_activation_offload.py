@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qlora_fsdp.model.activation_offload import ActivationOffloader
 from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.training.loop import loss_sum
+from qlora_fsdp.model.forward_loss import loss_sum
 from tests.helpers import batches, full_grads, run_ranks_sequence, tiny_config, variable_length_samples
 
 CPU = torch.device("cpu")

@@ -19,7 +19,7 @@ from qlora_fsdp.model.attention import (
     sample_bounds,
     varlen_sdpa_forward,
 )
-from qlora_fsdp.training.loop import ForwardLoss, loss_sum
+from qlora_fsdp.model.forward_loss import ForwardLoss, loss_sum
 
 
 def test_sample_bounds_start_wherever_the_position_does_not_go_up_by_one():

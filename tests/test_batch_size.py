@@ -92,7 +92,8 @@ def test_batch_settings_errors(overrides, message):
 
 def planned_micro_batches(info, cfg):
     """On a fake rank: the auto choice, and the planned totals of every candidate."""
-    from qlora_fsdp.plan.memory import meta_held, micro_batch_fits, plan, with_micro_batch
+    from qlora_fsdp.plan.held import meta_held
+    from qlora_fsdp.plan.memory import micro_batch_fits, plan, with_micro_batch
 
     held = meta_held(cfg, info.mesh)
     chosen = resolve_batch(cfg, info.world_size, micro_batch_fits(cfg, held)).data.micro_batch_size
@@ -120,7 +121,8 @@ def test_auto_at_launch_sizes_for_the_memory_this_process_can_have(monkeypatch, 
     import torch
 
     from qlora_fsdp.distributed import DistInfo
-    from qlora_fsdp.plan.memory import CUDA_CONTEXT_GIB, this_run_hardware
+    from qlora_fsdp.plan.memory import CUDA_CONTEXT_GIB
+    from qlora_fsdp.plan.run_batch import this_run_hardware
 
     gib, reserved = 2**30, 5 * 2**30
     cfg = load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=auto"])
@@ -142,7 +144,7 @@ def test_auto_at_launch_sizes_for_the_memory_this_process_can_have(monkeypatch, 
 def test_halving_advice_fits_a_recipe_with_an_effective_batch():
     """A misfit's 'halve the micro-batch' advice must be something the recipe accepts: with an effective batch,
     grad_accum_steps is derived, so naming it would be refused."""
-    from qlora_fsdp.plan.memory import variants
+    from qlora_fsdp.plan.levers import variants
 
     resolved = resolve_batch(load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=4"]), 2)
     label, changed = next((label, c) for label, c in variants(resolved, batch_from_target=True)

@@ -8,7 +8,7 @@ import torch
 
 from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.training.loop import ForwardLoss
+from qlora_fsdp.model.forward_loss import ForwardLoss
 from tests.helpers import full_grads, relative_difference, run_ranks, tiny_config, variable_length_samples
 
 pytestmark = pytest.mark.slow

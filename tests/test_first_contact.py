@@ -1,5 +1,5 @@
-"""First contact between the ranks (qlora_fsdp.first_contact): the GPU report's text, and the first all-reduce
-under `torchrun --nproc_per_node 2` on CPU, healthy and with a rank that never joins it.
+"""First contact between the ranks (qlora_fsdp.distributed.first_contact): the GPU report's text, and the first
+all-reduce under `torchrun --nproc_per_node 2` on CPU, healthy and with a rank that never joins it.
 
 Run as a script, this file is one rank: it joins the world with a small first-collective timeout, the way
 train.py does under run_command, and writes when it started the check:
@@ -23,12 +23,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import qlora_fsdp.first_contact as first_contact
+import qlora_fsdp.distributed.first_contact as first_contact
 from qlora_fsdp.commands.exit import run_command
 from qlora_fsdp.config import changed_settings, load_config, to_yaml
 from qlora_fsdp.distributed import cleanup, init_distributed
+from qlora_fsdp.distributed.first_contact import FirstCollectiveError, GpuReport, format_gpu_report, from_record
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.first_contact import FirstCollectiveError, GpuReport, format_gpu_report, from_record
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

@@ -6,12 +6,11 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qlora_fsdp"
-BASE = {"errors", "rank_errors", "dtypes", "optimizers", "distributed", "config", "precision"}
+BASE = {"errors", "labels", "dtypes", "optimizers", "distributed", "config", "precision"}
 # what each part of the package may import (besides itself)
 ALLOWED = {
-    "rank_errors": set(), "errors": {"rank_errors"}, "dtypes": set(), "optimizers": set(),
-    "first_contact": {"errors", "rank_errors"},  # not in BASE: only distributed.py starts it
-    "distributed": {"errors", "rank_errors", "first_contact"},
+    "errors": set(), "labels": set(), "dtypes": set(), "optimizers": set(),
+    "distributed": {"errors"},  # the process group, its first check, and how its ranks end on an error
     "config": {"errors", "optimizers"},
     "precision": {"config", "dtypes", "errors", "optimizers"},
     "data": BASE,  # never model/: data and model do not know each other
@@ -20,7 +19,7 @@ ALLOWED = {
     "plan": BASE | {"data", "model", "training"},  # the planner runs training's own step on fake tensors
     "tools": BASE | {"data", "model"},  # never api.py: the tools do not start training
     "api": BASE | {"data", "model", "training", "plan"},
-    "cli": BASE | {"api", "plan"},
+    "commands": BASE | {"api", "plan", "data", "model", "tools"},  # the command lines: the top
     "__init__": {"api", "config"},
 }
 

@@ -7,7 +7,8 @@ import pytest
 
 from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.training.loop import ForwardLoss, accumulate_gradients
+from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.training.loop import accumulate_gradients
 from tests.helpers import (
     batches,
     full_grads,

@@ -36,8 +36,8 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     the last micro-batch (sync off until then), the rest after one real optimizer step."""
     import qlora_fsdp.training.loop
     from qlora_fsdp.distributed import local_shard
+    from qlora_fsdp.plan.held import accumulating_gradient_bytes, meta_held, quant_state_bytes
     from qlora_fsdp.plan.measure import held_quant_state_bytes
-    from qlora_fsdp.plan.memory import accumulating_gradient_bytes, meta_held, quant_state_bytes
     from qlora_fsdp.training.optimizer import build_optimizer
 
     model = build_model(cfg, info)
@@ -106,7 +106,11 @@ def fetch(*args, **kwargs):
 datasets.load_dataset = huggingface_hub.snapshot_download = fetch
 import torch.distributed as dist
 from qlora_fsdp.config import load_config
-from qlora_fsdp.plan.memory import GIB, meta_held, plan, planning_mesh, report, variants
+from qlora_fsdp.plan.fake_world import planning_mesh
+from qlora_fsdp.plan.held import meta_held
+from qlora_fsdp.plan.levers import variants
+from qlora_fsdp.plan.memory import GIB, plan
+from qlora_fsdp.plan.report import report
 cfg = load_config('llama70b_2x4090', ['fsdp_preset=full_shard'])
 held = meta_held(cfg, planning_mesh(2))  # one meta build for both presets: offload moves bytes, not shapes
 offload = load_config('llama70b_2x4090', ['fsdp_preset=full_shard_cpu_offload'])
@@ -205,7 +209,9 @@ def fetch(*args, **kwargs):
 datasets.load_dataset = huggingface_hub.snapshot_download = fetch
 import torch.distributed as dist
 from qlora_fsdp.config import load_config
-from qlora_fsdp.plan.memory import GIB, meta_held, plan, planned_dtypes, planning_mesh
+from qlora_fsdp.plan.fake_world import planning_mesh
+from qlora_fsdp.plan.held import meta_held, planned_dtypes
+from qlora_fsdp.plan.memory import GIB, plan
 for name in ('llama70b_1x4090', 'llama70b_2x4090_long', 'llama3_8b_1x4090_long', 'qwen2.5_32b_2xt4'):
     cfg = load_config(name)
     result = plan(cfg, meta_held(cfg, planning_mesh(cfg.hardware.world_size)))

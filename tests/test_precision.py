@@ -15,8 +15,9 @@ import torch
 from qlora_fsdp.commands.train import main
 from qlora_fsdp.config import Config, HardwareConfig
 from qlora_fsdp.distributed import cleanup
+from qlora_fsdp.plan.fake_world import planning_mesh
 from qlora_fsdp.plan.hardware import planned_device
-from qlora_fsdp.plan.memory import meta_held, planning_mesh
+from qlora_fsdp.plan.held import meta_held
 from qlora_fsdp.precision import DeviceDescription, cpu_has_bf16, resolve_dtypes, uses_loss_scaling
 from qlora_fsdp.training import loop
 from qlora_fsdp.training.loss_scale import LossScaler

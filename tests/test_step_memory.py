@@ -51,8 +51,8 @@ def test_layers_split_into_head_repeated_block_and_tail():
 
 def planned_and_measured(info, configs):
     """On a fake rank of 2: per config, the plan's peak (fake step) and the same step's, run for real."""
+    from qlora_fsdp.plan.fake_world import step_memory
     from qlora_fsdp.plan.measure import measured_step
-    from qlora_fsdp.plan.memory import step_memory
 
     return [(step_memory(cfg).peak, measured_step(cfg, info).peak) for cfg in configs]
 
@@ -82,8 +82,8 @@ def test_planned_peak_is_the_real_steps(tmp_path):
 
 
 def planned_in_a_fake_world_and_measured(info, cfg):
+    from qlora_fsdp.plan.fake_world import in_real_world, step_memory
     from qlora_fsdp.plan.measure import measured_step
-    from qlora_fsdp.plan.memory import in_real_world, step_memory
 
     assert in_real_world()
     return step_memory(cfg).peak, measured_step(cfg, info).peak
@@ -106,7 +106,7 @@ def whole_and_shortened(info, configs, accumulating):
     """Per config: the step's figures from the whole model and from the shortened runs; then a step with three
     micro-batches (a middle one, sync off, with gradients already accumulated) against the planner's two."""
     from qlora_fsdp.plan import fake_step
-    from qlora_fsdp.plan.memory import planning_config
+    from qlora_fsdp.plan.held import planning_config
 
     def figures(step):
         return step.model, step.loss, step.optimizer, step.own_loss_bytes, step.offloaded, step.peak

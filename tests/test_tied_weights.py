@@ -20,11 +20,11 @@ from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.model.adapter import config_for_adapter
 from qlora_fsdp.model.build import load_hf_config
 from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.model.forward_loss import loss_sum
 from qlora_fsdp.model.sharding import sharded_meta_model
-from qlora_fsdp.plan.memory import held_bytes, nbytes
+from qlora_fsdp.plan.held import held_bytes, nbytes
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
-from qlora_fsdp.training.loop import loss_sum
 from tests.helpers import (
     batches,
     build_tiny_checkpoint,

@@ -16,9 +16,9 @@ def run_command(body: Callable[[], int]) -> int:
     """A command-line entry point's body; a UserError becomes one `error: ...` line on stderr and exit code 2.
 
     In a multi-rank run the line is printed once, every rank exits 2 without a traceback, and a rank whose
-    collective failed because a peer raised one ends the same way (qlora_fsdp.rank_errors)."""
+    collective failed because a peer raised one ends the same way (qlora_fsdp.distributed.rank_errors)."""
     if in_multi_rank_run():
-        from qlora_fsdp.rank_errors import install_sigterm_handler
+        from qlora_fsdp.distributed.rank_errors import install_sigterm_handler
 
         install_sigterm_handler()
     try:
@@ -27,7 +27,7 @@ def run_command(body: Callable[[], int]) -> int:
         line = f"error: {err}"
         finish_progress_bars()
         if in_multi_rank_run():
-            from qlora_fsdp.rank_errors import end_with_user_error
+            from qlora_fsdp.distributed.rank_errors import end_with_user_error
 
             end_with_user_error(line)
         print(line, file=sys.stderr)
@@ -35,7 +35,7 @@ def run_command(body: Callable[[], int]) -> int:
         return 2
     except Exception:
         if in_multi_rank_run():
-            from qlora_fsdp.rank_errors import end_if_peer_failed
+            from qlora_fsdp.distributed.rank_errors import end_if_peer_failed
 
             end_if_peer_failed()  # returns when no peer published a user error: then the error is ours
         raise
@@ -50,7 +50,7 @@ def close_process_group() -> None:
     if "torch.distributed" in sys.modules:
         import torch.distributed as dist
 
-        from qlora_fsdp.rank_errors import forget_store
+        from qlora_fsdp.distributed.rank_errors import forget_store
 
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         print(to_yaml(cfg), end="")
         return 0
     if args.plan:
-        from qlora_fsdp.plan.memory import report
+        from qlora_fsdp.plan.report import report
 
         text, fits = report(cfg)
         print(text)

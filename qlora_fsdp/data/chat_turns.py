@@ -21,8 +21,8 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from qlora_fsdp.data.tool_calls import Message
 from qlora_fsdp.errors import DataError, first_line
+from qlora_fsdp.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 Span = tuple[int, int]  # character range in the rendered conversation
 
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")

@@ -203,7 +203,7 @@ class ConversationMaker:
             return json.dumps(tool_calls_of(value), ensure_ascii=False)
         except ValueError as err:
             raise DataError(f"{self.origin}: record {index + 1} has a tool call that is not a JSON "
-                            f"{{name, arguments}} object ({str(err).splitlines()[0]:.120})") from None
+                            f"{{name, arguments}} object ({first_line(err):.120})") from None
 
     def tools(self, record: dict[str, Any], index: int) -> str:
         value = record.get(self.fields["tools"])

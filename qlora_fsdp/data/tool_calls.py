@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from qlora_fsdp.errors import DataError
+from qlora_fsdp.errors import DataError, first_line
 
 Message = dict[str, Any]
 
@@ -90,7 +90,7 @@ def parsed_tool_calls(value: Any) -> list[dict[str, Any]]:
     try:
         return tool_calls_of(value)
     except ValueError as err:
-        raise DataError(f"a tool call is malformed: {str(err).splitlines()[0]}") from None
+        raise DataError(f"a tool call is malformed: {first_line(err)}") from None
 
 
 def has_tools(messages: list[Message], tools: list[dict[str, Any]]) -> bool:

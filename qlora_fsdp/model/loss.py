@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100  # the label of a token that is not a target (the convention of torch and transformers)
+from qlora_fsdp.labels import IGNORE_INDEX
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -36,10 +36,10 @@ from qlora_fsdp.config import CheckpointedLayers, Config
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.model.activation_offload import ActivationOffloader
+from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.model.loading import materialize
 from qlora_fsdp.model.sharding import sharded_meta_model
 from qlora_fsdp.plan.step_memory import Moment, Segment, StepMemory, run_step
-from qlora_fsdp.training.loop import ForwardLoss
 from qlora_fsdp.training.optimizer import build_optimizer
 
 DEVICE = torch.device("cpu")

@@ -1,6 +1,6 @@
 """What a loaded model really holds, counted from its tensors: the measured side of the planner's figures.
 
-The planner (plan.memory) predicts bytes from shapes on the meta device; these count the real tensors, so
+The planner (plan.held, plan.memory) predicts bytes from shapes on the meta device; these count the real tensors, so
 benchmarks/load_as_rank.py can report one rank's memory and the tests can hold the planner to it byte for byte;
 `measured_step` runs the training step for real under the tracker the planner's fake step uses.
 """
@@ -18,20 +18,16 @@ from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.model.activation_offload import ActivationOffloader
 from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.plan.fake_step import synthetic_batches
-from qlora_fsdp.plan.step_memory import StepMemory, run_step
-from qlora_fsdp.training.loop import ForwardLoss
+from qlora_fsdp.plan.step_memory import StepMemory, run_step, stored_quant_state
 from qlora_fsdp.training.optimizer import build_optimizer
 
 
 def held_quant_state_bytes(state: bnbf.QuantState) -> int:
-    """A Linear4bit's quantization state as stored: absmax (uint8 with double quantization) and the 4-bit
-    codebook, plus, when nested, the second level's fp32 absmax, its codebook and the offset. The planner's
-    counterpart, from shapes alone, is plan.memory.quant_state_bytes."""
-    tensors = [state.absmax, state.code]
-    if getattr(state, "state2", None) is not None:
-        tensors += [state.state2.absmax, state.state2.code, state.offset]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of a Linear4bit's stored quantization state; the planner's counterpart, from shapes alone, is
+    plan.held.quant_state_bytes."""
+    return sum(t.numel() * t.element_size() for t in stored_quant_state(state))
 
 
 def measured_step(cfg: Config, info: DistInfo, batches: list[Batch] | None = None) -> StepMemory:

@@ -26,7 +26,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.model.build import decoder_layers
-from qlora_fsdp.training.loop import ForwardLoss, backward_micro_batch, set_gradient_sync
+from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.training.loop import backward_micro_batch, set_gradient_sync
 from qlora_fsdp.training.optimizer import ShardedOptimizer
 
 TOTAL = "Total"
@@ -224,16 +225,19 @@ class StepTracker(_PhasePeaks, MemTracker):
             func, types, args, kwargs))
 
 
+def stored_quant_state(state: Any) -> list[torch.Tensor]:
+    """A Linear4bit's quantization state as stored: absmax (uint8 with double quantization) and the 4-bit
+    codebook, plus, when nested, the second level's fp32 absmax, its codebook and the offset."""
+    tensors = [state.absmax, state.code]
+    if getattr(state, "state2", None) is not None:
+        tensors += [state.state2.absmax, state.state2.code, state.offset]
+    return tensors
+
+
 def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every Linear4bit's quantization state (whole on every rank; neither a parameter nor a buffer)."""
-    tensors = []
-    for module in model.modules():
-        state = getattr(module, "quant_state", None) if isinstance(module, bnb.nn.Linear4bit) else None
-        if state is not None:
-            tensors += [state.absmax, state.code]
-            if state.state2 is not None:
-                tensors += [state.state2.absmax, state.state2.code, state.offset]
-    return tensors
+    return [tensor for module in model.modules() if isinstance(module, bnb.nn.Linear4bit)
+            and getattr(module, "quant_state", None) is not None for tensor in stored_quant_state(module.quant_state)]
 
 
 def batch_tensors(batch: Batch) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 import torch
 
 from qlora_fsdp.distributed import all_reduce_max
-from qlora_fsdp.rank_errors import end_if_peer_failed, peer_failed
+from qlora_fsdp.distributed.rank_errors import end_if_peer_failed, peer_failed
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 # Ctrl-C under torchrun reaches a worker twice within milliseconds (from the terminal, then forwarded by the

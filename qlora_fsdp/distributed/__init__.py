@@ -21,9 +21,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from qlora_fsdp.distributed.first_contact import check_first_contact
+from qlora_fsdp.distributed.rank_errors import (
+    elastic_attempt_store,
+    end_if_peer_failed,
+    forget_store,
+    peer_failed,
+    shared_store,
+)
 from qlora_fsdp.errors import CollectiveTimeoutError, ConfigError
-from qlora_fsdp.first_contact import check_first_contact
-from qlora_fsdp.rank_errors import elastic_attempt_store, end_if_peer_failed, forget_store, peer_failed, shared_store
 
 T = TypeVar("T")
 # gloo: "Timed out waiting 3000ms for recv operation"; nccl: "... milliseconds before timing out"
@@ -71,7 +77,7 @@ def init_distributed(shard_size: int | None = None, timeout_minutes: float = 60.
     default, 30 minutes (10 for NCCL alone), can stop ranks that wait while rank 0 tokenizes a large dataset.
     A group made here is first checked with one all-reduce that must finish in `first_collective_timeout_s`
     (train.first_collective_timeout_s), before any weight is read: a broken GPU link fails in a minute, not an
-    hour (qlora_fsdp.first_contact)."""
+    hour (qlora_fsdp.distributed.first_contact)."""
     global _timeout_minutes
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -144,7 +150,7 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 def barrier() -> None:
     """Every rank meets here. Where there is a shared store the wait polls it rather than blocking in a
     collective, so a rank waiting here (for rank 0 tokenizing or saving) sees at once when another rank ended
-    with a user error, and ends with it (qlora_fsdp.rank_errors) instead of waiting to be killed."""
+    with a user error, and ends with it (qlora_fsdp.distributed.rank_errors) instead of waiting to be killed."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return  # nobody to wait for (a fake group, for planning, is one process acting as one rank)
     store = shared_store()

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qlora_fsdp.distributed.rank_errors import shared_store
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.rank_errors import shared_store
 
 GIB = 1024**3
 REPORT_KEY = "qlora_fsdp/first_contact"

@@ -1,0 +1,113 @@
+"""What a rank holds for a whole run, from shapes alone: the 4-bit shards, the LoRA weights, their gradients
+and optimizer state, by the optimizers' own rules; the model is built on the meta device and sharded by FSDP2
+over a fake process group of the recipe's world size, so each local shard has the shape rank 0 will allocate."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import bitsandbytes as bnb
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AutoConfig, PretrainedConfig
+
+from qlora_fsdp.config import REPO_ROOT, Config
+from qlora_fsdp.distributed import local_shard
+from qlora_fsdp.dtypes import TORCH_DTYPES
+from qlora_fsdp.model.build import base_parameter_count, decoder_layers, load_hf_config
+from qlora_fsdp.model.sharding import sharded_meta_model
+from qlora_fsdp.optimizers import OPTIMIZERS
+from qlora_fsdp.plan.fake_step import NESTED_BLOCK
+from qlora_fsdp.plan.hardware import planned_device
+from qlora_fsdp.precision import resolve_dtypes
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def quant_state_bytes(n_elements: int, blocksize: int, double_quant: bool) -> int:
+    """A Linear4bit's quantization state, whole on every rank (FSDP shards only the packed weight)."""
+    blocks = n_elements // blocksize
+    codebook = 16 * 4  # the NF4/FP4 code, fp32
+    if not double_quant:
+        return blocks * 4 + codebook
+    nested = math.ceil(blocks / NESTED_BLOCK) * 4 + 256 * 4 + 4  # nested absmax, its 8-bit code, the offset
+    return blocks + nested + codebook
+
+
+def planning_config(cfg: Config) -> PretrainedConfig:
+    """The architecture: the shipped copy for a recipe's hub model (model_configs/<name>), so planning needs
+    no download and no weights; else the model folder's own config.json."""
+    shipped = REPO_ROOT / "model_configs" / cfg.model.path.rstrip("/").split("/")[-1].lower() / "config.json"
+    if not Path(cfg.model.path).is_dir() and shipped.is_file():
+        return AutoConfig.from_pretrained(shipped.parent)
+    return load_hf_config(cfg)
+
+
+def planned_dtypes(cfg: Config) -> Config:
+    """`auto` dtypes as the recipe's hardware resolves them (float16 on a T4, bfloat16 on an RTX 4090)."""
+    return resolve_dtypes(cfg, planned_device(cfg.hardware))
+
+
+def meta_held(cfg: Config, mesh: DeviceMesh) -> Held:
+    """Exact bytes from the recipe's model built and sharded as training does it, on the meta device."""
+    cfg = planned_dtypes(cfg)
+    return held_bytes(sharded_meta_model(cfg, planning_config(cfg), mesh), cfg)
+
+
+@dataclass
+class Held:
+    """Exact bytes rank 0 holds, from the sharded meta model."""
+    base_4bit: int = 0
+    quant_state: int = 0
+    other_base: int = 0
+    lora: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    layer_shard: int = 0  # one decoder layer's local shards (what offload copies to the GPU to gather it)
+    largest_linear: int = 0  # elements of the biggest Linear4bit (read whole and quantized while loading)
+    base_parameters: int = 0  # unpacked count, for MFU
+    lora_elements: int = 0  # all ranks' LoRA elements together (the unsharded count)
+
+
+def held_bytes(model: nn.Module, cfg: Config) -> Held:
+    held = Held()
+    packed = set()
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            n = module.in_features * module.out_features
+            packed.add(id(module.weight))
+            held.quant_state += quant_state_bytes(n, cfg.quant.blocksize, cfg.quant.double_quant)
+            held.largest_linear = max(held.largest_linear, n)
+    for param in model.parameters():
+        shard = local_shard(param)
+        if param.requires_grad:
+            held.lora += nbytes(shard)
+            held.grads += nbytes(shard)  # FSDP2 hands each shard its gradient in the parameter's dtype
+            held.optimizer += OPTIMIZERS[cfg.optim.name].state_bytes(shard.numel(), shard.element_size())
+            held.lora_elements += param.numel()
+        elif id(param) in packed:
+            held.base_4bit += nbytes(shard)
+        else:
+            held.other_base += nbytes(shard)
+    held.base_parameters = base_parameter_count(model)
+    held.layer_shard = max(sum(nbytes(local_shard(p)) for p in layer.parameters()) for layer in decoder_layers(model))
+    return held
+
+
+def accumulated_grad_itemsize(cfg: Config) -> int:
+    """Bytes an element of a gradient FSDP2 accumulates unsharded while gradient sync is off: upcast to the
+    reduce dtype unless it equals the compute dtype (then FSDP2 drops it and keeps the compute dtype)."""
+    compute = cfg.fsdp.param_dtype or cfg.lora.dtype
+    kept = compute if cfg.fsdp.reduce_dtype == cfg.fsdp.param_dtype else cfg.fsdp.reduce_dtype
+    return TORCH_DTYPES[kept].itemsize
+
+
+def accumulating_gradient_bytes(held: Held, cfg: Config) -> int:
+    """The LoRA gradients FSDP2 holds unsharded between micro-batches (sync off): the measured step's gradient
+    rows include them; this exact figure is what the tests hold FSDP2 itself to."""
+    return held.lora_elements * accumulated_grad_itemsize(cfg)

@@ -1,0 +1,76 @@
+"""The memory levers and, for a misfit, the single changes that make a recipe fit, most throughput kept first."""
+
+from __future__ import annotations
+
+import copy
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.plan.held import Held, meta_held
+from qlora_fsdp.plan.memory import GIB, plan
+
+# selective checkpointing scopes, least recompute first: element-wise ops only, then attention (about a fifth of a
+# Llama layer's matmul FLOPs), then the MLP, then the whole layer
+SCOPES_BY_RECOMPUTE = ("ops", "attention", "mlp", "layer")
+
+
+def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
+    """The loss and activation levers, the ones that cost the least throughput first."""
+    policy = cfg.activation_checkpointing
+    changes: list[tuple[str, dict[str, object]]] = []
+    if not cfg.loss.chunked:  # recomputes only the output layer, a chunk at a time
+        changes.append(("loss.chunked=true", {"loss.chunked": True}))
+    if policy.mode != "off" and not policy.offload:  # copies that overlap compute; nothing recomputed
+        changes.append(("activation_checkpointing.offload=true (what checkpointing keeps waits in host memory)",
+                        {"activation_checkpointing.offload": True}))
+    current = SCOPES_BY_RECOMPUTE.index(policy.scope) if policy.mode == "every_layer" else -1
+    for scope in SCOPES_BY_RECOMPUTE[current + 1:]:
+        what = "every layer" if scope == "layer" else f"{'element-wise ops' if scope == 'ops' else scope} only"
+        changes.append((f"activation_checkpointing.mode=every_layer activation_checkpointing.scope={scope} "
+                        f"(recomputes {what})", {"activation_checkpointing.mode": "every_layer",
+                                                 "activation_checkpointing.scope": scope}))
+    return changes
+
+
+def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, Config]]:
+    """Changes that shrink the footprint, the ones that keep the most throughput first. With
+    `batch_from_target` the recipe states an effective batch, so only the micro-batch is the user's to set."""
+    changes = memory_levers(cfg)
+    if cfg.data.micro_batch > 1:
+        half, accum = max(1, cfg.data.micro_batch // 2), cfg.data.grad_accum_steps * 2
+        label = (f"data.micro_batch_size={half} (the effective batch then takes {accum} accumulation steps)"
+                 if batch_from_target else
+                 f"data.micro_batch_size={half} data.grad_accum_steps={accum} (same effective batch)")
+        changes.append((label, {"data.micro_batch_size": half, "data.grad_accum_steps": accum}))
+    if cfg.data.context_length > 512:
+        changes.append((f"data.context_length={cfg.data.context_length // 2}",
+                        {"data.context_length": cfg.data.context_length // 2}))
+    if cfg.lora.r > 8:
+        changes.append((f"lora.r={cfg.lora.r // 2}", {"lora.r": cfg.lora.r // 2}))
+    if not cfg.fsdp.cpu_offload:
+        changes.append(("fsdp_preset=full_shard_cpu_offload (slower: the optimizer step runs on the CPU)",
+                        {"fsdp.cpu_offload": True}))
+    out = []
+    for label, values in changes:
+        changed = copy.deepcopy(cfg)
+        for dotted, value in values.items():
+            section, key = dotted.split(".")
+            setattr(getattr(changed, section), key, value)
+        out.append((label, changed))
+    return out
+
+
+def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bool = False) -> list[str]:
+    """Each single change that makes a misfit fit, with the total it gives."""
+    found = []
+    for label, changed in variants(cfg, batch_from_target):
+        same_shapes = changed.lora.r == cfg.lora.r  # only the rank changes what is allocated
+        try:
+            result = plan(changed, held if same_shapes else meta_held(changed, mesh))
+        except ConfigError:  # a lever this architecture lacks (a sub-layer scope it has no module for)
+            continue
+        if result.fits:
+            found.append(f"{label}: {result.gpu_total / GIB:.1f} GiB a GPU")
+    return found

@@ -1,0 +1,34 @@
+"""The planner's report for `--plan`: the tables, the verdict, and the fixes for a misfit."""
+
+from __future__ import annotations
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.plan.batch_size import describe_batch, effective_rows, resolve_batch
+from qlora_fsdp.plan.fake_world import planning_mesh
+from qlora_fsdp.plan.held import meta_held, planned_dtypes
+from qlora_fsdp.plan.levers import suggestions
+from qlora_fsdp.plan.memory import GIB, format_rows, gpu_spec, micro_batch_fits, plan
+
+
+def report(cfg: Config) -> tuple[str, bool]:
+    """The planner's table and verdict for a recipe; (text, fits)."""
+    gpu_spec(cfg)  # a mistyped GPU name fails here, before the model is built
+    cfg = planned_dtypes(cfg)
+    mesh = planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size)
+    held = meta_held(cfg, mesh)
+    fits = micro_batch_fits(cfg, held)  # an auto micro-batch where none fits plans 1, to show the misfit
+    recipe, cfg = cfg, resolve_batch(cfg, cfg.hardware.world_size, lambda micro: micro == 1 or fits(micro))
+    result = plan(cfg, held)
+    gpu = f"{cfg.hardware.gpu} ({result.capacity_gib:g} GiB)"
+    host_capacity = f"of {result.host_capacity_gib:g} GiB" if result.host_capacity_gib else "unchecked"
+    lines = [f"plan for {cfg.model.path} on {cfg.hardware.world_size} x {gpu}: {result.description}", "",
+             "per GPU (rank 0):", *format_rows(result.gpu_rows),
+             f"| **total** | **{result.gpu_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |", "",
+             "host RAM, per node:", *format_rows(result.host_rows),
+             f"| **total** | **{result.host_total / GIB:.2f}** | {host_capacity} |",
+             "", describe_batch(recipe, cfg, cfg.hardware.world_size), "FITS" if result.fits else "DOES NOT FIT"]
+    if not result.fits:
+        fixes = suggestions(cfg, held, mesh, effective_rows(recipe) is not None)
+        lines += ["changes that make it fit, most throughput kept first:", *[f"  - {f}" for f in fixes]] if fixes \
+            else ["no single change makes it fit; combine them, or use more GPUs"]
+    return "\n".join(lines), result.fits
