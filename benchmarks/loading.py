@@ -91,7 +91,7 @@ def prepare_ours(model_dir: str, reader: Backend) -> Callable[[], object]:
     from qlora_fsdp.model.factory import build_model
 
     # training has one reader; only this benchmark swaps in another, in its own process
-    loading.checkpoint_tensors = functools.partial(weight_files.checkpoint_tensors, backend=reader)
+    loading.stored_weight_tensors = functools.partial(weight_files.stored_weight_tensors, backend=reader)
     info = init_distributed()
     cfg = Config()
     cfg.model.path = model_dir

@@ -64,7 +64,7 @@ MUTATIONS = [
     Mutation("chunked loss drops the last, shorter chunk", "qlora_fsdp/model/loss.py",
              "    for start in range(0, hidden.shape[0], chunk_tokens):\n",
              "    for start in range(0, hidden.shape[0] - chunk_tokens + 1, chunk_tokens):\n",
-             "tests/test_memory_features.py::test_chunked_loss_equals_full_loss"),
+             "tests/test_loss_and_checkpointing.py::test_chunked_loss_equals_full_loss"),
     Mutation("a peer's failed collective is taken as its own crash", "qlora_fsdp/commands/exit.py",
              "            end_if_peer_failed()  # returns when no peer published a user error: then the error is "
              "ours\n",
@@ -76,7 +76,7 @@ MUTATIONS = [
              "tests/test_config.py::test_yes_no_on_off_are_strings_where_strings_are_expected"),
     Mutation("rsLoRA not passed to PEFT", "qlora_fsdp/model/build.py",
              "        use_rslora=lora.use_rslora,", "        use_rslora=False,",
-             "tests/test_small_features.py::test_exported_rslora_adapter_loads_in_peft_with_the_same_outputs"),
+             "tests/test_rslora.py::test_exported_rslora_adapter_loads_in_peft_with_the_same_outputs"),
     Mutation("per-sample attention lets a packed row's samples see each other", "qlora_fsdp/model/attention.py",
              "    return list(zip(edges[:-1], edges[1:], strict=False))\n",
              "    return [(0, position_ids.numel())]\n",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qlora_fsdp.config import load_config
+from qlora_fsdp.config import changed_settings, load_config, to_yaml
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.plan.hardware import GPUS
 from tests.helpers import REPO, CliResult, train_here
@@ -41,6 +41,7 @@ def test_recipe_path_and_fsdp_preset():
      "'activation_checkpointing.mode' must be one of 'every_layer', 'every_nth', 'first_last', 'layers', 'off'"),
     ("fsdp_preset=nope", "unknown fsdp_preset 'nope'"),
     ("optim.lr", "is not of the form key=value"),
+    ("model.init=checkpoint", "'model.init: checkpoint' is now 'model.init: pretrained': rename it"),
 ])
 def test_bad_overrides_fail_in_one_line(override, expected):
     result = run_train("--recipe", "tiny_cpu", override, "--print-config")
@@ -130,3 +131,15 @@ def test_yes_no_on_off_are_strings_where_strings_are_expected(tmp_path):
     cfg = load_config("tiny_cpu", ["activation_checkpointing.mode=off", "data.packing=no", "train.output_dir=on"])
     assert (cfg.activation_checkpointing.mode, cfg.data.packing, cfg.train.output_dir) == ("off", False, "on")
     assert load_config("tiny_cpu", ["activation_checkpointing.mode='off'"]).activation_checkpointing.mode == "off"
+
+
+def test_a_run_saved_before_a_value_was_renamed_still_loads(tmp_path):
+    """`model.init: checkpoint` (now `pretrained`): refused in a recipe with the new name, read as the new name in
+    the resolved config an older run saved with its adapter or checkpoint, and not reported as a changed setting."""
+    saved = tmp_path / "training_config.yaml"
+    text = to_yaml(load_config("tiny_cpu")).replace("init: pretrained", "init: checkpoint")
+    saved.write_text(text)
+    with pytest.raises(ConfigError, match="'model.init: checkpoint' is now 'model.init: pretrained'"):
+        load_config(str(saved))
+    assert load_config(str(saved), saved_by_a_run=True).model.init == "pretrained"
+    assert changed_settings(text, load_config("tiny_cpu")) == []

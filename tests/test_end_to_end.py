@@ -66,10 +66,10 @@ def test_demo_recipe_learns(tmp_path, demo_model_dir):
     assert losses[-1] <= 0.7 * losses[0], losses
     assert "tokens_per_s" in result.stdout and (out / "adapter" / "adapter_model.safetensors").is_file()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    step_peaks = [r["peak_memory_gb"] for r in records if "loss" in r]
+    step_peaks = [r["peak_memory_gib"] for r in records if "loss" in r]
     assert len(step_peaks) == 60 and min(step_peaks) > 0.1  # every step, the largest over ranks
-    assert records[-1]["peak_memory_gb_max_rank"] == max(step_peaks)
-    assert min(r["activation_offload_gb"] for r in records if "loss" in r) > 0  # the layer inputs went to host
+    assert records[-1]["peak_memory_gib_max_rank"] == max(step_peaks)
+    assert min(r["activation_offload_gib"] for r in records if "loss" in r) > 0  # the layer inputs went to host
     assert "mem=" in result.stdout  # on the progress line
 
 

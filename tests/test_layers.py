@@ -6,13 +6,13 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qlora_fsdp"
-BASE = {"errors", "labels", "dtypes", "optimizers", "distributed", "config", "precision"}
+BASE = {"errors", "labels", "dtypes", "optimizer_registry", "distributed", "config", "precision"}
 # what each part of the package may import (besides itself)
 ALLOWED = {
-    "errors": set(), "labels": set(), "dtypes": set(), "optimizers": set(),
+    "errors": set(), "labels": set(), "dtypes": set(), "optimizer_registry": set(),
     "distributed": {"errors"},  # the process group, its first check, and how its ranks end on an error
-    "config": {"errors", "optimizers"},
-    "precision": {"config", "dtypes", "errors", "optimizers"},
+    "config": {"errors", "optimizer_registry"},
+    "precision": {"config", "dtypes", "errors", "optimizer_registry"},
     "data": BASE,  # never model/: data and model do not know each other
     "model": BASE,
     "training": BASE | {"data", "model"},

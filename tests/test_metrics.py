@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from qlora_fsdp.training.metrics import format_progress, memory_peaks_gb, reset_memory_peaks
+from qlora_fsdp.training.loop import RunSummary
+from qlora_fsdp.training.metrics import (
+    format_duration,
+    format_progress,
+    format_rate,
+    format_summary,
+    memory_peaks_gib,
+    reset_memory_peaks,
+)
 
 GIB = 2**30
 
@@ -15,8 +25,32 @@ def test_cuda_memory_peaks_report_reserved_beside_allocated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: peaks["reserved"])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: peaks.update(allocated=0, reserved=0))
     cuda = torch.device("cuda", 0)
-    assert memory_peaks_gb(cuda) == {"peak_memory_gb": 12.0, "peak_reserved_gb": 15.0}
+    assert memory_peaks_gib(cuda) == {"peak_memory_gib": 12.0, "peak_reserved_gib": 15.0}
     reset_memory_peaks(cuda)  # each step's record is that step's peak
-    assert memory_peaks_gb(cuda) == {"peak_memory_gb": 0.0, "peak_reserved_gb": 0.0}
-    assert format_progress({"loss": 1.5, "peak_memory_gb": 12.0}) == "loss=1.5000 mem=12.00G"
+    assert memory_peaks_gib(cuda) == {"peak_memory_gib": 0.0, "peak_reserved_gib": 0.0}
+    assert format_progress({"loss": 1.5, "peak_memory_gib": 12.0}) == "loss=1.5000 mem=12.00G"
 
+
+# ---- the run summary ----
+
+def test_summary_prints_counts_as_integers_and_times_rounded():
+    summary = RunSummary(train_runtime_s=192.4, steps=150, skipped_steps=0, samples=5204, tokens=1_234_567,
+                         mfu=0.0123, eval_loss_start=2.345678, eval_loss_end=1.234561,
+                         memory_peaks_gib={"peak_memory_gib": 1.5}, adapter="outputs/demo/adapter")
+    lines = format_summary(summary.as_dict()).split("\n")
+    assert lines[:2] == ["", "summary".center(len("peak_memory_gib_max_rank") + 16, "-")]
+    shown = dict(line.split(" : ") for line in lines[2:])
+    assert {key.strip(): value for key, value in shown.items()} == {
+        "train_runtime_s": "3 min 12 s", "steps": "150", "skipped_steps": "0", "samples": "5,204",
+        "samples_per_s": "27.0", "tokens": "1,234,567", "tokens_per_s": "6,417", "mfu": "1.23%",
+        "eval_loss_start": "2.3457", "eval_loss_end": "1.2346", "eval_ppl_end": "3.44",
+        "peak_memory_gib_max_rank": "1.50 GiB", "adapter": "outputs/demo/adapter"}
+
+
+def test_durations_and_rates():
+    assert [format_duration(s) for s in (0.04, 41.27, 59.96, 192.4, 3599.6, 3720, 90_000)] == [
+        "0.0 s", "41.3 s", "1 min 00 s", "3 min 12 s", "1 h 00 min", "1 h 02 min", "25 h 00 min"]
+    assert [format_rate(r) for r in (0.0, 0.012345, 3.2149, 45.61, 1234.4)] == ["0", "0.0123", "3.21", "45.6",
+                                                                                "1,234"]
+    assert format_summary({"eval_loss_end": math.nan, "stopped_by_signal": True}).split("\n")[2:] == [
+        "eval_loss_end     : nan", "stopped_by_signal : True"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qlora_fsdp.optimizers import OPTIMIZERS
+from qlora_fsdp.optimizer_registry import OPTIMIZERS
 from qlora_fsdp.training.optimizer import optimizer_class
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -19,7 +20,7 @@ from qlora_fsdp.config.schema import (
     Config,
 )
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.optimizers import OPTIMIZERS
+from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
 
 class RecipeLoader(yaml.SafeLoader):
@@ -56,10 +57,13 @@ def resolve_recipe_path(recipe: str) -> Path:
     raise ConfigError(f"unknown recipe '{recipe}': {suggestion}known recipes: {', '.join(known)}")
 
 
-def load_config(recipe: str, overrides: Sequence[str] = ()) -> Config:
-    """Recipe YAML, then its fsdp preset under the recipe's own `fsdp` keys, then command-line overrides."""
+def load_config(recipe: str, overrides: Sequence[str] = (), saved_by_a_run: bool = False) -> Config:
+    """Recipe YAML, then its fsdp preset under the recipe's own `fsdp` keys, then command-line overrides.
+    saved_by_a_run: the file is a run's resolved config (an adapter's or a checkpoint's), whose renamed values
+    are read as their new names rather than refused."""
     path = resolve_recipe_path(recipe)
     raw = _read_yaml(path)
+    raw = upgraded(raw) if saved_by_a_run else raw
     override_tree: dict[str, Any] = {}
     for item in overrides:
         override_tree = _merge(override_tree, _parse_override(item))
@@ -91,7 +95,7 @@ def changed_settings(saved_yaml: str, config: Config) -> list[str]:
         return out
 
     # a key added since the checkpoint was written: that run used its default (lora.use_rslora: false)
-    before = flat(read_yaml_text(to_yaml(Config()))) | flat(read_yaml_text(saved_yaml) or {})
+    before = flat(read_yaml_text(to_yaml(Config()))) | flat(upgraded(read_yaml_text(saved_yaml) or {}))
     after = flat(read_yaml_text(to_yaml(config)))
     return [f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in sorted(before.keys() | after.keys())
             if before.get(key) != after.get(key) and not key.startswith(RUN_CONTROL_KEYS)]
@@ -199,8 +203,23 @@ def _first_leaf(dotted: str, value: Any) -> str:
     return dotted
 
 
-# keys renamed so each word means one thing ("checkpoint": a training checkpoint, never the recomputation)
+# keys and values renamed so each word means one thing ("checkpoint": a training checkpoint, never the
+# recomputation, never the base model's folder)
 RENAMED_KEYS = {"checkpointing": "activation_checkpointing"}
+RENAMED_VALUES = {("model.init", "checkpoint"): "pretrained"}
+
+
+def upgraded(tree: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved config with renamed values under their new names (`model.init: checkpoint`: pretrained)."""
+    tree = copy.deepcopy(tree)
+    for (dotted, old), new in RENAMED_VALUES.items():
+        *sections, leaf = dotted.split(".")
+        node = tree
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(leaf) == old:
+            node[leaf] = new
+    return tree
 
 
 def _unknown_key_message(dotted: str, source: str, candidates: list[str] | None = None) -> str:
@@ -219,6 +238,8 @@ def _unknown_key_message(dotted: str, source: str, candidates: list[str] | None 
 
 
 def _check_type(key: str, value: Any, expected: Any) -> Any:
+    if isinstance(value, str) and (key, value) in RENAMED_VALUES:
+        raise ConfigError(f"'{key}: {value}' is now '{key}: {RENAMED_VALUES[key, value]}': rename it")
     value = _yaml11_float(value) if _accepts_float(expected) else value
     if isinstance(value, str) and value.lower() in BOOLEAN_WORDS and _matches(True, expected):
         value = BOOLEAN_WORDS[value.lower()]  # `packing: yes` on a boolean key

@@ -22,7 +22,7 @@ class ModelConfig:
     path: str = "models/tiny-llama"  # a local checkpoint folder, or a hub id where a network is there
     trust_remote_code: bool = False
     dtype: DTypeChoice = "auto"  # non-quantized weights (embeddings, norms, lm_head)
-    init: Literal["checkpoint", "random"] = "checkpoint"  # random: seeded weights from config.json alone
+    init: Literal["pretrained", "random"] = "pretrained"  # random: seeded weights from config.json alone
     # auto: per-sample attention for packed rows (flash_attention_2 on CUDA where flash-attn is installed, else
     # sdpa_varlen), sdpa otherwise. With packing, sdpa and eager score whole rows under a dense block-diagonal
     # mask (exact, slower); flex_attention trains on CUDA only. See qlora_fsdp/model/attention.py
@@ -107,7 +107,7 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "paged_adamw_8bit"  # a key of qlora_fsdp/optimizers.py's registry
+    name: str = "paged_adamw_8bit"  # a key of qlora_fsdp/optimizer_registry.py's registry
     lr: float = 2e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

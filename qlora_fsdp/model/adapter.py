@@ -107,4 +107,4 @@ def config_for_adapter(adapter_dir: Path, recipe: str | None, overrides: list[st
     if recipe is None and not saved.is_file():
         raise ConfigError(f"{adapter_dir} has no {TRAINING_CONFIG} (not written by train.py?): pass --recipe with "
                           "the settings it was trained with")
-    return load_config(recipe or str(saved), overrides)
+    return load_config(recipe, overrides) if recipe else load_config(str(saved), overrides, saved_by_a_run=True)

@@ -47,7 +47,7 @@ def model_dir(model_path: str) -> Path:
                              f"({type(err).__name__}); for the tiny default run `make tiny-model`") from None
 
 
-def checkpoint_dir(cfg: Config) -> Path:
+def base_model_dir(cfg: Config) -> Path:
     """model.path as a folder with a config.json (asked first: without one, a tokenizer load fails obscurely)."""
     path = model_dir(cfg.model.path)
     if not (path / "config.json").is_file():
@@ -61,7 +61,7 @@ def checkpoint_dir(cfg: Config) -> Path:
 
 
 def load_hf_config(cfg: Config) -> PretrainedConfig:
-    path = checkpoint_dir(cfg)
+    path = base_model_dir(cfg)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     except ValueError as err:  # JSON that is not a config, an unknown model_type, remote code refused
@@ -69,7 +69,7 @@ def load_hf_config(cfg: Config) -> PretrainedConfig:
 
 
 def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
-    path = checkpoint_dir(cfg)
+    path = base_model_dir(cfg)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError, TypeError) as err:  # no or broken tokenizer files

@@ -27,7 +27,7 @@ from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.model.build import QUANT_STORAGE, model_dir
 from qlora_fsdp.model.names import clean_name, weight_key
-from qlora_fsdp.model.weight_files import InMemoryTensor, StoredTensor, checkpoint_tensors
+from qlora_fsdp.model.weight_files import InMemoryTensor, StoredTensor, stored_weight_tensors
 
 _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
 
@@ -179,7 +179,7 @@ def tensor_source(
 ) -> Iterator[tuple[str, StoredTensor, str]]:
     if cfg.model.init == "random":
         return random_tensors(targets, getattr(hf_config, "initializer_range", 0.02), cfg.train.seed, device)
-    return checkpoint_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle)
+    return stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle)
 
 
 @torch.no_grad()

@@ -102,7 +102,7 @@ def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
     raise ModelLoadError(f"{path} has no weights (*.safetensors); for an architecture-only run set model.init=random")
 
 
-def checkpoint_tensors(path: Path, allow_pickle: bool, backend: Backend = "mmap"
+def stored_weight_tensors(path: Path, allow_pickle: bool, backend: Backend = "mmap"
                        ) -> Iterator[tuple[str, StoredTensor, str]]:
     """(key, tensor not yet read, file name), one file open at a time."""
     for file in weight_files(path, allow_pickle):

@@ -4,7 +4,7 @@ The model is built and sharded exactly as training builds it (meta device, NF4 s
 `fully_shard` over a fake process group of the recipe's world size), then allocated under FakeTensorMode: every
 tensor has its shape, dtype and device but no data, and every op (bitsandbytes' 4-bit and 8-bit kernels included:
 bitsandbytes registers fake kernels) computes only the shapes of its outputs. Each Linear4bit gets a quantization
-state of the real shapes. Then step_memory.run_step runs training's own step under torch's FSDP2 memory tracker.
+state of the real shapes. Then step_tracker.run_step runs training's own step under torch's FSDP2 memory tracker.
 
 The fake device is the CPU (CUDA streams cannot exist in a CPU-only torch): FSDP2's offloaded shards then sit on
 the same device as the compute, and the tracker's categories (sharded parameters, gradients, optimizer state) tell
@@ -39,7 +39,7 @@ from qlora_fsdp.model.activation_offload import ActivationOffloader
 from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.model.loading import materialize
 from qlora_fsdp.model.sharding import sharded_meta_model
-from qlora_fsdp.plan.step_memory import Moment, Segment, StepMemory, run_step
+from qlora_fsdp.plan.step_tracker import Moment, Segment, StepMemory, run_step
 from qlora_fsdp.training.optimizer import build_optimizer
 
 DEVICE = torch.device("cpu")

@@ -15,7 +15,7 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import data_parallel_mesh, init_fake_distributed
 from qlora_fsdp.plan.fake_step import cached_step
 from qlora_fsdp.plan.held import planned_dtypes, planning_config
-from qlora_fsdp.plan.step_memory import StepMemory
+from qlora_fsdp.plan.step_tracker import StepMemory
 
 T = TypeVar("T")
 
@@ -47,9 +47,9 @@ def in_real_world() -> bool:
     return dist.is_initialized() and dist.get_backend() != "fake"
 
 
-def step_memory(cfg: Config) -> StepMemory:
+def planned_step(cfg: Config) -> StepMemory:
     """The recipe's step measured on fake tensors (once per setting: see fake_step.cached_step)."""
     cfg = planned_dtypes(cfg)
     if in_real_world():
-        return in_fake_world(cfg, step_memory, cfg)
+        return in_fake_world(cfg, planned_step, cfg)
     return cached_step(cfg, planning_config(cfg), planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size))

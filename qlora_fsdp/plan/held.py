@@ -19,7 +19,7 @@ from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.model.build import base_parameter_count, decoder_layers, load_hf_config
 from qlora_fsdp.model.sharding import sharded_meta_model
-from qlora_fsdp.optimizers import OPTIMIZERS
+from qlora_fsdp.optimizer_registry import OPTIMIZERS
 from qlora_fsdp.plan.fake_step import NESTED_BLOCK
 from qlora_fsdp.plan.hardware import planned_device
 from qlora_fsdp.precision import resolve_dtypes

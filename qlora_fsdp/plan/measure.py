@@ -20,7 +20,7 @@ from qlora_fsdp.model.activation_offload import ActivationOffloader
 from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.plan.fake_step import synthetic_batches
-from qlora_fsdp.plan.step_memory import StepMemory, run_step, stored_quant_state
+from qlora_fsdp.plan.step_tracker import StepMemory, run_step, stored_quant_state
 from qlora_fsdp.training.optimizer import build_optimizer
 
 

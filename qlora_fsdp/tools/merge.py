@@ -26,7 +26,7 @@ from qlora_fsdp.model.adapter import read_adapter
 from qlora_fsdp.model.build import build_meta_model, load_hf_config, model_dir
 from qlora_fsdp.model.loading import base_targets, quantize
 from qlora_fsdp.model.names import PEFT_PREFIX
-from qlora_fsdp.model.weight_files import checkpoint_tensors
+from qlora_fsdp.model.weight_files import stored_weight_tensors
 from qlora_fsdp.precision import describe_device, resolve_dtypes
 
 
@@ -125,7 +125,7 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     writer = ShardWriter(tmp, max_shard_bytes)
-    for key, stored, _ in checkpoint_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
+    for key, stored, _ in stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
         if key.endswith("rotary_emb.inv_freq"):
             continue
         weight = stored.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])

@@ -60,7 +60,7 @@ def train_tokenizer(dataset: Path, vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec) -> PreTrainedModel:
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec) -> PreTrainedModel:
     """A tiny causal LM of the chosen family, same shapes for all: GQA attention, SwiGLU MLP."""
     if spec.family not in FAMILIES:
         raise ValueError(f"unknown family {spec.family!r}; one of {', '.join(FAMILIES)}")
@@ -88,7 +88,7 @@ def write_tiny_model(out: Path, dataset: Path, spec: TinyModelSpec,
                      max_shard_size: str = "50GB") -> PreTrainedModel:
     """Train the tokenizer on `dataset`, build the model, save both to `out` (seconds on a CPU)."""
     tokenizer = train_tokenizer(dataset, spec.vocab_size)
-    model = build_model(tokenizer, spec)
+    model = build_tiny_model(tokenizer, spec)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out)
     return model

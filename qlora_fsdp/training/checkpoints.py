@@ -224,13 +224,13 @@ class Checkpointer:
         """The one line for a checkpoint the disk had no room for; the partial folder is removed to free space."""
         if self.info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        free_gb = shutil.disk_usage(tmp.parent).free / 2**30
+        free_gib = shutil.disk_usage(tmp.parent).free / 2**30
         complete = complete_checkpoints(self.run_dir)
         resume = (f"resume from {complete[-1]} (the last complete checkpoint) with --resume" if complete
                   else "no complete checkpoint exists yet, so the run starts over")
         return CheckpointError(
             f"disk full: writing checkpoint {tmp.name.removeprefix(TMP_PREFIX)} to {tmp.parent} failed "
-            f"({first_line(err)}; {free_gb:.1f} GiB free there). Free space or point train.output_dir at a larger "
+            f"({first_line(err)}; {free_gib:.1f} GiB free there). Free space or point train.output_dir at a larger "
             f"disk (fewer kept: train.keep_last); {resume}")
 
     def prune(self) -> None:

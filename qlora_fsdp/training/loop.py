@@ -27,7 +27,7 @@ from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.precision import uses_loss_scaling
 from qlora_fsdp.training.checkpoints import Checkpointer
 from qlora_fsdp.training.loss_scale import LossScaler
-from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gb, reset_memory_peaks
+from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gib, reset_memory_peaks
 from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
 from qlora_fsdp.training.profiling import StepProfiler
 from qlora_fsdp.training.signals import GracefulStop
@@ -84,7 +84,7 @@ class RunSummary:
     mfu: float | None
     eval_loss_start: float
     eval_loss_end: float
-    memory_peaks_gb: dict[str, float]
+    memory_peaks_gib: dict[str, float]
     stopped_by_signal: bool = False
     checkpoint: str | None = None
     adapter: str | None = None
@@ -103,7 +103,7 @@ class RunSummary:
         end = self.eval_loss_end
         out.update(eval_loss_start=self.eval_loss_start, eval_loss_end=end,
                    eval_ppl_end=math.exp(end) if math.isfinite(end) else math.nan)
-        out.update({f"{key}_max_rank": value for key, value in self.memory_peaks_gb.items()})
+        out.update({f"{key}_max_rank": value for key, value in self.memory_peaks_gib.items()})
         if self.stopped_by_signal:
             out["stopped_by_signal"] = True
         if self.overflow_steps is not None:
@@ -230,9 +230,9 @@ class Trainer:
             self.last_checkpoint = self.checkpointer.save(self.step, self.model, self.optimizer, self.state_dict())
             self.logger.log({"event": "checkpoint", "step": self.step, "path": str(self.last_checkpoint)})
 
-    def step_memory(self) -> dict[str, float]:
+    def step_memory_peaks(self) -> dict[str, float]:
         """This step's peak memory, the largest over ranks; reset for the next step, kept for the summary."""
-        local = memory_peaks_gb(self.info.device)
+        local = memory_peaks_gib(self.info.device)
         peaks = dict(zip(local, all_reduce_maxes(list(local.values()), self.info.device), strict=True))
         reset_memory_peaks(self.info.device)
         for key, value in peaks.items():
@@ -302,14 +302,14 @@ class Trainer:
                       **({"mfu": mfu} if mfu is not None else {}), "step_time_s": elapsed}
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != cfg.max_steps and self.eval_samples:
                 record.update(eval_record(self.evaluate()))
-            record.update(self.step_memory())
+            record.update(self.step_memory_peaks())
             offloader = self.forward_loss.offloader
             if offloader is not None:  # host bytes what checkpointing kept took at their peak, this step
-                record["activation_offload_gb"] = offloader.stats.peak_host_bytes / 2**30
+                record["activation_offload_gib"] = offloader.stats.peak_host_bytes / 2**30
                 offloader.reset()
             self.logger.log(record)
             shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu",
-                     "peak_memory_gb")
+                     "peak_memory_gib")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
             self.check_bad_steps(stats)
             stop = self.stop.requested(self.info.device)
@@ -340,5 +340,6 @@ class Trainer:
         checkpoint = str(self.last_checkpoint) if self.last_checkpoint is not None else None
         return RunSummary(wall, self.step, self.skipped_steps, samples, int(tokens),
                           self.mfu_reference.mfu(tokens / wall), first_eval, final_eval,
-                          self.memory_peaks or self.step_memory(), stopped_by_signal=stopped, checkpoint=checkpoint,
+                          self.memory_peaks or self.step_memory_peaks(), stopped_by_signal=stopped,
+                          checkpoint=checkpoint,
                           overflow_steps=self.scaler.overflows if self.scaler.enabled else None)

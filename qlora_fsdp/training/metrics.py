@@ -25,15 +25,15 @@ def proc_status_bytes(field: str) -> int:
     return int(line.split()[1]) * 1024  # the file gives kB
 
 
-def memory_peaks_gb(device: torch.device) -> dict[str, float]:
+def memory_peaks_gib(device: torch.device) -> dict[str, float]:
     """Peak memory since the last `reset_memory_peaks`, in GiB. On CUDA, allocated and reserved side by side:
     reserved minus allocated is what the caching allocator holds unused (fragmentation), and reserved is what
     runs out first. On CPU, the process's peak resident memory since it started."""
     if device.type == "cuda":
-        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-                "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
+        return {"peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
     # VmHWM, not ru_maxrss: a child started by exec or spawn inherits its parent's ru_maxrss
-    return {"peak_memory_gb": proc_status_bytes("VmHWM") / 2**30}
+    return {"peak_memory_gib": proc_status_bytes("VmHWM") / 2**30}
 
 
 def reset_memory_peaks(device: torch.device) -> None:
@@ -89,7 +89,7 @@ def format_progress(values: dict[str, float]) -> str:
             parts.append(f"tok/s={value:,.0f}")
         elif key == "mfu":
             parts.append(f"mfu={value:.1%}")
-        elif key == "peak_memory_gb":
+        elif key == "peak_memory_gib":
             parts.append(f"mem={value:.2f}G")
         else:
             parts.append(f"{key}={value:.4f}")
@@ -118,8 +118,8 @@ def format_summary_value(key: str, value: Any) -> str:
         return format_duration(value)
     if key == "mfu":
         return f"{value:.2%}"
-    if key.endswith(("_gb", "_gb_max_rank")):
-        return f"{value:,.2f} GiB"  # memory_peaks_gb divides by 2**30
+    if key.endswith(("_gib", "_gib_max_rank")):
+        return f"{value:,.2f} GiB"
     if "ppl" in key:
         return f"{value:,.2f}"
     return f"{value:,.4f}"  # losses

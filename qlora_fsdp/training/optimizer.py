@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from qlora_fsdp.config import OptimConfig
 from qlora_fsdp.distributed import local_shard
-from qlora_fsdp.optimizers import OPTIMIZERS
+from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
 
 def optimizer_class(name: str, shards: list[torch.Tensor]) -> type[torch.optim.Optimizer]:

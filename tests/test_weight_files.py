@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.model.loading import chunk_rows
-from qlora_fsdp.model.weight_files import checkpoint_tensors
+from qlora_fsdp.model.weight_files import stored_weight_tensors
 
 BACKENDS = ["mmap", "pread"]  # mmap: the loader's; pread: the benchmark's comparison
 
@@ -32,7 +32,7 @@ def stored(tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reads_match_safetensors(stored, backend):
     reference = load_file(stored / "model.safetensors")
-    read = {key: tensor.read() for key, tensor, _ in checkpoint_tensors(stored, allow_pickle=False, backend=backend)}
+    read = {key: tensor.read() for key, tensor, _ in stored_weight_tensors(stored, allow_pickle=False, backend=backend)}
     # compared after the file was closed: a mapped tensor must keep its mapping alive
     assert read.keys() == reference.keys()
     for key, tensor in reference.items():
@@ -42,7 +42,7 @@ def test_reads_match_safetensors(stored, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_row_ranges_are_torch_chunks(stored, backend):
     reference = load_file(stored / "model.safetensors")
-    for key, tensor, _ in checkpoint_tensors(stored, allow_pickle=False, backend=backend):
+    for key, tensor, _ in stored_weight_tensors(stored, allow_pickle=False, backend=backend):
         if not tensor.shape:
             continue
         for world in (1, 2, 3, 4):
@@ -69,6 +69,6 @@ def test_damaged_file_is_named(stored, damage, backend):
     data = path.read_bytes()
     path.write_bytes(data[:-10] if damage == "truncated" else b"\x05" * 64)
     with pytest.raises(ModelLoadError, match="model.safetensors") as err:
-        for _, tensor, _ in checkpoint_tensors(stored, allow_pickle=False, backend=backend):
+        for _, tensor, _ in stored_weight_tensors(stored, allow_pickle=False, backend=backend):
             tensor.read()
     assert "\n" not in str(err.value)
