@@ -27,7 +27,7 @@ from transformers import LlamaConfig
 
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.distributed import DistInfo, cleanup, init_fake_distributed
-from qlora_fsdp.plan.fake_world import planned_step
+from qlora_fsdp.plan.fake_world import recipe_step
 from qlora_fsdp.plan.measure import measured_step
 
 MIB = 2**20
@@ -72,7 +72,7 @@ def config(model_dir: Path, scale: Scale, overrides: list[str]) -> Config:
 def row(name: str, scale: Scale, model_dir: Path, choice: tuple[str, str, str], info: DistInfo) -> float:
     loss, checkpointing, offload = choice
     cfg = config(model_dir, scale, LOSSES[loss] + CHECKPOINTING[checkpointing] + OFFLOAD[offload])
-    planned = planned_step(cfg).peak
+    planned = recipe_step(cfg).peak
     measured = measured_step(cfg, info).peak
     gc.collect()
     ratio = planned / measured

@@ -51,10 +51,10 @@ def test_layers_split_into_head_repeated_block_and_tail():
 
 def planned_and_measured(info, configs):
     """On a fake rank of 2: per config, the plan's peak (fake step) and the same step's, run for real."""
-    from qlora_fsdp.plan.fake_world import planned_step
+    from qlora_fsdp.plan.fake_world import recipe_step
     from qlora_fsdp.plan.measure import measured_step
 
-    return [(planned_step(cfg).peak, measured_step(cfg, info).peak) for cfg in configs]
+    return [(recipe_step(cfg).peak, measured_step(cfg, info).peak) for cfg in configs]
 
 
 @pytest.mark.slow
@@ -82,11 +82,11 @@ def test_planned_peak_is_the_real_steps(tmp_path):
 
 
 def planned_in_a_fake_world_and_measured(info, cfg):
-    from qlora_fsdp.plan.fake_world import in_real_world, planned_step
+    from qlora_fsdp.plan.fake_world import in_real_world, recipe_step
     from qlora_fsdp.plan.measure import measured_step
 
     assert in_real_world()
-    return planned_step(cfg).peak, measured_step(cfg, info).peak
+    return recipe_step(cfg).peak, measured_step(cfg, info).peak
 
 
 @pytest.mark.slow

@@ -47,9 +47,9 @@ def in_real_world() -> bool:
     return dist.is_initialized() and dist.get_backend() != "fake"
 
 
-def planned_step(cfg: Config) -> StepMemory:
+def recipe_step(cfg: Config) -> StepMemory:
     """The recipe's step measured on fake tensors (once per setting: see fake_step.cached_step)."""
     cfg = planned_dtypes(cfg)
     if in_real_world():
-        return in_fake_world(cfg, planned_step, cfg)
+        return in_fake_world(cfg, recipe_step, cfg)
     return cached_step(cfg, planning_config(cfg), planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size))

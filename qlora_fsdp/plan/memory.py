@@ -18,7 +18,7 @@ from typing import Literal
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.plan.fake_world import planned_step
+from qlora_fsdp.plan.fake_world import recipe_step
 from qlora_fsdp.plan.hardware import GPU, GPUS
 from qlora_fsdp.plan.held import Held, planned_dtypes
 from qlora_fsdp.plan.step_tracker import StepMemory
@@ -150,7 +150,7 @@ def plan(cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
     """The plan for `cfg`, from the bytes its sharded model holds (or a config's with the same shapes) and its
     measured step (measured here unless given)."""
     cfg = planned_dtypes(cfg)
-    step = step if step is not None else planned_step(cfg)
+    step = step if step is not None else recipe_step(cfg)
     n = held.base_parameters
     count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     description = (f"{count} base parameters, world size {cfg.hardware.world_size}, weights {cfg.model.dtype}, "
