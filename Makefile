@@ -35,16 +35,16 @@ real-model: $(BIN)/activate
 demo: $(BIN)/activate tiny-model
 	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu train.output_dir=outputs/demo train.overwrite=true
 
-# all tests, both lanes (about 10 minutes on 2 cores)
+# all tests, both lanes; the 20 slowest are listed at the end (tests/README.md: where the time goes)
 test: $(BIN)/activate tiny-model
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=20 tests
 
 # the fast lane: in-process unit tests, under 2 minutes; the slow lane (ranks, torchrun, subprocesses) is `-m slow`
 test-fast: $(BIN)/activate
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q --durations=20 -m "not slow" tests
 
 test-slow: $(BIN)/activate tiny-model
-	$(BIN)/python -m pytest -q -m slow tests
+	$(BIN)/python -m pytest -q --durations=20 -m slow tests
 
 # the day a GPU is lent: eight device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
 gpu-check: $(BIN)/activate
@@ -53,7 +53,7 @@ gpu-check: $(BIN)/activate
 # ruff, then the type checker (mypy, pinned in requirements.txt; settings in pyproject.toml's [tool.mypy])
 lint: $(BIN)/activate
 	$(BIN)/ruff check .
-	$(BIN)/mypy qlora_fsdp scripts
+	$(BIN)/mypy qlora_fsdp scripts benchmarks
 
 clean:
 	rm -rf $(VENV) models outputs .pytest_cache .mypy_cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.plan.recipe_table import HEADER, readme_table, recipe_names
 from qlora_fsdp.training.loop import accumulate_gradients
 from tests.helpers import REPO, batches, fsdp_params, run_ranks_sequence, tiny_config, variable_length_samples
 
@@ -121,9 +123,6 @@ print(result.description)
 print([label for label, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(c, held).fits])
 for row in result.gpu_rows:
     print('row', row.basis, round(row.bytes / GIB, 3), row.name)
-dist.destroy_process_group()  # the HSDP recipe plans over a fake world of 16
-text, fits = report(load_config('llama70b_hsdp_2x8x4090'))
-print(text)
 dist.destroy_process_group()
 # the 8B's layer shapes and vocabulary, 2 layers (its misfit fixes are as many steps: 32 layers would take 40 s)
 LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
@@ -134,21 +133,49 @@ print(text)
 """
 
 
+NO_FETCH = """
+import datasets, huggingface_hub, runpy, sys
+def fetch(*args, **kwargs):
+    raise SystemExit(f"planning fetched {args[:1]}")  # the recipes name hub data and models; a plan reads neither
+datasets.load_dataset = huggingface_hub.snapshot_download = fetch
+sys.argv = ["scripts/recipe_table.py", "--json"]
+runpy.run_path("scripts/recipe_table.py", run_name="__main__")
+"""
+
+
+class RecipePlans:
+    """Every shipped recipe's plan (scripts/recipe_table.py --json) from a process started at once: it runs
+    alongside the 70B test's own plans (each planner process keeps one core busy, so the two take the time of one
+    on 2 cores); `get` waits for it."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", NO_FETCH], cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True,
+                                     env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+        self.plans: dict | None = None
+
+    def get(self) -> dict:
+        if self.plans is None:
+            stdout, stderr = self.proc.communicate(timeout=600)
+            assert self.proc.returncode == 0, stderr[-3000:]
+            self.plans = json.loads(stdout)
+        return self.plans
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
 @pytest.fixture(scope="module")
-def no_peer_plans():
-    """The no-peer recipes' plans, started at once: they run alongside the 70B test's (each planner process keeps
-    one core busy, so the two take the time of one on 2 cores)."""
-    proc = subprocess.Popen([sys.executable, "-c", NO_PEER_RECIPES], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.communicate()
+def recipe_plans():
+    plans = RecipePlans()
+    yield plans
+    plans.close()
 
 
 @pytest.mark.slow
-def test_70b_plans_from_config_json_alone(tmp_path, no_peer_plans):
+def test_70b_plans_from_config_json_alone(tmp_path, recipe_plans):
     """2x RTX 4090: DOES NOT FIT without offload (and offload is named as the fix), FITS with it; the step's rows
     are measured, the chunked loss takes under 0.5 GiB. 2 nodes x 8 in HSDP: the shard is over a node's 8 GPUs,
     the auto micro-batch and scaled lr are printed, FITS. An 8B with full logits on 12 GiB: the chunked loss is
@@ -171,7 +198,7 @@ def test_70b_plans_from_config_json_alone(tmp_path, no_peer_plans):
     activations = next(float(gib) for _, gib, name in rows if name.startswith("activations"))
     assert 2.5 < activations < 8  # at least the 80 layers' checkpointed inputs: 80 x 2048 x 8192 x 2 bytes
 
-    hsdp = lines[len(rows) + 4:]
+    hsdp = recipe_plans.get()["llama70b_hsdp_2x8x4090"]["report"].splitlines()
     assert hsdp[0].endswith("on 16 x rtx4090 (24 GiB): 70.55B base parameters, world size 16, weights bfloat16, "
                             "4-bit compute bfloat16")  # auto, resolved for the recipe's GPU
     shard_row = next(line for line in hsdp if line.startswith("| 4-bit base weights"))
@@ -180,10 +207,9 @@ def test_70b_plans_from_config_json_alone(tmp_path, no_peer_plans):
     assert float(shard_row.split("|")[2]) == pytest.approx(packed_bytes / 8 / 2**30, abs=0.01)  # over 8, not 16
     batch = next(line for line in hsdp if line.startswith("batch:"))
     assert "x 16 ranks = 64 rows a step" in batch and f"lr {1e-4 * math.sqrt(2):.3g} (sqrt scaling" in batch
-    verdicts = [i for i, line in enumerate(hsdp) if line in ("FITS", "DOES NOT FIT")]
-    assert hsdp[verdicts[0]] == "FITS"
+    assert hsdp[-1] == "FITS"
 
-    eight_b = hsdp[verdicts[0] + 1:]
+    eight_b = lines[len(rows) + 4:]
     assert eight_b[eight_b.index("DOES NOT FIT") + 1].startswith("changes that make it fit")
     fixes = [line.strip()[2:] for line in eight_b if line.startswith("  - ")]
     assert fixes[0].startswith("loss.chunked=true: ") and fixes[0].endswith(" GiB a GPU"), fixes
@@ -202,38 +228,27 @@ def test_mfu_counts_6n_flops_a_token():
     assert 0.60 < reference.mfu(477.0) < 0.62
 
 
-NO_PEER_RECIPES = """
-import datasets, huggingface_hub
-def fetch(*args, **kwargs):
-    raise SystemExit(f"planning fetched {args[:1]}")  # the recipes name hub data and models; a plan reads neither
-datasets.load_dataset = huggingface_hub.snapshot_download = fetch
-import torch.distributed as dist
-from qlora_fsdp.config import load_config
-from qlora_fsdp.plan.fake_world import planning_mesh
-from qlora_fsdp.plan.held import meta_held, planned_dtypes
-from qlora_fsdp.plan.memory import GIB, plan
-for name in ('llama70b_1x4090', 'llama70b_2x4090_long', 'llama3_8b_1x4090_long', 'qwen2.5_32b_2xt4'):
-    cfg = load_config(name)
-    result = plan(cfg, meta_held(cfg, planning_mesh(cfg.hardware.world_size)))
-    print(name, cfg.hardware.world_size, cfg.data.context_length, result.fits, result.gpu_total / GIB,
-          result.host_total / GIB, result.host_capacity_gib, result.capacity_gib, planned_dtypes(cfg).model.dtype)
-    dist.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
-def test_recipes_no_peer_has_plan_fits_within_their_host_budgets(no_peer_plans):
+def test_recipes_no_peer_has_plan_fits_within_their_host_budgets(recipe_plans):
     """A 70B on one 24 GB GPU in 64 GiB of host RAM; a 70B on two at 16k tokens or more in 128 GiB; an 8B on one
     at 32k or more; a 32B on Kaggle's two 16 GB T4s (15 GiB usable) in 29 GiB, in float16 (no bf16 on a T4)."""
-    stdout, stderr = no_peer_plans.communicate(timeout=600)
-    assert no_peer_plans.returncode == 0, stderr[-3000:]
-    plans = {line.split()[0]: line.split()[1:] for line in stdout.splitlines()}
     expected = {"llama70b_1x4090": (1, 2048, 64, 24, "bfloat16"),
                 "llama70b_2x4090_long": (2, 16384, 128, 24, "bfloat16"),
                 "llama3_8b_1x4090_long": (1, 32768, 32, 24, "bfloat16"),
                 "qwen2.5_32b_2xt4": (2, 2048, 29, 15, "float16")}
     for name, (world, min_context, host_budget, gpu_gib, dtype) in expected.items():
-        ranks, context, fits, gpu, host, capacity, gpu_capacity, weights = plans[name]
-        assert (int(ranks), fits, float(capacity), float(gpu_capacity), weights) == (
-            world, "True", host_budget, gpu_gib, dtype), plans[name]
-        assert int(context) >= min_context and float(gpu) <= gpu_gib and float(host) <= host_budget, plans[name]
+        got = recipe_plans.get()[name]
+        assert (got["world_size"], got["fits"], got["host_capacity_gib"], got["gpu_capacity_gib"], got["dtype"]) == (
+            world, True, host_budget, gpu_gib, dtype), got
+        assert got["context_length"] >= min_context and got["gpu_gib"] <= gpu_gib and got["host_gib"] <= host_budget
+
+
+@pytest.mark.slow
+def test_every_shipped_recipe_fits_and_the_readme_shows_its_plan(recipe_plans):
+    """The README's recipe table is what the planner says today, row for row (scripts/recipe_table.py --write
+    remakes it), and every shipped recipe fits its hardware."""
+    plans = recipe_plans.get()
+    assert sorted(plans) == recipe_names()
+    assert [name for name, got in plans.items() if not got["fits"]] == []
+    rows = "\n".join(plans[name]["row"] for name in recipe_names())
+    assert readme_table(REPO / "README.md") == "\n".join([*HEADER, rows]), "run: python scripts/recipe_table.py --write"

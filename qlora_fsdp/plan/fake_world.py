@@ -29,6 +29,12 @@ def planning_mesh(world_size: int, shard_size: int | None = None) -> DeviceMesh:
     return data_parallel_mesh("cpu", world_size, shard_size)
 
 
+def leave_fake_world() -> None:
+    """End the fake group a plan made, so the next plan (another world size) can make its own."""
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()
+
+
 def in_fake_world(cfg: Config, fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) in a fresh process acting as rank 0 of a fake world of the recipe's size. For a process already
     in a real process group (a launched run sizing its auto micro-batch, the GPU check): the fake step's

@@ -2,23 +2,47 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+
 from qlora_fsdp.config import Config
 from qlora_fsdp.plan.batch_size import describe_batch, effective_rows, resolve_batch
 from qlora_fsdp.plan.fake_world import planning_mesh
-from qlora_fsdp.plan.held import meta_held, planned_dtypes
+from qlora_fsdp.plan.held import Held, meta_held, planned_dtypes
 from qlora_fsdp.plan.levers import suggestions
-from qlora_fsdp.plan.memory import GIB, format_rows, gpu_spec, micro_batch_fits, plan
+from qlora_fsdp.plan.memory import GIB, Plan, format_rows, gpu_spec, micro_batch_fits, plan
 
 
-def report(cfg: Config) -> tuple[str, bool]:
-    """The planner's table and verdict for a recipe; (text, fits)."""
+@dataclass
+class RecipePlan:
+    recipe: Config  # as written (an auto micro-batch still auto)
+    planned: Config  # the dtypes and micro-batch the plan resolved
+    held: Held
+    mesh: DeviceMesh
+    result: Plan
+
+
+def plan_recipe(cfg: Config) -> RecipePlan:
+    """The plan of a recipe on its `hardware`, its auto settings resolved as a launch on that hardware would."""
     gpu_spec(cfg)  # a mistyped GPU name fails here, before the model is built
     cfg = planned_dtypes(cfg)
     mesh = planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size)
     held = meta_held(cfg, mesh)
     fits = micro_batch_fits(cfg, held)  # an auto micro-batch where none fits plans 1, to show the misfit
-    recipe, cfg = cfg, resolve_batch(cfg, cfg.hardware.world_size, lambda micro: micro == 1 or fits(micro))
-    result = plan(cfg, held)
+    planned = resolve_batch(cfg, cfg.hardware.world_size, lambda micro: micro == 1 or fits(micro))
+    return RecipePlan(cfg, planned, held, mesh, plan(planned, held))
+
+
+def report(cfg: Config) -> tuple[str, bool]:
+    """The planner's table and verdict for a recipe; (text, fits)."""
+    planned = plan_recipe(cfg)
+    return report_text(planned), planned.result.fits
+
+
+def report_text(planned: RecipePlan) -> str:
+    """What `--plan` prints for a planned recipe."""
+    recipe, cfg, held, mesh, result = planned.recipe, planned.planned, planned.held, planned.mesh, planned.result
     gpu = f"{cfg.hardware.gpu} ({result.capacity_gib:g} GiB)"
     host_capacity = f"of {result.host_capacity_gib:g} GiB" if result.host_capacity_gib else "unchecked"
     lines = [f"plan for {cfg.model.path} on {cfg.hardware.world_size} x {gpu}: {result.description}", "",
@@ -31,4 +55,4 @@ def report(cfg: Config) -> tuple[str, bool]:
         fixes = suggestions(cfg, held, mesh, effective_rows(recipe) is not None)
         lines += ["changes that make it fit, most throughput kept first:", *[f"  - {f}" for f in fixes]] if fixes \
             else ["no single change makes it fit; combine them, or use more GPUs"]
-    return "\n".join(lines), result.fits
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""The README's table of shipped recipes, made from their plans: the planned memory is written in one place, the
+planner, and the README shows what it prints (scripts/recipe_table.py writes it; a test holds them equal)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from qlora_fsdp.config import REPO_ROOT, Config, load_config
+from qlora_fsdp.plan.fake_world import leave_fake_world
+from qlora_fsdp.plan.memory import GIB
+from qlora_fsdp.plan.report import RecipePlan, plan_recipe, report_text
+
+START, END = "<!-- recipe table: made by scripts/recipe_table.py -->", "<!-- end of recipe table -->"
+HEADER = ["| recipe | model | hardware | setting | planned GPU memory (rank 0) | host RAM (node) |",
+          "| --- | --- | --- | --- | --- | --- |"]
+
+
+def recipe_names() -> list[str]:
+    """Every shipped GPU recipe (tiny_cpu trains on any CPU and plans nothing), planned order: by file name."""
+    return sorted(p.stem for p in (REPO_ROOT / "recipes").glob("*.yaml") if p.stem != "tiny_cpu")
+
+
+def hardware_words(cfg: Config) -> str:
+    gpus = f"{cfg.hardware.gpus_per_node}x {cfg.hardware.gpu}"
+    return gpus if cfg.hardware.nodes == 1 else f"{cfg.hardware.nodes} nodes x {gpus}"
+
+
+def setting_words(cfg: Config) -> str:
+    """What sets the recipe apart: the context, the dtype, offload and sharding."""
+    words = [f"{cfg.data.context_length:,}-token rows", f"{cfg.model.dtype} weights"]
+    if cfg.fsdp.cpu_offload:
+        words.append("CPU offload")
+    if cfg.activation_checkpointing.offload:
+        words.append("activation offload")
+    if cfg.hardware.nodes > 1 and cfg.fsdp.shard_size:
+        words.append(f"HSDP (shards over {cfg.fsdp.shard_size})")
+    return ", ".join(words)
+
+
+def table_row(name: str, planned: RecipePlan) -> str:
+    cfg, result = planned.planned, planned.result
+    host = f"{result.host_total / GIB:.1f} GiB" + (f" of {result.host_capacity_gib:g}" if result.host_capacity_gib
+                                                   else "")
+    verdict = "" if result.fits else " (DOES NOT FIT)"
+    return (f"| `{name}` | {cfg.model.path} | {hardware_words(cfg)} | {setting_words(cfg)} | "
+            f"{result.gpu_total / GIB:.1f} GiB of {result.capacity_gib:g}{verdict} | {host} |")
+
+
+def plan_alone(name: str) -> RecipePlan:
+    """A recipe's plan in a fake world of its own size (recipes differ in world size)."""
+    leave_fake_world()
+    try:
+        return plan_recipe(load_config(name))
+    finally:
+        leave_fake_world()
+
+
+def plan_summary(name: str, planned: RecipePlan) -> dict[str, object]:
+    """The figures the tests hold a shipped recipe to, its table row and its full report (JSON-ready)."""
+    cfg, result = planned.planned, planned.result
+    return {"row": table_row(name, planned), "report": report_text(planned), "fits": result.fits,
+            "world_size": cfg.hardware.world_size, "context_length": cfg.data.context_length,
+            "gpu_gib": result.gpu_total / GIB, "host_gib": result.host_total / GIB,
+            "gpu_capacity_gib": result.capacity_gib, "host_capacity_gib": result.host_capacity_gib,
+            "dtype": cfg.model.dtype}
+
+
+def recipe_table(plans: dict[str, RecipePlan] | None = None) -> str:
+    """The markdown table; `plans` by recipe name where the caller has planned them already."""
+    plans = plans or {name: plan_alone(name) for name in recipe_names()}
+    return "\n".join([*HEADER, *(table_row(name, plans[name]) for name in recipe_names())])
+
+
+def readme_table(readme: Path) -> str:
+    """The table as the README holds it now (between the markers)."""
+    match = re.search(re.escape(START) + r"\n(.*?)\n" + re.escape(END), readme.read_text(), re.S)
+    if match is None:
+        raise ValueError(f"{readme} has no recipe table markers ({START})")
+    return match.group(1)
+
+
+def write_readme_table(readme: Path, table: str) -> None:
+    text = readme.read_text()
+    old = readme_table(readme)
+    readme.write_text(text.replace(f"{START}\n{old}\n{END}", f"{START}\n{table}\n{END}"))
