@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast test-slow lint gpu-check tiny-model real-model data clean
+.PHONY: demo test test-fast test-slow lint gpu-check mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
 $(BIN)/activate: requirements.txt pyproject.toml
@@ -46,7 +46,7 @@ test-fast: $(BIN)/activate
 test-slow: $(BIN)/activate tiny-model
 	$(BIN)/python -m pytest -q --durations=20 -m slow tests
 
-# the day a GPU is lent: eight device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
+# on a GPU: eight device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
 gpu-check: $(BIN)/activate
 	$(BIN)/python -m tests.gpu_check
 
@@ -57,3 +57,10 @@ lint: $(BIN)/activate
 
 clean:
 	rm -rf $(VENV) models outputs .pytest_cache .mypy_cache
+
+# planted bugs: each must make its guarding test fail (`mutation-check-quick`: the ones whose tests take seconds)
+mutation-check: $(BIN)/activate tiny-model
+	$(BIN)/python -m tests.mutation_check
+
+mutation-check-quick: $(BIN)/activate tiny-model
+	$(BIN)/python -m tests.mutation_check --quick

@@ -6,6 +6,7 @@ lose work. A mutation the test does not catch prints MISSED and makes the exit c
 
     python -m tests.mutation_check                 # all (about 3 minutes on 2 cores)
     python -m tests.mutation_check blocksize norm  # those whose name contains a word
+    python -m tests.mutation_check --quick         # those whose guarding tests take seconds (CI runs these)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Mutation:
     original: str
     planted: str
     test: str
+    quick: bool = False  # its guarding test takes seconds: in the --quick set CI runs
 
 
 MUTATIONS = [
@@ -39,7 +41,8 @@ MUTATIONS = [
              "                                      self.forward_loss, scale)\n",
              "tests/test_numerics.py::test_train_step_is_one_optimizer_update"),
     Mutation("quantize with blocksize 128", "qlora_fsdp/model/loading.py", "        blocksize=quant.blocksize,\n",
-             "        blocksize=128,\n", "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
+             "        blocksize=128,\n", "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical",
+             quick=True),
     Mutation("double quantization off", "qlora_fsdp/model/loading.py",
              "        compress_statistics=quant.double_quant,\n", "        compress_statistics=False,\n",
              "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
@@ -73,18 +76,20 @@ MUTATIONS = [
     Mutation("recipes read off/on/yes/no as YAML 1.1 booleans", "qlora_fsdp/config/loader.py",
              "RecipeLoader.yaml_implicit_resolvers = {\n",
              "RecipeLoader.yaml_implicit_resolvers = yaml.SafeLoader.yaml_implicit_resolvers or {\n",
-             "tests/test_config.py::test_yes_no_on_off_are_strings_where_strings_are_expected"),
+             "tests/test_config.py::test_yes_no_on_off_are_strings_where_strings_are_expected", quick=True),
     Mutation("rsLoRA not passed to PEFT", "qlora_fsdp/model/build.py",
              "        use_rslora=lora.use_rslora,", "        use_rslora=False,",
              "tests/test_rslora.py::test_exported_rslora_adapter_loads_in_peft_with_the_same_outputs"),
     Mutation("per-sample attention lets a packed row's samples see each other", "qlora_fsdp/model/attention.py",
              "    return list(zip(edges[:-1], edges[1:], strict=False))\n",
              "    return [(0, position_ids.numel())]\n",
-             "tests/test_attention.py::test_training_loss_and_gradients_of_a_packed_batch_are_the_same_under_every_kernel"),
+             "tests/test_attention.py::test_training_loss_and_gradients_of_a_packed_batch_are_the_same_under_every_kernel",
+             quick=True),
     Mutation("the loss head skips the last target token", "qlora_fsdp/data/batching.py",
              "        self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()\n",
              "        self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()[:-1]\n",
-             "tests/test_attention.py::test_training_loss_and_gradients_of_a_packed_batch_are_the_same_under_every_kernel"),
+             "tests/test_attention.py::test_training_loss_and_gradients_of_a_packed_batch_are_the_same_under_every_kernel",
+             quick=True),
     Mutation("a tied head left untied after to_empty", "qlora_fsdp/model/loading.py", "    retie(tied)\n", "",
              "tests/test_tied_weights.py::test_tied_model_loads_as_one_tensor_with_transformers_loss"),
     Mutation("float16 gradients not unscaled", "qlora_fsdp/training/loop.py",
@@ -113,7 +118,9 @@ def run_with(mutation: Mutation) -> tuple[bool, str]:
 
 
 def main(words: list[str]) -> int:
-    chosen = [m for m in MUTATIONS if not words or any(w in m.name for w in words)]
+    quick = "--quick" in words
+    words = [w for w in words if w != "--quick"]
+    chosen = [m for m in MUTATIONS if (not words or any(w in m.name for w in words)) and (m.quick or not quick)]
     dirty = subprocess.run(["git", "diff", "--quiet", "--", *{m.path for m in chosen}], cwd=REPO).returncode
     if dirty:
         print("error: a file to mutate has uncommitted changes; commit or stash them first", file=sys.stderr)

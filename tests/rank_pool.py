@@ -2,11 +2,11 @@
 
 A fresh rank pays about 9 s to import torch, transformers, PEFT and bitsandbytes before it runs a line of a test;
 the suite starts dozens of rank groups. So each worker here imports once, then serves tasks: `run(fn, ...)` sends
-fn and its arguments to the first `world_size` workers, which join a new process group (a new port each time),
-call fn(info, *args), save the result, leave the group and wait for the next task (the idea of torch's own
+fn and its arguments to the workers kept for that world size, which join a new process group (a new port each
+time), call fn(info, *args), save the result, leave the group and wait for the next task (the idea of torch's own
 multi-process test harness, which keeps its workers between tests).
 
-A worker whose task failed, hung or left its group unclean (a test that makes the ranks part ways on purpose) is
+Workers whose task failed, hung or left its group unclean (a test that makes the ranks part ways on purpose) are
 killed and replaced on the next task, so one bad test cannot leak a broken process group into the next.
 """
 
@@ -153,42 +153,43 @@ def _forget_compiled_code() -> None:
 
 
 class RankPool:
-    """Workers 0..n-1, started on first need and kept for the session; `run` is `run_ranks` without the spawns."""
+    """Sets of workers, one set per world size (and one for fake worlds), started on first need and kept for the
+    session; `run` is `run_ranks` without the spawns.
+
+    The workers of a set always run the same tasks together, so every rank of a group has the same history: a
+    gloo group whose ranks had taken part in different numbers of earlier groups hung in its first all-reduce
+    (two workers of a 2-rank task joined by two fresh ones for a 4-rank one). A set one of whose workers must
+    leave is replaced whole, for the same reason."""
 
     def __init__(self) -> None:
-        self._workers: list[tuple[mp.Process, Connection] | None] = []
+        self._sets: dict[tuple[int, bool], list[tuple[mp.Process, Connection]]] = {}
 
     def run(self, fn: Callable, world_size: int, args: tuple, out_dir: Path, fake: bool,
             timeout: float) -> list[Any]:
-        n_procs = 1 if fake else world_size
-        workers = self._ready_workers(n_procs)
+        key = (world_size, fake)
+        workers = self._ready_set(key, 1 if fake else world_size)
         port = free_port()
         for rank, (_, conn) in enumerate(workers):
             conn.send(Task(fn, args, rank, world_size, port, str(out_dir), fake))
         reports = self._collect(workers, timeout)
+        if not all(report.reusable for report in reports):
+            self._discard(key)
         failed = [f"rank {rank}: {report.error or 'no report'}" for rank, report in enumerate(reports)
                   if not report.ok]
-        for rank, report in enumerate(reports):
-            if not report.reusable:
-                self._discard(rank)
         if failed:
-            for rank in range(n_procs):  # the peers of a failed rank may be stuck in the broken group
-                self._discard(rank)
-            raise AssertionError(f"{fn.__name__} failed on {len(failed)} of {n_procs} ranks:\n" + "\n".join(failed))
-        return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(n_procs)]
+            raise AssertionError(f"{fn.__name__} failed on {len(failed)} of {len(workers)} ranks:\n"
+                                 + "\n".join(failed))
+        return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(len(workers))]
 
-    def _ready_workers(self, n: int) -> list[tuple[mp.Process, Connection]]:
-        while len(self._workers) < n:
-            self._workers.append(None)
-        started = [rank for rank in range(n) if self._workers[rank] is None]
-        for rank in started:  # start them all, then wait: they import side by side
-            self._workers[rank] = _start_worker()
-        for rank in started:
-            _, conn = self._workers[rank]
-            if not conn.poll(600) or conn.recv() != "ready":
-                self._discard(rank)
-                raise AssertionError(f"pool worker {rank} did not start")
-        return [self._workers[rank] for rank in range(n)]
+    def _ready_set(self, key: tuple[int, bool], n: int) -> list[tuple[mp.Process, Connection]]:
+        if key not in self._sets:
+            workers = [_start_worker() for _ in range(n)]  # started together: they import side by side
+            self._sets[key] = workers
+            for _, conn in workers:
+                if not conn.poll(600) or conn.recv() != "ready":
+                    self._discard(key)
+                    raise AssertionError(f"a pool worker for world size {key[0]} did not start")
+        return self._sets[key]
 
     def _collect(self, workers: list[tuple[mp.Process, Connection]], timeout: float) -> list[TaskReport]:
         deadline = time.monotonic() + timeout
@@ -203,24 +204,22 @@ class RankPool:
                                           reusable=False))
         return reports
 
-    def _discard(self, rank: int) -> None:
-        worker = self._workers[rank]
-        self._workers[rank] = None
-        if worker is not None:
-            process, conn = worker
+    def _discard(self, key: tuple[int, bool]) -> None:
+        for process, conn in self._sets.pop(key, []):
             process.kill()
             process.join(10)
             conn.close()
 
     def close(self) -> None:
-        for rank, worker in enumerate(self._workers):
-            if worker is not None:
+        for key, workers in list(self._sets.items()):
+            for _, conn in workers:
                 try:
-                    worker[1].send(None)
+                    conn.send(None)
                 except OSError:
                     pass
-                worker[0].join(10)
-                self._discard(rank)
+            for process, _ in workers:
+                process.join(10)
+            self._discard(key)
 
 
 def _start_worker() -> tuple[mp.Process, Connection]:

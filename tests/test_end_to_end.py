@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, train_here
+from tests.rank_pool import free_port
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
@@ -23,11 +24,15 @@ def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> su
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def two_free_ports() -> tuple[int, int]:
-    with socket.socket() as first, socket.socket() as second:  # bound at once, so never the same
-        first.bind(("127.0.0.1", 0))
-        second.bind(("127.0.0.1", 0))
-        return first.getsockname()[1], second.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:  # bound at once, so never the same
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def run_together(commands: list[tuple[list[str], dict[str, str] | None]],
@@ -58,7 +63,7 @@ def test_demo_recipe_learns(tmp_path, demo_model_dir):
     """The tiny_cpu recipe as `make demo` runs it, for 60 of its 150 steps: held-out loss falls by 30% or more.
     With activation offload on (numbers unchanged; the long-context recipes train so)."""
     out = tmp_path / "demo"
-    result = run([TORCHRUN, "--nproc_per_node", "2", "train.py", "--recipe", "tiny_cpu",
+    result = run([TORCHRUN, f"--master-port={free_port()}", "--nproc_per_node", "2", "train.py", "--recipe", "tiny_cpu",
                   f"model.path={demo_model_dir}", f"train.output_dir={out}", "train.max_steps=60",
                   "activation_checkpointing.offload=true"], timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -107,13 +112,13 @@ def test_plain_python_single_rank_torchrun_and_the_python_api_are_one_run(tmp_pa
     env = {"PYTHONPATH": str(fake), "FAKE_WANDB_LOG": str(tmp_path / "wandb.jsonl")}
     api_overrides = [*common, f"train.output_dir={tmp_path / 'api'}", f"data.cache_dir={tmp_path / 'cache_api'}"]
     code = f"from qlora_fsdp import train\nprint('steps', train('tiny_cpu', {api_overrides})['steps'])"
-    plain_port, api_port = two_free_ports()  # started together, each picking a free port could pick the same
+    plain_port, api_port, torchrun_port = free_ports(3)  # started together: three ports, never the same
     plain, single, api = run_together([  # one process each, so they share the 2 cores; each its own data cache
         ([sys.executable, "train.py", "--recipe", "tiny_cpu", *common, f"train.output_dir={tmp_path / 'plain'}",
           f"data.cache_dir={tmp_path / 'cache_plain'}", "profile.trace=true", "profile.steps=1",
           "logging.wandb={project: qlora-test}"], {**env, "MASTER_PORT": str(plain_port)}),
-        ([TORCHRUN, "--nproc_per_node", "1", "train.py", "--recipe", "tiny_cpu", *common,
-          f"train.output_dir={tmp_path / 'single'}", f"data.cache_dir={tmp_path / 'cache_single'}"], None),
+        ([TORCHRUN, f"--master-port={torchrun_port}", "--nproc_per_node", "1", "train.py", "--recipe", "tiny_cpu",
+          *common, f"train.output_dir={tmp_path / 'single'}", f"data.cache_dir={tmp_path / 'cache_single'}"], None),
         ([sys.executable, "-c", code], {"PYTHONPATH": str(REPO), "MASTER_PORT": str(api_port)}),
     ], timeout=300)
     assert plain.returncode == 0, plain.stderr[-3000:]

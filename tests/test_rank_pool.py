@@ -1,0 +1,49 @@
+"""The session's pool of gloo ranks (tests/rank_pool.py): each task starts from a fresh process's state, a
+failing task reports its traceback and its workers are replaced, and the ranks of a group really are peers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import run_ranks
+
+pytestmark = pytest.mark.slow  # gloo ranks
+
+
+def leave_marks(info) -> tuple[int, str | None, float, float]:
+    """What this task found (its process, a variable an earlier task set, a random draw, the sum of a one over
+    the ranks); then change what a task may change: the environment, the seed, the default dtype."""
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    found = (os.getpid(), os.environ.get("LEFT_BY_A_TASK"), torch.rand(()).item(), total.item())
+    os.environ["LEFT_BY_A_TASK"] = "yes"
+    torch.manual_seed(123)
+    torch.set_default_dtype(torch.float64)
+    return found
+
+
+def fail_on_rank_1(info) -> None:
+    if info.rank == 1:
+        raise ValueError("planted failure on rank 1")
+
+
+def test_each_task_starts_from_a_fresh_process_state_in_the_same_processes(tmp_path):
+    first = run_ranks(leave_marks, 2, tmp_dir=tmp_path)
+    second = run_ranks(leave_marks, 2, tmp_dir=tmp_path)
+    assert [mark[0] for mark in first] == [mark[0] for mark in second]  # the same workers served both
+    assert all(mark[1] is None for mark in first + second)  # the environment was put back
+    fresh = torch.rand((), generator=torch.Generator().manual_seed(67280421310721)).item()
+    assert [mark[2] for mark in first + second] == [fresh] * 4  # torch's seed of a new process, each time
+    assert [mark[3] for mark in first + second] == [2.0] * 4  # the ranks of each task are peers
+
+
+def test_a_failing_task_names_the_rank_and_its_workers_are_replaced(tmp_path):
+    before = {mark[0] for mark in run_ranks(leave_marks, 2, tmp_dir=tmp_path)}
+    with pytest.raises(AssertionError, match="(?s)failed on 1 of 2 ranks:.*rank 1: .*ValueError: planted failure"):
+        run_ranks(fail_on_rank_1, 2, tmp_dir=tmp_path)
+    after = {mark[0] for mark in run_ranks(leave_marks, 2, tmp_dir=tmp_path)}
+    assert before.isdisjoint(after)
