@@ -214,7 +214,7 @@ def upgraded(tree: dict[str, Any]) -> dict[str, Any]:
     tree = copy.deepcopy(tree)
     for (dotted, old), new in RENAMED_VALUES.items():
         *sections, leaf = dotted.split(".")
-        node = tree
+        node: Any = tree
         for section in sections:
             node = node.get(section) if isinstance(node, dict) else None
         if isinstance(node, dict) and node.get(leaf) == old:
