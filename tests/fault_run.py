@@ -51,7 +51,7 @@ def inject_nan(steps: set[int]) -> ExitStack:
             result.loss = math.nan
         return result
 
-    return _patches((trainer_module, "accumulate_gradients", poisoned))
+    return patches((trainer_module, "accumulate_gradients", poisoned))
 
 
 def die_while_saving(step: int) -> ExitStack:
@@ -63,7 +63,7 @@ def die_while_saving(step: int) -> ExitStack:
             os._exit(9)
         original(path, text)
 
-    return _patches((checkpoint_module, "write_synced", deadly))
+    return patches((checkpoint_module, "write_synced", deadly))
 
 
 def user_error_at_step(step: int, rank: int | None) -> ExitStack:
@@ -78,7 +78,7 @@ def user_error_at_step(step: int, rank: int | None) -> ExitStack:
             raise DataError(f"injected user error on rank {rank} at step {step}")
         return original(model, micro_batches, device, forward_loss, loss_factor)
 
-    return _patches((trainer_module, "accumulate_gradients", failing))
+    return patches((trainer_module, "accumulate_gradients", failing))
 
 
 def disk_full_saving(step: int) -> ExitStack:
@@ -95,10 +95,10 @@ def disk_full_saving(step: int) -> ExitStack:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 5184 vs 5078")
         return original_write(*args, **kwargs)
 
-    return _patches((checkpoint_module.Checkpointer, "save", save), (dcp_filesystem, "_write_item", write_item))
+    return patches((checkpoint_module.Checkpointer, "save", save), (dcp_filesystem, "_write_item", write_item))
 
 
-def _patches(*replacements: tuple[object, str, object]) -> ExitStack:
+def patches(*replacements: tuple[object, str, object]) -> ExitStack:
     """Applied at once; closing the stack undoes them."""
     stack = ExitStack()
     for module, name, replacement in replacements:

@@ -128,7 +128,8 @@ def run_ranks(
 
 @dataclass
 class CliResult:
-    """What `python train.py ...` would have returned and printed, from a call of cli.main in a pool rank."""
+    """What `python train.py ...` would have returned and printed, from a call of its main in this process or a
+    pool rank."""
 
     returncode: int
     stdout: str
@@ -156,7 +157,7 @@ def cli_in_rank(info: Any, argv: list[str], faults: tuple[tuple[str, tuple], ...
 
     out, err = io.StringIO(), io.StringIO()
     injections = [getattr(fault_run, name)(*args) for name, args in faults]
-    injections.append(fault_run._patches((rank_errors, "exit_now", _raise_rank_exit)))
+    injections.append(fault_run.patches((rank_errors, "exit_now", _raise_rank_exit)))
     with redirect_stdout(out), redirect_stderr(err):
         try:
             code = fault_run.main_with_faults(argv, *injections)

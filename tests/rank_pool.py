@@ -77,6 +77,19 @@ def _warm_imports() -> None:
     import tests.helpers  # noqa: F401
 
 
+def package_globals() -> dict[tuple[str, str], int]:
+    """The identity of every public module-level name of the package: a test that patches one (a constant, a
+    function) and does not put it back changes this."""
+    return {(name, key): id(value) for name, module in list(sys.modules.items())
+            if name.startswith("qlora_fsdp") and module is not None
+            for key, value in vars(module).items() if not key.startswith("_")}
+
+
+def patched_names(before: dict[tuple[str, str], int]) -> list[str]:
+    now = package_globals()
+    return [f"{module}.{key}" for (module, key), ident in before.items() if now.get((module, key), ident) != ident]
+
+
 def _serve(conn: Connection) -> None:
     """A worker's life: import, then run tasks until told to stop or until a task leaves it unusable."""
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -117,6 +130,7 @@ def _run_task(task: Task, baseline_env: dict[str, str]) -> TaskReport:
     global _retiring
     _retiring = False
     _fresh_process_state(task, baseline_env)
+    package = package_globals()
     try:
         info = (init_fake_distributed(task.world_size, torch.device("cpu")) if task.fake else init_distributed())
         result = task.fn(info, *task.args)
@@ -125,6 +139,11 @@ def _run_task(task: Task, baseline_env: dict[str, str]) -> TaskReport:
     except BaseException:
         return TaskReport(ok=False, error=traceback.format_exc(), reusable=False)
     if _retiring:
+        return TaskReport(ok=True, reusable=False)
+    left_patched = patched_names(package)
+    if left_patched:  # the next task must see the package as imported: this set of workers is replaced
+        print(f"rank pool: {task.fn.__name__} left {', '.join(left_patched)} patched; replacing its workers",
+              file=sys.stderr, flush=True)
         return TaskReport(ok=True, reusable=False)
     clean = task.fake or _barrier_before_teardown()
     try:

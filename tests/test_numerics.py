@@ -104,10 +104,13 @@ def loss_and_grads_on_cuda_copies(info, cfg, micro_batches_per_rank, storage=Non
     (the model module's constant, which loading follows) to show what the old bf16 storage did."""
     import qlora_fsdp.model.build
 
-    if storage is not None:
-        qlora_fsdp.model.build.QUANT_STORAGE = storage
-    with cuda_bf16_copy_emulated():
-        return loss_and_grads(info, cfg, micro_batches_per_rank)
+    saved = qlora_fsdp.model.build.QUANT_STORAGE
+    qlora_fsdp.model.build.QUANT_STORAGE = storage or saved
+    try:
+        with cuda_bf16_copy_emulated():
+            return loss_and_grads(info, cfg, micro_batches_per_rank)
+    finally:
+        qlora_fsdp.model.build.QUANT_STORAGE = saved  # the pool's worker serves other tests next
 
 
 def hsdp_and_fsdp_steps(info, cfg, micro_batches_per_rank, shard_size):

@@ -47,3 +47,16 @@ def test_a_failing_task_names_the_rank_and_its_workers_are_replaced(tmp_path):
         run_ranks(fail_on_rank_1, 2, tmp_dir=tmp_path)
     after = {mark[0] for mark in run_ranks(leave_marks, 2, tmp_dir=tmp_path)}
     assert before.isdisjoint(after)
+
+
+def patch_the_package(info) -> int:
+    import qlora_fsdp.model.build
+
+    qlora_fsdp.model.build.QUANT_STORAGE = torch.bfloat16  # left patched, as a careless test would
+    return os.getpid()
+
+
+def test_a_task_that_leaves_the_package_patched_gets_fresh_workers_after_it(tmp_path):
+    patched = {pid for pid in run_ranks(patch_the_package, 2, tmp_dir=tmp_path)}
+    after = run_ranks(leave_marks, 2, tmp_dir=tmp_path)
+    assert patched.isdisjoint(mark[0] for mark in after)
