@@ -2,7 +2,8 @@
 and the fix, exit code 2, no traceback, and the output folder as it was.
 
 Run in-process through the command line's own entry point (qlora_fsdp.commands.train.main, which train.py exits
-with), so forty cases cost seconds, not forty interpreter starts. What torchrun adds on top is tests/test_rank_errors.py.
+with), so forty cases cost seconds, not forty interpreter starts. What torchrun adds on top is
+tests/test_rank_errors.py.
 """
 
 from __future__ import annotations
