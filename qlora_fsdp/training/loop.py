@@ -260,11 +260,7 @@ class Trainer:
         count toward max_bad_steps while the scale is still at least 1."""
         micro_batches = self.micro_batches()
         scale = self.scaler.factor
-        for batch in micro_batches[:-1]:
-            accumulate_gradients(self.model, [batch], self.info.device, self.forward_loss, scale)
-            self.optimizer.step()
-        result = accumulate_gradients(self.model, micro_batches[-1:], self.info.device,
-                                      self.forward_loss, scale)
+        result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss, scale)
         self.scaler.unscale_(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
         lr = float(self.scheduler.get_last_lr()[0])  # torch types it float | Tensor; with a float lr it is a float
