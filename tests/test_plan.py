@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.plan.recipe_table import HEADER, readme_table, recipe_names
 from qlora_fsdp.training.loop import accumulate_gradients
+from tests import background
 from tests.helpers import REPO, batches, fsdp_params, run_ranks_sequence, tiny_config, variable_length_samples
 
 PAD = 2
@@ -143,48 +143,36 @@ runpy.run_path("scripts/recipe_table.py", run_name="__main__")
 """
 
 
-class RecipePlans:
-    """Every shipped recipe's plan (scripts/recipe_table.py --json) from a process started at once: it runs
-    alongside the 70B test's own plans (each planner process keeps one core busy, so the two take the time of one
-    on 2 cores); `get` waits for it."""
+PLANNER_ENV = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+# every shipped recipe's plan (scripts/recipe_table.py --json) and the 70B test's own plans: each planner keeps a core
+# busy for a minute or two, so both run beside the tests before them (tests/background.py)
+background.register("recipe_plans", [sys.executable, "-c", NO_FETCH], PLANNER_ENV)
+background.register("plans_70b", [sys.executable, "-c", PLAN_70B, "{work}/8b-2-layers"], PLANNER_ENV)
 
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", NO_FETCH], cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True,
-                                     env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
-        self.plans: dict | None = None
 
-    def get(self) -> dict:
-        if self.plans is None:
-            stdout, stderr = self.proc.communicate(timeout=600)
-            assert self.proc.returncode == 0, stderr[-3000:]
-            self.plans = json.loads(stdout)
-        return self.plans
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
+def finished(job: str) -> str:
+    done = background.result(job)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 @pytest.fixture(scope="module")
-def recipe_plans():
-    plans = RecipePlans()
-    yield plans
-    plans.close()
+def recipe_plans() -> dict:
+    return json.loads(finished("recipe_plans"))
+
+
+@pytest.fixture(scope="module")
+def plans_70b() -> str:
+    return finished("plans_70b")
 
 
 @pytest.mark.slow
-def test_70b_plans_from_config_json_alone(tmp_path, recipe_plans):
+def test_70b_plans_from_config_json_alone(plans_70b, recipe_plans):
     """2x RTX 4090: DOES NOT FIT without offload (and offload is named as the fix), FITS with it; the step's rows
     are measured, the chunked loss takes under 0.5 GiB. 2 nodes x 8 in HSDP: the shard is over a node's 8 GPUs,
     the auto micro-batch and scaled lr are printed, FITS. An 8B with full logits on 12 GiB: the chunked loss is
     the first fix named, with its total (the 8B's shapes, 2 of its layers)."""
-    result = subprocess.run([sys.executable, "-c", PLAN_70B, str(tmp_path / "8b-2-layers")], cwd=REPO,
-                            capture_output=True, text=True, timeout=600,
-                            env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    lines = plans_70b.splitlines()
     assert lines[0].startswith("full_shard DOES NOT FIT") and float(lines[0].split()[-1]) > 24
     assert lines[1].startswith("full_shard_cpu_offload FITS") and float(lines[1].split()[-1]) < 24
     assert lines[2].startswith("70.55B base parameters")
@@ -198,7 +186,7 @@ def test_70b_plans_from_config_json_alone(tmp_path, recipe_plans):
     activations = next(float(gib) for _, gib, name in rows if name.startswith("activations"))
     assert 2.5 < activations < 8  # at least the 80 layers' checkpointed inputs: 80 x 2048 x 8192 x 2 bytes
 
-    hsdp = recipe_plans.get()["llama70b_hsdp_2x8x4090"]["report"].splitlines()
+    hsdp = recipe_plans["llama70b_hsdp_2x8x4090"]["report"].splitlines()
     assert hsdp[0].endswith("on 16 x rtx4090 (24 GiB): 70.55B base parameters, world size 16, weights bfloat16, "
                             "4-bit compute bfloat16")  # auto, resolved for the recipe's GPU
     shard_row = next(line for line in hsdp if line.startswith("| 4-bit base weights"))
@@ -237,7 +225,7 @@ def test_recipes_no_peer_has_plan_fits_within_their_host_budgets(recipe_plans):
                 "llama3_8b_1x4090_long": (1, 32768, 32, 24, "bfloat16"),
                 "qwen2.5_32b_2xt4": (2, 2048, 29, 15, "float16")}
     for name, (world, min_context, host_budget, gpu_gib, dtype) in expected.items():
-        got = recipe_plans.get()[name]
+        got = recipe_plans[name]
         assert (got["world_size"], got["fits"], got["host_capacity_gib"], got["gpu_capacity_gib"], got["dtype"]) == (
             world, True, host_budget, gpu_gib, dtype), got
         assert got["context_length"] >= min_context and got["gpu_gib"] <= gpu_gib and got["host_gib"] <= host_budget
@@ -247,7 +235,7 @@ def test_recipes_no_peer_has_plan_fits_within_their_host_budgets(recipe_plans):
 def test_every_shipped_recipe_fits_and_the_readme_shows_its_plan(recipe_plans):
     """The README's recipe table is what the planner says today, row for row (scripts/recipe_table.py --write
     remakes it), and every shipped recipe fits its hardware."""
-    plans = recipe_plans.get()
+    plans = recipe_plans
     assert sorted(plans) == recipe_names()
     assert [name for name, got in plans.items() if not got["fits"]] == []
     rows = "\n".join(plans[name]["row"] for name in recipe_names())

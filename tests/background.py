@@ -1,0 +1,105 @@
+"""Work that runs in a process of its own from the moment the session's tests are collected.
+
+The test sequence keeps about 1.2 of a 2-core machine busy on average (pool ranks and torchrun runs use both cores,
+the in-process tests one). A job registered here (a planner, the GPU check's dry run, the real model's conversion)
+starts as soon as a selected test needs it, at a lower priority (nice 10), so it takes the core the sequence leaves
+idle and not the one it uses; the test that needs the result waits for it, usually not at all.
+
+A module registers a job at import under the name of the fixture that hands its result to tests (collection imports
+every test module before conftest starts the jobs); the fixture calls `result(name)`. A job that no selected test
+needs never starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+NICENESS = 10
+WORK = "{work}"  # in a job's command: its own scratch folder
+
+
+@dataclass
+class Job:
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    timeout: float
+    work: Path | None = None
+    proc: subprocess.Popen | None = None
+    done: subprocess.CompletedProcess | None = field(default=None, repr=False)
+
+    def start(self, root: Path) -> None:
+        self.work = root / self.name
+        self.work.mkdir()
+        command = [part.replace(WORK, str(self.work)) for part in self.command]
+        self.proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=self.env, preexec_fn=lambda: os.nice(NICENESS))
+
+    def wait(self) -> subprocess.CompletedProcess:
+        if self.proc is None:  # a test the collection hook did not see (run from a plain function): start it now
+            self.start(scratch_root())
+        if self.done is None:
+            assert self.proc is not None
+            try:
+                stdout, stderr = self.proc.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                stdout, stderr = self.proc.communicate()
+                stderr += f"\nbackground job {self.name} took over {self.timeout:.0f} s and was killed"
+            self.done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, stdout, stderr)
+        return self.done
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+_JOBS: dict[str, Job] = {}
+_ROOT: list[Path] = []
+
+
+def register(fixture: str, command: Sequence[str], env: dict[str, str], timeout: float = 600) -> None:
+    """A job for the tests that use `fixture` (directly or through other fixtures); `{work}` in the command is a
+    folder of its own. `env` is the whole environment of the job."""
+    _JOBS[fixture] = Job(fixture, list(command), env, timeout)
+
+
+def scratch_root() -> Path:
+    if not _ROOT:
+        _ROOT.append(Path(tempfile.mkdtemp(prefix="qlora-background-")))
+    return _ROOT[0]
+
+
+def start_for(fixtures_of_selected_tests: Iterable[Iterable[str]]) -> list[str]:
+    """Start every job whose fixture a selected test uses; returns their names."""
+    used = {name for fixtures in fixtures_of_selected_tests for name in fixtures}
+    needed = [job for job in _JOBS.values() if job.name in used and job.proc is None]
+    for job in needed:
+        job.start(scratch_root())
+    return [job.name for job in needed]
+
+
+def result(name: str) -> subprocess.CompletedProcess:
+    """The job's finished process (waits for it); its scratch folder is `work(name)`."""
+    return _JOBS[name].wait()
+
+
+def work(name: str) -> Path:
+    folder = _JOBS[name].work
+    assert folder is not None, f"background job {name} was never started"
+    return folder
+
+
+def stop_all() -> None:
+    for job in _JOBS.values():
+        job.stop()
+    for root in _ROOT:
+        shutil.rmtree(root, ignore_errors=True)
