@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, load_config, to_dict, to_yaml, validate
+from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.data.pipeline import Dataset, load_dataset
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
 from qlora_fsdp.model.adapter import export_adapter
@@ -55,7 +56,8 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
         check_world_size(checkpoint, info.world_size)  # before minutes of loading, not after
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg)
-    data = load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
+    data = (load_dataset(tokenizer, cfg.data, cfg.train.seed, info) if cfg.train.objective == "sft"
+            else load_pairs(tokenizer, cfg, info))
     model = build_model(cfg, info)
     recipe = cfg  # as written (auto micro-batch, unscaled lr); cfg from here on is what this run uses
     cfg = decide_on_main(lambda: resolve_run_batch(recipe, model, info))

@@ -1,6 +1,11 @@
-"""Generate the shipped alpaca-format instruction dataset of simple, learnable tasks.
+"""Generate the shipped datasets: simple, learnable tasks (alpaca format) and preference pairs.
 
-Seeded, so `python scripts/make_dataset.py` reproduces data/tiny_instruct.jsonl byte for byte.
+`--kind instruct` (tiny_cpu's data/tiny_instruct.jsonl); `--kind preferences` (tiny_cpu_dpo's
+data/tiny_preferences.jsonl): pairs whose chosen completion follows a rule a tiny model can learn from pairs
+alone: it names the right capital (the rejected one another country's), or it copies a text in capital letters
+(the rejected one copies it as written), in TRL's conversational shape (prompt, chosen and rejected as message
+lists; a JSON Lines file holds one shape: its columns have one type). Seeded: each command reproduces its file byte
+for byte.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 WORDS = (
     "apple river stone cloud tiger lamp garden mirror pencil rocket candle forest window planet "
@@ -73,17 +79,49 @@ def generate(n_records: int, seed: int) -> list[Record]:
     return [rng.choice(TASKS)(rng) for _ in range(n_records)]
 
 
+Pair = tuple[str, str, str]  # prompt, chosen, rejected
+
+
+def capital_pair(rng: random.Random) -> Pair:
+    country, other = rng.sample(sorted(COUNTRIES), 2)
+    answer = f"The capital of {country} is {{}}."
+    return f"What is the capital of {country}?", answer.format(COUNTRIES[country]), answer.format(COUNTRIES[other])
+
+
+def capital_letters_pair(rng: random.Random) -> Pair:
+    words = " ".join(rng.sample(WORDS, rng.randint(1, 4)))
+    return f"Write the text in capital letters.\n\n{words}", words.upper(), words
+
+
+def preference_record(pair: Pair) -> dict[str, Any]:
+    prompt, chosen, rejected = pair
+    return {"prompt": [{"role": "user", "content": prompt}], "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}]}
+
+
+def generate_preferences(n_records: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [preference_record(rng.choice((capital_pair, capital_letters_pair))(rng)) for _ in range(n_records)]
+
+
+KINDS = {"instruct": (generate, "data/tiny_instruct.jsonl", 4000, 1234),
+         "preferences": (generate_preferences, "data/tiny_preferences.jsonl", 2000, 4321)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("data/tiny_instruct.jsonl"))
-    parser.add_argument("--records", type=int, default=4000)
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--kind", choices=sorted(KINDS), default="instruct")
+    parser.add_argument("--out", type=Path, help="default: data/tiny_instruct.jsonl or data/tiny_preferences.jsonl")
+    parser.add_argument("--records", type=int, help="default: 4000 instruct records, 2000 preference pairs")
+    parser.add_argument("--seed", type=int)
     args = parser.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w") as f:
-        for record in generate(args.records, args.seed):
+    make, out, records, seed = KINDS[args.kind]
+    out, records = args.out or Path(out), args.records or records
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for record in make(records, seed if args.seed is None else args.seed):
             f.write(json.dumps(record) + "\n")
-    print(f"wrote {args.records} records to {args.out}")
+    print(f"wrote {records} records to {out}")
 
 
 if __name__ == "__main__":

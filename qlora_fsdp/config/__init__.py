@@ -19,6 +19,7 @@ from qlora_fsdp.config.schema import (
     Config,
     DataConfig,
     DataFormat,
+    DpoLossType,
     DType,
     DTypeChoice,
     FSDPConfig,
@@ -27,8 +28,10 @@ from qlora_fsdp.config.schema import (
     LoraConfig,
     LossConfig,
     ModelConfig,
+    Objective,
     OptimConfig,
     OverlongPolicy,
+    PreferenceConfig,
     ProfileConfig,
     QuantConfig,
     SourceConfig,
@@ -38,10 +41,10 @@ from qlora_fsdp.config.schema import (
 )
 
 __all__ = [
-    "ActivationCheckpointingConfig", "CheckpointScope", "CheckpointedLayers",
-    "Config", "DType", "DTypeChoice", "DataConfig", "DataFormat", "FSDPConfig",
-    "FSDP_CONFIGS_DIR", "HardwareConfig", "LoggingConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig",
-    "OverlongPolicy", "ProfileConfig", "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS",
-    "SourceConfig", "Template", "TemplateChoice", "TrainConfig", "changed_settings", "load_config",
-    "resolve_recipe_path", "to_dict", "to_yaml", "validate",
+    "ActivationCheckpointingConfig", "CheckpointScope", "CheckpointedLayers", "Config", "DType", "DTypeChoice",
+    "DpoLossType", "DataConfig", "DataFormat", "FSDPConfig", "FSDP_CONFIGS_DIR", "HardwareConfig", "LoggingConfig",
+    "LoraConfig", "LossConfig", "ModelConfig", "Objective", "OptimConfig", "OverlongPolicy", "PreferenceConfig",
+    "ProfileConfig", "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "SourceConfig", "Template",
+    "TemplateChoice", "TrainConfig", "changed_settings", "load_config", "resolve_recipe_path", "to_dict", "to_yaml",
+    "validate",
 ]

@@ -352,6 +352,7 @@ def validate(config: Config) -> Config:
                           f"{config.train.first_collective_timeout_s}")
     _validate_batch(config)
     _validate_warmup(config)
+    _validate_preference(config)
     _validate_compile(config)
     checkpointing = config.activation_checkpointing
     if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
@@ -360,6 +361,21 @@ def validate(config: Config) -> Config:
     if config.train.save_every < 0:
         raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")
     return config
+
+
+def _validate_preference(config: Config) -> None:
+    preference, objective = config.preference, config.train.objective
+    if preference.resolved_beta(objective) <= 0:
+        raise ConfigError(f"'preference.beta' must be positive, got {preference.beta}")
+    if not 0 <= preference.label_smoothing < 0.5:
+        raise ConfigError(f"'preference.label_smoothing' must be at least 0 and below 0.5, got "
+                          f"{preference.label_smoothing}")
+    if objective != "sft" and config.data.overlong == "split":
+        raise ConfigError("'data.overlong: split' cuts samples into pieces, which a preference pair cannot be; use "
+                          "truncate or drop")
+    if objective != "sft" and config.data.train_on_inputs:
+        raise ConfigError("'data.train_on_inputs: true' trains on prompts, which a preference objective never "
+                          "does; remove it")
 
 
 def _validate_compile(config: Config) -> None:

@@ -105,6 +105,28 @@ class LossConfig:
     chunk_tokens: int = 256
 
 
+Objective = Literal["sft", "dpo", "orpo", "simpo"]
+DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference tuning (train.objective dpo, orpo or simpo) on pairs of a prompt, a chosen and a rejected
+    completion (qlora_fsdp/data/pairs.py reads them; qlora_fsdp/model/preference_loss.py has the formulas)."""
+
+    beta: float | None = None  # None: the objective's usual value (dpo 0.1, simpo 2.0)
+    loss_type: DpoLossType = "sigmoid"  # dpo: sigmoid (the paper's), robust (label noise), hinge (SLiC), ipo
+    label_smoothing: float = 0.0  # dpo sigmoid and robust, simpo: the share of pairs taken as mislabelled
+    gamma: float = 1.0  # simpo: the target margin between the rewards (the SimPO paper's gamma/beta of 0.5)
+    odds_ratio_weight: float = 0.1  # orpo: lambda, the weight of the odds-ratio term beside the chosen NLL
+    bad_pairs: Literal["error", "drop"] = "error"  # an empty or identical completion, prompts that disagree
+
+    def resolved_beta(self, objective: Objective) -> float:
+        if self.beta is not None:
+            return self.beta
+        return 2.0 if objective == "simpo" else 0.1
+
+
 @dataclass
 class OptimConfig:
     name: str = "paged_adamw_8bit"  # a key of qlora_fsdp/optimizer_registry.py's registry
@@ -174,6 +196,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 100
+    # sft: next-token loss on the targets; dpo, orpo, simpo: preference pairs (the `preference` section)
+    objective: Objective = "sft"
     eval_every: int = 0  # 0: evaluate only at start and end
     log_every: int = 1
     seed: int = 42
@@ -238,6 +262,7 @@ class Config:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -33,6 +33,7 @@ class Batch:
     attention_mask: torch.Tensor | None = None  # padded rows
     position_ids: torch.Tensor | None = None  # packed rows
     segments: list[list[int]] | None = None  # packed rows: each row's sample lengths, then its padding tail
+    row_samples: list[int] | None = None  # packed rows: how many of each row's segments are samples
     # flat indices of the target tokens, the only positions the output layer and the loss need; found when the
     # batch is made (on the host, with real values: the planner runs the step on fake tensors)
     target_positions: torch.Tensor = field(init=False, repr=False)
@@ -53,6 +54,21 @@ class Batch:
                 inputs["input_ids"], inputs["position_ids"] = (
                     self.input_ids.view(1, -1).to(device), self.position_ids.view(1, -1).to(device))
         return inputs
+
+    def target_samples(self) -> torch.Tensor:
+        """For each target position (target_positions' order), the index of its sample in the batch, counted row
+        by row: a padded batch's row, or a packed row's samples in order (a padding tail holds no targets)."""
+        rows, width = self.input_ids.shape
+        if self.segments is None or self.row_samples is None:
+            return self.target_positions // width
+        owner = torch.empty(rows * width, dtype=torch.long)
+        first = 0  # index of the row's first sample
+        for row, (lengths, n) in enumerate(zip(self.segments, self.row_samples, strict=True)):
+            # the padding tail takes its row's last sample's index (no target points at it)
+            ids = torch.arange(first, first + len(lengths)).clamp(max=max(first + n - 1, 0))
+            owner[row * width : (row + 1) * width] = torch.repeat_interleave(ids, torch.tensor(lengths))
+            first += n
+        return owner[self.target_positions]
 
     def sample_bounds(self, one_row: bool = False) -> list[list[tuple[int, int]]]:
         """[start, end) of every sample (and padding tail) of each packed row, or of the one long row; from the
@@ -107,7 +123,7 @@ def collate_packed(rows: list[list[Sample]], pad_id: int, length: int | None = N
         segments.append([len(s.input_ids) for s in row] + ([length - start] if length > start else []))
     n_targets = int((labels != IGNORE_INDEX).sum())
     return Batch(input_ids, labels, n_targets, n_tokens, sum(map(len, rows)), position_ids=position_ids,
-                 segments=segments)
+                 segments=segments, row_samples=[len(row) for row in rows])
 
 
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -34,7 +34,19 @@ class Dataset:
     n_without_targets: int  # dropped: nothing left to learn from (e.g. a prompt filling the context)
     packs: list[list[int]] | None = None  # with packing: the sample indices of each row
 
+    @property
+    def pairs(self) -> bool:
+        """Preference pairs (qlora_fsdp/data/pair_pipeline.py) rather than SFT samples."""
+        return "chosen_ids" in self.train.column_names
+
     def samples(self, split: datasets.Dataset, indices: list[int]) -> list[Sample]:
+        """The samples at `indices`; for pairs, each pair's chosen then its rejected sequence."""
+        if "chosen_ids" in split.column_names:
+            rows = split[indices] if indices else dict.fromkeys(split.column_names, [])
+            return [sample for c_ids, c_labels, r_ids, r_labels in zip(
+                        rows["chosen_ids"], rows["chosen_labels"], rows["rejected_ids"], rows["rejected_labels"],
+                        strict=True)
+                    for sample in (Sample(c_ids, c_labels), Sample(r_ids, r_labels))]
         rows = split[indices] if indices else {"input_ids": [], "labels": []}
         return [Sample(ids, labels) for ids, labels in zip(rows["input_ids"], rows["labels"], strict=True)]
 
@@ -48,7 +60,8 @@ class Dataset:
 
     def describe(self, context_length: int, overlong: OverlongPolicy) -> str:
         rows = f", packed into {len(self.packs)} rows" if self.packs is not None else ""
-        return (f"{self.n_records} records, {len(self.train)} train / {len(self.eval)} eval samples{rows} "
+        unit = "pairs" if self.pairs else "samples"
+        return (f"{self.n_records} records, {len(self.train)} train / {len(self.eval)} eval {unit}{rows} "
                 f"(template {self.template}); {self.n_overlong} longer than {context_length} tokens ({overlong}); "
                 f"{self.n_without_targets} dropped with no target tokens")
 

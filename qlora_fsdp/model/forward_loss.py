@@ -3,6 +3,7 @@ planner's measured step share."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -12,7 +13,7 @@ from torch import nn
 from qlora_fsdp.config import Config
 from qlora_fsdp.model.activation_offload import ActivationOffloader
 from qlora_fsdp.model.attention import attach_sample_bounds, flattens_packed_rows
-from qlora_fsdp.model.loss import summed_loss
+from qlora_fsdp.model.loss import per_sample_loss, summed_loss
 
 
 class LossBatch(Protocol):
@@ -25,6 +26,11 @@ class LossBatch(Protocol):
     def model_inputs(self, device: torch.device, one_row: bool) -> dict[str, Any]: ...
 
     def sample_bounds(self, one_row: bool) -> Any: ...
+
+    def target_samples(self) -> torch.Tensor: ...
+
+    @property
+    def n_samples(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -43,16 +49,34 @@ class ForwardLoss:
 
     def __call__(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
         """Summed cross-entropy over the batch's target tokens (labels are pre-shifted)."""
-        one_row = flattens_packed_rows(getattr(getattr(model, "config", None), "_attn_implementation", ""))
-        inputs, labels = batch.model_inputs(device, one_row), batch.labels.to(device)
-        positions = inputs.get("position_ids")
-        if isinstance(positions, torch.Tensor) and batch.segments is not None:
-            attach_sample_bounds(positions, batch.sample_bounds(one_row))
-        targets = batch.target_positions.to(device)
+        inputs, labels, targets = model_inputs(model, batch, device)
+        with self.offloading():
+            return summed_loss(model, inputs, labels, self.chunk_tokens, targets)
+
+    def per_sample(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
+        """Each sample's summed cross-entropy (minus its targets' log-probability), a vector of batch.n_samples."""
+        inputs, labels, targets = model_inputs(model, batch, device)
+        with self.offloading():
+            return per_sample_loss(model, inputs, labels, self.chunk_tokens, targets,
+                                   batch.target_samples().to(device), batch.n_samples)
+
+    def offloading(self) -> AbstractContextManager[Any]:
+        """What the forward saves for backward waits in host memory (when the recipe offloads, and only where
+        there will be a backward)."""
         if self.offloader is None or not torch.is_grad_enabled():
-            return summed_loss(model, inputs, labels, self.chunk_tokens, targets)
-        with self.offloader.offloading():  # what the forward saves for backward waits in host memory
-            return summed_loss(model, inputs, labels, self.chunk_tokens, targets)
+            return nullcontext()
+        return self.offloader.offloading()
+
+
+def model_inputs(model: nn.Module, batch: LossBatch,
+                 device: torch.device) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """(the model's inputs, the shifted labels, the flat target positions) on the device."""
+    one_row = flattens_packed_rows(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+    inputs = batch.model_inputs(device, one_row)
+    positions = inputs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and batch.segments is not None:
+        attach_sample_bounds(positions, batch.sample_bounds(one_row))
+    return inputs, batch.labels.to(device), batch.target_positions.to(device)
 
 
 def loss_sum(model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:

@@ -65,13 +65,10 @@ def post_processes_logits(model: nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None
 
 
-def summed_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int | None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
-    """Summed cross-entropy over the target tokens; chunked when `chunk_tokens` is set (and the model allows).
-    `targets` (flat indices of the target tokens): the chunked loss runs the output layer on those alone, as
-    the other positions add nothing to the sum (prompts, padding: often half the tokens or more)."""
-    if chunk_tokens is None or post_processes_logits(model):
-        return cross_entropy_sum(model(**inputs).logits, labels)
+def target_hidden_states(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
+                         targets: torch.Tensor | None) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """(the output layer, the final hidden states, the labels), flat and at the target tokens only where
+    `targets` is given: the model's forward without its output layer."""
     # nn.Module types every attribute as Tensor | Module; a causal LM's method it is
     head = cast(Callable[[], nn.Module | None], model.get_output_embeddings)()
     assert isinstance(head, nn.Module), "a causal LM has an output layer"
@@ -83,6 +80,17 @@ def summed_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, 
     hidden, labels = hidden.flatten(0, 1), labels.flatten()
     if targets is not None:
         hidden, labels = hidden.index_select(0, targets), labels.index_select(0, targets)
+    return head, hidden, labels
+
+
+def summed_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int | None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed cross-entropy over the target tokens; chunked when `chunk_tokens` is set (and the model allows).
+    `targets` (flat indices of the target tokens): the chunked loss runs the output layer on those alone, as
+    the other positions add nothing to the sum (prompts, padding: often half the tokens or more)."""
+    if chunk_tokens is None or post_processes_logits(model):
+        return cross_entropy_sum(model(**inputs).logits, labels)
+    head, hidden, labels = target_hidden_states(model, inputs, labels, targets)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
@@ -90,4 +98,36 @@ def summed_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, 
             total = total + checkpoint(head_loss, head, hidden[part], labels[part], use_reentrant=False)
         else:
             total = total + head_loss(head, hidden[part], labels[part])
+    return total
+
+
+def per_sample_sums(losses: torch.Tensor, samples: torch.Tensor, n_samples: int) -> torch.Tensor:
+    return losses.new_zeros(n_samples).index_add(0, samples, losses)
+
+
+def head_sample_losses(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, samples: torch.Tensor,
+                       n_samples: int) -> torch.Tensor:
+    logits = F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
+    losses = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return per_sample_sums(losses, samples, n_samples)
+
+
+def per_sample_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int | None,
+                    targets: torch.Tensor, samples: torch.Tensor, n_samples: int) -> torch.Tensor:
+    """Each sample's summed cross-entropy (minus the log-probability of its targets given what precedes them), a
+    vector of `n_samples`: `samples[i]` is the sample of target position `targets[i]`. Chunked as summed_loss."""
+    if chunk_tokens is None or post_processes_logits(model):
+        logits = model(**inputs).logits.flatten(0, -2).index_select(0, targets)
+        losses = F.cross_entropy(logits.float(), labels.flatten().index_select(0, targets),
+                                 ignore_index=IGNORE_INDEX, reduction="none")
+        return per_sample_sums(losses, samples, n_samples)
+    head, hidden, labels = target_hidden_states(model, inputs, labels, targets)
+    total = hidden.new_zeros(n_samples, dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(head_sample_losses, head, hidden[part], labels[part], samples[part],
+                                       n_samples, use_reentrant=False)
+        else:
+            total = total + head_sample_losses(head, hidden[part], labels[part], samples[part], n_samples)
     return total

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import peft
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.config import Config, changed_settings
 from qlora_fsdp.data.batching import Batch, Sample, StepSampler, collate, collate_packed
@@ -24,11 +23,14 @@ from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.errors import TrainingStopped
 from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.model.pair_loss import PairLoss
 from qlora_fsdp.precision import uses_loss_scaling
 from qlora_fsdp.training.checkpoints import Checkpointer
+from qlora_fsdp.training.grad_sync import set_gradient_sync
 from qlora_fsdp.training.loss_scale import LossScaler
 from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gib, reset_memory_peaks
 from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
+from qlora_fsdp.training.pair_steps import accumulate_pair_gradients, evaluate_pairs, pair_rows
 from qlora_fsdp.training.profiling import StepProfiler
 from qlora_fsdp.training.signals import GracefulStop
 
@@ -64,11 +66,13 @@ class StepStats:
     skipped: bool
     positions: float = 0.0  # tokens the model ran: real ones and padding
     loss_scale: float | None = None  # float16 runs: the scale this step's backward used
+    metrics: dict[str, float] = field(default_factory=dict)  # preference objectives: rewards, margin, accuracy
 
     def record(self) -> dict[str, float]:
         """The fields metrics.jsonl keeps for a step."""
         record = {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "tokens": self.tokens,
-                  "target_tokens": self.target_tokens, "positions": self.positions, "skipped": int(self.skipped)}
+                  "target_tokens": self.target_tokens, "positions": self.positions, "skipped": int(self.skipped),
+                  **self.metrics}
         return record if self.loss_scale is None else {**record, "loss_scale": self.loss_scale}
 
 
@@ -121,11 +125,7 @@ class StepResult:
     n_tokens: float
     n_samples: float
     n_positions: float = 0.0
-
-
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def backward_micro_batch(model: nn.Module, batch: Batch, device: torch.device, normalizer: float,
@@ -150,6 +150,14 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[Batch], device: t
         local_loss += backward_micro_batch(model, batch, device, max(n_targets, 1.0), forward_loss,
                                            loss_factor).item()
     return StepResult(all_reduce_sum(local_loss, device), n_targets, n_tokens, n_samples, n_positions)
+
+
+def accumulate_pairs(model: nn.Module, micro_batches: list[Batch], device: torch.device, pair_loss: PairLoss,
+                     loss_factor: float = 1.0) -> StepResult:
+    """accumulate_gradients for a preference objective: samples count pairs, the loss is the mean over pairs."""
+    loss, totals, (n_tokens, n_targets, n_positions), metrics = accumulate_pair_gradients(
+        model, micro_batches, device, pair_loss, loss_factor)
+    return StepResult(loss, n_targets, n_tokens, totals.pairs, n_positions, metrics)
 
 
 @torch.no_grad()
@@ -198,6 +206,7 @@ class Trainer:
         self.mfu_reference = mfu_reference or MfuReference()
         self.memory_peaks: dict[str, float] = {}  # the run's largest, over ranks
         self.forward_loss = ForwardLoss.for_config(cfg, info.device)
+        self.pair_loss = PairLoss.for_config(cfg, info.device) if cfg.train.objective != "sft" else None
         self.scaler = LossScaler(uses_loss_scaling(cfg), cfg.optim.loss_scale_init,
                                  cfg.optim.loss_scale_growth_interval)
 
@@ -239,13 +248,20 @@ class Trainer:
             self.memory_peaks[key] = max(value, self.memory_peaks.get(key, 0.0))
         return peaks
 
-    def evaluate(self) -> float:
-        return evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id, self.info,
-                        self.forward_loss)
+    def evaluate(self) -> dict[str, float]:
+        """The held-out record: loss and perplexity; for preference pairs, loss and the reward metrics."""
+        if self.pair_loss is not None:
+            return evaluate_pairs(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
+                                  self.info, self.pair_loss)
+        return eval_record(evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
+                                    self.info, self.forward_loss))
 
     def micro_batches(self) -> list[Batch]:
         """This rank's micro-batches for the next step: padded samples, or packed rows."""
         data = self.data
+        if data.packs is None and self.pair_loss is not None:  # a pair a row, its two sequences side by side
+            return [collate_packed(pair_rows(data.samples(data.train, units)), self.pad_id)
+                    for units in self.sampler.next_step()]
         if data.packs is None:
             return [collate(data.samples(data.train, units), self.pad_id) for units in self.sampler.next_step()]
         # rows padded to the context length: every step has one shape, so compiled layers never recompile (the
@@ -260,7 +276,10 @@ class Trainer:
         count toward max_bad_steps while the scale is still at least 1."""
         micro_batches = self.micro_batches()
         scale = self.scaler.factor
-        result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss, scale)
+        if self.pair_loss is not None:
+            result = accumulate_pairs(self.model, micro_batches, self.info.device, self.pair_loss, scale)
+        else:
+            result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss, scale)
         self.scaler.unscale_(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
         lr = float(self.scheduler.get_last_lr()[0])  # torch types it float | Tensor; with a float lr it is a float
@@ -273,7 +292,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad()
         return StepStats(result.loss, lr, grad_norm, result.n_tokens, result.n_targets, result.n_samples, not finite,
-                         result.n_positions, scale if self.scaler.enabled else None)
+                         result.n_positions, scale if self.scaler.enabled else None, result.metrics)
 
     def check_bad_steps(self, stats: StepStats) -> None:
         if self.bad_in_a_row < self.cfg.train.max_bad_steps:
@@ -301,15 +320,15 @@ class Trainer:
             record = {"step": self.step, **stats.record(), "tokens_per_s": rate,
                       **({"mfu": mfu} if mfu is not None else {}), "step_time_s": elapsed}
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != cfg.max_steps and self.eval_samples:
-                record.update(eval_record(self.evaluate()))
+                record.update(self.evaluate())
             record.update(self.step_memory_peaks())
             offloader = self.forward_loss.offloader
             if offloader is not None:  # host bytes what checkpointing kept took at their peak, this step
                 record["activation_offload_gib"] = offloader.stats.peak_host_bytes / 2**30
                 offloader.reset()
             self.logger.log(record)
-            shown = ("loss", "eval_loss", "eval_ppl", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu",
-                     "peak_memory_gib")
+            shown = ("loss", "reward_accuracy", "reward_margin", "eval_loss", "eval_ppl", "eval_reward_accuracy",
+                     "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu", "peak_memory_gib")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
             self.check_bad_steps(stats)
             stop = self.stop.requested(self.info.device)
@@ -322,9 +341,10 @@ class Trainer:
     def train(self) -> RunSummary:
         self.model.train()
         resumed = self.step > 0
-        first_eval = self.evaluate() if self.eval_samples and not resumed else math.nan
+        first = self.evaluate() if self.eval_samples and not resumed else eval_record(math.nan)
+        first_eval = first["eval_loss"]
         if not resumed:
-            self.logger.log({"step": 0, **eval_record(first_eval)})
+            self.logger.log({"step": 0, **first})
         start = time.perf_counter()
         self.stop.install()
         self.profiler.start()
@@ -334,9 +354,10 @@ class Trainer:
             self.profiler.stop()
             self.stop.uninstall()
         wall = time.perf_counter() - start
-        final_eval = self.evaluate() if self.eval_samples and not stopped else math.nan
+        final = self.evaluate() if self.eval_samples and not stopped else eval_record(math.nan)
+        final_eval = final["eval_loss"]
         if not stopped:
-            self.logger.log({"step": self.step, **eval_record(final_eval)})
+            self.logger.log({"step": self.step, **final})
         checkpoint = str(self.last_checkpoint) if self.last_checkpoint is not None else None
         return RunSummary(wall, self.step, self.skipped_steps, samples, int(tokens),
                           self.mfu_reference.mfu(tokens / wall), first_eval, final_eval,

@@ -1,0 +1,102 @@
+"""Preference data: sources -> pairs (a prompt, a chosen and a rejected completion) -> token sequences that fit the
+context -> train and held-out pairs, tokenized through `datasets.map` (cached like SFT's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from qlora_fsdp.config import Config, DataConfig, OverlongPolicy, SourceConfig, Template
+from qlora_fsdp.data.batching import pack
+from qlora_fsdp.data.pair_encoding import encode_pair, fit_pair
+from qlora_fsdp.data.pairs import BadPair, as_pairs, good_pairs
+from qlora_fsdp.data.pipeline import Dataset, main_process_first, run_template, split_held_out
+from qlora_fsdp.data.sources import read_source, sources_of, weighted
+from qlora_fsdp.distributed import DistInfo
+from qlora_fsdp.errors import DataError
+
+PAIR_COLUMNS = ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "length")
+
+
+class TokenizePair:
+    """A picklable, hashable map function: a pair -> its two sequences fitted to the context, or nothing."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: Template, context_length: int,
+                 overlong: OverlongPolicy) -> None:
+        self.tokenizer, self.template = tokenizer, template
+        self.context_length, self.overlong = context_length, overlong
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list[Any]] = {name: [] for name in (*PAIR_COLUMNS, "overlong", "problem", "origin", "record")}
+        out["origin"], out["record"] = batch["origin"], batch["record"]
+        for prompt, chosen, rejected, tools in zip(batch["prompt"], batch["chosen"], batch["rejected"],
+                                                   batch["tools"], strict=True):
+            try:
+                encoded = encode_pair(prompt, chosen, rejected, tools, self.tokenizer, self.template)
+            except BadPair as err:
+                out["problem"].append(str(err))
+                encoded = None
+            else:
+                out["problem"].append("")
+            fitted = fit_pair(encoded, self.context_length, self.overlong) if encoded is not None else None
+            out["overlong"].append(encoded is not None and encoded.length > self.context_length)
+            for name, value in (("chosen_ids", fitted.chosen.input_ids if fitted else []),
+                                ("chosen_labels", fitted.chosen.labels if fitted else []),
+                                ("rejected_ids", fitted.rejected.input_ids if fitted else []),
+                                ("rejected_labels", fitted.rejected.labels if fitted else []),
+                                ("length", fitted.length if fitted else 0)):
+                out[name].append(value)
+        return out
+
+
+def read_pairs(sources: list[SourceConfig], seed: int, cache_dir: str | None, drop_bad: bool) -> tuple[
+        datasets.Dataset, int, int]:
+    """(good pairs of every source, mixed by weight; records read; bad records dropped)."""
+    parts, n_records, n_bad = [], 0, 0
+    for source in sources:
+        records = read_source(source, cache_dir)
+        pairs, dropped = good_pairs(as_pairs(records, source), drop_bad)
+        parts.append(weighted(pairs, source.weight, seed))
+        n_records, n_bad = n_records + len(records), n_bad + dropped
+    return (datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]), n_records, n_bad
+
+
+def tokenized_pairs(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerBase, cfg: Config,
+                    template: Template) -> tuple[datasets.Dataset, int, int, int]:
+    """(pairs that fit the context, records read, pairs longer than the context, pairs dropped)."""
+    data = cfg.data
+    drop_bad = cfg.preference.bad_pairs == "drop"
+    pairs, n_records, n_bad = read_pairs(sources, cfg.train.seed, data.cache_dir, drop_bad)
+    encoded = pairs.map(TokenizePair(tokenizer, template, data.context_length, data.overlong), batched=True,
+                        remove_columns=pairs.column_names, num_proc=data.num_proc if data.num_proc > 1 else None,
+                        desc="tokenizing pairs")
+    encoded, n_unusable = good_pairs(encoded, drop_bad)  # a completion with no target token under the template
+    n_overlong = sum(encoded["overlong"])
+    kept = encoded.filter(lambda length: length > 0, input_columns="length", desc="fitting pairs")
+    kept = kept.remove_columns(["overlong", "problem", "origin", "record"])
+    return kept, n_records, n_overlong, n_bad + n_unusable + len(encoded) - len(kept)
+
+
+def load_pairs(tokenizer: PreTrainedTokenizerBase, cfg: Config, info: DistInfo | None = None) -> Dataset:
+    """Read, tokenize and split the recipe's preference data; the held-out pairs are chosen by the seed."""
+    data: DataConfig = cfg.data
+    sources = sources_of(data)
+    if info is not None and info.rank != 0:
+        datasets.disable_progress_bars()
+    template = run_template(data, tokenizer)
+    with main_process_first(info):
+        pairs, n_records, n_overlong, n_dropped = tokenized_pairs(sources, tokenizer, cfg, template)
+        held_out = None
+        if data.eval_path:
+            eval_source = SourceConfig(path=data.eval_path, format=sources[0].format, fields=sources[0].fields)
+            held_out = tokenized_pairs([eval_source], tokenizer, cfg, template)[0]
+    if not len(pairs):
+        raise DataError(f"no trainable pairs in {', '.join(s.path for s in sources)} after fitting to "
+                        f"{data.context_length} tokens ({n_overlong} longer, overlong={data.overlong})")
+    train, eval_set = split_held_out(pairs, held_out, data.eval_samples, cfg.train.seed)
+    if not len(train):
+        raise DataError("every pair went to the held-out set; lower data.eval_samples or add data")
+    packs = pack(train["length"], data.context_length) if data.packing else None
+    return Dataset(train, eval_set, template, n_records, n_overlong, n_dropped, packs)

@@ -1,0 +1,97 @@
+"""Preference tuning's step and evaluation: the pairs' counterparts of loop.accumulate_gradients and evaluate.
+
+The step's loss is the mean over the pairs of the whole effective batch: the pairs (and, for ORPO, the chosen
+completions' target tokens) are counted over every micro-batch and rank first, then each micro-batch adds its share.
+k micro-batches then give one batch's gradient, and sharded runs the unsharded one's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from qlora_fsdp.data.batching import Batch, Sample, collate_packed
+from qlora_fsdp.distributed import DistInfo, all_reduce_sums
+from qlora_fsdp.model.pair_loss import PairCounts, PairLoss, adapter_off, pair_counts
+from qlora_fsdp.training.grad_sync import set_gradient_sync
+
+PER_TOKEN_METRICS = ("chosen_nll",)  # divided by the chosen completions' target tokens; the rest by pairs
+
+
+def pair_rows(sequences: list[Sample]) -> list[list[Sample]]:
+    """Each pair's two sequences (chosen, then rejected) as one row."""
+    return [sequences[i : i + 2] for i in range(0, len(sequences), 2)]
+
+
+def step_totals(micro_batches: list[Batch], device: torch.device, extra: list[float]) -> tuple[PairCounts, list[float]]:
+    """The pairs and chosen targets of the whole step (all micro-batches, all ranks), and `extra` summed alike."""
+    counts = [pair_counts(b) for b in micro_batches]
+    reduced = all_reduce_sums([sum(c[0] for c in counts), sum(c[1] for c in counts), *extra], device)
+    return PairCounts(reduced[0], reduced[1]), reduced[2:]
+
+
+def averaged(sums: dict[str, float], totals: PairCounts, device: torch.device) -> dict[str, float]:
+    """Metric sums over all ranks, each divided by what it is counted in."""
+    keys = sorted(sums)
+    reduced = all_reduce_sums([sums[k] for k in keys], device)
+    return {k: v / max(totals.chosen_targets if k in PER_TOKEN_METRICS else totals.pairs, 1.0)
+            for k, v in zip(keys, reduced, strict=True)}
+
+
+def accumulate_pair_gradients(model: nn.Module, micro_batches: list[Batch], device: torch.device, pair_loss: PairLoss,
+                              loss_factor: float = 1.0) -> tuple[float, PairCounts, list[float], dict[str, float]]:
+    """Forward and backward every micro-batch of pairs (gradients reduce-scatter once, after the last); returns the
+    step's loss, its counts, its (tokens, target tokens, positions) and its averaged metrics."""
+    totals, (n_tokens, n_targets, n_positions) = step_totals(
+        micro_batches, device, [sum(b.n_tokens for b in micro_batches), sum(b.n_targets for b in micro_batches),
+                                sum(b.input_ids.numel() for b in micro_batches)])
+    local_loss, sums = 0.0, dict.fromkeys(pair_loss.metric_names(), 0.0)
+    for index, batch in enumerate(micro_batches):
+        set_gradient_sync(model, index == len(micro_batches) - 1)
+        loss, metrics = pair_loss(model, batch, device, totals)
+        (loss * loss_factor if loss_factor != 1.0 else loss).backward()
+        local_loss += loss.item()
+        for key, value in metrics.items():
+            sums[key] += value
+    metrics = averaged(sums, totals, device)
+    (loss_sum,) = all_reduce_sums([local_loss], device)
+    return loss_sum, totals, [n_tokens, n_targets, n_positions], metrics
+
+
+def idle_forwards(model: nn.Module, pair_loss: PairLoss, pad_id: int, device: torch.device) -> None:
+    """The forwards a rank with no pairs left runs, so its collectives stay in step with the others'."""
+    tiny = torch.tensor([[pad_id]], device=device)
+    if pair_loss.needs_reference:
+        with adapter_off(model):
+            model(input_ids=tiny)
+    model(input_ids=tiny)
+
+
+@torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # held-out batches vary in shape
+def evaluate_pairs(model: nn.Module, sequences: list[Sample], batch_size: int, pad_id: int, info: DistInfo,
+                   pair_loss: PairLoss) -> dict[str, float]:
+    """Held-out loss (the mean over pairs, as in training) and reward metrics, over all ranks."""
+    pairs = pair_rows(sequences)
+    mine = sorted(pairs, key=lambda p: len(p[0].input_ids) + len(p[1].input_ids))[info.rank :: info.world_size]
+    n_batches = math.ceil(math.ceil(len(pairs) / info.world_size) / batch_size)
+    batches = [collate_packed(mine[i * batch_size : (i + 1) * batch_size], pad_id)
+               for i in range(n_batches) if mine[i * batch_size : (i + 1) * batch_size]]
+    totals, _ = step_totals(batches, info.device, [])
+    was_training = model.training
+    model.eval()
+    loss, sums = 0.0, dict.fromkeys(pair_loss.metric_names(), 0.0)
+    for index in range(n_batches):
+        if index < len(batches):
+            share, metrics = pair_loss(model, batches[index], info.device, totals)
+            loss += share.item()
+            for key, value in metrics.items():
+                sums[key] += value
+        else:
+            idle_forwards(model, pair_loss, pad_id, info.device)
+    model.train(was_training)
+    metrics = averaged(sums, totals, info.device)
+    (loss_sum,) = all_reduce_sums([loss], info.device)
+    return {"eval_loss": loss_sum, **{f"eval_{k}": v for k, v in metrics.items()}}

@@ -1,0 +1,94 @@
+"""Preference tuning's step on the 4-bit, sharded model: DPO starts at exactly log 2, k micro-batches equal one
+batch, two ranks equal one, the reference is the base with the adapter off; ORPO and SimPO need no reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from qlora_fsdp.data.batching import collate_packed
+from qlora_fsdp.data.pair_pipeline import load_pairs
+from qlora_fsdp.model.build import load_tokenizer
+from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.model.pair_loss import PairLoss
+from qlora_fsdp.training.loop import accumulate_pairs
+from qlora_fsdp.training.pair_steps import pair_rows
+from tests.helpers import REPO, full_grads, relative_difference, run_ranks_sequence, tiny_config
+
+pytestmark = pytest.mark.slow  # gloo ranks
+
+PREFERENCES = str(REPO / "data" / "tiny_preferences.jsonl")
+
+
+def dpo_config(model_dir, objective: str = "dpo", **preference):
+    cfg = tiny_config(model_dir, data={"path": PREFERENCES, "format": "chat", "context_length": 128,
+                                       "eval_samples": 8},
+                      train={"objective": objective}, preference=preference)
+    cfg.lora.dropout = 0.0
+    return cfg
+
+
+def pair_micro_batches(cfg, n_pairs: int, pairs_per_batch: int, rank: int, world_size: int):
+    tokenizer = load_tokenizer(cfg)
+    data = load_pairs(tokenizer, cfg)
+    sequences = data.samples(data.train, list(range(n_pairs)))
+    mine = pair_rows(sequences)[rank::world_size]
+    return [collate_packed(mine[i : i + pairs_per_batch], tokenizer.pad_token_id)
+            for i in range(0, len(mine), pairs_per_batch)]
+
+
+def nudge_adapter(model) -> None:
+    """Set the adapter's B matrices (zero at the start) to a fixed pattern, the same whatever the sharding."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                full = 0.05 * torch.sin(torch.arange(parameter.numel(), dtype=torch.float32)).view(parameter.shape)
+                if isinstance(parameter, DTensor):
+                    full = distribute_tensor(full, parameter.device_mesh, parameter.placements)
+                    parameter.to_local().copy_(full.to_local())
+                else:
+                    parameter.copy_(full)
+
+
+def step(info, cfg, n_pairs: int, pairs_per_batch: int, perturb: bool = False):
+    """One accumulated step over this rank's share of the first n_pairs: loss, metrics, gathered LoRA gradients.
+    `perturb`: the adapter's B matrices nudged off zero first (so policy and reference differ)."""
+    torch.manual_seed(0)
+    model = build_model(cfg, info)
+    if perturb:
+        nudge_adapter(model)
+    batches = pair_micro_batches(cfg, n_pairs, pairs_per_batch, info.rank, info.world_size)
+    result = accumulate_pairs(model, batches, info.device, PairLoss.for_config(cfg, info.device))
+    return {"loss": result.loss, "metrics": result.metrics, "pairs": result.n_samples, "grads": full_grads(model)}
+
+
+def test_dpo_starts_at_log_2_and_accumulation_and_sharding_change_nothing(tiny_model_dir, tmp_path):
+    cfg = dpo_config(tiny_model_dir)
+    start, one_big = run_ranks_sequence([(step, (cfg, 8, 8)), (step, (cfg, 8, 8, True))], 1, tmp_path)
+    (accumulated,) = run_ranks_sequence([(step, (cfg, 8, 2, True))], 1, tmp_path)
+    (sharded,) = run_ranks_sequence([(step, (cfg, 8, 2, True))], 2, tmp_path)
+
+    assert start["pairs"] == 8
+    assert start["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the adapter starts at zero: policy = reference
+    assert start["metrics"]["reward_margin"] == 0.0 and start["metrics"]["reward_accuracy"] == 0.0
+
+    assert abs(one_big["loss"] - math.log(2)) > 1e-4  # the perturbed adapter moved it
+    for other in (accumulated, sharded):
+        assert other["loss"] == pytest.approx(one_big["loss"], rel=1e-5)
+        assert relative_difference(other["grads"], one_big["grads"]) <= 1e-4
+        for key, value in one_big["metrics"].items():
+            assert other["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_reference_free_objectives_accumulate_exactly(tiny_model_dir, tmp_path, objective):
+    cfg = dpo_config(tiny_model_dir, objective)
+    one_big, accumulated = run_ranks_sequence([(step, (cfg, 8, 8, True)), (step, (cfg, 8, 2, True))], 1, tmp_path)
+    assert accumulated["loss"] == pytest.approx(one_big["loss"], rel=1e-5)
+    assert relative_difference(accumulated["grads"], one_big["grads"]) <= 1e-4
+    if objective == "orpo":  # the chosen NLL per target token, averaged over the step's chosen tokens
+        assert accumulated["metrics"]["chosen_nll"] == pytest.approx(one_big["metrics"]["chosen_nll"], rel=1e-5)
+        assert one_big["metrics"]["chosen_nll"] > 0
