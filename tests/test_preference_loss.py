@@ -57,14 +57,14 @@ def test_dpo_losses_are_the_published_formulas(loss_type, beta, smoothing):
     if loss_type != "ipo":
         by_hand = [beta * (p - r) for p, r in zip(POLICY[0], REFERENCE[0], strict=True)]
         assert rewards.chosen.tolist() == pytest.approx(by_hand)
-        assert rewards.correct.tolist() == [float(m > 0) for m in rewards.margin.tolist()]
+        assert rewards.correct.tolist() == [float(m > 0) + 0.5 * (m == 0) for m in rewards.margin.tolist()]
 
 
 def test_dpo_is_log_2_where_policy_equals_reference():
     for loss_type in ("sigmoid", "robust"):
         losses, rewards = dpo_losses(pairs(*POLICY), pairs(*POLICY), 0.1, loss_type, 0.0)
         assert losses.tolist() == [math.log(2)] * 4
-        assert rewards.margin.tolist() == [0.0] * 4 and rewards.correct.tolist() == [0.0] * 4  # ties are not right
+        assert rewards.margin.tolist() == [0.0] * 4 and rewards.correct.tolist() == [0.5] * 4  # a tie: no preference
 
 
 def test_simpo_and_orpo_are_the_published_formulas():

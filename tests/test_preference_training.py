@@ -3,6 +3,7 @@ batch, two ranks equal one, the reference is the base with the adapter off; ORPO
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -16,7 +17,7 @@ from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.model.pair_loss import PairLoss
 from qlora_fsdp.training.loop import accumulate_pairs
 from qlora_fsdp.training.pair_steps import pair_rows
-from tests.helpers import REPO, full_grads, relative_difference, run_ranks_sequence, tiny_config
+from tests.helpers import REPO, full_grads, relative_difference, run_cli, run_ranks_sequence, tiny_config
 
 pytestmark = pytest.mark.slow  # gloo ranks
 
@@ -73,7 +74,7 @@ def test_dpo_starts_at_log_2_and_accumulation_and_sharding_change_nothing(tiny_m
 
     assert start["pairs"] == 8
     assert start["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the adapter starts at zero: policy = reference
-    assert start["metrics"]["reward_margin"] == 0.0 and start["metrics"]["reward_accuracy"] == 0.0
+    assert start["metrics"]["reward_margin"] == 0.0 and start["metrics"]["reward_accuracy"] == 0.5
 
     assert abs(one_big["loss"] - math.log(2)) > 1e-4  # the perturbed adapter moved it
     for other in (accumulated, sharded):
@@ -92,3 +93,35 @@ def test_reference_free_objectives_accumulate_exactly(tiny_model_dir, tmp_path, 
     if objective == "orpo":  # the chosen NLL per target token, averaged over the step's chosen tokens
         assert accumulated["metrics"]["chosen_nll"] == pytest.approx(one_big["metrics"]["chosen_nll"], rel=1e-5)
         assert one_big["metrics"]["chosen_nll"] > 0
+
+
+def losses_of(run_dir) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r or "eval_loss" in r]
+
+
+def test_precomputed_reference_trains_as_the_adapter_off_one_and_a_stale_one_is_refused(tiny_model_dir, tmp_path):
+    """A few DPO steps on 2 ranks with the reference computed on every micro-batch (adapter off) and computed once
+    before training: the same losses and rewards. Resuming with other data refuses the stored reference."""
+    common = ["--recipe", "tiny_cpu_dpo", f"model.path={tiny_model_dir}", "train.max_steps=4", "train.eval_every=2",
+              "data.eval_samples=16", f"data.cache_dir={tmp_path / 'cache'}", "train.save_every=2"]
+    runs = {}
+    for reference in ("adapter_off", "precomputed"):
+        out = tmp_path / reference
+        results = run_cli([*common, f"train.output_dir={out}", f"preference.reference={reference}"], 2, tmp_path)
+        assert results[0].returncode == 0, results[0].stderr[-2000:]
+        runs[reference] = losses_of(out)
+    assert (tmp_path / "precomputed" / "reference_logps.safetensors").is_file()
+    assert not (tmp_path / "adapter_off" / "reference_logps.safetensors").exists()
+    assert len(runs["precomputed"]) == len(runs["adapter_off"]) == 6  # the start's eval, steps 1 to 4 (an eval at 2), the end's eval
+    for ours, theirs in zip(runs["precomputed"], runs["adapter_off"], strict=True):
+        for key in ("loss", "eval_loss", "reward_accuracy", "reward_margin", "eval_reward_margin"):
+            if key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours, theirs)
+
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(list((REPO / "data" / "tiny_preferences.jsonl").open())[100:1100]))
+    resumed = run_cli([*common, "train.max_steps=6", f"train.output_dir={tmp_path / 'precomputed'}",
+                       "preference.reference=precomputed", f"data.path={other}", "--resume"], 2, tmp_path)
+    assert resumed[0].returncode != 0
+    assert "reference_logps.safetensors holds reference log-probabilities of other data" in resumed[0].stderr

@@ -120,6 +120,10 @@ class PreferenceConfig:
     gamma: float = 1.0  # simpo: the target margin between the rewards (the SimPO paper's gamma/beta of 0.5)
     odds_ratio_weight: float = 0.1  # orpo: lambda, the weight of the odds-ratio term beside the chosen NLL
     bad_pairs: Literal["error", "drop"] = "error"  # an empty or identical completion, prompts that disagree
+    # dpo: adapter_off runs the base with the adapter off on every micro-batch (one more forward a step);
+    # precomputed runs it once per pair before training and keeps the result with the run; auto: precomputed when
+    # the run sees every pair at least once (then it is never dearer), else adapter_off (docs/benchmarks.md)
+    reference: Literal["auto", "adapter_off", "precomputed"] = "auto"
 
     def resolved_beta(self, objective: Objective) -> float:
         if self.beta is not None:

@@ -34,6 +34,8 @@ class Batch:
     position_ids: torch.Tensor | None = None  # packed rows
     segments: list[list[int]] | None = None  # packed rows: each row's sample lengths, then its padding tail
     row_samples: list[int] | None = None  # packed rows: how many of each row's segments are samples
+    # preference pairs whose reference log-probabilities were computed before training: per sequence, in order
+    reference_logps: torch.Tensor | None = None
     # flat indices of the target tokens, the only positions the output layer and the loss need; found when the
     # batch is made (on the host, with real values: the planner runs the step on fake tensors)
     target_positions: torch.Tensor = field(init=False, repr=False)

@@ -97,11 +97,12 @@ class PairLoss:
         assert self.objective == "orpo", self.objective
         return orpo_odds_ratio_losses(policy, self.settings.odds_ratio_weight)
 
-    def __call__(self, model: nn.Module, batch: LossBatch, device: torch.device, totals: PairCounts,
-                 reference: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """The micro-batch's share of the step's loss, and its sums for the step's metrics. `reference`: the
-        sequences' reference log-probabilities where they were computed before training; else (DPO) a forward
-        with the adapter off."""
+    def __call__(self, model: nn.Module, batch: LossBatch,
+                 device: torch.device, totals: PairCounts) -> tuple[torch.Tensor, dict[str, float]]:
+        """The micro-batch's share of the step's loss, and its sums for the step's metrics. The reference
+        log-probabilities: the batch's own where they were computed before training, else (DPO) a forward with the
+        adapter off."""
+        reference = getattr(batch, "reference_logps", None) if self.needs_reference else None
         if self.needs_reference and reference is None:
             reference = self.reference_logps(model, batch, device)
         policy = as_pairs(self.sequence_logps(model, batch, device), batch)

@@ -51,8 +51,9 @@ class PairRewards:
 
     @property
     def correct(self) -> torch.Tensor:
-        """1.0 where the chosen completion has the higher reward."""
-        return (self.chosen > self.rejected).float()
+        """1 where the chosen completion has the higher reward, 0.5 for a tie (no preference yet: the policy equals
+        the reference at the start of DPO), else 0; its mean is the reward accuracy."""
+        return (self.chosen > self.rejected).float() + 0.5 * (self.chosen == self.rejected).float()
 
 
 def smoothed_logistic(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:

@@ -32,7 +32,10 @@ from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gib, reset_m
 from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
 from qlora_fsdp.training.pair_steps import accumulate_pair_gradients, evaluate_pairs, pair_rows
 from qlora_fsdp.training.profiling import StepProfiler
+from qlora_fsdp.training.reference_logps import reference_logps
 from qlora_fsdp.training.signals import GracefulStop
+
+REWARD_SUMMARY = ("eval_reward_accuracy", "eval_reward_margin")  # kept in a preference run's summary
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class RunSummary:
     profile: str | None = None
     loss_curves: str | None = None
     overflow_steps: int | None = None  # float16 runs: steps skipped because their gradients overflowed
+    # preference objectives: held-out reward accuracy and margin at the start and the end (no perplexity)
+    eval_rewards: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         wall = self.train_runtime_s
@@ -105,8 +110,11 @@ class RunSummary:
         if self.mfu is not None:
             out["mfu"] = self.mfu
         end = self.eval_loss_end
-        out.update(eval_loss_start=self.eval_loss_start, eval_loss_end=end,
-                   eval_ppl_end=math.exp(end) if math.isfinite(end) else math.nan)
+        out.update(eval_loss_start=self.eval_loss_start, eval_loss_end=end)
+        if self.eval_rewards:
+            out.update(self.eval_rewards)
+        else:
+            out["eval_ppl_end"] = math.exp(end) if math.isfinite(end) else math.nan
         out.update({f"{key}_max_rank": value for key, value in self.memory_peaks_gib.items()})
         if self.stopped_by_signal:
             out["stopped_by_signal"] = True
@@ -207,6 +215,7 @@ class Trainer:
         self.memory_peaks: dict[str, float] = {}  # the run's largest, over ranks
         self.forward_loss = ForwardLoss.for_config(cfg, info.device)
         self.pair_loss = PairLoss.for_config(cfg, info.device) if cfg.train.objective != "sft" else None
+        self.references: dict[str, torch.Tensor] | None = None  # DPO's, when computed before training
         self.scaler = LossScaler(uses_loss_scaling(cfg), cfg.optim.loss_scale_init,
                                  cfg.optim.loss_scale_growth_interval)
 
@@ -251,16 +260,42 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """The held-out record: loss and perplexity; for preference pairs, loss and the reward metrics."""
         if self.pair_loss is not None:
+            references = self.references["eval"] if self.references is not None else None
             return evaluate_pairs(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
-                                  self.info, self.pair_loss)
+                                  self.info, self.pair_loss, references)
         return eval_record(evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
                                     self.info, self.forward_loss))
+
+    def precomputes_reference(self) -> bool:
+        """DPO with preference.reference precomputed, or auto and a run that sees every training pair."""
+        setting = self.cfg.preference.reference
+        if self.pair_loss is None or not self.pair_loss.needs_reference or setting == "adapter_off":
+            return False
+        pairs_per_step = self.sampler.units_per_step * len(self.data.train) / self.data.n_units
+        return setting == "precomputed" or self.cfg.train.max_steps * pairs_per_step >= len(self.data.train)
+
+    def prepare_reference(self) -> None:
+        if self.precomputes_reference() and self.references is None and self.pair_loss is not None:
+            self.logger.write("reference log-probabilities: computed once before training (preference.reference)")
+            self.references = reference_logps(self.cfg, self.model, self.data, self.pair_loss, self.pad_id,
+                                              self.info, Path(self.cfg.train.output_dir))
+
+    def pair_batch(self, pair_ids: list[int], rows: list[list[Sample]], length: int | None = None) -> Batch:
+        batch = collate_packed(rows, self.pad_id, length)
+        if self.references is not None:  # each pair's chosen, then its rejected sequence, as the rows hold them
+            batch.reference_logps = self.references["train"][pair_ids].flatten()
+        return batch
 
     def micro_batches(self) -> list[Batch]:
         """This rank's micro-batches for the next step: padded samples, or packed rows."""
         data = self.data
-        if data.packs is None and self.pair_loss is not None:  # a pair a row, its two sequences side by side
-            return [collate_packed(pair_rows(data.samples(data.train, units)), self.pad_id)
+        if self.pair_loss is not None:  # a pair a row, its two sequences side by side, or packed rows of pairs
+            if data.packs is None:
+                return [self.pair_batch(units, pair_rows(data.samples(data.train, units)))
+                        for units in self.sampler.next_step()]
+            packs = data.packs
+            return [self.pair_batch([p for u in units for p in packs[u]],
+                                    [data.samples(data.train, packs[u]) for u in units], self.cfg.data.context_length)
                     for units in self.sampler.next_step()]
         if data.packs is None:
             return [collate(data.samples(data.train, units), self.pad_id) for units in self.sampler.next_step()]
@@ -339,10 +374,12 @@ class Trainer:
         return tokens, samples, False
 
     def train(self) -> RunSummary:
+        self.prepare_reference()
         self.model.train()
         resumed = self.step > 0
         first = self.evaluate() if self.eval_samples and not resumed else eval_record(math.nan)
         first_eval = first["eval_loss"]
+        rewards = {f"{key}_start": first[key] for key in REWARD_SUMMARY if key in first}
         if not resumed:
             self.logger.log({"step": 0, **first})
         start = time.perf_counter()
@@ -356,6 +393,7 @@ class Trainer:
         wall = time.perf_counter() - start
         final = self.evaluate() if self.eval_samples and not stopped else eval_record(math.nan)
         final_eval = final["eval_loss"]
+        rewards.update({f"{key}_end": final[key] for key in REWARD_SUMMARY if key in final})
         if not stopped:
             self.logger.log({"step": self.step, **final})
         checkpoint = str(self.last_checkpoint) if self.last_checkpoint is not None else None
@@ -363,4 +401,5 @@ class Trainer:
                           self.mfu_reference.mfu(tokens / wall), first_eval, final_eval,
                           self.memory_peaks or self.step_memory_peaks(), stopped_by_signal=stopped,
                           checkpoint=checkpoint,
-                          overflow_steps=self.scaler.overflows if self.scaler.enabled else None)
+                          overflow_steps=self.scaler.overflows if self.scaler.enabled else None,
+                          eval_rewards=rewards)

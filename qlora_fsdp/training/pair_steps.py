@@ -72,13 +72,21 @@ def idle_forwards(model: nn.Module, pair_loss: PairLoss, pad_id: int, device: to
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")  # held-out batches vary in shape
 def evaluate_pairs(model: nn.Module, sequences: list[Sample], batch_size: int, pad_id: int, info: DistInfo,
-                   pair_loss: PairLoss) -> dict[str, float]:
-    """Held-out loss (the mean over pairs, as in training) and reward metrics, over all ranks."""
+                   pair_loss: PairLoss, references: torch.Tensor | None = None) -> dict[str, float]:
+    """Held-out loss (the mean over pairs, as in training) and reward metrics, over all ranks. `references`: the
+    pairs' reference log-probabilities (pairs, 2) where they were computed before training."""
     pairs = pair_rows(sequences)
-    mine = sorted(pairs, key=lambda p: len(p[0].input_ids) + len(p[1].input_ids))[info.rank :: info.world_size]
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0].input_ids) + len(pairs[i][1].input_ids))
+    mine = order[info.rank :: info.world_size]
     n_batches = math.ceil(math.ceil(len(pairs) / info.world_size) / batch_size)
-    batches = [collate_packed(mine[i * batch_size : (i + 1) * batch_size], pad_id)
-               for i in range(n_batches) if mine[i * batch_size : (i + 1) * batch_size]]
+    batches = []
+    for i in range(n_batches):
+        ids = mine[i * batch_size : (i + 1) * batch_size]
+        if ids:
+            batch = collate_packed([pairs[p] for p in ids], pad_id)
+            if references is not None:
+                batch.reference_logps = references[ids].flatten()
+            batches.append(batch)
     totals, _ = step_totals(batches, info.device, [])
     was_training = model.training
     model.eval()

@@ -21,7 +21,8 @@ from qlora_fsdp.training.checkpoints import (
 )
 
 METRICS_FILE = "metrics.jsonl"
-RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "adapter")  # what a run writes, and overwrite=true removes
+# what a run writes, and overwrite=true removes (reference_logps: DPO's, when computed before training)
+RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "adapter", "reference_logps.safetensors")
 
 
 def elastic_restart() -> bool:

@@ -1,0 +1,87 @@
+"""DPO's reference log-probabilities computed once, before the first step, and kept with the run.
+
+The other way to get them (preference.reference: adapter_off) runs the base with the adapter turned off on every
+micro-batch: one more forward a step. Computed ahead, that forward is paid once per pair instead of once per visit:
+cheaper from the first full epoch on, dearer for a run that sees part of the data. A resumed run reads the file;
+one computed for other data or another base model is refused in one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.data.batching import collate_packed
+from qlora_fsdp.data.pipeline import Dataset
+from qlora_fsdp.distributed import DistInfo
+from qlora_fsdp.errors import DataError
+from qlora_fsdp.model.pair_loss import PairLoss
+from qlora_fsdp.model.weight_files import weight_files
+from qlora_fsdp.training.pair_steps import idle_forwards, pair_rows
+
+REFERENCE_FILE = "reference_logps.safetensors"
+
+
+def fingerprint(cfg: Config, data: Dataset) -> str:
+    """What the reference log-probabilities depend on: the tokenized pairs (datasets' fingerprints of both splits),
+    the base model (its folder, config.json, its weight files' names and sizes), how it is quantized and run."""
+    model_dir = Path(cfg.model.path)
+    weights = [(f.name, f.stat().st_size) for f in weight_files(model_dir)] if model_dir.is_dir() else []
+    config_text = (model_dir / "config.json").read_text() if (model_dir / "config.json").is_file() else ""
+    parts = [data.train._fingerprint, data.eval._fingerprint, cfg.model.path, config_text, weights,
+             repr(cfg.quant), cfg.model.dtype, cfg.quant.compute_dtype]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
+
+
+@torch.no_grad()
+def split_reference(model: nn.Module, data: Dataset, split_name: str, pair_loss: PairLoss, pad_id: int,
+                    info: DistInfo, batch_pairs: int) -> torch.Tensor:
+    """(pairs, 2): each pair's chosen and rejected log-probability under the reference; ranks share the work."""
+    split = data.train if split_name == "train" else data.eval
+    n = len(split)
+    table = torch.zeros(n, 2, dtype=torch.float32, device=info.device)
+    mine = list(range(info.rank, n, info.world_size))
+    n_batches = math.ceil(math.ceil(n / info.world_size) / batch_pairs)
+    was_training = model.training
+    model.eval()
+    for index in range(n_batches):
+        ids = mine[index * batch_pairs : (index + 1) * batch_pairs]
+        if not ids:  # keep the collectives in step with ranks that still have pairs
+            idle_forwards(model, pair_loss, pad_id, info.device)
+            continue
+        batch = collate_packed(pair_rows(data.samples(split, ids)), pad_id)
+        table[ids] = pair_loss.reference_logps(model, batch, info.device).view(-1, 2).float()
+    model.train(was_training)
+    if dist.is_initialized() and info.world_size > 1:
+        dist.all_reduce(table)  # each pair's row was filled by one rank, zeros elsewhere
+    return table.cpu()
+
+
+def reference_logps(cfg: Config, model: nn.Module, data: Dataset, pair_loss: PairLoss, pad_id: int, info: DistInfo,
+                    out_dir: Path) -> dict[str, torch.Tensor]:
+    """{"train": (pairs, 2), "eval": (pairs, 2)}: read from the run folder when it holds them for this data and base
+    model, else computed (every rank) and written by rank 0."""
+    path, expected = out_dir / REFERENCE_FILE, fingerprint(cfg, data)
+    if path.is_file():
+        with safe_open(path, "pt") as handle:
+            found = (handle.metadata() or {}).get("fingerprint")
+        if found != expected:
+            raise DataError(f"{path} holds reference log-probabilities of other data or another base model; "
+                            "delete it to compute them again (or resume with the data and model it was made with)")
+        return load_file(path)
+    batch_pairs = max(1, cfg.data.micro_batch)
+    tables = {name: split_reference(model, data, name, pair_loss, pad_id, info, batch_pairs)
+              for name in ("train", "eval")}
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tables, path, metadata={"fingerprint": expected})
+    return tables
