@@ -104,8 +104,11 @@ def generate_preferences(n_records: int, seed: int) -> list[dict[str, Any]]:
     return [preference_record(rng.choice((capital_pair, capital_letters_pair))(rng)) for _ in range(n_records)]
 
 
-KINDS = {"instruct": (generate, "data/tiny_instruct.jsonl", 4000, 1234),
-         "preferences": (generate_preferences, "data/tiny_preferences.jsonl", 2000, 4321)}
+# kind -> (generator, default file, default records, default seed)
+KINDS: dict[str, tuple[Callable[[int, int], list[Any]], str, int, int]] = {
+    "instruct": (generate, "data/tiny_instruct.jsonl", 4000, 1234),
+    "preferences": (generate_preferences, "data/tiny_preferences.jsonl", 2000, 4321),
+}
 
 
 def main() -> None:
@@ -115,11 +118,11 @@ def main() -> None:
     parser.add_argument("--records", type=int, help="default: 4000 instruct records, 2000 preference pairs")
     parser.add_argument("--seed", type=int)
     args = parser.parse_args()
-    make, out, records, seed = KINDS[args.kind]
-    out, records = args.out or Path(out), args.records or records
+    make, default_out, default_records, default_seed = KINDS[args.kind]
+    out, records = args.out or Path(default_out), args.records or default_records
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
-        for record in make(records, seed if args.seed is None else args.seed):
+        for record in make(records, default_seed if args.seed is None else args.seed):
             f.write(json.dumps(record) + "\n")
     print(f"wrote {records} records to {out}")
 

@@ -117,7 +117,10 @@ def test_every_shipped_recipe_loads():
     for name in names:
         cfg = load_config(name, [])
         assert cfg.hardware.gpu in GPUS, name
-        if name != "tiny_cpu":  # what Answer.AI trained on, by hub id (fetched at launch, never by a test or plan)
+        if name == "tiny_cpu_dpo":  # shipped preference pairs, TRL's conversational shape
+            assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_preferences.jsonl", "chat",
+                                                                             "dpo")
+        elif name != "tiny_cpu":  # what Answer.AI trained on, by hub id (fetched at launch, never by a test or plan)
             assert (cfg.data.path, cfg.data.format, cfg.data.sources) == ("yahma/alpaca-cleaned", "alpaca", []), name
 
 

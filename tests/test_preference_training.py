@@ -113,7 +113,8 @@ def test_precomputed_reference_trains_as_the_adapter_off_one_and_a_stale_one_is_
         runs[reference] = losses_of(out)
     assert (tmp_path / "precomputed" / "reference_logps.safetensors").is_file()
     assert not (tmp_path / "adapter_off" / "reference_logps.safetensors").exists()
-    assert len(runs["precomputed"]) == len(runs["adapter_off"]) == 6  # the start's eval, steps 1 to 4 (an eval at 2), the end's eval
+    # the start's eval, steps 1 to 4 (an eval at 2), the end's eval
+    assert len(runs["precomputed"]) == len(runs["adapter_off"]) == 6
     for ours, theirs in zip(runs["precomputed"], runs["adapter_off"], strict=True):
         for key in ("loss", "eval_loss", "reward_accuracy", "reward_margin", "eval_reward_margin"):
             if key in theirs:
@@ -124,4 +125,21 @@ def test_precomputed_reference_trains_as_the_adapter_off_one_and_a_stale_one_is_
     resumed = run_cli([*common, "train.max_steps=6", f"train.output_dir={tmp_path / 'precomputed'}",
                        "preference.reference=precomputed", f"data.path={other}", "--resume"], 2, tmp_path)
     assert resumed[0].returncode != 0
-    assert "reference_logps.safetensors holds reference log-probabilities of other data" in resumed[0].stderr
+    assert {r.returncode for r in resumed} == {2}  # a user error: one line, exit 2
+    said = "".join(r.stdout + r.stderr for r in resumed)  # the terminal shows every rank's; one rank says it
+    assert "reference_logps.safetensors holds reference log-probabilities of other data or another base model" in said
+
+
+def test_tiny_cpu_dpo_learns_its_rule_on_two_ranks(tiny_model_dir, tmp_path):
+    """`make demo-dpo`'s recipe, shortened: held-out reward accuracy from 0.5 (policy = reference: ties) to 0.9 or
+    more, in the summary and metrics.jsonl; the adapter is written."""
+    out = tmp_path / "run"
+    results = run_cli(["--recipe", "tiny_cpu_dpo", f"model.path={tiny_model_dir}", "train.max_steps=30",
+                       "data.eval_samples=100", f"train.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}"],
+                      2, tmp_path)
+    assert results[0].returncode == 0, results[0].stderr[-2000:]
+    summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["eval_reward_accuracy_start"] == 0.5 and summary["eval_reward_accuracy_end"] >= 0.9, summary
+    assert summary["eval_loss_start"] == pytest.approx(math.log(2), abs=1e-5) and summary["eval_loss_end"] < 0.5
+    assert "eval_ppl_end" not in summary
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()

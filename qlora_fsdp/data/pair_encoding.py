@@ -61,7 +61,7 @@ def encode_pair(prompt: list[Message], chosen: list[Message], rejected: list[Mes
     encoded = [Sample(*encode(prompt + completion, tokenizer, template, False, tools))
                for completion in (chosen, rejected)]
     start = prompt_length(*encoded)
-    pair = EncodedPair(*(completion_only(sample, start) for sample in encoded), prompt_tokens=start)
+    pair = EncodedPair(completion_only(encoded[0], start), completion_only(encoded[1], start), prompt_tokens=start)
     for name, sample in (("chosen", pair.chosen), ("rejected", pair.rejected)):
         if all(label == IGNORE_INDEX for label in sample.labels):
             raise BadPair(f"the {name} completion has no target tokens under the template")

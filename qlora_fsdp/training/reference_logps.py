@@ -13,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+import datasets
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
@@ -20,13 +21,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.data.batching import collate_packed
+from qlora_fsdp.data.batching import collate_packed, pack
 from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.model.pair_loss import PairLoss
 from qlora_fsdp.model.weight_files import weight_files
-from qlora_fsdp.training.pair_steps import idle_forwards, pair_rows
+from qlora_fsdp.training.pair_steps import idle_forwards
 
 REFERENCE_FILE = "reference_logps.safetensors"
 
@@ -42,23 +43,31 @@ def fingerprint(cfg: Config, data: Dataset) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
+def reference_rows(split: datasets.Dataset, cfg: Config) -> list[list[int]]:
+    """The pairs of each row the reference pass runs: packed as training packs them, or a pair a row."""
+    if cfg.data.packing:
+        return pack(split["length"], cfg.data.context_length)
+    return [[index] for index in range(len(split))]
+
+
 @torch.no_grad()
-def split_reference(model: nn.Module, data: Dataset, split_name: str, pair_loss: PairLoss, pad_id: int,
-                    info: DistInfo, batch_pairs: int) -> torch.Tensor:
-    """(pairs, 2): each pair's chosen and rejected log-probability under the reference; ranks share the work."""
-    split = data.train if split_name == "train" else data.eval
-    n = len(split)
-    table = torch.zeros(n, 2, dtype=torch.float32, device=info.device)
-    mine = list(range(info.rank, n, info.world_size))
-    n_batches = math.ceil(math.ceil(n / info.world_size) / batch_pairs)
+def split_reference(model: nn.Module, data: Dataset, split: datasets.Dataset, cfg: Config, pair_loss: PairLoss,
+                    pad_id: int, info: DistInfo) -> torch.Tensor:
+    """(pairs, 2): each pair's chosen and rejected log-probability under the reference, in rows of pairs as
+    training's (micro_batch rows a forward); ranks share the rows."""
+    table = torch.zeros(len(split), 2, dtype=torch.float32, device=info.device)
+    rows = reference_rows(split, cfg)
+    mine, per_forward = rows[info.rank :: info.world_size], max(1, cfg.data.micro_batch)
+    n_forwards = math.ceil(math.ceil(len(rows) / info.world_size) / per_forward)
     was_training = model.training
     model.eval()
-    for index in range(n_batches):
-        ids = mine[index * batch_pairs : (index + 1) * batch_pairs]
-        if not ids:  # keep the collectives in step with ranks that still have pairs
+    for index in range(n_forwards):
+        chunk = mine[index * per_forward : (index + 1) * per_forward]
+        if not chunk:  # keep the collectives in step with ranks that still have rows
             idle_forwards(model, pair_loss, pad_id, info.device)
             continue
-        batch = collate_packed(pair_rows(data.samples(split, ids)), pad_id)
+        batch = collate_packed([data.samples(split, row) for row in chunk], pad_id)
+        ids = [pair for row in chunk for pair in row]
         table[ids] = pair_loss.reference_logps(model, batch, info.device).view(-1, 2).float()
     model.train(was_training)
     if dist.is_initialized() and info.world_size > 1:
@@ -78,9 +87,8 @@ def reference_logps(cfg: Config, model: nn.Module, data: Dataset, pair_loss: Pai
             raise DataError(f"{path} holds reference log-probabilities of other data or another base model; "
                             "delete it to compute them again (or resume with the data and model it was made with)")
         return load_file(path)
-    batch_pairs = max(1, cfg.data.micro_batch)
-    tables = {name: split_reference(model, data, name, pair_loss, pad_id, info, batch_pairs)
-              for name in ("train", "eval")}
+    tables = {name: split_reference(model, data, split, cfg, pair_loss, pad_id, info)
+              for name, split in (("train", data.train), ("eval", data.eval))}
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tables, path, metadata={"fingerprint": expected})
