@@ -1,9 +1,10 @@
 """Work that runs in a process of its own from the moment the session's tests are collected.
 
 The test sequence keeps about 1.2 of a 2-core machine busy on average (pool ranks and torchrun runs use both cores,
-the in-process tests one). A job registered here (a planner, the GPU check's dry run, the real model's conversion)
-starts as soon as a selected test needs it, at a lower priority (nice 10), so it takes the core the sequence leaves
-idle and not the one it uses; the test that needs the result waits for it, usually not at all.
+the in-process tests one). A job registered here (a planner, the real model's conversion) starts as soon as a
+selected test needs it, at a lower priority (nice 10), so it takes the core the sequence leaves idle and not the one
+it uses; the test that needs the result waits for it, usually not at all. Nothing with a time limit of its own
+belongs here: a starved process overruns it.
 
 A module registers a job at import under the name of the fixture that hands its result to tests (collection imports
 every test module before conftest starts the jobs); the fixture calls `result(name)`. A job that no selected test

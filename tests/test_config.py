@@ -120,6 +120,9 @@ def test_every_shipped_recipe_loads():
         if name == "tiny_cpu_dpo":  # shipped preference pairs, TRL's conversational shape
             assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_preferences.jsonl", "chat",
                                                                              "dpo")
+        elif name.endswith("_dpo"):  # UltraFeedback-binarized's preference split, by hub id
+            assert [(s.path, s.format, s.split) for s in cfg.data.sources] == [
+                ("HuggingFaceH4/ultrafeedback_binarized", "chat", "train_prefs")] and cfg.train.objective == "dpo"
         elif name != "tiny_cpu":  # what Answer.AI trained on, by hub id (fetched at launch, never by a test or plan)
             assert (cfg.data.path, cfg.data.format, cfg.data.sources) == ("yahma/alpaca-cleaned", "alpaca", []), name
 

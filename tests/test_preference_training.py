@@ -8,8 +8,11 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from qlora_fsdp.commands.generate import main as generate_main
+from qlora_fsdp.commands.merge import main as merge_main
 from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.model.build import load_tokenizer
@@ -17,7 +20,16 @@ from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.model.pair_loss import PairLoss
 from qlora_fsdp.training.loop import accumulate_pairs
 from qlora_fsdp.training.pair_steps import pair_rows
-from tests.helpers import REPO, full_grads, relative_difference, run_cli, run_ranks_sequence, tiny_config
+from tests.helpers import (
+    REPO,
+    command_here,
+    full_grads,
+    relative_difference,
+    run_cli,
+    run_ranks_sequence,
+    tiny_config,
+    train_here,
+)
 
 pytestmark = pytest.mark.slow  # gloo ranks
 
@@ -143,3 +155,39 @@ def test_tiny_cpu_dpo_learns_its_rule_on_two_ranks(tiny_model_dir, tmp_path):
     assert summary["eval_loss_start"] == pytest.approx(math.log(2), abs=1e-5) and summary["eval_loss_end"] < 0.5
     assert "eval_ppl_end" not in summary
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_dpo_from_an_sft_adapter_compares_against_it_and_its_adapter_merges_and_samples(tiny_model_dir, tmp_path):
+    """SFT for a few steps, then DPO from that adapter (model.adapter): at step 0 the policy is the reference (base
+    plus the SFT adapter), so the loss is log 2, not what the bare base would give. The DPO adapter then merges and
+    samples like any other. adapter_off with a starting adapter is refused in one line."""
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    sft = run_cli(["--recipe", "tiny_cpu", f"model.path={tiny_model_dir}", "train.max_steps=6", "optim.lr=1e-2",
+                   f"train.output_dir={tmp_path / 'sft'}", cache], 2, tmp_path)
+    assert sft[0].returncode == 0, sft[0].stderr[-2000:]
+    base_args = ["--recipe", "tiny_cpu_dpo", f"model.path={tiny_model_dir}", "data.eval_samples=16", cache]
+    dpo_args = [*base_args, f"model.adapter={tmp_path / 'sft' / 'adapter'}", "train.max_steps=2",
+                f"train.output_dir={tmp_path / 'dpo'}"]
+    dpo = run_cli(dpo_args, 2, tmp_path)
+    assert dpo[0].returncode == 0, dpo[0].stderr[-2000:]
+    summary = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["eval_loss_start"] == pytest.approx(math.log(2), abs=1e-6)
+    assert summary["eval_reward_accuracy_start"] == 0.5
+    assert (tmp_path / "dpo" / "reference_logps.safetensors").is_file()
+    # the reference is the SFT adapter's, not the bare base's: the base's own reference differs
+    bare = run_cli([*base_args, "train.max_steps=1", "preference.reference=precomputed",
+                    f"train.output_dir={tmp_path / 'bare'}"], 2, tmp_path)
+    assert bare[0].returncode == 0, bare[0].stderr[-2000:]
+    with_adapter, base_only = (load_file(tmp_path / run / "reference_logps.safetensors")["train"]
+                               for run in ("dpo", "bare"))
+    assert (with_adapter - base_only).abs().max() > 1e-2
+    refused = train_here([*dpo_args, "preference.reference=adapter_off", "--print-config"])
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        "error: 'preference.reference: adapter_off' would compare against the base without model.adapter's weights")
+
+    adapter = tmp_path / "dpo" / "adapter"
+    merged = command_here(merge_main, ["--adapter", adapter, "--out", tmp_path / "merged"])
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    sampled = command_here(generate_main, ["--adapter", adapter, "--prompt", "What is the capital of Peru?",
+                                           "--max-new-tokens", "8"])
+    assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr[-2000:]

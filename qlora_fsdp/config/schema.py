@@ -28,6 +28,9 @@ class ModelConfig:
     # mask (exact, slower); flex_attention trains on CUDA only. See qlora_fsdp/model/attention.py
     attn_implementation: AttnImplementation = "auto"
     allow_pickle: bool = False  # .bin/.pt weights can run code when unpickled; refused unless this is true
+    # a PEFT adapter folder to start from (an SFT run's `adapter/`), trained further with the recipe's LoRA
+    # settings; under DPO the reference is then the base plus this adapter, frozen (computed before training)
+    adapter: str | None = None
 
 
 @dataclass

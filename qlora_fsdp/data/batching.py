@@ -39,9 +39,11 @@ class Batch:
     # flat indices of the target tokens, the only positions the output layer and the loss need; found when the
     # batch is made (on the host, with real values: the planner runs the step on fake tensors)
     target_positions: torch.Tensor = field(init=False, repr=False)
+    target_sample_ids: torch.Tensor = field(init=False, repr=False)  # target_samples(), found here likewise
 
     def __post_init__(self) -> None:
         self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()
+        self.target_sample_ids = self.sample_of_each_target()
 
     def model_inputs(self, device: torch.device, one_row: bool = False) -> dict[str, torch.Tensor | bool]:
         """`one_row`: packed rows go in as one long row (for kernels that find sample bounds in a single row's
@@ -60,6 +62,9 @@ class Batch:
     def target_samples(self) -> torch.Tensor:
         """For each target position (target_positions' order), the index of its sample in the batch, counted row
         by row: a padded batch's row, or a packed row's samples in order (a padding tail holds no targets)."""
+        return self.target_sample_ids
+
+    def sample_of_each_target(self) -> torch.Tensor:
         rows, width = self.input_ids.shape
         if self.segments is None or self.row_samples is None:
             return self.target_positions // width

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import peft
 import torch
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import DistInfo
+from qlora_fsdp.model.adapter import load_adapter_into
 from qlora_fsdp.model.build import decoder_layers, load_hf_config
 from qlora_fsdp.model.loading import load_weights, materialize
 from qlora_fsdp.model.sharding import sharded_meta_model
@@ -20,6 +23,8 @@ def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftMod
     offload = shard and cfg.fsdp.cpu_offload  # offload always comes with FSDP (sharding.uses_fsdp)
     materialize(model, info.device, torch.device("cpu") if offload else info.device)
     load_weights(model, cfg, info.device)
+    if cfg.model.adapter:  # training goes on from a saved adapter (an SFT run's, for preference tuning)
+        load_adapter_into(model, Path(cfg.model.adapter))
     if cfg.train.compile:
         compile_decoder_layers(model)
     return model

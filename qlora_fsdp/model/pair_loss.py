@@ -83,7 +83,12 @@ class PairLoss:
         return -self.forward.per_sample(model, batch, device)
 
     @torch.no_grad()
-    def reference_logps(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
+    def reference_logps(self, model: nn.Module, batch: LossBatch, device: torch.device,
+                        adapter_is_reference: bool = False) -> torch.Tensor:
+        """The base's log-probabilities (the adapter off); `adapter_is_reference`: the model's as it is (before
+        the first step of a run that starts from a saved adapter, that adapter is the reference)."""
+        if adapter_is_reference:
+            return self.sequence_logps(model, batch, device)
         with adapter_off(model):
             return self.sequence_logps(model, batch, device)
 

@@ -57,7 +57,9 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
     """Meta build -> checkpointing -> fully_shard (where FSDP is used): the model as this rank will hold it,
     before a byte is allocated. Training then allocates and loads it; the planner only measures it."""
     device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    attention = resolve_attention(cfg.model.attn_implementation, cfg.data.packing, device_type)
+    # a preference pair's two sequences share a row: several samples a row, as packing puts them
+    several_a_row = cfg.data.packing or cfg.train.objective != "sft"
+    attention = resolve_attention(cfg.model.attn_implementation, several_a_row, device_type)
     model = build_meta_model(cfg, hf_config, attention)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if shard and uses_fsdp(cfg.fsdp, mesh.size()):

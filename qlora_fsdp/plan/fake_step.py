@@ -86,11 +86,12 @@ def give_quant_states(model: nn.Module, cfg: Config) -> None:
 
 def synthetic_batches(cfg: Config) -> list[Batch]:
     """The step's micro-batches at full length, laid out as training lays them out (real tensors: transformers
-    looks at their values to choose its attention mask). Packed rows hold two samples and padded micro-batches
-    have a shorter last row, so the mask is built whenever real batches can need one."""
+    looks at their values to choose its attention mask). Packed rows hold two samples (as a preference pair's row
+    holds its two sequences) and padded micro-batches have a shorter last row, so the mask is built whenever real
+    batches can need one."""
     rows, length = cfg.data.micro_batch, cfg.data.context_length
     sample = Sample(input_ids=[0] * length, labels=[0] * length)
-    if cfg.data.packing:
+    if cfg.data.packing or cfg.train.objective != "sft":  # a preference pair's two sequences share a row
         half = length // 2
         pair = [Sample(sample.input_ids[:half], sample.labels[:half]), Sample(sample.input_ids[half:],
                                                                                sample.labels[half:])]
@@ -109,6 +110,12 @@ def planning_forward_loss(cfg: Config) -> ForwardLoss:
     return dataclasses.replace(forward_loss, offloader=ActivationOffloader(DEVICE, host_device=HOST_STAND_IN))
 
 
+def plans_reference_forward(cfg: Config) -> bool:
+    """DPO whose reference may be a forward each micro-batch: adapter_off, and auto (which chooses by the data's
+    size, unknown to a plan: the plan takes the larger)."""
+    return cfg.train.objective == "dpo" and cfg.preference.reference != "precomputed" and not cfg.model.adapter
+
+
 def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh) -> StepMemory:
     """The step of `cfg` on fake tensors, whole model.
 
@@ -125,7 +132,8 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
             batches = synthetic_batches(cfg)
         optimizer.materialize_state()  # as from the 2nd step on: the state exists before the step starts
         return run_step(model, optimizer, batches, DEVICE, planning_forward_loss(cfg),
-                        offload_to_host=cfg.fsdp.cpu_offload, host_device=HOST_STAND_IN)
+                        offload_to_host=cfg.fsdp.cpu_offload, host_device=HOST_STAND_IN,
+                        with_reference=plans_reference_forward(cfg))
 
 
 # ---- a long model, measured shorter ---------------------------------------------------------------------------
@@ -248,7 +256,8 @@ def step_setting(cfg: Config, hf_config: PretrainedConfig) -> str:
     data = cfg.data
     return repr((hf_config.to_json_string(use_diff=False), cfg.model, cfg.quant, cfg.lora, cfg.fsdp,
                  cfg.activation_checkpointing, cfg.loss, cfg.optim.name, data.micro_batch, data.context_length,
-                 data.packing, min(data.grad_accum_steps, MICRO_BATCHES), cfg.hardware.world_size))
+                 data.packing, min(data.grad_accum_steps, MICRO_BATCHES), cfg.hardware.world_size,
+                 plans_reference_forward(cfg)))
 
 
 _MEASURED: dict[str, StepMemory] = {}

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.model.build import decoder_layers
 from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.model.pair_loss import adapter_off
 from qlora_fsdp.training.loop import backward_micro_batch, set_gradient_sync
 from qlora_fsdp.training.optimizer import ShardedOptimizer
 
@@ -264,16 +265,23 @@ def track_existing(tracker: FSDPStepTracker | StepTracker, tensors: Iterable[tor
         tracker._update_and_maybe_create_winfos(tensor, category)
 
 
+def reference_forward(model: nn.Module, batch: Batch, device: torch.device, forward_loss: ForwardLoss) -> None:
+    """DPO's reference pass as training runs it (preference.reference adapter_off): no-grad, the adapter off."""
+    with torch.no_grad(), adapter_off(model):
+        forward_loss.per_sample(model, batch, device)
+
+
 def run_step(model: nn.Module, optimizer: ShardedOptimizer, micro_batches: list[Batch], device: torch.device,
              forward_loss: ForwardLoss, offload_to_host: bool, host_bytes: Callable[[], int] = lambda: 0,
-             host_device: torch.device | None = None) -> StepMemory:
+             host_device: torch.device | None = None, with_reference: bool = False) -> StepMemory:
     """Training's step (accumulate_gradients' loop, then the update) under the tracker.
 
     Not run: the gradient clip (per-parameter norms, scalars) and the loss bookkeeping (`.item()`, all-reduces of
     counts): they read values, which fake tensors do not have. `offload_to_host`: FSDP2's shards, gradients and
     optimizer state are host memory (fsdp.cpu_offload); `host_bytes` says how many bytes of what the tracker sees
     on `device` are really host copies now (activation offload on a CPU mesh); `host_device` is where the planner
-    sends activation offload's copies instead."""
+    sends activation offload's copies instead. `with_reference`: each micro-batch first runs DPO's reference
+    forward."""
     tracker = make_tracker(model, optimizer, device, HOST_UNDER_OFFLOAD if offload_to_host else (), host_bytes,
                            host_device)
     track_existing(tracker, quant_state_tensors(model) + [t for b in micro_batches for t in batch_tensors(b)])
@@ -282,6 +290,9 @@ def run_step(model: nn.Module, optimizer: ShardedOptimizer, micro_batches: list[
             tracker.reset_mod_stats()  # the tracker refuses a second forward of the root without this
             tracker.new_micro_batch(index)
             set_gradient_sync(model, index == len(micro_batches) - 1)
+            if with_reference:
+                reference_forward(model, batch, device, forward_loss)
+                tracker.reset_mod_stats()
             backward_micro_batch(model, batch, device, float(max(batch.n_targets, 1)), forward_loss)
         tracker.new_micro_batch(len(micro_batches))
         optimizer.step()

@@ -271,14 +271,16 @@ class Trainer:
         setting = self.cfg.preference.reference
         if self.pair_loss is None or not self.pair_loss.needs_reference or setting == "adapter_off":
             return False
+        if setting == "precomputed" or self.cfg.model.adapter:  # the saved adapter: the reference is the start's
+            return True
         pairs_per_step = self.sampler.units_per_step * len(self.data.train) / self.data.n_units
-        return setting == "precomputed" or self.cfg.train.max_steps * pairs_per_step >= len(self.data.train)
+        return self.cfg.train.max_steps * pairs_per_step >= len(self.data.train)
 
     def prepare_reference(self) -> None:
         if self.precomputes_reference() and self.references is None and self.pair_loss is not None:
             self.logger.write("reference log-probabilities: computed once before training (preference.reference)")
             self.references = reference_logps(self.cfg, self.model, self.data, self.pair_loss, self.pad_id,
-                                              self.info, Path(self.cfg.train.output_dir))
+                                              self.info, Path(self.cfg.train.output_dir), self.step)
 
     def pair_batch(self, pair_ids: list[int], rows: list[list[Sample]], length: int | None = None) -> Batch:
         batch = collate_packed(rows, self.pad_id, length)

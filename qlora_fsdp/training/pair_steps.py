@@ -69,6 +69,18 @@ def idle_forwards(model: nn.Module, pair_loss: PairLoss, pad_id: int, device: to
     model(input_ids=tiny)
 
 
+def held_out_batches(sequences: list[Sample], batch_size: int, info: DistInfo) -> tuple[list[list[int]], int]:
+    """This rank's held-out pairs, batch by batch (pair indices, alike lengths together), and how many batches the
+    rank with the most runs. The reference pass over the held-out pairs batches them the same way, so that at the
+    start its log-probabilities are the policy's to the bit (rewards tie exactly)."""
+    pairs = pair_rows(sequences)
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0].input_ids) + len(pairs[i][1].input_ids))
+    mine = order[info.rank :: info.world_size]
+    n_batches = math.ceil(math.ceil(len(pairs) / info.world_size) / batch_size)
+    return [mine[i * batch_size : (i + 1) * batch_size] for i in range(n_batches)
+            if mine[i * batch_size : (i + 1) * batch_size]], n_batches
+
+
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")  # held-out batches vary in shape
 def evaluate_pairs(model: nn.Module, sequences: list[Sample], batch_size: int, pad_id: int, info: DistInfo,
@@ -76,17 +88,13 @@ def evaluate_pairs(model: nn.Module, sequences: list[Sample], batch_size: int, p
     """Held-out loss (the mean over pairs, as in training) and reward metrics, over all ranks. `references`: the
     pairs' reference log-probabilities (pairs, 2) where they were computed before training."""
     pairs = pair_rows(sequences)
-    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0].input_ids) + len(pairs[i][1].input_ids))
-    mine = order[info.rank :: info.world_size]
-    n_batches = math.ceil(math.ceil(len(pairs) / info.world_size) / batch_size)
+    chunks, n_batches = held_out_batches(sequences, batch_size, info)
     batches = []
-    for i in range(n_batches):
-        ids = mine[i * batch_size : (i + 1) * batch_size]
-        if ids:
-            batch = collate_packed([pairs[p] for p in ids], pad_id)
-            if references is not None:
-                batch.reference_logps = references[ids].flatten()
-            batches.append(batch)
+    for ids in chunks:
+        batch = collate_packed([pairs[p] for p in ids], pad_id)
+        if references is not None:
+            batch.reference_logps = references[ids].flatten()
+        batches.append(batch)
     totals, _ = step_totals(batches, info.device, [])
     was_training = model.training
     model.eval()

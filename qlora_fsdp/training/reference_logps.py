@@ -3,7 +3,9 @@
 The other way to get them (preference.reference: adapter_off) runs the base with the adapter turned off on every
 micro-batch: one more forward a step. Computed ahead, that forward is paid once per pair instead of once per visit:
 cheaper from the first full epoch on, dearer for a run that sees part of the data. A resumed run reads the file;
-one computed for other data or another base model is refused in one line.
+one computed for other data or another base model is refused in one line. A run that starts from a saved adapter
+(model.adapter) compares against that adapter: its reference is the model as it stands before the first step, so
+it can only be computed then.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.model.pair_loss import PairLoss
 from qlora_fsdp.model.weight_files import weight_files
-from qlora_fsdp.training.pair_steps import idle_forwards
+from qlora_fsdp.training.pair_steps import held_out_batches, idle_forwards
 
 REFERENCE_FILE = "reference_logps.safetensors"
 
@@ -38,37 +40,48 @@ def fingerprint(cfg: Config, data: Dataset) -> str:
     model_dir = Path(cfg.model.path)
     weights = [(f.name, f.stat().st_size) for f in weight_files(model_dir)] if model_dir.is_dir() else []
     config_text = (model_dir / "config.json").read_text() if (model_dir / "config.json").is_file() else ""
-    parts = [data.train._fingerprint, data.eval._fingerprint, cfg.model.path, config_text, weights,
+    adapter = Path(cfg.model.adapter) if cfg.model.adapter else None
+    adapter_parts = [str(adapter), (adapter / "adapter_config.json").read_text(),
+                     (adapter / "adapter_model.safetensors").stat().st_size] if adapter else []
+    parts = [data.train._fingerprint, data.eval._fingerprint, cfg.model.path, config_text, weights, adapter_parts,
              repr(cfg.quant), cfg.model.dtype, cfg.quant.compute_dtype]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
-def reference_rows(split: datasets.Dataset, cfg: Config) -> list[list[int]]:
-    """The pairs of each row the reference pass runs: packed as training packs them, or a pair a row."""
-    if cfg.data.packing:
-        return pack(split["length"], cfg.data.context_length)
-    return [[index] for index in range(len(split))]
+def train_batches(split: datasets.Dataset, cfg: Config, info: DistInfo) -> tuple[list[list[list[int]]], int]:
+    """This rank's forwards over the training pairs (each a list of rows, each row its pairs: packed as training
+    packs them, or a pair a row; micro_batch rows a forward), and how many forwards the busiest rank runs."""
+    rows = pack(split["length"], cfg.data.context_length) if cfg.data.packing else [[i] for i in range(len(split))]
+    mine, per_forward = rows[info.rank :: info.world_size], max(1, cfg.data.micro_batch)
+    n_forwards = math.ceil(math.ceil(len(rows) / info.world_size) / per_forward)
+    return [mine[i : i + per_forward] for i in range(0, len(mine), per_forward)], n_forwards
+
+
+def eval_batches(data: Dataset, cfg: Config, info: DistInfo) -> tuple[list[list[list[int]]], int]:
+    """The held-out pairs as evaluation batches them (a pair a row), so the start's rewards tie to the bit."""
+    chunks, n_batches = held_out_batches(data.samples(data.eval, list(range(len(data.eval)))),
+                                         cfg.data.eval_batch_size, info)
+    return [[[pair] for pair in chunk] for chunk in chunks], n_batches
 
 
 @torch.no_grad()
 def split_reference(model: nn.Module, data: Dataset, split: datasets.Dataset, cfg: Config, pair_loss: PairLoss,
                     pad_id: int, info: DistInfo) -> torch.Tensor:
-    """(pairs, 2): each pair's chosen and rejected log-probability under the reference, in rows of pairs as
-    training's (micro_batch rows a forward); ranks share the rows."""
+    """(pairs, 2): each pair's chosen and rejected log-probability under the reference, in the batches training
+    (or evaluation, for the held-out pairs) runs; ranks share them."""
     table = torch.zeros(len(split), 2, dtype=torch.float32, device=info.device)
-    rows = reference_rows(split, cfg)
-    mine, per_forward = rows[info.rank :: info.world_size], max(1, cfg.data.micro_batch)
-    n_forwards = math.ceil(math.ceil(len(rows) / info.world_size) / per_forward)
+    forwards, n_forwards = eval_batches(data, cfg, info) if split is data.eval else train_batches(split, cfg, info)
     was_training = model.training
     model.eval()
     for index in range(n_forwards):
-        chunk = mine[index * per_forward : (index + 1) * per_forward]
-        if not chunk:  # keep the collectives in step with ranks that still have rows
+        if index >= len(forwards):  # keep the collectives in step with ranks that still have pairs
             idle_forwards(model, pair_loss, pad_id, info.device)
             continue
-        batch = collate_packed([data.samples(split, row) for row in chunk], pad_id)
-        ids = [pair for row in chunk for pair in row]
-        table[ids] = pair_loss.reference_logps(model, batch, info.device).view(-1, 2).float()
+        rows = forwards[index]
+        batch = collate_packed([data.samples(split, row) for row in rows], pad_id)
+        ids = [pair for row in rows for pair in row]
+        logps = pair_loss.reference_logps(model, batch, info.device, adapter_is_reference=bool(cfg.model.adapter))
+        table[ids] = logps.view(-1, 2).float()
     model.train(was_training)
     if dist.is_initialized() and info.world_size > 1:
         dist.all_reduce(table)  # each pair's row was filled by one rank, zeros elsewhere
@@ -76,9 +89,9 @@ def split_reference(model: nn.Module, data: Dataset, split: datasets.Dataset, cf
 
 
 def reference_logps(cfg: Config, model: nn.Module, data: Dataset, pair_loss: PairLoss, pad_id: int, info: DistInfo,
-                    out_dir: Path) -> dict[str, torch.Tensor]:
+                    out_dir: Path, step: int) -> dict[str, torch.Tensor]:
     """{"train": (pairs, 2), "eval": (pairs, 2)}: read from the run folder when it holds them for this data and base
-    model, else computed (every rank) and written by rank 0."""
+    model, else computed (every rank) and written by rank 0. `step`: where the run starts (a resumed run's)."""
     path, expected = out_dir / REFERENCE_FILE, fingerprint(cfg, data)
     if path.is_file():
         with safe_open(path, "pt") as handle:
@@ -87,6 +100,9 @@ def reference_logps(cfg: Config, model: nn.Module, data: Dataset, pair_loss: Pai
             raise DataError(f"{path} holds reference log-probabilities of other data or another base model; "
                             "delete it to compute them again (or resume with the data and model it was made with)")
         return load_file(path)
+    if cfg.model.adapter and step > 0:
+        raise DataError(f"{path} is missing: a run that starts from model.adapter compares against that adapter as "
+                        "it was before the first step, which a resumed run no longer has; start the run again")
     tables = {name: split_reference(model, data, split, cfg, pair_loss, pad_id, info)
               for name, split in (("train", data.train), ("eval", data.eval))}
     if info.is_main:
