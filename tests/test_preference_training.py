@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from tests.helpers import (
     tiny_config,
     train_here,
 )
+from tests.test_resume import finish, kill_tree, start, torchrun, wait_for_step
 
 pytestmark = pytest.mark.slow  # gloo ranks
 
@@ -193,27 +195,38 @@ def test_dpo_from_an_sft_adapter_compares_against_it_and_its_adapter_merges_and_
     assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr[-2000:]
 
 
-def test_a_stopped_and_resumed_dpo_run_equals_the_uninterrupted_one(tiny_model_dir, tmp_path):
-    """2 ranks: 4 steps at once, against 2 steps, then --resume to 4 (max_steps raised, as after a stop). The
-    resumed steps' losses and rewards are the uninterrupted run's, bit for bit (the sampler, optimizer state and
-    the DPO reference all come back)."""
-    common = ["--recipe", "tiny_cpu_dpo", f"model.path={tiny_model_dir}", "data.eval_samples=16", "train.save_every=2",
-              f"data.cache_dir={tmp_path / 'cache'}", "preference.reference=adapter_off"]
+def test_a_dpo_run_killed_hard_and_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_path):
+    """torchrun, 2 ranks, the reference precomputed: killed with SIGKILL (torchrun and both ranks) at a random step
+    after its first checkpoint, then resumed. The resumed run reads the stored reference (not recomputed), and its
+    losses, rewards and final adapter are the uninterrupted run's, bit for bit."""
+    subset = tmp_path / "pairs.jsonl"  # a small file keeps the reference pass short
+    subset.write_text("".join(list(open(PREFERENCES))[:300]))
+    common = ["--recipe", "tiny_cpu_dpo", f"model.path={tiny_model_dir}", f"data.path={subset}",
+              "data.eval_samples=16", "train.max_steps=6", "train.save_every=2", "train.eval_every=3",
+              f"data.cache_dir={tmp_path / 'cache'}", "preference.reference=precomputed"]
     whole, part = tmp_path / "whole", tmp_path / "part"
-    assert run_cli([*common, "train.max_steps=4", f"train.output_dir={whole}"], 2, tmp_path)[0].returncode == 0
-    assert run_cli([*common, "train.max_steps=2", f"train.output_dir={part}"], 2, tmp_path)[0].returncode == 0
-    resumed = run_cli([*common, "train.max_steps=4", f"train.output_dir={part}", "--resume"], 2, tmp_path)
+    assert run_cli([*common, f"train.output_dir={whole}"], 2, tmp_path)[0].returncode == 0
+
+    kill_at = random.Random().randint(3, 4)  # after step 2's checkpoint, before the run ends
+    proc = start(torchrun("train.py", *common, f"train.output_dir={part}"))
+    wait_for_step(part, kill_at, proc)
+    kill_tree(proc)  # no warning to anyone
+    finish(proc)
+    assert not (part / "adapter").exists(), f"killed at step {kill_at} but the run had finished"
+    stored = part / "reference_logps.safetensors"
+    written = stored.stat().st_mtime_ns
+    resumed = run_cli([*common, f"train.output_dir={part}", "--resume"], 2, tmp_path)
     assert resumed[0].returncode == 0, resumed[0].stderr[-2000:]
+    assert "resumed from" in resumed[0].stdout, f"killed at step {kill_at}"
+    assert stored.stat().st_mtime_ns == written  # read back, not computed again
 
     def steps(run_dir):
         return {r["step"]: r for r in losses_of(run_dir) if "loss" in r}
 
     uninterrupted, continued = steps(whole), steps(part)
-    assert sorted(continued) == [1, 2, 3, 4]
-    records = [json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines()]
-    resume = next(i for i, r in enumerate(records) if r.get("event") == "resume")
-    assert records[resume]["step"] == 2  # it went on from the checkpoint: only steps 3 and 4 ran after it
-    assert [r["step"] for r in records[resume:] if "loss" in r] == [3, 4]
-    for step in (3, 4):
+    assert sorted(continued) == sorted(uninterrupted) == [1, 2, 3, 4, 5, 6]
+    for step_, record in uninterrupted.items():
         for key in ("loss", "reward_accuracy", "reward_margin", "rewards_chosen", "grad_norm"):
-            assert continued[step][key] == uninterrupted[step][key], (step, key)
+            assert continued[step_][key] == record[key], (step_, key, kill_at)
+    ours, theirs = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (part, whole))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

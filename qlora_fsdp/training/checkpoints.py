@@ -61,10 +61,13 @@ def step_in_name(folder: Path) -> int:
 
 
 def remove_incomplete(run_dir: Path) -> None:
-    """Temporary folders left by a kill during a write."""
+    """Temporary folders (and the run folder's temporary files) left by a kill during a write."""
     root = run_dir / CHECKPOINTS_DIR
     for stale in root.glob(f"{TMP_PREFIX}*") if root.is_dir() else []:
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in run_dir.glob(f"{TMP_PREFIX}*"):
+        if stale.is_file():
+            stale.unlink(missing_ok=True)
 
 
 def lora_entries(model: nn.Module) -> dict[str, torch.Tensor]:

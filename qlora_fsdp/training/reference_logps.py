@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import datasets
@@ -29,6 +30,7 @@ from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.model.pair_loss import PairLoss
 from qlora_fsdp.model.weight_files import weight_files
+from qlora_fsdp.training.checkpoints import TMP_PREFIX, sync_dir
 from qlora_fsdp.training.pair_steps import held_out_batches, idle_forwards
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -106,6 +108,16 @@ def reference_logps(cfg: Config, model: nn.Module, data: Dataset, pair_loss: Pai
     tables = {name: split_reference(model, data, split, cfg, pair_loss, pad_id, info)
               for name, split in (("train", data.train), ("eval", data.eval))}
     if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(tables, path, metadata={"fingerprint": expected})
+        write_whole(tables, path, expected)
     return tables
+
+
+def write_whole(tables: dict[str, torch.Tensor], path: Path, fingerprint_: str) -> None:
+    """Written beside and renamed, so a kill mid-write leaves no truncated file for the resume to trip on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{TMP_PREFIX}{path.name}")
+    save_file(tables, partial, metadata={"fingerprint": fingerprint_})
+    with partial.open("rb") as written:
+        os.fsync(written.fileno())
+    os.replace(partial, path)
+    sync_dir(path.parent)
