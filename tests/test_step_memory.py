@@ -60,8 +60,9 @@ def planned_and_measured(info, configs):
 @pytest.mark.slow
 def test_planned_peak_is_the_real_steps(tmp_path):
     """Two scales (benchmarks/planner_memory.py runs larger ones: 36 settings up to 8 layers at 4,096 tokens), the
-    loss, checkpointing and both offloads varied, in bf16 as on a GPU: the planned peak of live tensor bytes is
-    within 10% of the real step's (it comes out equal to a few KB: the same code runs, only the values differ).
+    loss, checkpointing, both offloads and DPO's step varied, in bf16 as on a GPU: the planned peak of live tensor
+    bytes is within 10% of the real step's (it comes out equal to a few KB: the same code runs, only the values
+    differ).
     Rows of 256 and 512 tokens: bf16 has no hardware on our CPUs, and the real step is most of the test's time."""
     small = architecture(tmp_path / "small", layers=4, hidden=256, heads=4, kv_heads=2, vocab=8192)
     medium = architecture(tmp_path / "medium", layers=6, hidden=384, heads=6, kv_heads=2, vocab=16384)
@@ -75,6 +76,8 @@ def test_planned_peak_is_the_real_steps(tmp_path):
         "small, 2 padded rows, FSDP2 CPU offload, attention checkpointed": step_config(
             small, 256, 1, "data.packing=false", "data.micro_batch_size=2", "fsdp_preset=full_shard_cpu_offload",
             "activation_checkpointing.scope=attention"),
+        "small, DPO: the reference forward (adapter off, no grad) then the policy's, pair losses": step_config(
+            small, 256, 2, "train.objective=dpo", "preference.reference=adapter_off", "loss.chunk_tokens=64"),
     }
     results = run_ranks(planned_and_measured, 2, list(cases.values()), tmp_dir=tmp_path, fake=True)[0]
     for name, (planned, measured) in zip(cases, results, strict=True):

@@ -40,10 +40,12 @@ class Batch:
     # batch is made (on the host, with real values: the planner runs the step on fake tensors)
     target_positions: torch.Tensor = field(init=False, repr=False)
     target_sample_ids: torch.Tensor = field(init=False, repr=False)  # target_samples(), found here likewise
+    sample_targets: torch.Tensor = field(init=False, repr=False)  # targets_per_sample(), likewise
 
     def __post_init__(self) -> None:
         self.target_positions = torch.nonzero(self.labels.flatten() != IGNORE_INDEX).flatten()
         self.target_sample_ids = self.sample_of_each_target()
+        self.sample_targets = torch.bincount(self.target_sample_ids, minlength=self.n_samples)
 
     def model_inputs(self, device: torch.device, one_row: bool = False) -> dict[str, torch.Tensor | bool]:
         """`one_row`: packed rows go in as one long row (for kernels that find sample bounds in a single row's
@@ -63,6 +65,10 @@ class Batch:
         """For each target position (target_positions' order), the index of its sample in the batch, counted row
         by row: a padded batch's row, or a packed row's samples in order (a padding tail holds no targets)."""
         return self.target_sample_ids
+
+    def targets_per_sample(self) -> torch.Tensor:
+        """How many target tokens each sample of the batch has, in target_samples()' numbering."""
+        return self.sample_targets
 
     def sample_of_each_target(self) -> torch.Tensor:
         rows, width = self.input_ids.shape

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -40,12 +39,11 @@ class PairCounts:
 
 def pair_counts(batch: LossBatch) -> tuple[int, int]:
     """(pairs, target tokens of the chosen completions) of a batch of pair sequences."""
-    per_sequence = torch.bincount(batch.target_samples(), minlength=batch.n_samples)
-    return batch.n_samples // 2, int(per_sequence[0::2].sum())
+    return batch.n_samples // 2, int(batch.targets_per_sample()[0::2].sum())
 
 
 def as_pairs(sequence_logps: torch.Tensor, batch: LossBatch) -> PairLogps:
-    tokens = torch.bincount(batch.target_samples(), minlength=batch.n_samples).to(sequence_logps)
+    tokens = batch.targets_per_sample().to(sequence_logps)
     return PairLogps(sequence_logps[0::2], sequence_logps[1::2], tokens[0::2], tokens[1::2])
 
 
@@ -102,11 +100,11 @@ class PairLoss:
         assert self.objective == "orpo", self.objective
         return orpo_odds_ratio_losses(policy, self.settings.odds_ratio_weight)
 
-    def __call__(self, model: nn.Module, batch: LossBatch,
-                 device: torch.device, totals: PairCounts) -> tuple[torch.Tensor, dict[str, float]]:
-        """The micro-batch's share of the step's loss, and its sums for the step's metrics. The reference
-        log-probabilities: the batch's own where they were computed before training, else (DPO) a forward with the
-        adapter off."""
+    def loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
+                      totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch's share of the step's loss, and its sums for the step's metrics (tensors: the planner
+        runs this on fake ones). The reference log-probabilities: the batch's own where they were computed before
+        training, else (DPO) a forward with the adapter off."""
         reference = getattr(batch, "reference_logps", None) if self.needs_reference else None
         if self.needs_reference and reference is None:
             reference = self.reference_logps(model, batch, device)
@@ -114,10 +112,15 @@ class PairLoss:
         reference_pairs = as_pairs(reference.to(device), batch) if reference is not None else None
         losses, rewards = self.pair_losses(policy, reference_pairs)
         loss = losses.sum() / max(totals.pairs, 1.0)
-        sums: dict[str, Any] = {"rewards_chosen": rewards.chosen.sum(), "rewards_rejected": rewards.rejected.sum(),
-                                "reward_margin": rewards.margin.sum(), "reward_accuracy": rewards.correct.sum()}
+        sums = {"rewards_chosen": rewards.chosen.sum(), "rewards_rejected": rewards.rejected.sum(),
+                "reward_margin": rewards.margin.sum(), "reward_accuracy": rewards.correct.sum()}
         if self.objective == "orpo":  # the SFT term on the chosen completions, per target token
             nll = -policy.chosen.sum()
             loss = loss + nll / max(totals.chosen_targets, 1.0)
             sums["chosen_nll"] = nll.detach()
+        return loss, sums
+
+    def __call__(self, model: nn.Module, batch: LossBatch,
+                 device: torch.device, totals: PairCounts) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, sums = self.loss_and_sums(model, batch, device, totals)
         return loss, {key: float(value) for key, value in sums.items()}

@@ -38,6 +38,7 @@ from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.model.activation_offload import ActivationOffloader
 from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.model.loading import materialize
+from qlora_fsdp.model.pair_loss import PairLoss
 from qlora_fsdp.model.sharding import sharded_meta_model
 from qlora_fsdp.plan.step_tracker import Moment, Segment, StepMemory, run_step
 from qlora_fsdp.training.optimizer import build_optimizer
@@ -96,6 +97,8 @@ def synthetic_batches(cfg: Config) -> list[Batch]:
         pair = [Sample(sample.input_ids[:half], sample.labels[:half]), Sample(sample.input_ids[half:],
                                                                                sample.labels[half:])]
         batch = collate_packed([pair] * rows, pad_id=0)
+        if cfg.train.objective == "dpo" and not plans_reference_forward(cfg):  # computed before training
+            batch.reference_logps = torch.zeros(batch.n_samples)
     else:
         shorter = Sample(sample.input_ids[:-1], sample.labels[:-1])
         batch = collate([sample] * (rows - 1) + [shorter if rows > 1 else sample], pad_id=0)
@@ -108,6 +111,13 @@ def planning_forward_loss(cfg: Config) -> ForwardLoss:
     if forward_loss.offloader is None:
         return forward_loss
     return dataclasses.replace(forward_loss, offloader=ActivationOffloader(DEVICE, host_device=HOST_STAND_IN))
+
+
+def step_loss(cfg: Config, forward_loss: ForwardLoss) -> ForwardLoss | PairLoss:
+    """What training's step computes its loss with: the forward's, or the preference objective's over pairs."""
+    if cfg.train.objective == "sft":
+        return forward_loss
+    return PairLoss(cfg.train.objective, cfg.preference, forward_loss)
 
 
 def plans_reference_forward(cfg: Config) -> bool:
@@ -131,9 +141,8 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
             optimizer = build_optimizer(model, cfg.optim)
             batches = synthetic_batches(cfg)
         optimizer.materialize_state()  # as from the 2nd step on: the state exists before the step starts
-        return run_step(model, optimizer, batches, DEVICE, planning_forward_loss(cfg),
-                        offload_to_host=cfg.fsdp.cpu_offload, host_device=HOST_STAND_IN,
-                        with_reference=plans_reference_forward(cfg))
+        return run_step(model, optimizer, batches, DEVICE, step_loss(cfg, planning_forward_loss(cfg)),
+                        offload_to_host=cfg.fsdp.cpu_offload, host_device=HOST_STAND_IN)
 
 
 # ---- a long model, measured shorter ---------------------------------------------------------------------------

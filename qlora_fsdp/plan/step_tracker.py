@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.model.build import decoder_layers
 from qlora_fsdp.model.forward_loss import ForwardLoss
-from qlora_fsdp.model.pair_loss import adapter_off
+from qlora_fsdp.model.pair_loss import PairCounts, PairLoss
 from qlora_fsdp.training.loop import backward_micro_batch, set_gradient_sync
 from qlora_fsdp.training.optimizer import ShardedOptimizer
 
@@ -132,6 +132,11 @@ class _PhasePeaks:
     def new_micro_batch(self, index: int) -> None:
         """Micro-batch `index` starts (the optimizer update counts as the one after the last)."""
         self.micro_batch = index
+        self.new_forward()
+
+    def new_forward(self) -> None:
+        """A forward starts within the micro-batch (DPO's policy one after its reference one): the parts before the
+        layers and the loss's own bytes are this forward's, not measured against the reference's low floor."""
         self.layers_ran = self.backward_reached = False
         self.loss_floor = 2**63
 
@@ -265,35 +270,56 @@ def track_existing(tracker: FSDPStepTracker | StepTracker, tensors: Iterable[tor
         tracker._update_and_maybe_create_winfos(tensor, category)
 
 
-def reference_forward(model: nn.Module, batch: Batch, device: torch.device, forward_loss: ForwardLoss) -> None:
-    """DPO's reference pass as training runs it (preference.reference adapter_off): no-grad, the adapter off."""
-    with torch.no_grad(), adapter_off(model):
-        forward_loss.per_sample(model, batch, device)
+@dataclass(frozen=True)
+class TrackedPairLoss(PairLoss):
+    """Training's pair loss, telling the tracker when DPO's reference forward is done: the policy's forward is
+    then a second forward of the root in the micro-batch."""
+
+    after_reference: Callable[[], None] = lambda: None
+
+    @classmethod
+    def around(cls, pair_loss: PairLoss, after_reference: Callable[[], None]) -> TrackedPairLoss:
+        return cls(pair_loss.objective, pair_loss.settings, pair_loss.forward, after_reference)
+
+    def reference_logps(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        logps = super().reference_logps(*args, **kwargs)
+        self.after_reference()
+        return logps
+
+
+def micro_batch_backward(model: nn.Module, batch: Batch, device: torch.device, loss: ForwardLoss | PairLoss) -> None:
+    """One micro-batch's forward, loss and backward, by the functions training calls (the normalizers do not
+    change memory: the tokens, or pairs, of this micro-batch alone)."""
+    if isinstance(loss, PairLoss):
+        pairs = PairCounts(pairs=float(max(batch.n_samples // 2, 1)), chosen_targets=float(max(batch.n_targets, 1)))
+        loss.loss_and_sums(model, batch, device, pairs)[0].backward()
+    else:
+        backward_micro_batch(model, batch, device, float(max(batch.n_targets, 1)), loss)
 
 
 def run_step(model: nn.Module, optimizer: ShardedOptimizer, micro_batches: list[Batch], device: torch.device,
-             forward_loss: ForwardLoss, offload_to_host: bool, host_bytes: Callable[[], int] = lambda: 0,
-             host_device: torch.device | None = None, with_reference: bool = False) -> StepMemory:
-    """Training's step (accumulate_gradients' loop, then the update) under the tracker.
+             loss: ForwardLoss | PairLoss, offload_to_host: bool, host_bytes: Callable[[], int] = lambda: 0,
+             host_device: torch.device | None = None) -> StepMemory:
+    """Training's step (accumulate_gradients' or accumulate_pair_gradients' loop, then the update) under the
+    tracker.
 
     Not run: the gradient clip (per-parameter norms, scalars) and the loss bookkeeping (`.item()`, all-reduces of
-    counts): they read values, which fake tensors do not have. `offload_to_host`: FSDP2's shards, gradients and
-    optimizer state are host memory (fsdp.cpu_offload); `host_bytes` says how many bytes of what the tracker sees
-    on `device` are really host copies now (activation offload on a CPU mesh); `host_device` is where the planner
-    sends activation offload's copies instead. `with_reference`: each micro-batch first runs DPO's reference
-    forward."""
+    counts): they read values, which fake tensors do not have. `loss`: the recipe's (a PairLoss for preference
+    objectives: DPO's reference forward runs where the batches carry no reference log-probabilities).
+    `offload_to_host`: FSDP2's shards, gradients and optimizer state are host memory (fsdp.cpu_offload);
+    `host_bytes` says how many bytes of what the tracker sees on `device` are really host copies now (activation
+    offload on a CPU mesh); `host_device` is where the planner sends activation offload's copies instead."""
     tracker = make_tracker(model, optimizer, device, HOST_UNDER_OFFLOAD if offload_to_host else (), host_bytes,
                            host_device)
     track_existing(tracker, quant_state_tensors(model) + [t for b in micro_batches for t in batch_tensors(b)])
+    if isinstance(loss, PairLoss):
+        loss = TrackedPairLoss.around(loss, lambda: (tracker.reset_mod_stats(), tracker.new_forward()))
     with tracker:
         for index, batch in enumerate(micro_batches):
             tracker.reset_mod_stats()  # the tracker refuses a second forward of the root without this
             tracker.new_micro_batch(index)
             set_gradient_sync(model, index == len(micro_batches) - 1)
-            if with_reference:
-                reference_forward(model, batch, device, forward_loss)
-                tracker.reset_mod_stats()
-            backward_micro_batch(model, batch, device, float(max(batch.n_targets, 1)), forward_loss)
+            micro_batch_backward(model, batch, device, loss)
         tracker.new_micro_batch(len(micro_batches))
         optimizer.step()
         optimizer.zero_grad()
