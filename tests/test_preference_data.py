@@ -16,9 +16,9 @@ from qlora_fsdp.data.pair_encoding import EncodedPair, encode_pair, fit_pair
 from qlora_fsdp.data.pairs import PairMaker, as_pairs, good_pairs
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.labels import IGNORE_INDEX
-from qlora_fsdp.model.attention import VARLEN_SDPA, attach_sample_bounds, flattens_packed_rows
+from qlora_fsdp.model.attention import VARLEN_SDPA
 from qlora_fsdp.model.build import load_tokenizer
-from qlora_fsdp.model.loss import per_sample_loss
+from qlora_fsdp.model.forward_loss import ForwardLoss
 from tests.helpers import tiny_config
 from tests.test_chat_templates import family_tokenizer, target_runs
 
@@ -159,14 +159,9 @@ def test_each_sequences_log_probability_is_the_same_packed_unpacked_and_alone(ti
     sequences = [s for p in pairs for s in (p.chosen, p.rejected)]
     device, pad = torch.device("cpu"), tokenizer.pad_token_id
 
-    def logps(batch, chunk_tokens):
+    def logps(batch, chunk_tokens):  # as training computes them (ForwardLoss.per_sample)
         model.zero_grad()
-        one_row = flattens_packed_rows(attention)
-        inputs = batch.model_inputs(device, one_row)
-        if "position_ids" in inputs and batch.segments is not None:
-            attach_sample_bounds(inputs["position_ids"], batch.sample_bounds(one_row))
-        out = per_sample_loss(model, inputs, batch.labels, chunk_tokens, batch.target_positions,
-                              batch.target_samples(), batch.n_samples)
+        out = ForwardLoss(chunk_tokens).per_sample(model, batch, device)
         out.sum().backward()
         return -out.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()
 

@@ -8,14 +8,12 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.config import Config, DataConfig, OverlongPolicy, SourceConfig, Template
-from qlora_fsdp.data.batching import pack
+from qlora_fsdp.config import Config, OverlongPolicy, SourceConfig, Template
 from qlora_fsdp.data.pair_encoding import encode_pair, fit_pair
 from qlora_fsdp.data.pairs import BadPair, as_pairs, good_pairs
-from qlora_fsdp.data.pipeline import Dataset, main_process_first, run_template, split_held_out
-from qlora_fsdp.data.sources import read_source, sources_of, weighted
+from qlora_fsdp.data.pipeline import Dataset, assembled
+from qlora_fsdp.data.sources import read_source, weighted
 from qlora_fsdp.distributed import DistInfo
-from qlora_fsdp.errors import DataError
 
 PAIR_COLUMNS = ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "length")
 
@@ -81,22 +79,5 @@ def tokenized_pairs(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerB
 
 def load_pairs(tokenizer: PreTrainedTokenizerBase, cfg: Config, info: DistInfo | None = None) -> Dataset:
     """Read, tokenize and split the recipe's preference data; the held-out pairs are chosen by the seed."""
-    data: DataConfig = cfg.data
-    sources = sources_of(data)
-    if info is not None and info.rank != 0:
-        datasets.disable_progress_bars()
-    template = run_template(data, tokenizer)
-    with main_process_first(info):
-        pairs, n_records, n_overlong, n_dropped = tokenized_pairs(sources, tokenizer, cfg, template)
-        held_out = None
-        if data.eval_path:
-            eval_source = SourceConfig(path=data.eval_path, format=sources[0].format, fields=sources[0].fields)
-            held_out = tokenized_pairs([eval_source], tokenizer, cfg, template)[0]
-    if not len(pairs):
-        raise DataError(f"no trainable pairs in {', '.join(s.path for s in sources)} after fitting to "
-                        f"{data.context_length} tokens ({n_overlong} longer, overlong={data.overlong})")
-    train, eval_set = split_held_out(pairs, held_out, data.eval_samples, cfg.train.seed)
-    if not len(train):
-        raise DataError("every pair went to the held-out set; lower data.eval_samples or add data")
-    packs = pack(train["length"], data.context_length) if data.packing else None
-    return Dataset(train, eval_set, template, n_records, n_overlong, n_dropped, packs)
+    return assembled(cfg.data, tokenizer, cfg.train.seed, info, "pairs",
+                     lambda sources, template: tokenized_pairs(sources, tokenizer, cfg, template))

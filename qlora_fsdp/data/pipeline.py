@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -129,27 +129,39 @@ def run_template(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Templa
     return choose_template(data.template, tokenizer, sources_of(data)[0].format)
 
 
+# (sources, template) -> (what fits the context, records read, longer than the context, dropped)
+Tokenizer = Callable[[list[SourceConfig], Template], tuple[datasets.Dataset, int, int, int]]
+
+
 def load_dataset(tokenizer: PreTrainedTokenizerBase, data: DataConfig, seed: int,
                  info: DistInfo | None = None) -> Dataset:
     """Read, tokenize and split the recipe's data; the held-out set is chosen by the seed."""
+    return assembled(data, tokenizer, seed, info, "samples",
+                     lambda sources, template: tokenized(sources, tokenizer, data, template, seed))
+
+
+def assembled(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, info: DistInfo | None, unit: str,
+              tokenize: Tokenizer) -> Dataset:
+    """The outline SFT samples and preference pairs share: the template, `tokenize` on the node's first process
+    (the others read its cache), the held-out split by the seed, and the packed rows."""
     sources = sources_of(data)
     if info is not None and info.rank != 0:
         datasets.disable_progress_bars()  # one set of bars per run, from rank 0
     template = run_template(data, tokenizer)
     with main_process_first(info):
-        samples, n_records, n_overlong, n_without_targets = tokenized(sources, tokenizer, data, template, seed)
+        samples, n_records, n_overlong, n_dropped = tokenize(sources, template)
         held_out = None
         if data.eval_path:
             eval_source = SourceConfig(path=data.eval_path, format=sources[0].format, fields=sources[0].fields)
-            held_out = tokenized([eval_source], tokenizer, data, template, seed)[0]
+            held_out = tokenize([eval_source], template)[0]
     if not len(samples):
-        raise DataError(f"no trainable samples in {', '.join(s.path for s in sources)} after fitting to "
+        raise DataError(f"no trainable {unit} in {', '.join(s.path for s in sources)} after fitting to "
                         f"{data.context_length} tokens ({n_overlong} longer, overlong={data.overlong})")
     train, eval_set = split_held_out(samples, held_out, data.eval_samples, seed)
     if not len(train):
-        raise DataError("every sample went to the held-out set; lower data.eval_samples or add data")
+        raise DataError(f"every {unit[:-1]} went to the held-out set; lower data.eval_samples or add data")
     packs = pack(train["length"], data.context_length) if data.packing else None
-    return Dataset(train, eval_set, template, n_records, n_overlong, n_without_targets, packs)
+    return Dataset(train, eval_set, template, n_records, n_overlong, n_dropped, packs)
 
 
 def split_held_out(samples: datasets.Dataset, held_out: datasets.Dataset | None, eval_samples: int,
