@@ -204,7 +204,7 @@ def test_70b_plans_from_config_json_alone(plans_70b, recipe_plans):
     assert float(fixes[0].split(": ")[1].split()[0]) < 12
 
 
-def test_mfu_counts_6n_flops_a_token():
+def test_mfu_counts_6n_flops_a_token_and_8n_with_dpos_reference_forward():
 
     from qlora_fsdp.training.loop import MfuReference
 
@@ -214,6 +214,9 @@ def test_mfu_counts_6n_flops_a_token():
     # Answer.AI's published 70B run: 477 tokens/s on 2x RTX 4090
     assert reference.mfu(477.0) == pytest.approx(477.0 * 6 * 70_553_706_496 / (2 * 165.2e12))
     assert 0.60 < reference.mfu(477.0) < 0.62
+    # DPO with the reference as a forward each micro-batch (adapter off): 8N a token
+    with_reference = reference.with_reference_forward()
+    assert with_reference.mfu(477.0) == pytest.approx(477.0 * 8 * 70_553_706_496 / (2 * 165.2e12))
 
 
 @pytest.mark.slow
