@@ -1,22 +1,28 @@
-"""loss_curves.png from metrics.jsonl: training loss (and its running mean) and held-out loss against step."""
+"""loss_curves.png from metrics.jsonl: training loss (and its running mean) and held-out loss against step; for
+preference pairs a second panel of reward accuracy and margin, in training and held out."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+from typing import Any
+
+Series = list[tuple[int, float]]
 
 
-def read_curves(metrics: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """(step, training loss) of the steps that updated, and (step, eval loss)."""
-    train, evals = [], []
+def read_series(metrics: Path, keys: tuple[str, ...]) -> dict[str, Series]:
+    """(step, value) for each key, from the records that hold it finite; a skipped step's are left out."""
+    series: dict[str, Series] = {key: [] for key in keys}
     for line in metrics.read_text().splitlines():
         record = json.loads(line)
-        if "loss" in record and not record.get("skipped") and math.isfinite(record["loss"]):
-            train.append((record["step"], record["loss"]))
-        if "eval_loss" in record and math.isfinite(record["eval_loss"]):
-            evals.append((record["step"], record["eval_loss"]))
-    return train, evals
+        if record.get("skipped"):
+            continue
+        for key in keys:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                series[key].append((record["step"], float(value)))
+    return series
 
 
 def running_mean(values: list[float], window: int) -> list[float]:
@@ -27,29 +33,66 @@ def running_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
+def plot_training(ax: Any, points: Series, color: str, label: str) -> None:
+    """The raw values faint, their running mean over a twentieth of the run solid."""
+    steps, values = zip(*points, strict=True)
+    ax.plot(steps, values, color=color, alpha=0.3, linewidth=1)
+    window = max(1, len(values) // 20)
+    ax.plot(steps, running_mean(list(values), window), color=color, label=f"{label}, mean of {window}")
+
+
+def plot_held_out(ax: Any, points: Series, color: str, label: str) -> None:
+    steps, values = zip(*points, strict=True)
+    ax.plot(steps, values, "o-", color=color, label=label)
+
+
+REWARD_KEYS = ("reward_accuracy", "eval_reward_accuracy", "reward_margin", "eval_reward_margin")
+
+
 def plot_loss_curves(metrics: Path, png: Path) -> Path | None:
     """Write the PNG; None when there is nothing to plot yet."""
-    train, evals = read_curves(metrics)
-    if not train and not evals:
+    series = read_series(metrics, ("loss", "eval_loss", *REWARD_KEYS))
+    if not series["loss"] and not series["eval_loss"]:
         return None
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed on a cluster node
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    if train:
-        steps, losses = zip(*train, strict=True)
-        ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="training loss")
-        window = max(1, len(losses) // 20)
-        ax.plot(steps, running_mean(list(losses), window), color="tab:blue", label=f"training, mean of {window}")
-    if evals:
-        steps, losses = zip(*evals, strict=True)
-        ax.plot(steps, losses, "o-", color="tab:orange", label="held-out loss")
-    ax.set(xlabel="optimizer step", ylabel="loss (per target token)", title=metrics.parent.name)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    pairs = bool(series["reward_accuracy"] or series["eval_reward_accuracy"])
+    fig, axes = plt.subplots(2 if pairs else 1, 1, figsize=(8, 8 if pairs else 4.5), dpi=100, squeeze=False)
+    loss_ax = axes[0][0]
+    if series["loss"]:
+        plot_training(loss_ax, series["loss"], "tab:blue", "training loss")
+    if series["eval_loss"]:
+        plot_held_out(loss_ax, series["eval_loss"], "tab:orange", "held-out loss")
+    loss_ax.set(xlabel="optimizer step", ylabel="loss (per pair)" if pairs else "loss (per target token)",
+                title=metrics.parent.name)
+    loss_ax.grid(alpha=0.3)
+    loss_ax.legend()
+    if pairs:
+        plot_rewards(axes[1][0], series)
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
     return png
+
+
+def plot_rewards(ax: Any, series: dict[str, Series]) -> None:
+    """Reward accuracy (left axis) and margin (right axis): training's running mean, held-out points."""
+    for key, color, label in (("reward_accuracy", "tab:green", "training reward accuracy"),
+                              ("eval_reward_accuracy", "tab:red", "held-out reward accuracy")):
+        if series[key]:
+            (plot_training if key == "reward_accuracy" else plot_held_out)(ax, series[key], color, label)
+    ax.set(xlabel="optimizer step", ylabel="reward accuracy (ties count half)", ylim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center right")
+    margin_ax = ax.twinx()
+    for key, style, label in (("reward_margin", "-", "training reward margin"),
+                              ("eval_reward_margin", "s--", "held-out reward margin")):
+        if series[key]:
+            steps, values = zip(*series[key], strict=True)
+            margin_ax.plot(steps, values, style, color="tab:purple", alpha=0.6, linewidth=1, label=label)
+    margin_ax.set(ylabel="reward margin (chosen - rejected)")
+    if series["reward_margin"] or series["eval_reward_margin"]:
+        margin_ax.legend(loc="lower right")
