@@ -237,9 +237,19 @@ def test_recipes_no_peer_has_plan_fits_within_their_host_budgets(recipe_plans):
 @pytest.mark.slow
 def test_every_shipped_recipe_fits_and_the_readme_shows_its_plan(recipe_plans):
     """The README's recipe table is what the planner says today, row for row (scripts/recipe_table.py --write
-    remakes it), and every shipped recipe fits its hardware."""
+    remakes it), every shipped recipe fits its hardware, and a recipe header's `# Planned:` line is its plan."""
     plans = recipe_plans
     assert sorted(plans) == recipe_names()
     assert [name for name, got in plans.items() if not got["fits"]] == []
     rows = "\n".join(plans[name]["row"] for name in recipe_names())
     assert readme_table(REPO / "README.md") == "\n".join([*HEADER, rows]), "run: python scripts/recipe_table.py --write"
+    headed = 0
+    for name in recipe_names():
+        said = [line for line in (REPO / "recipes" / f"{name}.yaml").read_text().splitlines()
+                if line.startswith("# Planned:")]
+        got = plans[name]
+        for line in said:
+            headed += 1
+            assert line.startswith(f"# Planned:  FITS: {got['gpu_gib']:.2f} GiB a GPU of {got['gpu_capacity_gib']:g}, "
+                                   f"{got['host_gib']:.2f} GiB of host RAM of {got['host_capacity_gib']:g} "), name
+    assert headed >= 2  # the DPO recipes say theirs
