@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from qlora_fsdp.config import SourceConfig
 from qlora_fsdp.data.batching import Sample, collate, collate_packed
 from qlora_fsdp.data.pair_encoding import EncodedPair, encode_pair, fit_pair
+from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.data.pairs import PairMaker, as_pairs, good_pairs
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.labels import IGNORE_INDEX
@@ -103,6 +104,31 @@ def test_bad_pairs_name_the_file_and_record_or_are_dropped_and_counted(tmp_path)
                               "(or set preference.bad_pairs: drop)")
     kept, dropped = good_pairs(pairs, drop_bad=True)
     assert (len(kept), dropped) == (2, 1)
+
+
+def test_a_pair_whose_prompt_fills_the_context_names_its_record_or_is_dropped_and_counted(tiny_model_dir, tmp_path):
+    """Under `overlong: truncate` the prompt is kept whole; a prompt that leaves the completions no room is a bad
+    pair (file and record named; `bad_pairs: drop` drops and counts it). `overlong: drop` drops it as chosen."""
+    records = [{"prompt": QUESTION, "chosen": GOOD, "rejected": BAD}] * 12
+    records[4] = {"prompt": "Name a color. " * 40, "chosen": GOOD, "rejected": BAD}
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def loaded(**settings):
+        cfg = tiny_config(tiny_model_dir, data={"path": str(path), "format": "chat", "context_length": 200,
+                                                 "eval_samples": 2, "cache_dir": str(tmp_path / "cache"),
+                                                 "overlong": settings.pop("overlong", "truncate")},
+                          train={"objective": "dpo"}, preference=settings)
+        return load_pairs(load_tokenizer(cfg), cfg)
+
+    with pytest.raises(DataError) as err:
+        loaded()
+    said = str(err.value)
+    assert said.startswith(f"{path}: record 5: its prompt's ") and "leave no room for both completions in " \
+        "data.context_length 200; raise data.context_length (or set preference.bad_pairs: drop)" in said, said
+    for data in (loaded(bad_pairs="drop"), loaded(overlong="drop")):
+        assert (data.n_records, len(data.train) + len(data.eval), data.n_overlong, data.n_without_targets) == (
+            12, 11, 1, 1)
 
 
 # ---- the completions' targets ------------------------------------------------------------------------

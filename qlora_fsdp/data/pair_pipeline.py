@@ -9,7 +9,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, OverlongPolicy, SourceConfig, Template
-from qlora_fsdp.data.pair_encoding import encode_pair, fit_pair
+from qlora_fsdp.data.pair_encoding import EncodedPair, encode_pair, fit_pair
 from qlora_fsdp.data.pairs import BadPair, as_pairs, good_pairs
 from qlora_fsdp.data.pipeline import Dataset, assembled
 from qlora_fsdp.data.sources import read_source, weighted
@@ -36,9 +36,9 @@ class TokenizePair:
             except BadPair as err:
                 out["problem"].append(str(err))
                 encoded = None
-            else:
-                out["problem"].append("")
             fitted = fit_pair(encoded, self.context_length, self.overlong) if encoded is not None else None
+            if encoded is not None:
+                out["problem"].append(self.cut_to_nothing(encoded) if fitted is None else "")
             out["overlong"].append(encoded is not None and encoded.length > self.context_length)
             for name, value in (("chosen_ids", fitted.chosen.input_ids if fitted else []),
                                 ("chosen_labels", fitted.chosen.labels if fitted else []),
@@ -47,6 +47,13 @@ class TokenizePair:
                                 ("length", fitted.length if fitted else 0)):
                 out[name].append(value)
         return out
+
+    def cut_to_nothing(self, pair: EncodedPair) -> str:
+        """Why a pair that did not fit is bad, or "" where the recipe chose to drop what is longer (overlong: drop)."""
+        if self.overlong == "drop":
+            return ""
+        return (f"its prompt's {pair.prompt_tokens} tokens leave no room for both completions in "
+                f"data.context_length {self.context_length}; raise data.context_length")
 
 
 def read_pairs(sources: list[SourceConfig], seed: int, cache_dir: str | None, drop_bad: bool) -> tuple[
@@ -70,8 +77,9 @@ def tokenized_pairs(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerB
     encoded = pairs.map(TokenizePair(tokenizer, template, data.context_length, data.overlong), batched=True,
                         remove_columns=pairs.column_names, num_proc=data.num_proc if data.num_proc > 1 else None,
                         desc="tokenizing pairs")
-    encoded, n_unusable = good_pairs(encoded, drop_bad)  # a completion with no target token under the template
     n_overlong = sum(encoded["overlong"])
+    # a completion with no target token under the template, a prompt that leaves the completions no room
+    encoded, n_unusable = good_pairs(encoded, drop_bad)
     kept = encoded.filter(lambda length: length > 0, input_columns="length", desc="fitting pairs")
     kept = kept.remove_columns(["overlong", "problem", "origin", "record"])
     return kept, n_records, n_overlong, n_bad + n_unusable + len(encoded) - len(kept)

@@ -61,9 +61,10 @@ class Dataset:
     def describe(self, context_length: int, overlong: OverlongPolicy) -> str:
         rows = f", packed into {len(self.packs)} rows" if self.packs is not None else ""
         unit = "pairs" if self.pairs else "samples"
+        why = "as bad pairs or without room (preference.bad_pairs)" if self.pairs else "with no target tokens"
         return (f"{self.n_records} records, {len(self.train)} train / {len(self.eval)} eval {unit}{rows} "
                 f"(template {self.template}); {self.n_overlong} longer than {context_length} tokens ({overlong}); "
-                f"{self.n_without_targets} dropped with no target tokens")
+                f"{self.n_without_targets} dropped {why}")
 
 
 class Tokenize:
