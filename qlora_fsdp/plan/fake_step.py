@@ -246,7 +246,9 @@ def extrapolated(shorter: StepMemory, longer: StepMemory, repeats: Repeats) -> S
     segments = {segment: Moment(*(line(getattr(a[segment], f.name), getattr(b[segment], f.name))
                                   for f in dataclasses.fields(Moment))) for segment in a}
     own = {micro: line(shorter.loss_own[micro], longer.loss_own[micro]) for micro in shorter.loss_own}
-    return StepMemory(segments, own, line(shorter.offloaded, longer.offloaded))
+    # work adds up layer by layer: each part's is a line in the repeats too
+    work = {key: shorter.work[key].scaled_line(longer.work[key], repeats.count - first) for key in shorter.work}
+    return StepMemory(segments, own, line(shorter.offloaded, longer.offloaded), work)
 
 
 def planned_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh,

@@ -15,31 +15,48 @@ from qlora_fsdp.precision import DeviceDescription, cpu_has_bf16
 @dataclass(frozen=True)
 class GPU:
     memory_gib: float
-    bf16_tflops: float  # dense peak (vendor datasheets), for MFU; fp16 for GPUs without bf16
+    bf16_tflops: float  # dense peak with fp32 accumulation (vendor datasheets), for MFU; fp16 without bf16
     bf16: bool = True  # compute capability 8.0+; without it `auto` trains in float16 with loss scaling
+    memory_gbps: float = 0.0  # device memory bandwidth, GB/s (datasheet)
+    pcie_gen: int = 4
+    pcie_lanes: int = 16
+    nvlink_gbps: float = 0.0  # GPU-to-GPU link, GB/s each way (SXM boards); 0: collectives cross PCIe
+    peer_to_peer: bool = True  # PCIe peer-to-peer; GeForce cards have it off: NCCL goes through host memory
+
+    @property
+    def pcie_gbps(self) -> float:
+        """The link's signalling rate each way, after line coding (8b/10b to gen 2, 128b/130b from gen 3)."""
+        per_lane = {3: 8.0, 4: 16.0, 5: 32.0}[self.pcie_gen] * 128 / 130 / 8
+        return per_lane * self.pcie_lanes
 
 
-# L40/L40S: NVIDIA's L40/L40S datasheet (bf16 tensor 181.05 and 362.05 TFLOP/s dense; 48 GB GDDR6 with ECC, on
-# by default, which leaves about 45 GiB: nvidia-smi's 46,068 MiB, not yet seen on one here). H100 PCIe: NVIDIA's
-# H100 datasheet (1,513 TFLOP/s with sparsity, half that dense; 80 GB). H100 NVL: NVIDIA's H100 page (1,671 with
-# sparsity; 94 GB), a figure the datasheets found here did not carry
+# Datasheets (NVIDIA's, per product). bf16 tensor throughput is the dense figure with fp32 accumulation (GeForce
+# cards: half their fp16-accumulate figure; the sparse figures are twice the dense). L40/L40S: 181.05 and 362.05
+# TFLOP/s dense, 48 GB GDDR6 with ECC on by default, about 45 GiB usable. H100 PCIe: 1,513 with sparsity; H100 NVL:
+# 1,671 with sparsity, 94 GB. NVLink each way: A100 SXM 12 links x 25 GB/s, H100/H200 SXM 18 x 25, V100 SXM2 6 x 25.
+# RTX 5090: 32 GB GDDR7 (nvidia-smi 32,607 MiB) at 1,792 GB/s, PCIe 5.0; 209.5 bf16 dense with fp32 accumulation
+# (the RTX Blackwell whitepaper's GeForce figure). A5000/A6000: 222.2 and 309.7 tensor TFLOP/s with sparsity.
 GPUS = {
-    "rtx3090": GPU(24.0, 71.0),
-    "rtx4090": GPU(24.0, 165.2),
-    "rtx6000ada": GPU(48.0, 364.2),
-    "l4": GPU(24.0, 121.0),
-    "l40": GPU(45.0, 181.0),
-    "l40s": GPU(45.0, 362.0),
-    "a100-40gb": GPU(40.0, 312.0),
-    "a100-80gb": GPU(80.0, 312.0),
-    "h100": GPU(79.6, 989.0),  # SXM
-    "h100-pcie": GPU(79.6, 756.0),
-    "h100-nvl": GPU(93.6, 835.0),
-    "h200": GPU(139.8, 989.0),
-    # T4: NVIDIA's T4 datasheet (65 TFLOP/s fp16 tensor; 16 GB GDDR6, nvidia-smi's 15,360 MiB), compute capability
-    # 7.5 (Kaggle's and Colab's free GPUs). V100: NVIDIA's V100 datasheet, SXM2 16 GB (125 TFLOP/s fp16), capability 7.0
-    "t4": GPU(15.0, 65.0, bf16=False),
-    "v100-16gb": GPU(15.8, 125.0, bf16=False),
+    "rtx3090": GPU(24.0, 71.0, memory_gbps=936, peer_to_peer=False),
+    "rtx4090": GPU(24.0, 165.2, memory_gbps=1008, peer_to_peer=False),
+    "rtx5090": GPU(31.8, 209.5, memory_gbps=1792, pcie_gen=5, peer_to_peer=False),
+    "rtxa5000": GPU(24.0, 111.1, memory_gbps=768),
+    "rtxa6000": GPU(48.0, 154.8, memory_gbps=768),
+    "rtx6000ada": GPU(48.0, 364.2, memory_gbps=960),
+    "l4": GPU(24.0, 121.0, memory_gbps=300),
+    "l40": GPU(45.0, 181.0, memory_gbps=864),
+    "l40s": GPU(45.0, 362.0, memory_gbps=864),
+    "a100-40gb": GPU(40.0, 312.0, memory_gbps=1555, nvlink_gbps=300),  # SXM
+    "a100-80gb": GPU(80.0, 312.0, memory_gbps=2039, nvlink_gbps=300),  # SXM
+    "h100": GPU(79.6, 989.0, memory_gbps=3350, pcie_gen=5, nvlink_gbps=450),  # SXM
+    "h100-pcie": GPU(79.6, 756.0, memory_gbps=2000, pcie_gen=5),
+    "h100-nvl": GPU(93.6, 835.0, memory_gbps=3900, pcie_gen=5),
+    "h200": GPU(139.8, 989.0, memory_gbps=4800, pcie_gen=5, nvlink_gbps=450),
+    # T4: NVIDIA's T4 datasheet (65 TFLOP/s fp16 tensor; 16 GB GDDR6 at 320 GB/s, nvidia-smi's 15,360 MiB), compute
+    # capability 7.5 (Kaggle's and Colab's free GPUs). V100: NVIDIA's V100 datasheet, SXM2 16 GB (125 TFLOP/s fp16),
+    # capability 7.0
+    "t4": GPU(15.0, 65.0, bf16=False, memory_gbps=320, pcie_gen=3),
+    "v100-16gb": GPU(15.8, 125.0, bf16=False, memory_gbps=900, pcie_gen=3, nvlink_gbps=150),
     "cpu": GPU(math.inf, 0.0),
 }
 # words of torch.cuda.get_device_name -> table key, most specific first; whole words, since "L4" is inside
@@ -47,7 +64,8 @@ GPUS = {
 NAME_HINTS = ((("H100", "NVL"), "h100-nvl"), (("H100", "PCIE"), "h100-pcie"), (("H100",), "h100"),
               (("H200",), "h200"), (("A100", "80GB"), "a100-80gb"), (("A100",), "a100-40gb"),
               (("L40S",), "l40s"), (("L40",), "l40"), (("L4",), "l4"), (("4090",), "rtx4090"),
-              (("3090",), "rtx3090"), (("6000", "ADA"), "rtx6000ada"), (("T4",), "t4"),
+              (("3090",), "rtx3090"), (("5090",), "rtx5090"), (("6000", "ADA"), "rtx6000ada"),
+              (("A5000",), "rtxa5000"), (("A6000",), "rtxa6000"), (("T4",), "t4"),
               (("V100", "16GB"), "v100-16gb"))
 
 

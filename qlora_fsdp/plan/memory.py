@@ -54,6 +54,7 @@ class Plan:
     capacity_gib: float
     host_capacity_gib: float | None
     description: str
+    step: StepMemory | None = None  # the measured step (its work prices the step's time: plan/step_time.py)
 
     @property
     def gpu_total(self) -> float:
@@ -74,7 +75,7 @@ def gpu_spec(cfg: Config) -> GPU:
         raise ConfigError(f"unknown hardware.gpu '{cfg.hardware.gpu}': choose one of {', '.join(GPUS)} "
                           "(or the nearest, with hardware.gpu_memory_gib set)")
     spec = GPUS[cfg.hardware.gpu]
-    return GPU(cfg.hardware.gpu_memory_gib or spec.memory_gib, spec.bf16_tflops)
+    return dataclasses.replace(spec, memory_gib=cfg.hardware.gpu_memory_gib or spec.memory_gib)
 
 
 def resident_rows(held: Held, cfg: Config) -> list[Row]:
@@ -156,7 +157,7 @@ def plan(cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
     description = (f"{count} base parameters, world size {cfg.hardware.world_size}, weights {cfg.model.dtype}, "
                    f"4-bit compute {cfg.quant.compute_dtype}")
     return Plan(gpu_rows(held, cfg, step), host_rows(held, cfg, step), gpu_spec(cfg).memory_gib,
-                cfg.hardware.host_ram_gib, description)
+                cfg.hardware.host_ram_gib, description, step)
 
 
 def format_rows(rows: list[Row]) -> list[str]:

@@ -12,6 +12,7 @@ from qlora_fsdp.plan.fake_world import planning_mesh
 from qlora_fsdp.plan.held import Held, meta_held, planned_dtypes
 from qlora_fsdp.plan.levers import suggestions
 from qlora_fsdp.plan.memory import GIB, Plan, format_rows, gpu_spec, micro_batch_fits, plan
+from qlora_fsdp.plan.time_report import time_lines
 
 
 @dataclass
@@ -55,4 +56,6 @@ def report_text(planned: RecipePlan) -> str:
         fixes = suggestions(cfg, held, mesh, effective_rows(recipe) is not None)
         lines += ["changes that make it fit, most throughput kept first:", *[f"  - {f}" for f in fixes]] if fixes \
             else ["no single change makes it fit; combine them, or use more GPUs"]
+    if result.step is not None:
+        lines += time_lines(cfg, held, result.step)
     return "\n".join(lines)

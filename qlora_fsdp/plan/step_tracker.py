@@ -14,7 +14,7 @@ sees: the scratch bitsandbytes' fused 4-bit matmul allocates inside its kernel (
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import bitsandbytes as bnb
@@ -28,6 +28,7 @@ from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.model.build import decoder_layers
 from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.model.pair_loss import PairCounts, PairLoss
+from qlora_fsdp.plan.op_work import Work, op_work
 from qlora_fsdp.training.loop import backward_micro_batch, set_gradient_sync
 from qlora_fsdp.training.optimizer import ShardedOptimizer
 
@@ -63,6 +64,7 @@ class StepMemory:
     segments: dict[Segment, Moment]
     loss_own: dict[int, int]  # per micro-batch: the loss's own peak (its largest rise while it runs)
     offloaded: int = 0  # peak bytes of activations waiting in host memory
+    work: dict[tuple[int, str], Work] = field(default_factory=dict)  # per (micro-batch, part): what it does
 
     def phase(self, *parts: str) -> Moment:
         return max((m for (_, part, _), m in self.segments.items() if part in parts), key=lambda m: m.total,
@@ -127,6 +129,9 @@ class _PhasePeaks:
         self.segments: dict[Segment, Moment] = {}
         self.loss_own: dict[int, int] = {}
         self.offloaded = self.scratch = 0
+        self.offload = bool(host_kinds)
+        self.work: dict[tuple[int, str], Work] = {}
+        self.layers_seen: set[Segment] = set()
         self.new_micro_batch(0)
 
     def new_micro_batch(self, index: int) -> None:
@@ -177,15 +182,26 @@ class _PhasePeaks:
             host = self._curr_mem_snap.get(self.host_device, {})
             self.offloaded = max(self.offloaded, next((v for k, v in host.items() if kind(k) == TOTAL), 0))
 
-    def dispatch_with_scratch(self, func: Any, args: tuple[Any, ...], call: Callable[[], Any]) -> Any:
+    def dispatch_with_scratch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                              call: Callable[[], Any]) -> Any:
         """bitsandbytes' 4-bit matmul dequantizes the whole weight into a buffer inside its kernel (CUDA's
         unfused path for more than 1,536 tokens, the CPU kernel always): invisible to a dispatch-level tracker,
-        so it is counted for the op's duration, next to the op's output."""
+        so it is counted for the op's duration, next to the op's output. Each op's work is added to its part's."""
         self.scratch = fused_matmul_scratch(func, args, self.device)
         try:
-            return call()
+            out = call()
         finally:
             self.scratch = 0
+        self.count_work(func, args, kwargs or {}, out)
+        return out
+
+    def count_work(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        micro, part, layer = self.segment()
+        work = self.work.setdefault((micro, part), Work())
+        work.add(op_work(func, args, kwargs, out, part, self.offload, self.host_device))
+        if layer >= 0 and (micro, part, layer) not in self.layers_seen:
+            self.layers_seen.add((micro, part, layer))
+            work.layers += 1
 
 
 def layer_units(model: nn.Module) -> list[nn.Module]:
@@ -207,7 +223,7 @@ def fused_matmul_scratch(func: Any, args: tuple[Any, ...], device: torch.device)
 
 class FSDPStepTracker(_PhasePeaks, FSDPMemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.dispatch_with_scratch(func, args, lambda: super(FSDPStepTracker, self).__torch_dispatch__(
+        return self.dispatch_with_scratch(func, args, kwargs, lambda: super(FSDPStepTracker, self).__torch_dispatch__(
             func, types, args, kwargs))
 
 
@@ -227,7 +243,7 @@ class StepTracker(_PhasePeaks, MemTracker):
         return sizes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.dispatch_with_scratch(func, args, lambda: super(StepTracker, self).__torch_dispatch__(
+        return self.dispatch_with_scratch(func, args, kwargs, lambda: super(StepTracker, self).__torch_dispatch__(
             func, types, args, kwargs))
 
 
@@ -323,4 +339,4 @@ def run_step(model: nn.Module, optimizer: ShardedOptimizer, micro_batches: list[
         tracker.new_micro_batch(len(micro_batches))
         optimizer.step()
         optimizer.zero_grad()
-    return StepMemory(tracker.segments, tracker.loss_own, tracker.offloaded)
+    return StepMemory(tracker.segments, tracker.loss_own, tracker.offloaded, tracker.work)
