@@ -19,12 +19,12 @@ from qlora_fsdp.config.loader import load_config
 from qlora_fsdp.plan.fake_world import leave_fake_world, recipe_step
 from qlora_fsdp.plan.held import planned_dtypes
 from qlora_fsdp.plan.memory import gpu_spec
-from qlora_fsdp.plan.step_time import MATMUL_EFFICIENCY, step_time
+from qlora_fsdp.plan.step_time import MATMUL_EFFICIENCY, matmul_efficiency, step_time
 from qlora_fsdp.plan.step_tracker import StepMemory
 
 RUNS = Path(__file__).with_name("data") / "published_runs.json"
 ANSWERAI_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
-EFFICIENCIES = [round(0.30 + 0.005 * i, 3) for i in range(121)]  # 0.30 to 0.90
+EFFICIENCIES = [round(0.10 + 0.005 * i, 3) for i in range(201)]  # 0.10 to 1.10
 
 
 def row_config(row: dict[str, Any]) -> Config:
@@ -56,11 +56,15 @@ def published(row: dict[str, Any]) -> float:
     return float(row["seconds"] if "seconds" in row else row["tokens_per_s"])
 
 
-def fitted_efficiency(rows: list[dict[str, Any]], steps: list[tuple[Config, StepMemory]]) -> float:
-    """The efficiency whose predictions of the `fit` rows have the least squared log error."""
+def fitted_efficiency(rows: list[dict[str, Any]], steps: list[tuple[Config, StepMemory]], gpu: str | None) -> float:
+    """The efficiency whose predictions of the `fit` rows (of `gpu`, or all) have the least absolute log error (a
+    median: one row far off, such as a step too small for the model, does not drag the rest)."""
+    chosen = [(row, cfg, step) for row, (cfg, step) in zip(rows, steps, strict=True)
+              if row["fit"] and gpu in (None, row["gpu"])]
+
     def error(efficiency: float) -> float:
-        return sum(math.log(predicted(row, cfg, step, efficiency)["figure"] / published(row)) ** 2
-                   for row, (cfg, step) in zip(rows, steps, strict=True) if row["fit"])
+        return sum(abs(math.log(predicted(row, cfg, step, efficiency)["figure"] / published(row)))
+                   for row, cfg, step in chosen)
     return min(EFFICIENCIES, key=error)
 
 
@@ -72,18 +76,22 @@ def evaluate() -> dict[str, Any]:
         leave_fake_world()  # each run plans in a fake world of its own size
         steps.append((cfg, recipe_step(cfg)))
     leave_fake_world()
-    fitted = fitted_efficiency(rows, steps)
+    fitted = {gpu: fitted_efficiency(rows, steps, gpu) for gpu in sorted({r["gpu"] for r in rows if r["fit"]})}
+    fitted["all"] = fitted_efficiency(rows, steps, None)
     results = []
     for row, (cfg, step) in zip(rows, steps, strict=True):
-        ours = predicted(row, cfg, step, MATMUL_EFFICIENCY)
+        ours = predicted(row, cfg, step, matmul_efficiency(row["gpu"]))
         results.append({"id": row["id"], "fit": row["fit"], "unit": "s" if "seconds" in row else "tokens/s",
                         "published": published(row), **ours, "ratio": ours["figure"] / published(row)})
-    return {"fitted_efficiency": fitted, "matmul_efficiency": MATMUL_EFFICIENCY, "rows": results}
+    used = {gpu: matmul_efficiency(gpu) for gpu in sorted({r["gpu"] for r in rows})}
+    return {"fitted_efficiency": fitted, "matmul_efficiency": {**used, "all": MATMUL_EFFICIENCY}, "rows": results}
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"MATMUL_EFFICIENCY {result['matmul_efficiency']} (fitted on the `fit` rows: "
-             f"{result['fitted_efficiency']})", "",
+    lines = ["| GPU | matmul efficiency used | fitted on its `fit` rows |", "| --- | ---: | ---: |"]
+    lines += [f"| {gpu} | {used} | {result['fitted_efficiency'].get(gpu, '(no fit rows)')} |"
+              for gpu, used in result["matmul_efficiency"].items()]
+    lines += ["",
              "| run | half | published | predicted | predicted / published | step s | exposed transfers s |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["rows"]:

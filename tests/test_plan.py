@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -253,3 +254,23 @@ def test_every_shipped_recipe_fits_and_the_readme_shows_its_plan(recipe_plans):
             assert line.startswith(f"# Planned:  FITS: {got['gpu_gib']:.2f} GiB a GPU of {got['gpu_capacity_gib']:g}, "
                                    f"{got['host_gib']:.2f} GiB of host RAM of {got['host_capacity_gib']:g} "), name
     assert headed >= 2  # the DPO recipes say theirs
+
+
+@pytest.mark.slow
+def test_every_shipped_recipe_plans_its_time(recipe_plans):
+    """--plan's time lines: the parts add up to the step (compute, the update, the transfers left exposed), the
+    tokens/s and the hours follow from it, and the epoch is priced from the recipe's record count."""
+    for name, got in recipe_plans.items():
+        report = got["report"]
+        step = float(re.search(r"^\| \*\*step\*\* \| \*\*([\d.]+)\*\* \|$", report, re.M).group(1))
+        adding = [float(x) for x in re.findall(r"^\| (?:matmuls|attention|element-wise|4-bit|optimizer|transfers left)"
+                                              r"[^|]*\| ([\d.]+) \|$", report, re.M)]
+        assert len(adding) == 6 and sum(adding) == pytest.approx(step, abs=0.05), name
+        line = re.search(r"^([\d,]+) tokens a step: ([\d,]+) tokens/s, MFU \d+% .*train.max_steps (\d+): "
+                         r"([\d.]+) (h|min)$", report, re.M)
+        tokens, rate, max_steps, hours, unit = line.groups()
+        assert float(rate.replace(",", "")) == pytest.approx(float(tokens.replace(",", "")) / step, rel=0.01)
+        per_unit, printed = (3600, 0.06) if unit == "h" else (60, 0.6)  # hours to a tenth, minutes whole
+        assert float(hours) == pytest.approx(int(max_steps) * step / per_unit, abs=printed), name
+        assert f"| {rate} |" in got["row"]  # the README's table shows it
+        assert re.search(r"^one epoch of [\d,]+ records: ", report, re.M), name

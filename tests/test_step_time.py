@@ -4,13 +4,31 @@ How well the priced step matches published runs is `python -m benchmarks.publish
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 
 from qlora_fsdp.plan.hardware import GPU
 from qlora_fsdp.plan.op_work import Work
-from qlora_fsdp.plan.step_time import PIPELINED_PARTS, Rates, link_seconds, part_time
-from tests.helpers import run_ranks
+from qlora_fsdp.plan.step_time import (
+    GPU_MATMUL_EFFICIENCY,
+    MATMUL_EFFICIENCY,
+    PIPELINED_PARTS,
+    Rates,
+    link_seconds,
+    part_time,
+)
+from tests import background
+from tests.helpers import REPO, run_ranks
 from tests.test_step_memory import architecture, step_config
+
+# 24 published runs planned and priced (about 2 minutes of a core): beside the tests before it (tests/background.py)
+background.register("published_runs", [sys.executable, "-m", "benchmarks.published_runs", "--json"],
+                    {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+# the runs the model misses by more than 25%, and why: a step this small (7B, one row a GPU, on 3090s) took 2.1 s
+# at 512 tokens and 3.1 s at 2,048 in Answer.AI's loop, a per-step cost that does not scale with the work
+KNOWN_MISSES = {"answerai 2x3090 llama-2-7b 512 bs1", "answerai 2x3090 llama-2-7b 2048 bs1"}
 
 LAYERS, HIDDEN, KV, INTERMEDIATE, RANK, TOKENS = 2, 256, 128, 672, 16, 256
 
@@ -59,6 +77,29 @@ def test_the_fake_step_counts_the_models_work(tmp_path):
         assert offloaded[f"0 {part}"]["to_gpu_bytes"] == offloaded[f"0 {part}"]["gather_bytes"] > 0
     assert offloaded["0 backward"]["to_host_bytes"] == offloaded["0 backward"]["scatter_bytes"] > 0
     assert offloaded["1 optimizer"]["optimizer_bytes"] > 0
+
+
+@pytest.fixture(scope="module")
+def published_runs() -> dict:
+    done = background.result("published_runs")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+def test_published_runs_are_predicted_within_a_quarter(published_runs):
+    """Every published run (benchmarks/data/published_runs.json) predicted within 25%, but the known misses,
+    which still miss (so the list shrinks when the model learns them). The efficiencies in step_time.py are the
+    ones fitted on the `fit` half; the judged half was not used to choose them."""
+    rows = published_runs["rows"]
+    assert len(rows) == 24 and 2 * sum(r["fit"] for r in rows) <= len(rows)
+    fitted = published_runs["fitted_efficiency"]
+    assert {gpu: fitted[gpu] for gpu in GPU_MATMUL_EFFICIENCY} == GPU_MATMUL_EFFICIENCY
+    assert fitted["all"] == MATMUL_EFFICIENCY
+    missed = {r["id"] for r in rows if not 0.75 <= r["ratio"] <= 1.25}
+    assert missed == KNOWN_MISSES, {r["id"]: round(r["ratio"], 2) for r in rows if r["id"] in missed}
+    judged = [r for r in rows if not r["fit"] and r["id"] not in KNOWN_MISSES]
+    assert len(judged) >= 10
 
 
 def test_transfers_hide_behind_compute_but_for_one_layer():

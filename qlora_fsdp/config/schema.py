@@ -191,6 +191,10 @@ class DataConfig:
     eval_batch_size: int = 16
     cache_dir: str | None = None  # tokenized-dataset cache; None: the datasets library's default
     num_proc: int = 1  # processes for tokenization
+    # the dataset's size, for --plan's time of one epoch: its records (a local JSON-lines file's are counted) and,
+    # with packing, their mean length in tokens (rows hold several records)
+    records: int | None = None
+    mean_record_tokens: float | None = None
 
     @property
     def micro_batch(self) -> int:

@@ -86,14 +86,17 @@ def tensors(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
 
 
-def attention_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float | None:
+def attention_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+                    mask_is_causal: bool) -> float | None:
+    """`mask_is_causal`: the batch has no padding, so a mask is the causal one (on a GPU, transformers then
+    passes is_causal instead: it looks at the mask's values, which fake tensors do not have)."""
     packet, causal_at = CPU_ATTENTION.get(func, (func._overloadpacket, GPU_ATTENTION_CAUSAL_ARG.get(
         func._overloadpacket)))
     if packet not in ATTENTION_PACKETS:
         return None
     flops = flop_registry[packet](*args, **kwargs, out_val=out)
     causal = causal_at is not None and len(args) > causal_at and args[causal_at] is True
-    return flops / 2 if causal or kwargs.get("is_causal") else flops
+    return flops / 2 if causal or kwargs.get("is_causal") or mask_is_causal else flops
 
 
 def moved_bytes(func: Any, args: tuple[Any, ...], out: Any, host: torch.device | None) -> tuple[int, int]:
@@ -135,9 +138,10 @@ def moves_nothing(func: Any) -> bool:
 
 
 def op_work(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, part: str, offload: bool,
-            host: torch.device | None) -> Work:
+            host: torch.device | None, mask_is_causal: bool = False) -> Work:
     """The work of one dispatched op in `part` of the step; `offload`: FSDP2's shards and gradients live on the
-    host (each gathered shard is first copied to the GPU, each reduced gradient shard back)."""
+    host (each gathered shard is first copied to the GPU, each reduced gradient shard back); `mask_is_causal`:
+    the micro-batch has no padding."""
     if func is GEMM_4BIT:  # the weight is dequantized (counted apart), then read in the activations' dtype
         a, shape = args[0], args[2]
         rows, elements = a.numel() // a.shape[-1], shape[0] * shape[1]
@@ -154,7 +158,7 @@ def op_work(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, 
     if func._overloadpacket in flop_registry and "attention" not in str(func._overloadpacket):
         flops = float(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
         return matmul(flops, memory_traffic(func, args, kwargs, out))
-    attention = attention_flops(func, args, kwargs, out)
+    attention = attention_flops(func, args, kwargs, out, mask_is_causal)
     if attention is not None:
         return Work(attention_flops=attention)
     to_gpu, to_host = moved_bytes(func, args, out, host)

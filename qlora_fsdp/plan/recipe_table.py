@@ -10,10 +10,11 @@ from qlora_fsdp.config import REPO_ROOT, Config, load_config
 from qlora_fsdp.plan.fake_world import leave_fake_world
 from qlora_fsdp.plan.memory import GIB
 from qlora_fsdp.plan.report import RecipePlan, plan_recipe, report_text
+from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 
 START, END = "<!-- recipe table: made by scripts/recipe_table.py -->", "<!-- end of recipe table -->"
-HEADER = ["| recipe | model | hardware | setting | planned GPU memory (rank 0) | host RAM (node) |",
-          "| --- | --- | --- | --- | --- | --- |"]
+HEADER = ["| recipe | model | hardware | setting | planned GPU memory (rank 0) | host RAM (node) "
+          "| predicted tokens/s |", "| --- | --- | --- | --- | --- | --- | ---: |"]
 
 
 def recipe_names() -> list[str]:
@@ -44,8 +45,9 @@ def table_row(name: str, planned: RecipePlan) -> str:
     host = f"{result.host_total / GIB:.1f} GiB" + (f" of {result.host_capacity_gib:g}" if result.host_capacity_gib
                                                    else "")
     verdict = "" if result.fits else " (DOES NOT FIT)"
+    rate = f"{step_tokens(cfg) / recipe_time(cfg, result.step).total:,.0f}" if result.step is not None else ""
     return (f"| `{name}` | {cfg.model.path} | {hardware_words(cfg)} | {setting_words(cfg)} | "
-            f"{result.gpu_total / GIB:.1f} GiB of {result.capacity_gib:g}{verdict} | {host} |")
+            f"{result.gpu_total / GIB:.1f} GiB of {result.capacity_gib:g}{verdict} | {host} | {rate} |")
 
 
 def plan_alone(name: str) -> RecipePlan:

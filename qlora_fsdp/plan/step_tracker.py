@@ -132,6 +132,7 @@ class _PhasePeaks:
         self.offload = bool(host_kinds)
         self.work: dict[tuple[int, str], Work] = {}
         self.layers_seen: set[Segment] = set()
+        self.unpadded = False  # the micro-batch running has no padding (its attention mask is the causal one)
         self.new_micro_batch(0)
 
     def new_micro_batch(self, index: int) -> None:
@@ -198,7 +199,7 @@ class _PhasePeaks:
     def count_work(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         micro, part, layer = self.segment()
         work = self.work.setdefault((micro, part), Work())
-        work.add(op_work(func, args, kwargs, out, part, self.offload, self.host_device))
+        work.add(op_work(func, args, kwargs, out, part, self.offload, self.host_device, self.unpadded))
         if layer >= 0 and (micro, part, layer) not in self.layers_seen:
             self.layers_seen.add((micro, part, layer))
             work.layers += 1
@@ -329,11 +330,16 @@ def run_step(model: nn.Module, optimizer: ShardedOptimizer, micro_batches: list[
                            host_device)
     track_existing(tracker, quant_state_tensors(model) + [t for b in micro_batches for t in batch_tensors(b)])
     if isinstance(loss, PairLoss):
-        loss = TrackedPairLoss.around(loss, lambda: (tracker.reset_mod_stats(), tracker.new_forward()))
+        def policy_forward_next() -> None:
+            tracker.reset_mod_stats()
+            tracker.new_forward()
+
+        loss = TrackedPairLoss.around(loss, policy_forward_next)
     with tracker:
         for index, batch in enumerate(micro_batches):
             tracker.reset_mod_stats()  # the tracker refuses a second forward of the root without this
             tracker.new_micro_batch(index)
+            tracker.unpadded = batch.segments is None and batch.n_tokens == batch.input_ids.numel()
             set_gradient_sync(model, index == len(micro_batches) - 1)
             micro_batch_backward(model, batch, device, loss)
         tracker.new_micro_batch(len(micro_batches))

@@ -2,20 +2,51 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 from qlora_fsdp.config import Config
 from qlora_fsdp.plan.held import Held
 from qlora_fsdp.plan.memory import gpu_spec
-from qlora_fsdp.plan.step_time import StepTime, step_time
+from qlora_fsdp.plan.step_time import StepTime, matmul_efficiency, step_time
 from qlora_fsdp.plan.step_tracker import StepMemory
 
 
 def recipe_time(cfg: Config, step: StepMemory) -> StepTime:
-    return step_time(step, cfg.data.grad_accum_steps, gpu_spec(cfg), cfg.fsdp.cpu_offload)
+    return step_time(step, cfg.data.grad_accum_steps, gpu_spec(cfg), cfg.fsdp.cpu_offload,
+                     matmul_efficiency(cfg.hardware.gpu))
 
 
 def step_tokens(cfg: Config) -> int:
     """Tokens a step trains on at full rows (packed rows, or the longest row of a padded batch)."""
     return cfg.data.micro_batch * cfg.data.context_length * cfg.data.grad_accum_steps * cfg.hardware.world_size
+
+
+def dataset_records(cfg: Config) -> int | None:
+    """The recipe's `data.records`, else the lines of its local JSON-lines file (a hub dataset is never read)."""
+    if cfg.data.records:
+        return cfg.data.records
+    path = Path(cfg.data.path)
+    if not cfg.data.sources and path.suffix == ".jsonl" and path.is_file():
+        with path.open("rb") as lines:
+            return sum(1 for line in lines if line.strip())
+    return None
+
+
+def epoch_line(cfg: Config, step_seconds: float) -> str:
+    """One epoch's time: a record a row, or packed rows of `mean_record_tokens`-token records."""
+    records = dataset_records(cfg)
+    if records is None:
+        return "one epoch: set data.records (and, with packing, data.mean_record_tokens) to see its time"
+    rows_per_step = cfg.data.micro_batch * cfg.data.grad_accum_steps * cfg.hardware.world_size
+    if cfg.data.packing and not cfg.data.mean_record_tokens:
+        steps = math.ceil(records / rows_per_step)
+        return (f"one epoch of {records:,} records: at most {steps:,} steps, {hours(steps * step_seconds)} (a record "
+                "a row; packing puts several in a row: set data.mean_record_tokens for the packed figure)")
+    tokens = records * (cfg.data.mean_record_tokens or 0)
+    rows = math.ceil(tokens / cfg.data.context_length) if cfg.data.packing else records
+    steps = math.ceil(rows / rows_per_step)
+    return f"one epoch of {records:,} records: {steps:,} steps, {hours(steps * step_seconds)}"
 
 
 def hours(seconds: float) -> str:
@@ -42,4 +73,5 @@ def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
             "| part | seconds |", "| --- | ---: |", *(f"| {name} | {seconds:.2f} |" for name, seconds in rows),
             f"| **step** | **{time.total:.2f}** |",
             f"{tokens:,} tokens a step: {rate:,.0f} tokens/s, MFU {mfu:.0%} (6N FLOP a token); "
-            f"train.max_steps {cfg.train.max_steps}: {hours(cfg.train.max_steps * time.total)}"]
+            f"train.max_steps {cfg.train.max_steps}: {hours(cfg.train.max_steps * time.total)}",
+            epoch_line(cfg, time.total)]
