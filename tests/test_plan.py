@@ -201,7 +201,8 @@ def test_70b_plans_from_config_json_alone(plans_70b, recipe_plans):
     eight_b = lines[len(rows) + 4:]
     assert eight_b[eight_b.index("DOES NOT FIT") + 1].startswith("changes that make it fit")
     fixes = [line.strip()[2:] for line in eight_b if line.startswith("  - ")]
-    assert fixes[0].startswith("loss.chunked=true: ") and fixes[0].endswith(" GiB a GPU"), fixes
+    # each fix with its memory and its cost in speed (the chunked loss recomputes the output layer in backward)
+    assert re.fullmatch(r"loss\.chunked=true: [\d.]+ GiB a GPU, \+\d+% time a token", fixes[0]), fixes
     assert float(fixes[0].split(": ")[1].split()[0]) < 12
 
 

@@ -9,7 +9,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.plan.held import Held, meta_held
-from qlora_fsdp.plan.memory import GIB, plan
+from qlora_fsdp.plan.memory import GIB, Plan, gpu_spec, plan
+from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 
 # selective checkpointing scopes, least recompute first: element-wise ops only, then attention (about a fifth of a
 # Llama layer's matmul FLOPs), then the MLP, then the whole layer
@@ -62,9 +63,21 @@ def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, Co
     return out
 
 
+def time_cost(cfg: Config, base: Plan, changed: Config, result: Plan) -> str:
+    """", +12% time a token": what the change costs in speed against the recipe as written (per token, since a
+    smaller micro-batch or context also changes the tokens of a step); empty where the GPU has no rates."""
+    gpu = gpu_spec(cfg)
+    if not gpu.bf16_tflops or not gpu.memory_gbps or base.step is None or result.step is None:
+        return ""
+    before = recipe_time(cfg, base.step).total / step_tokens(cfg)
+    after = recipe_time(changed, result.step).total / step_tokens(changed)
+    return f", {after / before - 1:+.0%} time a token"
+
+
 def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bool = False) -> list[str]:
-    """Each single change that makes a misfit fit, with the total it gives."""
+    """Each single change that makes a misfit fit, with the total it gives and its cost in speed."""
     found = []
+    base = plan(cfg, held)
     for label, changed in variants(cfg, batch_from_target):
         same_shapes = changed.lora.r == cfg.lora.r  # only the rank changes what is allocated
         try:
@@ -72,5 +85,5 @@ def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bo
         except ConfigError:  # a lever this architecture lacks (a sub-layer scope it has no module for)
             continue
         if result.fits:
-            found.append(f"{label}: {result.gpu_total / GIB:.1f} GiB a GPU")
+            found.append(f"{label}: {result.gpu_total / GIB:.1f} GiB a GPU{time_cost(cfg, base, changed, result)}")
     return found
