@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import io
 import json
@@ -47,8 +48,10 @@ from qlora_fsdp.model.attention import (
 )
 from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.plan.hardware import GPUS, detect_gpu
 from qlora_fsdp.plan.held import held_bytes
 from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, plan
+from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
 from qlora_fsdp.training.loop import accumulate_gradients
@@ -409,9 +412,10 @@ def one_gpu_70b_offload(ctx: Context) -> list[Row]:
 # ---- 5. memory_levers -------------------------------------------------------------------------------------
 
 # (label, overrides): each lever against the recipe's default (chunked loss, every layer checkpointed)
+DEFAULT_LEVER = "chunked loss (default)"
 LEVERS = [
     ("full logits", ["loss.chunked=false"]),
-    ("chunked loss (default)", []),
+    (DEFAULT_LEVER, []),
     ("+ activation offload", ["activation_checkpointing.offload=true"]),
     ("selective: per operator", ["activation_checkpointing.scope=ops"]),
     ("selective: MLP only", ["activation_checkpointing.scope=mlp"]),
@@ -437,8 +441,16 @@ def lever_row(ctx: Context, label: str, overrides: list[str]) -> dict[str, Any]:
         reset_memory_peaks(info.device)
         times = train_steps(model, cfg, info, steps=2)
         measured = gpu_memory(ctx.device)
-        if measured:  # the planner's peak for the same setting (its measured step runs in a child process)
-            planned = plan_allocated(plan(cfg, held_bytes(model, cfg))) / GIB
+        # the planner's peak and tokens/s for the same setting on this GPU (its measured step runs in a child
+        # process); on the CPU one setting, priced on the recipe's GPU, so that the dry run runs this path
+        if measured or label == DEFAULT_LEVER:
+            gpu = detect_gpu(ctx.device) or cfg.hardware.gpu
+            planned_run = plan(dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpu=gpu)),
+                               held_bytes(model, cfg))
+            predicted = predicted_tokens_per_s(cfg, gpu, planned_run)
+            measured.update(predicted_tokens_per_s=predicted, predicted_on=gpu)
+        if "peak_allocated_gib" in measured:
+            planned = plan_allocated(planned_run) / GIB
             measured.update(plan_allocated_gib=planned, ratio=measured["peak_allocated_gib"] / planned)
     finally:
         del model
@@ -447,21 +459,35 @@ def lever_row(ctx: Context, label: str, overrides: list[str]) -> dict[str, Any]:
     return {"lever": label, "tokens_per_s": times.tokens_per_s(), "loss": times.losses[-1], **measured}
 
 
+def predicted_tokens_per_s(cfg: Config, gpu: str, planned: Plan) -> float | None:
+    """The step-time model's tokens/s for `cfg` on `gpu` (none for a GPU missing from the table)."""
+    if gpu not in GPUS or planned.step is None:
+        return None
+    on_gpu = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpu=gpu))
+    return step_tokens(on_gpu) / recipe_time(on_gpu, planned.step).total
+
+
 def memory_levers(ctx: Context) -> list[Row]:
     """What each memory lever saves on the device, and what it costs in tokens/s, measured one after another."""
     results = [lever_row(ctx, label, overrides) for label, overrides in LEVERS]
     for result in results:
         print(json.dumps(result), flush=True)
     if ctx.device.type != "cuda":
-        return [Row("memory_levers", "passed", f"CPU smoke run: {len(results)} settings trained two steps each; "
+        default = next(r for r in results if r["lever"] == DEFAULT_LEVER)
+        priced = default.get("predicted_tokens_per_s") is not None
+        return [Row("memory_levers", "passed" if priced else "failed",
+                    f"CPU smoke run: {len(results)} settings trained two steps each; the default setting priced at "
+                    f"{default.get('predicted_tokens_per_s') or 0:,.0f} tokens/s on {default.get('predicted_on')}; "
                     "no GPU figures", {"settings": results})]
     rows = []
     for result in results:
         figures = {k: v for k, v in result.items() if k != "lever"}
+        predicted = result.get("predicted_tokens_per_s")
+        speed = f", predicted {predicted:,.0f} on {result['predicted_on']}" if predicted else ""
         rows.append(Row(f"memory_levers: {result['lever']}", "info",
                         f"peak allocated {result['peak_allocated_gib']:.2f} GiB (plan "
                         f"{result['plan_allocated_gib']:.2f}, "
-                        f"ratio {result['ratio']:.2f}), {result['tokens_per_s']:,.0f} tokens/s", figures))
+                        f"ratio {result['ratio']:.2f}), {result['tokens_per_s']:,.0f} tokens/s{speed}", figures))
     return rows
 
 
