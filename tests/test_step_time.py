@@ -62,12 +62,12 @@ def test_the_fake_step_counts_the_models_work(tmp_path):
     forward, backward = counted["0 forward"], counted["0 backward"]
     assert forward["matmul_flops"] == 2 * TOKENS * (base + lora)
     assert forward["dequant_elements"] == base and backward["dequant_elements"] == 2 * base - first_qkv
-    # at least the base's recompute and input gradients, and the LoRA matrices' recompute; at most that plus
-    # the LoRA matrices' input and weight gradients (the hand count of those is not reconciled yet: see
-    # docs/benchmarks.md)
-    base_backward = 2 * TOKENS * (2 * base - first_qkv)
-    assert base_backward + 2 * TOKENS * lora <= backward["matmul_flops"]
-    assert backward["matmul_flops"] <= base_backward + 2 * TOKENS * (5 * lora - first_qkv_lora_a)
+    # the base: recompute + input gradients, exactly; LoRA: recompute, then the weight and the input gradients of
+    # A and B (3 x the forward's), less the input gradients autograd prunes: the count is within 2% of that hand
+    # count (it finds two more A input gradients skipped, 8,192 x 2T of 427,008 x 2T, not identified yet)
+    lora_backward = backward["matmul_flops"] - 2 * TOKENS * (2 * base - first_qkv)
+    hand_count = 2 * TOKENS * (3 * lora - first_qkv_lora_a)
+    assert 0.98 * hand_count <= lora_backward <= hand_count
     assert forward["layers"] == backward["layers"] == LAYERS
     assert forward["attention_flops"] > 0 and backward["attention_flops"] > forward["attention_flops"]
     assert forward["gather_bytes"] > 0 and counted["0 backward"]["scatter_bytes"] > 0
