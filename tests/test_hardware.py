@@ -24,7 +24,9 @@ REPORTED = {
     "NVIDIA A100-SXM4-40GB": "a100-40gb",
     "NVIDIA RTX 6000 Ada Generation": "rtx6000ada",
     "Quadro RTX 6000": None,  # Turing, not the Ada card
-    "NVIDIA RTX A6000": None,
+    "NVIDIA RTX A6000": "rtxa6000",  # Ampere, not the Ada card
+    "NVIDIA RTX A5000": "rtxa5000",
+    "NVIDIA GeForce RTX 5090": "rtx5090",
     "Tesla T4": "t4",  # Turing: no bf16, so `auto` trains in float16
     "Tesla V100-SXM2-16GB": "v100-16gb",
     "Tesla V100-PCIE-16GB": "v100-16gb",
