@@ -19,8 +19,8 @@ REPORTED = {
     "NVIDIA GeForce RTX 4090": "rtx4090",
     "NVIDIA GeForce RTX 3090": "rtx3090",
     "NVIDIA A100-SXM4-80GB": "a100-80gb",
-    "NVIDIA A100 80GB PCIe": "a100-80gb",
-    "NVIDIA A100-PCIE-40GB": "a100-40gb",
+    "NVIDIA A100 80GB PCIe": "a100-80gb-pcie",  # no NVLink: collectives cross PCIe
+    "NVIDIA A100-PCIE-40GB": "a100-40gb-pcie",
     "NVIDIA A100-SXM4-40GB": "a100-40gb",
     "NVIDIA RTX 6000 Ada Generation": "rtx6000ada",
     "Quadro RTX 6000": None,  # Turing, not the Ada card

@@ -48,6 +48,8 @@ GPUS = {
     "l40s": GPU(45.0, 362.0, memory_gbps=864),
     "a100-40gb": GPU(40.0, 312.0, memory_gbps=1555, nvlink_gbps=300),  # SXM
     "a100-80gb": GPU(80.0, 312.0, memory_gbps=2039, nvlink_gbps=300),  # SXM
+    "a100-40gb-pcie": GPU(40.0, 312.0, memory_gbps=1555),
+    "a100-80gb-pcie": GPU(80.0, 312.0, memory_gbps=1935),
     "h100": GPU(79.6, 989.0, memory_gbps=3350, pcie_gen=5, nvlink_gbps=450),  # SXM
     "h100-pcie": GPU(79.6, 756.0, memory_gbps=2000, pcie_gen=5),
     "h100-nvl": GPU(93.6, 835.0, memory_gbps=3900, pcie_gen=5),
@@ -62,7 +64,8 @@ GPUS = {
 # words of torch.cuda.get_device_name -> table key, most specific first; whole words, since "L4" is inside
 # "L40S" and "H100" inside "H100 PCIe"
 NAME_HINTS = ((("H100", "NVL"), "h100-nvl"), (("H100", "PCIE"), "h100-pcie"), (("H100",), "h100"),
-              (("H200",), "h200"), (("A100", "80GB"), "a100-80gb"), (("A100",), "a100-40gb"),
+              (("H200",), "h200"), (("A100", "80GB", "PCIE"), "a100-80gb-pcie"), (("A100", "80GB"), "a100-80gb"),
+              (("A100", "PCIE"), "a100-40gb-pcie"), (("A100",), "a100-40gb"),
               (("L40S",), "l40s"), (("L40",), "l40"), (("L4",), "l4"), (("4090",), "rtx4090"),
               (("3090",), "rtx3090"), (("5090",), "rtx5090"), (("6000", "ADA"), "rtx6000ada"),
               (("A5000",), "rtxa5000"), (("A6000",), "rtxa6000"), (("T4",), "t4"),
