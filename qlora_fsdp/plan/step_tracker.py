@@ -28,7 +28,7 @@ from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.model.build import decoder_layers
 from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.model.pair_loss import PairCounts, PairLoss
-from qlora_fsdp.plan.op_work import Work, op_work
+from qlora_fsdp.plan.op_work import GEMM_4BIT, Work, op_work
 from qlora_fsdp.training.loop import backward_micro_batch, set_gradient_sync
 from qlora_fsdp.training.optimizer import ShardedOptimizer
 
@@ -36,7 +36,6 @@ TOTAL = "Total"
 GATHERED = frozenset({"Unsharded Param", "All Gather"})  # FSDP2's gathered layers and their all-gather buffers
 GRADIENTS = frozenset({"Unsharded Grad", "Sharded Grad", "Reduce Scatter", "Gradient"})
 HOST_UNDER_OFFLOAD = frozenset({"Sharded Param", "Sharded Grad", "OptState"})  # FSDP2's CPUOffloadPolicy
-GEMM_4BIT = torch.ops.bitsandbytes.gemm_4bit.default
 
 
 @dataclass(frozen=True)
