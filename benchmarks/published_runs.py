@@ -45,7 +45,8 @@ def row_config(row: dict[str, Any]) -> Config:
 
 def predicted(row: dict[str, Any], cfg: Config, step: StepMemory, efficiency: float) -> dict[str, float]:
     """The row's figure as the model predicts it (seconds for its samples, or tokens/s), and the step's split."""
-    time = step_time(step, cfg.data.grad_accum_steps, gpu_spec(cfg), cfg.fsdp.cpu_offload, efficiency)
+    time = step_time(step, cfg.data.grad_accum_steps, gpu_spec(cfg), cfg.fsdp.cpu_offload, efficiency,
+                     cfg.hardware.host_memory_gbps)
     rows_per_step = cfg.data.micro_batch * cfg.data.grad_accum_steps * cfg.hardware.world_size
     figure = row["samples"] / rows_per_step * time.total if "seconds" in row \
         else rows_per_step * cfg.data.context_length / time.total

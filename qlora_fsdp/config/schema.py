@@ -243,6 +243,9 @@ class HardwareConfig:
     nodes: int = 1
     gpu_memory_gib: float | None = None  # None: the table's figure for `gpu`
     host_ram_gib: float | None = None  # per node; None: not checked
+    # what an optimizer step on offloaded shards streams host memory at, for --plan's step time (a desktop's
+    # dual-channel DDR4/DDR5 peaks at 50-90 GB/s; one process's update reaches a fraction of it)
+    host_memory_gbps: float = 20.0
 
     @property
     def world_size(self) -> int:

@@ -36,8 +36,6 @@ MEMORY_EFFICIENCY = 0.8
 # a PCIe link carries 256-byte payloads in TLPs of about 280 bytes (0.91), less flow-control and acknowledgement
 # packets and DMA read-request round trips: about 0.8 of the signalling rate reaches the copy
 LINK_EFFICIENCY = 0.8
-# host memory bandwidth an optimizer step on offloaded shards streams at (one socket's DDR4/DDR5, GB/s)
-HOST_MEMORY_GBPS = 20.0
 
 
 @dataclass(frozen=True)
@@ -51,10 +49,10 @@ class Rates:
     host_memory: float
 
     @classmethod
-    def of(cls, gpu: GPU, matmul_efficiency: float = MATMUL_EFFICIENCY) -> Rates:
+    def of(cls, gpu: GPU, matmul_efficiency: float = MATMUL_EFFICIENCY, host_memory_gbps: float = 20.0) -> Rates:
         return cls(gpu.bf16_tflops * 1e12 * matmul_efficiency, gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY,
                    gpu.pcie_gbps * 1e9 * LINK_EFFICIENCY, gpu.nvlink_gbps * 1e9 * LINK_EFFICIENCY,
-                   HOST_MEMORY_GBPS * 1e9)
+                   host_memory_gbps * 1e9)
 
 
 @dataclass
@@ -113,10 +111,10 @@ def matmul_efficiency(gpu_name: str) -> float:
 
 
 def step_time(step: StepMemory, accumulation: int, gpu: GPU, offload: bool,
-              matmul_efficiency: float = MATMUL_EFFICIENCY) -> StepTime:
+              matmul_efficiency: float = MATMUL_EFFICIENCY, host_memory_gbps: float = 20.0) -> StepTime:
     """One optimizer step: the measured micro-batches (the first stands for every one but the last, which syncs
-    gradients), then the update."""
-    rates = Rates.of(gpu, matmul_efficiency)
+    gradients), then the update (on offloaded shards: at `host_memory_gbps`, hardware.host_memory_gbps)."""
+    rates = Rates.of(gpu, matmul_efficiency, host_memory_gbps)
     measured = min(accumulation, MICRO_BATCHES)  # micro-batch `measured` is the update
     times = {0: accumulation - 1, 1: 1} if measured > 1 else {0: 1}
     times[measured] = 1

@@ -14,7 +14,7 @@ from qlora_fsdp.plan.step_tracker import StepMemory
 
 def recipe_time(cfg: Config, step: StepMemory) -> StepTime:
     return step_time(step, cfg.data.grad_accum_steps, gpu_spec(cfg), cfg.fsdp.cpu_offload,
-                     matmul_efficiency(cfg.hardware.gpu))
+                     matmul_efficiency(cfg.hardware.gpu), cfg.hardware.host_memory_gbps)
 
 
 def step_tokens(cfg: Config) -> int:
