@@ -445,9 +445,9 @@ def lever_row(ctx: Context, label: str, overrides: list[str]) -> dict[str, Any]:
         # process); on the CPU one setting, priced on the recipe's GPU, so that the dry run runs this path
         if measured or label == DEFAULT_LEVER:
             gpu = detect_gpu(ctx.device) or cfg.hardware.gpu
-            planned_run = plan(dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpu=gpu)),
-                               held_bytes(model, cfg))
-            predicted = predicted_tokens_per_s(cfg, gpu, planned_run)
+            on_gpu = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpu=gpu))
+            planned_run = plan(on_gpu, held_bytes(model, cfg))
+            predicted = predicted_tokens_per_s(on_gpu, planned_run)
             measured.update(predicted_tokens_per_s=predicted, predicted_on=gpu)
         if "peak_allocated_gib" in measured:
             planned = plan_allocated(planned_run) / GIB
@@ -459,12 +459,11 @@ def lever_row(ctx: Context, label: str, overrides: list[str]) -> dict[str, Any]:
     return {"lever": label, "tokens_per_s": times.tokens_per_s(), "loss": times.losses[-1], **measured}
 
 
-def predicted_tokens_per_s(cfg: Config, gpu: str, planned: Plan) -> float | None:
-    """The step-time model's tokens/s for `cfg` on `gpu` (none for a GPU missing from the table)."""
-    if gpu not in GPUS or planned.step is None:
+def predicted_tokens_per_s(cfg: Config, planned: Plan) -> float | None:
+    """The step-time model's tokens/s for `cfg` on its hardware.gpu (none for a GPU missing from the table)."""
+    if cfg.hardware.gpu not in GPUS or planned.step is None:
         return None
-    on_gpu = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpu=gpu))
-    return step_tokens(on_gpu) / recipe_time(on_gpu, planned.step).total
+    return step_tokens(cfg) / recipe_time(cfg, planned.step).total
 
 
 def memory_levers(ctx: Context) -> list[Row]:

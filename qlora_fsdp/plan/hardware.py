@@ -24,6 +24,11 @@ class GPU:
     peer_to_peer: bool = True  # PCIe peer-to-peer; GeForce cards have it off: NCCL goes through host memory
 
     @property
+    def priced(self) -> bool:
+        """The table has what the step-time model prices a step with (not the CPU)."""
+        return bool(self.bf16_tflops and self.memory_gbps)
+
+    @property
     def pcie_gbps(self) -> float:
         """The link's signalling rate each way, after line coding (8b/10b to gen 2, 128b/130b from gen 3)."""
         per_lane = {3: 8.0, 4: 16.0, 5: 32.0}[self.pcie_gen] * 128 / 130 / 8

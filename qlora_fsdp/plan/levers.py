@@ -66,8 +66,7 @@ def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, Co
 def time_cost(cfg: Config, base: Plan, changed: Config, result: Plan) -> str:
     """", +12% time a token": what the change costs in speed against the recipe as written (per token, since a
     smaller micro-batch or context also changes the tokens of a step); empty where the GPU has no rates."""
-    gpu = gpu_spec(cfg)
-    if not gpu.bf16_tflops or not gpu.memory_gbps or base.step is None or result.step is None:
+    if not gpu_spec(cfg).priced or base.step is None or result.step is None:
         return ""
     before = recipe_time(cfg, base.step).total / step_tokens(cfg)
     after = recipe_time(changed, result.step).total / step_tokens(changed)

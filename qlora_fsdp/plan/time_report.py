@@ -56,7 +56,7 @@ def hours(seconds: float) -> str:
 def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
     """The table of the step's time and the run's, for a GPU recipe (none on the CPU: no rates to price with)."""
     gpu = gpu_spec(cfg)
-    if not gpu.bf16_tflops or not gpu.memory_gbps:
+    if not gpu.priced:
         return []
     time = recipe_time(cfg, step)
     tokens = step_tokens(cfg)
