@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
+from qlora_fsdp.config import load_config
 from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.plan.fake_step import plans_reference_forward
 from qlora_fsdp.plan.recipe_table import HEADER, readme_table, recipe_names
 from qlora_fsdp.training.loop import accumulate_gradients
 from tests import background
@@ -275,3 +277,8 @@ def test_every_shipped_recipe_plans_its_time(recipe_plans):
         assert float(hours) == pytest.approx(int(max_steps) * step / per_unit, abs=printed), name
         assert f"| {rate} |" in got["row"]  # the README's table shows it
         assert re.search(r"^one epoch of [\d,]+ records: ", report, re.M), name
+        cfg = load_config(name)
+        flops = 8 if plans_reference_forward(cfg) else 6  # DPO's reference forward each micro-batch: 2N more
+        assert f"({flops}N FLOP a token)" in report, name
+        link = "PCIe 4.0 x16, no peer-to-peer: collectives through host memory" if "4090" in name else "PCIe"
+        assert re.search(rf"^time per optimizer step on \d+ x {cfg.hardware.gpu} \({link}", report, re.M), name

@@ -27,7 +27,9 @@ from tests.test_step_memory import architecture, step_config
 background.register("published_runs", [sys.executable, "-m", "benchmarks.published_runs", "--json"],
                     {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
 # the runs the model misses by more than 25%, and why: a step this small (7B, one row a GPU, on 3090s) took 2.1 s
-# at 512 tokens and 3.1 s at 2,048 in Answer.AI's loop, a per-step cost that does not scale with the work
+# at 512 tokens and 3.1 s at 2,048 in Answer.AI's loop; the rig's PCIe 3.0 x4 gathers explain 1.3 s of it, and
+# about 0.8 s a step that does not scale with the work is not modelled (the source's prose gives 550 s and 800 s
+# for these two runs, its table 1,082 s and 1,564 s)
 KNOWN_MISSES = {"answerai 2x3090 llama-2-7b 512 bs1", "answerai 2x3090 llama-2-7b 2048 bs1"}
 
 LAYERS, HIDDEN, KV, INTERMEDIATE, RANK, TOKENS = 2, 256, 128, 672, 16, 256
@@ -100,6 +102,23 @@ def test_published_runs_are_predicted_within_a_quarter(published_runs):
     assert missed == KNOWN_MISSES, {r["id"]: round(r["ratio"], 2) for r in rows if r["id"] in missed}
     judged = [r for r in rows if not r["fit"] and r["id"] not in KNOWN_MISSES]
     assert len(judged) >= 10
+
+
+def test_a_recipe_names_its_pcie_slots():
+    """hardware.pcie_gen and hardware.pcie_lanes override the card's link (a desktop's second slot at x4 carries
+    FSDP's gathers at an eighth of x16 gen 4); a slot that does not exist is refused with the valid ones."""
+    from qlora_fsdp.config.loader import load_config
+    from qlora_fsdp.errors import ConfigError
+    from qlora_fsdp.plan.memory import gpu_spec
+
+    usual = gpu_spec(load_config("llama70b_2x4090"))
+    slow = gpu_spec(load_config("llama70b_2x4090", ["hardware.pcie_gen=3", "hardware.pcie_lanes=4"]))
+    assert (usual.pcie_gen, usual.pcie_lanes, slow.pcie_gen, slow.pcie_lanes) == (4, 16, 3, 4)
+    assert usual.pcie_gbps == pytest.approx(31.5, abs=0.01) and slow.pcie_gbps == pytest.approx(3.94, abs=0.01)
+    gathers = Work(gather_bytes=1e9)
+    assert link_seconds(gathers, Rates.of(slow))[0] == pytest.approx(8 * link_seconds(gathers, Rates.of(usual))[0])
+    with pytest.raises(ConfigError, match="'hardware.pcie_lanes' must be one of 1, 2, 4, 8, 16 or null, got 6"):
+        load_config("llama70b_2x4090", ["hardware.pcie_lanes=6"])
 
 
 def test_transfers_hide_behind_compute_but_for_one_layer():

@@ -246,6 +246,10 @@ class HardwareConfig:
     # what an optimizer step on offloaded shards streams host memory at, for --plan's step time (a desktop's
     # dual-channel DDR4/DDR5 peaks at 50-90 GB/s; one process's update reaches a fraction of it)
     host_memory_gbps: float = 20.0
+    # the GPUs' PCIe slots, for --plan's step time; None: the card's own (`gpu`'s table entry). Two-GPU desktops
+    # often run x8/x8, or a chipset slot at x4: FSDP's gathers then cross a quarter of the link
+    pcie_gen: Literal[3, 4, 5] | None = None
+    pcie_lanes: Literal[1, 2, 4, 8, 16] | None = None
 
     @property
     def world_size(self) -> int:

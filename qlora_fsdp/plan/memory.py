@@ -74,8 +74,10 @@ def gpu_spec(cfg: Config) -> GPU:
     if cfg.hardware.gpu not in GPUS:
         raise ConfigError(f"unknown hardware.gpu '{cfg.hardware.gpu}': choose one of {', '.join(GPUS)} "
                           "(or the nearest, with hardware.gpu_memory_gib set)")
-    spec = GPUS[cfg.hardware.gpu]
-    return dataclasses.replace(spec, memory_gib=cfg.hardware.gpu_memory_gib or spec.memory_gib)
+    spec, hardware = GPUS[cfg.hardware.gpu], cfg.hardware
+    return dataclasses.replace(spec, memory_gib=hardware.gpu_memory_gib or spec.memory_gib,
+                               pcie_gen=hardware.pcie_gen or spec.pcie_gen,
+                               pcie_lanes=hardware.pcie_lanes or spec.pcie_lanes)
 
 
 def resident_rows(held: Held, cfg: Config) -> list[Row]:

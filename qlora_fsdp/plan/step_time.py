@@ -28,8 +28,8 @@ PIPELINED_PARTS = ("forward", "backward")
 # (sustained clocks under the power limit: a 4090 boosts past its rated clock, a 300 W RTX 6000 Ada stays far
 # below it), so it is fitted per GPU on the `fit` half of the published runs (benchmarks/data/published_runs.json)
 # and judged on the other half; a GPU without published runs takes the fit over all of them
-MATMUL_EFFICIENCY = 0.745
-GPU_MATMUL_EFFICIENCY = {"rtx3090": 0.745, "rtx4090": 0.995, "rtxa5000": 0.5, "rtx6000ada": 0.265,
+MATMUL_EFFICIENCY = 0.76
+GPU_MATMUL_EFFICIENCY = {"rtx3090": 0.76, "rtx4090": 0.995, "rtxa5000": 0.5, "rtx6000ada": 0.265,
                          "a100-40gb": 0.77, "h100": 0.435}
 # streaming kernels reach about 80% of DRAM bandwidth (read/write turnarounds, refresh)
 MEMORY_EFFICIENCY = 0.8

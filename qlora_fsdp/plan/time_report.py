@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 
 from qlora_fsdp.config import Config
+from qlora_fsdp.plan.fake_step import plans_reference_forward
+from qlora_fsdp.plan.hardware import GPU
 from qlora_fsdp.plan.held import Held
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import StepTime, matmul_efficiency, step_time
@@ -53,6 +55,14 @@ def hours(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
+def link_description(gpu: GPU) -> str:
+    """The links the collectives and copies cross (hardware.pcie_gen and hardware.pcie_lanes override the card's)."""
+    pcie = f"PCIe {gpu.pcie_gen}.0 x{gpu.pcie_lanes}"
+    if gpu.nvlink_gbps:
+        return f"NVLink {gpu.nvlink_gbps:.0f} GB/s each way, {pcie} to the host"
+    return pcie if gpu.peer_to_peer else f"{pcie}, no peer-to-peer: collectives through host memory"
+
+
 def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
     """The table of the step's time and the run's, for a GPU recipe (none on the CPU: no rates to price with)."""
     gpu = gpu_spec(cfg)
@@ -61,17 +71,20 @@ def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
     time = recipe_time(cfg, step)
     tokens = step_tokens(cfg)
     rate = tokens / time.total
-    mfu = rate * 6 * held.base_parameters / (gpu.bf16_tflops * 1e12 * cfg.hardware.world_size)
+    flops_per_token = 8 if plans_reference_forward(cfg) else 6  # DPO's reference forward: 2N more, as training counts
+    mfu = rate * flops_per_token * held.base_parameters / (gpu.bf16_tflops * 1e12 * cfg.hardware.world_size)
     rows = [("matmuls (each on the roofline: FLOPs or bytes, whichever is slower)", time.matmul),
             ("attention", time.attention), ("element-wise ops (bytes read and written)", time.elementwise),
             ("4-bit dequantization", time.dequant),
             ("collectives on their own (all-gather, reduce-scatter)", time.collectives),
             ("host<->GPU copies on their own (offload)", time.copies), ("optimizer update", time.optimizer),
             ("transfers left exposed after overlapping the compute", time.exposed)]
-    return ["", f"time per optimizer step on {cfg.hardware.world_size} x {cfg.hardware.gpu} (predicted from the "
-                "step's counted work; docs/benchmarks.md compares the model with published runs):",
+    unpriced = "; the network between nodes is not priced: optimistic" if cfg.hardware.nodes > 1 else ""
+    return ["", f"time per optimizer step on {cfg.hardware.world_size} x {cfg.hardware.gpu} ({link_description(gpu)}"
+                f"{unpriced}), predicted from the step's counted work (docs/benchmarks.md compares the model with "
+                "published runs):",
             "| part | seconds |", "| --- | ---: |", *(f"| {name} | {seconds:.2f} |" for name, seconds in rows),
             f"| **step** | **{time.total:.2f}** |",
-            f"{tokens:,} tokens a step: {rate:,.0f} tokens/s, MFU {mfu:.0%} (6N FLOP a token); "
+            f"{tokens:,} tokens a step: {rate:,.0f} tokens/s, MFU {mfu:.0%} ({flops_per_token}N FLOP a token); "
             f"train.max_steps {cfg.train.max_steps}: {hours(cfg.train.max_steps * time.total)}",
             epoch_line(cfg, time.total)]
