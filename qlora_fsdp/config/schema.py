@@ -51,6 +51,12 @@ class LoraConfig:
     use_dora: bool = False
     use_rslora: bool = False  # rank-stabilized: scale the update by alpha/sqrt(r) instead of alpha/r
     dtype: DType = "float32"  # trainable weights; fp32 keeps small updates from rounding away
+    # q/k/v and gate/up, which read the same input: one cast of it and one matmul by their A matrices stacked
+    fuse_projections: bool = True
+    # the LoRA matmuls' dtype: `weights` (PEFT's: the input cast up to lora.dtype), or `base` (the base layer's
+    # output dtype, bf16 on a GPU: the weights are cast down on the way in, their gradients and the optimizer
+    # stay in lora.dtype)
+    compute_dtype: Literal["weights", "base"] = "weights"
 
 
 @dataclass

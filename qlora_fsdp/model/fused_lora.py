@@ -1,0 +1,149 @@
+"""LoRA projections that read the same input, run as one: q/k/v and gate/up.
+
+PEFT runs each LoRA linear on its own: it casts the input to the adapter's dtype and multiplies by that
+projection's A, so q, k and v cast the same activations three times and run three thin matmuls. Here the
+projections of a group cast their shared input once and multiply it by their A matrices stacked (one matmul
+with r_q + r_k + r_v outputs), and each then applies its own B and scaling. Autograd's backward of the stack and
+split gives each A its own gradient and sums the input's gradient in one matmul.
+
+The parameters and the modules stay PEFT's own (only their `forward` is replaced), so checkpoints, the saved
+adapter, merge and generate are unchanged. `lora.compute_dtype: base` further runs the LoRA matmuls in the
+dtype of the base layer's output (the fp32 weights cast on the way in, their gradients fp32), as the HF
+Trainer does under bf16 autocast.
+
+A projection falls back to PEFT's forward where the fusion does not apply: adapters disabled (DPO's reference
+forward) or merged, several adapters, per-call adapter names. With dropout on in training each projection
+draws its own mask, so each casts and multiplies on its own, as in PEFT.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import peft
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qlora_fsdp.config import LoraConfig
+
+# leaf names of LoRA targets that a model calls with the same input, in each family's call order
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+LoraLinear = peft.tuners.lora.LoraLayer
+
+
+class SharedInput:
+    """One group's A projections of the input it was last called with, until each member has taken its own."""
+
+    def __init__(self, members: list[Any], compute_in_base_dtype: bool) -> None:
+        self.members = members
+        self.compute_in_base_dtype = compute_in_base_dtype
+        self.input: torch.Tensor | None = None
+        self.cast: torch.Tensor | None = None
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def lora_dtype(self, member: Any, adapter: str, result_dtype: torch.dtype) -> torch.dtype:
+        """The base layer's output dtype (lora.compute_dtype: base), else the adapter weights' (PEFT's cast)."""
+        return result_dtype if self.compute_in_base_dtype else member.lora_A[adapter].weight.dtype
+
+    def project(self, x: torch.Tensor, adapter: str, dtype: torch.dtype) -> None:
+        """Cast x once and multiply it by the members' A matrices stacked; split the product per member."""
+        weights = [member.lora_A[adapter].weight.to(dtype) for member in self.members]
+        stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
+        self.input, self.cast = x, cast_input(x, dtype)
+        parts = F.linear(self.cast, stacked).split([w.shape[0] for w in weights], dim=-1)
+        self.outputs = dict(enumerate(parts))
+
+    def take(self, index: int, x: torch.Tensor, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the cast input, this member's A product); an input not seen before, or seen by this member already
+        (a recompute, a second call), projects again."""
+        if self.input is not x or self.cast is None or self.cast.dtype != dtype or index not in self.outputs:
+            self.project(x, adapter, dtype)
+        assert self.cast is not None
+        cast, output = self.cast, self.outputs.pop(index)
+        if not self.outputs:  # every member has its part: hold no reference to this input any longer
+            self.input = self.cast = None
+        return cast, output
+
+
+def cast_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype or torch.is_autocast_enabled() else x.to(dtype)
+
+
+class PrecomputedA(nn.Module):
+    """DoRA's lora_A as DoRA's forward sees it: the shared matmul's part for the input, the real product for
+    anything else (DoRA multiplies an identity through A and B to get the update's weight)."""
+
+    def __init__(self, lora_A: Any, x: torch.Tensor, output: torch.Tensor) -> None:
+        super().__init__()
+        self.inner, self.x, self.output = [lora_A], x, output  # a list: not registered as a submodule
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner[0].weight
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.output if inp is self.x else F.linear(inp, self.weight.to(inp.dtype))
+
+
+def fused_forward(module: Any, group: SharedInput, index: int, peft_forward: Callable[..., torch.Tensor],
+                  x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    adapters = [a for a in module.active_adapters if a in module.lora_A]
+    if module.disable_adapters or module.merged or len(adapters) != 1 or kwargs.get("adapter_names") is not None:
+        return peft_forward(x, *args, **kwargs)
+    adapter = adapters[0]
+    result = module.base_layer(x, *args, **kwargs)
+    dtype = group.lora_dtype(module, adapter, result.dtype)
+    lora_A, lora_B, scaling = module.lora_A[adapter], module.lora_B[adapter], module.scaling[adapter]
+    dropout = module.lora_dropout[adapter]
+    if module.training and not isinstance(dropout, nn.Identity) and dropout.p > 0:  # a mask per projection
+        cast = cast_input(x, dtype)
+        if adapter in module.lora_variant:
+            return dora_update(module, adapter, result, dropout(cast), lora_A, base_result=None)
+        return result + (F.linear(F.linear(dropout(cast), lora_A.weight.to(dtype)), lora_B.weight.to(dtype))
+                         * scaling).to(result.dtype)
+    cast, a_output = group.take(index, x, adapter, dtype)
+    if adapter in module.lora_variant:  # DoRA: its own forward, given A's product already made
+        return dora_update(module, adapter, result, cast, PrecomputedA(lora_A, cast, a_output), base_result=result)
+    return result + (F.linear(a_output, lora_B.weight.to(dtype)) * scaling).to(result.dtype)
+
+
+def dora_update(module: Any, adapter: str, result: torch.Tensor, x: torch.Tensor, lora_A: Any,
+                base_result: torch.Tensor | None) -> torch.Tensor:
+    """result plus DoRA's update, added in the update's dtype and cast back, as PEFT's DoRA variant does."""
+    update = module.lora_magnitude_vector[adapter](
+        x, lora_A=lora_A, lora_B=module.lora_B[adapter], scaling=module.scaling[adapter],
+        base_layer=module.get_base_layer(), base_result=base_result, adapter_name=adapter)
+    return (result + update).to(result.dtype)
+
+
+def fuse_lora_projections(model: nn.Module, lora: LoraConfig) -> int:
+    """Give every LoRA linear the shared-input forward (groups of one where no sibling shares its input);
+    the number of groups of two or more. With neither fusion nor the base dtype asked for, PEFT's forward stays."""
+    if not lora.fuse_projections and lora.compute_dtype == "weights":
+        return 0
+    fused = 0
+    for parent in model.modules():
+        children: dict[str, Any] = {name: child for name, child in parent.named_children()
+                                    if isinstance(child, LoraLinear)}
+        grouped: set[str] = set()
+        for names in SHARED_INPUT_GROUPS:
+            members = [n for n in names if n in children and lora.fuse_projections]
+            if len(members) > 1:
+                install(members, children, lora)
+                grouped.update(members)
+                fused += 1
+        for name in children.keys() - grouped:
+            install([name], children, lora)
+    return fused
+
+
+def install(names: list[str], children: dict[str, Any], lora: LoraConfig) -> None:
+    """The members' forward becomes the group's (an instance attribute: the class, PEFT's, is untouched)."""
+    members = [children[name] for name in names]
+    group = SharedInput(members, lora.compute_dtype == "base")
+    for index, member in enumerate(members):
+        peft_forward = type(member).forward.__get__(member)
+        member.forward = functools.partial(fused_forward, member, group, index, peft_forward)
