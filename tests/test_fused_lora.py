@@ -13,8 +13,14 @@ from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.model.fused_lora import SharedInput
 from qlora_fsdp.training.loop import accumulate_gradients
-from tests.helpers import batches, full_grads, relative_difference, run_ranks_sequence, tiny_config, \
-    variable_length_samples
+from tests.helpers import (
+    batches,
+    full_grads,
+    relative_difference,
+    run_ranks_sequence,
+    tiny_config,
+    variable_length_samples,
+)
 
 PAD = 2
 # (name, config sections): each run with lora.fuse_projections on and off
