@@ -13,10 +13,19 @@ Runs:
   was `group_by_length=True` before transformers 5)
 - train.py: packed rows, as many per step as carry the peer's samples per step on average; its default
   attention (`auto`: each sample attends within itself, no mask)
-- train.py with compiled decoder layers (`train.compile=true`, compile time included); and, with
-  `--runs ...,ours_dense`, with `model.attn_implementation=sdpa` (a block-diagonal mask over the row)
+- train.py with PEFT's unfused LoRA projections (`lora.fuse_projections=false`: each of q/k/v and gate/up casts
+  its input and runs its own A matmul), and with the LoRA matmuls in the activations' dtype
+  (`lora.compute_dtype=base`)
+- with `--runs`: train.py with compiled decoder layers (`ours_compiled`, compile time included) beside the
+  Trainer's `torch_compile=True` (`peer_compiled`); `ours_dense`: `model.attn_implementation=sdpa` (a
+  block-diagonal mask over the row)
 
-    python -m benchmarks.training_speed            # about 25 minutes on 2 cores
+Each run is repeated `--rounds` times, the runs alternating within a round (the machine drifts by 10%), and
+the table shows each run's median by time. `--model real` runs SmolLM2-135M-Instruct (the real model the tests
+use, scripts/make_real_model.py) in float32 instead of the 26.7M-parameter one in bf16.
+
+    python -m benchmarks.training_speed                         # about 65 minutes on 2 cores
+    python -m benchmarks.training_speed --model real --records 300
 """
 
 from __future__ import annotations
@@ -48,12 +57,18 @@ SETTINGS: dict[str, Any] = {"lr": 2e-3, "warmup_steps": 3, "r": 16, "alpha": 32,
 MODEL = TinyModelSpec(hidden_size=512, layers=8, intermediate_size=1408, attention_heads=8, kv_heads=2,
                       init_std=0.05, vocab_size=4096)
 RUNS = {"peer": "HF Trainer + PEFT (peer, padded)", "peer_grouped": "HF Trainer + PEFT, group_by_length",
-        "ours": "train.py: packed, per-sample attention (its defaults)",
+        "peer_compiled": "HF Trainer + PEFT, group_by_length, `torch_compile=True`",
+        "ours": "train.py: packed, per-sample attention, fused LoRA projections (its defaults)",
+        "ours_unfused": "train.py: the same, `lora.fuse_projections=false` (PEFT's LoRA forward)",
+        "ours_base_dtype": "train.py: the same, `lora.compute_dtype=base`",
         "ours_compiled": "train.py: the same, `train.compile=true`", "ours_dense": "train.py: packed, dense mask"}
-OUR_SETTINGS = {"ours": ["model.attn_implementation=auto", "train.compile=false"],
+OUR_DEFAULTS = ["model.attn_implementation=auto", "train.compile=false"]
+OUR_SETTINGS = {"ours": OUR_DEFAULTS, "ours_unfused": [*OUR_DEFAULTS, "lora.fuse_projections=false"],
+                "ours_base_dtype": [*OUR_DEFAULTS, "lora.compute_dtype=base"],
                 "ours_compiled": ["model.attn_implementation=auto", "train.compile=true"],
                 "ours_dense": ["model.attn_implementation=sdpa", "train.compile=false"]}
-DEFAULT_RUNS = "peer,peer_grouped,ours,ours_compiled"
+DEFAULT_RUNS = "peer,peer_grouped,ours,ours_unfused,ours_base_dtype"
+REAL_MODEL = REPO / "models" / "smollm2-135m-instruct"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +81,13 @@ class Plan:
     steps: int
     rows_per_micro_batch: int
     accum_steps: int
+    dtype: str = "bfloat16"  # of the model and its compute, for every run
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         fields = json.loads(text)
         return cls(Path(fields["train"]), Path(fields["held_out"]), Path(fields["model"]), int(fields["steps"]),
-                   int(fields["rows_per_micro_batch"]), int(fields["accum_steps"]))
+                   int(fields["rows_per_micro_batch"]), int(fields["accum_steps"]), fields["dtype"])
 
 
 def token_lengths(model: Path, data_file: Path) -> list[int]:
@@ -107,12 +123,17 @@ def micro_batching(rows_per_step: int) -> tuple[int, int]:
     return 1, rows_per_step
 
 
-def prepare(work: Path, records: int, eval_records: int, seed: int) -> Plan:
+def prepare(work: Path, records: int, eval_records: int, seed: int, real: bool) -> Plan:
     pool = generate(records * 2 + eval_records, seed)
     write(work / "pool.jsonl", pool[eval_records:])
     write(work / "held_out.jsonl", pool[:eval_records])
-    model = work / "bench-llama"
-    write_tiny_model(model, work / "pool.jsonl", MODEL)
+    if real:  # float32: bf16 has no hardware on this CPU (DESIGN.md)
+        from qlora_fsdp.tools.real_model import make_real_model
+
+        model, dtype = make_real_model(REAL_MODEL), "float32"
+    else:
+        model, dtype = work / "bench-llama", "bfloat16"
+        write_tiny_model(model, work / "pool.jsonl", MODEL)
     lengths = token_lengths(model, work / "pool.jsonl")
     n, per_step, steps = matching_split(lengths, records)
     write(work / "train.jsonl", pool[eval_records : eval_records + n])
@@ -120,7 +141,7 @@ def prepare(work: Path, records: int, eval_records: int, seed: int) -> Plan:
     rows, accum = micro_batching(per_step)
     print(f"{n} training records, {eval_records} held out; one epoch: {steps} optimizer steps of {PEER_MICRO_BATCH} x "
           f"{PEER_ACCUM} samples (peers) or {rows} x {accum} packed rows of {CONTEXT} tokens (train.py)")
-    return Plan(work / "train.jsonl", work / "held_out.jsonl", model, steps, rows, accum)
+    return Plan(work / "train.jsonl", work / "held_out.jsonl", model, steps, rows, accum, dtype)
 
 
 def print_lengths(lengths: list[int]) -> None:
@@ -141,9 +162,9 @@ def print_lengths(lengths: list[int]) -> None:
 def run_ours(plan: Plan, out: Path, settings: list[str]) -> dict[str, Any]:
     from qlora_fsdp.api import train
 
-    # bf16 as the peers run (auto would pick float32 on a CPU without bf16 units)
-    overrides = [*settings, "model.dtype=bfloat16", "quant.compute_dtype=bfloat16", f"model.path={plan.model}",
-                 f"data.path={plan.train}",
+    # the peers' dtype (auto would pick float32 on a CPU without bf16 units)
+    overrides = [*settings, f"model.dtype={plan.dtype}", f"quant.compute_dtype={plan.dtype}",
+                 f"model.path={plan.model}", f"data.path={plan.train}",
                  f"data.eval_path={plan.held_out}", "data.eval_samples=100000", "data.packing=true",
                  f"data.context_length={CONTEXT}", f"data.micro_batch_size={plan.rows_per_micro_batch}",
                  f"data.grad_accum_steps={plan.accum_steps}", f"optim.lr={SETTINGS['lr']}",
@@ -158,7 +179,7 @@ def run_ours(plan: Plan, out: Path, settings: list[str]) -> dict[str, Any]:
             "eval_loss": summary["eval_loss_end"]}
 
 
-def run_peer(plan: Plan, out: Path, group_by_length: bool) -> dict[str, Any]:
+def run_peer(plan: Plan, out: Path, group_by_length: bool, compiled: bool = False) -> dict[str, Any]:
     """The Hugging Face Trainer with PEFT on the same NF4 model and the same token streams."""
     import datasets
     import torch
@@ -185,9 +206,10 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, SETTINGS["seed"])
     train_set = datasets.Dataset.from_dict({"input_ids": data.train["input_ids"], "labels": data.train["labels"]})
+    dtype = getattr(torch, plan.dtype)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
-    base = AutoModelForCausalLM.from_pretrained(plan.model, quantization_config=quant, dtype=torch.bfloat16)
+                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    base = AutoModelForCausalLM.from_pretrained(plan.model, quantization_config=quant, dtype=dtype)
     lora = LoraConfig(r=SETTINGS["r"], lora_alpha=SETTINGS["alpha"], target_modules="all-linear", task_type="CAUSAL_LM")
     peft_model = get_peft_model(base, lora)
     args = TrainingArguments(
@@ -196,7 +218,7 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool) -> dict[str, Any]:
         num_train_epochs=1, optim="paged_adamw_8bit", max_grad_norm=1.0, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=10, save_strategy="no",
         report_to=[], use_cpu=True, seed=SETTINGS["seed"], dataloader_num_workers=0,
-        train_sampling_strategy="group_by_length" if group_by_length else "random",
+        train_sampling_strategy="group_by_length" if group_by_length else "random", torch_compile=compiled,
     )
     positions = [0]
 
@@ -233,31 +255,42 @@ def run_isolated(which: str, plan: Plan, work: Path, threads: int) -> dict[str, 
 def run_one(which: str, plan: Plan, work: Path) -> dict[str, Any]:
     out = work / which
     if which.startswith("peer"):
-        figures = run_peer(plan, out, group_by_length=which == "peer_grouped")
+        figures = run_peer(plan, out, group_by_length=which != "peer", compiled=which == "peer_compiled")
     else:
         figures = run_ours(plan, out, OUR_SETTINGS[which])
     return {**figures, "peak_rss_gib": peak_rss_gib()}
 
 
-def print_table(results: dict[str, dict[str, Any]]) -> None:
-    print("\n| run | samples | steps | useful tokens | processed tokens | train time | useful tokens/s | samples/s "
-          "| final held-out loss | peak RSS |")
+def median_run(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round whose time is the median (the lower middle of an even count), with every round's time."""
+    ordered = sorted(rounds, key=lambda r: r["seconds"])
+    return {**ordered[(len(ordered) - 1) // 2], "all_seconds": [r["seconds"] for r in rounds]}
+
+
+def print_table(results: dict[str, dict[str, Any]], label: str) -> None:
+    print("\n| run | samples | steps | useful tokens | processed tokens | train time (median; every round) "
+          "| useful tokens/s | samples/s | final held-out loss | peak RSS |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
+        rounds = ", ".join(f"{t:.1f}" for t in r["all_seconds"])
         print(f"| {RUNS[name]} | {r['samples']:.0f} | {r['steps']} | {r['tokens']:,.0f} | {r['positions']:,.0f} "
-              f"({r['tokens'] / r['positions']:.0%} real) | {r['seconds']:.1f} s | {r['tokens'] / r['seconds']:,.0f} "
-              f"| {r['samples'] / r['seconds']:.2f} | {r['eval_loss']:.4f} | {r['peak_rss_gib']:.2f} GiB |")
+              f"({r['tokens'] / r['positions']:.0%} real) | {r['seconds']:.1f} s ({rounds}) "
+              f"| {r['tokens'] / r['seconds']:,.0f} | {r['samples'] / r['seconds']:.2f} | {r['eval_loss']:.4f} "
+              f"| {r['peak_rss_gib']:.2f} GiB |")
     rate = {name: r["tokens"] / r["seconds"] for name, r in results.items()}
     print()
-    if "ours_dense" in results:
-        print(f"per-sample attention vs dense mask (train.py): {rate['ours'] / rate['ours_dense']:.2f}x")
-    if "ours_compiled" in results:
-        print(f"compiled layers vs not (train.py, compile time included): "
-              f"{rate['ours_compiled'] / rate['ours']:.2f}x")
+    for name, what in (("ours_dense", "per-sample attention vs dense mask"),
+                       ("ours_unfused", "fused LoRA projections vs PEFT's unfused"),
+                       ("ours_base_dtype", "LoRA matmuls in the activations' dtype vs fp32 (compute_dtype base)")):
+        if name in results:
+            ratio = rate["ours"] / rate[name] if name != "ours_base_dtype" else rate[name] / rate["ours"]
+            print(f"{what} (train.py): {ratio:.2f}x")
+    if {"ours_compiled", "peer_compiled"} <= results.keys():
+        print(f"compiled: train.py vs the Trainer: {rate['ours_compiled'] / rate['peer_compiled']:.2f}x")
     if not {"peer", "peer_grouped", "ours"} <= results.keys():
         return
     loss_change = results["ours"]["eval_loss"] / results["peer"]["eval_loss"] - 1
-    print(f"useful tokens/s vs default peer: {rate['ours'] / rate['peer']:.2f}x; vs length-grouped peer: "
+    print(f"{label}useful tokens/s vs default peer: {rate['ours'] / rate['peer']:.2f}x; vs length-grouped peer: "
           f"{rate['ours'] / rate['peer_grouped']:.2f}x; held-out loss vs default peer: {loss_change:+.1%}")
 
 
@@ -269,6 +302,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of every run")
     parser.add_argument("--runs", default=DEFAULT_RUNS, help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--work", type=Path, help="folder for data, model and runs (default: a new temp folder)")
+    parser.add_argument("--rounds", type=int, default=3, help="times each run is repeated, alternating")
+    parser.add_argument("--model", choices=["tiny", "real"], default="tiny",
+                        help="the 26.7M-parameter Llama built here (bf16), or SmolLM2-135M-Instruct (float32)")
     parser.add_argument("--only", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -280,9 +316,14 @@ def main() -> None:
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="qlora-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    plan = prepare(work, args.records, args.eval_records, args.seed)
-    results = {name: run_isolated(name, plan, work, args.threads) for name in args.runs.split(",")}
-    print_table(results)
+    plan = prepare(work, args.records, args.eval_records, args.seed, real=args.model == "real")
+    runs = args.runs.split(",")
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name in runs:
+            rounds[name].append(run_isolated(name, plan, work, args.threads))
+    print_table({name: median_run(results) for name, results in rounds.items()},
+                "real model (SmolLM2-135M-Instruct, float32): " if args.model == "real" else "")
 
 
 if __name__ == "__main__":
