@@ -30,7 +30,8 @@ EFFICIENCIES = [round(0.10 + 0.005 * i, 3) for i in range(201)]  # 0.10 to 1.10
 def row_config(row: dict[str, Any]) -> Config:
     """Our recipe with the published run's settings: its model, GPUs, context, batch, accumulation, offload and
     LoRA, and the rig's PCIe link where it is not the card's usual; full rows (their data: every sample full length,
-    or packed), the full logits, bf16 LoRA weights (their pure bf16), every layer checkpointed."""
+    or packed), the full logits, bf16 LoRA weights (their pure bf16) in PEFT's unfused forward, every layer
+    checkpointed."""
     targets = "[" + ",".join(row.get("targets", ANSWERAI_TARGETS)) + "]"
     overrides = [f"model.path={row['model']}", f"hardware.gpu={row['gpu']}", f"hardware.gpus_per_node={row['gpus']}",
                  "hardware.host_ram_gib=null", f"data.context_length={row['context']}",
@@ -38,7 +39,8 @@ def row_config(row: dict[str, Any]) -> Config:
                  f"data.packing={str(row.get('packed', False)).lower()}",
                  f"fsdp_preset={'full_shard_cpu_offload' if row['offload'] else 'full_shard'}",
                  f"lora.r={row.get('lora_r', 64)}", f"lora.alpha={row.get('lora_alpha', 16)}",
-                 f"lora.target_modules={targets}", "lora.dtype=bfloat16", "loss.chunked=false",
+                 f"lora.target_modules={targets}", "lora.dtype=bfloat16", "lora.fuse_projections=false",
+                 "loss.chunked=false",
                  "model.dtype=bfloat16", "quant.compute_dtype=bfloat16"]
     overrides += [f"hardware.{key}={row[key]}" for key in ("pcie_gen", "pcie_lanes") if key in row]
     return planned_dtypes(load_config("llama70b_2x4090", overrides))

@@ -1,6 +1,6 @@
 """Fused LoRA projections (q/k/v and gate/up share one cast and one stacked A matmul) give PEFT's own per-projection
 loss and gradients: fp32, 1e-6, under FSDP2 on 2 ranks, with DoRA, rsLoRA, dropout, every checkpointing scope,
-CPU offload and packed rows; `lora.compute_dtype: base` runs the LoRA matmuls in bf16 with fp32 gradients."""
+CPU and activation offload and packed rows; `lora.compute_dtype: base` runs the LoRA matmuls in bf16 with fp32 gradients."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ SETUPS = [
     ("MLP scope", {"activation_checkpointing": {"scope": "mlp"}}),
     ("per-operator scope", {"activation_checkpointing": {"scope": "ops"}}),
     ("CPU offload", {"fsdp": {"cpu_offload": True}}),
+    ("activation offload", {"activation_checkpointing": {"offload": True}}),
     ("q and v only", {"lora": {"target_modules": ["q_proj", "v_proj"]}}),
 ]
 
