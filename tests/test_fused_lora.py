@@ -1,6 +1,7 @@
-"""Fused LoRA projections (q/k/v and gate/up share one cast and one stacked A matmul) give PEFT's own per-projection
-loss and gradients: fp32, 1e-6, under FSDP2 on 2 ranks, with DoRA, rsLoRA, dropout, every checkpointing scope,
-CPU and activation offload and packed rows; `lora.compute_dtype: base` runs the LoRA matmuls in bf16 with fp32 gradients."""
+"""Fused LoRA projections (q/k/v and gate/up share one cast and one stacked A matmul) give PEFT's own
+per-projection loss and gradients: fp32, 1e-6, under FSDP2 on 2 ranks, with DoRA, rsLoRA, dropout, every
+checkpointing scope, CPU and activation offload and packed rows; `lora.compute_dtype: base` runs the LoRA matmuls
+in bf16 with fp32 gradients. (Compiled layers: tests/test_compile.py.)"""
 
 from __future__ import annotations
 
