@@ -317,6 +317,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="qlora-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     plan = prepare(work, args.records, args.eval_records, args.seed, real=args.model == "real")
+    (work / "plan.json").write_text(json.dumps(dataclasses.asdict(plan), default=str))  # benchmarks.step_profile
     runs = args.runs.split(",")
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     for _ in range(args.rounds):

@@ -102,12 +102,22 @@ def fused_forward(module: Any, group: SharedInput, index: int, peft_forward: Cal
         cast = cast_input(x, dtype)
         if adapter in module.lora_variant:
             return dora_update(module, adapter, result, dropout(cast), lora_A, base_result=None)
-        return result + (F.linear(F.linear(dropout(cast), lora_A.weight.to(dtype)), lora_B.weight.to(dtype))
-                         * scaling).to(result.dtype)
+        return add_b_product(result, F.linear(dropout(cast), lora_A.weight.to(dtype)), lora_B.weight.to(dtype),
+                             scaling)
     cast, a_output = group.take(index, x, adapter, dtype)
     if adapter in module.lora_variant:  # DoRA: its own forward, given A's product already made
         return dora_update(module, adapter, result, cast, PrecomputedA(lora_A, cast, a_output), base_result=result)
-    return result + (F.linear(a_output, lora_B.weight.to(dtype)) * scaling).to(result.dtype)
+    return add_b_product(result, a_output, lora_B.weight.to(dtype), scaling)
+
+
+def add_b_product(result: torch.Tensor, a_output: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """result + scaling * (a_output @ B^T): one addmm where the two share a dtype (no scaled copy, no separate
+    add), else PEFT's order (the product scaled, cast to the result's dtype, added)."""
+    if result.dtype != a_output.dtype:
+        return result + (F.linear(a_output, lora_B) * scaling).to(result.dtype)
+    flat = torch.addmm(result.reshape(-1, result.shape[-1]), a_output.reshape(-1, a_output.shape[-1]), lora_B.t(),
+                       alpha=scaling)
+    return flat.view(result.shape)
 
 
 def dora_update(module: Any, adapter: str, result: torch.Tensor, x: torch.Tensor, lora_A: Any,
