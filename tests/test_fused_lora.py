@@ -41,8 +41,9 @@ SETUPS = [
 
 
 def merged(sections: dict, fuse: bool) -> dict:
-    lora = {**sections.get("lora", {}), "fuse_projections": fuse}
-    return {**sections, "lora": lora}
+    """The setup fused (the defaults), or with PEFT's own forward: unfused, the input cast up to the weights'."""
+    ours = {"fuse_projections": True} if fuse else {"fuse_projections": False, "compute_dtype": "weights"}
+    return {**sections, "lora": {**sections.get("lora", {}), **ours}}
 
 
 def nonzero_b(model: torch.nn.Module, rank: int) -> None:
