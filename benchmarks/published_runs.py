@@ -40,7 +40,7 @@ def row_config(row: dict[str, Any]) -> Config:
                  f"fsdp_preset={'full_shard_cpu_offload' if row['offload'] else 'full_shard'}",
                  f"lora.r={row.get('lora_r', 64)}", f"lora.alpha={row.get('lora_alpha', 16)}",
                  f"lora.target_modules={targets}", "lora.dtype=bfloat16", "lora.fuse_projections=false",
-                 "loss.chunked=false",
+                 "lora.compute_dtype=weights", "loss.chunked=false",
                  "model.dtype=bfloat16", "quant.compute_dtype=bfloat16"]
     overrides += [f"hardware.{key}={row[key]}" for key in ("pcie_gen", "pcie_lanes") if key in row]
     return planned_dtypes(load_config("llama70b_2x4090", overrides))

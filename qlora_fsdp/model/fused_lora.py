@@ -72,20 +72,32 @@ def cast_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype or torch.is_autocast_enabled() else x.to(dtype)
 
 
-class PrecomputedA(nn.Module):
-    """DoRA's lora_A as DoRA's forward sees it: the shared matmul's part for the input, the real product for
-    anything else (DoRA multiplies an identity through A and B to get the update's weight)."""
+class CastLinear(nn.Module):
+    """A LoRA matrix as DoRA's forward sees it: its weight cast to the input's dtype (the LoRA matmuls run in the
+    activations' dtype under lora.compute_dtype: base; DoRA multiplies an identity in the weights' dtype
+    through A and B to get the update's weight, which casts nothing)."""
 
-    def __init__(self, lora_A: Any, x: torch.Tensor, output: torch.Tensor) -> None:
+    def __init__(self, linear: Any) -> None:
         super().__init__()
-        self.inner, self.x, self.output = [lora_A], x, output  # a list: not registered as a submodule
+        self.inner = [linear]  # a list: not registered as a submodule
 
     @property
     def weight(self) -> torch.Tensor:
         return self.inner[0].weight
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        return self.output if inp is self.x else F.linear(inp, self.weight.to(inp.dtype))
+        return F.linear(inp, self.weight.to(inp.dtype))
+
+
+class PrecomputedA(CastLinear):
+    """DoRA's lora_A: the shared matmul's part for the input it was made from, the product for anything else."""
+
+    def __init__(self, lora_A: Any, x: torch.Tensor, output: torch.Tensor) -> None:
+        super().__init__(lora_A)
+        self.x, self.output = x, output
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.output if inp is self.x else super().forward(inp)
 
 
 def fused_forward(module: Any, group: SharedInput, index: int, peft_forward: Callable[..., torch.Tensor],
@@ -101,7 +113,7 @@ def fused_forward(module: Any, group: SharedInput, index: int, peft_forward: Cal
     if module.training and not isinstance(dropout, nn.Identity) and dropout.p > 0:  # a mask per projection
         cast = cast_input(x, dtype)
         if adapter in module.lora_variant:
-            return dora_update(module, adapter, result, dropout(cast), lora_A, base_result=None)
+            return dora_update(module, adapter, result, dropout(cast), CastLinear(lora_A), base_result=None)
         return add_b_product(result, F.linear(dropout(cast), lora_A.weight.to(dtype)), lora_B.weight.to(dtype),
                              scaling)
     cast, a_output = group.take(index, x, adapter, dtype)
@@ -124,7 +136,7 @@ def dora_update(module: Any, adapter: str, result: torch.Tensor, x: torch.Tensor
                 base_result: torch.Tensor | None) -> torch.Tensor:
     """result plus DoRA's update, added in the update's dtype and cast back, as PEFT's DoRA variant does."""
     update = module.lora_magnitude_vector[adapter](
-        x, lora_A=lora_A, lora_B=module.lora_B[adapter], scaling=module.scaling[adapter],
+        x, lora_A=lora_A, lora_B=CastLinear(module.lora_B[adapter]), scaling=module.scaling[adapter],
         base_layer=module.get_base_layer(), base_result=base_result, adapter_name=adapter)
     return (result + update).to(result.dtype)
 
