@@ -90,8 +90,8 @@ def test_fused_projections_give_peft_s_loss_and_gradients(tiny_model_dir, per_ra
     assert results[0]["groups"] == 2 * 4 and results[-2]["groups"] == 2
 
 
-def dtypes_and_grads(info, model_dir, compute_dtype):
-    cfg = tiny_config(model_dir, lora={"compute_dtype": compute_dtype})
+def dtypes_and_grads(info, model_dir, compute_dtype, dora=False):
+    cfg = tiny_config(model_dir, lora={"compute_dtype": compute_dtype, "use_dora": dora})
     cfg.model.dtype = cfg.quant.compute_dtype = "bfloat16"
     model = build_model(cfg, info)
     nonzero_b(model, info.rank)
@@ -118,11 +118,13 @@ def dtypes_and_grads(info, model_dir, compute_dtype):
 def test_lora_compute_in_the_base_dtype_keeps_fp32_gradients(tiny_model_dir, tmp_path):
     """`weights` (PEFT's): the LoRA matmuls see fp32 inputs; `base`: bf16 ones. The gradients and the weights
     stay fp32 either way, and the two runs' gradients agree to bf16's precision."""
-    fp32, bf16 = run_ranks_sequence([(dtypes_and_grads, (tiny_model_dir, "weights")),
-                                     (dtypes_and_grads, (tiny_model_dir, "base"))], 1, tmp_path)
+    fp32, bf16, fp32_dora, bf16_dora = run_ranks_sequence(
+        [(dtypes_and_grads, (tiny_model_dir, dtype, dora)) for dora in (False, True) for dtype in ("weights", "base")],
+        1, tmp_path)
     assert fp32["seen"] == {torch.float32} and bf16["seen"] == {torch.bfloat16}
-    assert fp32["grad_dtypes"] == bf16["grad_dtypes"] == {torch.float32}
-    assert 0 < relative_difference(bf16["grads"], fp32["grads"]) <= 0.05
+    for weights, base in ((fp32, bf16), (fp32_dora, bf16_dora)):  # DoRA: its A and B cast to the input's dtype
+        assert weights["grad_dtypes"] == base["grad_dtypes"] == {torch.float32}
+        assert 0 < relative_difference(base["grads"], weights["grads"]) <= 0.05
 
 
 def test_a_group_projects_once_and_again_for_a_new_input():
