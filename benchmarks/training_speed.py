@@ -179,14 +179,23 @@ def run_ours(plan: Plan, out: Path, settings: list[str]) -> dict[str, Any]:
             "eval_loss": summary["eval_loss_end"]}
 
 
+def peer_base_model(plan: Plan) -> Any:
+    """The peer's NF4 model as a Transformers user loads it, in the plan's dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = getattr(torch, plan.dtype)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    return AutoModelForCausalLM.from_pretrained(plan.model, quantization_config=quant, dtype=dtype)
+
+
 def run_peer(plan: Plan, out: Path, group_by_length: bool, compiled: bool = False) -> dict[str, Any]:
     """The Hugging Face Trainer with PEFT on the same NF4 model and the same token streams."""
     import datasets
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import (
-        AutoModelForCausalLM,
-        BitsAndBytesConfig,
         DataCollatorForSeq2Seq,
         Trainer,
         TrainingArguments,
@@ -206,10 +215,7 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool, compiled: bool = Fals
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, SETTINGS["seed"])
     train_set = datasets.Dataset.from_dict({"input_ids": data.train["input_ids"], "labels": data.train["labels"]})
-    dtype = getattr(torch, plan.dtype)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
-    base = AutoModelForCausalLM.from_pretrained(plan.model, quantization_config=quant, dtype=dtype)
+    base = peer_base_model(plan)
     lora = LoraConfig(r=SETTINGS["r"], lora_alpha=SETTINGS["alpha"], target_modules="all-linear", task_type="CAUSAL_LM")
     peft_model = get_peft_model(base, lora)
     args = TrainingArguments(
