@@ -13,9 +13,8 @@ Runs:
   was `group_by_length=True` before transformers 5)
 - train.py: packed rows, as many per step as carry the peer's samples per step on average; its default
   attention (`auto`: each sample attends within itself, no mask)
-- train.py with PEFT's unfused LoRA projections (`lora.fuse_projections=false`: each of q/k/v and gate/up casts
-  its input and runs its own A matmul), and with the LoRA matmuls in the activations' dtype
-  (`lora.compute_dtype=base`)
+- train.py with its LoRA matmuls in fp32 (`lora.compute_dtype=weights`), and with PEFT's own LoRA forward
+  (`lora.fuse_projections=false` too: each of q/k/v and gate/up casts its input and runs its own A matmul)
 - with `--runs`: train.py with compiled decoder layers (`ours_compiled`, compile time included) beside the
   Trainer's `torch_compile=True` (`peer_compiled`); `ours_dense`: `model.attn_implementation=sdpa` (a
   block-diagonal mask over the row)
@@ -58,16 +57,18 @@ MODEL = TinyModelSpec(hidden_size=512, layers=8, intermediate_size=1408, attenti
                       init_std=0.05, vocab_size=4096)
 RUNS = {"peer": "HF Trainer + PEFT (peer, padded)", "peer_grouped": "HF Trainer + PEFT, group_by_length",
         "peer_compiled": "HF Trainer + PEFT, group_by_length, `torch_compile=True`",
-        "ours": "train.py: packed, per-sample attention, fused LoRA projections (its defaults)",
-        "ours_unfused": "train.py: the same, `lora.fuse_projections=false` (PEFT's LoRA forward)",
-        "ours_base_dtype": "train.py: the same, `lora.compute_dtype=base`",
+        "ours": "train.py: packed, per-sample attention, fused LoRA projections in the activations' dtype (its "
+                "defaults)",
+        "ours_fp32_lora": "train.py: the same, LoRA matmuls in fp32 (`lora.compute_dtype=weights`)",
+        "ours_peft_lora": "train.py: the same, PEFT's LoRA forward (unfused, fp32: `lora.fuse_projections=false`, "
+                          "`lora.compute_dtype=weights`)",
         "ours_compiled": "train.py: the same, `train.compile=true`", "ours_dense": "train.py: packed, dense mask"}
 OUR_DEFAULTS = ["model.attn_implementation=auto", "train.compile=false"]
-OUR_SETTINGS = {"ours": OUR_DEFAULTS, "ours_unfused": [*OUR_DEFAULTS, "lora.fuse_projections=false"],
-                "ours_base_dtype": [*OUR_DEFAULTS, "lora.compute_dtype=base"],
+OUR_SETTINGS = {"ours": OUR_DEFAULTS, "ours_fp32_lora": [*OUR_DEFAULTS, "lora.compute_dtype=weights"],
+                "ours_peft_lora": [*OUR_DEFAULTS, "lora.fuse_projections=false", "lora.compute_dtype=weights"],
                 "ours_compiled": ["model.attn_implementation=auto", "train.compile=true"],
                 "ours_dense": ["model.attn_implementation=sdpa", "train.compile=false"]}
-DEFAULT_RUNS = "peer,peer_grouped,ours,ours_unfused,ours_base_dtype"
+DEFAULT_RUNS = "peer,peer_grouped,ours,ours_fp32_lora,ours_peft_lora"
 REAL_MODEL = REPO / "models" / "smollm2-135m-instruct"
 
 
@@ -286,11 +287,13 @@ def print_table(results: dict[str, dict[str, Any]], label: str) -> None:
     rate = {name: r["tokens"] / r["seconds"] for name, r in results.items()}
     print()
     for name, what in (("ours_dense", "per-sample attention vs dense mask"),
-                       ("ours_unfused", "fused LoRA projections vs PEFT's unfused"),
-                       ("ours_base_dtype", "LoRA matmuls in the activations' dtype vs fp32 (compute_dtype base)")):
+                       ("ours_fp32_lora", "LoRA matmuls in the activations' dtype vs fp32"),
+                       ("ours_peft_lora", "fused LoRA in the activations' dtype vs PEFT's forward")):
         if name in results:
-            ratio = rate["ours"] / rate[name] if name != "ours_base_dtype" else rate[name] / rate["ours"]
-            print(f"{what} (train.py): {ratio:.2f}x")
+            print(f"{what} (train.py): {rate['ours'] / rate[name]:.2f}x")
+    if {"ours_fp32_lora", "ours_peft_lora"} <= results.keys():
+        print(f"fused LoRA projections vs PEFT's forward, both fp32 (train.py): "
+              f"{rate['ours_fp32_lora'] / rate['ours_peft_lora']:.2f}x")
     if {"ours_compiled", "peer_compiled"} <= results.keys():
         print(f"compiled: train.py vs the Trainer: {rate['ours_compiled'] / rate['peer_compiled']:.2f}x")
     if not {"peer", "peer_grouped", "ours"} <= results.keys():

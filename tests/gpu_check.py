@@ -15,8 +15,8 @@ inside it; `python -m tests.gpu_check_cases NAME --device cpu` runs one in the f
   plan_vs_measured_70b  llama70b_2x4090 as rank 0 of 2, GPU capped at 24 GiB: measured peak against the plan
   one_gpu_70b_offload   70B on one GPU with CPU offload: peak GPU memory, host RSS, tokens/s
   memory_levers         70B layer shapes and vocabulary at 8,192 tokens: peak memory and tokens/s of full vs
-                        chunked loss, activation offload, selective and no checkpointing, PEFT's unfused LoRA
-                        projections and the LoRA matmuls in bf16, each beside the step-time model's tokens/s
+                        chunked loss, activation offload, selective and no checkpointing, the LoRA matmuls in fp32
+                        and PEFT's unfused LoRA forward, each beside the step-time model's tokens/s
                         for this GPU (plan/step_time.py)
   packed_attention      every attention kernel here keeps packed samples apart (loss packed = alone: sdpa,
                         sdpa_varlen, flex, flash-attn if installed); per-sample vs dense mask at 4,096 tokens

@@ -420,10 +420,10 @@ LEVERS = [
     ("selective: per operator", ["activation_checkpointing.scope=ops"]),
     ("selective: MLP only", ["activation_checkpointing.scope=mlp"]),
     ("no checkpointing", ["activation_checkpointing.mode='off'"]),
-    # not memory levers: the fused LoRA projections against PEFT's forward, and the LoRA matmuls in bf16, at the
-    # 70B's layer shapes (their step time; the same loss in fp32, as on the CPU dry run)
-    ("unfused LoRA projections (PEFT's)", ["lora.fuse_projections=false"]),
-    ("LoRA matmuls in the activations' dtype", ["lora.compute_dtype=base"]),
+    # not memory levers: the LoRA matmuls in fp32 instead of bf16, and PEFT's forward instead of the fused one,
+    # at the 70B's layer shapes (their step time; the same loss in fp32, as on the CPU dry run)
+    ("LoRA matmuls in fp32", ["lora.compute_dtype=weights"]),
+    ("PEFT's LoRA forward (unfused, fp32)", ["lora.fuse_projections=false", "lora.compute_dtype=weights"]),
 ]
 
 

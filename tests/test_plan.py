@@ -114,7 +114,7 @@ from qlora_fsdp.config import load_config
 from qlora_fsdp.plan.fake_world import planning_mesh
 from qlora_fsdp.plan.held import meta_held
 from qlora_fsdp.plan.levers import variants
-from qlora_fsdp.plan.memory import GIB, plan
+from qlora_fsdp.plan.memory import GIB, activations_peak_line, plan
 from qlora_fsdp.plan.report import report
 cfg = load_config('llama70b_2x4090', ['fsdp_preset=full_shard'])
 held = meta_held(cfg, planning_mesh(2))  # one meta build for both presets: offload moves bytes, not shapes
@@ -126,6 +126,7 @@ print(result.description)
 print([label for label, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(c, held).fits])
 for row in result.gpu_rows:
     print('row', row.basis, round(row.bytes / GIB, 3), row.name)
+print('largest activations:', activations_peak_line(result.step))
 dist.destroy_process_group()
 # the 8B's layer shapes and vocabulary, 2 layers (its misfit fixes are as many steps: 32 layers would take 40 s)
 LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
@@ -186,8 +187,15 @@ def test_70b_plans_from_config_json_alone(plans_70b, recipe_plans):
     logits = next((float(gib), name) for basis, gib, name in rows if name.startswith("logits and loss"))
     own = float(logits[1].split("; ")[1].split()[0])  # the loss's own bytes, given in the row's name
     assert logits[0] <= 0.5 and 0 < own <= 0.5, logits
+    # at least the 80 layers' checkpointed inputs (80 x 2048 x 8192 x 2 bytes), in the table when they make the
+    # peak, else in the line under it (the peak can be the start of a forward, the root's gathers alive)
     activations = next(float(gib) for _, gib, name in rows if name.startswith("activations"))
-    assert 2.5 < activations < 8  # at least the 80 layers' checkpointed inputs: 80 x 2048 x 8192 x 2 bytes
+    note = lines[len(rows) + 4]
+    if note != "largest activations: None":
+        assert note.startswith("largest activations: activations and temporaries are largest elsewhere: "), note
+        assert "micro-batch's backward of the last layers" in note, note
+        activations = float(note.split("elsewhere: ")[1].split()[0])
+    assert 2.5 < activations < 8
 
     hsdp = recipe_plans["llama70b_hsdp_2x8x4090"]["report"].splitlines()
     assert hsdp[0].endswith("on 16 x rtx4090 (24 GiB): 70.55B base parameters, world size 16, weights bfloat16, "
@@ -200,7 +208,7 @@ def test_70b_plans_from_config_json_alone(plans_70b, recipe_plans):
     assert "x 16 ranks = 64 rows a step" in batch and f"lr {1e-4 * math.sqrt(2):.3g} (sqrt scaling" in batch
     assert "FITS" in hsdp and "DOES NOT FIT" not in hsdp
 
-    eight_b = lines[len(rows) + 4:]
+    eight_b = lines[len(rows) + 5:]
     assert eight_b[eight_b.index("DOES NOT FIT") + 1].startswith("changes that make it fit")
     fixes = [line.strip()[2:] for line in eight_b if line.startswith("  - ")]
     # each fix with its memory and its cost in speed (the chunked loss recomputes the output layer in backward)
@@ -282,3 +290,24 @@ def test_every_shipped_recipe_plans_its_time(recipe_plans):
         assert f"({flops}N FLOP a token)" in report, name
         link = "PCIe 4.0 x16, no peer-to-peer: collectives through host memory" if "4090" in name else "PCIe"
         assert re.search(rf"^time per optimizer step on \d+ x {cfg.hardware.gpu} \({link}", report, re.M), name
+
+
+def test_the_plan_names_where_its_peak_is_and_where_activations_are_largest():
+    """The table's rows are one instant of the step; a line under it says where activations peak when that is
+    another instant (a shortened model's block positions read as the first or last layers)."""
+    from qlora_fsdp.plan.memory import activations_peak_line, instant_words
+    from qlora_fsdp.plan.step_tracker import Moment, StepMemory
+
+    gib = 2**30
+    start = (1, "forward", ("block", "from start", 0, 0))
+    end = (0, "backward", ("block", "from end", 0, 0))
+    step = StepMemory({start: Moment(10 * gib, 8 * gib, 1 * gib), end: Moment(9 * gib, 4 * gib, 0),
+                       (0, "loss", -1): Moment(12 * gib, 0, 0)}, {0: 0})
+    assert step.model_instant() == start and step.activations_instant == end  # the loss is not forward or backward
+    assert instant_words(start) == "the second micro-batch's forward of the first layers"
+    assert instant_words((0, "backward", 3)) == "the first micro-batch's backward of layer 4"
+    assert activations_peak_line(step) == ("activations and temporaries are largest elsewhere: 5.00 GiB in the "
+                                           "first micro-batch's backward of the last layers, where the device "
+                                           "holds 1.00 GiB less than at the peak above")
+    step.segments[end] = Moment(11 * gib, 4 * gib, 0)  # now the peak itself: the table says it all
+    assert step.model_instant() == end and activations_peak_line(step) is None

@@ -53,11 +53,10 @@ class LoraConfig:
     dtype: DType = "float32"  # trainable weights; fp32 keeps small updates from rounding away
     # q/k/v and gate/up, which read the same input: one cast of it and one matmul by their A matrices stacked
     fuse_projections: bool = True
-    # the LoRA matmuls' dtype: `weights` (PEFT's: the input cast up to lora.dtype), or `base` (the base layer's
-    # output dtype, bf16 on a GPU: the weights are cast down on the way in, their gradients and the optimizer stay
-    # in lora.dtype). base was 1.17x faster at the same held-out loss (docs/benchmarks.md, issue 27), but the
-    # planner files its bf16 step's memory under other rows (not yet understood), so it is not the default yet
-    compute_dtype: Literal["weights", "base"] = "weights"
+    # the LoRA matmuls' dtype: `base` (the base layer's output dtype, bf16 on a GPU: the weights are cast down on
+    # the way in, their gradients and the optimizer stay in lora.dtype), or `weights` (PEFT's: the input cast up
+    # to lora.dtype). docs/benchmarks.md, issue 27: base was 1.17x faster for the same held-out loss
+    compute_dtype: Literal["weights", "base"] = "base"
 
 
 @dataclass

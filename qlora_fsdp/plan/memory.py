@@ -21,7 +21,7 @@ from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.plan.fake_world import recipe_step
 from qlora_fsdp.plan.hardware import GPU, GPUS
 from qlora_fsdp.plan.held import Held, planned_dtypes
-from qlora_fsdp.plan.step_tracker import StepMemory
+from qlora_fsdp.plan.step_tracker import Segment, StepMemory
 
 GIB = 2**30
 
@@ -100,13 +100,47 @@ def loss_words(cfg: Config) -> str:
     return f"chunks of {cfg.loss.chunk_tokens} tokens" if cfg.loss.chunked else "full logits"
 
 
+def layer_words(layer: object) -> str:
+    """A step segment's layer: an index, or a place in a shortened model's repeated block (plan/fake_step.py)."""
+    if isinstance(layer, int):
+        return f"layer {layer + 1}"
+    return "the first layers" if isinstance(layer, tuple) and layer[1:2] == ("from start",) else "the last layers"
+
+
+ORDINALS = ("first", "second", "third", "fourth")
+
+
+def instant_words(segment: Segment) -> str:
+    """Where in the step a part is, in words: "the second micro-batch's backward of the last layers"."""
+    micro, part, layer = segment
+    where = {"pre": "embeddings (before the first layer)", "post": "final norm (after the last layer)",
+             "end": "embeddings' backward", "forward": f"forward of {layer_words(layer)}",
+             "backward": f"backward of {layer_words(layer)}"}
+    ordinal = ORDINALS[micro] if micro < len(ORDINALS) else f"{micro + 1}th"
+    return f"the {ordinal} micro-batch's {where.get(part, part)}"
+
+
+def activations_peak_line(step: StepMemory) -> str | None:
+    """Where activations are largest, when that is not the step's peak (the gathers' peak can be elsewhere, at the
+    start of a forward with the root's and first layers' gathers alive, and longer rows move it back)."""
+    peak, largest = step.model_instant(), step.activations_instant
+    if peak is None or largest is None or largest == peak:
+        return None
+    top, there = step.segments[peak], step.segments[largest]
+    activations = there.total - there.gathered - there.gradients
+    return (f"activations and temporaries are largest elsewhere: {activations / GIB:.2f} GiB in "
+            f"{instant_words(largest)}, where the device holds {(top.total - there.total) / GIB:.2f} GiB less "
+            "than at the peak above")
+
+
 def measured_rows(cfg: Config, step: StepMemory, exact_on_gpu: float) -> list[Row]:
     """The step's peak, in rows that add up to it: what was alive at the peak of forward and backward, then what
     the loss and the optimizer update reach above it (each only when it does)."""
-    top = step.model
+    top, instant = step.model, step.model_instant()
     tokens = f"micro-batch {cfg.data.micro_batch} x {cfg.data.context_length} tokens"
+    at = f": {instant_words(instant)}" if instant is not None else ""
     rows = [Row("gathered parameters: unsharded layers and root, all-gather buffers (measured at the peak of "
-                "forward and backward)", top.gathered, "measured")] if top.gathered else []
+                f"forward and backward{at})", top.gathered, "measured")] if top.gathered else []
     rows += [Row("LoRA gradients at that peak (unsharded while accumulating, reduce-scatter buffers)", top.gradients,
                  "measured"),
              Row(f"activations and temporaries at that peak ({checkpointing_words(cfg)}, {tokens})",

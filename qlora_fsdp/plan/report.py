@@ -11,7 +11,7 @@ from qlora_fsdp.plan.batch_size import describe_batch, effective_rows, resolve_b
 from qlora_fsdp.plan.fake_world import planning_mesh
 from qlora_fsdp.plan.held import Held, meta_held, planned_dtypes
 from qlora_fsdp.plan.levers import suggestions
-from qlora_fsdp.plan.memory import GIB, Plan, format_rows, gpu_spec, micro_batch_fits, plan
+from qlora_fsdp.plan.memory import GIB, Plan, activations_peak_line, format_rows, gpu_spec, micro_batch_fits, plan
 from qlora_fsdp.plan.time_report import time_lines
 
 
@@ -46,9 +46,11 @@ def report_text(planned: RecipePlan) -> str:
     recipe, cfg, held, mesh, result = planned.recipe, planned.planned, planned.held, planned.mesh, planned.result
     gpu = f"{cfg.hardware.gpu} ({result.capacity_gib:g} GiB)"
     host_capacity = f"of {result.host_capacity_gib:g} GiB" if result.host_capacity_gib else "unchecked"
+    activations_note = [line for line in [activations_peak_line(result.step)] if line] if result.step else []
     lines = [f"plan for {cfg.model.path} on {cfg.hardware.world_size} x {gpu}: {result.description}", "",
              "per GPU (rank 0):", *format_rows(result.gpu_rows),
-             f"| **total** | **{result.gpu_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |", "",
+             f"| **total** | **{result.gpu_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |",
+             *activations_note, "",
              "host RAM, per node:", *format_rows(result.host_rows),
              f"| **total** | **{result.host_total / GIB:.2f}** | {host_capacity} |",
              "", describe_batch(recipe, cfg, cfg.hardware.world_size), "FITS" if result.fits else "DOES NOT FIT"]

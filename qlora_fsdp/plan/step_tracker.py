@@ -74,6 +74,16 @@ class StepMemory:
         """The peak of forward and backward through the model (recompute included), the loss aside."""
         return self.phase(*MODEL_PARTS)
 
+    def model_instant(self, key: Callable[[Moment], int] = lambda m: m.total) -> Segment | None:
+        """The part of forward and backward where `key` (by default the device total) is largest."""
+        return max((s for s in self.segments if s[1] in MODEL_PARTS), key=lambda s: key(self.segments[s]),
+                   default=None)
+
+    @property
+    def activations_instant(self) -> Segment | None:
+        """Where what is neither gathered parameters nor gradients (activations, temporaries) is largest."""
+        return self.model_instant(lambda m: m.total - m.gathered - m.gradients)
+
     @property
     def loss(self) -> Moment:
         return self.phase("loss")
