@@ -83,12 +83,14 @@ class Plan:
     rows_per_micro_batch: int
     accum_steps: int
     dtype: str = "bfloat16"  # of the model and its compute, for every run
+    warmup_steps: int = SETTINGS["warmup_steps"]
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         fields = json.loads(text)
         return cls(Path(fields["train"]), Path(fields["held_out"]), Path(fields["model"]), int(fields["steps"]),
-                   int(fields["rows_per_micro_batch"]), int(fields["accum_steps"]), fields["dtype"])
+                   int(fields["rows_per_micro_batch"]), int(fields["accum_steps"]), fields["dtype"],
+                   int(fields.get("warmup_steps", SETTINGS["warmup_steps"])))
 
 
 def token_lengths(model: Path, data_file: Path) -> list[int]:
@@ -169,7 +171,7 @@ def run_ours(plan: Plan, out: Path, settings: list[str]) -> dict[str, Any]:
                  f"data.eval_path={plan.held_out}", "data.eval_samples=100000", "data.packing=true",
                  f"data.context_length={CONTEXT}", f"data.micro_batch_size={plan.rows_per_micro_batch}",
                  f"data.grad_accum_steps={plan.accum_steps}", f"optim.lr={SETTINGS['lr']}",
-                 f"optim.warmup_steps={SETTINGS['warmup_steps']}", "optim.min_lr_ratio=0.0",  # the peer's cosine
+                 f"optim.warmup_steps={plan.warmup_steps}", "optim.min_lr_ratio=0.0",  # the peer's cosine
                  f"lora.r={SETTINGS['r']}", f"lora.alpha={SETTINGS['alpha']}", f"train.seed={SETTINGS['seed']}",
                  "train.eval_every=0", f"train.max_steps={plan.steps}", f"train.output_dir={out}",
                  "train.overwrite=true", "logging.plot=false"]
@@ -221,7 +223,7 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool, compiled: bool = Fals
     peft_model = get_peft_model(base, lora)
     args = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=PEER_MICRO_BATCH, gradient_accumulation_steps=PEER_ACCUM,
-        learning_rate=SETTINGS["lr"], warmup_steps=SETTINGS["warmup_steps"], lr_scheduler_type="cosine",
+        learning_rate=SETTINGS["lr"], warmup_steps=plan.warmup_steps, lr_scheduler_type="cosine",
         num_train_epochs=1, optim="paged_adamw_8bit", max_grad_norm=1.0, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=10, save_strategy="no",
         report_to=[], use_cpu=True, seed=SETTINGS["seed"], dataloader_num_workers=0,
@@ -314,6 +316,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="times each run is repeated, alternating")
     parser.add_argument("--model", choices=["tiny", "real"], default="tiny",
                         help="the 26.7M-parameter Llama built here (bf16), or SmolLM2-135M-Instruct (float32)")
+    parser.add_argument("--warmup-steps", type=int, default=SETTINGS["warmup_steps"],
+                        help="of every run; 0 matches the schedules exactly (the Trainer's first warmup step runs at "
+                             "lr 0, ours at lr/(warmup+1)), which a run of a few steps needs for its held-out loss")
     parser.add_argument("--only", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -325,7 +330,8 @@ def main() -> None:
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="qlora-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    plan = prepare(work, args.records, args.eval_records, args.seed, real=args.model == "real")
+    plan = dataclasses.replace(prepare(work, args.records, args.eval_records, args.seed, real=args.model == "real"),
+                               warmup_steps=args.warmup_steps)
     (work / "plan.json").write_text(json.dumps(dataclasses.asdict(plan), default=str))  # benchmarks.step_profile
     runs = args.runs.split(",")
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
