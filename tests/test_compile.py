@@ -11,15 +11,14 @@ from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.model.forward_loss import ForwardLoss
 from tests.helpers import full_grads, relative_difference, run_ranks, tiny_config, variable_length_samples
-from tests.test_fused_lora import nonzero_b
+from tests.test_fused_lora import lora_forward, nonzero_b
 
 pytestmark = pytest.mark.slow
 
 
 def loss_and_grads(info, model_dir, compile_layers: bool, fuse: bool = True):
     cfg = tiny_config(model_dir, data={"packing": True}, train={"compile": compile_layers},
-                      lora={"fuse_projections": True} if fuse else {"fuse_projections": False,
-                                                                    "compute_dtype": "weights"})
+                      lora=lora_forward(fuse))
     torch.manual_seed(0)
     model = build_model(cfg, info)
     nonzero_b(model, info.rank)  # so that the A products reach the loss

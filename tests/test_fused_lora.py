@@ -40,10 +40,14 @@ SETUPS = [
 ]
 
 
+def lora_forward(fuse: bool) -> dict:
+    """The lora section's keys for the fused forward (the defaults), or PEFT's own: unfused, the input cast up to
+    the weights' dtype."""
+    return {"fuse_projections": True} if fuse else {"fuse_projections": False, "compute_dtype": "weights"}
+
+
 def merged(sections: dict, fuse: bool) -> dict:
-    """The setup fused (the defaults), or with PEFT's own forward: unfused, the input cast up to the weights'."""
-    ours = {"fuse_projections": True} if fuse else {"fuse_projections": False, "compute_dtype": "weights"}
-    return {**sections, "lora": {**sections.get("lora", {}), **ours}}
+    return {**sections, "lora": {**sections.get("lora", {}), **lora_forward(fuse)}}
 
 
 def nonzero_b(model: torch.nn.Module, rank: int) -> None:

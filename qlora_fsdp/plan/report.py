@@ -46,11 +46,11 @@ def report_text(planned: RecipePlan) -> str:
     recipe, cfg, held, mesh, result = planned.recipe, planned.planned, planned.held, planned.mesh, planned.result
     gpu = f"{cfg.hardware.gpu} ({result.capacity_gib:g} GiB)"
     host_capacity = f"of {result.host_capacity_gib:g} GiB" if result.host_capacity_gib else "unchecked"
-    activations_note = [line for line in [activations_peak_line(result.step)] if line] if result.step else []
+    note = activations_peak_line(result.step) if result.step else None
     lines = [f"plan for {cfg.model.path} on {cfg.hardware.world_size} x {gpu}: {result.description}", "",
              "per GPU (rank 0):", *format_rows(result.gpu_rows),
              f"| **total** | **{result.gpu_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |",
-             *activations_note, "",
+             *([note] if note else []), "",
              "host RAM, per node:", *format_rows(result.host_rows),
              f"| **total** | **{result.host_total / GIB:.2f}** | {host_capacity} |",
              "", describe_batch(recipe, cfg, cfg.hardware.world_size), "FITS" if result.fits else "DOES NOT FIT"]
