@@ -30,15 +30,20 @@ def build_tiny_checkpoint(out: Path, layers: int = 2, max_shard_size: str = "50G
     return out
 
 
-def transformers_nf4(model_dir: Path) -> torch.nn.Module:
+def transformers_nf4(model_dir: Path, model_class: Any = None) -> torch.nn.Module:
     """transformers + bitsandbytes' own NF4 load (double quantization, fp32 compute), none of our loading code: the
-    reference our loaded model is held to."""
+    reference our loaded model is held to. Eager attention where transformers' sdpa cannot run the family."""
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.uint8)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, dtype=torch.float32)
+    model_class = model_class or AutoModelForCausalLM
+    try:
+        model = model_class.from_pretrained(model_dir, quantization_config=quant, dtype=torch.float32)
+    except ValueError:  # Gemma 2 (soft-capping), gpt-oss (sinks): sdpa is refused
+        model = model_class.from_pretrained(model_dir, quantization_config=quant, dtype=torch.float32,
+                                            attn_implementation="eager")
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False  # the kernel training uses (DESIGN.md, CPU eval trap)

@@ -16,6 +16,7 @@ are real, and padding is never a target. So `sdpa_varlen` is exact for padded ro
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,9 @@ from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.errors import ConfigError
 
 VARLEN_SDPA = "sdpa_varlen"
+# the name transformers knows it by: one containing "sdpa" would make transformers refuse it for the families it
+# refuses sdpa for (Gemma 2, gpt-oss), whose soft-capping and sinks this kernel computes
+REGISTERED_NAME = "per_sample_attention"
 
 
 def sample_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -54,6 +58,57 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
                                           enable_gqa=query.shape[1] != key.shape[1])
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What a family's attention layer adds to plain causal attention (the kwargs transformers passes it)."""
+
+    window: int | None = None  # a query sees itself and the window-1 tokens before it (transformers' definition)
+    softcap: float | None = None  # Gemma 2: scores become softcap * tanh(scores / softcap) before the softmax
+    sinks: torch.Tensor | None = None  # gpt-oss: one learned logit a head that takes softmax mass and gives no value
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> AttentionOptions:
+        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"))
+
+    def plain(self, n_tokens: int) -> bool:
+        """Nothing but a causal mask for a sample of n_tokens: the fused kernel applies."""
+        return self.softcap is None and self.sinks is None and (self.window is None or n_tokens <= self.window)
+
+
+def causal_window_mask(n_tokens: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[tokens, tokens] booleans: causal, and within the sliding window where there is one."""
+    rows = torch.arange(n_tokens, device=device)[:, None]
+    cols = torch.arange(n_tokens, device=device)[None, :]
+    allowed = cols <= rows
+    return allowed if window is None else allowed & (cols > rows - window)
+
+
+def family_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                     options: AttentionOptions) -> torch.Tensor:
+    """Causal attention of one sample (or rows of one length) as the family defines it, [batch, heads, tokens, dim].
+    Windows alone go to the fused kernel with a mask; soft-capping and sinks change the scores, so they are
+    computed here (the softmax in fp32, as transformers' eager attention does)."""
+    n_tokens = query.shape[2]
+    if options.plain(n_tokens):
+        return causal_sdpa(query, key, value, scaling)
+    mask = causal_window_mask(n_tokens, options.window, query.device)
+    gqa = query.shape[1] != key.shape[1]
+    if options.softcap is None and options.sinks is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = (query @ key.transpose(2, 3)).float() * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if options.softcap is not None:
+        scores = torch.tanh(scores / options.softcap) * options.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if options.sinks is not None:  # an extra column per head, dropped after the softmax
+        sink = options.sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, n_tokens, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return probs.to(value.dtype) @ value
+
+
 def attach_sample_bounds(position_ids: torch.Tensor, bounds: list[list[tuple[int, int]]]) -> None:
     """Give the position ids the model will see each row's sample bounds, known from the batch's lengths. The
     attention then reads no tensor (no device-to-host copy per layer), so it also runs on the planner's fake
@@ -72,14 +127,15 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         raise RuntimeError(f"{VARLEN_SDPA} is for training and evaluation (no KV cache); generate with sdpa")
     if dropout:
         raise RuntimeError(f"{VARLEN_SDPA} has no attention dropout; use sdpa or eager")
+    options = AttentionOptions.from_kwargs(kwargs)
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.shape[0] != query.shape[0]:  # one sample a row (padded, or alone)
-        return causal_sdpa(query, key, value, scaling).transpose(1, 2).contiguous(), None
+        return family_attention(query, key, value, scaling, options).transpose(1, 2).contiguous(), None
     bounds = getattr(position_ids, "sample_bounds", None) or [sample_bounds(row) for row in position_ids]
     rows = []
     for row, row_bounds in enumerate(bounds):
-        parts = [causal_sdpa(query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
-                             value[row : row + 1, :, start:end], scaling)
+        parts = [family_attention(query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
+                                  value[row : row + 1, :, start:end], scaling, options)
                  for start, end in row_bounds]
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows).transpose(1, 2).contiguous(), None
@@ -87,19 +143,42 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 
 # registered once, at import: transformers looks the name up in every attention layer's forward. It is
 # deliberately not registered as a mask function, so transformers builds no mask for it.
-AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_forward)
+AttentionInterface.register(REGISTERED_NAME, varlen_sdpa_forward)
 
 
 def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def resolve_attention(choice: str, packing: bool, device_type: str) -> str:
-    """The kernel a run uses for `model.attn_implementation` (`auto`: exact and the fastest measured)."""
+@dataclass(frozen=True)
+class AttentionNeeds:
+    """What a family's attention needs of a kernel (families.attention_needs reads it from the config)."""
+
+    family: str = "llama"
+    softcap: bool = False  # Gemma 2's attn_logit_softcapping
+    sinks: bool = False  # gpt-oss
+    sdpa: bool = True  # transformers runs this family under sdpa
+
+    @property
+    def sdpa_exact(self) -> bool:
+        """transformers' sdpa computes this family's attention (its masks carry windows, not caps or sinks)."""
+        return self.sdpa and not (self.softcap or self.sinks)
+
+
+def resolve_attention(choice: str, packing: bool, device_type: str, needs: AttentionNeeds = AttentionNeeds()) -> str:
+    """The kernel a run uses for `model.attn_implementation` (`auto`: exact for the family and the fastest measured;
+    ours computes windows, soft-capping and sinks, packed or not)."""
     if choice == "auto":
         if not packing:
-            return "sdpa"
-        return "flash_attention_2" if device_type == "cuda" and flash_attn_installed() else VARLEN_SDPA
+            return "sdpa" if needs.sdpa_exact else VARLEN_SDPA
+        flash = device_type == "cuda" and flash_attn_installed() and not needs.sinks
+        return "flash_attention_2" if flash else VARLEN_SDPA
+    if choice == "sdpa" and not needs.sdpa_exact:
+        raise ConfigError(f"'model.attn_implementation: sdpa' cannot compute {needs.family}'s attention "
+                          f"({'attention sinks' if needs.sinks else 'logit soft-capping'}); use auto")
+    if choice == "flash_attention_2" and needs.sinks:
+        raise ConfigError(f"'model.attn_implementation: flash_attention_2' has no attention sinks, which "
+                          f"{needs.family} needs; use auto")
     if choice == "flex_attention" and device_type == "cpu":
         raise ConfigError("'model.attn_implementation: flex_attention' cannot train on CPU (torch has no flex "
                           "attention backward there); use auto (per-sample sdpa_varlen)")
@@ -109,11 +188,20 @@ def resolve_attention(choice: str, packing: bool, device_type: str) -> str:
     return choice
 
 
-def generation_attention(choice: AttnImplementation) -> AttnImplementation:
-    """Sampling runs a KV cache and left-padded prompts, which need a mask: sdpa unless a kernel that has one."""
-    return choice if choice in ("eager", "flash_attention_2", "flex_attention") else "sdpa"
+def generation_attention(choice: AttnImplementation, needs: AttentionNeeds = AttentionNeeds()) -> AttnImplementation:
+    """Sampling runs a KV cache and left-padded prompts, which need a mask: sdpa unless a kernel that has one, or
+    eager where the family's attention is more than sdpa computes."""
+    if choice in ("eager", "flex_attention") or (choice == "flash_attention_2" and not needs.sinks):
+        return choice
+    return "sdpa" if needs.sdpa_exact else "eager"
+
+
+def transformers_name(kernel: str) -> str:
+    """The attn_implementation to hand transformers for a kernel of ours."""
+    return REGISTERED_NAME if kernel == VARLEN_SDPA else kernel
 
 
 def flattens_packed_rows(kernel: str) -> bool:
-    """Kernels that read sample boundaries from the position ids of a single row only."""
-    return kernel in ("flash_attention_2", VARLEN_SDPA)
+    """Kernels that read sample boundaries from the position ids of a single row only (by our name or
+    transformers')."""
+    return kernel in ("flash_attention_2", VARLEN_SDPA, REGISTERED_NAME)

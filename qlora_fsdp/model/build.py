@@ -15,6 +15,7 @@ from pathlib import Path
 import bitsandbytes as bnb
 import peft
 import torch
+from accelerate import init_empty_weights
 from peft.tuners.lora.dora import DoraLinearLayer
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -22,6 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from qlora_fsdp.config import Config, LoraConfig, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError, first_line
+from qlora_fsdp.model.attention import transformers_name
+from qlora_fsdp.model.families import checkpoint_layout, refuse_unsupported, run_mixers_per_sample, text_config
 from qlora_fsdp.model.fused_lora import fuse_lora_projections
 
 # 4-bit values are packed two to a byte and stored as raw bytes. FSDP2 never casts a non-float parameter and
@@ -64,9 +67,10 @@ def base_model_dir(cfg: Config) -> Path:
 def load_hf_config(cfg: Config) -> PretrainedConfig:
     path = base_model_dir(cfg)
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     except ValueError as err:  # JSON that is not a config, an unknown model_type, remote code refused
         raise ModelLoadError(f"{path / 'config.json'}: {first_line(err)}") from None
+    return text_config(config)  # a multimodal checkpoint trains its text model
 
 
 def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
@@ -82,17 +86,26 @@ def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
 
 
 def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = "sdpa") -> peft.PeftModel:
-    """The full model on the meta device: frozen NF4 base with LoRA adapters, ready for sharding. `attention`:
-    the kernel (attention.resolve_attention's answer for the run)."""
-    with torch.device("meta"):
+    """The full model with its parameters on the meta device: frozen NF4 base with LoRA adapters, ready for
+    sharding, and the layout of its checkpoint attached. `attention`: the kernel (attention.resolve_attention's
+    answer for the run)."""
+    # buffers stay real: computed by the model's own code (rotary frequencies, Gemma's embedding scale), which
+    # is the only code that knows how; materialize keeps their values through to_empty
+    with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
             hf_config, dtype=TORCH_DTYPES[cfg.model.dtype], trust_remote_code=cfg.model.trust_remote_code,
-            attn_implementation=attention,
+            attn_implementation=transformers_name(attention),
         )
+    model.tie_weights()  # transformers ties the head to the embeddings only when it made the parameters itself
+    refuse_unsupported(model)
+    layout = checkpoint_layout(model_dir(cfg.model.path), model, cfg.model.trust_remote_code)
+    run_mixers_per_sample(decoder_layers(model))
     swap_linears_for_4bit(model, cfg.quant)
     model.requires_grad_(False)
     model.config.use_cache = False  # no KV cache while training
-    return attach_lora(model, cfg.lora)
+    peft_model = attach_lora(model, cfg.lora)
+    peft_model.checkpoint_layout = layout  # read by loading, the adapter and merge
+    return peft_model
 
 
 def swap_linears_for_4bit(model: nn.Module, quant: QuantConfig) -> None:

@@ -26,6 +26,7 @@ from qlora_fsdp.config import Config, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.model.build import QUANT_STORAGE, model_dir
+from qlora_fsdp.model.families import CheckpointLayout
 from qlora_fsdp.model.names import clean_name, weight_key
 from qlora_fsdp.model.weight_files import InMemoryTensor, StoredTensor, stored_weight_tensors
 
@@ -42,11 +43,40 @@ class Target:
 
 
 def materialize(model: nn.Module, device: torch.device, param_device: torch.device) -> None:
-    """Allocate real (uninitialized) storage, then rebuild buffers that checkpoints do not hold."""
+    """Allocate real (uninitialized) storage, keeping the buffers that checkpoints do not hold."""
+    computed = computed_buffers(model)
     tied = tied_parameter_slots(model)
     model.to_empty(device=param_device)
     retie(tied)
-    rebuild_non_persistent_buffers(model, device)
+    for (module, name), value in computed.items():
+        module.register_buffer(name, value.to(device), persistent=False)
+
+
+BufferSlot = tuple[nn.Module, str]
+
+
+def computed_buffers(model: nn.Module) -> dict[BufferSlot, torch.Tensor]:
+    """The values of every non-persistent buffer (rotary `inv_freq`, Gemma's `embed_scale`), which `to_empty`
+    would turn into garbage (the loss turns NaN). build_meta_model leaves buffers real, computed by the model's
+    own code; a module built with meta buffers anyway is re-created from its config, if it has one."""
+    values: dict[BufferSlot, torch.Tensor] = {}
+    for module in model.modules():
+        for name in sorted(getattr(module, "_non_persistent_buffers_set", set())):
+            buffer = module._buffers.get(name)
+            if buffer is None:
+                continue
+            if buffer.is_meta:
+                buffer = rebuilt_buffer(module, name)
+            values[(module, name)] = buffer.detach().clone()
+    return values
+
+
+def rebuilt_buffer(module: nn.Module, name: str) -> torch.Tensor:
+    if not hasattr(module, "config"):
+        raise ModelLoadError(f"cannot rebuild buffer '{name}' of {type(module).__name__}: it was built on the meta "
+                             "device and its module has no config to rebuild it from")
+    with torch.device("cpu"):
+        return getattr(type(module)(module.config), name)
 
 
 ParamSlot = tuple[nn.Module, str]  # a module and the attribute name it holds a parameter under
@@ -68,20 +98,6 @@ def retie(groups: list[list[ParamSlot]]) -> None:
         shared = getattr(first_module, first_attr)
         for module, attr in others:
             setattr(module, attr, shared)
-
-
-def rebuild_non_persistent_buffers(model: nn.Module, device: torch.device) -> None:
-    # to_empty leaves garbage in computed buffers such as rotary `inv_freq` (the loss turns NaN);
-    # re-create the owning module from its config on the CPU and copy the fresh values over
-    for module in model.modules():
-        names: set[str] = getattr(module, "_non_persistent_buffers_set", set())
-        if not names:
-            continue
-        if not hasattr(module, "config"):
-            raise ModelLoadError(f"cannot rebuild buffers {sorted(names)} of {type(module).__name__}")
-        fresh = type(module)(module.config)
-        for name in names:
-            module.register_buffer(name, getattr(fresh, name).to(device), persistent=False)
 
 
 def shard_row_range(param: torch.Tensor, n_rows: int) -> tuple[int, int]:
@@ -175,11 +191,25 @@ def release_freed_memory() -> None:
 
 
 def tensor_source(
-    cfg: Config, targets: dict[str, Target], hf_config: object, device: torch.device
+    cfg: Config, targets: dict[str, Target], model: nn.Module, device: torch.device
 ) -> Iterator[tuple[str, StoredTensor, str]]:
+    """(our model's key, tensor, where from): seeded random tensors, or the checkpoint's, renamed by its layout."""
     if cfg.model.init == "random":
-        return random_tensors(targets, getattr(hf_config, "initializer_range", 0.02), cfg.train.seed, device)
-    return stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle)
+        std = getattr(model.config, "initializer_range", 0.02)
+        yield from random_tensors(targets, std, cfg.train.seed, device)
+        return
+    layout = model_layout(model)
+    for stored_key, tensor, source in stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
+        key = layout.model_key(stored_key)
+        if key is not None:  # None: a part the text model does not hold (a vision tower)
+            yield key, tensor, source
+
+
+def model_layout(model: nn.Module) -> CheckpointLayout:
+    """The checkpoint layout build_meta_model attached to the model."""
+    layout = getattr(model, "checkpoint_layout", None)
+    assert isinstance(layout, CheckpointLayout), "models come from build_meta_model, which attaches a layout"
+    return layout
 
 
 @torch.no_grad()
@@ -187,7 +217,7 @@ def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
     """Stream every base tensor into its (sharded) parameter; then initialize LoRA."""
     targets = base_targets(model)
     loaded: set[int] = set()
-    for key, tensor, source in tensor_source(cfg, targets, model.config, device):
+    for key, tensor, source in tensor_source(cfg, targets, model, device):
         target = targets.get(key)
         if target is None:
             if key.endswith("rotary_emb.inv_freq"):  # older checkpoints saved this computed buffer

@@ -14,6 +14,7 @@ from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.model.attention import resolve_attention
 from qlora_fsdp.model.build import build_meta_model
 from qlora_fsdp.model.checkpointing import apply_activation_checkpointing, layer_slots
+from qlora_fsdp.model.families import attention_needs
 
 
 def fsdp_policies(fsdp: FSDPConfig, device: torch.device) -> dict:
@@ -59,7 +60,7 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
     device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     # a preference pair's two sequences share a row: several samples a row, as packing puts them
     several_a_row = cfg.data.packing or cfg.train.objective != "sft"
-    attention = resolve_attention(cfg.model.attn_implementation, several_a_row, device_type)
+    attention = resolve_attention(cfg.model.attn_implementation, several_a_row, device_type, attention_needs(hf_config))
     model = build_meta_model(cfg, hf_config, attention)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if shard and uses_fsdp(cfg.fsdp, mesh.size()):

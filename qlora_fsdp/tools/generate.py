@@ -26,8 +26,9 @@ from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import DistInfo, init_distributed
 from qlora_fsdp.model.adapter import load_adapter_into
 from qlora_fsdp.model.attention import generation_attention
-from qlora_fsdp.model.build import load_tokenizer
+from qlora_fsdp.model.build import load_hf_config, load_tokenizer
 from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.model.families import attention_needs
 from qlora_fsdp.model.sharding import uses_fsdp
 
 
@@ -80,7 +81,9 @@ def sampling_config(cfg: Config, offload: bool | None = None) -> Config:
     parameter offload as the recipe says unless `offload` decides."""
     no_recompute = dataclasses.replace(cfg.activation_checkpointing, mode="off")
     fsdp = cfg.fsdp if offload is None else dataclasses.replace(cfg.fsdp, cpu_offload=offload)
-    model = dataclasses.replace(cfg.model, attn_implementation=generation_attention(cfg.model.attn_implementation))
+    needs = attention_needs(load_hf_config(cfg))
+    attention = generation_attention(cfg.model.attn_implementation, needs)
+    model = dataclasses.replace(cfg.model, attn_implementation=attention)
     train = dataclasses.replace(cfg.train, compile=False)  # a KV cache changes shapes every token: recompiles
     return dataclasses.replace(cfg, activation_checkpointing=no_recompute, fsdp=fsdp, model=model, train=train)
 

@@ -1,0 +1,212 @@
+"""What differs between model families, asked in one place by building, loading, attention and the adapter.
+
+- **Checkpoint layout.** A checkpoint's keys are read through transformers' own conversion rules for its
+  architecture (renamed and legacy keys), not a list of ours. A multimodal checkpoint (Gemma 3 4B-27B,
+  Mistral 3) is trained as its text model alone: its decoder's keys are mapped onto the causal LM built from
+  `text_config`, and the vision tower and projector are never read. The adapter is saved with the full model's
+  names, so PEFT loads it onto the multimodal model.
+- **Attention.** What a family's attention adds to causal attention (sliding windows, soft-capping, sinks) and
+  whether transformers' sdpa can run it.
+- **Recurrent token mixers** (Qwen3.5's Gated DeltaNet layers): their short convolution and recurrent state would
+  run across the samples of a packed row, so they see one sample at a time.
+- **Families not supported yet** (mixtures of experts) are refused at build, in one line that names them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from qlora_fsdp.errors import ModelLoadError
+from qlora_fsdp.model.attention import AttentionNeeds, sample_bounds
+
+# families whose attention adds a learned logit per head to every softmax (transformers' `s_aux`)
+SINK_FAMILIES = {"gpt_oss"}
+
+
+# ---- multimodal checkpoints: the text model ------------------------------------------------------------------
+
+def is_multimodal(config: PretrainedConfig) -> bool:
+    """A vision-language checkpoint whose language model is a decoder of its own (`text_config`)."""
+    sub_configs = getattr(config, "sub_configs", {}) or {}
+    return "text_config" in sub_configs and "vision_config" in sub_configs
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config training builds a causal LM from: the text model's for a multimodal checkpoint."""
+    if not is_multimodal(config):
+        return config
+    text = config.get_text_config()
+    if type(text) not in AutoModelForCausalLM._model_mapping:
+        raise ModelLoadError(f"{config.model_type}: its language model ({text.model_type}) is not a causal LM "
+                             "transformers can build on its own; this multimodal family is not supported yet")
+    return text
+
+
+def full_model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """The checkpoint's own architecture (config.json's `architectures`), as transformers would load it."""
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    model_class = getattr(transformers, names[0], None) if names else None
+    if model_class is None:
+        raise ModelLoadError(f"{config.model_type}: config.json names no architecture transformers has ({names})")
+    return model_class
+
+
+# ---- checkpoint keys ------------------------------------------------------------------------------------------
+
+@dataclass
+class CheckpointLayout:
+    """Maps checkpoint keys to the keys of the causal LM we build, and our names back to the checkpoint's model."""
+
+    renamings: list[Any] = field(default_factory=list)  # transformers' WeightRenaming rules for this architecture
+    converters: list[Any] = field(default_factory=list)  # rules that merge tensors (per-expert -> fused)
+    prefix: str = ""  # base_model_prefix of the checkpoint's model
+    full_keys: frozenset[str] = frozenset()  # parameter names of the checkpoint's model (meta)
+    text_prefix: str | None = None  # multimodal: where the decoder sits in the full model ("model.language_model.")
+    head_name: str = "lm_head."
+    model_type: str = ""
+
+    def full_key(self, stored_key: str) -> str:
+        """The stored key renamed as transformers' loading renames it for the checkpoint's architecture."""
+        from transformers.core_model_loading import rename_source_key
+
+        meta = dict.fromkeys(self.full_keys, True) if self.full_keys else None
+        renamed, converter = rename_source_key(stored_key, self.renamings, self.converters, self.prefix or None, meta)
+        if converter is not None:
+            raise ModelLoadError(f"{self.model_type}: the checkpoint stores '{stored_key}' in a layout transformers "
+                                 "merges at load (experts kept one by one); mixtures of experts are not supported yet")
+        return renamed
+
+    def model_key(self, stored_key: str) -> str | None:
+        """Our model's key for a stored tensor, or None for a tensor the text model does not hold (vision tower)."""
+        return self.ours_from_full(self.full_key(stored_key))
+
+    def ours_from_full(self, key: str) -> str | None:
+        if self.text_prefix is None or key.startswith(self.head_name):
+            return key
+        if key.startswith(self.text_prefix):
+            return "model." + key.removeprefix(self.text_prefix)
+        return None
+
+    def full_from_ours(self, key: str) -> str:
+        """Our model's name as the checkpoint's full model spells it (the adapter's names on disk)."""
+        if self.text_prefix is None or not key.startswith("model."):
+            return key
+        return self.text_prefix + key.removeprefix("model.")
+
+
+def checkpoint_layout(path: Path | None, built: PreTrainedModel, trust_remote_code: bool = False) -> CheckpointLayout:
+    """The layout of the checkpoint folder `path` (None: a model with random weights, our own names)."""
+    if path is None or not (path / "config.json").is_file():
+        return CheckpointLayout(model_type=built.config.model_type)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    full = meta_full_model(config) if is_multimodal(config) else built
+    layout = layout_from_transforms(full)
+    if full is not built:
+        decoder_type = type(getattr(built, built.base_model_prefix))
+        layout.text_prefix = next(name + "." for name, module in full.named_modules()
+                                  if type(module) is decoder_type)
+    return layout
+
+
+def meta_full_model(config: PretrainedConfig) -> PreTrainedModel:
+    with torch.device("meta"):
+        return full_model_class(config)(config)
+
+
+def layout_from_transforms(model: PreTrainedModel) -> CheckpointLayout:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    transforms = get_model_conversion_mapping(model)
+    return CheckpointLayout(
+        renamings=[t for t in transforms if isinstance(t, WeightRenaming)],
+        converters=[t for t in transforms if isinstance(t, WeightConverter)],
+        prefix=model.base_model_prefix,
+        full_keys=frozenset(name for name, _ in model.named_parameters(remove_duplicate=False)),
+        model_type=model.config.model_type,
+    )
+
+
+def lora_target_regex(layout: CheckpointLayout, lora_module_names: list[str]) -> str | None:
+    """For a multimodal checkpoint: a `target_modules` regex that names only the decoder's LoRA modules, so PEFT
+    attaches nothing to the vision tower (whose q_proj/fc1 a plain name list would also match). None otherwise."""
+    if layout.text_prefix is None:
+        return None
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in lora_module_names})
+    return rf"{re.escape(layout.text_prefix)}.*\.({'|'.join(map(re.escape, leaves))})"
+
+
+# ---- families not supported yet --------------------------------------------------------------------------------
+
+def refuse_unsupported(model: nn.Module) -> None:
+    """Mixtures of experts keep their experts as fused 3-D parameters that no 4-bit layer replaces yet."""
+    for name, param in model.named_parameters():
+        if param.ndim == 3 and ".experts." in f".{name}.":
+            model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            raise ModelLoadError(f"{model_type} is a mixture of experts ('{name}'): 4-bit experts are not supported "
+                                 "yet, so it would train with its experts unquantized")
+
+
+# ---- attention -------------------------------------------------------------------------------------------------
+
+def attention_needs(config: PretrainedConfig) -> AttentionNeeds:
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return AttentionNeeds(
+        family=config.model_type,
+        softcap=getattr(config, "attn_logit_softcapping", None) is not None,
+        sinks=config.model_type in SINK_FAMILIES,
+        sdpa=bool(getattr(model_class, "_supports_sdpa", True)),
+    )
+
+
+# ---- recurrent token mixers: one sample at a time ---------------------------------------------------------------
+
+def recurrent_mixers(layer: nn.Module) -> list[nn.Module]:
+    """A decoder layer's token mixers that carry state along the tokens: those holding a short convolution."""
+    return [child for child in layer.children() if any(isinstance(m, nn.Conv1d) for m in child.modules())]
+
+
+def run_mixers_per_sample(layers: list[nn.Module]) -> None:
+    """Packed rows reach a recurrent mixer one sample at a time (its state starts afresh at each sample's start).
+
+    The decoder layer sees the position ids (with the batch's sample bounds); a pre-hook hands the bounds to its
+    mixers, whose forward splits the row. Checkpointing's recompute runs the layer again, and the hook with it."""
+    for layer in layers:
+        mixers = recurrent_mixers(layer)
+        if not mixers:
+            continue
+        for mixer in mixers:
+            mixer.forward = functools.partial(per_sample_forward, mixer, mixer.forward)
+        layer.register_forward_pre_hook(functools.partial(hand_bounds_to, mixers), with_kwargs=True)
+
+
+def hand_bounds_to(mixers: list[nn.Module], _layer: nn.Module, args: tuple, kwargs: dict) -> None:
+    positions = kwargs.get("position_ids")
+    bounds = None
+    if isinstance(positions, torch.Tensor) and positions.ndim == 2:
+        bounds = getattr(positions, "sample_bounds", None) or [sample_bounds(row) for row in positions]
+    for mixer in mixers:
+        mixer.packed_bounds = bounds
+
+
+def per_sample_forward(mixer: nn.Module, forward: Callable[..., torch.Tensor], hidden_states: torch.Tensor,
+                       *args: Any, **kwargs: Any) -> torch.Tensor:
+    bounds = getattr(mixer, "packed_bounds", None)
+    if bounds is None or all(len(row) == 1 for row in bounds) or kwargs.get("cache_params") is not None:
+        return forward(hidden_states, *args, **kwargs)
+    rows = []
+    for row, row_bounds in enumerate(bounds):
+        parts = [forward(hidden_states[row : row + 1, start:end], *args, **kwargs) for start, end in row_bounds]
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows)

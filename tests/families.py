@@ -1,0 +1,81 @@
+"""Tiny random models of the decoder families people fine-tune, saved as transformers saves them.
+
+Each has hidden size 64, 2 layers and our tiny tokenizer; where the family has sliding windows they are 16 tokens,
+shorter than the rows the tests use, so a kernel that ignores them gives another loss. The family's own quirks are
+switched on where a default would hide them: Gemma's query_pre_attn_scalar differs from the head size, Gemma 2
+soft-caps, the full-attention layers of Gemma 3 scale their rotary positions, Qwen2 turns its window on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
+
+WINDOW = 16
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
+
+
+def _tokens(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    return dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+
+
+def _config(model_type: str, tokenizer: PreTrainedTokenizerFast, **extra: Any) -> PretrainedConfig:
+    return AutoConfig.for_model(model_type, **{**SMALL, **_tokens(tokenizer), **extra})
+
+
+def _gemma3_text(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    return dict(**SMALL, **_tokens(tokenizer), head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+
+
+def gemma3_multimodal(tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """Gemma 3 4B-27B's layout: a SigLIP vision tower, a projector, the decoder under `language_model`."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=Gemma3TextConfig(**_gemma3_text(tokenizer)), vision_config=vision,
+                          mm_tokens_per_image=4, image_token_index=tokenizer.unk_token_id,
+                          boi_token_index=tokenizer.bos_token_id, eoi_token_index=tokenizer.eos_token_id)
+    return config
+
+
+FAMILIES: dict[str, Callable[[PreTrainedTokenizerFast], PretrainedConfig]] = {
+    "llama": lambda tok: _config("llama", tok),
+    "qwen2": lambda tok: _config("qwen2", tok, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                                 tie_word_embeddings=True),
+    "qwen3": lambda tok: _config("qwen3", tok, head_dim=16, tie_word_embeddings=True),
+    "qwen3_5": lambda tok: _config("qwen3_5_text", tok, head_dim=16, linear_key_head_dim=16,
+                                   linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                   layer_types=["linear_attention", "full_attention"], tie_word_embeddings=True),
+    "mistral": lambda tok: _config("mistral", tok, head_dim=16, sliding_window=WINDOW),
+    "gemma2": lambda tok: _config("gemma2", tok, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                                  attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "gemma3": lambda tok: AutoConfig.for_model("gemma3_text", **_gemma3_text(tok)),
+    "gemma3_multimodal": gemma3_multimodal,
+    "phi3": lambda tok: _config("phi3", tok),
+    "olmo2": lambda tok: _config("olmo2", tok),
+}
+
+
+def write_family_model(out: Path, family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
+    """Build the family's tiny model with seeded random weights and save it (bf16, as the hub ships them)."""
+    config = FAMILIES[family](tokenizer)
+    torch.manual_seed(seed)
+    if family == "gemma3_multimodal":
+        from transformers import Gemma3ForConditionalGeneration
+
+        model: torch.nn.Module = Gemma3ForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
