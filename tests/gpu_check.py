@@ -11,7 +11,7 @@ inside it; `python -m tests.gpu_check_cases NAME --device cpu` runs one in the f
   fsdp_real_path        Llama 3.1 70B architecture (2 layers) sharded over a fake 2-rank group: every gathered
                         4-bit weight equals this rank's loaded shard byte for byte (offload on and off)
   merge_device          a tiny adapter (2 steps) merged with --device cuda against --device cpu
-  generate              scripts/generate.py with that adapter prints tokens
+  generate              scripts/generate.py's command (its main) with that adapter prints tokens
   plan_vs_measured_70b  llama70b_2x4090 as rank 0 of 2, GPU capped at 24 GiB: measured peak against the plan
   one_gpu_70b_offload   70B on one GPU with CPU offload: peak GPU memory, host RSS, tokens/s
   memory_levers         70B layer shapes and vocabulary at 8,192 tokens: peak memory and tokens/s of full vs

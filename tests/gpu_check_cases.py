@@ -15,7 +15,6 @@ import gc
 import io
 import json
 import math
-import runpy
 import sys
 import time
 import traceback
@@ -35,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import qlora_fsdp.model.build
 from qlora_fsdp.api import train
+from qlora_fsdp.commands.generate import main as generate_main
 from qlora_fsdp.config import Config, load_config, validate
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
 from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed, local_shard
@@ -552,18 +552,15 @@ def merge_comparison(cpu: dict[str, torch.Tensor], cuda: dict[str, torch.Tensor]
     return Row("merge_device (cuda vs cpu)", "passed" if max_diff <= MERGE_TOLERANCE else "failed", result, figures)
 
 
-def run_script(path: Path, argv: list[str]) -> tuple[int, str]:
-    """A script's command line, in this process (no second start-up of torch); its exit code and stdout."""
-    saved, sys.argv = sys.argv, [str(path), *argv]
+def command_output(main: Callable[[list[str]], int], argv: list[str]) -> tuple[int, str]:
+    """A command's main in this process (no second start-up of torch); its exit code and stdout. The main, not
+    scripts/generate.py's entry: that one ends its process with os._exit, and this check's result with it."""
     buffer = io.StringIO()
     try:
         with contextlib.redirect_stdout(buffer):
-            runpy.run_path(str(path), run_name="__main__")
-        code = 0
-    except SystemExit as stop:
+            code = main(argv)
+    except SystemExit as stop:  # argparse's own errors
         code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
-    finally:
-        sys.argv = saved
     print(buffer.getvalue(), flush=True)
     return code, buffer.getvalue()
 
@@ -573,11 +570,11 @@ def generate(ctx: Context) -> list[Row]:
     argv = ["--adapter", str(adapter), "--prompt", "Reverse the letters of the word.", "--input", "river",
             "--max-new-tokens", "16"]
     started = time.perf_counter()
-    code, text = run_script(REPO / "scripts" / "generate.py", argv)
+    code, text = command_output(generate_main, argv)
     figures = {"device": ctx.device.type, "characters": len(text.strip()), "seconds": time.perf_counter() - started}
     ok = code == 0 and bool(text.strip())
     shown = " ".join(text.split()).encode("ascii", "replace").decode()[:40]  # a random tiny model prints byte soup
-    result = f"scripts/generate.py --adapter (tiny, 2 steps) printed '{shown}'" if ok else f"exit code {code}, no text"
+    result = f"generate's main (--adapter: tiny, 2 steps) printed '{shown}'" if ok else f"exit code {code}, no text"
     return [Row("generate", "passed" if ok else "failed", result, figures)]
 
 
