@@ -43,9 +43,10 @@ demo-dpo: $(BIN)/activate tiny-model data/tiny_preferences.jsonl
 	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu_dpo train.output_dir=outputs/demo-dpo \
 		train.overwrite=true
 
-# all tests, both lanes; the 20 slowest are listed at the end (tests/README.md: where the time goes)
+# all tests, both lanes; the 20 slowest are listed at the end (tests/README.md: where the time goes), and each
+# skipped test's reason (-rs), so a real-model test that skipped shows in CI's log
 test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl
-	$(BIN)/python -m pytest -q --durations=20 tests
+	$(BIN)/python -m pytest -q -rs --durations=20 tests
 
 # the fast lane: in-process unit tests, under 2 minutes; the slow lane (ranks, torchrun, subprocesses) is `-m slow`
 test-fast: $(BIN)/activate
