@@ -1,5 +1,6 @@
 """Preference tuning's step on the 4-bit, sharded model: DPO starts at exactly log 2, k micro-batches equal one
-batch, two ranks equal one, the reference is the base with the adapter off; ORPO and SimPO need no reference."""
+batch, two ranks equal one, the reference is the base with the adapter off, each sequence's log-probability is
+plain transformers' (bitsandbytes NF4); ORPO and SimPO need no reference."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from qlora_fsdp.commands.generate import main as generate_main
 from qlora_fsdp.commands.merge import main as merge_main
 from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.data.pair_pipeline import load_pairs
+from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.model.build import load_tokenizer
 from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.pair_loss import PairLoss
+from qlora_fsdp.model.pair_loss import PairLoss, as_pairs
 from qlora_fsdp.training.loop import accumulate_pairs
 from qlora_fsdp.training.pair_steps import pair_rows
 from tests.helpers import (
@@ -30,6 +32,7 @@ from tests.helpers import (
     run_ranks_sequence,
     tiny_config,
     train_here,
+    transformers_nf4,
 )
 from tests.test_resume import finish, kill_tree, start, torchrun, wait_for_step
 
@@ -80,10 +83,33 @@ def step(info, cfg, n_pairs: int, pairs_per_batch: int, perturb: bool = False):
     return {"loss": result.loss, "metrics": result.metrics, "pairs": result.n_samples, "grads": full_grads(model)}
 
 
-def test_dpo_starts_at_log_2_and_accumulation_and_sharding_change_nothing(tiny_model_dir, tmp_path):
+def pair_logps(info, cfg, n_pairs: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each pair's (chosen, rejected) summed log-probabilities as DPO's step takes them: our 4-bit load, a pair's
+    two sequences packed in one row, the recipe's chunked loss. The policy at the start (adapter zero: the base), the
+    reference with the adapter nudged off zero (turned off: the base again), and the nudged policy."""
+    torch.manual_seed(0)
+    model = build_model(cfg, info)
+    loss = PairLoss.for_config(cfg, info.device)
+    (batch,) = pair_micro_batches(cfg, n_pairs, n_pairs, info.rank, info.world_size)
+    out = {"policy": as_pairs(loss.sequence_logps(model, batch, info.device).detach(), batch)}
+    nudge_adapter(model)
+    out["reference"] = as_pairs(loss.reference_logps(model, batch, info.device), batch)
+    out["nudged"] = as_pairs(loss.sequence_logps(model, batch, info.device).detach(), batch)
+    return {name: (pairs.chosen.cpu(), pairs.rejected.cpu()) for name, pairs in out.items()}
+
+
+@pytest.fixture(scope="module")
+def dpo_one_rank(tiny_model_dir, tmp_path_factory) -> dict:
+    """What DPO computes on one rank, in one start-up: the step at the start, perturbed, accumulated; the pairs'
+    log-probabilities."""
     cfg = dpo_config(tiny_model_dir)
-    start, one_big = run_ranks_sequence([(step, (cfg, 8, 8)), (step, (cfg, 8, 8, True))], 1, tmp_path)
-    (accumulated,) = run_ranks_sequence([(step, (cfg, 8, 2, True))], 1, tmp_path)
+    results = run_ranks_sequence([(step, (cfg, 8, 8)), (step, (cfg, 8, 8, True)), (step, (cfg, 8, 2, True)),
+                                  (pair_logps, (cfg, 8))], 1, tmp_path_factory.mktemp("dpo_one_rank"))
+    return dict(zip(("start", "one_big", "accumulated", "logps"), results, strict=True)) | {"cfg": cfg}
+
+
+def test_dpo_starts_at_log_2_and_accumulation_and_sharding_change_nothing(dpo_one_rank, tmp_path):
+    cfg, start, one_big, accumulated = (dpo_one_rank[k] for k in ("cfg", "start", "one_big", "accumulated"))
     (sharded,) = run_ranks_sequence([(step, (cfg, 8, 2, True))], 2, tmp_path)
 
     assert start["pairs"] == 8
@@ -96,6 +122,34 @@ def test_dpo_starts_at_log_2_and_accumulation_and_sharding_change_nothing(tiny_m
         assert relative_difference(other["grads"], one_big["grads"]) <= 1e-4
         for key, value in one_big["metrics"].items():
             assert other["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def transformers_pair_logps(model_dir, cfg, n_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's (chosen, rejected) log-probabilities from plain transformers + bitsandbytes NF4 (fp32), none of
+    our code: log_softmax of each sequence's own logits, summed over its target tokens."""
+    model, data = transformers_nf4(model_dir), load_pairs(load_tokenizer(cfg), cfg)
+    sums = []
+    with torch.no_grad():
+        for sequence in data.samples(data.train, list(range(n_pairs))):  # chosen, rejected, chosen, ...
+            logps = model(input_ids=torch.tensor([sequence.input_ids])).logits[0, :-1].log_softmax(-1)
+            targets = torch.tensor(sequence.labels[1:])
+            kept = targets != IGNORE_INDEX
+            sums.append(logps[kept].gather(-1, targets[kept, None]).sum())
+    both = torch.stack(sums)
+    return both[0::2], both[1::2]
+
+
+def test_dpo_log_probabilities_equal_transformers_log_softmax(tiny_model_dir, dpo_one_rank):
+    """The chosen and rejected log-probabilities DPO's loss reads (a pair a row, chunked, our 4-bit load) equal plain
+    transformers' on each sequence alone: the policy at the start and the reference (adapter off) alike. fp32 both:
+    they differ by float rounding (2e-7 relative here)."""
+    chosen, rejected = transformers_pair_logps(tiny_model_dir, dpo_one_rank["cfg"], 8)
+    logps = dpo_one_rank["logps"]
+    assert (chosen < 0).all() and (rejected < 0).all()
+    for name in ("policy", "reference"):
+        torch.testing.assert_close(logps[name][0], chosen, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(logps[name][1], rejected, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert (logps["nudged"][0] - chosen).abs().max() > 1e-2  # the nudged adapter matters: its reference is off
 
 
 @pytest.mark.parametrize("objective", ["orpo", "simpo"])
