@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import data_parallel_mesh, init_fake_distributed
 from qlora_fsdp.plan.fake_step import cached_step
-from qlora_fsdp.plan.held import planned_dtypes, planning_config
+from qlora_fsdp.plan.held import planned_dtypes, planning_config, planning_model
 from qlora_fsdp.plan.step_tracker import StepMemory
 
 T = TypeVar("T")
@@ -58,4 +58,5 @@ def recipe_step(cfg: Config) -> StepMemory:
     cfg = planned_dtypes(cfg)
     if in_real_world():
         return in_fake_world(cfg, recipe_step, cfg)
-    return cached_step(cfg, planning_config(cfg), planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size))
+    return cached_step(planning_model(cfg), planning_config(cfg),
+                       planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size))

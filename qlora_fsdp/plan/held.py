@@ -4,6 +4,7 @@ over a fake process group of the recipe's world size, so each local shard has th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ import bitsandbytes as bnb
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from qlora_fsdp.config import REPO_ROOT, Config
 from qlora_fsdp.distributed import local_shard
@@ -39,13 +40,19 @@ def quant_state_bytes(n_elements: int, blocksize: int, double_quant: bool) -> in
     return blocks + nested + codebook
 
 
+def planning_model(cfg: Config) -> Config:
+    """The recipe as the planner builds it: a hub model with a shipped copy of its config.json
+    (model_configs/<name>) is read from that folder, so planning needs no download and no weights (the meta build
+    reads the checkpoint's layout from config.json too); else the model folder's own config.json."""
+    shipped = REPO_ROOT / "model_configs" / cfg.model.path.rstrip("/").split("/")[-1].lower()
+    if Path(cfg.model.path).is_dir() or not (shipped / "config.json").is_file():
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(shipped)))
+
+
 def planning_config(cfg: Config) -> PretrainedConfig:
-    """The architecture: the shipped copy for a recipe's hub model (model_configs/<name>), so planning needs
-    no download and no weights; else the model folder's own config.json."""
-    shipped = REPO_ROOT / "model_configs" / cfg.model.path.rstrip("/").split("/")[-1].lower() / "config.json"
-    if not Path(cfg.model.path).is_dir() and shipped.is_file():
-        return AutoConfig.from_pretrained(shipped.parent)
-    return load_hf_config(cfg)
+    """The architecture the planner builds: training's (the text model's for a multimodal checkpoint)."""
+    return load_hf_config(planning_model(cfg))
 
 
 def planned_dtypes(cfg: Config) -> Config:
@@ -56,7 +63,7 @@ def planned_dtypes(cfg: Config) -> Config:
 def meta_held(cfg: Config, mesh: DeviceMesh) -> Held:
     """Exact bytes from the recipe's model built and sharded as training does it, on the meta device."""
     cfg = planned_dtypes(cfg)
-    return held_bytes(sharded_meta_model(cfg, planning_config(cfg), mesh), cfg)
+    return held_bytes(sharded_meta_model(planning_model(cfg), planning_config(cfg), mesh), cfg)
 
 
 @dataclass
