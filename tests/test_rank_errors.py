@@ -3,7 +3,8 @@
 One `error: ...` line, printed once; no Python traceback from any rank (torchrun's own ChildFailedError report
 is all that follows); every rank exits 2; torchrun's summary names the line as the root cause; the output
 folder is left as it was. Raised before the first collective (a bad data file, on the rank that tokenizes),
-between collectives in the middle of a step (one rank only), and by a checkpoint write on a full disk.
+between collectives in the middle of a step (one rank only), and by a checkpoint write on a full disk. In one
+process: the rank whose collective failed because a peer ended with a user error.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
+import torch.distributed as dist
 
+import qlora_fsdp.distributed.rank_errors as rank_errors
+from qlora_fsdp.commands.exit import run_command
 from tests.test_resume import ENV, REPO, TORCHRUN, recipe_args
-
-pytestmark = pytest.mark.slow  # each runs torchrun
 
 TORCHRUN_REPORT = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 
@@ -48,6 +51,7 @@ def root_cause_rank(result: subprocess.CompletedProcess) -> int:
     return int(re.search(r"rank\s+: (\d+)", root_cause).group(1))
 
 
+@pytest.mark.slow  # torchrun
 def test_bad_data_file_under_torchrun(tmp_path, tiny_model_dir):
     """Rank 0 tokenizes while rank 1 waits for it: the broken record's file and line, once, and nothing else."""
     bad = tmp_path / "bad.jsonl"
@@ -60,6 +64,7 @@ def test_bad_data_file_under_torchrun(tmp_path, tiny_model_dir):
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow  # torchrun
 def test_user_error_on_one_rank_mid_step(tmp_path, tiny_model_dir):
     """Rank 1 raises while rank 0 is inside the step's collectives: rank 0 ends with rank 1's line."""
     out = tmp_path / "run"
@@ -69,6 +74,7 @@ def test_user_error_on_one_rank_mid_step(tmp_path, tiny_model_dir):
     assert root_cause_rank(result) == 1
 
 
+@pytest.mark.slow  # torchrun
 def test_disk_full_during_a_checkpoint(tmp_path, tiny_model_dir):
     """Rank 0's write fails as torch.save does on a full disk: the line says so, where, and what to resume
     from; the earlier checkpoint is whole and the partial one is gone."""
@@ -81,3 +87,36 @@ def test_disk_full_during_a_checkpoint(tmp_path, tiny_model_dir):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
     assert (kept / "trainer_state.json").is_file()
     assert Path(out / "adapter").exists() is False  # the run never finished
+
+
+class RankExit(BaseException):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+def raise_rank_exit(code: int) -> NoReturn:
+    raise RankExit(code)
+
+
+def collective_failed() -> int:
+    raise RuntimeError("[gloo] Connection closed by peer")
+
+
+def test_a_failed_collective_after_a_peers_user_error_ends_quietly_with_2(monkeypatch, capsys):
+    """Rank 0 of 2 whose collective failed: with the peer's line published, it exits 2 and prints nothing (the
+    peer printed it); with none, the error is its own. The path a CUDA rank takes (no SIGTERM handler there), which
+    on CPU torchrun's SIGTERM also covers."""
+    store = dist.HashStore()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(rank_errors, "shared_store", lambda: store)
+    monkeypatch.setattr(rank_errors, "install_sigterm_handler", lambda: None)
+    monkeypatch.setattr(rank_errors, "hold_sigterm", lambda: None)  # the test process keeps its signals
+    monkeypatch.setattr(rank_errors, "PUBLISH_WAIT_S", 0.2)
+    monkeypatch.setattr(rank_errors, "exit_now", raise_rank_exit)
+    with pytest.raises(RuntimeError, match="Connection closed"):  # nothing published: its own error
+        run_command(collective_failed)
+    store.set(rank_errors.RAISED_AT_KEY, "100")
+    store.set(rank_errors.ERROR_KEY, "error: injected user error on rank 1")
+    with pytest.raises(RankExit) as ended:
+        run_command(collective_failed)
+    assert ended.value.code == 2 and capsys.readouterr().err == ""
