@@ -15,8 +15,9 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
-from qlora_fsdp.model.loading import copy_full_into
-from qlora_fsdp.model.names import clean_name
+from qlora_fsdp.model.families import CheckpointLayout, lora_target_regex
+from qlora_fsdp.model.loading import copy_full_into, model_layout
+from qlora_fsdp.model.names import PEFT_PREFIX, clean_name
 
 ADAPTER_NAME = "default"
 TRAINING_CONFIG = "training_config.yaml"  # the resolved recipe, next to the PEFT files
@@ -26,6 +27,13 @@ def peft_adapter_key(name: str, adapter: str) -> str:
     """PEFT's on-disk key: no adapter name, and DoRA's magnitude without its `.weight` suffix."""
     name = name.replace(f".{adapter}.", ".")
     return name.removesuffix(".weight") if name.endswith("lora_magnitude_vector.weight") else name
+
+
+def adapter_file_key(param_name: str, layout: CheckpointLayout) -> str:
+    """A trainable parameter's key in adapter_model.safetensors: PEFT's, with the checkpoint's full model's names
+    (a multimodal checkpoint's decoder sits under `model.language_model.`)."""
+    key = peft_adapter_key(clean_name(param_name), ADAPTER_NAME)
+    return PEFT_PREFIX + layout.full_from_ours(key.removeprefix(PEFT_PREFIX))
 
 
 def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -47,13 +55,18 @@ def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, ou
     if not is_main:
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    adapter_state = {peft_adapter_key(name, ADAPTER_NAME): tensor for name, tensor in state.items()}
+    layout = model_layout(model)
+    adapter_state = {adapter_file_key(name, layout): tensor for name, tensor in state.items()}
     save_file({k: v.contiguous() for k, v in adapter_state.items()}, out_dir / "adapter_model.safetensors",
               metadata={"format": "pt"})
     config = model.peft_config[ADAPTER_NAME]
     assert isinstance(config, peft.LoraConfig), "build.attach_lora makes every adapter from a peft.LoraConfig"
     config.base_model_name_or_path = base_model_path
     config.init_lora_weights = True  # we initialized them ourselves; loaders should use PEFT's default
+    lora_modules = [clean_name(name) for name, module in model.named_modules() if hasattr(module, "lora_A")]
+    decoder_only = lora_target_regex(layout, lora_modules)
+    if decoder_only is not None:  # PEFT on the multimodal model: the decoder's modules, not the vision tower's
+        config.target_modules = decoder_only
     config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(out_dir)
     (out_dir / TRAINING_CONFIG).write_text(config_yaml)
@@ -88,10 +101,11 @@ def load_adapter_into(model: peft.PeftModel, adapter_dir: Path) -> None:
     keeps its FSDP2 dim-0 chunk of every tensor, as the base loader does (the inverse of export_adapter)."""
     saved_config, tensors = read_adapter(adapter_dir)
     check_scaling(saved_config, model, adapter_dir)
+    layout = model_layout(model)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        key = peft_adapter_key(clean_name(name), ADAPTER_NAME)
+        key = adapter_file_key(name, layout)
         saved = tensors.pop(key, None)
         if saved is None or saved.shape != param.shape:  # a DTensor's shape is the whole tensor's
             raise ModelLoadError(f"adapter in {adapter_dir} does not fit the model at '{key}': trained with other "

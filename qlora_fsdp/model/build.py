@@ -85,10 +85,10 @@ def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = "sdpa") -> peft.PeftModel:
+def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = "eager") -> peft.PeftModel:
     """The full model with its parameters on the meta device: frozen NF4 base with LoRA adapters, ready for
     sharding, and the layout of its checkpoint attached. `attention`: the kernel (attention.resolve_attention's
-    answer for the run)."""
+    answer for the run; eager, which every family has, where only the names matter)."""
     # buffers stay real: computed by the model's own code (rotary frequencies, Gemma's embedding scale), which
     # is the only code that knows how; materialize keeps their values through to_empty
     with init_empty_weights(include_buffers=False):
@@ -98,14 +98,22 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
         )
     model.tie_weights()  # transformers ties the head to the embeddings only when it made the parameters itself
     refuse_unsupported(model)
-    layout = checkpoint_layout(model_dir(cfg.model.path), model, cfg.model.trust_remote_code)
+    layout = checkpoint_layout(checkpoint_folder(cfg), model, cfg.model.trust_remote_code)
     run_mixers_per_sample(decoder_layers(model))
     swap_linears_for_4bit(model, cfg.quant)
     model.requires_grad_(False)
     model.config.use_cache = False  # no KV cache while training
     peft_model = attach_lora(model, cfg.lora)
-    peft_model.checkpoint_layout = layout  # read by loading, the adapter and merge
+    vars(peft_model)["checkpoint_layout"] = layout  # a plain attribute: read by loading, the adapter and merge
     return peft_model
+
+
+def checkpoint_folder(cfg: Config) -> Path | None:
+    """The folder whose weights will be read; None for random weights (a hub id is then not fetched)."""
+    path = Path(cfg.model.path)
+    if path.is_dir():
+        return path
+    return None if cfg.model.init == "random" else model_dir(cfg.model.path)
 
 
 def swap_linears_for_4bit(model: nn.Module, quant: QuantConfig) -> None:
@@ -194,9 +202,12 @@ def check_targets(model: nn.Module, targets: str | list[str]) -> None:
 
 def base_parameter_count(model: nn.Module) -> int:
     """Frozen parameters of the whole model (global, not per shard); a 4-bit weight counts its unpacked size."""
-    count = 0
+    count, seen = 0, set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # a head tied to the embeddings is one matrix
+                continue
+            seen.add(id(param))
             if not param.requires_grad:
                 if isinstance(module, bnb.nn.Linear4bit) and name == "weight":  # packed: count the unpacked size
                     count += module.in_features * module.out_features

@@ -197,7 +197,7 @@ def hand_bounds_to(mixers: list[nn.Module], _layer: nn.Module, args: tuple, kwar
     if isinstance(positions, torch.Tensor) and positions.ndim == 2:
         bounds = getattr(positions, "sample_bounds", None) or [sample_bounds(row) for row in positions]
     for mixer in mixers:
-        mixer.packed_bounds = bounds
+        vars(mixer)["packed_bounds"] = bounds  # a plain attribute, read by per_sample_forward
 
 
 def per_sample_forward(mixer: nn.Module, forward: Callable[..., torch.Tensor], hidden_states: torch.Tensor,

@@ -18,13 +18,14 @@ from typing import Literal
 import bitsandbytes.functional as bnbf
 import torch
 from safetensors.torch import save_file
+from transformers import AutoConfig
 
 from qlora_fsdp.config import Config, DType
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.model.adapter import read_adapter
 from qlora_fsdp.model.build import build_meta_model, load_hf_config, model_dir
-from qlora_fsdp.model.loading import base_targets, quantize
+from qlora_fsdp.model.loading import base_targets, model_layout, quantize
 from qlora_fsdp.model.names import PEFT_PREFIX
 from qlora_fsdp.model.weight_files import stored_weight_tensors
 from qlora_fsdp.precision import describe_device, resolve_dtypes
@@ -118,8 +119,9 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
         raise ModelLoadError("model.init is random: there are no base weights to merge into")
     cfg = resolve_dtypes(cfg, describe_device(torch.device(device)))  # `auto` as on the device that merges
     deltas = lora_deltas(adapter_dir)
-    hf_config = load_hf_config(cfg)
-    quantized = {key for key, target in base_targets(build_meta_model(cfg, hf_config)).items()
+    meta = build_meta_model(cfg, load_hf_config(cfg))
+    layout = model_layout(meta)  # the adapter's and the checkpoint's keys both name the checkpoint's full model
+    quantized = {layout.full_from_ours(key) for key, target in base_targets(meta).items()
                  if target.quantized_module is not None}
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -128,16 +130,18 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     for key, stored, _ in stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
         if key.endswith("rotary_emb.inv_freq"):
             continue
+        full_key = layout.full_key(key)
         weight = stored.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
-        if key in quantized and base_weights == "dequantized":
+        if full_key in quantized and base_weights == "dequantized":
             weight = as_trained(weight, cfg)
-        if key in deltas:
-            weight = deltas.pop(key).merged(weight)
+        if full_key in deltas:
+            weight = deltas.pop(full_key).merged(weight)
         writer.add(key, weight.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
     if deltas:
         raise ModelLoadError(f"the adapter has '{next(iter(deltas))}', which the base checkpoint lacks: another base?")
     shards = writer.finish()
-    hf_config.dtype = dtype
+    hf_config = AutoConfig.from_pretrained(model_dir(cfg.model.path), trust_remote_code=cfg.model.trust_remote_code)
+    hf_config.dtype = dtype  # the checkpoint's own config (a multimodal one keeps its vision tower, copied as is)
     hf_config.__dict__.pop("quantization_config", None)  # a plain checkpoint now
     hf_config.save_pretrained(tmp)
     copy_tokenizer(adapter_dir, tmp)

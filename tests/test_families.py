@@ -1,0 +1,167 @@
+"""Every family, exact against transformers + bitsandbytes NF4 (tests/families.py builds them; windows of 16 tokens,
+shorter than every sample here).
+
+Per family, one pool task at world size 1 and one at 2 hold all of our side: the held-out loss of the same samples
+packed into rows and padded one a row, one step's LoRA gradients (with B nonzero, so A's gradients are not zero),
+the logits of one sample, and the adapter saved (world size 2) and sampled from (world size 2). The test process
+holds the reference: transformers' own NF4 model of the checkpoint's own class (the multimodal one for the Gemma 3
+multimodal checkpoint) with PEFT loading our adapter, and our merge loaded by transformers. fp32 throughout."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from peft import PeftModel
+from transformers import AutoConfig, PreTrainedTokenizerFast
+
+from qlora_fsdp.config.loader import to_yaml
+from qlora_fsdp.data.batching import Sample, collate, collate_packed
+from qlora_fsdp.distributed import all_reduce_sums
+from qlora_fsdp.model.adapter import adapter_file_key, export_adapter, peft_adapter_key
+from qlora_fsdp.model.build import load_tokenizer
+from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.model.loading import copy_full_into, model_layout
+from qlora_fsdp.model.names import clean_name
+from qlora_fsdp.tools.generate import Sampling, load_generator
+from qlora_fsdp.tools.merge import merge_adapter
+from qlora_fsdp.tools.tiny_model import train_tokenizer
+from tests.families import FAMILIES, MOE_FAMILIES, write_family_model
+from tests.helpers import REPO, full_grads, run_ranks, tiny_config, transformers_nf4, variable_length_samples
+
+pytestmark = pytest.mark.slow  # ranks on gloo
+N_SAMPLES = 6
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512)
+
+
+def family_config(model_dir: Path, out: Path):
+    return tiny_config(model_dir, data={"packing": True}, train={"output_dir": str(out)},
+                       lora={"r": 4, "dropout": 0.0})
+
+
+def nonzero_lora_b(model: torch.nn.Module) -> None:
+    """B seeded by name (the same on every world size): with B = 0, A's gradient and the adapter's effect are 0."""
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            generator = torch.Generator().manual_seed(zlib.crc32(clean_name(name).encode()))
+            copy_full_into(param, 0.1 * torch.randn(param.shape, generator=generator))
+
+
+def summed(model, batch, info) -> float:
+    with torch.no_grad():
+        return ForwardLoss()(model, batch, info.device).item()
+
+
+def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: Path | None) -> dict:
+    """Everything our code computes for one family at one world size (a pool task)."""
+    cfg = family_config(model_dir, out)
+    model = build_model(cfg, info)
+    mine = samples[info.rank :: info.world_size]
+    packed, padded = collate_packed([mine[: len(mine) // 2], mine[len(mine) // 2 :]], 0), collate(mine, 0)
+    n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
+    losses = all_reduce_sums([summed(model, packed, info), summed(model, padded, info)], info.device)  # the base's
+    nonzero_lora_b(model)
+    train_loss = ForwardLoss.for_config(cfg, info.device)(model, packed, info.device) / n_targets
+    train_loss.backward()  # training's loss: chunked, checkpointed, one sample at a time in each packed row
+    layout = model_layout(model)
+    grads = {adapter_file_key(name, layout): grad for name, grad in full_grads(model).items()}
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([samples[0].input_ids], device=info.device)).logits.cpu()
+    result = {"packed": losses[0] / n_targets, "padded": losses[1] / n_targets, "grads": grads, "logits": logits}
+    if adapter is not None:  # saved, then sampled from on these ranks
+        export_adapter(model, load_tokenizer(cfg), adapter, str(model_dir), info.is_main, to_yaml(cfg))
+        generator = load_generator(cfg, adapter)
+        result["reply"] = generator.token_ids("Name a colour.", Sampling(max_new_tokens=6))
+        with torch.no_grad():
+            result["generator_logits"] = generator.model(input_ids=torch.tensor([samples[0].input_ids])).logits
+    return result
+
+
+def reference_model(model_dir: Path) -> torch.nn.Module:
+    """transformers' own NF4 model of the checkpoint's class (a multimodal one stays multimodal)."""
+    model_class = getattr(transformers, AutoConfig.from_pretrained(model_dir).architectures[0])
+    return transformers_nf4(model_dir, model_class)
+
+
+def reference_side(model_dir: Path, adapter: Path, samples: list[Sample]) -> dict:
+    """Held-out loss of transformers + bitsandbytes NF4 (each sample alone), and with PEFT loading our adapter:
+    one step's gradients of the same loss and one sample's logits."""
+    base = reference_model(model_dir)
+    n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
+
+    def loss(model) -> torch.Tensor:
+        total = torch.zeros(())
+        for sample in samples:
+            logits = model(input_ids=torch.tensor([sample.input_ids])).logits[0, :-1]
+            total = total + torch.nn.functional.cross_entropy(logits.float(), torch.tensor(sample.labels[1:]),
+                                                              ignore_index=-100, reduction="sum")
+        return total / n_targets
+
+    with torch.no_grad():
+        base_loss = loss(base).item()
+    peft_model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
+    loss(peft_model).backward()
+    grads = {peft_adapter_key(name, "default"): param.grad for name, param in peft_model.named_parameters()
+             if param.requires_grad}
+    with torch.no_grad():
+        logits = peft_model(input_ids=torch.tensor([samples[0].input_ids])).logits
+    return {"loss": base_loss, "grads": grads, "logits": logits}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, tokenizer, tmp_path):
+    model_dir = write_family_model(tmp_path / family, family, tokenizer)
+    samples = variable_length_samples(family_config(model_dir, tmp_path / "cfg"), N_SAMPLES)
+    assert min(len(s.input_ids) for s in samples) > 16  # longer than every window
+    adapter = tmp_path / "adapter"
+    one = run_ranks(our_side, 1, model_dir, tmp_path / "one", samples, None, tmp_dir=tmp_path)[0]
+    two = run_ranks(our_side, 2, model_dir, tmp_path / "two", samples, adapter, tmp_dir=tmp_path)[0]
+    reference = reference_side(model_dir, adapter, samples)
+    print(f"{family}: reference {reference['loss']:.6f}, ours " + ", ".join(
+        f"{name} {run[kind]:.6f}" for name, run in (("ws1", one), ("ws2", two)) for kind in ("packed", "padded")))
+
+    for run in (one, two):  # held-out loss, packed and alone, equal to transformers + bitsandbytes NF4
+        assert run["packed"] == pytest.approx(reference["loss"], rel=1e-4)
+        assert run["padded"] == pytest.approx(reference["loss"], rel=1e-4)
+    for run in (one, two):  # one step's LoRA gradients equal transformers + PEFT's on the same 4-bit model
+        assert run["grads"].keys() == reference["grads"].keys()
+        for key, grad in reference["grads"].items():
+            assert relative(run["grads"][key], grad) < 1e-4, key
+    # the adapter loads in PEFT and gives our logits, and the sampler's model holds the same adapter
+    assert relative(two["logits"], reference["logits"]) < 1e-4
+    assert relative(two["generator_logits"], reference["logits"]) < 1e-4
+    assert len(two["reply"]) > 0
+
+    # the merge, loaded by transformers as the checkpoint's own class, gives the live logits
+    merged_dir = tmp_path / "merged"
+    merge_adapter(family_config(model_dir, tmp_path / "cfg"), adapter, merged_dir, "float32")
+    model_class = getattr(transformers, AutoConfig.from_pretrained(merged_dir).architectures[0])
+    attention = "eager" if family == "gemma2" else None  # transformers refuses sdpa for its soft-capping
+    merged = model_class.from_pretrained(merged_dir, dtype=torch.float32, attn_implementation=attention)
+    with torch.no_grad():
+        logits = merged(input_ids=torch.tensor([samples[0].input_ids])).logits
+    assert relative(logits, reference["logits"]) < 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_mixtures_of_experts_are_refused_at_build_in_one_line(family, tokenizer, tmp_path):
+    from qlora_fsdp.errors import ModelLoadError
+    from qlora_fsdp.model.build import load_hf_config
+    from qlora_fsdp.model.sharding import sharded_meta_model
+
+    cfg = family_config(write_family_model(tmp_path / family, family, tokenizer), tmp_path / "out")
+    with pytest.raises(ModelLoadError, match=f"^{family} is a mixture of experts .*not supported yet") as err:
+        sharded_meta_model(cfg, load_hf_config(cfg), None, shard=False)
+    assert "\n" not in str(err.value)
