@@ -14,6 +14,7 @@ from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.model import attention as attention_module
 from qlora_fsdp.model.attention import (
     VARLEN_SDPA,
+    AttentionNeeds,
     generation_attention,
     resolve_attention,
     sample_bounds,
@@ -53,6 +54,75 @@ def test_per_sample_attention_equals_the_dense_mask_values_and_gradients():
     expected = torch.autograd.grad((reference * weights).sum(), (query, key, value))
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def window_mask(n: int, window: int | None) -> torch.Tensor:
+    """transformers' additive mask for one sample: causal, and within `window` tokens where there is one."""
+    rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = (cols <= rows) & (cols > rows - window if window else torch.ones(n, n, dtype=torch.bool))
+    return torch.zeros(n, n).masked_fill(~allowed, float("-inf"))[None, None]
+
+
+class FamilyAttention(torch.nn.Module):
+    """What transformers' eager kernels read off the attention module."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_key_value_groups, self.head_dim = heads // kv_heads, head_dim
+        self.sinks = torch.nn.Parameter(torch.randn(heads))
+        self.training = False
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])
+def test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_family_defines_them(family):
+    """Packed rows (samples longer and shorter than the window) against transformers' own eager kernel of the
+    family on each sample alone: gpt-oss's sinks, Gemma 2's soft-capping and scaling, both with a window."""
+    import importlib
+
+    eager = importlib.import_module(f"transformers.models.{family}.modeling_{family}").eager_attention_forward
+    torch.manual_seed(0)
+    window, scaling = 6, 24**-0.5
+    module = FamilyAttention(4, 2, 8)
+    rows = [[5, 17, 10], [32]]
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in rows])
+    query = torch.randn(2, 4, 32, 8, requires_grad=True)
+    key, value = (torch.randn(2, 2, 32, 8, requires_grad=True) for _ in range(2))
+    options = {"s_aux": module.sinks} if family == "gpt_oss" else {"softcap": 2.0}
+    ours, _ = varlen_sdpa_forward(module, query, key, value, None, scaling=scaling, sliding_window=window,
+                                  position_ids=positions, **options)
+    parts = []
+    for row, lengths in enumerate(rows):
+        start = 0
+        for n in lengths:
+            piece = slice(start, start + n)
+            out, _ = eager(module, query[row : row + 1, :, piece], key[row : row + 1, :, piece],
+                           value[row : row + 1, :, piece], window_mask(n, window), scaling=scaling, **options)
+            parts.append(out)
+            start += n
+    reference = torch.cat([torch.cat(parts[:3], dim=1), parts[3]])
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    weights = torch.randn_like(ours)
+    inputs = (query, key, value, module.sinks) if family == "gpt_oss" else (query, key, value)
+    grads = torch.autograd.grad((ours * weights).sum(), inputs)
+    expected = torch.autograd.grad((reference * weights).sum(), inputs)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_that_cannot_compute_the_family_is_never_picked_and_refused_when_asked_for(monkeypatch):
+    sinks, softcap = AttentionNeeds("gpt_oss", sinks=True, sdpa=False), AttentionNeeds("gemma2", softcap=True,
+                                                                                         sdpa=False)
+    monkeypatch.setattr(attention_module, "flash_attn_installed", lambda: True)
+    assert resolve_attention("auto", packing=False, device_type="cuda", needs=sinks) == VARLEN_SDPA
+    assert resolve_attention("auto", packing=True, device_type="cuda", needs=sinks) == VARLEN_SDPA
+    assert resolve_attention("auto", packing=False, device_type="cpu", needs=softcap) == VARLEN_SDPA
+    assert resolve_attention("auto", packing=True, device_type="cuda", needs=softcap) == "flash_attention_2"
+    with pytest.raises(ConfigError, match="cannot compute gemma2's attention .logit soft-capping.; use auto"):
+        resolve_attention("sdpa", packing=False, device_type="cpu", needs=softcap)
+    with pytest.raises(ConfigError, match="has no attention sinks, which gpt_oss needs"):
+        resolve_attention("flash_attention_2", packing=True, device_type="cuda", needs=sinks)
+    assert generation_attention("auto", sinks) == generation_attention("flash_attention_2", sinks) == "eager"
+    assert generation_attention("auto", softcap) == "eager" and generation_attention("auto") == "sdpa"
 
 
 def test_per_sample_attention_refuses_a_kv_cache():

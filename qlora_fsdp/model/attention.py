@@ -144,6 +144,8 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 # registered once, at import: transformers looks the name up in every attention layer's forward. It is
 # deliberately not registered as a mask function, so transformers builds no mask for it.
 AttentionInterface.register(REGISTERED_NAME, varlen_sdpa_forward)
+# also by our name, for code that hands it to transformers itself (families transformers runs sdpa for)
+AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_forward)
 
 
 def flash_attn_installed() -> bool:
