@@ -162,8 +162,43 @@ MUTATIONS = [
              "RecipeLoader.yaml_implicit_resolvers = yaml.SafeLoader.yaml_implicit_resolvers or {\n",
              "tests/test_config.py::test_yes_no_on_off_are_strings_where_strings_are_expected", quick=True),
     # ---- model family code: build.py, loading.py, attention.py, weight_files.py, names.py, tools/tiny_model.py ----
-    # Being rewritten for model families: the planted bugs of that code (the family code's among them) go here,
-    # added with that work. The entries below predate it; update their snippets as the code moves.
+    Mutation("sliding windows ignored by per-sample attention", "qlora_fsdp/model/attention.py",
+             '        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"))\n',
+             '        return cls(None, kwargs.get("softcap"), kwargs.get("s_aux"))\n',
+             "tests/test_attention.py::test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_"
+             "family_defines_them[gemma2]", quick=True),
+    Mutation("attention sinks take no softmax mass", "qlora_fsdp/model/attention.py",
+             "    if options.sinks is not None:  # an extra column per head, dropped after the softmax\n",
+             "    if False:\n",
+             "tests/test_attention.py::test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_"
+             "family_defines_them[gpt_oss]", quick=True),
+    Mutation("soft-capping skipped", "qlora_fsdp/model/attention.py",
+             "        scores = torch.tanh(scores / options.softcap) * options.softcap\n", "        pass\n",
+             "tests/test_attention.py::test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_"
+             "family_defines_them[gemma2]", quick=True),
+    Mutation("sdpa picked for a family whose sinks it cannot compute", "qlora_fsdp/model/attention.py",
+             '            return "sdpa" if needs.sdpa_exact else VARLEN_SDPA\n', '            return "sdpa"\n',
+             "tests/test_attention.py::test_a_kernel_that_cannot_compute_the_family_is_never_picked_and_refused_"
+             "when_asked_for", quick=True),
+    Mutation("a packed row's samples share the Gated DeltaNet's state", "qlora_fsdp/model/families.py",
+             "    if bounds is None or all(len(row) == 1 for row in bounds)", "    if True or bounds is None",
+             "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[qwen3_5]"),
+    Mutation("computed buffers left as to_empty leaves them", "qlora_fsdp/model/loading.py",
+             "        module.register_buffer(name, value.to(device), persistent=False)\n",
+             "        module.register_buffer(name, torch.zeros_like(value).to(device), persistent=False)\n",
+             "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[gemma3]"),
+    Mutation("a multimodal decoder's keys left under language_model", "qlora_fsdp/model/families.py",
+             '            return "model." + key.removeprefix(self.text_prefix)\n', "            return key\n",
+             "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2"
+             "[gemma3_multimodal]"),
+    Mutation("a multimodal adapter's targets match the vision tower too", "qlora_fsdp/model/adapter.py",
+             "    if decoder_only is not None:", "    if False:",
+             "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2"
+             "[gemma3_multimodal]"),
+    Mutation("mixtures of experts built with their experts unquantized", "qlora_fsdp/model/families.py",
+             '        if param.ndim == 3 and ".experts." in f".{name}.":\n', "        if False:\n",
+             "tests/test_families.py::test_mixtures_of_experts_are_refused_at_build_in_one_line[mixtral]",
+             quick=True),
     Mutation("quantize with blocksize 128", "qlora_fsdp/model/loading.py", "        blocksize=quant.blocksize,\n",
              "        blocksize=128,\n", "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical",
              quick=True),
@@ -200,7 +235,8 @@ def entry_problems(mutation: Mutation) -> list[str]:
     except SyntaxError as err:
         problems.append(f"'{mutation.name}': the planted {mutation.path} does not compile: {err}")
     test_path = REPO / test_file
-    if not test_path.is_file() or f"def {test_name}(" not in test_path.read_text():
+    function = test_name.partition("[")[0]  # a parametrized test's id names its case
+    if not test_path.is_file() or f"def {function}(" not in test_path.read_text():
         problems.append(f"'{mutation.name}': no test {mutation.test}")
     return problems
 

@@ -116,6 +116,12 @@ def reference_side(model_dir: Path, adapter: Path, samples: list[Sample]) -> dic
     return {"loss": base_loss, "grads": grads, "logits": logits}
 
 
+def stored_keys(folder: Path) -> set[str]:
+    from qlora_fsdp.model.weight_files import stored_weight_tensors
+
+    return {key for key, _, _ in stored_weight_tensors(folder, allow_pickle=False)}
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -147,6 +153,7 @@ def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, toke
     # the merge, loaded by transformers as the checkpoint's own class, gives the live logits
     merged_dir = tmp_path / "merged"
     merge_adapter(family_config(model_dir, tmp_path / "cfg"), adapter, merged_dir, "float32")
+    assert stored_keys(merged_dir) == stored_keys(model_dir)  # every tensor kept (a vision tower, as it was)
     model_class = getattr(transformers, AutoConfig.from_pretrained(merged_dir).architectures[0])
     attention = "eager" if family == "gemma2" else None  # transformers refuses sdpa for its soft-capping
     merged = model_class.from_pretrained(merged_dir, dtype=torch.float32, attn_implementation=attention)

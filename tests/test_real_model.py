@@ -67,10 +67,14 @@ def fine_tune(info, cfg) -> dict:
 
 def transformers_loss(model_dir: Path, cfg) -> float:
     """transformers + bitsandbytes' own NF4 load, none of our loading code, on the same held-out records."""
+    return transformers_samples_loss(model_dir, eval_samples(cfg))
+
+
+def transformers_samples_loss(model_dir: Path, samples: list) -> float:
     model = transformers_nf4(model_dir)
     total, n_targets = 0.0, 0
     with torch.no_grad():
-        for sample in eval_samples(cfg):
+        for sample in samples:
             logits = model(input_ids=torch.tensor([sample.input_ids])).logits[0, :-1]
             targets = torch.tensor(sample.labels[1:])
             total += torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
