@@ -17,6 +17,7 @@ from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
 from qlora_fsdp.model.adapter import export_adapter
 from qlora_fsdp.model.build import base_parameter_count, load_tokenizer
 from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.model.families import describe_attention
 from qlora_fsdp.plan.batch_size import describe_batch
 from qlora_fsdp.plan.hardware import peak_flops
 from qlora_fsdp.plan.run_batch import resolve_run_batch
@@ -63,6 +64,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     cfg = decide_on_main(lambda: resolve_run_batch(recipe, model, info))
     trainer = make_trainer(cfg, info, model, data, tokenizer)
     trainer.logger.write(describe_dtypes(written, cfg, device))
+    trainer.logger.write(describe_attention(model))
     trainer.logger.write(describe_batch(recipe, cfg, info.world_size))
     if checkpoint is not None:
         trainer.resume(checkpoint)

@@ -172,3 +172,17 @@ def test_mixtures_of_experts_are_refused_at_build_in_one_line(family, tokenizer,
     with pytest.raises(ModelLoadError, match=f"^{family} is a mixture of experts .*not supported yet") as err:
         sharded_meta_model(cfg, load_hf_config(cfg), None, shard=False)
     assert "\n" not in str(err.value)
+
+
+def test_the_run_names_its_kernel_and_what_of_the_familys_attention_it_computes(tokenizer, tmp_path):
+    from qlora_fsdp.model.build import load_hf_config
+    from qlora_fsdp.model.families import describe_attention
+    from qlora_fsdp.model.sharding import sharded_meta_model
+
+    lines = {}
+    for family in ("gemma2", "qwen3_5", "llama"):
+        cfg = family_config(write_family_model(tmp_path / family, family, tokenizer), tmp_path / "out")
+        lines[family] = describe_attention(sharded_meta_model(cfg, load_hf_config(cfg), None, shard=False))
+    assert lines["gemma2"] == "attention: sdpa_varlen for gemma2 (sliding windows of 16 tokens, logit soft-capping)"
+    assert lines["qwen3_5"] == "attention: sdpa_varlen for qwen3_5_text (recurrent layers one sample at a time)"
+    assert lines["llama"] == "attention: sdpa_varlen for llama"

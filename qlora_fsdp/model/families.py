@@ -26,7 +26,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.model.attention import AttentionNeeds, sample_bounds
+from qlora_fsdp.model.attention import REGISTERED_NAME, VARLEN_SDPA, AttentionNeeds, sample_bounds
 
 # families whose attention adds a learned logit per head to every softmax (transformers' `s_aux`)
 SINK_FAMILIES = {"gpt_oss"}
@@ -168,6 +168,25 @@ def attention_needs(config: PretrainedConfig) -> AttentionNeeds:
         sinks=config.model_type in SINK_FAMILIES,
         sdpa=bool(getattr(model_class, "_supports_sdpa", True)),
     )
+
+
+def describe_attention(model: nn.Module) -> str:
+    """The start-up line: the kernel the run uses and what of the family's attention it computes."""
+    config = getattr(model, "config", None)
+    assert isinstance(config, PretrainedConfig), "a transformers model (or PEFT's wrapper of one) has a config"
+    kernel = VARLEN_SDPA if config._attn_implementation == REGISTERED_NAME else config._attn_implementation
+    needs, window = attention_needs(config), getattr(config, "sliding_window", None)
+    computed = [f"sliding windows of {window} tokens"] if window and getattr(config, "use_sliding_window", True) else []
+    computed += ["logit soft-capping"] * needs.softcap + ["attention sinks"] * needs.sinks
+    if any(recurrent_mixers(layer) for layer in decoder_layers_of(model)):
+        computed.append("recurrent layers one sample at a time")
+    return f"attention: {kernel} for {config.model_type}" + (f" ({', '.join(computed)})" if computed else "")
+
+
+def decoder_layers_of(model: nn.Module) -> list[nn.Module]:
+    from qlora_fsdp.model.build import decoder_layers  # build imports this module
+
+    return decoder_layers(model)
 
 
 # ---- recurrent token mixers: one sample at a time ---------------------------------------------------------------
