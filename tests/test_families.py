@@ -186,3 +186,31 @@ def test_the_run_names_its_kernel_and_what_of_the_familys_attention_it_computes(
     assert lines["gemma2"] == "attention: sdpa_varlen for gemma2 (sliding windows of 16 tokens, logit soft-capping)"
     assert lines["qwen3_5"] == "attention: sdpa_varlen for qwen3_5_text (recurrent layers one sample at a time)"
     assert lines["llama"] == "attention: sdpa_varlen for llama"
+
+
+def in_memory_gemma3_key(key: str) -> str:
+    """Gemma 3's multimodal checkpoint keys as the model holds them since transformers 4.50 (transformers saves, and
+    the hub keeps, the older layout: `language_model.model.`)."""
+    moves = (("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
+             ("multi_modal_projector.", "model.multi_modal_projector."), ("language_model.lm_head.", "lm_head."))
+    for old, new in moves:
+        if key.startswith(old):
+            return new + key.removeprefix(old)
+    return key
+
+
+def test_both_multimodal_layouts_are_read_through_transformers_rules(tokenizer, tmp_path):
+    """The stored layout and the model's own map every decoder tensor to the same key of our text model, and the
+    vision tower to none."""
+    from qlora_fsdp.model.build import build_meta_model, load_hf_config
+
+    model_dir = write_family_model(tmp_path / "mm", "gemma3_multimodal", tokenizer)
+    cfg = family_config(model_dir, tmp_path / "out")
+    layout = model_layout(build_meta_model(cfg, load_hf_config(cfg)))
+    keys = stored_keys(model_dir)
+    assert "language_model.model.layers.0.self_attn.q_proj.weight" in keys
+    mapped = {key: layout.model_key(key) for key in keys}
+    assert {key: layout.model_key(in_memory_gemma3_key(key)) for key in keys} == mapped
+    assert all((ours is None) == ("vision_tower" in key or "multi_modal_projector" in key)
+               for key, ours in mapped.items())
+    assert mapped["language_model.model.layers.0.self_attn.q_proj.weight"] == "model.layers.0.self_attn.q_proj.weight"
