@@ -71,8 +71,9 @@ class CheckpointLayout:
     renamings: list[Any] = field(default_factory=list)  # transformers' WeightRenaming rules for this architecture
     converters: list[Any] = field(default_factory=list)  # rules that merge tensors (per-expert -> fused)
     prefix: str = ""  # base_model_prefix of the checkpoint's model
-    full_keys: frozenset[str] = frozenset()  # parameter names of the checkpoint's model (meta)
+    full_keys: dict[str, bool] = field(default_factory=dict)  # parameter names of the checkpoint's model (meta)
     text_prefix: str | None = None  # multimodal: where the decoder sits in the full model ("model.language_model.")
+    decoder_prefix: str = "model."  # where it sits in the causal LM we build
     head_name: str = "lm_head."
     model_type: str = ""
 
@@ -80,8 +81,8 @@ class CheckpointLayout:
         """The stored key renamed as transformers' loading renames it for the checkpoint's architecture."""
         from transformers.core_model_loading import rename_source_key
 
-        meta = dict.fromkeys(self.full_keys, True) if self.full_keys else None
-        renamed, converter = rename_source_key(stored_key, self.renamings, self.converters, self.prefix or None, meta)
+        renamed, converter = rename_source_key(stored_key, self.renamings, self.converters, self.prefix or None,
+                                               self.full_keys or None)
         if converter is not None:
             raise ModelLoadError(f"{self.model_type}: the checkpoint stores '{stored_key}' in a layout transformers "
                                  "merges at load (experts kept one by one); mixtures of experts are not supported yet")
@@ -95,14 +96,14 @@ class CheckpointLayout:
         if self.text_prefix is None or key.startswith(self.head_name):
             return key
         if key.startswith(self.text_prefix):
-            return "model." + key.removeprefix(self.text_prefix)
+            return self.decoder_prefix + key.removeprefix(self.text_prefix)
         return None
 
     def full_from_ours(self, key: str) -> str:
         """Our model's name as the checkpoint's full model spells it (the adapter's names on disk)."""
-        if self.text_prefix is None or not key.startswith("model."):
+        if self.text_prefix is None or not key.startswith(self.decoder_prefix):
             return key
-        return self.text_prefix + key.removeprefix("model.")
+        return self.text_prefix + key.removeprefix(self.decoder_prefix)
 
 
 def checkpoint_layout(path: Path | None, built: PreTrainedModel, trust_remote_code: bool = False) -> CheckpointLayout:
@@ -114,8 +115,11 @@ def checkpoint_layout(path: Path | None, built: PreTrainedModel, trust_remote_co
     layout = layout_from_transforms(full)
     if full is not built:
         decoder_type = type(getattr(built, built.base_model_prefix))
-        layout.text_prefix = next(name + "." for name, module in full.named_modules()
-                                  if type(module) is decoder_type)
+        found = [name for name, module in full.named_modules() if type(module) is decoder_type]
+        if not found:
+            raise ModelLoadError(f"{config.model_type}: its {type(full).__name__} holds no {decoder_type.__name__}; "
+                                 "this multimodal family is not supported yet")
+        layout.text_prefix, layout.decoder_prefix = found[0] + ".", built.base_model_prefix + "."
     return layout
 
 
@@ -133,7 +137,7 @@ def layout_from_transforms(model: PreTrainedModel) -> CheckpointLayout:
         renamings=[t for t in transforms if isinstance(t, WeightRenaming)],
         converters=[t for t in transforms if isinstance(t, WeightConverter)],
         prefix=model.base_model_prefix,
-        full_keys=frozenset(name for name, _ in model.named_parameters(remove_duplicate=False)),
+        full_keys=dict.fromkeys((name for name, _ in model.named_parameters(remove_duplicate=False)), True),
         model_type=model.config.model_type,
     )
 
