@@ -52,6 +52,8 @@ WHOLE_MODEL_LAYERS = 12  # up to this many decoder layers, the whole model runs 
 # from the others, so a long model runs with its block repeated 4 and 5 times, where one more adds a middle repeat
 EDGE = 2
 SHORT_REPEATS = (2 * EDGE, 2 * EDGE + 1)
+# layer types that differ only in which keys a query attends to (sliding windows): the same tensors, the same bytes
+ATTENTION_SPANS = {"sliding_attention", "full_attention", None}
 MICRO_BATCHES = 2  # the first (no gradients yet, sync off), the last (sync on); a middle one adds nothing (tested)
 
 
@@ -173,6 +175,8 @@ def layer_kinds(cfg: Config, hf_config: PretrainedConfig) -> tuple[Kind, ...]:
     window and full attention layers)."""
     n = hf_config.num_hidden_layers
     types = getattr(hf_config, "layer_types", None) or [None] * n
+    if set(types) <= ATTENTION_SPANS:  # a window changes which scores count, not what a layer holds: one kind
+        types = [None] * n
     return tuple((cfg.activation_checkpointing.wraps(index, n), types[index]) for index in range(n))
 
 
@@ -195,8 +199,8 @@ def shortened(cfg: Config, hf_config: PretrainedConfig, kinds: tuple[Kind, ...])
     """The recipe and architecture with exactly these layers, in this order."""
     short_hf = copy.deepcopy(hf_config)
     short_hf.num_hidden_layers = len(kinds)
-    if getattr(hf_config, "layer_types", None):
-        short_hf.layer_types = [layer_type for _, layer_type in kinds]
+    if getattr(hf_config, "layer_types", None):  # attention spans alone were one kind: all full attention
+        short_hf.layer_types = [layer_type or "full_attention" for _, layer_type in kinds]
     wrapped = [index for index, (checkpointed, _) in enumerate(kinds) if checkpointed]
     mode: CheckpointedLayers = "every_layer" if len(wrapped) == len(kinds) else "layers" if wrapped else "off"
     policy = dataclasses.replace(cfg.activation_checkpointing, mode=mode, layers=wrapped)
