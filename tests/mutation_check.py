@@ -188,7 +188,8 @@ MUTATIONS = [
              "        module.register_buffer(name, torch.zeros_like(value).to(device), persistent=False)\n",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[gemma3]"),
     Mutation("a multimodal decoder's keys left under language_model", "qlora_fsdp/model/families.py",
-             "            return self.decoder_prefix + key.removeprefix(self.text_prefix)\n", "            return key\n",
+             "            return self.decoder_prefix + key.removeprefix(self.text_prefix)\n",
+             "            return key\n",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2"
              "[gemma3_multimodal]"),
     Mutation("a multimodal adapter's targets match the vision tower too", "qlora_fsdp/model/adapter.py",
