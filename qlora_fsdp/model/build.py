@@ -24,6 +24,7 @@ from qlora_fsdp.config import Config, LoraConfig, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError, first_line
 from qlora_fsdp.model.attention import transformers_name
+from qlora_fsdp.model.experts4bit import Experts4bit, quantize_experts
 from qlora_fsdp.model.families import checkpoint_layout, refuse_unsupported, run_mixers_per_sample, text_config
 from qlora_fsdp.model.fused_lora import fuse_lora_projections
 
@@ -97,10 +98,11 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
             attn_implementation=transformers_name(attention),
         )
     model.tie_weights()  # transformers ties the head to the embeddings only when it made the parameters itself
-    refuse_unsupported(model)
     layout = checkpoint_layout(checkpoint_folder(cfg), model, cfg.model.trust_remote_code)
     run_mixers_per_sample(decoder_layers(model))
     swap_linears_for_4bit(model, cfg.quant)
+    quantize_experts(model, cfg.quant)
+    refuse_unsupported(model)
     model.requires_grad_(False)
     model.config.use_cache = False  # no KV cache while training
     peft_model = attach_lora(model, cfg.lora)
@@ -161,25 +163,44 @@ def make_meta_linear4bit(linear: nn.Linear, quant: QuantConfig) -> bnb.nn.Linear
 
 
 def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
+    targets = lora_targets(model, lora.target_modules)
     config = peft.LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
+        target_modules=targets,
         use_dora=lora.use_dora,
         use_rslora=lora.use_rslora,  # saved in adapter_config.json, so PEFT and the merge scale alike
         bias="none",
         task_type="CAUSAL_LM",
         init_lora_weights=False,  # weights are meta now; loading.py initializes them, the same on any world size
     )
-    check_targets(model, lora.target_modules)
+    check_targets(model, targets)
     with meta_dora_magnitudes():
         model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+    refuse_expert_lora(model, targets)
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.to(TORCH_DTYPES[lora.dtype])
     fuse_lora_projections(model, lora)
     return model
+
+
+def lora_targets(model: nn.Module, targets: str | list[str]) -> str | list[str]:
+    """all-linear on a mixture of experts means its linear layers (attention, dense MLPs): PEFT would otherwise add
+    the experts and the router, as the linear layers of the model's transformers 4 layout."""
+    if targets != "all-linear" or not any(isinstance(m, Experts4bit) for m in model.modules()):
+        return targets
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"})
+
+
+def refuse_expert_lora(model: peft.PeftModel, targets: str | list[str]) -> None:
+    """PEFT maps the transformers 4 names of expert projections (gate_proj, w1, ...) onto the fused experts."""
+    on_experts = sorted(getattr(model.peft_config["default"], "target_parameters", None) or [])
+    if on_experts:
+        raise ConfigError(f"lora.target_modules {targets!r} puts LoRA on the experts or the router ({on_experts}), "
+                          "which 4-bit experts do not support yet: name the attention projections")
 
 
 def check_targets(model: nn.Module, targets: str | list[str]) -> None:
@@ -211,6 +232,8 @@ def base_parameter_count(model: nn.Module) -> int:
             if not param.requires_grad:
                 if isinstance(module, bnb.nn.Linear4bit) and name == "weight":  # packed: count the unpacked size
                     count += module.in_features * module.out_features
+                elif isinstance(module, Experts4bit) and name in module.expert_matrices:
+                    count += param.shape[0] * module.expert_matrices[name].numel
                 else:
                     count += param.numel()
     return count

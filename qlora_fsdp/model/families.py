@@ -9,7 +9,8 @@
   whether transformers' sdpa can run it.
 - **Recurrent token mixers** (Qwen3.5's Gated DeltaNet layers): their short convolution and recurrent state would
   run across the samples of a packed row, so they see one sample at a time.
-- **Families not supported yet** (mixtures of experts) are refused at build, in one line that names them.
+- **Families not supported yet** (a 3-D weight no 4-bit layer replaced) are refused at build, in one line that
+  names them.
 """
 
 from __future__ import annotations
@@ -64,6 +65,28 @@ def full_model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
 
 # ---- checkpoint keys ------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class ExpertPart:
+    """A stored tensor that is one expert's share of a fused experts parameter: its `part` of `n_parts` stacked
+    along the expert matrix's first dimension (Mixtral's w1 and w3 make gate_up_proj)."""
+
+    expert: int
+    part: int = 0
+    n_parts: int = 1
+
+
+def expert_part(stored_key: str, pattern: str, converter: Any, model_type: str) -> ExpertPart:
+    """Which expert (the pattern's `*`) and part (the pattern's place among the converter's sources) a key holds.
+    Only the merges transformers uses for experts are understood: stack the experts, then join the parts."""
+    operations = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    if operations not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+        raise ModelLoadError(f"{model_type}: the checkpoint stores '{stored_key}' in a layout transformers converts "
+                             f"with {operations} at load, which loading here does not know")
+    found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), stored_key)
+    assert found is not None, "transformers matched this key with this pattern"
+    return ExpertPart(int(found.group(1)), converter.source_patterns.index(pattern), len(converter.source_patterns))
+
+
 @dataclass
 class CheckpointLayout:
     """Maps checkpoint keys to the keys of the causal LM we build, and our names back to the checkpoint's model."""
@@ -77,20 +100,23 @@ class CheckpointLayout:
     head_name: str = "lm_head."
     model_type: str = ""
 
-    def full_key(self, stored_key: str) -> str:
-        """The stored key renamed as transformers' loading renames it for the checkpoint's architecture."""
+    def full_key(self, stored_key: str) -> tuple[str, ExpertPart | None]:
+        """The stored key renamed as transformers' loading renames it for the checkpoint's architecture, and for a
+        tensor that transformers merges into a fused experts parameter, which expert and which part of it."""
         from transformers.core_model_loading import rename_source_key
 
-        renamed, converter = rename_source_key(stored_key, self.renamings, self.converters, self.prefix or None,
-                                               self.full_keys or None)
-        if converter is not None:
-            raise ModelLoadError(f"{self.model_type}: the checkpoint stores '{stored_key}' in a layout transformers "
-                                 "merges at load (experts kept one by one); mixtures of experts are not supported yet")
-        return renamed
+        renamed, pattern = rename_source_key(stored_key, self.renamings, self.converters, self.prefix or None,
+                                             self.full_keys or None)
+        converter = next((c for c in self.converters if pattern in c.source_patterns), None) if pattern else None
+        if converter is None:
+            return renamed, None
+        return renamed, expert_part(stored_key, pattern, converter, self.model_type)
 
-    def model_key(self, stored_key: str) -> str | None:
-        """Our model's key for a stored tensor, or None for a tensor the text model does not hold (vision tower)."""
-        return self.ours_from_full(self.full_key(stored_key))
+    def model_key(self, stored_key: str) -> tuple[str | None, ExpertPart | None]:
+        """Our model's key for a stored tensor (None for a part the text model does not hold, a vision tower), and
+        the expert it holds where the checkpoint keeps experts one by one."""
+        key, part = self.full_key(stored_key)
+        return self.ours_from_full(key), part
 
     def ours_from_full(self, key: str) -> str | None:
         if self.text_prefix is None or key.startswith(self.head_name):
@@ -154,12 +180,12 @@ def lora_target_regex(layout: CheckpointLayout, lora_module_names: list[str]) ->
 # ---- families not supported yet --------------------------------------------------------------------------------
 
 def refuse_unsupported(model: nn.Module) -> None:
-    """Mixtures of experts keep their experts as fused 3-D parameters that no 4-bit layer replaces yet."""
+    """A 3-D parameter left after the 4-bit swaps is an experts layout no 4-bit layer replaced."""
     for name, param in model.named_parameters():
-        if param.ndim == 3 and ".experts." in f".{name}.":
+        if param.ndim == 3:
             model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-            raise ModelLoadError(f"{model_type} is a mixture of experts ('{name}'): 4-bit experts are not supported "
-                                 "yet, so it would train with its experts unquantized")
+            raise ModelLoadError(f"{model_type} holds '{name}', a 3-D weight of a layout 4-bit loading does not know "
+                                 "yet, so it would train unquantized")
 
 
 # ---- attention -------------------------------------------------------------------------------------------------

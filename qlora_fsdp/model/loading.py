@@ -10,6 +10,7 @@ full tensor, never the whole model or the whole quantized model.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import sys
 import zlib
@@ -26,9 +27,10 @@ from qlora_fsdp.config import Config, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.model.build import QUANT_STORAGE, model_dir
-from qlora_fsdp.model.families import CheckpointLayout
+from qlora_fsdp.model.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts4bit
+from qlora_fsdp.model.families import CheckpointLayout, ExpertPart
 from qlora_fsdp.model.names import clean_name, weight_key
-from qlora_fsdp.model.weight_files import InMemoryTensor, StoredTensor, stored_weight_tensors
+from qlora_fsdp.model.weight_files import InMemoryTensor, LazyTensor, StoredTensor, stored_weight_tensors
 
 _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
 
@@ -40,6 +42,7 @@ class Target:
     param: nn.Parameter
     quantized_module: bnb.nn.Linear4bit | None = None
     dora_magnitude: nn.Parameter | None = None  # filled from the dequantized weight's row norms
+    experts: ExpertMatrix | None = None  # a fused experts parameter: one row of 4-bit bytes an expert
 
 
 def materialize(model: nn.Module, device: torch.device, param_device: torch.device) -> None:
@@ -146,6 +149,8 @@ def base_targets(model: nn.Module) -> dict[str, Target]:
         if isinstance(module, bnb.nn.Linear4bit) and attr == "weight":
             target.quantized_module = module
             target.dora_magnitude = dora_magnitude_of(modules, module_name)
+        if isinstance(module, Experts4bit) and attr in EXPERT_MATRICES:
+            target.experts = module.expert_matrices[attr]
         targets[key] = target
     return targets
 
@@ -158,13 +163,15 @@ def dora_magnitude_of(modules: dict[str, nn.Module], linear_name: str) -> nn.Par
     return next(iter(magnitudes.values())).weight
 
 
-def random_tensors(
-    targets: dict[str, Target], std: float, seed: int, device: torch.device
-) -> Iterator[tuple[str, StoredTensor, str]]:
+Piece = tuple[str, StoredTensor, str, ExpertPart | None]  # our key, the tensor, where from, which expert it holds
+
+
+def random_tensors(targets: dict[str, Target], std: float, seed: int, device: torch.device) -> Iterator[Piece]:
     """Seeded stand-ins for an architecture-only run: N(0, std) matrices, unit norms, zero biases.
 
     Each tensor has its own generator (seed, name), so any world size builds the very same model (on one
     device type: CUDA's generator draws other numbers than the CPU's, and is what makes a 70B init fast).
+    Experts come one at a time and are drawn only by the rank that keeps them.
     """
     seen: set[int] = set()
     for key, target in targets.items():
@@ -173,14 +180,21 @@ def random_tensors(
         seen.add(id(target.param))
         module = target.quantized_module
         shape = (module.out_features, module.in_features) if module is not None else tuple(target.param.shape)
-        if key.endswith("bias"):
-            yield key, InMemoryTensor(torch.zeros(shape)), "random init"
+        if target.experts is not None:
+            for expert in range(target.param.shape[0]):
+                draw = functools.partial(normal, target.experts.shape, std, seed, f"{key}.{expert}", device)
+                yield key, LazyTensor(target.experts.shape, draw), "random init", ExpertPart(expert)
+        elif key.endswith("bias"):
+            yield key, InMemoryTensor(torch.zeros(shape)), "random init", None
         elif "norm" in key:
-            yield key, InMemoryTensor(torch.ones(shape)), "random init"
+            yield key, InMemoryTensor(torch.ones(shape)), "random init", None
         else:
-            generator = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-            full = torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
-            yield key, InMemoryTensor(full), "random init"
+            yield key, InMemoryTensor(normal(shape, std, seed, key, device)), "random init", None
+
+
+def normal(shape: tuple[int, ...], std: float, seed: int, name: str, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
 
 def release_freed_memory() -> None:
@@ -190,9 +204,8 @@ def release_freed_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def tensor_source(
-    cfg: Config, targets: dict[str, Target], model: nn.Module, device: torch.device
-) -> Iterator[tuple[str, StoredTensor, str]]:
+def tensor_source(cfg: Config, targets: dict[str, Target], model: nn.Module, device: torch.device
+                  ) -> Iterator[Piece]:
     """(our model's key, tensor, where from): seeded random tensors, or the checkpoint's, renamed by its layout."""
     if cfg.model.init == "random":
         std = getattr(model.config, "initializer_range", 0.02)
@@ -200,9 +213,9 @@ def tensor_source(
         return
     layout = model_layout(model)
     for stored_key, tensor, source in stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
-        key = layout.model_key(stored_key)
+        key, part = layout.model_key(stored_key)
         if key is not None:  # None: a part the text model does not hold (a vision tower)
-            yield key, tensor, source
+            yield key, tensor, source, part
 
 
 def model_layout(model: nn.Module) -> CheckpointLayout:
@@ -217,20 +230,76 @@ def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
     """Stream every base tensor into its (sharded) parameter; then initialize LoRA."""
     targets = base_targets(model)
     loaded: set[int] = set()
-    for key, tensor, source in tensor_source(cfg, targets, model, device):
+    experts = ExpertRows(cfg, device)
+    for key, tensor, source, part in tensor_source(cfg, targets, model, device):
         target = targets.get(key)
         if target is None:
             if key.endswith("rotary_emb.inv_freq"):  # older checkpoints saved this computed buffer
                 continue
             raise ModelLoadError(f"{source} holds '{key}', which the model built from config.json lacks: "
                                  "config and weights disagree")
-        load_tensor(target, tensor, cfg, device)
-        loaded.add(id(target.param))
+        if target.experts is not None:
+            experts.load(key, target, tensor, part)
+        else:
+            load_tensor(target, tensor, cfg, device)
+            loaded.add(id(target.param))
         release_freed_memory()  # return the full tensor's pages before reading the next
+    loaded |= experts.complete(targets)
     missing = sorted(k for k, t in targets.items() if id(t.param) not in loaded)
     if missing:
         raise ModelLoadError(f"checkpoint lacks '{missing[0]}' ({len(missing)} missing): config and weights disagree")
     init_lora(model, cfg.train.seed)
+
+
+class ExpertRows:
+    """Fills fused experts parameters expert by expert: from a fused stored tensor (read one expert at a time) or
+    from per-expert tensors (Mixtral's w1 and w3 joined into gate_up_proj). A rank reads and quantizes only the
+    experts it keeps; per-expert parts wait only until their expert's other parts arrive."""
+
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        self.dtype, self.device = TORCH_DTYPES[cfg.model.dtype], device
+        self.seen: dict[str, set[int]] = {}
+        self.waiting: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+
+    def load(self, key: str, target: Target, stored: StoredTensor, part: ExpertPart | None) -> None:
+        matrix, n_experts = target.experts, target.param.shape[0]
+        assert matrix is not None, "load_weights sends only experts targets here"
+        first, last = shard_row_range(target.param, n_experts)
+        if part is None:  # all experts in one tensor
+            if tuple(stored.shape) != (n_experts, *matrix.shape):
+                raise ModelLoadError(f"checkpoint experts of shape {tuple(stored.shape)} for '{key}', where the config "
+                                     f"wants {(n_experts, *matrix.shape)}: config and weights disagree")
+            for expert in range(first, last):
+                self.store(target, expert - first, stored.read((expert, expert + 1))[0])
+            self.seen.setdefault(key, set()).update(range(n_experts))
+            return
+        self.seen.setdefault(key, set()).add(part.expert)
+        if not first <= part.expert < last:
+            return  # another rank's expert: not even read
+        parts = self.waiting.setdefault((key, part.expert), {})
+        parts[part.part] = stored.read()
+        if len(parts) == part.n_parts:
+            del self.waiting[(key, part.expert)]
+            weight = torch.cat([parts[i] for i in range(part.n_parts)])
+            if tuple(weight.shape) != matrix.shape:
+                raise ModelLoadError(f"checkpoint expert {part.expert} of '{key}' has shape {tuple(weight.shape)} "
+                                     f"where the config wants {matrix.shape}: config and weights disagree")
+            self.store(target, part.expert - first, weight)
+
+    def store(self, target: Target, local_expert: int, weight: torch.Tensor) -> None:
+        assert target.experts is not None
+        row = target.experts.to_row(weight.to(device=self.device, dtype=self.dtype))
+        local = target.param.to_local() if isinstance(target.param, DTensor) else target.param.data
+        local[local_expert].copy_(row)
+
+    def complete(self, targets: dict[str, Target]) -> set[int]:
+        """The experts parameters whose every expert was in the checkpoint."""
+        if self.waiting:
+            key, expert = next(iter(self.waiting))
+            raise ModelLoadError(f"checkpoint holds only part of expert {expert} of '{key}': config and weights "
+                                 "disagree")
+        return {id(t.param) for k, t in targets.items()
+                if t.experts is not None and len(self.seen.get(k, ())) == t.param.shape[0]}
 
 
 def load_tensor(target: Target, stored: StoredTensor, cfg: Config, device: torch.device) -> None:

@@ -1,0 +1,226 @@
+"""4-bit experts for mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss and the other transformers 5 families).
+
+transformers keeps a layer's experts as fused 3-D parameters (`gate_up_proj [E, ...]`, `down_proj [E, ...]`), which
+bitsandbytes cannot quantize (it swaps `nn.Linear` only). Here each expert matrix is quantized on its own with the
+settings of the dense weights, and one expert is one row of bytes: its packed 4-bit values, then its block
+statistics (double quantization's nested statistics and offset included), all as uint8. FSDP2 shards the rows
+over the experts (dim 0), gathers and never casts them, whatever the mixed-precision policy.
+
+In a forward only the experts the router picked are dequantized, one at a time, and the dequantized matrix is not
+kept for the backward: the backward dequantizes it again (as bitsandbytes' own 4-bit matmul does), so no bf16
+copy of the experts outlives one expert's matmul. The router, the expert biases and the family's gate activation
+(gpt-oss's clamped, interleaved one included) are the model's own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import bitsandbytes.functional as bnbf
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qlora_fsdp.config import QuantConfig
+from qlora_fsdp.errors import ModelLoadError
+
+EXPERT_MATRICES = ("gate_up_proj", "down_proj")
+NESTED_BLOCKSIZE = 256  # bitsandbytes' block size for the statistics of double quantization
+_CODES: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@dataclass(frozen=True)
+class ExpertMatrix:
+    """One expert's matrix of a fused parameter: its shape as transformers stores it and how its row of bytes is
+    laid out (packed values | absmax | nested absmax | offset; the last two with double quantization only)."""
+
+    shape: tuple[int, int]
+    blocksize: int
+    double_quant: bool
+    quant_type: str
+    dtype: torch.dtype  # what dequantization gives: the model's dtype
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def n_blocks(self) -> int:
+        return self.numel // self.blocksize
+
+    @property
+    def n_nested(self) -> int:
+        return math.ceil(self.n_blocks / NESTED_BLOCKSIZE) if self.double_quant else 0
+
+    @property
+    def absmax_bytes(self) -> int:
+        return self.n_blocks * (1 if self.double_quant else 4)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.numel // 2 + self.absmax_bytes + 4 * self.n_nested + 4 * self.double_quant
+
+    def to_row(self, weight: torch.Tensor) -> torch.Tensor:
+        """Quantize one expert's matrix into its row of bytes."""
+        packed, state = bnbf.quantize_4bit(weight.contiguous(), blocksize=self.blocksize,
+                                           compress_statistics=self.double_quant, quant_type=self.quant_type,
+                                           quant_storage=torch.uint8)
+        parts = [packed.flatten(), as_bytes(state.absmax)]
+        if self.double_quant:
+            parts += [as_bytes(state.state2.absmax.float()), as_bytes(state.offset.float().reshape(1))]
+        return torch.cat(parts)
+
+    def quant_state(self, row: torch.Tensor) -> bnbf.QuantState:
+        """bitsandbytes' state for a row of bytes (views into the row, nothing copied)."""
+        code, nested_code = codes(self.quant_type, row.device)
+        packed_end = self.numel // 2
+        absmax_end = packed_end + self.absmax_bytes
+        if not self.double_quant:
+            return bnbf.QuantState(absmax=row[packed_end:absmax_end].view(torch.float32), shape=torch.Size(self.shape),
+                                   code=code, blocksize=self.blocksize, quant_type=self.quant_type, dtype=self.dtype)
+        nested_end = absmax_end + 4 * self.n_nested
+        nested = bnbf.QuantState(absmax=row[absmax_end:nested_end].view(torch.float32), code=nested_code,
+                                 blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
+        return bnbf.QuantState(absmax=row[packed_end:absmax_end], shape=torch.Size(self.shape), code=code,
+                               blocksize=self.blocksize, quant_type=self.quant_type, dtype=self.dtype,
+                               offset=row[nested_end:].view(torch.float32)[0], state2=nested)
+
+    def dequantize(self, row: torch.Tensor) -> torch.Tensor:
+        return bnbf.dequantize_4bit(row[: self.numel // 2].view(-1, 1), self.quant_state(row))
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().flatten().view(torch.uint8)
+
+
+def codes(quant_type: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit code book and double quantization's 8-bit one (constants: made once per device)."""
+    key = (quant_type, str(device))
+    if key not in _CODES:
+        _CODES[key] = (bnbf.get_4bit_type(quant_type, device=device),
+                       bnbf.create_dynamic_map(signed=True).to(device))
+    return _CODES[key]
+
+
+class DequantizedMatmul(torch.autograd.Function):
+    """x times one expert's 4-bit matrix; the backward dequantizes again instead of keeping the matrix."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, row: torch.Tensor, matrix: ExpertMatrix, transposed: bool) -> torch.Tensor:
+        ctx.save_for_backward(row)
+        ctx.matrix, ctx.transposed = matrix, transposed
+        weight = matrix.dequantize(row).to(x.dtype)
+        return x @ weight if transposed else F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        (row,) = ctx.saved_tensors
+        weight = ctx.matrix.dequantize(row).to(grad.dtype)
+        return (grad @ weight.t() if ctx.transposed else grad @ weight), None, None, None
+
+
+class Experts4bit(nn.Module):
+    """Mixed into a transformers experts class: its fused parameters hold rows of bytes, its forward is ours.
+
+    Everything else (the gate activation `_apply_gate`, the biases, the layout flags) is the family's own."""
+
+    expert_matrices: dict[str, ExpertMatrix]
+    is_transposed: bool
+    has_bias: bool
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert, tokens, slots in routed_tokens(top_k_index, self.gate_up_proj.shape[0]):
+            hidden = self.expert_linear("gate_up_proj", expert, hidden_states[tokens])
+            hidden = self.expert_linear("down_proj", expert, self._apply_gate(hidden))
+            hidden = hidden * top_k_weights[tokens, slots, None]
+            out.index_add_(0, tokens, hidden.to(out.dtype))
+        return out
+
+    def expert_linear(self, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        rows = getattr(self, name)
+        y = DequantizedMatmul.apply(x, rows[expert], self.expert_matrices[name], self.is_transposed)
+        if self.has_bias:
+            y = y + getattr(self, f"{name}_bias")[expert]
+        return y
+
+
+def routed_tokens(top_k_index: torch.Tensor, n_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, the tokens routed to it, which of their top-k slots), for the experts hit, in ascending order
+    (the order transformers adds them up in). On fake tensors (the planner) routing has no values: every expert is
+    hit and the routed tokens are spread evenly, the worst case for what a step holds."""
+    if is_fake(top_k_index):
+        yield from evenly_routed(top_k_index, n_experts)
+        return
+    with torch.no_grad():
+        hits = torch.bincount(top_k_index.flatten(), minlength=n_experts).nonzero().flatten().tolist()
+    for expert in hits:
+        tokens, slots = (top_k_index == expert).nonzero(as_tuple=True)
+        yield expert, tokens, slots
+
+
+def evenly_routed(top_k_index: torch.Tensor, n_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    n_tokens, top_k = top_k_index.shape
+    per_expert = max(1, n_tokens * top_k // n_experts)
+    for expert in range(n_experts):
+        tokens = torch.arange(per_expert, device=top_k_index.device) % n_tokens
+        yield expert, tokens, torch.full_like(tokens, expert % top_k)
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake as torch_is_fake
+
+    return bool(torch_is_fake(tensor))
+
+
+# ---- building: swap a family's experts for 4-bit ones --------------------------------------------------------
+
+def is_experts_module(module: nn.Module) -> bool:
+    """transformers' fused experts: 3-D `gate_up_proj` and `down_proj` parameters."""
+    params = [getattr(module, name, None) for name in EXPERT_MATRICES]
+    return all(isinstance(p, nn.Parameter) and p.ndim == 3 for p in params)
+
+
+def quantize_experts(model: nn.Module, quant: QuantConfig) -> int:
+    """Give every experts module meta rows of bytes and our forward; the number of experts modules swapped."""
+    swapped = 0
+    for name, module in model.named_modules():
+        if is_experts_module(module):
+            check_supported(name, module)
+            make_4bit(module, quant)
+            swapped += 1
+    return swapped
+
+
+def check_supported(name: str, module: nn.Module) -> None:
+    family = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+    if not hasattr(module, "_apply_gate") or not getattr(module, "has_gate", False):
+        raise ModelLoadError(f"{family}: experts without a gated projection ('{name}') are not supported in 4-bit")
+    if getattr(module, "has_post_expert_norm", False):
+        raise ModelLoadError(f"{family}: experts with a norm after each expert ('{name}') are not supported in 4-bit")
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def make_4bit(module: nn.Module, quant: QuantConfig) -> None:
+    matrices = {}
+    for name in EXPERT_MATRICES:
+        param = getattr(module, name)
+        matrix = ExpertMatrix((param.shape[1], param.shape[2]), quant.blocksize, quant.double_quant,
+                              quant.quant_type, param.dtype)
+        if matrix.numel % quant.blocksize:
+            raise ModelLoadError(f"an expert matrix of {matrix.shape} is not a multiple of the quantization "
+                                 f"blocksize {quant.blocksize}")
+        matrices[name] = matrix
+        setattr(module, name, nn.Parameter(torch.empty(param.shape[0], matrix.row_bytes, dtype=torch.uint8,
+                                                       device="meta"), requires_grad=False))
+    vars(module)["expert_matrices"] = matrices
+    base = type(module)
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"{base.__name__}4bit", (Experts4bit, base), {})
+    module.__class__ = _CLASSES[base]
