@@ -86,9 +86,29 @@ def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: P
 
 
 def reference_model(model_dir: Path) -> torch.nn.Module:
-    """transformers' own NF4 model of the checkpoint's class (a multimodal one stays multimodal)."""
+    """transformers' own NF4 model of the checkpoint's class (a multimodal one stays multimodal); bitsandbytes
+    leaves fused experts unquantized, so each expert matrix is rounded through its quantize_4bit/dequantize_4bit."""
     model_class = getattr(transformers, AutoConfig.from_pretrained(model_dir).architectures[0])
-    return transformers_nf4(model_dir, model_class)
+    model = transformers_nf4(model_dir, model_class)
+    round_experts_through_nf4(model)
+    return model
+
+
+@torch.no_grad()
+def round_experts_through_nf4(model: torch.nn.Module) -> int:
+    """Every expert matrix of every 3-D experts parameter, rounded as our dense weights are (the test's own code)."""
+    import bitsandbytes.functional as bnbf
+
+    rounded = 0
+    for param in model.parameters():
+        if param.ndim != 3:
+            continue
+        for expert in param:
+            packed, state = bnbf.quantize_4bit(expert.contiguous(), blocksize=64, compress_statistics=True,
+                                               quant_type="nf4", quant_storage=torch.uint8)
+            expert.copy_(bnbf.dequantize_4bit(packed, state))
+        rounded += 1
+    return rounded
 
 
 def reference_side(model_dir: Path, adapter: Path, samples: list[Sample]) -> dict:
@@ -126,7 +146,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES | MOE_FAMILIES))
 def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, tokenizer, tmp_path):
     model_dir = write_family_model(tmp_path / family, family, tokenizer)
     samples = variable_length_samples(family_config(model_dir, tmp_path / "cfg"), N_SAMPLES)
@@ -160,18 +180,6 @@ def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, toke
     with torch.no_grad():
         logits = merged(input_ids=torch.tensor([samples[0].input_ids])).logits
     assert relative(logits, reference["logits"]) < 1e-4
-
-
-@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
-def test_mixtures_of_experts_are_refused_at_build_in_one_line(family, tokenizer, tmp_path):
-    from qlora_fsdp.errors import ModelLoadError
-    from qlora_fsdp.model.build import load_hf_config
-    from qlora_fsdp.model.sharding import sharded_meta_model
-
-    cfg = family_config(write_family_model(tmp_path / family, family, tokenizer), tmp_path / "out")
-    with pytest.raises(ModelLoadError, match=f"^{family} is a mixture of experts .*not supported yet") as err:
-        sharded_meta_model(cfg, load_hf_config(cfg), None, shard=False)
-    assert "\n" not in str(err.value)
 
 
 def test_the_run_names_its_kernel_and_what_of_the_familys_attention_it_computes(tokenizer, tmp_path):
@@ -209,8 +217,61 @@ def test_both_multimodal_layouts_are_read_through_transformers_rules(tokenizer, 
     layout = model_layout(build_meta_model(cfg, load_hf_config(cfg)))
     keys = stored_keys(model_dir)
     assert "language_model.model.layers.0.self_attn.q_proj.weight" in keys
-    mapped = {key: layout.model_key(key) for key in keys}
-    assert {key: layout.model_key(in_memory_gemma3_key(key)) for key in keys} == mapped
+    mapped = {key: layout.model_key(key)[0] for key in keys}
+    assert {key: layout.model_key(in_memory_gemma3_key(key))[0] for key in keys} == mapped
     assert all((ours is None) == ("vision_tower" in key or "multi_modal_projector" in key)
                for key, ours in mapped.items())
     assert mapped["language_model.model.layers.0.self_attn.q_proj.weight"] == "model.layers.0.self_attn.q_proj.weight"
+
+
+def fused_copy(model_dir: Path, out: Path) -> Path:
+    """The checkpoint with its experts fused, as transformers holds them in memory (the layout gpt-oss ships)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({key: value.contiguous() for key, value in model.state_dict().items() if key != "lm_head.weight"
+               or not model.config.tie_word_embeddings}, out / "model.safetensors")
+    return out
+
+
+def experts_side(info, per_expert: Path, fused: Path, out: Path) -> dict:
+    from qlora_fsdp.model.build import base_parameter_count
+    from qlora_fsdp.model.experts4bit import Experts4bit
+
+    rows = []
+    for model_dir in (per_expert, fused):
+        model = build_model(family_config(model_dir, out), info)
+        rows.append({name: param.to_local().clone() for name, param in model.named_parameters()
+                     if name.endswith(("gate_up_proj", "down_proj"))})
+    modules = [m for m in model.modules() if isinstance(m, Experts4bit)]
+    return {"rows": rows, "dtypes": {r.dtype for r in rows[0].values()}, "n_modules": len(modules),
+            "base_parameters": base_parameter_count(model)}
+
+
+def test_experts_load_the_same_4bit_bytes_from_per_expert_and_fused_checkpoints(tokenizer, tmp_path):
+    """Qwen3-MoE as the hub ships it (one tensor an expert) and fused: each rank holds the same bytes for its experts;
+    LoRA on the experts is refused in one line until it exists."""
+    from qlora_fsdp.errors import ConfigError
+    from qlora_fsdp.model.build import build_meta_model, load_hf_config
+
+    per_expert = write_family_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in stored_keys(per_expert)
+    fused = fused_copy(per_expert, tmp_path / "fused")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in stored_keys(fused)
+    ranks = run_ranks(experts_side, 2, per_expert, fused, tmp_path / "out", tmp_dir=tmp_path)
+    for rank in ranks:
+        assert rank["rows"][0].keys() == rank["rows"][1].keys() and len(rank["rows"][0]) == 4  # 2 layers x 2
+        for name, row in rank["rows"][0].items():
+            assert row.shape[0] == 2 and torch.equal(row, rank["rows"][1][name]), name  # 2 of the 4 experts a rank
+    assert ranks[0]["dtypes"] == {torch.uint8} and ranks[0]["n_modules"] == 2
+    reference = transformers.AutoModelForCausalLM.from_pretrained(per_expert)
+    assert ranks[0]["base_parameters"] == sum(p.numel() for p in reference.parameters())  # experts at full size
+
+    cfg = family_config(per_expert, tmp_path / "out")
+    cfg.lora.target_modules = ["q_proj", "gate_proj", "up_proj"]  # transformers 4 names of the expert projections
+    with pytest.raises(ConfigError, match="puts LoRA on the experts") as err:
+        build_meta_model(cfg, load_hf_config(cfg))
+    assert "\n" not in str(err.value)

@@ -15,7 +15,7 @@ copy of the experts outlives one expert's matmul. The router, the expert biases 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +130,9 @@ class Experts4bit(nn.Module):
     expert_matrices: dict[str, ExpertMatrix]
     is_transposed: bool
     has_bias: bool
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+    _apply_gate: Callable[[torch.Tensor], torch.Tensor]  # the family's own (an annotation: it must not shadow it)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.model.adapter import read_adapter
 from qlora_fsdp.model.build import build_meta_model, load_hf_config, model_dir
+from qlora_fsdp.model.experts4bit import ExpertMatrix
+from qlora_fsdp.model.families import ExpertPart
 from qlora_fsdp.model.loading import base_targets, model_layout, quantize
 from qlora_fsdp.model.names import PEFT_PREFIX
 from qlora_fsdp.model.weight_files import stored_weight_tensors
@@ -70,6 +72,32 @@ def as_trained(weight: torch.Tensor, cfg: Config) -> torch.Tensor:
     """The weight the 4-bit model computed with: quantized as the loader does, then dequantized."""
     packed, state = quantize(weight, cfg.quant)
     return bnbf.dequantize_4bit(packed, state)
+
+
+class ExpertRounding:
+    """Experts as training held them: each expert's matrix rounded through 4-bit as a whole, so a checkpoint that
+    keeps an expert's gate and up projections apart waits for both before either is written."""
+
+    def __init__(self, matrices: dict[str, ExpertMatrix]) -> None:
+        self.matrices = matrices
+        self.waiting: dict[tuple[str, int], dict[int, tuple[str, torch.Tensor]]] = {}
+
+    def rounded(self, stored_key: str, key: str, part: ExpertPart | None,
+                weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(stored key, rounded tensor) for what is complete now: a fused tensor at once, an expert's parts once
+        all have come."""
+        matrix = self.matrices[key]
+        if part is None:
+            return [(stored_key, torch.stack([matrix.dequantize(matrix.to_row(expert)) for expert in weight]))]
+        parts = self.waiting.setdefault((key, part.expert), {})
+        parts[part.part] = (stored_key, weight)
+        if len(parts) < part.n_parts:
+            return []
+        del self.waiting[(key, part.expert)]
+        pieces = [parts[i] for i in range(part.n_parts)]
+        whole = matrix.dequantize(matrix.to_row(torch.cat([tensor for _, tensor in pieces])))
+        rows = whole.split([tensor.shape[0] for _, tensor in pieces])
+        return [(name, part_rows) for (name, _), part_rows in zip(pieces, rows, strict=True)]
 
 
 class ShardWriter:
@@ -121,8 +149,9 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     deltas = lora_deltas(adapter_dir)
     meta = build_meta_model(cfg, load_hf_config(cfg))
     layout = model_layout(meta)  # the adapter's and the checkpoint's keys both name the checkpoint's full model
-    quantized = {layout.full_from_ours(key) for key, target in base_targets(meta).items()
-                 if target.quantized_module is not None}
+    targets = {layout.full_from_ours(key): target for key, target in base_targets(meta).items()}
+    quantized = {key for key, target in targets.items() if target.quantized_module is not None}
+    experts = ExpertRounding({key: t.experts for key, t in targets.items() if t.experts is not None})
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -130,8 +159,12 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     for key, stored, _ in stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
         if key.endswith("rotary_emb.inv_freq"):
             continue
-        full_key = layout.full_key(key)
+        full_key, part = layout.full_key(key)
         weight = stored.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
+        if full_key in experts.matrices and base_weights == "dequantized":
+            for ready_key, ready in experts.rounded(key, full_key, part, weight):
+                writer.add(ready_key, ready.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
+            continue
         if full_key in quantized and base_weights == "dequantized":
             weight = as_trained(weight, cfg)
         if full_key in deltas:
