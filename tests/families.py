@@ -3,7 +3,8 @@
 Each has hidden size 64, 2 layers and our tiny tokenizer; where the family has sliding windows they are 16 tokens,
 shorter than the rows the tests use, so a kernel that ignores them gives another loss. The family's own quirks are
 switched on where a default would hide them: Gemma's query_pre_attn_scalar differs from the head size, Gemma 2
-soft-caps, the full-attention layers of Gemma 3 scale their rotary positions, Qwen2 turns its window on.
+soft-caps, the full-attention layers of Gemma 3 scale their rotary positions, Qwen2 turns its window on, biases
+(Qwen2's projections, gpt-oss's experts and router) are not zero.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def write_family_model(out: Path, family: str, tokenizer: PreTrainedTokenizerFas
         model: torch.nn.Module = Gemma3ForConditionalGeneration(config)
     else:
         model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers starts biases at zero, where a dropped bias would go unnoticed
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
