@@ -108,7 +108,7 @@ class CheckpointLayout:
         renamed, pattern = rename_source_key(stored_key, self.renamings, self.converters, self.prefix or None,
                                              self.full_keys or None)
         converter = next((c for c in self.converters if pattern in c.source_patterns), None) if pattern else None
-        if converter is None:
+        if converter is None or pattern is None:
             return renamed, None
         return renamed, expert_part(stored_key, pattern, converter, self.model_type)
 
