@@ -197,7 +197,8 @@ MUTATIONS = [
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2"
              "[gemma3_multimodal]"),
     Mutation("routing weights ignored by the 4-bit experts", "qlora_fsdp/model/experts4bit.py",
-             "            hidden = hidden * top_k_weights[tokens, slots, None]\n", "            hidden = hidden\n",
+             "        weighted = torch.cat(outputs) * top_k_weights.flatten()[routes.order, None]\n",
+             "        weighted = torch.cat(outputs)\n",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[mixtral]",
              quick=True),
     Mutation("an expert's gate and up projections joined in the wrong order", "qlora_fsdp/model/loading.py",

@@ -15,7 +15,7 @@ copy of the experts outlives one expert's matmul. The router, the expert biases 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,12 +97,19 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def codes(quant_type: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 4-bit code book and double quantization's 8-bit one (constants: made once per device)."""
+    """The 4-bit code book and double quantization's 8-bit one (constants: made once per device; made on the CPU
+    outside any fake mode, and in the planner's fake mode copied, not cached)."""
     key = (quant_type, str(device))
-    if key not in _CODES:
-        _CODES[key] = (bnbf.get_4bit_type(quant_type, device=device),
-                       bnbf.create_dynamic_map(signed=True).to(device))
-    return _CODES[key]
+    if key in _CODES:
+        return _CODES[key]
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        on_cpu = bnbf.get_4bit_type(quant_type, device="cpu"), bnbf.create_dynamic_map(signed=True)
+    made = on_cpu[0].to(device), on_cpu[1].to(device)
+    if not is_fake(made[0]):
+        _CODES[key] = made
+    return made
 
 
 class DequantizedMatmul(torch.autograd.Function):
@@ -136,13 +143,22 @@ class Experts4bit(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
-        for expert, tokens, slots in routed_tokens(top_k_index, self.gate_up_proj.shape[0]):
-            hidden = self.expert_linear("gate_up_proj", expert, hidden_states[tokens])
-            hidden = self.expert_linear("down_proj", expert, self._apply_gate(hidden))
-            hidden = hidden * top_k_weights[tokens, slots, None]
-            out.index_add_(0, tokens, hidden.to(out.dtype))
-        return out
+        routes = Routes.of(top_k_index, self.gate_up_proj.shape[0])
+        grouped = hidden_states[routes.tokens].split(routes.counts)  # one gather, the rows of each expert together
+        outputs = [self.expert_mlp(expert, rows) for expert, rows in zip(routes.experts, grouped, strict=True)]
+        weighted = torch.cat(outputs) * top_k_weights.flatten()[routes.order, None]
+        # one scatter; per token its experts' outputs are added in ascending expert order, as transformers adds them
+        return torch.zeros_like(hidden_states).index_add_(0, routes.tokens, weighted.to(hidden_states.dtype))
+
+    def idle_parameters(self) -> int:
+        """Expert elements a token does not use (all but top-k of the experts): what `active` parameters leave out."""
+        n_experts = self.gate_up_proj.shape[0]
+        top_k = getattr(getattr(self, "config", None), "num_experts_per_tok", n_experts)
+        return (n_experts - top_k) * sum(matrix.numel for matrix in self.expert_matrices.values())
+
+    def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.expert_linear("gate_up_proj", expert, x)
+        return self.expert_linear("down_proj", expert, self._apply_gate(hidden))
 
     def expert_linear(self, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         rows = getattr(self, name)
@@ -152,26 +168,31 @@ class Experts4bit(nn.Module):
         return y
 
 
-def routed_tokens(top_k_index: torch.Tensor, n_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(expert, the tokens routed to it, which of their top-k slots), for the experts hit, in ascending order
-    (the order transformers adds them up in). On fake tensors (the planner) routing has no values: every expert is
-    hit and the routed tokens are spread evenly, the worst case for what a step holds."""
-    if is_fake(top_k_index):
-        yield from evenly_routed(top_k_index, n_experts)
-        return
-    with torch.no_grad():
-        hits = torch.bincount(top_k_index.flatten(), minlength=n_experts).nonzero().flatten().tolist()
-    for expert in hits:
-        tokens, slots = (top_k_index == expert).nonzero(as_tuple=True)
-        yield expert, tokens, slots
+@dataclass
+class Routes:
+    """The (token, slot) pairs of a batch grouped by expert: `order` sorts the flattened top-k choices by expert
+    (stable: by token within an expert), `tokens` is the token of each, `counts` the rows of each hit expert."""
 
+    order: torch.Tensor
+    tokens: torch.Tensor
+    experts: list[int]
+    counts: list[int]
 
-def evenly_routed(top_k_index: torch.Tensor, n_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    n_tokens, top_k = top_k_index.shape
-    per_expert = max(1, n_tokens * top_k // n_experts)
-    for expert in range(n_experts):
-        tokens = torch.arange(per_expert, device=top_k_index.device) % n_tokens
-        yield expert, tokens, torch.full_like(tokens, expert % top_k)
+    @staticmethod
+    def of(top_k_index: torch.Tensor, n_experts: int) -> Routes:
+        """On fake tensors (the planner) routing has no values: every expert is hit and the routed tokens are
+        spread evenly over them, the worst case for what a step holds and dequantizes."""
+        n_tokens, top_k = top_k_index.shape
+        if is_fake(top_k_index):
+            order = torch.arange(n_tokens * top_k, device=top_k_index.device)
+            even = [n_tokens * top_k // n_experts + (e < n_tokens * top_k % n_experts) for e in range(n_experts)]
+            return Routes(order, order // top_k, list(range(n_experts)), even)
+        with torch.no_grad():
+            flat = top_k_index.flatten()
+            order = torch.argsort(flat, stable=True)
+            per_expert = torch.bincount(flat, minlength=n_experts).tolist()  # the one sync, as in transformers
+        hit = [(expert, count) for expert, count in enumerate(per_expert) if count]
+        return Routes(order, order // top_k, [e for e, _ in hit], [c for _, c in hit])
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from qlora_fsdp.config import REPO_ROOT, Config
 from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.model.build import base_parameter_count, decoder_layers, load_hf_config
+from qlora_fsdp.model.experts4bit import Experts4bit
 from qlora_fsdp.model.sharding import sharded_meta_model
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 from qlora_fsdp.plan.fake_step import NESTED_BLOCK
@@ -69,7 +70,7 @@ def meta_held(cfg: Config, mesh: DeviceMesh) -> Held:
 @dataclass
 class Held:
     """Exact bytes rank 0 holds, from the sharded meta model."""
-    base_4bit: int = 0
+    base_4bit: int = 0  # experts: with their quantization statistics, which are sharded with them
     quant_state: int = 0
     other_base: int = 0
     lora: int = 0
@@ -77,7 +78,8 @@ class Held:
     optimizer: int = 0
     layer_shard: int = 0  # one decoder layer's local shards (what offload copies to the GPU to gather it)
     largest_linear: int = 0  # elements of the biggest Linear4bit (read whole and quantized while loading)
-    base_parameters: int = 0  # unpacked count, for MFU
+    base_parameters: int = 0  # unpacked count
+    active_parameters: int = 0  # those a token computes with (a mixture of experts: its top-k experts), for MFU
     lora_elements: int = 0  # all ranks' LoRA elements together (the unsharded count)
 
 
@@ -90,6 +92,10 @@ def held_bytes(model: nn.Module, cfg: Config) -> Held:
             packed.add(id(module.weight))
             held.quant_state += quant_state_bytes(n, cfg.quant.blocksize, cfg.quant.double_quant)
             held.largest_linear = max(held.largest_linear, n)
+        if isinstance(module, Experts4bit):  # rows of packed values and their statistics, sharded over experts
+            for name, matrix in module.expert_matrices.items():
+                packed.add(id(getattr(module, name)))
+                held.largest_linear = max(held.largest_linear, matrix.numel)  # read one expert at a time
     for param in model.parameters():
         shard = local_shard(param)
         if param.requires_grad:
@@ -102,6 +108,8 @@ def held_bytes(model: nn.Module, cfg: Config) -> Held:
         else:
             held.other_base += nbytes(shard)
     held.base_parameters = base_parameter_count(model)
+    held.active_parameters = held.base_parameters - sum(m.idle_parameters() for m in model.modules()
+                                                        if isinstance(m, Experts4bit))
     held.layer_shard = max(sum(nbytes(local_shard(p)) for p in layer.parameters()) for layer in decoder_layers(model))
     return held
 

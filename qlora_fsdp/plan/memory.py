@@ -183,15 +183,19 @@ def host_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
     return rows
 
 
+def parameters(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def plan(cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
     """The plan for `cfg`, from the bytes its sharded model holds (or a config's with the same shapes) and its
     measured step (measured here unless given)."""
     cfg = planned_dtypes(cfg)
     step = step if step is not None else recipe_step(cfg)
     n = held.base_parameters
-    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    description = (f"{count} base parameters, world size {cfg.hardware.world_size}, weights {cfg.model.dtype}, "
-                   f"4-bit compute {cfg.quant.compute_dtype}")
+    active = f" ({parameters(held.active_parameters)} active a token)" if held.active_parameters < n else ""
+    description = (f"{parameters(n)} base parameters{active}, world size {cfg.hardware.world_size}, "
+                   f"weights {cfg.model.dtype}, 4-bit compute {cfg.quant.compute_dtype}")
     return Plan(gpu_rows(held, cfg, step), host_rows(held, cfg, step), gpu_spec(cfg).memory_gib,
                 cfg.hardware.host_ram_gib, description, step)
 

@@ -72,19 +72,20 @@ def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
     tokens = step_tokens(cfg)
     rate = tokens / time.total
     flops_per_token = 8 if plans_reference_forward(cfg) else 6  # DPO's reference forward: 2N more, as training counts
-    mfu = rate * flops_per_token * held.base_parameters / (gpu.bf16_tflops * 1e12 * cfg.hardware.world_size)
+    mfu = rate * flops_per_token * held.active_parameters / (gpu.bf16_tflops * 1e12 * cfg.hardware.world_size)
     rows = [("matmuls (each on the roofline: FLOPs or bytes, whichever is slower)", time.matmul),
             ("attention", time.attention), ("element-wise ops (bytes read and written)", time.elementwise),
             ("4-bit dequantization", time.dequant),
             ("collectives on their own (all-gather, reduce-scatter)", time.collectives),
             ("host<->GPU copies on their own (offload)", time.copies), ("optimizer update", time.optimizer),
             ("transfers left exposed after overlapping the compute", time.exposed)]
+    active = ", N the active parameters" if held.active_parameters < held.base_parameters else ""
     unpriced = "; the network between nodes is not priced: optimistic" if cfg.hardware.nodes > 1 else ""
     return ["", f"time per optimizer step on {cfg.hardware.world_size} x {cfg.hardware.gpu} ({link_description(gpu)}"
                 f"{unpriced}), predicted from the step's counted work (docs/benchmarks.md compares the model with "
                 "published runs):",
             "| part | seconds |", "| --- | ---: |", *(f"| {name} | {seconds:.2f} |" for name, seconds in rows),
             f"| **step** | **{time.total:.2f}** |",
-            f"{tokens:,} tokens a step: {rate:,.0f} tokens/s, MFU {mfu:.0%} ({flops_per_token}N FLOP a token); "
+            f"{tokens:,} tokens a step: {rate:,.0f} tokens/s, MFU {mfu:.0%} ({flops_per_token}N FLOP a token{active}); "
             f"train.max_steps {cfg.train.max_steps}: {hours(cfg.train.max_steps * time.total)}",
             epoch_line(cfg, time.total)]
