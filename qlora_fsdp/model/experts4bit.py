@@ -28,6 +28,7 @@ from qlora_fsdp.config import QuantConfig
 from qlora_fsdp.errors import ModelLoadError
 
 EXPERT_MATRICES = ("gate_up_proj", "down_proj")
+PLANNED_GROUP = 16  # experts one op of the planner's fake step stands for
 NESTED_BLOCKSIZE = 256  # bitsandbytes' block size for the statistics of double quantization
 _CODES: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -91,6 +92,22 @@ class ExpertMatrix:
     def dequantize(self, row: torch.Tensor) -> torch.Tensor:
         return bnbf.dequantize_4bit(row[: self.numel // 2].view(-1, 1), self.quant_state(row))
 
+    def dequantize_fake_group(self, rows: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """The planner's one dequantization op for a group of experts, as [group, *shape] (the stored matrix or its
+        transpose): shapes only, as fake tensors have no values to decode, so the orientation costs no copy."""
+        assert is_fake(rows), "experts are dequantized one at a time outside the planner"
+        n, (height, width) = rows.shape[0], self.shape
+        code, nested_code = codes(self.quant_type, rows.device)
+        nested = bnbf.QuantState(absmax=torch.empty(n * max(self.n_nested, 1), device=rows.device), code=nested_code,
+                                 blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
+        state = bnbf.QuantState(absmax=torch.empty(n * self.n_blocks, dtype=torch.uint8, device=rows.device),
+                                shape=torch.Size((n * height, width)), code=code, blocksize=self.blocksize,
+                                quant_type=self.quant_type, dtype=self.dtype,
+                                offset=torch.empty((), device=rows.device), state2=nested)
+        packed = torch.empty(n * self.numel // 2, 1, dtype=torch.uint8, device=rows.device)  # not a copy of rows
+        weight = bnbf.dequantize_4bit(packed, state)
+        return weight.view(n, *shape)
+
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().flatten().view(torch.uint8)
@@ -119,14 +136,25 @@ class DequantizedMatmul(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, row: torch.Tensor, matrix: ExpertMatrix, transposed: bool) -> torch.Tensor:
         ctx.save_for_backward(row)
         ctx.matrix, ctx.transposed = matrix, transposed
+        if row.ndim == 2:  # the planner's group of experts, x [group, rows, in]
+            return torch.bmm(x, fake_weights(matrix, row, transposed, for_backward=False).to(x.dtype))
         weight = matrix.dequantize(row).to(x.dtype)
         return x @ weight if transposed else F.linear(x, weight)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         (row,) = ctx.saved_tensors
+        if row.ndim == 2:
+            return torch.bmm(grad, fake_weights(ctx.matrix, row, ctx.transposed, for_backward=True)), None, None, None
         weight = ctx.matrix.dequantize(row).to(grad.dtype)
         return (grad @ weight.t() if ctx.transposed else grad @ weight), None, None, None
+
+
+def fake_weights(matrix: ExpertMatrix, rows: torch.Tensor, transposed: bool, for_backward: bool) -> torch.Tensor:
+    """A group's matrices as bmm multiplies by them: [in, out] in the forward, [out, in] in the backward."""
+    rows_dim, cols_dim = matrix.shape
+    in_dim, out_dim = (rows_dim, cols_dim) if transposed else (cols_dim, rows_dim)  # gpt-oss stores x @ W's W
+    return matrix.dequantize_fake_group(rows, (out_dim, in_dim) if for_backward else (in_dim, out_dim))
 
 
 class Experts4bit(nn.Module):
@@ -143,12 +171,31 @@ class Experts4bit(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if is_fake(top_k_index):
+            return self.planned_forward(hidden_states, top_k_weights)
         routes = Routes.of(top_k_index, self.gate_up_proj.shape[0])
         grouped = hidden_states[routes.tokens].split(routes.counts)  # one gather, the rows of each expert together
         outputs = [self.expert_mlp(expert, rows) for expert, rows in zip(routes.experts, grouped, strict=True)]
         weighted = torch.cat(outputs) * top_k_weights.flatten()[routes.order, None]
         # one scatter; per token its experts' outputs are added in ascending expert order, as transformers adds them
         return torch.zeros_like(hidden_states).index_add_(0, routes.tokens, weighted.to(hidden_states.dtype))
+
+    def planned_forward(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The planner's step (fake tensors: routing has no values). Every expert is hit by an equal share of the
+        routed tokens, the worst case for what a step dequantizes and holds. PLANNED_GROUP experts run as one op:
+        the same FLOPs and dequantized elements as one at a time in a sixteenth of the ops (a fake op costs what a
+        real op's Python does); the plan then holds a group's dequantized matrices at once where training holds one."""
+        (n_tokens, top_k), n_experts = top_k_weights.shape, self.gate_up_proj.shape[0]
+        per_expert = math.ceil(n_tokens * top_k / n_experts)
+        routed = torch.arange(n_experts * per_expert, device=hidden_states.device) % (n_tokens * top_k)
+        grouped = hidden_states[routed // top_k].view(n_experts, per_expert, -1).split(PLANNED_GROUP)
+        outputs = []
+        for first, rows in zip(range(0, n_experts, PLANNED_GROUP), grouped, strict=True):
+            experts = slice(first, first + PLANNED_GROUP)
+            hidden = self.expert_linear("gate_up_proj", experts, rows)
+            outputs.append(self.expert_linear("down_proj", experts, self._apply_gate(hidden)))
+        weighted = torch.cat(outputs).flatten(0, 1) * top_k_weights.flatten()[routed, None]
+        return torch.zeros_like(hidden_states).index_add_(0, routed // top_k, weighted.to(hidden_states.dtype))
 
     def idle_parameters(self) -> int:
         """Expert elements a token does not use (all but top-k of the experts): what `active` parameters leave out."""
@@ -160,11 +207,13 @@ class Experts4bit(nn.Module):
         hidden = self.expert_linear("gate_up_proj", expert, x)
         return self.expert_linear("down_proj", expert, self._apply_gate(hidden))
 
-    def expert_linear(self, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+    def expert_linear(self, name: str, expert: int | slice, x: torch.Tensor) -> torch.Tensor:
+        """x times one expert's matrix (or, in the planner, a group's: x [group, rows, in])."""
         rows = getattr(self, name)
         y = DequantizedMatmul.apply(x, rows[expert], self.expert_matrices[name], self.is_transposed)
         if self.has_bias:
-            y = y + getattr(self, f"{name}_bias")[expert]
+            bias = getattr(self, f"{name}_bias")[expert]
+            y = y + (bias if isinstance(expert, int) else bias.unsqueeze(1))
         return y
 
 
@@ -180,13 +229,7 @@ class Routes:
 
     @staticmethod
     def of(top_k_index: torch.Tensor, n_experts: int) -> Routes:
-        """On fake tensors (the planner) routing has no values: every expert is hit and the routed tokens are
-        spread evenly over them, the worst case for what a step holds and dequantizes."""
-        n_tokens, top_k = top_k_index.shape
-        if is_fake(top_k_index):
-            order = torch.arange(n_tokens * top_k, device=top_k_index.device)
-            even = [n_tokens * top_k // n_experts + (e < n_tokens * top_k % n_experts) for e in range(n_experts)]
-            return Routes(order, order // top_k, list(range(n_experts)), even)
+        top_k = top_k_index.shape[1]
         with torch.no_grad():
             flat = top_k_index.flatten()
             order = torch.argsort(flat, stable=True)
