@@ -126,7 +126,7 @@ print(result.description)
 print([label for label, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(c, held).fits])
 for row in result.gpu_rows:
     print('row', row.basis, round(row.bytes / GIB, 3), row.name)
-print('largest activations:', activations_peak_line(result.step))
+print('largest activations:', activations_peak_line(result.step, result.resident_gpu))
 dist.destroy_process_group()
 # the 8B's layer shapes and vocabulary, 2 layers (its misfit fixes are as many steps: 32 layers would take 40 s)
 LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
@@ -309,5 +309,8 @@ def test_the_plan_names_where_its_peak_is_and_where_activations_are_largest():
     assert activations_peak_line(step) == ("activations and temporaries are largest elsewhere: 5.00 GiB in the "
                                            "first micro-batch's backward of the last layers, where the device "
                                            "holds 1.00 GiB less than at the peak above")
+    # what the device holds throughout (the weights of a model that is not offloaded) is not activations
+    assert activations_peak_line(step, resident=2 * gib).startswith("activations and temporaries are largest "
+                                                                    "elsewhere: 3.00 GiB in the first")
     step.segments[end] = Moment(11 * gib, 4 * gib, 0)  # now the peak itself: the table says it all
     assert step.model_instant() == end and activations_peak_line(step) is None

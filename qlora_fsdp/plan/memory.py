@@ -55,6 +55,7 @@ class Plan:
     host_capacity_gib: float | None
     description: str
     step: StepMemory | None = None  # the measured step (its work prices the step's time: plan/step_time.py)
+    resident_gpu: float = 0.0  # bytes the device holds through the whole step (in the step's every instant)
 
     @property
     def gpu_total(self) -> float:
@@ -120,14 +121,15 @@ def instant_words(segment: Segment) -> str:
     return f"the {ordinal} micro-batch's {where.get(part, part)}"
 
 
-def activations_peak_line(step: StepMemory) -> str | None:
+def activations_peak_line(step: StepMemory, resident: float = 0.0) -> str | None:
     """Where activations are largest, when that is not the step's peak (the gathers' peak can be elsewhere, at the
-    start of a forward with the root's and first layers' gathers alive, and longer rows move it back)."""
+    start of a forward with the root's and first layers' gathers alive, and longer rows move it back). `resident`:
+    what the device holds throughout (weights, LoRA, optimizer state, quantization state), not activations."""
     peak, largest = step.model_instant(), step.activations_instant
     if peak is None or largest is None or largest == peak:
         return None
     top, there = step.segments[peak], step.segments[largest]
-    activations = there.total - there.gathered - there.gradients
+    activations = there.total - resident - there.gathered - there.gradients
     return (f"activations and temporaries are largest elsewhere: {activations / GIB:.2f} GiB in "
             f"{instant_words(largest)}, where the device holds {(top.total - there.total) / GIB:.2f} GiB less "
             "than at the peak above")
@@ -153,9 +155,14 @@ def measured_rows(cfg: Config, step: StepMemory, exact_on_gpu: float) -> list[Ro
     return rows
 
 
-def gpu_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
+def gpu_resident_rows(held: Held, cfg: Config) -> list[Row]:
+    """What the device holds through the whole step."""
     rows = [] if cfg.fsdp.cpu_offload else resident_rows(held, cfg)
-    rows.append(Row("quantization state (whole, on every rank)", held.quant_state, "exact"))
+    return [*rows, Row("quantization state (whole, on every rank)", held.quant_state, "exact")]
+
+
+def gpu_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
+    rows = gpu_resident_rows(held, cfg)
     rows += measured_rows(cfg, step, sum(r.bytes for r in rows))
     if cfg.fsdp.cpu_offload:
         # on a GPU, FSDP2 copies a layer's host shards to the device before gathering them; on the CPU mesh the
@@ -197,7 +204,7 @@ def plan(cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
     description = (f"{parameters(n)} base parameters{active}, world size {cfg.hardware.world_size}, "
                    f"weights {cfg.model.dtype}, 4-bit compute {cfg.quant.compute_dtype}")
     return Plan(gpu_rows(held, cfg, step), host_rows(held, cfg, step), gpu_spec(cfg).memory_gib,
-                cfg.hardware.host_ram_gib, description, step)
+                cfg.hardware.host_ram_gib, description, step, sum(r.bytes for r in gpu_resident_rows(held, cfg)))
 
 
 def format_rows(rows: list[Row]) -> list[str]:

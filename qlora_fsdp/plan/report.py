@@ -46,7 +46,7 @@ def report_text(planned: RecipePlan) -> str:
     recipe, cfg, held, mesh, result = planned.recipe, planned.planned, planned.held, planned.mesh, planned.result
     gpu = f"{cfg.hardware.gpu} ({result.capacity_gib:g} GiB)"
     host_capacity = f"of {result.host_capacity_gib:g} GiB" if result.host_capacity_gib else "unchecked"
-    note = activations_peak_line(result.step) if result.step else None
+    note = activations_peak_line(result.step, result.resident_gpu) if result.step else None
     lines = [f"plan for {cfg.model.path} on {cfg.hardware.world_size} x {gpu}: {result.description}", "",
              "per GPU (rank 0):", *format_rows(result.gpu_rows),
              f"| **total** | **{result.gpu_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |",
