@@ -95,3 +95,27 @@ def write_family_model(out: Path, family: str, tokenizer: PreTrainedTokenizerFas
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def write_mxfp4_copy(model_dir: Path, out: Path, seed: int = 0) -> Path:
+    """gpt-oss as OpenAI ships it: every experts parameter as MXFP4 blocks and scales (random 4-bit values and
+    powers of two near 1/16 here), `quantization_config` naming mxfp4."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    tensors, generator = load_file(out / "model.safetensors"), torch.Generator().manual_seed(seed)
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        n_experts, n_in, n_out = tensors.pop(key).shape  # gpt-oss keeps x @ W's W: [experts, in, out]
+        tensors[f"{key}_blocks"] = torch.randint(0, 256, (n_experts, n_out, n_in // 32, 16), dtype=torch.uint8,
+                                                 generator=generator)
+        tensors[f"{key}_scales"] = torch.randint(121, 125, (n_experts, n_out, n_in // 32), dtype=torch.uint8,
+                                                 generator=generator)
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -204,7 +204,7 @@ MUTATIONS = [
     Mutation("an expert's gate and up projections joined in the wrong order", "qlora_fsdp/model/loading.py",
              "            weight = torch.cat([parts[i] for i in range(part.n_parts)])\n",
              "            weight = torch.cat([parts[i] for i in reversed(range(part.n_parts))])\n",
-             "tests/test_families.py::test_experts_load_the_same_4bit_bytes_from_per_expert_and_fused_checkpoints"),
+             "tests/test_families.py::test_experts_load_the_same_4bit_bytes_from_every_checkpoint_form"),
     Mutation("gpt-oss's expert biases dropped", "qlora_fsdp/model/experts4bit.py",
              "        if self.has_bias:\n", "        if False:\n",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[gpt_oss]"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 import transformers
@@ -224,54 +225,86 @@ def test_both_multimodal_layouts_are_read_through_transformers_rules(tokenizer, 
     assert mapped["language_model.model.layers.0.self_attn.q_proj.weight"] == "model.layers.0.self_attn.q_proj.weight"
 
 
-def fused_copy(model_dir: Path, out: Path) -> Path:
-    """The checkpoint with its experts fused, as transformers holds them in memory (the layout gpt-oss ships)."""
+def plain_copy(model_dir: Path, out: Path, **loading) -> Path:
+    """The checkpoint as transformers holds it in memory, saved as is: experts fused (the layout gpt-oss ships),
+    MXFP4 experts decoded by transformers (`loading`: its quantization_config), no quantization_config."""
+    import json
     import shutil
 
     from safetensors.torch import save_file
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **loading)
     shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file({key: value.contiguous() for key, value in model.state_dict().items() if key != "lm_head.weight"
                or not model.config.tie_word_embeddings}, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
-def experts_side(info, per_expert: Path, fused: Path, out: Path) -> dict:
+def experts_side(info, pairs: list[tuple[Path, Path]], out: Path) -> dict:
+    """Each rank's expert rows from both checkpoints of each pair, and what the last model says of itself."""
     from qlora_fsdp.model.build import base_parameter_count
     from qlora_fsdp.model.experts4bit import Experts4bit
 
     rows = []
-    for model_dir in (per_expert, fused):
-        model = build_model(family_config(model_dir, out), info)
-        rows.append({name: param.to_local().clone() for name, param in model.named_parameters()
-                     if name.endswith(("gate_up_proj", "down_proj"))})
+    for pair in pairs:
+        for model_dir in pair:
+            model = build_model(family_config(model_dir, out), info)
+            rows.append({name: param.to_local().clone() for name, param in model.named_parameters()
+                         if name.endswith(("gate_up_proj", "down_proj"))})
     modules = [m for m in model.modules() if isinstance(m, Experts4bit)]
     return {"rows": rows, "dtypes": {r.dtype for r in rows[0].values()}, "n_modules": len(modules),
             "base_parameters": base_parameter_count(model)}
 
 
-def test_experts_load_the_same_4bit_bytes_from_per_expert_and_fused_checkpoints(tokenizer, tmp_path):
-    """Qwen3-MoE as the hub ships it (one tensor an expert) and fused: each rank holds the same bytes for its experts;
-    LoRA on the experts is refused in one line until it exists."""
+def test_experts_load_the_same_4bit_bytes_from_every_checkpoint_form(tokenizer, tmp_path):
+    """Qwen3-MoE as the hub ships it (one tensor an expert) and fused, gpt-oss in MXFP4 (as OpenAI ships it) and
+    decoded by transformers: each rank holds the same bytes for its experts either way; the merge of the MXFP4
+    checkpoint writes the decoded experts; LoRA on the experts is refused in one line until it exists."""
+    from transformers import Mxfp4Config
+
     from qlora_fsdp.errors import ConfigError
     from qlora_fsdp.model.build import build_meta_model, load_hf_config
+    from tests.families import write_mxfp4_copy
 
     per_expert = write_family_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer)
     assert "model.layers.0.mlp.experts.3.up_proj.weight" in stored_keys(per_expert)
-    fused = fused_copy(per_expert, tmp_path / "fused")
+    fused = plain_copy(per_expert, tmp_path / "fused")
     assert "model.layers.0.mlp.experts.gate_up_proj" in stored_keys(fused)
-    ranks = run_ranks(experts_side, 2, per_expert, fused, tmp_path / "out", tmp_dir=tmp_path)
+    mxfp4 = write_mxfp4_copy(write_family_model(tmp_path / "gpt_oss", "gpt_oss", tokenizer), tmp_path / "mxfp4")
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in stored_keys(mxfp4)
+    decoded = plain_copy(mxfp4, tmp_path / "decoded", quantization_config=Mxfp4Config(dequantize=True))
+    ranks = run_ranks(experts_side, 2, [(per_expert, fused), (mxfp4, decoded)], tmp_path / "out", tmp_dir=tmp_path)
     for rank in ranks:
-        assert rank["rows"][0].keys() == rank["rows"][1].keys() and len(rank["rows"][0]) == 4  # 2 layers x 2
-        for name, row in rank["rows"][0].items():
-            assert row.shape[0] == 2 and torch.equal(row, rank["rows"][1][name]), name  # 2 of the 4 experts a rank
+        for one, other in (rank["rows"][0:2], rank["rows"][2:4]):
+            assert one.keys() == other.keys() and len(one) == 4  # 2 layers x (gate_up_proj, down_proj)
+            for name, row in one.items():
+                assert row.shape[0] == 2 and torch.equal(row, other[name]), name  # 2 of the 4 experts a rank
     assert ranks[0]["dtypes"] == {torch.uint8} and ranks[0]["n_modules"] == 2
-    reference = transformers.AutoModelForCausalLM.from_pretrained(per_expert)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(decoded)
     assert ranks[0]["base_parameters"] == sum(p.numel() for p in reference.parameters())  # experts at full size
+
+    adapter = tmp_path / "peft_adapter"  # PEFT's own, on the decoded model: the merge reads any PEFT adapter
+    peft.get_peft_model(reference, peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+                        ).save_pretrained(adapter)
+    merged = {}
+    for name, model_dir in (("mxfp4", mxfp4), ("decoded", decoded)):
+        merge_adapter(family_config(model_dir, tmp_path / "out"), adapter, tmp_path / f"merged_{name}", "float32")
+        merged[name] = load_file_tensors(tmp_path / f"merged_{name}")
+    assert merged["mxfp4"].keys() == merged["decoded"].keys()
+    assert "model.layers.0.mlp.experts.down_proj" in merged["mxfp4"]  # decoded, under the parameter's own name
+    assert all(torch.equal(value, merged["decoded"][key]) for key, value in merged["mxfp4"].items())
 
     cfg = family_config(per_expert, tmp_path / "out")
     cfg.lora.target_modules = ["q_proj", "gate_proj", "up_proj"]  # transformers 4 names of the expert projections
     with pytest.raises(ConfigError, match="puts LoRA on the experts") as err:
         build_meta_model(cfg, load_hf_config(cfg))
     assert "\n" not in str(err.value)
+
+
+def load_file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")

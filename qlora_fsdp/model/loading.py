@@ -30,6 +30,7 @@ from qlora_fsdp.model.build import QUANT_STORAGE, model_dir
 from qlora_fsdp.model.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts4bit
 from qlora_fsdp.model.families import CheckpointLayout, ExpertPart
 from qlora_fsdp.model.names import clean_name, weight_key
+from qlora_fsdp.model.quantized_forms import MXFP4_PARTS, mxfp4_experts, mxfp4_part
 from qlora_fsdp.model.weight_files import InMemoryTensor, LazyTensor, StoredTensor, stored_weight_tensors
 
 _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
@@ -233,6 +234,8 @@ def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
     experts = ExpertRows(cfg, device)
     for key, tensor, source, part in tensor_source(cfg, targets, model, device):
         target = targets.get(key)
+        if target is None and experts.load_mxfp4(key, targets, tensor):
+            continue
         if target is None:
             if key.endswith("rotary_emb.inv_freq"):  # older checkpoints saved this computed buffer
                 continue
@@ -260,6 +263,32 @@ class ExpertRows:
         self.dtype, self.device = TORCH_DTYPES[cfg.model.dtype], device
         self.seen: dict[str, set[int]] = {}
         self.waiting: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+        self.mxfp4: dict[str, dict[str, StoredTensor]] = {}
+
+    def load_mxfp4(self, key: str, targets: dict[str, Target], stored: StoredTensor) -> bool:
+        """An experts parameter stored in MXFP4 (gpt-oss): once both its blocks and its scales have come, each of
+        this rank's experts is decoded and quantized to NF4. False for a key that is not such a part."""
+        found = mxfp4_part(key)
+        target = targets.get(found[0]) if found else None
+        if found is None or target is None or target.experts is None:
+            return False
+        name, part = found
+        parts = self.mxfp4.setdefault(name, {})
+        parts[part] = stored
+        if len(parts) < len(MXFP4_PARTS):
+            return True
+        del self.mxfp4[name]
+        n_experts = target.param.shape[0]
+        first, last = shard_row_range(target.param, n_experts)
+        for expert in range(first, last):
+            blocks, scales = (parts[part].read((expert, expert + 1)).to(self.device) for part in MXFP4_PARTS)
+            weight = mxfp4_experts(blocks, scales, self.dtype)[0]
+            if tuple(weight.shape) != target.experts.shape:
+                raise ModelLoadError(f"MXFP4 experts of '{name}' decode to {tuple(weight.shape)} where the config "
+                                     f"wants {target.experts.shape}: config and weights disagree")
+            self.store(target, expert - first, weight)
+        self.seen[name] = set(range(n_experts))
+        return True
 
     def load(self, key: str, target: Target, stored: StoredTensor, part: ExpertPart | None) -> None:
         matrix, n_experts = target.experts, target.param.shape[0]
@@ -294,6 +323,10 @@ class ExpertRows:
 
     def complete(self, targets: dict[str, Target]) -> set[int]:
         """The experts parameters whose every expert was in the checkpoint."""
+        if self.mxfp4:
+            name, parts = next(iter(self.mxfp4.items()))
+            raise ModelLoadError(f"checkpoint holds the MXFP4 {next(iter(parts))} of '{name}' but not the other part: "
+                                 "damaged or incomplete download?")
         if self.waiting:
             key, expert = next(iter(self.waiting))
             raise ModelLoadError(f"checkpoint holds only part of expert {expert} of '{key}': config and weights "

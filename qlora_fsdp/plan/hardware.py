@@ -40,9 +40,11 @@ class GPU:
 # TFLOP/s dense, 48 GB GDDR6 with ECC on by default, about 45 GiB usable. H100 PCIe: 1,513 with sparsity; H100 NVL:
 # 1,671 with sparsity, 94 GB. NVLink each way: A100 SXM 12 links x 25 GB/s, H100/H200 SXM 18 x 25, V100 SXM2 6 x 25.
 # RTX 5090: 32 GB GDDR7 (nvidia-smi 32,607 MiB) at 1,792 GB/s, PCIe 5.0; 209.5 bf16 dense with fp32 accumulation
-# (the RTX Blackwell whitepaper's GeForce figure). A5000/A6000: 222.2 and 309.7 tensor TFLOP/s with sparsity.
+# (the RTX Blackwell whitepaper's GeForce figure). RTX 4080: 16 GB GDDR6X at 716.8 GB/s, 194.9 fp16-accumulate
+# dense. A5000/A6000: 222.2 and 309.7 tensor TFLOP/s with sparsity.
 GPUS = {
     "rtx3090": GPU(24.0, 71.0, memory_gbps=936, peer_to_peer=False),
+    "rtx4080": GPU(16.0, 97.5, memory_gbps=717, peer_to_peer=False),
     "rtx4090": GPU(24.0, 165.2, memory_gbps=1008, peer_to_peer=False),
     "rtx5090": GPU(31.8, 209.5, memory_gbps=1792, pcie_gen=5, peer_to_peer=False),
     "rtxa5000": GPU(24.0, 111.1, memory_gbps=768),

@@ -29,6 +29,7 @@ from qlora_fsdp.model.experts4bit import ExpertMatrix
 from qlora_fsdp.model.families import ExpertPart
 from qlora_fsdp.model.loading import base_targets, model_layout, quantize
 from qlora_fsdp.model.names import PEFT_PREFIX
+from qlora_fsdp.model.quantized_forms import MXFP4_PARTS, mxfp4_experts, mxfp4_part
 from qlora_fsdp.model.weight_files import stored_weight_tensors
 from qlora_fsdp.precision import describe_device, resolve_dtypes
 
@@ -81,6 +82,23 @@ class ExpertRounding:
     def __init__(self, matrices: dict[str, ExpertMatrix]) -> None:
         self.matrices = matrices
         self.waiting: dict[tuple[str, int], dict[int, tuple[str, torch.Tensor]]] = {}
+        self.mxfp4: dict[str, dict[str, torch.Tensor]] = {}
+
+    def decoded_mxfp4(self, part: tuple[str, str], stored: torch.Tensor,
+                      original: bool) -> list[tuple[str, torch.Tensor]]:
+        """MXFP4 experts (gpt-oss): once blocks and scales have both come, the decoded experts under the
+        parameter's own name, rounded through NF4 as training held them unless `original`."""
+        name, which = part
+        parts = self.mxfp4.setdefault(name, {})
+        parts[which] = stored
+        if len(parts) < len(MXFP4_PARTS):
+            return []
+        del self.mxfp4[name]
+        matrix = self.matrices[name]
+        decoded = mxfp4_experts(parts["blocks"], parts["scales"], matrix.dtype)
+        if not original:
+            decoded = torch.stack([matrix.dequantize(matrix.to_row(expert)) for expert in decoded])
+        return [(name, decoded)]
 
     def rounded(self, stored_key: str, key: str, part: ExpertPart | None,
                 weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -160,6 +178,11 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
         if key.endswith("rotary_emb.inv_freq"):
             continue
         full_key, part = layout.full_key(key)
+        mxfp4 = mxfp4_part(full_key)
+        if mxfp4 is not None and mxfp4[0] in experts.matrices:  # written as the unquantized model holds it
+            for ready_key, ready in experts.decoded_mxfp4(mxfp4, stored.read().to(device), base_weights == "original"):
+                writer.add(ready_key, ready.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
+            continue
         weight = stored.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
         if full_key in experts.matrices and base_weights == "dequantized":
             for ready_key, ready in experts.rounded(key, full_key, part, weight):
