@@ -1,0 +1,114 @@
+"""The 4-bit experts' pieces on their own (one process, no ranks): the row of bytes, the matmul that dequantizes twice,
+the grouping of routed tokens, and the planner's stand-in, which must count the work of training's expert loop."""
+
+from __future__ import annotations
+
+import collections
+
+import bitsandbytes.functional as bnbf
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from qlora_fsdp.config import QuantConfig
+from qlora_fsdp.model.experts4bit import DequantizedMatmul, ExpertMatrix, Experts4bit, Routes, make_4bit
+from qlora_fsdp.plan.op_work import Work, op_work
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_an_expert_row_decodes_as_bitsandbytes_rounds_the_matrix(double_quant):
+    weight = torch.randn(96, 64)
+    matrix = ExpertMatrix((96, 64), 64, double_quant, "nf4", torch.float32)
+    row = matrix.to_row(weight)
+    assert row.dtype == torch.uint8 and row.shape == (matrix.row_bytes,)
+    packed, state = bnbf.quantize_4bit(weight, blocksize=64, compress_statistics=double_quant, quant_type="nf4",
+                                       quant_storage=torch.uint8)
+    assert torch.equal(matrix.dequantize(row), bnbf.dequantize_4bit(packed, state))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_dequantizing_matmul_gives_the_gradient_of_the_rounded_matrix(transposed):
+    matrix = ExpertMatrix((48, 64), 64, True, "nf4", torch.float32)
+    row = matrix.to_row(torch.randn(48, 64))
+    dense = matrix.dequantize(row)
+    x = torch.randn(5, 48 if transposed else 64, requires_grad=True)
+    ours = DequantizedMatmul.apply(x, row, matrix, transposed)
+    grad = torch.randn_like(ours)
+    (expected_grad,) = torch.autograd.grad((x @ dense if transposed else x @ dense.t()), x, grad)
+    (our_grad,) = torch.autograd.grad(ours, x, grad)
+    assert torch.equal(ours, x @ dense if transposed else torch.nn.functional.linear(x, dense))
+    assert torch.allclose(our_grad, expected_grad, rtol=1e-6, atol=1e-6)
+
+
+def test_routes_group_each_experts_tokens_in_token_order():
+    top_k_index = torch.tensor([[2, 0], [0, 3], [2, 3]])
+    routes = Routes.of(top_k_index, n_experts=5)
+    assert routes.experts == [0, 2, 3] and routes.counts == [2, 2, 2]  # expert 1 and 4 not hit: not run
+    assert routes.tokens.tolist() == [0, 1, 0, 2, 1, 2]
+    assert top_k_index.flatten()[routes.order].tolist() == [0, 0, 2, 2, 3, 3]
+
+
+class CountWork(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.work, self.ops = Work(), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        self.work.add(op_work(func, args, kwargs or {}, out, "forward", False, None))
+        self.ops[func] += 1
+        return out
+
+
+def fake_experts(family: str) -> Experts4bit:
+    """A 4-bit experts module of 32 experts with fake rows of bytes (sizes at which a call's constant bytes, the
+    code books, are a small part of its work, as in a real model)."""
+    if family == "gpt_oss":
+        config = AutoConfig.for_model("gpt_oss", hidden_size=256, intermediate_size=256, num_local_experts=32,
+                                      num_experts_per_tok=4)
+        module: torch.nn.Module = GptOssExperts(config)
+    else:
+        config = AutoConfig.for_model("qwen3_moe", hidden_size=256, moe_intermediate_size=256, num_experts=32,
+                                      num_experts_per_tok=4)
+        module = Qwen3MoeExperts(config)
+    module.requires_grad_(False)  # frozen, as build_meta_model leaves every base parameter (gpt-oss's biases too)
+    make_4bit(module, QuantConfig())
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(module, name, torch.nn.Parameter(torch.empty(getattr(module, name).shape, dtype=torch.uint8),
+                                                 requires_grad=False))
+    assert isinstance(module, Experts4bit)
+    return module
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_the_planners_grouped_experts_count_the_work_of_trainings_loop(family):
+    """On fake tensors the plan runs 16 experts an op; its FLOPs, dequantized elements and bytes moved must be those
+    of training's loop over the same (evenly routed) experts, in far fewer ops."""
+    tokens, top_k = 64, 4
+    counted = {}
+    for path in ("loop", "planned"):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            experts = fake_experts(family)
+            hidden = torch.empty(tokens, 256, requires_grad=True)
+            weights = torch.empty(tokens, top_k)
+            with CountWork() as count:
+                if path == "planned":
+                    out = experts.planned_forward(hidden, weights)
+                else:  # the training path, with the planner's even routing: 8 rows for each of the 32 experts
+                    order = torch.arange(tokens * top_k)
+                    routes = Routes(order, order // top_k, list(range(32)), [8] * 32)
+                    rows = hidden[routes.tokens].split(routes.counts)
+                    outputs = [experts.expert_mlp(e, r) for e, r in zip(routes.experts, rows, strict=True)]
+                    weighted = torch.cat(outputs) * weights.flatten()[routes.order, None]
+                    out = torch.zeros_like(hidden).index_add_(0, routes.tokens, weighted)
+                out.sum().backward()
+        counted[path] = count
+    loop, planned = counted["loop"].work, counted["planned"].work
+    assert planned.matmul_flops == loop.matmul_flops > 0
+    assert planned.dequant_elements == loop.dequant_elements > 0
+    assert planned.memory_bytes == pytest.approx(loop.memory_bytes, rel=0.02)
+    assert sum(counted["planned"].ops.values()) < sum(counted["loop"].ops.values()) / 4
