@@ -308,3 +308,33 @@ def load_file_tensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(folder / "model.safetensors")
+
+
+def router_loss_side(info, model_dir: Path, out: Path, samples: list[Sample]) -> dict:
+    from qlora_fsdp.training.loop import accumulate_gradients
+
+    cfg = family_config(model_dir, out)
+    model = build_model(cfg, info)
+    result = accumulate_gradients(model, [collate(samples, 0)], info.device, ForwardLoss.for_config(cfg, info.device))
+    return {"loss": result.loss, "aux": result.metrics.get("router_aux_loss")}
+
+
+def test_the_load_balancing_loss_is_added_as_transformers_adds_it(tokenizer, tmp_path):
+    """A Qwen3-MoE whose config asks for it (output_router_logits): one training micro-batch's loss is transformers'
+    (mean cross-entropy + router_aux_loss_coef x the load-balancing loss, pads masked), and the step reports it."""
+    model_dir = write_family_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.3
+    config.save_pretrained(model_dir)
+    samples = variable_length_samples(family_config(model_dir, tmp_path / "cfg"), 4)
+    ours = run_ranks(router_loss_side, 1, model_dir, tmp_path / "out", samples, tmp_dir=tmp_path)[0]
+    reference = reference_model(model_dir)
+    batch = collate(samples, 0)
+    labels = torch.full_like(batch.input_ids, -100)
+    for row, sample in enumerate(samples):
+        labels[row, : len(sample.labels)] = torch.tensor(sample.labels)
+    with torch.no_grad():
+        expected = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels)
+    assert expected.aux_loss is not None and float(expected.aux_loss) > 0.5  # about 1 when routing is balanced
+    assert ours["aux"] == pytest.approx(float(expected.aux_loss), rel=1e-5)
+    assert ours["loss"] == pytest.approx(float(expected.loss), rel=1e-4)

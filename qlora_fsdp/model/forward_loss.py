@@ -4,7 +4,7 @@ planner's measured step share."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -14,6 +14,7 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.model.activation_offload import ActivationOffloader
 from qlora_fsdp.model.attention import attach_sample_bounds, flattens_packed_rows
 from qlora_fsdp.model.loss import per_sample_loss, summed_loss
+from qlora_fsdp.model.router_loss import RouterLoss, router_loss_coefficient
 
 
 class LossBatch(Protocol):
@@ -22,6 +23,7 @@ class LossBatch(Protocol):
     labels: torch.Tensor
     target_positions: torch.Tensor
     segments: Any
+    n_targets: int
 
     def model_inputs(self, device: torch.device, one_row: bool) -> dict[str, Any]: ...
 
@@ -42,6 +44,7 @@ class ForwardLoss:
 
     chunk_tokens: int | None = None  # None: the full logits
     offloader: ActivationOffloader | None = None
+    router: RouterLoss = field(default_factory=RouterLoss)  # a mixture of experts' load balancing, if asked for
 
     @classmethod
     def for_config(cls, cfg: Config, device: torch.device) -> ForwardLoss:
@@ -50,10 +53,16 @@ class ForwardLoss:
         return cls(chunk, offload)
 
     def __call__(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
-        """Summed cross-entropy over the batch's target tokens (labels are pre-shifted)."""
+        """Summed cross-entropy over the batch's target tokens (labels are pre-shifted); in training, plus the
+        load-balancing loss times the batch's targets where the model's config asks for it (router_loss.py)."""
         inputs, labels, targets = model_inputs(model, batch, device)
-        with self.offloading():
-            return summed_loss(model, inputs, labels, self.chunk_tokens, targets)
+        coefficient = router_loss_coefficient(model) if torch.is_grad_enabled() else None
+        with self.offloading(), self.router.catching(model, coefficient is not None) as router_logits:
+            total = summed_loss(model, inputs, labels, self.chunk_tokens, targets)
+        if coefficient is not None:
+            aux = self.router.loss(model, router_logits, inputs.get("attention_mask"), coefficient)
+            total = total + aux * batch.n_targets
+        return total
 
     def per_sample(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
         """Each sample's summed cross-entropy (minus its targets' log-probability), a vector of batch.n_samples."""

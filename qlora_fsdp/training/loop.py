@@ -162,7 +162,9 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[Batch], device: t
         set_gradient_sync(model, index == len(micro_batches) - 1)
         local_loss += backward_micro_batch(model, batch, device, max(n_targets, 1.0), forward_loss,
                                            loss_factor).item()
-    return StepResult(all_reduce_sum(local_loss, device), n_targets, n_tokens, n_samples, n_positions)
+    aux = forward_loss.router.mean_added()  # a mixture of experts' load-balancing loss, where the config asks
+    metrics = {"router_aux_loss": all_reduce_sum(aux, device) / all_reduce_sum(1.0, device)} if aux is not None else {}
+    return StepResult(all_reduce_sum(local_loss, device), n_targets, n_tokens, n_samples, n_positions, metrics)
 
 
 def accumulate_pairs(model: nn.Module, micro_batches: list[Batch], device: torch.device, pair_loss: PairLoss,
