@@ -1,6 +1,6 @@
 """The one command to run the day a GPU is lent: what the CPU test suite cannot show, checked on the device.
 
-    make gpu-check                                  # all eight checks, at most 10 minutes on one H100/4090
+    make gpu-check                                  # all nine checks, at most 10 minutes on one H100/4090
     python -m tests.gpu_check --out docs/gpu_check.md   # also write the table (and its figures as .json)
     python -m tests.gpu_check --only nan_canary,fsdp_real_path
     python -m tests.gpu_check --dry-run           # CPU, small sizes; what needs CUDA is listed as skipped
@@ -20,6 +20,8 @@ inside it; `python -m tests.gpu_check_cases NAME --device cpu` runs one in the f
                         for this GPU (plan/step_time.py)
   packed_attention      every attention kernel here keeps packed samples apart (loss packed = alone: sdpa,
                         sdpa_varlen, flex, flash-attn if installed); per-sample vs dense mask at 4,096 tokens
+  moe_experts           Qwen3-30B-A3B's experts (128, top-8, 2,048 tokens, bf16) four ways: unquantized as
+                        transformers, 4-bit a gather per expert, 4-bit grouped (ours), one grouped matmul
 Nothing is fetched from a hub: the models are built locally from config.json (random weights).
 Exit code: 0 when no check that ran failed, 1 otherwise.
 """
@@ -72,6 +74,7 @@ CHECKS = (
     Check("generate", 60, cuda_only=False),
     Check("memory_levers", 200, cuda_only=False),
     Check("packed_attention", 90, cuda_only=False),
+    Check("moe_experts", 90, cuda_only=False),
     Check("plan_vs_measured_70b", 240, cuda_only=True),
     Check("one_gpu_70b_offload", 240, cuda_only=True),
 )

@@ -663,12 +663,29 @@ def packed_attention(ctx: Context) -> list[Row]:
     return [*rows, per_sample_speed(ctx)]
 
 
+# ---- mixture-of-experts layer ---------------------------------------------------------------------------------
+
+def moe_experts(ctx: Context) -> list[Row]:
+    """benchmarks/moe_experts.py's four ways through one layer's experts: Qwen3-30B-A3B's on a GPU (128 experts,
+    top-8, 2,048 tokens, bf16), the CPU benchmark's sizes on a CPU."""
+    from benchmarks.moe_experts import measure_all, parse_args
+
+    cuda = ctx.device.type == "cuda"
+    sizes = ["--experts", "128", "--top-k", "8", "--hidden", "2048", "--intermediate", "768", "--dtype", "bfloat16"]
+    args = parse_args([*(sizes if cuda else ["--tokens", "256", "--repeats", "2"]), "--device", str(ctx.device)])
+    setting, results = measure_all(args)
+    short = ["unquantized", "4-bit, gather per expert", "4-bit, grouped (ours)", "4-bit, grouped matmul"]
+    return [Row(f"moe_experts ({label})", "info", f"{row['tokens_per_s']:,.0f} tokens/s ({row['ratio']:.2f}x "
+                f"transformers' unquantized), peak {row['peak_gib']:.2f} GiB; {setting}", row)
+            for label, row in zip(short, results, strict=True)]
+
+
 # ---- entry --------------------------------------------------------------------------------------------------
 
 CASES: dict[str, Callable[[Context], list[Row]]] = {
     "nan_canary": nan_canary, "fsdp_real_path": fsdp_real_path, "plan_vs_measured_70b": plan_vs_measured_70b,
     "one_gpu_70b_offload": one_gpu_70b_offload, "memory_levers": memory_levers, "merge_device": merge_device,
-    "generate": generate, "packed_attention": packed_attention}
+    "generate": generate, "packed_attention": packed_attention, "moe_experts": moe_experts}
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -174,7 +174,7 @@ class Experts4bit(nn.Module):
         if is_fake(top_k_index):
             return self.planned_forward(hidden_states, top_k_weights)
         routes = Routes.of(top_k_index, self.gate_up_proj.shape[0])
-        grouped = hidden_states[routes.tokens].split(routes.counts)  # one gather, the rows of each expert together
+        grouped = hidden_states.index_select(0, routes.tokens).split(routes.counts)  # one gather, grouped by expert
         outputs = [self.expert_mlp(expert, rows) for expert, rows in zip(routes.experts, grouped, strict=True)]
         weighted = torch.cat(outputs) * top_k_weights.flatten()[routes.order, None]
         # one scatter; per token its experts' outputs are added in ascending expert order, as transformers adds them
