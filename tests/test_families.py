@@ -338,3 +338,54 @@ def test_the_load_balancing_loss_is_added_as_transformers_adds_it(tokenizer, tmp
     assert expected.aux_loss is not None and float(expected.aux_loss) > 0.5  # about 1 when routing is balanced
     assert ours["aux"] == pytest.approx(float(expected.aux_loss), rel=1e-5)
     assert ours["loss"] == pytest.approx(float(expected.loss), rel=1e-4)
+
+
+def trained_and_resumed(info, cfg, root: Path) -> None:
+    """3 steps straight (a checkpoint each step), and a resume of its step 2 to step 3 in another folder."""
+    import dataclasses
+
+    from qlora_fsdp.api import train
+
+    for name, resume in (("straight", "never"), ("resumed", str(root / "straight" / "checkpoints" / "step-000002"))):
+        train_cfg = dataclasses.replace(cfg.train, max_steps=3, output_dir=str(root / name), resume=resume,
+                                        save_every=1, keep_last=3, eval_every=0)
+        train(dataclasses.replace(cfg, train=train_cfg), info=info)
+
+
+def sampled_alone(info, adapter: Path, input_ids: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    from qlora_fsdp.model.adapter import config_for_adapter
+
+    generator = load_generator(config_for_adapter(adapter, None, []), adapter)
+    with torch.no_grad():
+        logits = generator.model(input_ids=input_ids).logits.cpu()
+    return generator.token_ids("Name a colour.", Sampling(max_new_tokens=6)), logits
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "step" in r}
+
+
+def test_a_mixture_of_experts_resumes_bit_identically_and_samples_in_one_process(tokenizer, tmp_path):
+    """Qwen3-MoE trained 3 steps on 2 ranks, and resumed from its step-2 checkpoint: the same step-3 loss and adapter,
+    bit for bit. The adapter samples in one process with the logits of transformers + PEFT on the 4-bit model."""
+    from safetensors.torch import load_file
+
+    model_dir = write_family_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer)
+    cfg = family_config(model_dir, tmp_path / "unused")
+    cfg.data.micro_batch_size, cfg.data.grad_accum_steps = 2, 2
+    run_ranks(trained_and_resumed, 2, cfg, tmp_path / "runs", tmp_dir=tmp_path)
+    straight, resumed = tmp_path / "runs" / "straight", tmp_path / "runs" / "resumed"
+    assert sorted(step_losses(resumed)) == [3] and sorted(step_losses(straight)) == [1, 2, 3]  # step 3 alone
+    assert step_losses(resumed)[3] == step_losses(straight)[3]
+    ours, theirs = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (resumed, straight))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+    ids = torch.tensor([tokenizer("Name a colour.")["input_ids"]])
+    reply, logits = run_ranks(sampled_alone, 1, straight / "adapter", ids, tmp_dir=tmp_path)[0]
+    assert len(reply) > 0
+    peft_model = PeftModel.from_pretrained(reference_model(model_dir), straight / "adapter")
+    with torch.no_grad():
+        assert relative(logits, peft_model(input_ids=ids).logits) < 1e-4
