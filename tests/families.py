@@ -75,6 +75,12 @@ MOE_FAMILIES: dict[str, Callable[[PreTrainedTokenizerFast], PretrainedConfig]] =
     "mixtral": lambda tok: _config("mixtral", tok, head_dim=16, **MOE),
     "gpt_oss": lambda tok: _config("gpt_oss", tok, head_dim=16, sliding_window=WINDOW, **MOE,
                                    layer_types=["sliding_attention", "full_attention"]),
+    # Qwen3.5-35B-A3B's shape: Gated DeltaNet beside full attention, routed experts beside a gated shared expert
+    "qwen3_5_moe": lambda tok: _config("qwen3_5_moe_text", tok, head_dim=16, linear_key_head_dim=16,
+                                       linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                       layer_types=["linear_attention", "full_attention"], num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=64, tie_word_embeddings=True),
 }
 
 

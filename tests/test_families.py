@@ -101,8 +101,8 @@ def round_experts_through_nf4(model: torch.nn.Module) -> int:
     import bitsandbytes.functional as bnbf
 
     rounded = 0
-    for param in model.parameters():
-        if param.ndim != 3:
+    for name, param in model.named_parameters():
+        if param.ndim != 3 or ".experts." not in name:  # Qwen3.5's short convolutions are 3-D too
             continue
         for expert in param:
             packed, state = bnbf.quantize_4bit(expert.contiguous(), blocksize=64, compress_statistics=True,

@@ -180,9 +180,10 @@ def lora_target_regex(layout: CheckpointLayout, lora_module_names: list[str]) ->
 # ---- families not supported yet --------------------------------------------------------------------------------
 
 def refuse_unsupported(model: nn.Module) -> None:
-    """A 3-D parameter left after the 4-bit swaps is an experts layout no 4-bit layer replaced."""
+    """A 3-D experts parameter left after the 4-bit swaps is a layout no 4-bit layer replaced (a short convolution's
+    3-D weight, Qwen3.5's, is not an expert)."""
     for name, param in model.named_parameters():
-        if param.ndim == 3:
+        if param.ndim == 3 and ".experts." in f".{name}.":
             model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
             raise ModelLoadError(f"{model_type} holds '{name}', a 3-D weight of a layout 4-bit loading does not know "
                                  "yet, so it would train unquantized")
