@@ -155,7 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def measure_all(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
     """(the setting in words, each way's name, tokens/s, ratio to transformers' and peak memory)."""
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
-    plain, four_bit = (module.to(device) for module in experts_pair(args, dtype))
+    plain, four_bit = experts_pair(args, dtype)
+    plain, four_bit = plain.to(device), four_bit.to(device)
     inputs = tuple(tensor.to(device) for tensor in routing(args, dtype))
     layers: dict[str, Layer] = {"transformers, experts unquantized": plain,
                                 "4-bit, a gather and a scatter per expert": per_expert_loop(four_bit),
