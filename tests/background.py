@@ -3,8 +3,8 @@
 The test sequence keeps about 1.2 of a 2-core machine busy on average (pool ranks and torchrun runs use both cores,
 the in-process tests one). A job registered here (a planner, the real model's conversion) starts as soon as a
 selected test needs it, at a lower priority (nice 10), so it takes the core the sequence leaves idle and not the one
-it uses; the test that needs the result waits for it, usually not at all. Nothing with a time limit of its own
-belongs here: a starved process overruns it.
+it uses; the tests that need a result run last (conftest orders them), so they seldom wait for it. Nothing with a
+time limit of its own belongs here: a starved process overruns it.
 
 A module registers a job at import under the name of the fixture that hands its result to tests (collection imports
 every test module before conftest starts the jobs); the fixture calls `result(name)`. A job that no selected test
@@ -71,6 +71,10 @@ def register(fixture: str, command: Sequence[str], env: dict[str, str], timeout:
     """A job for the tests that use `fixture` (directly or through other fixtures); `{work}` in the command is a
     folder of its own. `env` is the whole environment of the job."""
     _JOBS[fixture] = Job(fixture, list(command), env, timeout)
+
+
+def job_names() -> set[str]:
+    return set(_JOBS)
 
 
 def scratch_root() -> Path:
