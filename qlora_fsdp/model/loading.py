@@ -3,8 +3,9 @@
 Each linear weight is read whole and quantized to NF4 on the compute device (its quantization state
 covers the whole tensor); a rank keeps only its dim-0 chunk of the packed bytes (exactly FSDP2's
 `torch.chunk` shard) and frees the rest before the next tensor. Other weights (embeddings, norms,
-lm_head) are read only for the rows this rank keeps. Peak host memory per rank: its shards plus one
-full tensor, never the whole model or the whole quantized model.
+lm_head) are read only for the rows this rank keeps. A mixture of experts' experts are read one expert at
+a time, and only by the rank that keeps that expert (ExpertRows). Peak host memory per rank: its shards plus
+one full tensor, never the whole model or the whole quantized model.
 """
 
 from __future__ import annotations
