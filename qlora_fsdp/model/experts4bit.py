@@ -97,16 +97,24 @@ class ExpertMatrix:
         transpose): shapes only, as fake tensors have no values to decode, so the orientation costs no copy."""
         assert is_fake(rows), "experts are dequantized one at a time outside the planner"
         n, (height, width) = rows.shape[0], self.shape
-        code, nested_code = codes(self.quant_type, rows.device)
-        nested = bnbf.QuantState(absmax=torch.empty(n * max(self.n_nested, 1), device=rows.device), code=nested_code,
-                                 blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
-        state = bnbf.QuantState(absmax=torch.empty(n * self.n_blocks, dtype=torch.uint8, device=rows.device),
-                                shape=torch.Size((n * height, width)), code=code, blocksize=self.blocksize,
-                                quant_type=self.quant_type, dtype=self.dtype,
-                                offset=torch.empty((), device=rows.device), state2=nested)
+        state = shaped_quant_state((n * height, width), self.blocksize, self.double_quant, self.quant_type, self.dtype)
         packed = torch.empty(n * self.numel // 2, 1, dtype=torch.uint8, device=rows.device)  # not a copy of rows
-        weight = bnbf.dequantize_4bit(packed, state)
-        return weight.view(n, *shape)
+        return bnbf.dequantize_4bit(packed, state).view(n, *shape)
+
+
+def shaped_quant_state(shape: tuple[int, int], blocksize: int, double_quant: bool, quant_type: str,
+                       dtype: torch.dtype) -> bnbf.QuantState:
+    """A quantization state with the shapes quantize_4bit gives a weight of `shape`, for fake tensors (its own values
+    cannot be faked: bitsandbytes builds the 8-bit code table from Python numbers)."""
+    blocks = -(-shape[0] * shape[1] // blocksize)
+    common = {"shape": torch.Size(shape), "code": torch.empty(16), "blocksize": blocksize, "quant_type": quant_type,
+              "dtype": dtype}
+    if not double_quant:
+        return bnbf.QuantState(absmax=torch.empty(blocks), **common)
+    nested = bnbf.QuantState(absmax=torch.empty(-(-blocks // NESTED_BLOCKSIZE)), code=torch.empty(256),
+                             blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
+    return bnbf.QuantState(absmax=torch.empty(blocks, dtype=torch.uint8), offset=torch.empty(()), state2=nested,
+                           **common)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

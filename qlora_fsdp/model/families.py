@@ -75,6 +75,27 @@ class ExpertPart:
     n_parts: int = 1
 
 
+class PartsWaiting:
+    """Stored tensors that make one whole only together (an expert's gate and up projections, MXFP4's blocks and
+    scales), held until the last part of their whole has come."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[Any, dict[int, Any]] = {}
+
+    def add(self, whole: Any, part: int, value: Any, n_parts: int) -> list[Any] | None:
+        """All the parts of `whole` in order once this one completes it, else None."""
+        parts = self.waiting.setdefault(whole, {})
+        parts[part] = value
+        if len(parts) < n_parts:
+            return None
+        del self.waiting[whole]
+        return [parts[index] for index in range(n_parts)]
+
+    def incomplete(self) -> Any | None:
+        """A whole still missing some of its parts (after the last stored tensor: a damaged checkpoint)."""
+        return next(iter(self.waiting), None)
+
+
 def expert_part(stored_key: str, pattern: str, converter: Any, model_type: str) -> ExpertPart:
     """Which expert (the pattern's `*`) and part (the pattern's place among the converter's sources) a key holds.
     Only the merges transformers uses for experts are understood: stack the experts, then join the parts."""

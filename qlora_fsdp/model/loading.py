@@ -29,7 +29,7 @@ from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.model.build import QUANT_STORAGE, model_dir
 from qlora_fsdp.model.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts4bit
-from qlora_fsdp.model.families import CheckpointLayout, ExpertPart
+from qlora_fsdp.model.families import CheckpointLayout, ExpertPart, PartsWaiting
 from qlora_fsdp.model.names import clean_name, weight_key
 from qlora_fsdp.model.quantized_forms import MXFP4_PARTS, mxfp4_experts, mxfp4_part
 from qlora_fsdp.model.weight_files import InMemoryTensor, LazyTensor, StoredTensor, stored_weight_tensors
@@ -263,8 +263,8 @@ class ExpertRows:
     def __init__(self, cfg: Config, device: torch.device) -> None:
         self.dtype, self.device = TORCH_DTYPES[cfg.model.dtype], device
         self.seen: dict[str, set[int]] = {}
-        self.waiting: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
-        self.mxfp4: dict[str, dict[str, StoredTensor]] = {}
+        self.waiting = PartsWaiting()  # (key, expert) -> this rank's parts of an expert's matrix
+        self.mxfp4 = PartsWaiting()  # key -> its MXFP4 blocks and scales, not read yet
 
     def load_mxfp4(self, key: str, targets: dict[str, Target], stored: StoredTensor) -> bool:
         """An experts parameter stored in MXFP4 (gpt-oss): once both its blocks and its scales have come, each of
@@ -273,16 +273,14 @@ class ExpertRows:
         target = targets.get(found[0]) if found else None
         if found is None or target is None or target.experts is None:
             return False
-        name, part = found
-        parts = self.mxfp4.setdefault(name, {})
-        parts[part] = stored
-        if len(parts) < len(MXFP4_PARTS):
+        name, which = found
+        parts = self.mxfp4.add(name, MXFP4_PARTS.index(which), stored, len(MXFP4_PARTS))
+        if parts is None:
             return True
-        del self.mxfp4[name]
         n_experts = target.param.shape[0]
         first, last = shard_row_range(target.param, n_experts)
         for expert in range(first, last):
-            blocks, scales = (parts[part].read((expert, expert + 1)).to(self.device) for part in MXFP4_PARTS)
+            blocks, scales = (part.read((expert, expert + 1)).to(self.device) for part in parts)
             weight = mxfp4_experts(blocks, scales, self.dtype)[0]
             if tuple(weight.shape) != target.experts.shape:
                 raise ModelLoadError(f"MXFP4 experts of '{name}' decode to {tuple(weight.shape)} where the config "
@@ -306,11 +304,9 @@ class ExpertRows:
         self.seen.setdefault(key, set()).add(part.expert)
         if not first <= part.expert < last:
             return  # another rank's expert: not even read
-        parts = self.waiting.setdefault((key, part.expert), {})
-        parts[part.part] = stored.read()
-        if len(parts) == part.n_parts:
-            del self.waiting[(key, part.expert)]
-            weight = torch.cat([parts[i] for i in range(part.n_parts)])
+        parts = self.waiting.add((key, part.expert), part.part, stored.read(), part.n_parts)
+        if parts is not None:
+            weight = torch.cat(parts)
             if tuple(weight.shape) != matrix.shape:
                 raise ModelLoadError(f"checkpoint expert {part.expert} of '{key}' has shape {tuple(weight.shape)} "
                                      f"where the config wants {matrix.shape}: config and weights disagree")
@@ -324,12 +320,11 @@ class ExpertRows:
 
     def complete(self, targets: dict[str, Target]) -> set[int]:
         """The experts parameters whose every expert was in the checkpoint."""
-        if self.mxfp4:
-            name, parts = next(iter(self.mxfp4.items()))
-            raise ModelLoadError(f"checkpoint holds the MXFP4 {next(iter(parts))} of '{name}' but not the other part: "
-                                 "damaged or incomplete download?")
-        if self.waiting:
-            key, expert = next(iter(self.waiting))
+        if (name := self.mxfp4.incomplete()) is not None:
+            raise ModelLoadError(f"checkpoint holds only one of the MXFP4 blocks and scales of '{name}': damaged or "
+                                 "incomplete download?")
+        if (waiting := self.waiting.incomplete()) is not None:
+            key, expert = waiting
             raise ModelLoadError(f"checkpoint holds only part of expert {expert} of '{key}': config and weights "
                                  "disagree")
         return {id(t.param) for k, t in targets.items()

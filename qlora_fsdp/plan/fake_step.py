@@ -36,6 +36,7 @@ from qlora_fsdp.config import CheckpointedLayers, Config
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.model.activation_offload import ActivationOffloader
+from qlora_fsdp.model.experts4bit import shaped_quant_state
 from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.model.loading import materialize
 from qlora_fsdp.model.pair_loss import PairLoss
@@ -44,7 +45,6 @@ from qlora_fsdp.plan.step_tracker import Moment, Segment, StepMemory, run_step
 from qlora_fsdp.training.optimizer import build_optimizer
 
 DEVICE = torch.device("cpu")
-NESTED_BLOCK = 256  # bitsandbytes' block size for the double quantization of absmax
 HOST_STAND_IN = torch.device("meta")  # activation offload's host copies: counted apart, never on the device
 WHOLE_MODEL_LAYERS = 12  # up to this many decoder layers, the whole model runs (about 0.3 s a layer and micro-batch)
 # a layer's step depends on its neighbours (FSDP2 gathers the next layer while one computes, and reduce-scatters the
@@ -58,18 +58,9 @@ MICRO_BATCHES = 2  # the first (no gradients yet, sync off), the last (sync on);
 
 
 def fake_quant_state(linear: bnb.nn.Linear4bit, cfg: Config) -> bnbf.QuantState:
-    """A quantization state with the shapes quantize_4bit gives this weight (its own values cannot be faked: it
-    builds the 8-bit code table from Python numbers)."""
-    quant, n = cfg.quant, linear.in_features * linear.out_features
-    blocks = -(-n // quant.blocksize)
-    common = {"shape": torch.Size([linear.out_features, linear.in_features]), "code": torch.empty(16),
-              "blocksize": quant.blocksize, "quant_type": quant.quant_type, "dtype": TORCH_DTYPES[cfg.model.dtype]}
-    if not quant.double_quant:
-        return bnbf.QuantState(absmax=torch.empty(blocks), **common)
-    nested = bnbf.QuantState(absmax=torch.empty(-(-blocks // NESTED_BLOCK)), code=torch.empty(256),
-                             blocksize=NESTED_BLOCK, dtype=torch.float32)
-    return bnbf.QuantState(absmax=torch.empty(blocks, dtype=torch.uint8), offset=torch.empty(()), state2=nested,
-                           **common)
+    quant = cfg.quant
+    return shaped_quant_state((linear.out_features, linear.in_features), quant.blocksize, quant.double_quant,
+                              quant.quant_type, TORCH_DTYPES[cfg.model.dtype])
 
 
 def attach_quant_state(module: bnb.nn.Linear4bit, args: tuple[object, ...]) -> None:

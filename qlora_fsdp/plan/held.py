@@ -19,10 +19,9 @@ from qlora_fsdp.config import REPO_ROOT, Config
 from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.model.build import base_parameter_count, decoder_layers, load_hf_config
-from qlora_fsdp.model.experts4bit import Experts4bit
+from qlora_fsdp.model.experts4bit import NESTED_BLOCKSIZE, Experts4bit
 from qlora_fsdp.model.sharding import sharded_meta_model
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
-from qlora_fsdp.plan.fake_step import NESTED_BLOCK
 from qlora_fsdp.plan.hardware import planned_device
 from qlora_fsdp.precision import resolve_dtypes
 
@@ -37,7 +36,7 @@ def quant_state_bytes(n_elements: int, blocksize: int, double_quant: bool) -> in
     codebook = 16 * 4  # the NF4/FP4 code, fp32
     if not double_quant:
         return blocks * 4 + codebook
-    nested = math.ceil(blocks / NESTED_BLOCK) * 4 + 256 * 4 + 4  # nested absmax, its 8-bit code, the offset
+    nested = math.ceil(blocks / NESTED_BLOCKSIZE) * 4 + 256 * 4 + 4  # nested absmax, its 8-bit code, the offset
     return blocks + nested + codebook
 
 

@@ -26,7 +26,7 @@ from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.model.adapter import read_adapter
 from qlora_fsdp.model.build import build_meta_model, load_hf_config, model_dir
 from qlora_fsdp.model.experts4bit import ExpertMatrix
-from qlora_fsdp.model.families import ExpertPart
+from qlora_fsdp.model.families import ExpertPart, PartsWaiting
 from qlora_fsdp.model.loading import base_targets, model_layout, quantize
 from qlora_fsdp.model.names import PEFT_PREFIX
 from qlora_fsdp.model.quantized_forms import MXFP4_PARTS, mxfp4_experts, mxfp4_part
@@ -81,21 +81,19 @@ class ExpertRounding:
 
     def __init__(self, matrices: dict[str, ExpertMatrix]) -> None:
         self.matrices = matrices
-        self.waiting: dict[tuple[str, int], dict[int, tuple[str, torch.Tensor]]] = {}
-        self.mxfp4: dict[str, dict[str, torch.Tensor]] = {}
+        self.waiting = PartsWaiting()  # (key, expert) -> (stored key, tensor) of each part of an expert's matrix
+        self.mxfp4 = PartsWaiting()  # key -> its MXFP4 blocks and scales
 
     def decoded_mxfp4(self, part: tuple[str, str], stored: torch.Tensor,
                       original: bool) -> list[tuple[str, torch.Tensor]]:
         """MXFP4 experts (gpt-oss): once blocks and scales have both come, the decoded experts under the
         parameter's own name, rounded through NF4 as training held them unless `original`."""
         name, which = part
-        parts = self.mxfp4.setdefault(name, {})
-        parts[which] = stored
-        if len(parts) < len(MXFP4_PARTS):
+        parts = self.mxfp4.add(name, MXFP4_PARTS.index(which), stored, len(MXFP4_PARTS))
+        if parts is None:
             return []
-        del self.mxfp4[name]
-        matrix = self.matrices[name]
-        decoded = mxfp4_experts(parts["blocks"], parts["scales"], matrix.dtype)
+        matrix, (blocks, scales) = self.matrices[name], parts
+        decoded = mxfp4_experts(blocks, scales, matrix.dtype)
         if not original:
             decoded = torch.stack([matrix.dequantize(matrix.to_row(expert)) for expert in decoded])
         return [(name, decoded)]
@@ -107,12 +105,9 @@ class ExpertRounding:
         matrix = self.matrices[key]
         if part is None:
             return [(stored_key, torch.stack([matrix.dequantize(matrix.to_row(expert)) for expert in weight]))]
-        parts = self.waiting.setdefault((key, part.expert), {})
-        parts[part.part] = (stored_key, weight)
-        if len(parts) < part.n_parts:
+        pieces = self.waiting.add((key, part.expert), part.part, (stored_key, weight), part.n_parts)
+        if pieces is None:
             return []
-        del self.waiting[(key, part.expert)]
-        pieces = [parts[i] for i in range(part.n_parts)]
         whole = matrix.dequantize(matrix.to_row(torch.cat([tensor for _, tensor in pieces])))
         rows = whole.split([tensor.shape[0] for _, tensor in pieces])
         return [(name, part_rows) for (name, _), part_rows in zip(pieces, rows, strict=True)]
