@@ -265,6 +265,16 @@ def lora_targets_nothing(d: Path, model: Path) -> list[str]:
     return ["lora.target_modules=[query, value]"]
 
 
+@bad_input(r"lora\.target_experts: true, but this model is not a mixture of experts; remove it")
+def expert_lora_on_a_dense_model(d: Path, model: Path) -> list[str]:
+    return ["lora.target_experts=true"]
+
+
+@bad_input(r"'preference\.reference: adapter_off' would compare against the trained routers")
+def dpo_reference_with_trained_routers(d: Path, model: Path) -> list[str]:
+    return ["train.objective=dpo", "lora.train_router=true", "preference.reference=adapter_off"]
+
+
 # --- checkpoints and run folders -------------------------------------------------------------------------------
 @bad_input(r"trainer_state\.json is damaged \(.*\): checkpoint step-000002 cannot be resumed; no earlier checkpoint")
 def checkpoint_state_not_json(d: Path, model: Path) -> list[str]:

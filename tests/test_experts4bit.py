@@ -14,7 +14,8 @@ from transformers import AutoConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from qlora_fsdp.config import QuantConfig
+from qlora_fsdp.config import LoraConfig, QuantConfig
+from qlora_fsdp.model.expert_training import ExpertLora, attach_expert_lora
 from qlora_fsdp.model.experts4bit import DequantizedMatmul, ExpertMatrix, Experts4bit, Routes, make_4bit
 from qlora_fsdp.plan.op_work import Work, op_work
 
@@ -64,9 +65,9 @@ class CountWork(TorchDispatchMode):
         return out
 
 
-def fake_experts(family: str) -> Experts4bit:
+def fake_experts(family: str, with_lora: bool = False) -> Experts4bit:
     """A 4-bit experts module of 32 experts with fake rows of bytes (sizes at which a call's constant bytes, the
-    code books, are a small part of its work, as in a real model)."""
+    code books, are a small part of its work, as in a real model), and LoRA on every expert if asked."""
     if family == "gpt_oss":
         config = AutoConfig.for_model("gpt_oss", hidden_size=256, intermediate_size=256, num_local_experts=32,
                                       num_experts_per_tok=4)
@@ -81,18 +82,24 @@ def fake_experts(family: str) -> Experts4bit:
         setattr(module, name, torch.nn.Parameter(torch.empty(getattr(module, name).shape, dtype=torch.uint8),
                                                  requires_grad=False))
     assert isinstance(module, Experts4bit)
+    if with_lora:
+        attach_expert_lora(module, LoraConfig(r=4))
+        for lora in module.modules():
+            if isinstance(lora, ExpertLora):
+                lora.lora_A, lora.lora_B = (torch.nn.Parameter(torch.empty(p.shape)) for p in (lora.lora_A,
+                                                                                                  lora.lora_B))
     return module
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_the_planners_grouped_experts_count_the_work_of_trainings_loop(family):
+@pytest.mark.parametrize(("family", "with_lora"), [("qwen3_moe", False), ("gpt_oss", False), ("gpt_oss", True)])
+def test_the_planners_grouped_experts_count_the_work_of_trainings_loop(family, with_lora):
     """On fake tensors the plan runs 16 experts an op; its FLOPs, dequantized elements and bytes moved must be those
-    of training's loop over the same (evenly routed) experts, in far fewer ops."""
+    of training's loop over the same (evenly routed) experts, in far fewer ops (LoRA on the experts included)."""
     tokens, top_k = 64, 4
     counted = {}
     for path in ("loop", "planned"):
         with FakeTensorMode(allow_non_fake_inputs=True):
-            experts = fake_experts(family)
+            experts = fake_experts(family, with_lora)
             hidden = torch.empty(tokens, 256, requires_grad=True)
             weights = torch.empty(tokens, top_k)
             with CountWork() as count:
@@ -102,7 +109,9 @@ def test_the_planners_grouped_experts_count_the_work_of_trainings_loop(family):
                     order = torch.arange(tokens * top_k)
                     routes = Routes(order, order // top_k, list(range(32)), [8] * 32)
                     rows = hidden[routes.tokens].split(routes.counts)
-                    outputs = [experts.expert_mlp(e, r) for e, r in zip(routes.experts, rows, strict=True)]
+                    updates = experts.lora_updates(hidden.dtype)
+                    outputs = [experts.expert_mlp(e, r, {name: per_expert[e] for name, per_expert in updates.items()})
+                               for e, r in zip(routes.experts, rows, strict=True)]
                     weighted = torch.cat(outputs) * weights.flatten()[routes.order, None]
                     out = torch.zeros_like(hidden).index_add_(0, routes.tokens, weighted)
                 out.sum().backward()

@@ -28,6 +28,7 @@ from qlora_fsdp.model.factory import build_model
 from qlora_fsdp.model.forward_loss import ForwardLoss
 from qlora_fsdp.model.loading import copy_full_into, model_layout
 from qlora_fsdp.model.names import clean_name
+from qlora_fsdp.model.pair_loss import adapter_off
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import train_tokenizer
@@ -43,9 +44,16 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512)
 
 
+# the mixtures of experts whose matrix runs train LoRA on the experts and the routers too (one stores its experts
+# [out, in], the other [in, out] with biases and a router bias); the others keep LoRA on attention alone
+TRAINS_EXPERTS = ("qwen3_moe", "gpt_oss")
+
+
 def family_config(model_dir: Path, out: Path):
-    return tiny_config(model_dir, data={"packing": True}, train={"output_dir": str(out)},
-                       lora={"r": 4, "dropout": 0.0})
+    lora = {"r": 4, "dropout": 0.0}
+    if AutoConfig.from_pretrained(model_dir).model_type in TRAINS_EXPERTS:
+        lora |= {"target_experts": True, "train_router": True}
+    return tiny_config(model_dir, data={"packing": True}, train={"output_dir": str(out)}, lora=lora)
 
 
 def nonzero_lora_b(model: torch.nn.Module) -> None:
@@ -70,13 +78,16 @@ def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: P
     n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
     losses = all_reduce_sums([summed(model, packed, info), summed(model, padded, info)], info.device)  # the base's
     nonzero_lora_b(model)
+    with adapter_off(model):  # DPO's reference: every LoRA off, the experts' too
+        (off,) = all_reduce_sums([summed(model, packed, info)], info.device)
     train_loss = ForwardLoss.for_config(cfg, info.device)(model, packed, info.device) / n_targets
     train_loss.backward()  # training's loss: chunked, checkpointed, one sample at a time in each packed row
     layout = model_layout(model)
     grads = {adapter_file_key(name, layout): grad for name, grad in full_grads(model).items()}
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([samples[0].input_ids], device=info.device)).logits.cpu()
-    result = {"packed": losses[0] / n_targets, "padded": losses[1] / n_targets, "grads": grads, "logits": logits}
+    result = {"packed": losses[0] / n_targets, "padded": losses[1] / n_targets, "grads": grads, "logits": logits,
+              "adapter_off": off / n_targets}
     if adapter is not None:  # saved, then sampled from on these ranks
         export_adapter(model, load_tokenizer(cfg), adapter, str(model_dir), info.is_main, to_yaml(cfg))
         generator = load_generator(cfg, adapter)
@@ -162,6 +173,7 @@ def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, toke
     for run in (one, two):  # held-out loss, packed and alone, equal to transformers + bitsandbytes NF4
         assert run["packed"] == pytest.approx(reference["loss"], rel=1e-4)
         assert run["padded"] == pytest.approx(reference["loss"], rel=1e-4)
+        assert run["adapter_off"] == pytest.approx(run["packed"], rel=1e-6)
     for run in (one, two):  # one step's LoRA gradients equal transformers + PEFT's on the same 4-bit model
         assert run["grads"].keys() == reference["grads"].keys()
         for key, grad in reference["grads"].items():
@@ -299,9 +311,12 @@ def test_experts_load_the_same_4bit_bytes_from_every_checkpoint_form(tokenizer, 
 
     cfg = family_config(per_expert, tmp_path / "out")
     cfg.lora.target_modules = ["q_proj", "gate_proj", "up_proj"]  # transformers 4 names of the expert projections
-    with pytest.raises(ConfigError, match="puts LoRA on the experts") as err:
+    with pytest.raises(ConfigError, match="puts PEFT's LoRA on the experts") as err:
         build_meta_model(cfg, load_hf_config(cfg))
     assert "\n" not in str(err.value)
+    cfg.lora.target_modules, cfg.lora.target_experts, cfg.lora.dropout = "all-linear", True, 0.1
+    with pytest.raises(ConfigError, match="PEFT's LoRA on experts has no dropout"):  # PEFT could not load it
+        build_meta_model(cfg, load_hf_config(cfg))
 
 
 def load_file_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -316,7 +331,12 @@ def router_loss_side(info, model_dir: Path, out: Path, samples: list[Sample]) ->
     cfg = family_config(model_dir, out)
     model = build_model(cfg, info)
     result = accumulate_gradients(model, [collate(samples, 0)], info.device, ForwardLoss.for_config(cfg, info.device))
-    return {"loss": result.loss, "aux": result.metrics.get("router_aux_loss")}
+    # in bf16, as on a GPU: the trained routers (fp32, lora.dtype) take the bf16 hidden states and train
+    cfg.model.dtype = cfg.quant.compute_dtype = "bfloat16"
+    bf16 = build_model(cfg, info)
+    accumulate_gradients(bf16, [collate(samples[:1], 0)], info.device, ForwardLoss.for_config(cfg, info.device))
+    router_grads = [param.grad for name, param in bf16.named_parameters() if name.endswith("mlp.gate.weight")]
+    return {"loss": result.loss, "aux": result.metrics.get("router_aux_loss"), "bf16_router_grads": router_grads}
 
 
 def test_the_load_balancing_loss_is_added_as_transformers_adds_it(tokenizer, tmp_path):
@@ -338,6 +358,8 @@ def test_the_load_balancing_loss_is_added_as_transformers_adds_it(tokenizer, tmp
     assert expected.aux_loss is not None and float(expected.aux_loss) > 0.5  # about 1 when routing is balanced
     assert ours["aux"] == pytest.approx(float(expected.aux_loss), rel=1e-5)
     assert ours["loss"] == pytest.approx(float(expected.loss), rel=1e-4)
+    grads = ours["bf16_router_grads"]
+    assert len(grads) == 2 and all(g.dtype == torch.float32 and 0 < g.norm() < float("inf") for g in grads)
 
 
 def trained_and_resumed(info, cfg, root: Path) -> None:

@@ -376,6 +376,9 @@ def _validate_preference(config: Config) -> None:
     if objective == "dpo" and config.model.adapter and preference.reference == "adapter_off":
         raise ConfigError("'preference.reference: adapter_off' would compare against the base without "
                           "model.adapter's weights; use precomputed (or auto, which then precomputes)")
+    if objective == "dpo" and config.lora.train_router and preference.reference == "adapter_off":
+        raise ConfigError("'preference.reference: adapter_off' would compare against the trained routers, which "
+                          "the adapter switch leaves on; use precomputed (or auto, which then precomputes)")
     if objective != "sft" and config.data.train_on_inputs:
         raise ConfigError("'data.train_on_inputs: true' trains on prompts, which a preference objective never "
                           "does; remove it")

@@ -50,6 +50,10 @@ class LoraConfig:
     target_modules: str | list[str] = "all-linear"  # or a list such as [q_proj, v_proj]
     use_dora: bool = False
     use_rslora: bool = False  # rank-stabilized: scale the update by alpha/sqrt(r) instead of alpha/r
+    # mixtures of experts: LoRA on every expert's matrices too (saved as PEFT's target_parameters), and the routers
+    # trained in full (saved as PEFT's modules_to_save); by default only the attention and dense layers get LoRA
+    target_experts: bool = False
+    train_router: bool = False
     dtype: DType = "float32"  # trainable weights; fp32 keeps small updates from rounding away
     # q/k/v and gate/up, which read the same input: one cast of it and one matmul by their A matrices stacked
     fuse_projections: bool = True

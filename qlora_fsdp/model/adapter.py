@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
+from qlora_fsdp.model.expert_training import ExpertLora, peft_expert_key
 from qlora_fsdp.model.families import CheckpointLayout, lora_target_regex
 from qlora_fsdp.model.loading import copy_full_into, model_layout
 from qlora_fsdp.model.names import PEFT_PREFIX, clean_name
@@ -24,15 +25,17 @@ TRAINING_CONFIG = "training_config.yaml"  # the resolved recipe, next to the PEF
 
 
 def peft_adapter_key(name: str, adapter: str) -> str:
-    """PEFT's on-disk key: no adapter name, and DoRA's magnitude without its `.weight` suffix."""
-    name = name.replace(f".{adapter}.", ".")
+    """PEFT's on-disk key: no adapter name, a trained module (modules_to_save) under its own name, and DoRA's
+    magnitude without its `.weight` suffix."""
+    name = name.replace(f".{adapter}.", ".").replace(".modules_to_save.", ".")
     return name.removesuffix(".weight") if name.endswith("lora_magnitude_vector.weight") else name
 
 
 def adapter_file_key(param_name: str, layout: CheckpointLayout) -> str:
     """A trainable parameter's key in adapter_model.safetensors: PEFT's, with the checkpoint's full model's names
     (a multimodal checkpoint's decoder sits under `model.language_model.`)."""
-    key = peft_adapter_key(clean_name(param_name), ADAPTER_NAME)
+    name = clean_name(param_name)
+    key = peft_expert_key(name) or peft_adapter_key(name, ADAPTER_NAME)
     return PEFT_PREFIX + layout.full_from_ours(key.removeprefix(PEFT_PREFIX))
 
 
@@ -63,7 +66,8 @@ def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, ou
     assert isinstance(config, peft.LoraConfig), "build.attach_lora makes every adapter from a peft.LoraConfig"
     config.base_model_name_or_path = base_model_path
     config.init_lora_weights = True  # we initialized them ourselves; loaders should use PEFT's default
-    lora_modules = [clean_name(name) for name, module in model.named_modules() if hasattr(module, "lora_A")]
+    lora_modules = [clean_name(name) for name, module in model.named_modules()
+                    if hasattr(module, "lora_A") and not isinstance(module, ExpertLora)]  # those are target_parameters
     decoder_only = lora_target_regex(layout, lora_modules)
     if decoder_only is not None:  # PEFT on the multimodal model: the decoder's modules, not the vision tower's
         config.target_modules = decoder_only

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from qlora_fsdp.config import Config, LoraConfig, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError, first_line
+from qlora_fsdp.model import expert_training
 from qlora_fsdp.model.attention import transformers_name
 from qlora_fsdp.model.experts4bit import Experts4bit, quantize_experts
 from qlora_fsdp.model.families import checkpoint_layout, refuse_unsupported, run_mixers_per_sample, text_config
@@ -179,11 +180,24 @@ def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
     with meta_dora_magnitudes():
         model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
     refuse_expert_lora(model, targets)
+    add_expert_training(model, lora)
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.to(TORCH_DTYPES[lora.dtype])
     fuse_lora_projections(model, lora)
     return model
+
+
+def add_expert_training(model: peft.PeftModel, lora: LoraConfig) -> None:
+    """lora.target_experts and lora.train_router, recorded in the adapter's config as PEFT would record them."""
+    expert_training.check_expert_training(model, lora)
+    config = model.peft_config["default"]
+    assert isinstance(config, peft.LoraConfig), "attach_lora makes the adapter from a peft.LoraConfig"
+    if lora.target_experts:
+        expert_training.attach_expert_lora(model, lora)
+        config.target_parameters = expert_training.target_parameters(model)
+    if lora.train_router:
+        config.modules_to_save = expert_training.train_routers(model, lora)
 
 
 def lora_targets(model: nn.Module, targets: str | list[str]) -> str | list[str]:
@@ -199,8 +213,9 @@ def refuse_expert_lora(model: peft.PeftModel, targets: str | list[str]) -> None:
     """PEFT maps the transformers 4 names of expert projections (gate_proj, w1, ...) onto the fused experts."""
     on_experts = sorted(getattr(model.peft_config["default"], "target_parameters", None) or [])
     if on_experts:
-        raise ConfigError(f"lora.target_modules {targets!r} puts LoRA on the experts or the router ({on_experts}), "
-                          "which 4-bit experts do not support yet: name the attention projections")
+        raise ConfigError(f"lora.target_modules {targets!r} puts PEFT's LoRA on the experts or the router "
+                          f"({on_experts}), which cannot add to 4-bit experts: name the attention projections, and "
+                          "set lora.target_experts: true (and lora.train_router: true) for the experts")
 
 
 def check_targets(model: nn.Module, targets: str | list[str]) -> None:

@@ -28,6 +28,7 @@ from qlora_fsdp.config import QuantConfig
 from qlora_fsdp.errors import ModelLoadError
 
 EXPERT_MATRICES = ("gate_up_proj", "down_proj")
+LORA_SUFFIX = "_lora"  # an expert matrix's LoRA (expert_training.ExpertLora) sits beside it: `down_proj_lora`
 PLANNED_GROUP = 16  # experts one op of the planner's fake step stands for
 NESTED_BLOCKSIZE = 256  # bitsandbytes' block size for the statistics of double quantization
 _CODES: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -183,7 +184,9 @@ class Experts4bit(nn.Module):
             return self.planned_forward(hidden_states, top_k_weights)
         routes = Routes.of(top_k_index, self.gate_up_proj.shape[0])
         grouped = hidden_states.index_select(0, routes.tokens).split(routes.counts)  # one gather, grouped by expert
-        outputs = [self.expert_mlp(expert, rows) for expert, rows in zip(routes.experts, grouped, strict=True)]
+        updates = self.lora_updates(hidden_states.dtype)
+        outputs = [self.expert_mlp(expert, rows, {name: per_expert[expert] for name, per_expert in updates.items()})
+                   for expert, rows in zip(routes.experts, grouped, strict=True)]
         weighted = torch.cat(outputs) * top_k_weights.flatten()[routes.order, None]
         # one scatter; per token its experts' outputs are added in ascending expert order, as transformers adds them
         return torch.zeros_like(hidden_states).index_add_(0, routes.tokens, weighted.to(hidden_states.dtype))
@@ -197,11 +200,11 @@ class Experts4bit(nn.Module):
         per_expert = math.ceil(n_tokens * top_k / n_experts)
         routed = torch.arange(n_experts * per_expert, device=hidden_states.device) % (n_tokens * top_k)
         grouped = hidden_states[routed // top_k].view(n_experts, per_expert, -1).split(PLANNED_GROUP)
+        updates = self.lora_updates(hidden_states.dtype, PLANNED_GROUP)
         outputs = []
-        for first, rows in zip(range(0, n_experts, PLANNED_GROUP), grouped, strict=True):
-            experts = slice(first, first + PLANNED_GROUP)
-            hidden = self.expert_linear("gate_up_proj", experts, rows)
-            outputs.append(self.expert_linear("down_proj", experts, self._apply_gate(hidden)))
+        for index, rows in enumerate(grouped):
+            experts = slice(index * PLANNED_GROUP, (index + 1) * PLANNED_GROUP)
+            outputs.append(self.expert_mlp(experts, rows, {name: group[index] for name, group in updates.items()}))
         weighted = torch.cat(outputs).flatten(0, 1) * top_k_weights.flatten()[routed, None]
         return torch.zeros_like(hidden_states).index_add_(0, routed // top_k, weighted.to(hidden_states.dtype))
 
@@ -211,18 +214,45 @@ class Experts4bit(nn.Module):
         top_k = getattr(getattr(self, "config", None), "num_experts_per_tok", n_experts)
         return (n_experts - top_k) * sum(matrix.numel for matrix in self.expert_matrices.values())
 
-    def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.expert_linear("gate_up_proj", expert, x)
-        return self.expert_linear("down_proj", expert, self._apply_gate(hidden))
+    def lora_updates(self, dtype: torch.dtype, group: int | None = None) -> dict[str, list[LoraUpdate]]:
+        """Each expert matrix's LoRA (lora.target_experts, switched on), cut once a forward into one update an expert
+        (or a planner's group), so the backward gathers their gradients in one tensor."""
+        updates = {}
+        for name in self.expert_matrices:
+            lora = getattr(self, name + LORA_SUFFIX, None)
+            if lora is not None and lora.enabled:
+                updates[name] = lora.updates(dtype, group)
+        return updates
 
-    def expert_linear(self, name: str, expert: int | slice, x: torch.Tensor) -> torch.Tensor:
-        """x times one expert's matrix (or, in the planner, a group's: x [group, rows, in])."""
+    def expert_mlp(self, expert: int | slice, x: torch.Tensor,
+                   lora: dict[str, LoraUpdate] | None = None) -> torch.Tensor:
+        lora = lora or {}
+        hidden = self.expert_linear("gate_up_proj", expert, x, lora.get("gate_up_proj"))
+        return self.expert_linear("down_proj", expert, self._apply_gate(hidden), lora.get("down_proj"))
+
+    def expert_linear(self, name: str, expert: int | slice, x: torch.Tensor,
+                      lora: LoraUpdate | None = None) -> torch.Tensor:
+        """x times one expert's matrix (or, in the planner, a group's: x [group, rows, in]), plus its LoRA update."""
         rows = getattr(self, name)
         y = DequantizedMatmul.apply(x, rows[expert], self.expert_matrices[name], self.is_transposed)
+        if lora is not None:
+            y = y + lora(x)
         if self.has_bias:
             bias = getattr(self, f"{name}_bias")[expert]
             y = y + (bias if isinstance(expert, int) else bias.unsqueeze(1))
         return y
+
+
+@dataclass
+class LoraUpdate:
+    """s (x A_e^T) B_e^T of one expert (a [r, in], b [r, out]) or of a planner's group (a [group, r, in], ...)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x.to(self.a.dtype) @ self.a.mT) @ self.b * self.scaling).to(x.dtype)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.model.build import QUANT_STORAGE, model_dir
 from qlora_fsdp.model.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts4bit
 from qlora_fsdp.model.families import CheckpointLayout, ExpertPart, PartsWaiting
-from qlora_fsdp.model.names import clean_name, weight_key
+from qlora_fsdp.model.names import clean_name, is_lora_tensor, weight_key
 from qlora_fsdp.model.quantized_forms import MXFP4_PARTS, mxfp4_experts, mxfp4_part
 from qlora_fsdp.model.weight_files import InMemoryTensor, LazyTensor, StoredTensor, stored_weight_tensors
 
@@ -142,7 +142,7 @@ def base_targets(model: nn.Module) -> dict[str, Target]:
     targets: dict[str, Target] = {}
     modules = dict(model.named_modules())
     for name, param in model.named_parameters(remove_duplicate=False):
-        if param.requires_grad:
+        if param.requires_grad and is_lora_tensor(name):  # trained routers (lora.train_router) start as stored
             continue
         module_name, _, attr = name.rpartition(".")
         module = modules[module_name]
@@ -380,11 +380,11 @@ def init_lora(model: nn.Module, seed: int) -> None:
     Generated whole and then sharded, so every world size starts from the very same adapter.
     """
     for name, param in model.named_parameters():
-        if not param.requires_grad or "lora_magnitude_vector" in name:
+        if not param.requires_grad or not is_lora_tensor(name) or "lora_magnitude_vector" in name:
             continue
         key = clean_name(name)
         full = torch.zeros(param.shape, dtype=torch.float32)
-        if ".lora_A." in key:
+        if ".lora_A." in key or key.endswith(".lora_A"):  # PEFT's, or an ExpertLora's [r * experts, in]
             generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
             bound = 1.0 / param.shape[1] ** 0.5
             full.uniform_(-bound, bound, generator=generator)

@@ -15,3 +15,8 @@ def weight_key(param_name: str) -> str:
     """The base model's weight-file key of a parameter of the PEFT-wrapped model."""
     name = clean_name(param_name).replace(".base_layer.", ".")
     return name.removeprefix(PEFT_PREFIX)
+
+
+def is_lora_tensor(name: str) -> bool:
+    """A LoRA/DoRA tensor (initialized by us), not a base tensor that trains (a router, loaded from the checkpoint)."""
+    return ".lora_" in name

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from qlora_fsdp.config import Config, Objective, PreferenceConfig
+from qlora_fsdp.model.expert_training import expert_lora_off
 from qlora_fsdp.model.forward_loss import ForwardLoss, LossBatch
 from qlora_fsdp.model.preference_loss import (
     PairLogps,
@@ -49,12 +50,13 @@ def as_pairs(sequence_logps: torch.Tensor, batch: LossBatch) -> PairLogps:
 
 @contextmanager
 def adapter_off(model: nn.Module) -> Iterator[None]:
-    """The frozen base alone: a PEFT model's adapter layers pass their input through."""
+    """The frozen base alone: a PEFT model's adapter layers pass their input through, and so do the experts' LoRA.
+    (Trained routers cannot be switched off: a run that trains them precomputes its reference.)"""
     disable = getattr(model, "disable_adapter", None)
     if disable is None:  # a plain model (tests): it is its own reference
         yield
         return
-    with disable():
+    with disable(), expert_lora_off(model):
         yield
 
 

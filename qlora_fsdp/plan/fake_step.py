@@ -116,7 +116,8 @@ def step_loss(cfg: Config, forward_loss: ForwardLoss) -> ForwardLoss | PairLoss:
 def plans_reference_forward(cfg: Config) -> bool:
     """DPO whose reference may be a forward each micro-batch: adapter_off, and auto (which chooses by the data's
     size, unknown to a plan: the plan takes the larger)."""
-    return cfg.train.objective == "dpo" and cfg.preference.reference != "precomputed" and not cfg.model.adapter
+    return (cfg.train.objective == "dpo" and cfg.preference.reference != "precomputed" and not cfg.model.adapter
+            and not cfg.lora.train_router)
 
 
 def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh) -> StepMemory:

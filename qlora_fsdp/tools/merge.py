@@ -18,17 +18,19 @@ from typing import Literal
 import bitsandbytes.functional as bnbf
 import torch
 from safetensors.torch import save_file
+from torch import nn
 from transformers import AutoConfig
 
 from qlora_fsdp.config import Config, DType
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError
-from qlora_fsdp.model.adapter import read_adapter
+from qlora_fsdp.model.adapter import adapter_file_key, read_adapter
 from qlora_fsdp.model.build import build_meta_model, load_hf_config, model_dir
-from qlora_fsdp.model.experts4bit import ExpertMatrix
+from qlora_fsdp.model.expert_training import expert_loras
+from qlora_fsdp.model.experts4bit import LORA_SUFFIX, ExpertMatrix
 from qlora_fsdp.model.families import ExpertPart, PartsWaiting
 from qlora_fsdp.model.loading import base_targets, model_layout, quantize
-from qlora_fsdp.model.names import PEFT_PREFIX
+from qlora_fsdp.model.names import PEFT_PREFIX, is_lora_tensor, weight_key
 from qlora_fsdp.model.quantized_forms import MXFP4_PARTS, mxfp4_experts, mxfp4_part
 from qlora_fsdp.model.weight_files import stored_weight_tensors
 from qlora_fsdp.precision import describe_device, resolve_dtypes
@@ -51,22 +53,71 @@ class LoraDelta:
         return combined * (self.magnitude.to(weight.device).float() / combined.norm(dim=1)).unsqueeze(1)
 
 
-def lora_deltas(adapter_dir: Path) -> dict[str, LoraDelta]:
-    """Base checkpoint key (`...q_proj.weight`) -> its adapter, from a PEFT adapter folder."""
+@dataclass
+class ExpertDelta:
+    """LoRA on a fused experts parameter, in PEFT's layout: a [r * experts, in], b [out, r * experts]."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    n_experts: int
+    transposed: bool  # each expert stored [in, out] (gpt-oss)
+
+    def merged(self, expert: int, weight: torch.Tensor) -> torch.Tensor:
+        """One expert's matrix + s B_e A_e, in fp32."""
+        r = self.a.shape[0] // self.n_experts
+        a = self.a.unflatten(0, (self.n_experts, r))[expert].to(weight.device).float()
+        b = self.b.unflatten(1, (r, self.n_experts))[:, :, expert].to(weight.device).float()
+        delta = self.scale * (b @ a)  # [out, in]
+        return weight.float() + (delta.t() if self.transposed else delta)
+
+
+@dataclass
+class AdapterUpdates:
+    """What an adapter changes, by base checkpoint key: LoRA on linear weights, LoRA on fused experts, and the
+    tensors it trained in full (routers: PEFT's modules_to_save)."""
+
+    linear: dict[str, LoraDelta]
+    experts: dict[str, ExpertDelta]
+    replaced: dict[str, torch.Tensor]
+
+    def unused(self) -> str | None:
+        return next(iter([*self.linear, *self.experts, *self.replaced]), None)
+
+
+def adapter_updates(adapter_dir: Path, meta: nn.Module) -> AdapterUpdates:
+    """A PEFT adapter folder read as updates of the base checkpoint's keys (`...q_proj.weight`); `meta` is the model
+    the adapter was trained on, which says which tensors are experts' LoRA and which trained in full."""
     config, tensors = read_adapter(adapter_dir)
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ModelLoadError("adapters with per-module rank_pattern/alpha_pattern are not supported by the merge")
     r, alpha = config["r"], config["lora_alpha"]
     scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    deltas = {}
+    layout = model_layout(meta)
+
+    def take(name: str) -> torch.Tensor:
+        key = adapter_file_key(name, layout)
+        if key not in tensors:
+            raise ModelLoadError(f"{adapter_dir} lacks '{key}': trained with other lora settings than the recipe's?")
+        return tensors.pop(key)
+
+    def base_key(name: str) -> str:
+        return layout.full_from_ours(weight_key(name))
+
+    experts = {base_key(name): ExpertDelta(take(f"{name}{LORA_SUFFIX}.lora_A"), take(f"{name}{LORA_SUFFIX}.lora_B"),
+                                           scale, lora.n_experts, lora.transposed)
+               for name, lora in expert_loras(meta).items()}
+    replaced = {base_key(name): take(name) for name, param in meta.named_parameters()
+                if param.requires_grad and not is_lora_tensor(name)}
+    linear = {}
     for key in tensors:
         if key.endswith(".lora_A.weight"):
             module = key.removesuffix(".lora_A.weight")
-            deltas[module.removeprefix(PEFT_PREFIX) + ".weight"] = LoraDelta(
+            linear[module.removeprefix(PEFT_PREFIX) + ".weight"] = LoraDelta(
                 tensors[key], tensors[f"{module}.lora_B.weight"], scale, tensors.get(f"{module}.lora_magnitude_vector"))
-    if not deltas:
+    if not (linear or experts or replaced):
         raise ModelLoadError(f"{adapter_dir} holds no LoRA weights")
-    return deltas
+    return AdapterUpdates(linear, experts, replaced)
 
 
 def as_trained(weight: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -76,39 +127,50 @@ def as_trained(weight: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 
 class ExpertRounding:
-    """Experts as training held them: each expert's matrix rounded through 4-bit as a whole, so a checkpoint that
-    keeps an expert's gate and up projections apart waits for both before either is written."""
+    """Experts as training held them: each expert's matrix rounded through 4-bit as a whole (unless the merge is
+    into the original weights), plus its LoRA update if it had one. A checkpoint that keeps an expert's gate and up
+    projections apart waits for both before either is written."""
 
-    def __init__(self, matrices: dict[str, ExpertMatrix]) -> None:
-        self.matrices = matrices
+    def __init__(self, matrices: dict[str, ExpertMatrix], deltas: dict[str, ExpertDelta], rounding: bool) -> None:
+        self.matrices, self.deltas, self.rounding = matrices, deltas, rounding
         self.waiting = PartsWaiting()  # (key, expert) -> (stored key, tensor) of each part of an expert's matrix
         self.mxfp4 = PartsWaiting()  # key -> its MXFP4 blocks and scales
+        self.merged: set[str] = set()  # keys whose LoRA update was added
 
-    def decoded_mxfp4(self, part: tuple[str, str], stored: torch.Tensor,
-                      original: bool) -> list[tuple[str, torch.Tensor]]:
+    def finished(self, key: str, expert: int, weight: torch.Tensor) -> torch.Tensor:
+        """One expert's whole matrix as merged: rounded as trained, its update added."""
+        matrix = self.matrices[key]
+        if self.rounding:
+            weight = matrix.dequantize(matrix.to_row(weight))
+        delta = self.deltas.get(key)
+        if delta is None:
+            return weight
+        self.merged.add(key)
+        return delta.merged(expert, weight).to(weight.dtype)
+
+    def all_experts(self, key: str, experts: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.finished(key, index, expert) for index, expert in enumerate(experts)])
+
+    def decoded_mxfp4(self, part: tuple[str, str], stored: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """MXFP4 experts (gpt-oss): once blocks and scales have both come, the decoded experts under the
-        parameter's own name, rounded through NF4 as training held them unless `original`."""
+        parameter's own name, merged."""
         name, which = part
         parts = self.mxfp4.add(name, MXFP4_PARTS.index(which), stored, len(MXFP4_PARTS))
         if parts is None:
             return []
-        matrix, (blocks, scales) = self.matrices[name], parts
-        decoded = mxfp4_experts(blocks, scales, matrix.dtype)
-        if not original:
-            decoded = torch.stack([matrix.dequantize(matrix.to_row(expert)) for expert in decoded])
-        return [(name, decoded)]
+        blocks, scales = parts
+        return [(name, self.all_experts(name, mxfp4_experts(blocks, scales, self.matrices[name].dtype)))]
 
-    def rounded(self, stored_key: str, key: str, part: ExpertPart | None,
-                weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """(stored key, rounded tensor) for what is complete now: a fused tensor at once, an expert's parts once
+    def ready(self, stored_key: str, key: str, part: ExpertPart | None,
+              weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(stored key, merged tensor) for what is complete now: a fused tensor at once, an expert's parts once
         all have come."""
-        matrix = self.matrices[key]
         if part is None:
-            return [(stored_key, torch.stack([matrix.dequantize(matrix.to_row(expert)) for expert in weight]))]
+            return [(stored_key, self.all_experts(key, weight))]
         pieces = self.waiting.add((key, part.expert), part.part, (stored_key, weight), part.n_parts)
         if pieces is None:
             return []
-        whole = matrix.dequantize(matrix.to_row(torch.cat([tensor for _, tensor in pieces])))
+        whole = self.finished(key, part.expert, torch.cat([tensor for _, tensor in pieces]))
         rows = whole.split([tensor.shape[0] for _, tensor in pieces])
         return [(name, part_rows) for (name, _), part_rows in zip(pieces, rows, strict=True)]
 
@@ -159,12 +221,13 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     if cfg.model.init == "random":
         raise ModelLoadError("model.init is random: there are no base weights to merge into")
     cfg = resolve_dtypes(cfg, describe_device(torch.device(device)))  # `auto` as on the device that merges
-    deltas = lora_deltas(adapter_dir)
     meta = build_meta_model(cfg, load_hf_config(cfg))
+    updates = adapter_updates(adapter_dir, meta)
     layout = model_layout(meta)  # the adapter's and the checkpoint's keys both name the checkpoint's full model
     targets = {layout.full_from_ours(key): target for key, target in base_targets(meta).items()}
     quantized = {key for key, target in targets.items() if target.quantized_module is not None}
-    experts = ExpertRounding({key: t.experts for key, t in targets.items() if t.experts is not None})
+    experts = ExpertRounding({key: t.experts for key, t in targets.items() if t.experts is not None},
+                             updates.experts, rounding=base_weights == "dequantized")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -175,21 +238,25 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
         full_key, part = layout.full_key(key)
         mxfp4 = mxfp4_part(full_key)
         if mxfp4 is not None and mxfp4[0] in experts.matrices:  # written as the unquantized model holds it
-            for ready_key, ready in experts.decoded_mxfp4(mxfp4, stored.read().to(device), base_weights == "original"):
+            for ready_key, ready in experts.decoded_mxfp4(mxfp4, stored.read().to(device)):
                 writer.add(ready_key, ready.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
             continue
         weight = stored.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
-        if full_key in experts.matrices and base_weights == "dequantized":
-            for ready_key, ready in experts.rounded(key, full_key, part, weight):
+        if full_key in experts.matrices:
+            for ready_key, ready in experts.ready(key, full_key, part, weight):
                 writer.add(ready_key, ready.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
             continue
         if full_key in quantized and base_weights == "dequantized":
             weight = as_trained(weight, cfg)
-        if full_key in deltas:
-            weight = deltas.pop(full_key).merged(weight)
+        if full_key in updates.linear:
+            weight = updates.linear.pop(full_key).merged(weight)
+        if full_key in updates.replaced:  # trained in full (a router)
+            weight = updates.replaced.pop(full_key)
         writer.add(key, weight.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
-    if deltas:
-        raise ModelLoadError(f"the adapter has '{next(iter(deltas))}', which the base checkpoint lacks: another base?")
+    for key in experts.merged:
+        updates.experts.pop(key)
+    if updates.unused() is not None:
+        raise ModelLoadError(f"the adapter has '{updates.unused()}', which the base checkpoint lacks: another base?")
     shards = writer.finish()
     hf_config = AutoConfig.from_pretrained(model_dir(cfg.model.path), trust_remote_code=cfg.model.trust_remote_code)
     hf_config.dtype = dtype  # the checkpoint's own config (a multimodal one keeps its vision tower, copied as is)

@@ -280,7 +280,8 @@ class Trainer:
         setting = self.cfg.preference.reference
         if self.pair_loss is None or not self.pair_loss.needs_reference or setting == "adapter_off":
             return False
-        if setting == "precomputed" or self.cfg.model.adapter:  # the saved adapter: the reference is the start's
+        # the saved adapter, or trained routers (which no switch turns off): the reference is the start's model
+        if setting == "precomputed" or self.cfg.model.adapter or self.cfg.lora.train_router:
             return True
         pairs_per_step = self.sampler.units_per_step * len(self.data.train) / self.data.n_units
         return self.cfg.train.max_steps * pairs_per_step >= len(self.data.train)
