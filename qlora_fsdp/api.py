@@ -34,7 +34,7 @@ from qlora_fsdp.training.tracking import open_trackers
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, frozen base) parameter counts of the whole model; a 4-bit weight counts its unpacked size."""
+    """(trainable, base) parameter counts of the whole model; a 4-bit weight counts its unpacked size."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad), base_parameter_count(model)
 
 

@@ -274,7 +274,8 @@ def experts_side(info, pairs: list[tuple[Path, Path]], out: Path) -> dict:
 def test_experts_load_the_same_4bit_bytes_from_every_checkpoint_form(tokenizer, tmp_path):
     """Qwen3-MoE as the hub ships it (one tensor an expert) and fused, gpt-oss in MXFP4 (as OpenAI ships it) and
     decoded by transformers: each rank holds the same bytes for its experts either way; the merge of the MXFP4
-    checkpoint writes the decoded experts; LoRA on the experts is refused in one line until it exists."""
+    checkpoint writes the decoded experts; PEFT's LoRA on the fused experts is refused in one line, and so is
+    lora.target_experts with dropout (PEFT could not load it)."""
     from transformers import Mxfp4Config
 
     from qlora_fsdp.errors import ConfigError

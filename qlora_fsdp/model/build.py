@@ -28,6 +28,7 @@ from qlora_fsdp.model.attention import transformers_name
 from qlora_fsdp.model.experts4bit import Experts4bit, quantize_experts
 from qlora_fsdp.model.families import checkpoint_layout, refuse_unsupported, run_mixers_per_sample, text_config
 from qlora_fsdp.model.fused_lora import fuse_lora_projections
+from qlora_fsdp.model.names import is_lora_tensor
 
 # 4-bit values are packed two to a byte and stored as raw bytes. FSDP2 never casts a non-float parameter and
 # all-gathers it as bytes, whatever the mixed-precision policy or the LoRA dtype. The earlier bf16 storage was
@@ -237,14 +238,15 @@ def check_targets(model: nn.Module, targets: str | list[str]) -> None:
 
 
 def base_parameter_count(model: nn.Module) -> int:
-    """Frozen parameters of the whole model (global, not per shard); a 4-bit weight counts its unpacked size."""
+    """The base model's parameters (global, not per shard; trained routers included, LoRA not); a 4-bit weight
+    counts its unpacked size."""
     count, seen = 0, set()
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:  # a head tied to the embeddings is one matrix
                 continue
             seen.add(id(param))
-            if not param.requires_grad:
+            if not is_lora_tensor(f"{module_name}.{name}"):
                 if isinstance(module, bnb.nn.Linear4bit) and name == "weight":  # packed: count the unpacked size
                     count += module.in_features * module.out_features
                 elif isinstance(module, Experts4bit) and name in module.expert_matrices:

@@ -95,20 +95,20 @@ def adapter_updates(adapter_dir: Path, meta: nn.Module) -> AdapterUpdates:
     scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     layout = model_layout(meta)
 
+    def saved(name: str) -> bool:  # the adapter decides what it changes (PEFT's own adapters have no experts' LoRA)
+        return adapter_file_key(name, layout) in tensors
+
     def take(name: str) -> torch.Tensor:
-        key = adapter_file_key(name, layout)
-        if key not in tensors:
-            raise ModelLoadError(f"{adapter_dir} lacks '{key}': trained with other lora settings than the recipe's?")
-        return tensors.pop(key)
+        return tensors.pop(adapter_file_key(name, layout))
 
     def base_key(name: str) -> str:
         return layout.full_from_ours(weight_key(name))
 
     experts = {base_key(name): ExpertDelta(take(f"{name}{LORA_SUFFIX}.lora_A"), take(f"{name}{LORA_SUFFIX}.lora_B"),
                                            scale, lora.n_experts, lora.transposed)
-               for name, lora in expert_loras(meta).items()}
+               for name, lora in expert_loras(meta).items() if saved(f"{name}{LORA_SUFFIX}.lora_A")}
     replaced = {base_key(name): take(name) for name, param in meta.named_parameters()
-                if param.requires_grad and not is_lora_tensor(name)}
+                if param.requires_grad and not is_lora_tensor(name) and saved(name)}
     linear = {}
     for key in tensors:
         if key.endswith(".lora_A.weight"):
