@@ -23,12 +23,19 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from qlora_fsdp.config import Config, LoraConfig, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError, first_line
-from qlora_fsdp.model import expert_training
+from qlora_fsdp.model import expert_training, quantized_forms
 from qlora_fsdp.model.attention import transformers_name
 from qlora_fsdp.model.experts4bit import Experts4bit, quantize_experts
-from qlora_fsdp.model.families import checkpoint_layout, refuse_unsupported, run_mixers_per_sample, text_config
+from qlora_fsdp.model.families import (
+    CheckpointLayout,
+    checkpoint_layout,
+    refuse_unsupported,
+    run_mixers_per_sample,
+    text_config,
+)
 from qlora_fsdp.model.fused_lora import fuse_lora_projections
 from qlora_fsdp.model.names import is_lora_tensor
+from qlora_fsdp.model.weight_files import stored_keys
 
 # 4-bit values are packed two to a byte and stored as raw bytes. FSDP2 never casts a non-float parameter and
 # all-gathers it as bytes, whatever the mixed-precision policy or the LoRA dtype. The earlier bf16 storage was
@@ -73,7 +80,12 @@ def load_hf_config(cfg: Config) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     except ValueError as err:  # JSON that is not a config, an unknown model_type, remote code refused
         raise ModelLoadError(f"{path / 'config.json'}: {first_line(err)}") from None
-    return text_config(config)  # a multimodal checkpoint trains its text model
+    quantized_forms.refuse_untrainable_form(config, path / "config.json")
+    quantized_forms.refuse_contradicting_recipe(config, cfg.quant, path / "config.json")
+    text = text_config(config)  # a multimodal checkpoint trains its text model
+    if text is not config and getattr(config, "quantization_config", None) is not None:
+        text.quantization_config = config.quantization_config  # how the whole checkpoint is stored
+    return text
 
 
 def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
@@ -102,8 +114,9 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
     model.tie_weights()  # transformers ties the head to the embeddings only when it made the parameters itself
     layout = checkpoint_layout(checkpoint_folder(cfg), model, cfg.model.trust_remote_code)
     run_mixers_per_sample(decoder_layers(model))
-    swap_linears_for_4bit(model, cfg.quant)
+    swap_linears_for_4bit(model, cfg.quant, stored_4bit_linears(checkpoint_folder(cfg), layout))
     quantize_experts(model, cfg.quant)
+    refuse_mxfp4_dense(model, hf_config)
     refuse_unsupported(model)
     model.requires_grad_(False)
     model.config.use_cache = False  # no KV cache while training
@@ -120,10 +133,26 @@ def checkpoint_folder(cfg: Config) -> Path | None:
     return None if cfg.model.init == "random" else model_dir(cfg.model.path)
 
 
-def swap_linears_for_4bit(model: nn.Module, quant: QuantConfig) -> None:
-    """Replace every nn.Linear but the skipped ones with a meta `Linear4bit` of the packed shape."""
+def stored_4bit_linears(folder: Path | None, layout: CheckpointLayout) -> set[str] | None:
+    """The linear layers a pre-quantized checkpoint stores in 4-bit (our module names); None for a checkpoint that
+    stores none (its linears are quantized at load, all but quant.skip_modules)."""
+    if folder is None or not any(folder.glob("*.safetensors")):
+        return None
+    keys = quantized_forms.quantized_weight_keys(stored_keys(folder))
+    if not keys:
+        return None
+    ours = {layout.model_key(key)[0] for key in keys}
+    return {key.removesuffix(".weight") for key in ours if key is not None}
+
+
+def swap_linears_for_4bit(model: nn.Module, quant: QuantConfig, stored_4bit: set[str] | None = None) -> None:
+    """Replace every nn.Linear but the skipped ones with a meta `Linear4bit` of the packed shape; for a pre-quantized
+    checkpoint exactly those it stores in 4-bit (the others it keeps unquantized, and so does training)."""
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in quant.skip_modules:
+        if not isinstance(module, nn.Linear):
+            continue
+        skipped = name.rsplit(".", 1)[-1] in quant.skip_modules if stored_4bit is None else name not in stored_4bit
+        if skipped:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -162,6 +191,14 @@ def make_meta_linear4bit(linear: nn.Linear, quant: QuantConfig) -> bnb.nn.Linear
     # FSDP that rewrites a gathered copy with the wrong shape and crashes, so keep the portable kernel.
     layer.support_avx512bf16_for_cpu = False
     return layer
+
+
+def refuse_mxfp4_dense(model: nn.Module, hf_config: PretrainedConfig) -> None:
+    """MXFP4 is trained from where gpt-oss uses it, on the experts (decoded, then NF4); not on dense weights."""
+    if quantized_forms.quant_method(hf_config) == "mxfp4" and not any(isinstance(m, Experts4bit)
+                                                                      for m in model.modules()):
+        raise ModelLoadError(f"{hf_config.model_type}: config.json says its weights are stored in MXFP4 and it has no "
+                             "experts: MXFP4 dense weights are not supported; use the unquantized checkpoint")
 
 
 def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:

@@ -31,7 +31,14 @@ from qlora_fsdp.model.build import QUANT_STORAGE, model_dir
 from qlora_fsdp.model.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts4bit
 from qlora_fsdp.model.families import CheckpointLayout, ExpertPart, PartsWaiting
 from qlora_fsdp.model.names import clean_name, is_lora_tensor, weight_key
-from qlora_fsdp.model.quantized_forms import MXFP4_PARTS, mxfp4_experts, mxfp4_part
+from qlora_fsdp.model.quantized_forms import (
+    MXFP4_PARTS,
+    StoredStatistics,
+    bnb_4bit_part,
+    mxfp4_experts,
+    mxfp4_part,
+    packed_byte_rows,
+)
 from qlora_fsdp.model.weight_files import InMemoryTensor, LazyTensor, StoredTensor, stored_weight_tensors
 
 _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
@@ -165,7 +172,16 @@ def dora_magnitude_of(modules: dict[str, nn.Module], linear_name: str) -> nn.Par
     return next(iter(magnitudes.values())).weight
 
 
-Piece = tuple[str, StoredTensor, str, ExpertPart | None]  # our key, the tensor, where from, which expert it holds
+@dataclass(frozen=True)
+class Statistic:
+    """A stored statistic of a pre-quantized 4-bit weight (`absmax`, `quant_map`, ...); the piece's key is the
+    weight's."""
+
+    name: str
+
+
+# our key, the tensor, where from, and which expert it holds or which statistic of a 4-bit weight it is
+Piece = tuple[str, StoredTensor, str, ExpertPart | Statistic | None]
 
 
 def random_tensors(targets: dict[str, Target], std: float, seed: int, device: torch.device) -> Iterator[Piece]:
@@ -215,6 +231,12 @@ def tensor_source(cfg: Config, targets: dict[str, Target], model: nn.Module, dev
         return
     layout = model_layout(model)
     for stored_key, tensor, source in stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
+        statistic = bnb_4bit_part(stored_key)
+        if statistic is not None:  # named after its weight, which the layout knows
+            key, _ = layout.model_key(statistic[0])
+            if key is not None:
+                yield key, tensor, source, Statistic(statistic[1])
+            continue
         key, part = layout.model_key(stored_key)
         if key is not None:  # None: a part the text model does not hold (a vision tower)
             yield key, tensor, source, part
@@ -233,6 +255,7 @@ def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
     targets = base_targets(model)
     loaded: set[int] = set()
     experts = ExpertRows(cfg, device)
+    stored_4bit = Prequantized(cfg, device)
     for key, tensor, source, part in tensor_source(cfg, targets, model, device):
         target = targets.get(key)
         if target is None and experts.load_mxfp4(key, targets, tensor):
@@ -242,13 +265,15 @@ def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
                 continue
             raise ModelLoadError(f"{source} holds '{key}', which the model built from config.json lacks: "
                                  "config and weights disagree")
-        if target.experts is not None:
+        if isinstance(part, Statistic) or stored_4bit.is_packed(target, tensor):
+            stored_4bit.load(key, target, tensor, part)
+        elif target.experts is not None:
             experts.load(key, target, tensor, part)
         else:
             load_tensor(target, tensor, cfg, device)
             loaded.add(id(target.param))
         release_freed_memory()  # return the full tensor's pages before reading the next
-    loaded |= experts.complete(targets)
+    loaded |= experts.complete(targets) | stored_4bit.complete()
     missing = sorted(k for k, t in targets.items() if id(t.param) not in loaded)
     if missing:
         raise ModelLoadError(f"checkpoint lacks '{missing[0]}' ({len(missing)} missing): config and weights disagree")
@@ -329,6 +354,81 @@ class ExpertRows:
                                  "disagree")
         return {id(t.param) for k, t in targets.items()
                 if t.experts is not None and len(self.seen.get(k, ())) == t.param.shape[0]}
+
+
+class Prequantized:
+    """Fills 4-bit linears from a pre-quantized checkpoint as stored: a rank copies its rows of the packed bytes and
+    rebuilds the whole weight's quantization state from the statistics (replicated, as after quantizing at load)."""
+
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        self.quant, self.dtype, self.device = cfg.quant, TORCH_DTYPES[cfg.model.dtype], device
+        self.statistics = StoredStatistics()
+        self.packed: set[str] = set()
+        self.stated: dict[str, Target] = {}
+
+    @staticmethod
+    def is_packed(target: Target, stored: StoredTensor) -> bool:
+        """Packed bytes are one column (a weight to quantize has in_features >= the blocksize columns)."""
+        return target.quantized_module is not None and len(stored.shape) == 2 and stored.shape[1] == 1
+
+    def load(self, key: str, target: Target, stored: StoredTensor, part: ExpertPart | Statistic | None) -> None:
+        module = target.quantized_module
+        if module is None:
+            raise ModelLoadError(f"the checkpoint stores '{key}' in 4-bit, where this model has no 4-bit linear: "
+                                 "config and weights disagree")
+        if not isinstance(part, Statistic):
+            self.copy_packed(key, target, stored)
+            return
+        state = self.statistics.add(key, part.name, stored.read(), self.device)
+        if state is None:
+            return
+        state.check(key, (module.out_features, module.in_features), self.quant)
+        # dequantized to model.dtype, as weights quantized at load are: the state's own dtype (the one the weights
+        # had, bf16 on the hub) would round them in training's matmuls and not in bitsandbytes' fused no-grad ones
+        state.state.dtype = self.dtype
+        module.quant_state = state.state
+        if isinstance(module.weight, bnb.nn.Params4bit):
+            module.weight.quant_state = state.state
+        self.stated[key] = target
+        self.fill_dora_magnitude(target)
+
+    def copy_packed(self, key: str, target: Target, stored: StoredTensor) -> None:
+        """This rank's rows of [n / 2, 1] packed bytes, read from however many stored elements cover them."""
+        n_bytes = target.param.shape[0]
+        itemsize, remainder = divmod(n_bytes, stored.shape[0])
+        if remainder or itemsize not in (1, 2, 4):
+            raise ModelLoadError(f"the 4-bit weight '{key}' is stored as {tuple(stored.shape)}, where the config "
+                                 f"wants {n_bytes} packed bytes: config and weights disagree")
+        first, last = shard_row_range(target.param, n_bytes)
+        rows = stored.read((first // itemsize, -(-last // itemsize)))
+        copy_rows_into(target.param, packed_byte_rows(rows, first, last - first).to(self.device))
+        self.packed.add(key)
+        self.fill_dora_magnitude(target)
+
+    def fill_dora_magnitude(self, target: Target) -> None:
+        """DoRA's magnitudes are the dequantized weight's row norms: the whole weight, gathered once both the
+        bytes and the state are here (DoRA is rare; without it nothing is gathered)."""
+        key = next((k for k, t in self.stated.items() if t is target), None)
+        if target.dora_magnitude is None or key is None or key not in self.packed:
+            return
+        module = target.quantized_module
+        assert module is not None and module.quant_state is not None
+        local = target.param.to_local() if isinstance(target.param, DTensor) else target.param.data
+        packed = target.param.full_tensor() if isinstance(target.param, DTensor) else local
+        weight = bnbf.dequantize_4bit(packed, module.quant_state).float()
+        copy_full_into(target.dora_magnitude, weight.norm(dim=1).to(target.dora_magnitude.dtype))
+
+    def complete(self) -> set[int]:
+        """The 4-bit parameters that got both their bytes and their state."""
+        if (key := self.statistics.incomplete()) is not None:
+            raise ModelLoadError(f"checkpoint holds only some of the statistics of the 4-bit weight '{key}': "
+                                 "damaged or incomplete download?")
+        one_sided = sorted(self.packed ^ self.stated.keys())
+        if one_sided:
+            has = "its packed bytes" if one_sided[0] in self.packed else "its statistics"
+            raise ModelLoadError(f"checkpoint holds only {has} of the 4-bit weight '{one_sided[0]}': damaged or "
+                                 "incomplete download?")
+        return {id(target.param) for target in self.stated.values()}
 
 
 def load_tensor(target: Target, stored: StoredTensor, cfg: Config, device: torch.device) -> None:

@@ -113,6 +113,18 @@ def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
     raise ModelLoadError(f"{path} has no weights (*.safetensors); for an architecture-only run set model.init=random")
 
 
+def stored_keys(path: Path) -> list[str]:
+    """Every stored tensor's key, from the index or the files' headers (no tensor is read); pickles: none."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    keys: list[str] = []
+    for file in sorted(path.glob("*.safetensors")):
+        with library_errors(file), safe_open(file, framework="pt") as handle:
+            keys.extend(handle.keys())
+    return keys
+
+
 def stored_weight_tensors(path: Path, allow_pickle: bool, backend: Backend = "mmap"
                        ) -> Iterator[tuple[str, StoredTensor, str]]:
     """(key, tensor not yet read, file name), one file open at a time."""

@@ -31,7 +31,14 @@ from qlora_fsdp.model.experts4bit import LORA_SUFFIX, ExpertMatrix
 from qlora_fsdp.model.families import ExpertPart, PartsWaiting
 from qlora_fsdp.model.loading import base_targets, model_layout, quantize
 from qlora_fsdp.model.names import PEFT_PREFIX, is_lora_tensor, weight_key
-from qlora_fsdp.model.quantized_forms import MXFP4_PARTS, mxfp4_experts, mxfp4_part
+from qlora_fsdp.model.quantized_forms import (
+    MXFP4_PARTS,
+    StoredStatistics,
+    bnb_4bit_part,
+    mxfp4_experts,
+    mxfp4_part,
+    quant_method,
+)
 from qlora_fsdp.model.weight_files import stored_weight_tensors
 from qlora_fsdp.precision import describe_device, resolve_dtypes
 
@@ -118,6 +125,51 @@ def adapter_updates(adapter_dir: Path, meta: nn.Module) -> AdapterUpdates:
     if not (linear or experts or replaced):
         raise ModelLoadError(f"{adapter_dir} holds no LoRA weights")
     return AdapterUpdates(linear, experts, replaced)
+
+
+def updated_linear(updates: AdapterUpdates, full_key: str, weight: torch.Tensor, dtype: DType) -> torch.Tensor:
+    """A base tensor as the merge writes it: plus its LoRA update, or replaced where it trained in full (a router)."""
+    if full_key in updates.linear:
+        weight = updates.linear.pop(full_key).merged(weight)
+    if full_key in updates.replaced:
+        weight = updates.replaced.pop(full_key)
+    return weight.to(device="cpu", dtype=TORCH_DTYPES[dtype])
+
+
+class StoredFourBit:
+    """A pre-quantized checkpoint's 4-bit weights, dequantized once their packed bytes and all their statistics
+    have come (a file stores them by dtype, far apart)."""
+
+    def __init__(self, device: str, dtype: torch.dtype) -> None:
+        self.device, self.dtype = torch.device(device), dtype  # dequantized to model.dtype, as training does
+        self.statistics = StoredStatistics()
+        self.packed: dict[str, torch.Tensor] = {}
+        self.states: dict[str, bnbf.QuantState] = {}
+
+    @staticmethod
+    def is_packed(shape: tuple[int, ...]) -> bool:
+        return len(shape) == 2 and shape[1] == 1
+
+    def add(self, key: str, statistic: tuple[str, str] | None,
+            tensor: torch.Tensor) -> tuple[str, torch.Tensor | None]:
+        """(the weight's key, the dequantized weight once complete, else None)."""
+        if statistic is None:
+            self.packed[key] = tensor.contiguous().view(torch.uint8).reshape(-1, 1)
+        else:
+            key, name = statistic
+            state = self.statistics.add(key, name, tensor, self.device)
+            if state is not None:
+                state.state.dtype = self.dtype
+                self.states[key] = state.state
+        if key not in self.packed or key not in self.states:
+            return key, None
+        return key, bnbf.dequantize_4bit(self.packed.pop(key), self.states.pop(key))
+
+    def check_complete(self) -> None:
+        waiting = self.statistics.incomplete() or next(iter([*self.packed, *self.states]), None)
+        if waiting is not None:
+            raise ModelLoadError(f"checkpoint holds only part of the 4-bit weight '{waiting}' (its packed bytes and "
+                                 "statistics): damaged or incomplete download?")
 
 
 def as_trained(weight: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -221,7 +273,11 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     if cfg.model.init == "random":
         raise ModelLoadError("model.init is random: there are no base weights to merge into")
     cfg = resolve_dtypes(cfg, describe_device(torch.device(device)))  # `auto` as on the device that merges
-    meta = build_meta_model(cfg, load_hf_config(cfg))
+    hf_config = load_hf_config(cfg)
+    if base_weights == "original" and quant_method(hf_config) == "bitsandbytes":
+        raise ConfigError(f"{cfg.model.path} stores its weights in 4-bit: it has no original weights to merge into; "
+                          "leave --base-weights at dequantized")
+    meta = build_meta_model(cfg, hf_config)
     updates = adapter_updates(adapter_dir, meta)
     layout = model_layout(meta)  # the adapter's and the checkpoint's keys both name the checkpoint's full model
     targets = {layout.full_from_ours(key): target for key, target in base_targets(meta).items()}
@@ -232,8 +288,15 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     writer = ShardWriter(tmp, max_shard_bytes)
+    stored_4bit = StoredFourBit(device, TORCH_DTYPES[cfg.model.dtype])
     for key, stored, _ in stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
         if key.endswith("rotary_emb.inv_freq"):
+            continue
+        statistic = bnb_4bit_part(key)
+        if statistic is not None or (layout.full_key(key)[0] in quantized and StoredFourBit.is_packed(stored.shape)):
+            key, ready = stored_4bit.add(key, statistic, stored.read().to(device))
+            if ready is not None:  # as trained: the stored 4-bit values, dequantized
+                writer.add(key, updated_linear(updates, layout.full_key(key)[0], ready, dtype))
             continue
         full_key, part = layout.full_key(key)
         mxfp4 = mxfp4_part(full_key)
@@ -248,20 +311,17 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
             continue
         if full_key in quantized and base_weights == "dequantized":
             weight = as_trained(weight, cfg)
-        if full_key in updates.linear:
-            weight = updates.linear.pop(full_key).merged(weight)
-        if full_key in updates.replaced:  # trained in full (a router)
-            weight = updates.replaced.pop(full_key)
-        writer.add(key, weight.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
+        writer.add(key, updated_linear(updates, full_key, weight, dtype))
+    stored_4bit.check_complete()
     for key in experts.merged:
         updates.experts.pop(key)
     if updates.unused() is not None:
         raise ModelLoadError(f"the adapter has '{updates.unused()}', which the base checkpoint lacks: another base?")
     shards = writer.finish()
-    hf_config = AutoConfig.from_pretrained(model_dir(cfg.model.path), trust_remote_code=cfg.model.trust_remote_code)
-    hf_config.dtype = dtype  # the checkpoint's own config (a multimodal one keeps its vision tower, copied as is)
-    hf_config.__dict__.pop("quantization_config", None)  # a plain checkpoint now
-    hf_config.save_pretrained(tmp)
+    full_config = AutoConfig.from_pretrained(model_dir(cfg.model.path), trust_remote_code=cfg.model.trust_remote_code)
+    full_config.dtype = dtype  # the checkpoint's own config (a multimodal one keeps its vision tower, copied as is)
+    full_config.__dict__.pop("quantization_config", None)  # a plain checkpoint now
+    full_config.save_pretrained(tmp)
     copy_tokenizer(adapter_dir, tmp)
     if out_dir.exists():  # the caller allowed replacing it; removed only now that the new one is complete
         shutil.rmtree(out_dir)
