@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from qlora_fsdp.commands.train import main
 from tests.helpers import REPO
@@ -256,6 +257,62 @@ def model_without_tokenizer(d: Path, model: Path) -> list[str]:
 def model_config_not_json(d: Path, model: Path) -> list[str]:
     folder = shutil.copytree(model, d / "broken_config")
     write(folder / "config.json", '{"model_type": "llama", "hidden_size": ')
+    return [f"model.path={folder}"]
+
+
+def quantized_copy(d: Path, model: Path, quantization: dict) -> str:
+    """The model with config.json saying its weights are stored in another form (as such hub repos say it)."""
+    folder = shutil.copytree(model, d / "quantized")
+    config = json.loads((folder / "config.json").read_text())
+    write(folder / "config.json", json.dumps({**config, "quantization_config": quantization}))
+    return f"model.path={folder}"
+
+
+@bad_input(r"quantized/config\.json says its weights are stored in 8-bit bitsandbytes .*: use the unquantized "
+           r"checkpoint or a bitsandbytes 4-bit \(NF4\) one")
+def model_stored_in_8bit(d: Path, model: Path) -> list[str]:
+    return [quantized_copy(d, model, {"quant_method": "bitsandbytes", "load_in_8bit": True})]
+
+
+@bad_input(r"says its weights are stored in GPTQ \(quantization_config\.quant_method 'gptq'\)")
+def model_stored_in_gptq(d: Path, model: Path) -> list[str]:
+    return [quantized_copy(d, model, {"quant_method": "gptq", "bits": 4, "group_size": 128})]
+
+
+@bad_input(r"says its weights are stored in AWQ \(quantization_config\.quant_method 'awq'\)")
+def model_stored_in_awq(d: Path, model: Path) -> list[str]:
+    return [quantized_copy(d, model, {"quant_method": "awq", "bits": 4, "version": "gemm"})]
+
+
+@bad_input(r"says its weights are stored in FP8 \(quantization_config\.quant_method 'fp8'\)")
+def model_stored_in_fp8(d: Path, model: Path) -> list[str]:
+    return [quantized_copy(d, model, {"quant_method": "fp8", "weight_block_size": [128, 128]})]
+
+
+@bad_input(r"llama: config\.json says its weights are stored in MXFP4 and it has no experts: MXFP4 dense weights "
+           r"are not supported")
+def model_stored_in_mxfp4_dense(d: Path, model: Path) -> list[str]:
+    return [quantized_copy(d, model, {"quant_method": "mxfp4"})]
+
+
+@bad_input(r"holds bitsandbytes 4-bit weights quantized with quant\.double_quant=false, which the recipe's "
+           r"quant\.double_quant=true contradicts: add quant\.double_quant=false")
+def recipe_contradicts_a_prequantized_checkpoint(d: Path, model: Path) -> list[str]:
+    return [quantized_copy(d, model, {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                      "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False})]
+
+
+@bad_input(r"checkpoint holds only some of the statistics of the 4-bit weight 'model\.layers\.0\.self_attn\.q_proj"
+           r"\.weight': damaged or incomplete download\?")
+def prequantized_checkpoint_missing_a_statistic(d: Path, model: Path) -> list[str]:
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_prequantized import prequantize
+
+    folder = prequantize(model, d / "bnb-4bit", torch.uint8)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.self_attn.q_proj.weight.absmax"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return [f"model.path={folder}"]
 
 
