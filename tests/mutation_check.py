@@ -48,6 +48,9 @@ class Mutation:
     quick: bool = False  # its guarding test takes seconds: in the --quick set CI runs
 
 
+PREQUANTIZED_TINY = ("tests/test_prequantized.py::"
+                     "test_tiny_tied_prequantized_trains_at_world_sizes_1_and_2_equal_to_transformers")
+
 MUTATIONS = [
     # ---- the training step, optimizer, sharding, precision -------------------------------------------------
     Mutation("optimizer steps once per micro-batch", "qlora_fsdp/training/loop.py",
@@ -241,6 +244,14 @@ MUTATIONS = [
              quick=True),
     Mutation("a tied head left untied after to_empty", "qlora_fsdp/model/loading.py", "    retie(tied)\n", "",
              "tests/test_tied_weights.py::test_tied_model_loads_as_one_tensor_with_transformers_loss"),
+    Mutation("every rank copies rank 0's rows of a pre-quantized weight", "qlora_fsdp/model/loading.py",
+             "        rows = stored.read((first // itemsize, -(-last // itemsize)))",
+             "        rows = stored.read((0, -(-(last - first) // itemsize)))",
+             PREQUANTIZED_TINY, quick=True),
+    Mutation("pre-quantized weights dequantize to their stored dtype in training", "qlora_fsdp/model/loading.py",
+             "        state.state.dtype = self.dtype\n", "", PREQUANTIZED_TINY),
+    Mutation("the merge dequantizes pre-quantized weights to their stored dtype", "qlora_fsdp/tools/merge.py",
+             "                state.state.dtype = self.dtype\n", "", PREQUANTIZED_TINY),
 ]
 
 

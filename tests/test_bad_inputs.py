@@ -302,6 +302,13 @@ def recipe_contradicts_a_prequantized_checkpoint(d: Path, model: Path) -> list[s
                                       "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False})]
 
 
+@bad_input(r"the 4-bit weight 'model\.layers\.0\..*\.weight' was quantized with blocksize 64: add quant\.blocksize=64")
+def recipe_blocksize_contradicts_a_prequantized_checkpoint(d: Path, model: Path) -> list[str]:
+    from tests.test_prequantized import prequantize
+
+    return [f"model.path={prequantize(model, d / 'bnb-4bit', torch.uint8)}", "quant.blocksize=128"]
+
+
 @bad_input(r"checkpoint holds only some of the statistics of the 4-bit weight 'model\.layers\.0\.self_attn\.q_proj"
            r"\.weight': damaged or incomplete download\?")
 def prequantized_checkpoint_missing_a_statistic(d: Path, model: Path) -> list[str]:

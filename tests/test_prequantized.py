@@ -22,12 +22,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from qlora_fsdp.api import train
 from qlora_fsdp.config import Config
+from qlora_fsdp.config.loader import to_yaml
+from qlora_fsdp.data.batching import Sample, collate
+from qlora_fsdp.model.adapter import adapter_file_key, export_adapter, peft_adapter_key
+from qlora_fsdp.model.build import load_tokenizer
+from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.model.loading import model_layout
 from qlora_fsdp.plan.held import meta_held, planning_config
 from qlora_fsdp.tools.generate import load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.families import write_family_model
-from tests.helpers import REPO, run_ranks, run_ranks_sequence, tiny_config
+from tests.helpers import REPO, full_grads, run_ranks, run_ranks_sequence, tiny_config, variable_length_samples
+from tests.test_families import nonzero_lora_b
 from tests.test_real_model import eval_samples
 
 pytestmark = pytest.mark.slow  # ranks on gloo
@@ -78,6 +86,34 @@ def trained(info, cfg: Config) -> dict:
     return train(cfg, info=info)
 
 
+def gradients(info, cfg: Config, samples: list[Sample], adapter: Path) -> dict:
+    """One step's LoRA gradients with B nonzero (saved as an adapter for PEFT to load), samples split over ranks."""
+    model = build_model(cfg, info)
+    nonzero_lora_b(model)
+    n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
+    batch = collate(samples[info.rank :: info.world_size], 0)
+    (ForwardLoss.for_config(cfg, info.device)(model, batch, info.device) / n_targets).backward()
+    export_adapter(model, load_tokenizer(cfg), adapter, cfg.model.path, info.is_main, to_yaml(cfg))
+    return {adapter_file_key(name, model_layout(model)): grad for name, grad in full_grads(model).items()}
+
+
+def peft_gradients(model_dir: Path, adapter: Path, samples: list[Sample]) -> dict:
+    """The same loss through PEFT on transformers' own load of the checkpoint, each sample alone."""
+    base = transformers_prequantized(model_dir)
+    for module in base.modules():
+        if isinstance(module, bnb.nn.Linear4bit):  # dequantized to fp32 as ours (model.dtype); stored: bf16
+            module.weight.quant_state.dtype = torch.float32
+    model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
+    n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
+    for sample in samples:
+        logits = model(input_ids=torch.tensor([sample.input_ids])).logits[0, :-1]
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(sample.labels[1:]), ignore_index=-100,
+                                                 reduction="sum")
+        (loss / n_targets).backward()
+    return {peft_adapter_key(name, "default"): param.grad for name, param in model.named_parameters()
+            if param.requires_grad}
+
+
 def runs(model_dir: Path, root: Path) -> dict:
     """Two steps at world size 1 (then the adapter's logits) and at world size 2."""
     def config(name: str) -> Config:
@@ -88,8 +124,11 @@ def runs(model_dir: Path, root: Path) -> dict:
     one, two = config("one"), config("two")
     summary, logits = run_ranks_sequence([(trained, (one,)), (live_logits, (one, root / "one" / "adapter"))], 1,
                                          root / "ws1")
-    (summary_two,) = run_ranks_sequence([(trained, (two,))], 2, root / "ws2")
-    return {"cfg": one, "adapter": root / "one" / "adapter", "summaries": (summary, summary_two), "logits": logits}
+    samples = variable_length_samples(one, 4)
+    summary_two, grads = run_ranks_sequence([(trained, (two,)), (gradients, (two, samples, root / "grads"))], 2,
+                                            root / "ws2")
+    return {"cfg": one, "adapter": root / "one" / "adapter", "summaries": (summary, summary_two), "logits": logits,
+            "samples": samples, "grads": grads, "grads_adapter": root / "grads"}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +162,11 @@ def check_against_transformers(model_dir: Path, result: dict, tmp_path: Path, na
     scale = live.abs().max()
     assert (peft - live).abs().max() < 1e-4 * scale
     assert (base - live).abs().max() > 100 * (peft - live).abs().max()  # the adapter matters here
+
+    reference_grads = peft_gradients(model_dir, result["grads_adapter"], result["samples"])
+    assert result["grads"].keys() == reference_grads.keys()
+    for key, grad in reference_grads.items():  # training's path (with gradients) through the stored 4-bit values
+        assert (result["grads"][key] - grad).norm() < 1e-4 * grad.norm(), key
 
     merge_adapter(cfg, result["adapter"], tmp_path / "merged", "float32")
     assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())

@@ -35,7 +35,7 @@ UNTRAINABLE_FORMS = {
 }
 
 
-def quant_method(config: PretrainedConfig) -> str | None:
+def quant_method(config: PretrainedConfig | None) -> str | None:
     quantization = getattr(config, "quantization_config", None) or {}
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     return getattr(quantization, "quant_method", None) if method is None else method

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.plan.fake_world import recipe_step
 from qlora_fsdp.plan.hardware import GPU, GPUS
@@ -178,8 +177,7 @@ def gpu_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
 def host_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
     ranks = cfg.hardware.gpus_per_node
     rows = [Row(f"{ranks} rank processes before loading", ranks * HOST_BASELINE_GIB * GIB, "estimate"),
-            Row("loading: each rank's largest tensor read and quantized",
-                ranks * 2 * held.largest_linear * TORCH_DTYPES[cfg.model.dtype].itemsize, "estimate")]
+            Row("loading: each rank's largest weight read (and quantized)", ranks * held.largest_read, "estimate")]
     if cfg.fsdp.cpu_offload:
         rows += [Row(f"offloaded {r.name}, {ranks} ranks", ranks * r.bytes, r.basis) for r in resident_rows(held, cfg)]
         rows.append(Row(f"offloaded LoRA gradients (shard, {cfg.lora.dtype}), {ranks} ranks", ranks * held.grads,
