@@ -36,7 +36,7 @@ from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.families import write_family_model
 from tests.helpers import REPO, full_grads, run_ranks, run_ranks_sequence, tiny_config, variable_length_samples
 from tests.test_families import nonzero_lora_b
-from tests.test_real_model import eval_samples
+from tests.test_real_model import eval_samples, held_out_loss
 
 pytestmark = pytest.mark.slow  # ranks on gloo
 
@@ -53,9 +53,9 @@ def prequantize(source: Path, out: Path, storage: torch.dtype, max_shard_size: s
     return out
 
 
-def transformers_prequantized(model_dir: Path) -> torch.nn.Module:
+def transformers_prequantized(model_dir: Path, model_class: type = AutoModelForCausalLM) -> torch.nn.Module:
     """transformers' own load of the pre-quantized checkpoint, fp32 around the stored 4-bit values."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model_class.from_pretrained(model_dir, dtype=torch.float32)
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False  # the portable kernel, as training's (helpers.transformers_nf4)
@@ -199,3 +199,21 @@ def test_the_planner_reads_a_prequantized_checkpoint_as_its_original(tiny_prequa
     cfg = tiny_config(tiny_prequantized)
     cfg.model.path = "unsloth/Meta-Llama-3.1-70B-bnb-4bit"
     assert planning_config(cfg).quantization_config["quant_method"] == "bitsandbytes"
+
+
+def test_a_prequantized_multimodal_gemma3_trains_its_text_model_equal_to_transformers(tmp_path):
+    """Gemma 3 4B-27B `-bnb-4bit` repos: the decoder under `language_model.`, its vision tower quantized too."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    tokenizer = train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512)
+    source = write_family_model(tmp_path / "source", "gemma3_multimodal", tokenizer)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32)
+    model = Gemma3ForConditionalGeneration.from_pretrained(source, quantization_config=quant, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bnb-4bit")
+    tokenizer.save_pretrained(tmp_path / "bnb-4bit")
+    cfg = tiny_config(tmp_path / "bnb-4bit")
+    ours = [run_ranks_sequence([(held_out_loss, (cfg,))], ws, tmp_path / f"ws{ws}")[0] for ws in (1, 2)]
+    reference = transformers_loss(transformers_prequantized(tmp_path / "bnb-4bit", Gemma3ForConditionalGeneration),
+                                  cfg)
+    assert ours == pytest.approx([reference, reference], rel=1e-5)
