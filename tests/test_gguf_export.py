@@ -1,0 +1,257 @@
+"""Export to GGUF (qlora-export): llama.cpp's converter writes the file, transformers' GGUF reader (gguf==0.19.0, none
+of the converter's code) reads it back as the independent check.
+
+SmolLM2-135M-Instruct with a LoRA adapter is exported once as f16 (merged by our merge, kept with --keep-merged) and
+its merged folder once as q8_0; tiny Llama, Qwen3 and Gemma 3 models are exported as f16. The tiny models carry
+SmolLM2's tokenizer: the converter identifies a BPE tokenizer by a hash of its pre-tokenizer's output and refuses
+ones it does not know, which the repo's 512-token tiny tokenizer is (a test below holds that refusal to one line).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from qlora_fsdp.commands.export import main as export_main
+from qlora_fsdp.config import to_yaml
+from qlora_fsdp.model.adapter import TRAINING_CONFIG
+from qlora_fsdp.tools.gguf_export import converter_dir
+from qlora_fsdp.tools.ollama import PROBE, hf_render, render_chat
+from tests.families import FAMILIES, SMALL, WINDOW
+from tests.helpers import command_here, tiny_config
+
+pytestmark = pytest.mark.slow  # the converter runs as a subprocess
+
+CHAT = [{"role": "user", "content": "Reverse the letters of the word river."},
+        {"role": "assistant", "content": "revir"}, {"role": "user", "content": "And of the word stone?"}]
+Q8_BLOCK = 32
+# Q8_0 per block of 32: d = amax/127, q = round(x/d), d stored as float16. |x - q*f16(d)| <= d/2 + 127*|d - f16(d)|
+# <= amax/254 + amax*2^-11 (float16's half ulp, relative); a little float32 slack on top
+Q8_BOUND = 1 / 254 + 2**-11 + 1e-6
+
+
+def chat_ids(tokenizer) -> torch.Tensor:
+    return tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+def logits(model_dir: Path, input_ids: torch.Tensor, gguf_file: str | None = None) -> torch.Tensor:
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits[0]
+
+
+def one_tensor(model_dir: Path, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as file:
+            if key in file.keys():
+                return file.get_tensor(key).float()
+    raise KeyError(key)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def export(argv: list) -> tuple[int, str, str]:
+    result = command_here(export_main, argv)
+    return result.returncode, result.stdout, result.stderr
+
+
+def one_gguf(folder: Path) -> str:
+    (file,) = [path.name for path in folder.glob("*.gguf")]
+    return file
+
+
+@pytest.fixture(scope="module", autouse=True)
+def converter_installed():
+    assert (converter_dir() / "convert_hf_to_gguf.py").is_file(), "make gguf-converter installs llama.cpp's converter"
+
+
+def write_lora_adapter(base: Path, out: Path) -> Path:
+    """A PEFT LoRA adapter of `base` far from its init (seeded), with the tokenizer and a training_config.yaml as
+    train.py writes them."""
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+    peft_model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    cfg = tiny_config(base, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+    (out / TRAINING_CONFIG).write_text(to_yaml(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol_f16(real_model_dir, tmp_path_factory):
+    """SmolLM2 + a LoRA adapter exported once as f16, the merged checkpoint kept beside it: (out, stdout)."""
+    root = tmp_path_factory.mktemp("smol-gguf")
+    adapter = write_lora_adapter(real_model_dir, root / "run" / "adapter")
+    code, out, err = export(["--adapter", adapter, "--out", root / "gguf", "--keep-merged"])
+    assert code == 0, err
+    return root / "gguf", out
+
+
+@pytest.fixture(scope="module")
+def smol_merged(smol_f16):
+    """(the merged checkpoint in float32, a chat's ids, its logits): the reference of every SmolLM2 export."""
+    merged_dir = smol_f16[0] / "merged"
+    model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    input_ids = chat_ids(AutoTokenizer.from_pretrained(merged_dir))
+    with torch.no_grad():
+        return model, input_ids, model(input_ids=input_ids).logits[0]
+
+
+def test_f16_export_of_an_adapter_computes_the_merged_model(smol_f16, smol_merged, real_model_dir):
+    folder, stdout = smol_f16
+    _, input_ids, merged = smol_merged
+    exported = logits(folder, input_ids, one_gguf(folder))
+    key = "model.layers.0.self_attn.q_proj.weight"  # the adapter changed it: matching the merge means something
+    assert relative(one_tensor(folder / "merged", key), one_tensor(real_model_dir, key)) > 0.05
+    assert relative(exported, merged) < 1e-2
+    assert one_gguf(folder) == "run-F16.gguf" and f"llama-cli -m {folder / 'run-F16.gguf'}" in stdout
+    assert "ollama create run -f Modelfile" in stdout and "ollama run run" in stdout
+
+
+def test_the_gguf_tokenizer_encodes_a_chat_as_ours(smol_f16):
+    folder, _ = smol_f16
+    ours = AutoTokenizer.from_pretrained(folder / "merged")
+    from_gguf = AutoTokenizer.from_pretrained(folder, gguf_file=one_gguf(folder))
+    assert from_gguf.chat_template == ours.chat_template
+    assert chat_ids(from_gguf).tolist() == chat_ids(ours).tolist()
+    assert from_gguf.eos_token == ours.eos_token == "<|im_end|>"
+
+
+def test_modelfile_translates_the_chatml_template_with_its_default_system_prompt(smol_f16):
+    folder, _ = smol_f16
+    text = (folder / "Modelfile").read_text()
+    assert text.startswith("FROM ./run-F16.gguf\n")
+    template = text.split('TEMPLATE """')[1].split('"""')[0]
+    system = text.split('SYSTEM """')[1].split('"""')[0]
+    assert system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    tokenizer = AutoTokenizer.from_pretrained(folder / "merged")
+    # what Ollama renders from the Modelfile is what the model was trained on, with and without a system message
+    assert render_chat(template, PROBE) == hf_render(tokenizer, PROBE)
+    assert render_chat(template, PROBE[1:], system) == hf_render(tokenizer, PROBE[1:])
+    assert 'PARAMETER stop "<|im_end|>"' in text
+
+
+def q8_errors(merged: dict[str, torch.Tensor], read: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each weight's largest error as a share of its 32-block's largest magnitude (Q8_0's blocks run along rows)."""
+    errors = {}
+    for key, weight in merged.items():
+        if weight.dim() != 2 or weight.shape[1] % Q8_BLOCK:
+            continue
+        blocks = weight.float().reshape(-1, Q8_BLOCK)
+        error = (read[key].float().reshape(-1, Q8_BLOCK) - blocks).abs().amax(dim=1)
+        errors[key] = float((error / blocks.abs().amax(dim=1).clamp_min(1e-30)).max())
+    return errors
+
+
+def test_q8_0_export_of_a_merged_folder_is_within_its_rounding(smol_f16, smol_merged, tmp_path):
+    merged_dir = smol_f16[0] / "merged"
+    merged, input_ids, ref = smol_merged
+    code, _, err = export(["--model", merged_dir, "--out", tmp_path / "q8", "--outtype", "q8_0"])
+    assert code == 0, err
+    file = one_gguf(tmp_path / "q8")
+    assert file == "merged-Q8_0.gguf"
+    read = AutoModelForCausalLM.from_pretrained(tmp_path / "q8", gguf_file=file, dtype=torch.float32).eval()
+    errors = q8_errors(merged.state_dict(), read.state_dict())
+    assert len(errors) == 30 * 7 + 2  # every projection of the 30 layers, the embedding and lm_head (tied to it)
+    assert max(errors.values()) <= Q8_BOUND
+    assert min(errors.values()) > 1e-3  # each one was quantized (f16 alone would be 2^-11 at most)
+    with torch.no_grad():
+        got = read(input_ids=input_ids).logits[0]
+    # weights off by up to 1/254 of their block's largest, through 30 layers: measured 0.03; a wrong layout is ~1
+    assert 1e-4 < relative(got, ref) < 0.06
+
+
+def tiny_family(family: str, tokenizer, out: Path) -> Path:
+    """tests/families.py's tiny model with a real tokenizer, set as the family's released models are where the GGUF
+    (or transformers' reader of it) has no key for a setting: Qwen3's head_dim 128 (the reader takes it from
+    Qwen3's default, not attention.key_length); Gemma 3's query_pre_attn_scalar = head_dim (llama.cpp scales by
+    head_dim; the reader takes Gemma 3's default 256), five sliding layers to one full one (llama.cpp's fixed pattern)
+    and no rope scaling (the reader drops it), as in 270M and 1B."""
+    config = FAMILIES[family](tokenizer)
+    if family == "qwen3":
+        config.head_dim = 128
+    if family == "gemma3":
+        tokens = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+                  "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+        config = AutoConfig.for_model("gemma3_text", **{**SMALL, **tokens, "num_hidden_layers": 6}, head_dim=256,
+                                      query_pre_attn_scalar=256, sliding_window=WINDOW,
+                                      layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_tiny_families_export_as_f16_and_read_back_equal(family, real_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    model_dir = tiny_family(family, tokenizer, tmp_path / family)
+    code, _, err = export(["--model", model_dir, "--out", tmp_path / "gguf"])
+    assert code == 0, err
+    input_ids = chat_ids(tokenizer)
+    assert input_ids.shape[1] > WINDOW  # past the sliding window: Gemma 3's sliding layers are under test
+    ours, exported = logits(model_dir, input_ids), logits(tmp_path / "gguf", input_ids, one_gguf(tmp_path / "gguf"))
+    assert relative(exported, ours) < 1e-2
+
+
+def test_an_existing_target_is_never_clobbered(real_model_dir, tmp_path):
+    out = tmp_path / "gguf"
+    out.mkdir()
+    (out / "old-F16.gguf").write_bytes(b"GGUF\x03\x00")  # a truncated file from an interrupted export
+    code, _, err = export(["--model", real_model_dir, "--out", out])
+    assert code == 2
+    assert err == f"error: {out} exists and is not empty: choose another --out, or pass --overwrite\n"
+    assert [path.name for path in out.iterdir()] == ["old-F16.gguf"]
+    assert (out / "old-F16.gguf").read_bytes() == b"GGUF\x03\x00"
+
+
+def test_an_adapter_whose_base_is_missing_is_refused(smol_f16, tmp_path):
+    adapter = smol_f16[0].parent / "run" / "adapter"
+    code, _, err = export(["--adapter", adapter, "--out", tmp_path / "gguf", f"model.path={tmp_path / 'gone'}"])
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: model.path '{tmp_path / 'gone'}' is not") and not (tmp_path / "gguf").exists()
+
+
+def test_a_family_the_converter_lacks_is_refused_before_anything_is_written(tmp_path):
+    """JetMoe (a mixture of experts transformers has) has no class in the converter."""
+    model_dir = tmp_path / "jetmoe"
+    AutoConfig.for_model("jetmoe").save_pretrained(model_dir)
+    code, _, err = export(["--model", model_dir, "--out", tmp_path / "gguf"])
+    assert code == 2
+    assert err == ("error: llama.cpp's converter (convert-hf-to-gguf) cannot export JetMoeForCausalLM: it has no class "
+                   "for this architecture; export the merged checkpoint with a llama.cpp that supports it\n")
+    assert not (tmp_path / "gguf").exists() and not (tmp_path / "gguf.tmp").exists()
+
+
+def test_a_tokenizer_the_converter_does_not_know_fails_in_one_line_and_leaves_nothing(tiny_model_dir, tmp_path):
+    code, _, err = export(["--model", tiny_model_dir, "--out", tmp_path / "gguf"])
+    assert code == 2 and err.count("\n") == 1
+    assert "pre-tokenizer is not one llama.cpp knows" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_converters_gguf_does_not_replace_ours():
+    """The converter's wheel ships a `gguf` package: installed apart, ours (which transformers reads with) stays."""
+    import importlib.metadata
+
+    import gguf
+
+    assert importlib.metadata.version("gguf") == "0.19.0"
+    assert not Path(gguf.__file__).is_relative_to(converter_dir())
+    assert (converter_dir() / "gguf" / "__init__.py").is_file()
