@@ -19,7 +19,7 @@ from qlora_fsdp.commands.export import main as export_main
 from qlora_fsdp.config import to_yaml
 from qlora_fsdp.model.adapter import TRAINING_CONFIG
 from qlora_fsdp.tools.gguf_export import converter_dir
-from qlora_fsdp.tools.ollama import PROBE, hf_render, render_chat
+from qlora_fsdp.tools.ollama import PROBE, hf_render, modelfile, render_chat, translate
 from tests.families import FAMILIES, SMALL, WINDOW
 from tests.helpers import command_here, tiny_config
 
@@ -198,12 +198,18 @@ def tiny_family(family: str, tokenizer, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
-def test_tiny_families_export_as_f16_and_read_back_equal(family, real_model_dir, tmp_path):
+@pytest.mark.parametrize(("family", "outtype"), [("llama", "q4_k_m"), ("qwen3", "f16"), ("gemma3", "bf16")])
+def test_tiny_families_export_and_read_back_equal(family, outtype, real_model_dir, tmp_path):
+    """bf16 and f16 hold the checkpoint's bf16 weights exactly; a k-quant writes f16 and prints llama.cpp's command."""
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
     model_dir = tiny_family(family, tokenizer, tmp_path / family)
-    code, _, err = export(["--model", model_dir, "--out", tmp_path / "gguf"])
+    code, stdout, err = export(["--model", model_dir, "--out", tmp_path / "gguf", "--outtype", outtype])
     assert code == 0, err
+    written = "bf16" if outtype == "bf16" else "f16"
+    assert one_gguf(tmp_path / "gguf") == f"{family}-{written.upper()}.gguf"
+    if outtype == "q4_k_m":
+        gguf = tmp_path / "gguf" / f"{family}-F16.gguf"
+        assert f"llama-quantize {gguf} {gguf.with_name(f'{family}-Q4_K_M.gguf')} Q4_K_M\n" in stdout
     input_ids = chat_ids(tokenizer)
     assert input_ids.shape[1] > WINDOW  # past the sliding window: Gemma 3's sliding layers are under test
     ours, exported = logits(model_dir, input_ids), logits(tmp_path / "gguf", input_ids, one_gguf(tmp_path / "gguf"))
@@ -255,3 +261,36 @@ def test_the_converters_gguf_does_not_replace_ours():
     assert importlib.metadata.version("gguf") == "0.19.0"
     assert not Path(gguf.__file__).is_relative_to(converter_dir())
     assert (converter_dir() / "gguf" / "__init__.py").is_file()
+
+
+# turn formats written here in the families' shapes (no such template ships with a local model): the translation
+# must reproduce them, system message folded into the first user turn (Gemma) or a turn of its own (Llama 3)
+GEMMA_STYLE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+               "{% set first = messages[0]['content'] + '\\n\\n' %}{% set messages = messages[1:] %}"
+               "{% else %}{% set first = '' %}{% endif %}{% for m in messages %}"
+               "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+               "{{ (first if loop.first else '') + m['content'] + '<end_of_turn>\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+LLAMA3_STYLE = ("{{ bos_token }}{% for m in messages %}"
+                "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+                "{{ m['content'] + '<|eot_id|>' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+CHATML_WITHOUT_NEWLINES = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + m['content'] + '<|im_end|>' }}"
+                           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant' }}{% endif %}")
+
+
+@pytest.mark.parametrize(("source", "adds_bos", "family"), [
+    (GEMMA_STYLE, True, "gemma"), (LLAMA3_STYLE, True, "llama3"),
+    (LLAMA3_STYLE, False, None),  # BOS written by the template alone: Ollama's per-turn template would repeat it
+    (CHATML_WITHOUT_NEWLINES, True, None), ("{{ messages[0]['content'] }}", True, None)])
+def test_a_template_is_translated_only_where_it_renders_chats_the_same(source, adds_bos, family, tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, add_bos_token=adds_bos)
+    tokenizer.chat_template = source
+    translation = translate(tokenizer)
+    assert (translation.family and translation.family.name) == family
+    if family is not None:
+        assert render_chat(translation.family.template, PROBE) == hf_render(tokenizer, PROBE)
+        assert translation.system == ""
+    else:
+        assert "no TEMPLATE written" in translation.note
+        assert "TEMPLATE" not in modelfile("x.gguf", translation, []).replace("no TEMPLATE", "")
