@@ -227,6 +227,16 @@ def test_an_existing_target_is_never_clobbered(real_model_dir, tmp_path):
     assert (out / "old-F16.gguf").read_bytes() == b"GGUF\x03\x00"
 
 
+def test_the_source_folder_is_never_the_target_even_with_overwrite(tmp_path):
+    model_dir = tmp_path / "merged"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    code, _, err = export(["--model", model_dir, "--out", tmp_path, "--overwrite"])
+    assert code == 2
+    assert err == f"error: --out {tmp_path} is (or holds) the folder being exported: choose another --out\n"
+    assert (model_dir / "config.json").read_text() == "{}"
+
+
 def test_an_adapter_whose_base_is_missing_is_refused(smol_f16, tmp_path):
     adapter = smol_f16[0].parent / "run" / "adapter"
     code, _, err = export(["--adapter", adapter, "--out", tmp_path / "gguf", f"model.path={tmp_path / 'gone'}"])

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     converter_script()  # installed? (before anything is merged)
     name = safe_name(args.name) if args.name else default_name(args.adapter or args.model)
     started = time.perf_counter()
-    work = staging_dir(args.out, args.overwrite)
+    work = staging_dir(args.out, args.overwrite, args.adapter or args.model)
     try:
         source, arch = merged_source(args, work, outtype)
         file = gguf_name(name, outtype)

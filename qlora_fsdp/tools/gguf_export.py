@@ -155,8 +155,11 @@ def default_name(source: Path) -> str:
     return safe_name(source.parent.name if source.name == "adapter" else source.name)
 
 
-def staging_dir(out: Path, overwrite: bool) -> Path:
-    """A new empty folder beside `out` to build the export in; `out` itself must be new or empty (or --overwrite)."""
+def staging_dir(out: Path, overwrite: bool, source: Path) -> Path:
+    """A new empty folder beside `out` to build the export in; `out` itself must be new or empty (or --overwrite),
+    and never the source or a folder holding it (--overwrite would delete what is being exported)."""
+    if out.resolve() == source.resolve() or out.resolve() in source.resolve().parents:
+        raise GgufExportError(f"--out {out} is (or holds) the folder being exported: choose another --out")
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
         raise GgufExportError(f"{out} exists and is not empty: choose another --out, or pass --overwrite")
     work = out.with_name(out.name + ".tmp")
