@@ -104,6 +104,11 @@ def smol_f16(real_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def smol_tokenizer(real_model_dir):
+    return AutoTokenizer.from_pretrained(real_model_dir)
+
+
+@pytest.fixture(scope="module")
 def smol_merged(smol_f16):
     """(the merged checkpoint in float32, a chat's ids, its logits): the reference of every SmolLM2 export."""
     merged_dir = smol_f16[0] / "merged"
@@ -199,9 +204,9 @@ def tiny_family(family: str, tokenizer, out: Path) -> Path:
 
 
 @pytest.mark.parametrize(("family", "outtype"), [("llama", "q4_k_m"), ("qwen3", "f16"), ("gemma3", "bf16")])
-def test_tiny_families_export_and_read_back_equal(family, outtype, real_model_dir, tmp_path):
+def test_tiny_families_export_and_read_back_equal(family, outtype, smol_tokenizer, tmp_path):
     """bf16 and f16 hold the checkpoint's bf16 weights exactly; a k-quant writes f16 and prints llama.cpp's command."""
-    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    tokenizer = smol_tokenizer
     model_dir = tiny_family(family, tokenizer, tmp_path / family)
     code, stdout, err = export(["--model", model_dir, "--out", tmp_path / "gguf", "--outtype", outtype])
     assert code == 0, err
