@@ -263,7 +263,8 @@ def test_a_family_the_converter_lacks_is_refused_before_anything_is_written(tmp_
 def test_a_tokenizer_the_converter_does_not_know_fails_in_one_line_and_leaves_nothing(tiny_model_dir, tmp_path):
     code, _, err = export(["--model", tiny_model_dir, "--out", tmp_path / "gguf"])
     assert code == 2 and err.count("\n") == 1
-    assert "pre-tokenizer is not one llama.cpp knows" in err
+    assert err.startswith(f"error: llama.cpp's converter failed on {tiny_model_dir}: its tokenizer's pre-tokenizer is "
+                          "not one llama.cpp knows")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         source, arch = merged_source(args, work, outtype)
         file = gguf_name(name, outtype)
-        converted = convert(stage(source, work / "stage", arch), work / file, outtype)
+        converted = convert(stage(source, work / "stage", arch), work / file, outtype, args.adapter or source)
         translation_note = write_modelfile(work, file, source)
         shutil.rmtree(work / "stage")
         if source.parent == work and not args.keep_merged:

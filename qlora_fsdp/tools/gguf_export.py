@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def converter_script() -> Path:
 def known_architectures() -> set[str] | None:
     """The architectures the converter has a model class for, read from its own table without importing it (that
     would import its `gguf`); None where the table is not where this version keeps it (the converter then decides)."""
-    source = (converter_dir() / "conversion" / "__init__.py")
+    source = converter_dir() / "conversion" / "__init__.py"
     if not source.is_file():
         return None
     for node in ast.parse(source.read_text()).body:
@@ -97,7 +98,7 @@ def stage(folder: Path, staging: Path, arch: str) -> Path:
         if path.name != "config.json" and path.is_file():
             (staging / path.name).symlink_to(path.resolve())
     config = json.loads((folder / "config.json").read_text())
-    config.setdefault("architectures", [arch])
+    config["architectures"] = config.get("architectures") or [arch]
     (staging / "config.json").write_text(json.dumps(config, indent=2))
     return staging
 
@@ -108,10 +109,9 @@ class ConverterRun:
     log: str
 
 
-def convert(folder: Path, out_file: Path, outtype: str) -> ConverterRun:
-    """Run llama.cpp's converter on a checkpoint folder; its failure becomes one line naming its own reason."""
-    import time
-
+def convert(folder: Path, out_file: Path, outtype: str, source: Path) -> ConverterRun:
+    """Run llama.cpp's converter on a (staged) checkpoint folder; its failure becomes one line naming the source
+    folder and the converter's own reason."""
     script = converter_script()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent),
                                                                      os.environ.get("PYTHONPATH")]))}
@@ -120,7 +120,7 @@ def convert(folder: Path, out_file: Path, outtype: str) -> ConverterRun:
                           env=env, capture_output=True, text=True)
     log = done.stdout + done.stderr
     if done.returncode != 0:
-        raise GgufExportError(f"llama.cpp's converter failed on {folder}: {converter_reason(log)}")
+        raise GgufExportError(f"llama.cpp's converter failed on {source}: {converter_reason(log)}")
     return ConverterRun(time.perf_counter() - started, log)
 
 
