@@ -77,8 +77,8 @@ class Held:
     grads: int = 0
     optimizer: int = 0
     layer_shard: int = 0  # one decoder layer's local shards (what offload copies to the GPU to gather it)
-    largest_read: int = 0  # bytes of the biggest weight loading holds at once: read whole and quantized (x2), or
-    # a pre-quantized checkpoint's packed bytes, copied as stored
+    largest_linear: int = 0  # elements of the biggest weight read whole and quantized while loading
+    largest_packed: int = 0  # bytes of the biggest pre-quantized weight, its packed bytes copied as stored
     base_parameters: int = 0  # unpacked count
     active_parameters: int = 0  # those a token computes with (a mixture of experts: its top-k experts), for MFU
     lora_elements: int = 0  # all ranks' LoRA elements together (the unsharded count)
@@ -87,19 +87,20 @@ class Held:
 def held_bytes(model: nn.Module, cfg: Config) -> Held:
     held = Held()
     packed = set()
-    quantized_read = 2 * TORCH_DTYPES[cfg.model.dtype].itemsize  # the weight read, and its copy being quantized
-    stored_4bit = quant_method(getattr(model, "config", None)) == "bitsandbytes"
-    linear_read = 0.5 if stored_4bit else quantized_read  # a pre-quantized checkpoint's packed bytes
+    stored_4bit = quant_method(getattr(model, "config", None)) == "bitsandbytes"  # a pre-quantized checkpoint
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             n = module.in_features * module.out_features
             packed.add(id(module.weight))
             held.quant_state += quant_state_bytes(n, cfg.quant.blocksize, cfg.quant.double_quant)
-            held.largest_read = max(held.largest_read, int(n * linear_read))
+            if stored_4bit:
+                held.largest_packed = max(held.largest_packed, n // 2)
+            else:
+                held.largest_linear = max(held.largest_linear, n)
         if isinstance(module, Experts4bit):  # rows of packed values and their statistics, sharded over experts
             for name, matrix in module.expert_matrices.items():
                 packed.add(id(getattr(module, name)))
-                held.largest_read = max(held.largest_read, matrix.numel * quantized_read)  # one expert at a time
+                held.largest_linear = max(held.largest_linear, matrix.numel)  # read one expert at a time
     for param in model.parameters():
         shard = local_shard(param)
         if param.requires_grad:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from qlora_fsdp.config import Config
+from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.plan.fake_world import recipe_step
 from qlora_fsdp.plan.hardware import GPU, GPUS
@@ -174,10 +175,17 @@ def gpu_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
     return rows
 
 
+def loading_bytes(held: Held, cfg: Config) -> int:
+    """The most loading holds at once: a weight read whole and its copy being quantized, or a pre-quantized
+    checkpoint's packed bytes, copied as stored."""
+    return max(2 * held.largest_linear * TORCH_DTYPES[cfg.model.dtype].itemsize, held.largest_packed)
+
+
 def host_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
     ranks = cfg.hardware.gpus_per_node
     rows = [Row(f"{ranks} rank processes before loading", ranks * HOST_BASELINE_GIB * GIB, "estimate"),
-            Row("loading: each rank's largest weight read (and quantized)", ranks * held.largest_read, "estimate")]
+            Row("loading: each rank's largest weight read (and quantized)", ranks * loading_bytes(held, cfg),
+                "estimate")]
     if cfg.fsdp.cpu_offload:
         rows += [Row(f"offloaded {r.name}, {ranks} ranks", ranks * r.bytes, r.basis) for r in resident_rows(held, cfg)]
         rows.append(Row(f"offloaded LoRA gradients (shard, {cfg.lora.dtype}), {ranks} ranks", ranks * held.grads,
