@@ -20,7 +20,7 @@ AttnImplementation = Literal["auto", "sdpa", "sdpa_varlen", "eager", "flash_atte
 @dataclass
 class ModelConfig:
     path: str = "models/tiny-llama"  # a local checkpoint folder, or a hub id where a network is there
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the Python code a hub checkpoint ships (its own model classes)
     dtype: DTypeChoice = "auto"  # non-quantized weights (embeddings, norms, lm_head)
     init: Literal["pretrained", "random"] = "pretrained"  # random: seeded weights from config.json alone
     # auto: per-sample attention for packed rows (flash_attention_2 on CUDA where flash-attn is installed, else
@@ -35,25 +35,25 @@ class ModelConfig:
 
 @dataclass
 class QuantConfig:
-    quant_type: Literal["nf4", "fp4"] = "nf4"
+    quant_type: Literal["nf4", "fp4"] = "nf4"  # the 4-bit code: nf4 (QLoRA's normal-float levels) or fp4
     double_quant: bool = True  # quantize the absmax too: ~0.13 instead of 0.5 extra bit per parameter
     compute_dtype: DTypeChoice = "auto"  # what the 4-bit weights are dequantized to
-    blocksize: int = 64
-    skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])
+    blocksize: int = 64  # weights per absmax scale; a pre-quantized checkpoint's own must be given
+    skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])  # linears (by last name part) kept unquantized
 
 
 @dataclass
 class LoraConfig:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
+    r: int = 16  # the rank of each LoRA update (A is r x in, B is out x r)
+    alpha: int = 32  # the update is scaled by alpha/r (alpha/sqrt(r) with use_rslora)
+    dropout: float = 0.0  # dropout on the LoRA input, in training only
     target_modules: str | list[str] = "all-linear"  # or a list such as [q_proj, v_proj]
-    use_dora: bool = False
+    use_dora: bool = False  # DoRA: a trained magnitude per output row beside the LoRA direction
     use_rslora: bool = False  # rank-stabilized: scale the update by alpha/sqrt(r) instead of alpha/r
     # mixtures of experts: LoRA on every expert's matrices too (saved as PEFT's target_parameters), and the routers
     # trained in full (saved as PEFT's modules_to_save); by default only the attention and dense layers get LoRA
     target_experts: bool = False
-    train_router: bool = False
+    train_router: bool = False  # mixtures of experts: the routers trained in full (see target_experts)
     dtype: DType = "float32"  # trainable weights; fp32 keeps small updates from rounding away
     # q/k/v and gate/up, which read the same input: one cast of it and one matmul by their A matrices stacked
     fuse_projections: bool = True
@@ -68,9 +68,10 @@ class FSDPConfig:
     reshard_after_forward: bool = True  # free gathered layers after forward; re-gather in backward
     cpu_offload: bool = False  # sharded params, grads and optimizer state live in host RAM
     param_dtype: DType | None = None  # None: compute in storage dtypes (the 4-bit storage is never cast)
-    reduce_dtype: DType = "float32"
-    shard_size: int | None = None  # None: shard over all ranks; n: HSDP, shard within groups of n ranks
-    # (a node), replicate across the groups, so the parameter all-gathers stay on the fast local links
+    reduce_dtype: DType = "float32"  # the dtype gradients are reduced across ranks in
+    # None: shard over all ranks; n: HSDP, shard within groups of n ranks (a node), replicate across the groups,
+    # so the parameter all-gathers stay on the fast local links
+    shard_size: int | None = None
 
 
 CheckpointedLayers = Literal["every_layer", "every_nth", "first_last", "layers", "off"]
@@ -82,7 +83,7 @@ class ActivationCheckpointingConfig:
     """What backward recomputes instead of keeping: the one policy sharding applies, training runs and the
     planner measures. `mode` picks the layers, `scope` what inside each chosen layer is recomputed."""
 
-    mode: CheckpointedLayers = "every_layer"
+    mode: CheckpointedLayers = "every_layer"  # which decoder layers are checkpointed (off: none)
     every_n: int = 2  # every_nth: layers 0, n, 2n, ... are checkpointed
     first_last: int = 1  # first_last: the first N and the last N layers are checkpointed
     layers: list[int] = field(default_factory=list)  # layers: these layer indices (0-based) are checkpointed
@@ -114,8 +115,8 @@ class LossConfig:
     time and are recomputed in backward, so the full fp32 logits (tokens x vocabulary) never exist at once;
     the summed loss and its gradients are the full computation's (to float rounding)."""
 
-    chunked: bool = True
-    chunk_tokens: int = 256
+    chunked: bool = True  # false: the full fp32 logits (tokens x vocabulary) at once
+    chunk_tokens: int = 256  # tokens per chunk of the output projection and loss
 
 
 Objective = Literal["sft", "dpo", "orpo", "simpo"]
@@ -147,13 +148,13 @@ class PreferenceConfig:
 @dataclass
 class OptimConfig:
     name: str = "paged_adamw_8bit"  # a key of qlora_fsdp/optimizer_registry.py's registry
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    lr: float = 2e-4  # the peak learning rate, reached after warmup
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay on the trained weights
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's two moment decay rates
+    eps: float = 1e-8  # Adam's denominator term
     max_grad_norm: float | None = 1.0  # None: no clipping
-    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 0
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"  # the decay after warmup
+    warmup_steps: int = 0  # optimizer steps of linear warmup from 0 to lr
     warmup_ratio: float = 0.0  # or warmup as a fraction of train.max_steps (optimizer steps); not both
     min_lr_ratio: float = 0.1  # cosine/linear decay floor, as a fraction of lr
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr by (effective batch / lr_base_batch)
@@ -161,7 +162,7 @@ class OptimConfig:
     # float16 compute only (a pre-Ampere GPU): the loss is multiplied by a scale that halves when a step's
     # gradients overflow (the step is skipped) and doubles after this many good steps in a row
     loss_scale_init: float = 65536.0
-    loss_scale_growth_interval: int = 2000
+    loss_scale_growth_interval: int = 2000  # good steps in a row before the scale doubles
 
 
 DataFormat = Literal["alpaca", "chat", "sharegpt", "text"]
@@ -173,7 +174,7 @@ OverlongPolicy = Literal["truncate", "drop", "split"]
 @dataclass
 class SourceConfig:
     path: str = ""  # a JSON/JSONL/Parquet/CSV file, a folder of them, a save_to_disk folder, or a hub dataset id
-    format: DataFormat = "alpaca"
+    format: DataFormat = "alpaca"  # as data.format, for this source
     fields: dict[str, str] = field(default_factory=dict)  # our field name -> the data's, e.g. {output: response}
     weight: float = 1.0  # copies per epoch: 2.0 repeats the source, 0.5 takes a seeded half
     split: str = "train"  # for hub ids and save_to_disk dataset dicts
@@ -183,13 +184,13 @@ class SourceConfig:
 class DataConfig:
     path: str = "data/tiny_instruct.jsonl"  # one source; or list several under `sources` (then path is unused)
     format: DataFormat = "alpaca"  # alpaca: instruction/input/output; chat: messages; sharegpt; text
-    fields: dict[str, str] = field(default_factory=dict)
-    sources: list[SourceConfig] = field(default_factory=list)
+    fields: dict[str, str] = field(default_factory=dict)  # our field name -> the data's, e.g. {output: response}
+    sources: list[SourceConfig] = field(default_factory=list)  # several datasets mixed (data.sources[] below)
     eval_path: str | None = None  # a separate held-out set (same format); else eval_samples are held out
-    template: TemplateChoice = "auto"  # auto: the tokenizer's chat template
-    # where it has one, else alpaca for alpaca data and chatml for chats
+    # auto: the tokenizer's chat template where it has one, else alpaca for alpaca data and chatml for chats
+    template: TemplateChoice = "auto"
     train_on_inputs: bool = False  # False: loss only on responses (every non-assistant turn masked)
-    context_length: int = 256
+    context_length: int = 256  # tokens per row (a sample, or a packed row)
     overlong: OverlongPolicy = "truncate"  # samples longer than context_length
     packing: bool = False  # several samples per row, attention kept within each sample
     group_by_length: bool = True  # without packing: similar lengths share a micro-batch (less padding)
@@ -198,13 +199,13 @@ class DataConfig:
     effective_batch: int | None = None  # rows (samples, or packed rows) per optimizer step over all ranks
     effective_batch_tokens: int | None = None  # the same in tokens: effective_batch = this / context_length
     eval_samples: int = 200  # held out (seeded), never trained on
-    eval_batch_size: int = 16
+    eval_batch_size: int = 16  # rows per forward when evaluating
     cache_dir: str | None = None  # tokenized-dataset cache; None: the datasets library's default
     num_proc: int = 1  # processes for tokenization
     # the dataset's size, for --plan's time of one epoch: its records (a local JSON-lines file's are counted) and,
     # with packing, their mean length in tokens (rows hold several records)
     records: int | None = None
-    mean_record_tokens: float | None = None
+    mean_record_tokens: float | None = None  # a record's mean length in tokens (with packing)
 
     @property
     def micro_batch(self) -> int:
@@ -216,13 +217,13 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
+    max_steps: int = 100  # optimizer steps to train for
     # sft: next-token loss on the targets; dpo, orpo, simpo: preference pairs (the `preference` section)
     objective: Objective = "sft"
     eval_every: int = 0  # 0: evaluate only at start and end
-    log_every: int = 1
-    seed: int = 42
-    output_dir: str = "outputs/run"
+    log_every: int = 1  # not read by the trainer: every step is logged to metrics.jsonl
+    seed: int = 42  # data order and held-out split, LoRA init, random init
+    output_dir: str = "outputs/run"  # the run folder: metrics, checkpoints, the final adapter
     overwrite: bool = False  # an existing, non-empty output_dir is refused unless this is true
     save_every: int = 0  # steps between checkpoints; 0: only at the end and on SIGTERM/SIGINT
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
@@ -249,8 +250,8 @@ class TrainConfig:
 class HardwareConfig:
     """What the recipe is planned for (`--plan`); training itself uses whatever torchrun gives it."""
     gpu: str = "cpu"  # a name in plan.GPUS (rtx4090, rtx3090, a100-80gb, h100, ...), or cpu
-    gpus_per_node: int = 1
-    nodes: int = 1
+    gpus_per_node: int = 1  # ranks per node
+    nodes: int = 1  # nodes (HSDP with fsdp.shard_size)
     gpu_memory_gib: float | None = None  # None: the table's figure for `gpu`
     host_ram_gib: float | None = None  # per node; None: not checked
     # what an optimizer step on offloaded shards streams host memory at, for --plan's step time (a desktop's
@@ -259,7 +260,7 @@ class HardwareConfig:
     # the GPUs' PCIe slots, for --plan's step time; None: the card's own (`gpu`'s table entry). Two-GPU desktops
     # often run x8/x8, or a chipset slot at x4: FSDP's gathers then cross a quarter of the link
     pcie_gen: Literal[3, 4, 5] | None = None
-    pcie_lanes: Literal[1, 2, 4, 8, 16] | None = None
+    pcie_lanes: Literal[1, 2, 4, 8, 16] | None = None  # lanes per GPU slot (x16, x8, x4...)
 
     @property
     def world_size(self) -> int:
@@ -278,7 +279,7 @@ class LoggingConfig:
 class ProfileConfig:
     memory: bool = False  # CUDA memory snapshot of the first `steps` steps: OUTPUT_DIR/profile/memory_rank{r}.pickle
     trace: bool = False  # torch.profiler trace of `steps` steps after one warm-up: profile/trace_rank{r}.json
-    steps: int = 3
+    steps: int = 3  # steps profiled
 
 
 @dataclass
