@@ -1,4 +1,4 @@
-"""Benchmarks, each printing a table (docs/benchmarks.md has every result and the command that made it).
+"""Benchmarks, each printing a table (docs/benchmarks/ has every result and the command that made it).
 Run from the checkout as modules: `python -m benchmarks.training_speed`, `python -m benchmarks.loading`, ...
 Nothing here is fetched from a hub."""
 

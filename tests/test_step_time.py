@@ -1,6 +1,7 @@
 """The step-time model's inputs and arithmetic: the work the planner's fake step counts is the model's (FLOPs of
 every matmul, 4-bit weights dequantized, bytes gathered and copied), and the overlap of transfers with compute.
-How well the priced step matches published runs is `python -m benchmarks.published_runs` (docs/benchmarks.md)."""
+How well the priced step matches published runs is `python -m benchmarks.published_runs`
+(docs/benchmarks/step-time.md)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class LoraConfig:
     fuse_projections: bool = True
     # the LoRA matmuls' dtype: `base` (the base layer's output dtype, bf16 on a GPU: the weights are cast down on
     # the way in, their gradients and the optimizer stay in lora.dtype), or `weights` (PEFT's: the input cast up
-    # to lora.dtype). docs/benchmarks.md, issue 27: base was 1.17x faster for the same held-out loss
+    # to lora.dtype). docs/benchmarks/speed.md, issue 27: base was 1.17x faster for the same held-out loss
     compute_dtype: Literal["weights", "base"] = "base"
 
 
@@ -136,7 +136,7 @@ class PreferenceConfig:
     bad_pairs: Literal["error", "drop"] = "error"  # an empty or identical completion, prompts that disagree
     # dpo: adapter_off runs the base with the adapter off on every micro-batch (one more forward a step);
     # precomputed runs it once per pair before training and keeps the result with the run; auto: precomputed when
-    # the run sees every pair at least once (then it is never dearer), else adapter_off (docs/benchmarks.md)
+    # the run sees every pair at least once (then it is never dearer), else adapter_off (docs/benchmarks/preference.md)
     reference: Literal["auto", "adapter_off", "precomputed"] = "auto"
 
     def resolved_beta(self, objective: Objective) -> float:
@@ -234,7 +234,7 @@ class TrainConfig:
     first_collective_timeout_s: float = 60.0
     # torch.compile each decoder layer: the graph breaks at the 4-bit matmuls and the rest (norms, rotary,
     # LoRA glue, activations, residuals) is fused: steps about 10% faster on CPU after a compile of about 50 s
-    # (docs/benchmarks.md), so it pays off on longer runs. On CPU it needs a C++ compiler
+    # (docs/benchmarks/speed.md), so it pays off on longer runs. On CPU it needs a C++ compiler
     compile: bool = False
 
     def resume_target(self) -> Literal["never", "auto"] | Path:

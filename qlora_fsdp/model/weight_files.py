@@ -3,7 +3,7 @@
 Safetensors files are read by the library (`safe_open`), memory-mapped: a tensor, or a range of its rows, is a
 view of the mapped file, so a bf16 checkpoint read for a bf16 model costs page cache (shared between ranks,
 dropped by the kernel at will) and no anonymous memory. The mapped pages a rank touches count in its RSS until
-the file is closed; `benchmarks/loading.py` measures both (docs/benchmarks.md, "Loading").
+the file is closed; `benchmarks/loading.py` measures both (docs/benchmarks/loading-and-merge.md, "Loading").
 """
 
 from __future__ import annotations

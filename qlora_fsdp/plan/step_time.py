@@ -23,7 +23,7 @@ from qlora_fsdp.plan.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
 from qlora_fsdp.plan.step_tracker import StepMemory
 
 PIPELINED_PARTS = ("forward", "backward")
-# Not physical, so named (docs/benchmarks.md says where each comes from):
+# Not physical, so named (docs/benchmarks/step-time.md says where each comes from):
 # the fraction of the datasheet's dense bf16 peak that the step's matmuls and attention reach. It differs by card
 # (sustained clocks under the power limit: a 4090 boosts past its rated clock, a 300 W RTX 6000 Ada stays far
 # below it), so it is fitted per GPU on the `fit` half of the published runs (benchmarks/data/published_runs.json)

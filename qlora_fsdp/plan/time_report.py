@@ -82,8 +82,8 @@ def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
     active = ", N the active parameters" if held.active_parameters < held.base_parameters else ""
     unpriced = "; the network between nodes is not priced: optimistic" if cfg.hardware.nodes > 1 else ""
     return ["", f"time per optimizer step on {cfg.hardware.world_size} x {cfg.hardware.gpu} ({link_description(gpu)}"
-                f"{unpriced}), predicted from the step's counted work (docs/benchmarks.md compares the model with "
-                "published runs):",
+                f"{unpriced}), predicted from the step's counted work (docs/benchmarks/step-time.md compares the "
+                "model with published runs):",
             "| part | seconds |", "| --- | ---: |", *(f"| {name} | {seconds:.2f} |" for name, seconds in rows),
             f"| **step** | **{time.total:.2f}** |",
             f"{tokens:,} tokens a step: {rate:,.0f} tokens/s, MFU {mfu:.0%} ({flops_per_token}N FLOP a token{active}); "
