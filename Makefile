@@ -9,14 +9,14 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: demo demo-dpo test test-fast test-slow lint gpu-check gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
-$(BIN)/activate: requirements.txt requirements-gguf.txt pyproject.toml
+$(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: a loose requirement elsewhere must not pull a CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -r requirements.txt
-	# the package itself, editable; --no-deps: requirements.txt (the same pins) installed them just above
-	$(BIN)/pip install --quiet --no-deps -e .
+	# the package, editable, with what it runs on and its `dev` extra: the test and lint tools (pyproject.toml pins
+	# both exactly as requirements.txt and requirements-dev.txt do)
+	$(BIN)/pip install --quiet -e '.[dev]'
 	$(MAKE) gguf-converter
 	touch $(BIN)/activate
 
@@ -69,7 +69,7 @@ test-slow: $(BIN)/activate tiny-model
 gpu-check: $(BIN)/activate
 	$(BIN)/python -m tests.gpu_check
 
-# ruff, then the type checker (mypy, pinned in requirements.txt; settings in pyproject.toml's [tool.mypy])
+# ruff, then the type checker (mypy, pinned in requirements-dev.txt; settings in pyproject.toml's [tool.mypy])
 lint: $(BIN)/activate
 	$(BIN)/ruff check .
 	$(BIN)/mypy qlora_fsdp scripts benchmarks

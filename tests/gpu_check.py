@@ -1,4 +1,4 @@
-"""The one command to run the day a GPU is lent: what the CPU test suite cannot show, checked on the device.
+"""The one command to run on a GPU: what the CPU test suite cannot show, checked on the device.
 
     make gpu-check                                  # all nine checks, at most 10 minutes on one H100/4090
     python -m tests.gpu_check --out docs/gpu_check.md   # also write the table (and its figures as .json)

@@ -1,5 +1,6 @@
 """docs/troubleshooting.md shows the bad-input corpus as it is: every case, in its section, with its situation and
-fix, and an error line its test accepts. Checked without running the cases (scripts/error_reference.py runs them)."""
+fix, and an error line its test accepts. Checked without running the cases (`python -m tests.error_reference` runs
+them)."""
 
 import re
 

@@ -59,7 +59,7 @@ class LoraConfig:
     fuse_projections: bool = True
     # the LoRA matmuls' dtype: `base` (the base layer's output dtype, bf16 on a GPU: the weights are cast down on
     # the way in, their gradients and the optimizer stay in lora.dtype), or `weights` (PEFT's: the input cast up
-    # to lora.dtype). docs/benchmarks/speed.md, issue 27: base was 1.17x faster for the same held-out loss
+    # to lora.dtype). docs/benchmarks/speed.md: base was 1.17x faster for the same held-out loss
     compute_dtype: Literal["weights", "base"] = "base"
 
 
