@@ -248,10 +248,8 @@ MUTATIONS = [
              "        rows = stored.read((first // itemsize, -(-last // itemsize)))",
              "        rows = stored.read((0, -(-(last - first) // itemsize)))",
              PREQUANTIZED_TINY, quick=True),
-    Mutation("pre-quantized weights dequantize to their stored dtype in training", "qlora_fsdp/model/loading.py",
-             "        state.state.dtype = self.dtype\n", "", PREQUANTIZED_TINY),
-    Mutation("the merge dequantizes pre-quantized weights to their stored dtype", "qlora_fsdp/tools/merge.py",
-             "                state.state.dtype = self.dtype\n", "", PREQUANTIZED_TINY),
+    Mutation("pre-quantized weights dequantize to their stored dtype", "qlora_fsdp/model/quantized_forms.py",
+             "        state.dtype = self.dtype\n", "", PREQUANTIZED_TINY),
 ]
 
 

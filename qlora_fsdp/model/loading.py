@@ -35,6 +35,7 @@ from qlora_fsdp.model.quantized_forms import (
     MXFP4_PARTS,
     StoredStatistics,
     bnb_4bit_part,
+    is_packed_shape,
     mxfp4_experts,
     mxfp4_part,
     packed_byte_rows,
@@ -361,15 +362,14 @@ class Prequantized:
     rebuilds the whole weight's quantization state from the statistics (replicated, as after quantizing at load)."""
 
     def __init__(self, cfg: Config, device: torch.device) -> None:
-        self.quant, self.dtype, self.device = cfg.quant, TORCH_DTYPES[cfg.model.dtype], device
-        self.statistics = StoredStatistics()
+        self.quant, self.device = cfg.quant, device
+        self.statistics = StoredStatistics(TORCH_DTYPES[cfg.model.dtype])
         self.packed: set[str] = set()
         self.stated: dict[str, Target] = {}
 
     @staticmethod
     def is_packed(target: Target, stored: StoredTensor) -> bool:
-        """Packed bytes are one column (a weight to quantize has in_features >= the blocksize columns)."""
-        return target.quantized_module is not None and len(stored.shape) == 2 and stored.shape[1] == 1
+        return target.quantized_module is not None and is_packed_shape(stored.shape)
 
     def load(self, key: str, target: Target, stored: StoredTensor, part: ExpertPart | Statistic | None) -> None:
         module = target.quantized_module
@@ -383,9 +383,6 @@ class Prequantized:
         if state is None:
             return
         state.check(key, (module.out_features, module.in_features), self.quant)
-        # dequantized to model.dtype, as weights quantized at load are: the state's own dtype (the one the weights
-        # had, bf16 on the hub) would round them in training's matmuls and not in bitsandbytes' fused no-grad ones
-        state.state.dtype = self.dtype
         module.quant_state = state.state
         if isinstance(module.weight, bnb.nn.Params4bit):
             module.weight.quant_state = state.state

@@ -126,11 +126,19 @@ class StoredQuantState:
                                  "quantization_config: a checkpoint of mixed settings is not supported")
 
 
+def is_packed_shape(shape: tuple[int, ...]) -> bool:
+    """Packed 4-bit bytes are stored as one column (a weight to quantize has at least a blocksize of columns)."""
+    return len(shape) == 2 and shape[1] == 1
+
+
 class StoredStatistics:
     """The statistics of each pre-quantized weight, held until all of them have come (a file stores them by dtype,
-    far apart); they are small: about one float a block of 64 values."""
+    far apart); they are small: about one float a block of 64 values. The states dequantize to `dtype` (model.dtype,
+    as weights quantized at load do): the stored dtype (the one the weights had, bf16 on the hub) would round them
+    in training's matmuls and not in bitsandbytes' fused no-grad ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
         self.parts: dict[str, dict[str, torch.Tensor]] = {}
 
     def add(self, key: str, part: str, tensor: torch.Tensor, device: torch.device) -> StoredQuantState | None:
@@ -145,7 +153,9 @@ class StoredStatistics:
         if not needed <= parts.keys():
             return None
         del self.parts[key]
-        return StoredQuantState(bnbf.QuantState.from_dict(parts, device), nested)
+        state = bnbf.QuantState.from_dict(parts, device)
+        state.dtype = self.dtype
+        return StoredQuantState(state, nested)
 
     def incomplete(self) -> str | None:
         """A weight some of whose statistics never came."""

@@ -35,6 +35,7 @@ from qlora_fsdp.model.quantized_forms import (
     MXFP4_PARTS,
     StoredStatistics,
     bnb_4bit_part,
+    is_packed_shape,
     mxfp4_experts,
     mxfp4_part,
     quant_method,
@@ -141,14 +142,10 @@ class StoredFourBit:
     have come (a file stores them by dtype, far apart)."""
 
     def __init__(self, device: str, dtype: torch.dtype) -> None:
-        self.device, self.dtype = torch.device(device), dtype  # dequantized to model.dtype, as training does
-        self.statistics = StoredStatistics()
+        self.device = torch.device(device)
+        self.statistics = StoredStatistics(dtype)  # dequantized to model.dtype, as training does
         self.packed: dict[str, torch.Tensor] = {}
         self.states: dict[str, bnbf.QuantState] = {}
-
-    @staticmethod
-    def is_packed(shape: tuple[int, ...]) -> bool:
-        return len(shape) == 2 and shape[1] == 1
 
     def add(self, key: str, statistic: tuple[str, str] | None,
             tensor: torch.Tensor) -> tuple[str, torch.Tensor | None]:
@@ -159,7 +156,6 @@ class StoredFourBit:
             key, name = statistic
             state = self.statistics.add(key, name, tensor, self.device)
             if state is not None:
-                state.state.dtype = self.dtype
                 self.states[key] = state.state
         if key not in self.packed or key not in self.states:
             return key, None
@@ -266,18 +262,24 @@ class ShardWriter:
         return len(self.files)
 
 
-def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = "bfloat16",
-                  max_shard_bytes: int = 2 * 10**9, base_weights: Literal["dequantized", "original"] = "dequantized",
-                  device: str = "cpu") -> int:
-    """Write base + adapter to `out_dir` (which must not exist); returns the number of shards."""
+def meta_model_to_merge_into(cfg: Config, base_weights: Literal["dequantized", "original"]) -> nn.Module:
+    """The model the adapter was trained on, built on the meta device; refused where it has no weights to merge
+    into (random ones, or original ones of a pre-quantized checkpoint)."""
     if cfg.model.init == "random":
         raise ModelLoadError("model.init is random: there are no base weights to merge into")
-    cfg = resolve_dtypes(cfg, describe_device(torch.device(device)))  # `auto` as on the device that merges
     hf_config = load_hf_config(cfg)
     if base_weights == "original" and quant_method(hf_config) == "bitsandbytes":
         raise ConfigError(f"{cfg.model.path} stores its weights in 4-bit: it has no original weights to merge into; "
                           "leave --base-weights at dequantized")
-    meta = build_meta_model(cfg, hf_config)
+    return build_meta_model(cfg, hf_config)
+
+
+def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = "bfloat16",
+                  max_shard_bytes: int = 2 * 10**9, base_weights: Literal["dequantized", "original"] = "dequantized",
+                  device: str = "cpu") -> int:
+    """Write base + adapter to `out_dir` (which must not exist); returns the number of shards."""
+    cfg = resolve_dtypes(cfg, describe_device(torch.device(device)))  # `auto` as on the device that merges
+    meta = meta_model_to_merge_into(cfg, base_weights)
     updates = adapter_updates(adapter_dir, meta)
     layout = model_layout(meta)  # the adapter's and the checkpoint's keys both name the checkpoint's full model
     targets = {layout.full_from_ours(key): target for key, target in base_targets(meta).items()}
@@ -293,7 +295,7 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
         if key.endswith("rotary_emb.inv_freq"):
             continue
         statistic = bnb_4bit_part(key)
-        if statistic is not None or (layout.full_key(key)[0] in quantized and StoredFourBit.is_packed(stored.shape)):
+        if statistic is not None or (layout.full_key(key)[0] in quantized and is_packed_shape(stored.shape)):
             key, ready = stored_4bit.add(key, statistic, stored.read().to(device))
             if ready is not None:  # as trained: the stored 4-bit values, dequantized
                 writer.add(key, updated_linear(updates, layout.full_key(key)[0], ready, dtype))
@@ -318,15 +320,21 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     if updates.unused() is not None:
         raise ModelLoadError(f"the adapter has '{updates.unused()}', which the base checkpoint lacks: another base?")
     shards = writer.finish()
-    full_config = AutoConfig.from_pretrained(model_dir(cfg.model.path), trust_remote_code=cfg.model.trust_remote_code)
-    full_config.dtype = dtype  # the checkpoint's own config (a multimodal one keeps its vision tower, copied as is)
-    full_config.__dict__.pop("quantization_config", None)  # a plain checkpoint now
-    full_config.save_pretrained(tmp)
+    write_plain_config(cfg, tmp, dtype)
     copy_tokenizer(adapter_dir, tmp)
     if out_dir.exists():  # the caller allowed replacing it; removed only now that the new one is complete
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return shards
+
+
+def write_plain_config(cfg: Config, out_dir: Path, dtype: DType) -> None:
+    """The checkpoint's own config (a multimodal one keeps its vision tower, copied as is), in `dtype` and no longer
+    quantized."""
+    config = AutoConfig.from_pretrained(model_dir(cfg.model.path), trust_remote_code=cfg.model.trust_remote_code)
+    config.dtype = dtype
+    config.__dict__.pop("quantization_config", None)
+    config.save_pretrained(out_dir)
 
 
 def copy_tokenizer(adapter_dir: Path, out_dir: Path) -> None:
