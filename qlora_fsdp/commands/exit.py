@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from qlora_fsdp.errors import UserError
 
@@ -39,6 +40,20 @@ def run_command(body: Callable[[], int]) -> int:
 
             end_if_peer_failed()  # returns when no peer published a user error: then the error is ours
         raise
+
+
+def leave_process(main: Callable[[], int]) -> NoReturn:
+    """A console entry point: run the command, then exit without interpreter teardown.
+
+    Everything is written, closed and flushed by then, and the process group destroyed. Teardown still frees
+    what holds the group (the model's meshes, in reference cycles) while gloo's threads are ending, and now and
+    then a rank then aborts with "terminate called without an active exception" (exit -6) after a finished run:
+    seen in `generate --offload` under torchrun, and once at the end of an elastic restart's second attempt.
+    """
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def in_multi_rank_run() -> bool:

@@ -16,12 +16,11 @@ fsdp.cpu_offload; --offload / --no-offload override that. Only rank 0 reads prom
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from qlora_fsdp.commands.exit import run_command
+from qlora_fsdp.commands.exit import leave_process, run_command
 from qlora_fsdp.config import load_config
 from qlora_fsdp.data.sources import alpaca_user_turn
 from qlora_fsdp.errors import UserError
@@ -101,11 +100,5 @@ def shared_prompts(args: argparse.Namespace) -> Iterator[str]:
 
 
 def entry() -> None:
-    """The console entry point (and scripts/generate.py): main, then leave without interpreter teardown."""
-    status = main()
-    # Everything is printed and the process group closed: skip interpreter teardown. Twice (once per session,
-    # under torchrun with --offload) both ranks ended in "terminate called without an active exception" (C++
-    # abort, exit -6); a thread left by the offloaded, sharded model being torn down is the suspect, unconfirmed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    """The console entry point (and scripts/generate.py)."""
+    leave_process(main)

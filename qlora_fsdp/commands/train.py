@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qlora_fsdp.commands.exit import run_command
+from qlora_fsdp.commands.exit import leave_process, run_command
 from qlora_fsdp.config import load_config, to_yaml
 from qlora_fsdp.errors import ConfigError
 
@@ -65,5 +65,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def entry() -> None:
+    """The console entry point (and train.py)."""
+    leave_process(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
