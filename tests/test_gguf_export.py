@@ -5,14 +5,21 @@ SmolLM2-135M-Instruct with a LoRA adapter is exported once as f16 (merged by our
 its merged folder once as q8_0; tiny Llama, Qwen3 and Gemma 3 models are exported as f16. The tiny models carry
 SmolLM2's tokenizer: the converter identifies a BPE tokenizer by a hash of its pre-tokenizer's output and refuses
 ones it does not know, which the repo's 512-token tiny tokenizer is (a test below holds that refusal to one line).
+One more tiny Gemma 3 carries a sentencepiece tokenizer in Gemma's released form (tests/sentencepiece_tokenizer.py),
+exported from an adapter as users of the sentencepiece families do.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGUFReader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from qlora_fsdp.commands.export import main as export_main
@@ -21,7 +28,7 @@ from qlora_fsdp.model.adapter import TRAINING_CONFIG
 from qlora_fsdp.tools.gguf_export import converter_dir
 from qlora_fsdp.tools.ollama import PROBE, hf_render, modelfile, render_chat, translate
 from tests.families import FAMILIES, SMALL, WINDOW
-from tests.helpers import command_here, tiny_config
+from tests.helpers import REPO, command_here, tiny_config
 
 pytestmark = pytest.mark.slow  # the converter runs as a subprocess
 
@@ -219,6 +226,36 @@ def test_tiny_families_export_and_read_back_equal(family, outtype, smol_tokenize
     assert input_ids.shape[1] > WINDOW  # past the sliding window: Gemma 3's sliding layers are under test
     ours, exported = logits(model_dir, input_ids), logits(tmp_path / "gguf", input_ids, one_gguf(tmp_path / "gguf"))
     assert relative(exported, ours) < 1e-2
+
+
+def sentencepiece_tokenizer(out: Path):
+    """tests/sentencepiece_tokenizer.py's tokenizer, made where sentencepiece is installed (the converter's folder)."""
+    env = {**os.environ, "PYTHONPATH": str(converter_dir())}
+    script, data = REPO / "tests" / "sentencepiece_tokenizer.py", REPO / "data" / "tiny_instruct.jsonl"
+    made = subprocess.run([sys.executable, str(script), str(data), str(out)], env=env, capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-2000:]
+    return AutoTokenizer.from_pretrained(out)
+
+
+def test_a_sentencepiece_family_exports_from_an_adapter_with_its_vocabulary(tmp_path):
+    """Gemma 3 as released, with a sentencepiece tokenizer.model beside tokenizer.json. Saving the adapter's tokenizer
+    writes no tokenizer.model (transformers 5), so the merge takes the base's: the converter then writes the
+    sentencepiece vocabulary (without it, it refuses the tokenizer as an unknown BPE one)."""
+    tokenizer = sentencepiece_tokenizer(tmp_path / "tokenizer")
+    base = tiny_family("gemma3", tokenizer, tmp_path / "gemma3")
+    shutil.copy(tmp_path / "tokenizer" / "tokenizer.model", base)
+    adapter = write_lora_adapter(base, tmp_path / "run" / "adapter")
+    assert not (adapter / "tokenizer.model").exists()
+    code, _, err = export(["--adapter", adapter, "--out", tmp_path / "gguf", "--keep-merged"])
+    assert code == 0, err
+    gguf_file, merged = one_gguf(tmp_path / "gguf"), tmp_path / "gguf" / "merged"
+    assert (merged / "tokenizer.model").read_bytes() == (base / "tokenizer.model").read_bytes()
+    fields = GGUFReader(tmp_path / "gguf" / gguf_file).fields
+    assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"  # sentencepiece's, not "gpt2"
+    from_gguf = AutoTokenizer.from_pretrained(tmp_path / "gguf", gguf_file=gguf_file)
+    input_ids = chat_ids(tokenizer)
+    assert chat_ids(from_gguf).tolist() == input_ids.tolist()
+    assert relative(logits(tmp_path / "gguf", input_ids, gguf_file), logits(merged, input_ids)) < 1e-2
 
 
 def test_an_existing_target_is_never_clobbered(real_model_dir, tmp_path):

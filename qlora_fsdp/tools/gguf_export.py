@@ -92,15 +92,32 @@ def check_exportable(folder: Path) -> str:
 
 
 def stage(folder: Path, staging: Path, arch: str) -> Path:
-    """`folder` as symlinks, with a config.json that names `arch` (the source folder is never written to)."""
+    """`folder` as symlinks, with a config.json that names `arch` and a tokenizer_config.json that lists the added
+    tokens (the source folder is never written to)."""
     staging.mkdir(parents=True)
+    rewritten = ("config.json", "tokenizer_config.json")
     for path in folder.iterdir():
-        if path.name != "config.json" and path.is_file():
+        if path.name not in rewritten and path.is_file():
             (staging / path.name).symlink_to(path.resolve())
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = config.get("architectures") or [arch]
     (staging / "config.json").write_text(json.dumps(config, indent=2))
+    if (folder / "tokenizer_config.json").is_file():
+        tokenizer_config = with_added_tokens(json.loads((folder / "tokenizer_config.json").read_text()), folder)
+        (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return staging
+
+
+def with_added_tokens(tokenizer_config: dict, folder: Path) -> dict:
+    """The config with `added_tokens_decoder` as transformers 4 wrote it. transformers 5 keeps the added tokens in
+    tokenizer.json only, and the converter's sentencepiece path (Gemma, Llama 2) looks for them only here: without
+    them Gemma's <start_of_turn> goes into the GGUF as a plain piece, which llama.cpp then splits into several."""
+    tokenizer_file = folder / "tokenizer.json"
+    if "added_tokens_decoder" in tokenizer_config or not tokenizer_file.is_file():
+        return tokenizer_config
+    added = json.loads(tokenizer_file.read_text()).get("added_tokens", [])
+    decoder = {str(token["id"]): {key: value for key, value in token.items() if key != "id"} for token in added}
+    return {**tokenizer_config, "added_tokens_decoder": decoder}
 
 
 @dataclass

@@ -321,7 +321,7 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
         raise ModelLoadError(f"the adapter has '{updates.unused()}', which the base checkpoint lacks: another base?")
     shards = writer.finish()
     write_plain_config(cfg, tmp, dtype)
-    copy_tokenizer(adapter_dir, tmp)
+    copy_tokenizer(adapter_dir, model_dir(cfg.model.path), tmp)
     if out_dir.exists():  # the caller allowed replacing it; removed only now that the new one is complete
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
@@ -337,10 +337,16 @@ def write_plain_config(cfg: Config, out_dir: Path, dtype: DType) -> None:
     config.save_pretrained(out_dir)
 
 
-def copy_tokenizer(adapter_dir: Path, out_dir: Path) -> None:
-    """The tokenizer saved with the adapter (the one training used), so the folder is complete."""
+def copy_tokenizer(adapter_dir: Path, base_dir: Path, out_dir: Path) -> None:
+    """The tokenizer saved with the adapter (the one training used), so the folder is complete; and the base's
+    sentencepiece model (tokenizer.model: Gemma, Llama 2, Mistral v0.1), which transformers 5 does not save back
+    but llama.cpp's converter reads for those families (without it, it takes its BPE path and refuses the tokenizer).
+    """
     for path in adapter_dir.iterdir():
         if path.name.startswith(("tokenizer", "special_tokens", "chat_template")) or path.suffix == ".model":
+            shutil.copy(path, out_dir / path.name)
+    for path in base_dir.glob("*.model"):
+        if not (out_dir / path.name).exists():
             shutil.copy(path, out_dir / path.name)
 
 
