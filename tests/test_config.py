@@ -42,6 +42,7 @@ def test_recipe_path_and_fsdp_preset():
     ("fsdp_preset=nope", "unknown fsdp_preset 'nope'"),
     ("optim.lr", "is not of the form key=value"),
     ("model.init=checkpoint", "'model.init: checkpoint' is now 'model.init: pretrained': rename it"),
+    ("train.log_every=0", "'train.log_every' must be 1 (every step) or more, got 0"),
 ])
 def test_bad_overrides_fail_in_one_line(override, expected):
     result = run_train("--recipe", "tiny_cpu", override, "--print-config")

@@ -58,6 +58,11 @@ def eval_losses(out_dir: Path) -> list[float]:
     return [r["eval_loss"] for r in records if "eval_loss" in r]
 
 
+def step_records(out_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r]
+
+
 @pytest.mark.slow
 def test_demo_recipe_learns(tmp_path, demo_model_dir):
     """The tiny_cpu recipe as `make demo` runs it, for 60 of its 150 steps: held-out loss falls by 30% or more.
@@ -118,13 +123,19 @@ def test_plain_python_single_rank_torchrun_and_the_python_api_are_one_run(tmp_pa
           f"data.cache_dir={tmp_path / 'cache_plain'}", "profile.trace=true", "profile.steps=1",
           "logging.wandb={project: qlora-test}"], {**env, "MASTER_PORT": str(plain_port)}),
         ([TORCHRUN, f"--master-port={torchrun_port}", "--nproc_per_node", "1", "train.py", "--recipe", "tiny_cpu",
-          *common, f"train.output_dir={tmp_path / 'single'}", f"data.cache_dir={tmp_path / 'cache_single'}"], None),
+          *common, f"train.output_dir={tmp_path / 'single'}", f"data.cache_dir={tmp_path / 'cache_single'}",
+          "train.log_every=2"], None),
         ([sys.executable, "-c", code], {"PYTHONPATH": str(REPO), "MASTER_PORT": str(api_port)}),
     ], timeout=300)
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert single.returncode == 0, single.stderr[-3000:]
     assert api.returncode == 0 and "steps 3" in api.stdout, api.stderr[-3000:]
     assert eval_losses(tmp_path / "plain") == eval_losses(tmp_path / "single") == eval_losses(tmp_path / "api")
+    every_step, by_two = step_records(tmp_path / "plain"), step_records(tmp_path / "single")
+    assert [r["step"] for r in every_step] == [1, 2, 3] and [r["step"] for r in by_two] == [2, 3]  # 3: the last
+    assert by_two[0]["loss"] == pytest.approx((every_step[0]["loss"] + every_step[1]["loss"]) / 2, rel=1e-6)
+    assert by_two[0]["tokens"] == every_step[0]["tokens"] + every_step[1]["tokens"]
+    assert by_two[1]["loss"] == every_step[2]["loss"] and "steps_in_record" not in by_two[1]
 
     png = tmp_path / "plain" / "loss_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

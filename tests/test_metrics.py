@@ -8,6 +8,7 @@ import torch
 
 from qlora_fsdp.training.loop import RunSummary
 from qlora_fsdp.training.metrics import (
+    StepWindow,
     format_duration,
     format_progress,
     format_rate,
@@ -29,6 +30,27 @@ def test_cuda_memory_peaks_report_reserved_beside_allocated(monkeypatch):
     reset_memory_peaks(cuda)  # each step's record is that step's peak
     assert memory_peaks_gib(cuda) == {"peak_memory_gib": 0.0, "peak_reserved_gib": 0.0}
     assert format_progress({"loss": 1.5, "peak_memory_gib": 12.0}) == "loss=1.5000 mem=12.00G"
+
+
+def step(n: int, loss: float, tokens: float, seconds: float, **more: float) -> dict:
+    return {"step": n, "loss": loss, "lr": 0.1 * n, "grad_norm": 2.0 * n, "tokens": tokens, "skipped": 0,
+            "tokens_per_s": tokens / seconds, "mfu": tokens / seconds / 1000, "step_time_s": seconds,
+            "peak_memory_gib": 1.0 + n % 2, **more}
+
+
+def test_a_window_of_steps_reads_as_one_long_step():
+    window = StepWindow()
+    window.add(step(1, 4.0, 100, 1.0))
+    assert window.take() == step(1, 4.0, 100, 1.0)  # a window of one step is that step, as before log_every
+    for record in (step(2, 3.0, 100, 1.0), step(3, 2.0, 300, 3.0), step(4, 1.0, 200, 4.0, eval_loss=0.5)):
+        window.add(record)
+    merged = window.take()
+    assert merged["step"] == 4 and merged["lr"] == 0.4 and merged["eval_loss"] == 0.5  # where it ends
+    assert merged["loss"] == 2.0 and merged["grad_norm"] == 6.0  # averaged
+    assert merged["tokens"] == 600 and merged["skipped"] == 0  # summed
+    assert merged["tokens_per_s"] == 600 / 8.0 and math.isclose(merged["mfu"], 600 / 8.0 / 1000)  # over its time
+    assert merged["peak_memory_gib"] == 2.0 and merged["steps_in_record"] == 3
+    assert window.records == []
 
 
 # ---- the run summary ----

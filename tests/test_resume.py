@@ -9,6 +9,7 @@ main on the test session's pool ranks (tests/helpers.py run_cli), the same code 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -117,17 +118,32 @@ def reference(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+LOGGED_BY_THREE = "train.log_every=3"
+
+
+@pytest.fixture(scope="module")
+def reference_logged_by_three(tiny_model_dir, tmp_path_factory) -> Path:
+    """The same run with a metrics record every 3 steps; checkpoints (every 2) and evaluations (5, 10) end one early."""
+    root = tmp_path_factory.mktemp("reference_by_three")
+    out = root / "run"
+    finished(run_cli(recipe_args(tiny_model_dir, out, LOGGED_BY_THREE), 2, root))
+    assert sorted(step_losses(out)) == [2, 3, 4, 5, 6, 8, 9, 10]
+    return out
+
+
 @pytest.mark.slow
-def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp_path, reference):
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp_path, reference_logged_by_three):
+    """Also logged every 3 steps: the resumed run's records are the uninterrupted run's, windows included."""
     out = tmp_path / "run"
-    died = run(torchrun("tests/fault_run.py", "--die-saving", "4", "--", *recipe_args(tiny_model_dir, out)))
+    args = recipe_args(tiny_model_dir, out, LOGGED_BY_THREE)
+    died = run(torchrun("tests/fault_run.py", "--die-saving", "4", "--", *args))
     assert died.returncode != 0
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints == [".tmp-step-000004", "step-000002"]  # step 4's data written, never committed
-    resumed = finished(run_cli([*recipe_args(tiny_model_dir, out), "--resume"], 2, tmp_path))
+    resumed = finished(run_cli([*args, "--resume"], 2, tmp_path))
     assert "step-000002 at step 2" in resumed.stdout
     assert not (out / "checkpoints" / ".tmp-step-000004").exists()
-    assert_same_run(out, reference)
+    assert_same_run(out, reference_logged_by_three)
 
 
 @pytest.mark.slow
@@ -190,9 +206,13 @@ def test_cpu_offload_run_stopped_and_resumed_equals_the_run_without_offload(tiny
 @pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path):
     once = tmp_path / "once"  # one process: the skip decision rests on global values, alike on every rank
-    finished(run_cli(recipe_args(tiny_model_dir, once), 1, tmp_path, faults=(("inject_nan", ({3},)),)))
+    finished(run_cli(recipe_args(tiny_model_dir, once, "train.log_every=4"), 1, tmp_path,
+                     faults=(("inject_nan", ({4},)),)))
     skipped = [r["step"] for r in records(once) if r.get("skipped")]
-    assert skipped == [3] and records(once)[-1]["skipped_steps"] == 1
+    assert skipped == [4] and records(once)[-1]["skipped_steps"] == 1
+    losses = {r["step"]: r["loss"] for r in records(once) if "loss" in r}  # the skipped step logged alone:
+    assert sorted(losses) == [2, 3, 4, 5, 6, 8, 10] and math.isnan(losses[4])
+    assert all(math.isfinite(loss) for step, loss in losses.items() if step != 4)  # the others stay finite
     assert all(v.isfinite().all() for v in load_file(once / "adapter" / "adapter_model.safetensors").values())
 
     streak = tmp_path / "streak"

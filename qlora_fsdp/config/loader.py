@@ -358,6 +358,8 @@ def validate(config: Config) -> Config:
     if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
         raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
                           f"of 0-based layer indices, got {checkpointing.layers}")
+    if config.train.log_every < 1:
+        raise ConfigError(f"'train.log_every' must be 1 (every step) or more, got {config.train.log_every}")
     if config.train.save_every < 0:
         raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")
     return config

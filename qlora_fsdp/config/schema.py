@@ -221,7 +221,9 @@ class TrainConfig:
     # sft: next-token loss on the targets; dpo, orpo, simpo: preference pairs (the `preference` section)
     objective: Objective = "sft"
     eval_every: int = 0  # 0: evaluate only at start and end
-    log_every: int = 1  # not read by the trainer: every step is logged to metrics.jsonl
+    # steps a metrics.jsonl record (and a TensorBoard/W&B point) covers: their mean loss, summed tokens; eval steps,
+    # checkpoints and a skipped step end one early
+    log_every: int = 1
     seed: int = 42  # data order and held-out split, LoRA init, random init
     output_dir: str = "outputs/run"  # the run folder: metrics, checkpoints, the final adapter
     overwrite: bool = False  # an existing, non-empty output_dir is refused unless this is true

@@ -29,7 +29,7 @@ from qlora_fsdp.precision import uses_loss_scaling
 from qlora_fsdp.training.checkpoints import Checkpointer
 from qlora_fsdp.training.grad_sync import set_gradient_sync
 from qlora_fsdp.training.loss_scale import LossScaler
-from qlora_fsdp.training.metrics import MetricsLogger, memory_peaks_gib, reset_memory_peaks
+from qlora_fsdp.training.metrics import MetricsLogger, StepWindow, memory_peaks_gib, reset_memory_peaks
 from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
 from qlora_fsdp.training.pair_steps import accumulate_pair_gradients, evaluate_pairs, pair_rows
 from qlora_fsdp.training.profiling import StepProfiler
@@ -216,6 +216,7 @@ class Trainer:
         self.eval_samples = data.samples(data.eval, list(range(len(data.eval))))
         self.step, self.skipped_steps, self.bad_in_a_row = 0, 0, 0
         self.last_checkpoint: Path | None = None
+        self.window = StepWindow()  # the steps since the last metrics record
         self.stop = GracefulStop()
         self.profiler = StepProfiler(cfg.profile, Path(cfg.train.output_dir), info.rank, info.device)
         self.mfu_reference = mfu_reference or MfuReference()
@@ -373,13 +374,19 @@ class Trainer:
             if offloader is not None:  # host bytes what checkpointing kept took at their peak, this step
                 record["activation_offload_gib"] = offloader.stats.peak_host_bytes / 2**30
                 offloader.reset()
-            self.logger.log(record)
+            stop = self.stop.requested(self.info.device)
+            save = stop or self.step == cfg.max_steps or (cfg.save_every and self.step % cfg.save_every == 0)
+            if stats.skipped and self.window.records:  # a skipped step's record stands alone, not averaged into NaN
+                self.logger.log(self.window.take())
+            self.window.add(record)
+            # a checkpoint ends a record too: a resumed run then logs the same records as an uninterrupted one
+            if save or stats.skipped or "eval_loss" in record or self.step % cfg.log_every == 0:
+                self.logger.log(self.window.take())
             shown = ("loss", "reward_accuracy", "reward_margin", "eval_loss", "eval_ppl", "eval_reward_accuracy",
                      "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu", "peak_memory_gib")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
             self.check_bad_steps(stats)
-            stop = self.stop.requested(self.info.device)
-            if stop or self.step == cfg.max_steps or (cfg.save_every and self.step % cfg.save_every == 0):
+            if save:
                 self.save()
             if stop:
                 return tokens, samples, True

@@ -42,6 +42,43 @@ def reset_memory_peaks(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+SUMMED = ("tokens", "target_tokens", "positions", "skipped")  # counts: the window's total
+LATEST = ("step", "lr", "loss_scale")  # where the window ends
+RATES = ("tokens_per_s", "mfu")  # over the window's time: its tokens over its seconds
+
+
+class StepWindow:
+    """The steps since the last metrics record (train.log_every): one record for them all, as a record of one long
+    step would read. Counts are summed, memory peaks their largest, rates taken over the window's time, the learning
+    rate and loss scale its last step's, evaluation its own; the rest (loss, gradient norm, rewards) averaged."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def take(self) -> dict[str, Any]:
+        records, self.records = self.records, []
+        if len(records) == 1:
+            return records[0]
+        seconds = [r["step_time_s"] for r in records]
+        merged: dict[str, Any] = {}
+        for key in dict.fromkeys(k for r in records for k in r):
+            values = [r[key] for r in records if key in r]
+            if key in SUMMED:
+                merged[key] = sum(values)
+            elif key in LATEST or key.startswith("eval_"):
+                merged[key] = values[-1]
+            elif key.startswith("peak_") or key.endswith("_gib"):
+                merged[key] = max(values)
+            elif key in RATES:
+                merged[key] = sum(r[key] * r["step_time_s"] for r in records if key in r) / sum(seconds)
+            else:
+                merged[key] = sum(values) / len(values)
+        return {**merged, "steps_in_record": len(records)}
+
+
 class MetricsLogger:
     """metrics.jsonl, the progress bar, and any trackers (TensorBoard, W&B) fed with each step's values."""
 
