@@ -2,16 +2,17 @@
 template shows it, and its end-of-turn token) is a target, and nothing else is.
 
 The templates are the models' own (tests/fixtures/chat_templates/*.jinja, verbatim below a comment naming their
-source), and a few small hand-written ones where a test needs a template that hides a turn, or works in the manner
-of one not kept here (gpt-oss, generation markers). Each runs on a tiny byte-level BPE trained here, with the
-family's control tokens added as special tokens (Qwen's <think> and <tool_call> as plain added tokens, as Qwen
-ships them) and bos/eos as the family has.
+source), and a few small hand-written ones where a test needs a template that hides a turn, or works in a manner
+none of those has (generation markers, harmony's segments in small). Each runs on a tiny byte-level BPE trained
+here, with the family's control tokens added as special tokens (Qwen's <think> and <tool_call> as plain added
+tokens, as Qwen ships them) and bos/eos as the family has.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,8 @@ FAMILIES = {
                           "<｜tool▁output▁end｜>"), bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>",
                           added=("<think>", "</think>")),
     "chatml": Family(None, ("<s>", "</s>", "<|im_start|>", "<|im_end|>"), bos="<s>", eos="</s>"),
+    "gpt-oss": Family("gpt-oss-20b.jinja", ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
+                      "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>"), bos=None, eos="<|return|>"),
     "harmony": Family(None, ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"), bos=None,
                       eos="<|return|>"),  # gpt-oss's control tokens, for a hand-written template below
 }
@@ -290,3 +293,37 @@ def test_encoding_is_deterministic_and_leaves_the_map_hash_alone(family):
     first = tokenize({"messages": [SYSTEM, *CHAT], "tools": ""})
     assert Hasher.hash(tokenize) == before == Hasher.hash(Tokenize(copy.deepcopy(tokenizer), "tokenizer", False))
     assert tokenize({"messages": [SYSTEM, *CHAT], "tools": ""}) == first
+
+
+# ---- gpt-oss's published harmony template ----------------------------------------------------------------
+
+def test_gpt_oss_trains_on_each_reply_with_its_channel_and_end_token():
+    """The last reply ends with <|return|>, earlier ones with <|end|>; a reply's target starts after the
+    '<|start|>assistant' that opens it (the generation prompt), so its channel header is learned."""
+    tokenizer = family_tokenizer("gpt-oss")
+    assert_targets(tokenizer, [SYSTEM, *CHAT], ["<|channel|>final<|message|>Blue.<|end|>",
+                                                "<|channel|>final<|message|>Green, like grass.<|return|>"])
+    full = render_chat([SYSTEM, *CHAT], tokenizer)
+    assert "Reasoning: medium" in full  # the system message is the template's own; ours goes to the developer's
+    assert "<|start|>developer<|message|># Instructions\n\nYou are terse.\n\n<|end|>" in full
+
+
+def test_gpt_oss_trains_on_the_reasoning_of_the_last_reply():
+    """gpt-oss's template reads a reply's reasoning from `thinking` and shows only the last reply's."""
+    messages = [*CHAT[:3], {**CHAT[3], "reasoning_content": "Grass is green."}]
+    assert_targets(family_tokenizer("gpt-oss"), messages, [
+        "<|channel|>final<|message|>Blue.<|end|>",
+        "<|channel|>analysis<|message|>Grass is green.<|end|><|start|>assistant<|channel|>final<|message|>Green, "
+        "like grass.<|return|>"])
+
+
+def test_gpt_oss_tool_call_ends_with_call_and_its_result_is_context():
+    call = '[{"name": "calculate_area", "arguments": {"shape": "square", "dimensions": [7]}}]'
+    tools = [{"type": "function", "function": {"name": "calculate_area", "description": "Area of a shape.",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "shape": {"type": "string", "description": "its name"}}}}}]
+    messages = [CHAT[0], {"role": "assistant", "content": "", "tool_calls": call},
+                {"role": "tool", "content": '{"area": 49}'}, {"role": "assistant", "content": "Blue."}]
+    assert_targets(family_tokenizer("gpt-oss"), messages, [
+        ' to=functions.calculate_area<|channel|>commentary json<|message|>{"shape": "square", "dimensions": [7]}'
+        '<|call|>', "<|channel|>final<|message|>Blue.<|return|>"], tools=json.dumps(tools))

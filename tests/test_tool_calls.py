@@ -224,6 +224,21 @@ SQUARE = [{"role": "user", "content": "Area of a 7 square?"},
           {"role": "tool", "content": '{"area": 49}'}, {"role": "assistant", "content": "49 square units."}]
 
 
+def test_gpt_oss_records_carry_their_thinking(tmp_path):
+    """Records as gpt-oss's fine-tuning data has them (HuggingFaceH4/Multilingual-Thinking): the reasoning in
+    `thinking`, null on the other turns; gpt-oss's published template shows it in the analysis channel."""
+    record = {"messages": [
+        {"role": "system", "content": "reasoning language: French", "thinking": None},
+        {"role": "user", "content": "Name a color.", "thinking": None},
+        {"role": "assistant", "content": "Blue.", "thinking": "The sky is blue."}]}
+    path = tmp_path / "thinking.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    [(ids, labels)] = read_and_encode(tmp_path, "gpt-oss", path, "chat")
+    assert target_runs(family_tokenizer("gpt-oss"), ids, labels) == [
+        "<|channel|>analysis<|message|>The sky is blue.<|end|><|start|>assistant<|channel|>final<|message|>Blue."
+        "<|return|>"]
+
+
 def test_a_template_that_joins_arguments_as_text_gets_text():
     assert_targets(with_template("deepseek-r1", DEEPSEEK_V3_LIKE), SQUARE, [
         '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>calculate_area<｜tool▁sep｜>{"shape": "square", "dimensions": [7]}'

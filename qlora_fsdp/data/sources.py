@@ -22,6 +22,8 @@ from qlora_fsdp.config import DataConfig, SourceConfig
 from qlora_fsdp.data.tool_calls import tool_calls_of, tools_of
 from qlora_fsdp.errors import DataError, first_line
 
+# a reply's reasoning as datasets name it: Qwen3 / DeepSeek, gpt-oss (its cookbook's Multilingual-Thinking), others
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 DEFAULT_FIELDS = {
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
@@ -192,10 +194,11 @@ class ConversationMaker:
             raise DataError(f"{self.origin}: record {index + 1} has a turn without a known "
                             f"'{self.fields['role']}' or a text '{self.fields['content']}': {turn!r:.80}")
         extra = {"tool_calls": self.tool_calls(calls, index)} if calls else {}
-        for name in ("reasoning_content", "tool_call_id"):  # Qwen3 / DeepSeek reasoning; OpenAI result ids
-            value = turn.get(name)
-            if isinstance(value, str):
-                extra[name] = value
+        reasoning = next((turn[name] for name in REASONING_FIELDS if isinstance(turn.get(name), str)), None)
+        if reasoning is not None:
+            extra["reasoning_content"] = reasoning
+        if isinstance(turn.get("tool_call_id"), str):  # OpenAI's result ids
+            extra["tool_call_id"] = turn["tool_call_id"]
         messages.append(message(role, content, **extra))
 
     def tool_calls(self, value: Any, index: int) -> str:
