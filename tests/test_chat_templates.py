@@ -26,6 +26,7 @@ from qlora_fsdp.data.pipeline import Tokenize
 from qlora_fsdp.data.templates import IGNORE_INDEX, encode, prompt_ids
 from qlora_fsdp.data.tool_calls import template_messages, tools_of
 from qlora_fsdp.errors import DataError
+from qlora_fsdp.tools.generate import readable_reply
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 CORPUS = ["You are terse. Name a color. Blue. Another one? Green, like grass. The sky is blue. Grass is green.",
@@ -327,3 +328,16 @@ def test_gpt_oss_tool_call_ends_with_call_and_its_result_is_context():
     assert_targets(family_tokenizer("gpt-oss"), messages, [
         ' to=functions.calculate_area<|channel|>commentary json<|message|>{"shape": "square", "dimensions": [7]}'
         '<|call|>', "<|channel|>final<|message|>Blue.<|return|>"], tools=json.dumps(tools))
+
+
+def test_a_harmony_reply_reads_as_its_messages():
+    """What `generate` prints of a gpt-oss reply: the final answer, its reasoning and tool calls on lines naming their
+    channel; a reply in any other format is the text without its special tokens."""
+    tokenizer = family_tokenizer("gpt-oss")
+    reply = ("<|channel|>analysis<|message|>The sky is blue.<|end|><|start|>assistant<|channel|>final<|message|>Blue."
+             "<|return|>")
+    assert readable_reply(tokenizer, tokenizer(reply)["input_ids"]) == "[analysis] The sky is blue.\nBlue."
+    call = ' to=functions.calculate_area<|channel|>commentary json<|message|>{"shape": "square"}<|call|>'
+    assert readable_reply(tokenizer, tokenizer(call)["input_ids"]) == '[commentary] {"shape": "square"}'
+    qwen = family_tokenizer("qwen3")
+    assert readable_reply(qwen, qwen("Blue.<|im_end|>")["input_ids"]) == "Blue."

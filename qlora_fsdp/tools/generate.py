@@ -10,6 +10,7 @@ the same prompt and seed, and HF's `synced_gpus` keeps them stepping together un
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,9 +72,21 @@ class Generator:
         return out[0, ids.shape[1]:].tolist()
 
     def reply(self, prompt: str, sampling: Sampling, system: str | None = None) -> str:
-        text = self.tokenizer.decode(self.token_ids(prompt, sampling, system), skip_special_tokens=True)
-        assert isinstance(text, str), "one sequence of ids decodes to one string"
-        return text
+        return readable_reply(self.tokenizer, self.token_ids(prompt, sampling, system))
+
+
+# one message of gpt-oss's harmony format: its channel (the header may name a recipient and a content type), its text
+HARMONY_MESSAGE = re.compile(r"<\|channel\|>(\w+)[^<]*<\|message\|>(.*?)(?:<\|end\|>|<\|return\|>|<\|call\|>|$)", re.S)
+
+
+def readable_reply(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """A reply as a person reads it, special tokens dropped. A harmony reply (gpt-oss) is its messages, one a line:
+    the final answer as it is, the others (reasoning, a tool call) after their channel's name; dropping the special
+    tokens alone would run the headers into the text ("analysis...assistantfinalBlue.")."""
+    messages = HARMONY_MESSAGE.findall(str(tokenizer.decode(ids, skip_special_tokens=False)))
+    if not messages:
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+    return "\n".join(text if channel == "final" else f"[{channel}] {text}" for channel, text in messages)
 
 
 def sampling_config(cfg: Config, offload: bool | None = None) -> Config:
