@@ -111,7 +111,7 @@ def stage(folder: Path, staging: Path, arch: str) -> Path:
 def with_added_tokens(tokenizer_config: dict, folder: Path) -> dict:
     """The config with `added_tokens_decoder` as transformers 4 wrote it. transformers 5 keeps the added tokens in
     tokenizer.json only, and the converter's sentencepiece path (Gemma, Llama 2) looks for them only here: without
-    them Gemma's <start_of_turn> goes into the GGUF as a plain piece, which llama.cpp then splits into several."""
+    them Gemma's <start_of_turn> goes into the GGUF as a plain piece, read back as several tokens."""
     tokenizer_file = folder / "tokenizer.json"
     if "added_tokens_decoder" in tokenizer_config or not tokenizer_file.is_file():
         return tokenizer_config
