@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_data import MEDIAN_TOKENS, SIGMA
-from qlora_fsdp.model.attention import packed_causal_mask, varlen_sdpa_forward
+from qlora_fsdp.layers.attention import packed_causal_mask, varlen_sdpa_forward
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # the benchmark model's attention (benchmarks/training_speed.py)
 

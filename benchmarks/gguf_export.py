@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qlora_fsdp.config import Config, to_yaml
-from qlora_fsdp.model.adapter import TRAINING_CONFIG, config_for_adapter
+from qlora_fsdp.loading.adapter import TRAINING_CONFIG, config_for_adapter
 from qlora_fsdp.tools.merge import merge_adapter
 
 TYPES = ("f16", "bf16", "q8_0")

@@ -19,7 +19,7 @@ import torch
 import qlora_fsdp  # noqa: F401, I001  (first: it quiets a bitsandbytes CPU notice)
 from qlora_fsdp.config import load_config
 from qlora_fsdp.distributed import cleanup, init_fake_distributed, local_shard
-from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.plan.measure import held_quant_state_bytes
 from qlora_fsdp.training.metrics import proc_status_bytes
 

@@ -1,7 +1,7 @@
 """Peak host RAM per rank while loading a ~1B Llama in NF4 on 2 CPU ranks: our streaming loader, with each
 safetensors reader, against the peer path.
 
-Readers (`qlora_fsdp.model.weight_files`): `mmap` is safetensors' `safe_open(..., backend="mmap")` (the
+Readers (`qlora_fsdp.loading.weight_files`): `mmap` is safetensors' `safe_open(..., backend="mmap")` (the
 library's default, and the loader's: tensors are views of the mapped file), `pread` the same library reading
 each tensor (or row range) into a fresh buffer with pread(2), as the header parser it replaced did. The peer is
 what a user would otherwise do: every rank calls transformers' from_pretrained with the NF4 BitsAndBytesConfig.
@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from benchmarks.memory_sampler import AnonPeak, reset_peak_rss
-from qlora_fsdp.model.weight_files import Backend
+from qlora_fsdp.loading.weight_files import Backend
 from qlora_fsdp.training.metrics import proc_status_bytes
 
 GB, MB = 2**30, 2**20
@@ -87,11 +87,11 @@ def write_checkpoint(out: Path) -> tuple[int, int]:
 def prepare_ours(model_dir: str, reader: Backend) -> Callable[[], object]:
     from qlora_fsdp.config import Config
     from qlora_fsdp.distributed import init_distributed
-    from qlora_fsdp.model import loading, weight_files
-    from qlora_fsdp.model.factory import build_model
+    from qlora_fsdp.loading import fill, weight_files
+    from qlora_fsdp.loading.factory import build_model
 
     # training has one reader; only this benchmark swaps in another, in its own process
-    loading.stored_weight_tensors = functools.partial(weight_files.stored_weight_tensors, backend=reader)
+    fill.stored_weight_tensors = functools.partial(weight_files.stored_weight_tensors, backend=reader)
     info = init_distributed()
     cfg = Config()
     cfg.model.path = model_dir

@@ -34,7 +34,7 @@ LINEARS = {"self_attn.q_proj": ("h", "h"), "self_attn.k_proj": ("kv", "h"), "sel
 def write_adapter(model_dir: Path, out: Path) -> None:
     """A PEFT LoRA adapter (r=16, all linears, B far from zero) plus the training config merge reads."""
     from qlora_fsdp.config import Config, to_yaml
-    from qlora_fsdp.model.adapter import TRAINING_CONFIG
+    from qlora_fsdp.loading.adapter import TRAINING_CONFIG
 
     dims = {"h": CONFIG["hidden_size"], "f": CONFIG["intermediate_size"], "kv": CONFIG["hidden_size"] // 8}
     generator = torch.Generator().manual_seed(1)
@@ -57,7 +57,7 @@ def write_adapter(model_dir: Path, out: Path) -> None:
 
 def merge_ours(adapter: Path, out: Path, base_weights: Literal["dequantized", "original"],
                shard_bytes: int) -> None:
-    from qlora_fsdp.model.adapter import config_for_adapter
+    from qlora_fsdp.loading.adapter import config_for_adapter
     from qlora_fsdp.tools.merge import merge_adapter
 
     merge_adapter(config_for_adapter(adapter, None, []), adapter, out, "bfloat16", shard_bytes, base_weights)

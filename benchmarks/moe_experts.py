@@ -4,7 +4,7 @@ ways in the same run: tokens/s and the peak memory above the layer's weights.
 - `transformers, experts unquantized`: transformers' own experts module with the weights in the compute dtype:
   what transformers + bitsandbytes trains (bitsandbytes quantizes only nn.Linear, so fused experts stay as they are).
 - `4-bit, a gather and a scatter per expert`: our 4-bit experts driven as transformers' loop drives its experts.
-- `4-bit, grouped by expert (ours)`: what training runs (qlora_fsdp/model/experts4bit.py): the routed rows sorted by
+- `4-bit, grouped by expert (ours)`: what training runs (qlora_fsdp/layers/experts4bit.py): the routed rows sorted by
   expert once, one gather and one scatter, each hit expert dequantized for its matmul and again in the backward.
 - `4-bit, one grouped matmul`: the hit experts dequantized together, then torch's grouped matmul (`_grouped_mm`);
   holds every hit expert's matrices at once.
@@ -29,7 +29,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from benchmarks.memory_sampler import peak_rss_gib, reset_peak_rss
 from qlora_fsdp.config import QuantConfig
-from qlora_fsdp.model.experts4bit import ExpertMatrix, Experts4bit, Routes, make_4bit
+from qlora_fsdp.layers.experts4bit import ExpertMatrix, Experts4bit, Routes, make_4bit
 
 Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

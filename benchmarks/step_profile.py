@@ -46,9 +46,9 @@ def profile_step(work: Path, settings: list[str]) -> dict[str, float]:
     from qlora_fsdp.data.batching import collate_packed, pack
     from qlora_fsdp.data.pipeline import load_dataset
     from qlora_fsdp.distributed import init_distributed
-    from qlora_fsdp.model.build import load_tokenizer
-    from qlora_fsdp.model.factory import build_model
-    from qlora_fsdp.model.forward_loss import ForwardLoss
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
+    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.losses.forward import ForwardLoss
 
     plan = Plan.from_json((work / "plan.json").read_text())
     cfg = load_config("tiny_cpu", [*settings, f"model.dtype={plan.dtype}", f"quant.compute_dtype={plan.dtype}",

@@ -98,7 +98,7 @@ def token_lengths(model: Path, data_file: Path) -> list[int]:
     """Each record's tokens after fitting to the context, in file order, as the pipeline makes them."""
     from qlora_fsdp.config import load_config
     from qlora_fsdp.data.pipeline import run_template, sources_of, tokenized
-    from qlora_fsdp.model.build import load_tokenizer
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
 
     cfg = load_config("tiny_cpu", [f"model.path={model}", f"data.path={data_file}", f"data.context_length={CONTEXT}"])
     tokenizer = load_tokenizer(cfg)
@@ -209,8 +209,8 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool, compiled: bool = Fals
     from qlora_fsdp.config import load_config
     from qlora_fsdp.data.batching import collate
     from qlora_fsdp.data.pipeline import load_dataset
-    from qlora_fsdp.model.build import load_tokenizer
-    from qlora_fsdp.model.forward_loss import loss_sum
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
+    from qlora_fsdp.losses.forward import loss_sum
 
     torch.manual_seed(SETTINGS["seed"])
     cfg = load_config("tiny_cpu", [f"model.path={plan.model}", f"data.path={plan.train}",

@@ -14,10 +14,11 @@ from qlora_fsdp.config import Config, load_config, to_dict, to_yaml, validate
 from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.data.pipeline import Dataset, load_dataset
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
-from qlora_fsdp.model.adapter import export_adapter
-from qlora_fsdp.model.build import base_parameter_count, load_tokenizer
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.families import describe_attention
+from qlora_fsdp.layers.decoder import describe_attention
+from qlora_fsdp.loading.adapter import export_adapter
+from qlora_fsdp.loading.build import base_parameter_count
+from qlora_fsdp.loading.checkpoint import load_tokenizer
+from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.plan.batch_size import describe_batch
 from qlora_fsdp.plan.hardware import peak_flops
 from qlora_fsdp.plan.run_batch import resolve_run_batch

@@ -32,22 +32,22 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import qlora_fsdp.model.build
+import qlora_fsdp.loading.build
 from qlora_fsdp.api import train
 from qlora_fsdp.commands.generate import main as generate_main
 from qlora_fsdp.config import Config, load_config, validate
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
 from qlora_fsdp.distributed import DistInfo, cleanup, init_distributed, init_fake_distributed, local_shard
-from qlora_fsdp.model.adapter import config_for_adapter
-from qlora_fsdp.model.attention import (
+from qlora_fsdp.layers.attention import (
     VARLEN_SDPA,
     flash_attn_installed,
     flattens_packed_rows,
     packed_causal_mask,
     varlen_sdpa_forward,
 )
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.loading.adapter import config_for_adapter
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.plan.hardware import GPUS, detect_gpu
 from qlora_fsdp.plan.held import held_bytes
 from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, plan
@@ -246,12 +246,12 @@ def fsdp_path_config(arch: Path, offload: bool) -> Config:
 @contextlib.contextmanager
 def quant_storage(dtype: torch.dtype) -> Iterator[None]:
     """The packed 4-bit dtype models are built with (loading follows the model module's constant)."""
-    saved = qlora_fsdp.model.build.QUANT_STORAGE
-    qlora_fsdp.model.build.QUANT_STORAGE = dtype
+    saved = qlora_fsdp.loading.build.QUANT_STORAGE
+    qlora_fsdp.loading.build.QUANT_STORAGE = dtype
     try:
         yield
     finally:
-        qlora_fsdp.model.build.QUANT_STORAGE = saved
+        qlora_fsdp.loading.build.QUANT_STORAGE = saved
 
 
 def gathered_bytes_case(ctx: Context, arch: Path, storage: torch.dtype, offload: bool,

@@ -66,7 +66,7 @@ def tiny_config(model_dir: Path, **sections: dict[str, Any]) -> Config:
 
 def variable_length_samples(cfg: Config, n: int) -> list[Sample]:
     """n training samples of clearly different lengths (and target counts)."""
-    from qlora_fsdp.model.build import load_tokenizer
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
 
     data = load_dataset(load_tokenizer(cfg), cfg.data, seed=0)
     samples = data.samples(data.train, list(range(min(200, len(data.train)))))
@@ -82,7 +82,7 @@ def batches(samples: list[Sample], size: int, pad_id: int):
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded LoRA gradients by clean name (a collective under FSDP: every rank calls it)."""
-    from qlora_fsdp.model.names import clean_name
+    from qlora_fsdp.loading.names import clean_name
 
     out = {}
     for name, param in model.named_parameters():

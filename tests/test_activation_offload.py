@@ -11,9 +11,9 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils.checkpoint import checkpoint
 
-from qlora_fsdp.model.activation_offload import ActivationOffloader
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.forward_loss import loss_sum
+from qlora_fsdp.layers.activation_offload import ActivationOffloader
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.losses.forward import loss_sum
 from tests.helpers import batches, full_grads, run_ranks_sequence, tiny_config, variable_length_samples
 
 CPU = torch.device("cpu")

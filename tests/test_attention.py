@@ -11,16 +11,16 @@ from transformers import AutoModelForCausalLM
 
 from qlora_fsdp.data.batching import Sample, collate, collate_packed
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.model import attention as attention_module
-from qlora_fsdp.model.attention import (
+from qlora_fsdp.families import AttentionNeeds
+from qlora_fsdp.layers import attention as attention_module
+from qlora_fsdp.layers.attention import (
     VARLEN_SDPA,
-    AttentionNeeds,
     generation_attention,
     resolve_attention,
     sample_bounds,
     varlen_sdpa_forward,
 )
-from qlora_fsdp.model.forward_loss import ForwardLoss, loss_sum
+from qlora_fsdp.losses.forward import ForwardLoss, loss_sum
 
 
 def test_sample_bounds_start_wherever_the_position_does_not_go_up_by_one():

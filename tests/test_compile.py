@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from qlora_fsdp.data.batching import collate_packed
-from qlora_fsdp.model.attention import REGISTERED_NAME
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.layers.attention import REGISTERED_NAME
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.losses.forward import ForwardLoss
 from tests.helpers import full_grads, relative_difference, run_ranks, tiny_config, variable_length_samples
 from tests.test_fused_lora import lora_forward, nonzero_b
 

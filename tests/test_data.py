@@ -16,8 +16,8 @@ from qlora_fsdp.data.batching import Sample, StepSampler, collate, collate_packe
 from qlora_fsdp.data.pipeline import load_dataset
 from qlora_fsdp.data.templates import IGNORE_INDEX, encode
 from qlora_fsdp.errors import DataError
-from qlora_fsdp.model.attention import VARLEN_SDPA, flattens_packed_rows
-from qlora_fsdp.model.build import load_tokenizer
+from qlora_fsdp.layers.attention import VARLEN_SDPA, flattens_packed_rows
+from qlora_fsdp.loading.checkpoint import load_tokenizer
 from tests.helpers import run_ranks, tiny_config
 
 CHATML_JINJA = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

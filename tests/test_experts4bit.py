@@ -15,8 +15,8 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from qlora_fsdp.config import LoraConfig, QuantConfig
-from qlora_fsdp.model.expert_training import ExpertLora, attach_expert_lora
-from qlora_fsdp.model.experts4bit import DequantizedMatmul, ExpertMatrix, Experts4bit, Routes, make_4bit
+from qlora_fsdp.layers.expert_lora import ExpertLora, attach_expert_lora
+from qlora_fsdp.layers.experts4bit import DequantizedMatmul, ExpertMatrix, Experts4bit, Routes, make_4bit
 from qlora_fsdp.plan.op_work import Work, op_work
 
 

@@ -22,13 +22,13 @@ from transformers import AutoConfig, PreTrainedTokenizerFast
 from qlora_fsdp.config.loader import to_yaml
 from qlora_fsdp.data.batching import Sample, collate, collate_packed
 from qlora_fsdp.distributed import all_reduce_sums
-from qlora_fsdp.model.adapter import adapter_file_key, export_adapter, peft_adapter_key
-from qlora_fsdp.model.build import load_tokenizer
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.forward_loss import ForwardLoss
-from qlora_fsdp.model.loading import copy_full_into, model_layout
-from qlora_fsdp.model.names import clean_name
-from qlora_fsdp.model.pair_loss import adapter_off
+from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, peft_adapter_key
+from qlora_fsdp.loading.checkpoint import load_tokenizer
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.fill import copy_full_into, model_layout
+from qlora_fsdp.loading.names import clean_name
+from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.losses.pairs import adapter_off
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import train_tokenizer
@@ -149,7 +149,7 @@ def reference_side(model_dir: Path, adapter: Path, samples: list[Sample]) -> dic
 
 
 def stored_keys(folder: Path) -> set[str]:
-    from qlora_fsdp.model.weight_files import stored_weight_tensors
+    from qlora_fsdp.loading.weight_files import stored_weight_tensors
 
     return {key for key, _, _ in stored_weight_tensors(folder, allow_pickle=False)}
 
@@ -196,9 +196,9 @@ def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, toke
 
 
 def test_the_run_names_its_kernel_and_what_of_the_familys_attention_it_computes(tokenizer, tmp_path):
-    from qlora_fsdp.model.build import load_hf_config
-    from qlora_fsdp.model.families import describe_attention
-    from qlora_fsdp.model.sharding import sharded_meta_model
+    from qlora_fsdp.layers.decoder import describe_attention
+    from qlora_fsdp.loading.checkpoint import load_hf_config
+    from qlora_fsdp.loading.sharding import sharded_meta_model
 
     lines = {}
     for family in ("gemma2", "qwen3_5", "llama"):
@@ -223,7 +223,8 @@ def in_memory_gemma3_key(key: str) -> str:
 def test_both_multimodal_layouts_are_read_through_transformers_rules(tokenizer, tmp_path):
     """The stored layout and the model's own map every decoder tensor to the same key of our text model, and the
     vision tower to none."""
-    from qlora_fsdp.model.build import build_meta_model, load_hf_config
+    from qlora_fsdp.loading.build import build_meta_model
+    from qlora_fsdp.loading.checkpoint import load_hf_config
 
     model_dir = write_family_model(tmp_path / "mm", "gemma3_multimodal", tokenizer)
     cfg = family_config(model_dir, tmp_path / "out")
@@ -257,8 +258,8 @@ def plain_copy(model_dir: Path, out: Path, **loading) -> Path:
 
 def experts_side(info, pairs: list[tuple[Path, Path]], out: Path) -> dict:
     """Each rank's expert rows from both checkpoints of each pair, and what the last model says of itself."""
-    from qlora_fsdp.model.build import base_parameter_count
-    from qlora_fsdp.model.experts4bit import Experts4bit
+    from qlora_fsdp.layers.experts4bit import Experts4bit
+    from qlora_fsdp.loading.build import base_parameter_count
 
     rows = []
     for pair in pairs:
@@ -279,7 +280,8 @@ def test_experts_load_the_same_4bit_bytes_from_every_checkpoint_form(tokenizer, 
     from transformers import Mxfp4Config
 
     from qlora_fsdp.errors import ConfigError
-    from qlora_fsdp.model.build import build_meta_model, load_hf_config
+    from qlora_fsdp.loading.build import build_meta_model
+    from qlora_fsdp.loading.checkpoint import load_hf_config
     from tests.families import write_mxfp4_copy
 
     per_expert = write_family_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer)
@@ -376,7 +378,7 @@ def trained_and_resumed(info, cfg, root: Path) -> None:
 
 
 def sampled_alone(info, adapter: Path, input_ids: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    from qlora_fsdp.model.adapter import config_for_adapter
+    from qlora_fsdp.loading.adapter import config_for_adapter
 
     generator = load_generator(config_for_adapter(adapter, None, []), adapter)
     with torch.no_grad():

@@ -10,9 +10,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qlora_fsdp.data.batching import collate_packed
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.forward_loss import ForwardLoss
-from qlora_fsdp.model.fused_lora import SharedInput
+from qlora_fsdp.layers.fused_lora import SharedInput
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.training.loop import accumulate_gradients
 from tests.helpers import (
     batches,

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from qlora_fsdp.commands.export import main as export_main
 from qlora_fsdp.config import to_yaml
-from qlora_fsdp.model.adapter import TRAINING_CONFIG
+from qlora_fsdp.loading.adapter import TRAINING_CONFIG
 from qlora_fsdp.tools.gguf_export import converter_dir
 from qlora_fsdp.tools.ollama import PROBE, hf_render, modelfile, render_chat, translate
 from tests.families import FAMILIES, SMALL, WINDOW

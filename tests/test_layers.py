@@ -6,20 +6,24 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qlora_fsdp"
-BASE = {"errors", "labels", "dtypes", "optimizer_registry", "distributed", "config", "precision"}
+BASE = {"errors", "labels", "dtypes", "optimizer_registry", "distributed", "config", "precision", "families"}
+MODEL = {"layers", "losses", "loading"}
 # what each part of the package may import (besides itself)
 ALLOWED = {
     "errors": set(), "labels": set(), "dtypes": set(), "optimizer_registry": set(),
     "distributed": {"errors"},  # the process group, its first check, and how its ranks end on an error
     "config": {"errors", "optimizer_registry"},
     "precision": {"config", "dtypes", "errors", "optimizer_registry"},
-    "data": BASE,  # never model/: data and model do not know each other
-    "model": BASE,
-    "training": BASE | {"data", "model"},
-    "plan": BASE | {"data", "model", "training"},  # the planner runs training's own step on fake tensors
-    "tools": BASE | {"data", "model"},  # never api.py: the tools do not start training
-    "api": BASE | {"data", "model", "training", "plan"},
-    "commands": BASE | {"api", "plan", "data", "model", "tools"},  # the command lines: the top
+    "families": {"errors"},  # what differs between model families, asked by everything above
+    "data": BASE,  # never the model's packages: data and model do not know each other
+    "layers": BASE,  # modules that compute, knowing nothing of files or losses
+    "losses": BASE | {"layers"},
+    "loading": BASE | {"layers"},  # checkpoints -> the built, sharded, filled model
+    "training": BASE | {"data", *MODEL},
+    "plan": BASE | {"data", *MODEL, "training"},  # the planner runs training's own step on fake tensors
+    "tools": BASE | {"data", *MODEL},  # never api.py: the tools do not start training
+    "api": BASE | {"data", *MODEL, "training", "plan"},
+    "commands": BASE | {"api", "plan", "data", *MODEL, "tools"},  # the command lines: the top
     "__init__": {"api", "config"},
 }
 
@@ -47,3 +51,55 @@ def test_every_module_imports_only_lower_layers():
         assert layer in ALLOWED, f"{path.relative_to(PACKAGE)}: a new layer; give it a row in ALLOWED"
         upward = imported_layers(path) - ALLOWED[layer] - {layer}
         assert not upward, f"{path.relative_to(PACKAGE)} imports {sorted(upward)}"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The package's modules `path` imports, at its top or inside a function (a lazy import still makes a loop)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qlora_fsdp"):
+            for alias in node.names:  # `from qlora_fsdp.loading import stored_forms` names a module
+                submodule = PACKAGE.parent / f"{node.module}.{alias.name}".replace(".", "/")
+                found.add(f"{node.module}.{alias.name}" if submodule.with_suffix(".py").is_file() else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("qlora_fsdp"))
+    return found
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_loops():
+    graph = {module_name(path): imported_modules(path) for path in PACKAGE.rglob("*.py")}
+    assert sum(len(targets) for targets in graph.values()) > 100
+    done: set[str] = set()
+
+    def visit(module: str, stack: list[str]) -> None:
+        if module in stack:
+            loop = stack[stack.index(module):] + [module]
+            raise AssertionError(f"import loop: {' -> '.join(loop)}")
+        if module in done or module not in graph:
+            return
+        for target in sorted(graph[module]):
+            visit(target, [*stack, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_modules_and_functions_stay_short():
+    long_modules, long_functions = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 400:
+            long_modules.append(f"{path.relative_to(PACKAGE)} ({text.count(chr(10))} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    long_functions.append(f"{path.relative_to(PACKAGE)}:{node.name} ({length} lines)")
+    assert not long_modules, f"modules over 400 lines: {long_modules}"
+    assert not long_functions, f"functions over 60 lines: {long_functions}"

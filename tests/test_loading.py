@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.forward_loss import loss_sum
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.losses.forward import loss_sum
 from tests.helpers import (
     batches,
     build_tiny_checkpoint,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from qlora_fsdp.data.batching import collate_packed
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.training.loop import accumulate_gradients
 from tests.helpers import (
     batches,
@@ -117,8 +117,9 @@ def test_activation_bytes_order_none_then_selective_then_every_layer(tmp_path):
 
 def test_checkpointing_names_a_layer_the_model_lacks_in_one_line(tiny_model_dir):
     from qlora_fsdp.errors import ConfigError
-    from qlora_fsdp.model.build import build_meta_model, load_hf_config
-    from qlora_fsdp.model.checkpointing import apply_activation_checkpointing
+    from qlora_fsdp.layers.checkpointing import apply_activation_checkpointing
+    from qlora_fsdp.loading.build import build_meta_model
+    from qlora_fsdp.loading.checkpoint import load_hf_config
 
     cfg = tiny_config(tiny_model_dir, activation_checkpointing={"mode": "layers", "layers": [0, 2]})
     model = build_meta_model(cfg, load_hf_config(cfg))

@@ -13,9 +13,9 @@ from qlora_fsdp.commands.generate import main as generate_main
 from qlora_fsdp.commands.merge import main as merge_main
 from qlora_fsdp.config import to_yaml
 from qlora_fsdp.data.templates import prompt_ids
-from qlora_fsdp.model.adapter import config_for_adapter, export_adapter
-from qlora_fsdp.model.build import load_tokenizer
-from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.loading.adapter import config_for_adapter, export_adapter
+from qlora_fsdp.loading.checkpoint import load_tokenizer
+from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import LoraDelta, merge_adapter
 from tests.helpers import CliResult, command_here, fsdp_params, run_ranks, run_ranks_sequence, tiny_config

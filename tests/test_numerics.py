@@ -14,11 +14,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.data.pipeline import IGNORE_INDEX
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.model.adapter import gather_trainable_state
-from qlora_fsdp.model.build import model_dir
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.names import weight_key
-from qlora_fsdp.model.weight_files import weight_files
+from qlora_fsdp.loading.adapter import gather_trainable_state
+from qlora_fsdp.loading.checkpoint import model_dir
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.names import weight_key
+from qlora_fsdp.loading.weight_files import weight_files
 from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
 from qlora_fsdp.training.loop import accumulate_gradients, set_gradient_sync
 from tests.helpers import (
@@ -74,7 +74,7 @@ def trainer_step_and_reference(info, cfg):
     one clip, one optimizer step. Both end states, the optimizer's step counts and the gradients left over."""
     from qlora_fsdp.api import make_trainer
     from qlora_fsdp.data.pipeline import load_dataset
-    from qlora_fsdp.model.build import load_tokenizer
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm
 
     tokenizer = load_tokenizer(cfg)
@@ -102,15 +102,15 @@ def trainer_step_and_reference(info, cfg):
 def loss_and_grads_on_cuda_copies(info, cfg, micro_batches_per_rank, storage=None):
     """loss_and_grads with FSDP2's copy-in behaving as on CUDA; `storage` overrides the packed 4-bit dtype
     (the model module's constant, which loading follows) to show what the old bf16 storage did."""
-    import qlora_fsdp.model.build
+    import qlora_fsdp.loading.build
 
-    saved = qlora_fsdp.model.build.QUANT_STORAGE
-    qlora_fsdp.model.build.QUANT_STORAGE = storage or saved
+    saved = qlora_fsdp.loading.build.QUANT_STORAGE
+    qlora_fsdp.loading.build.QUANT_STORAGE = storage or saved
     try:
         with cuda_bf16_copy_emulated():
             return loss_and_grads(info, cfg, micro_batches_per_rank)
     finally:
-        qlora_fsdp.model.build.QUANT_STORAGE = saved  # the pool's worker serves other tests next
+        qlora_fsdp.loading.build.QUANT_STORAGE = saved  # the pool's worker serves other tests next
 
 
 def hsdp_and_fsdp_steps(info, cfg, micro_batches_per_rank, shard_size):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qlora_fsdp.config import load_config
-from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.plan.fake_step import plans_reference_forward
 from qlora_fsdp.plan.recipe_table import HEADER, readme_table, recipe_names
 from qlora_fsdp.training.loop import accumulate_gradients

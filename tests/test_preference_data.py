@@ -17,9 +17,9 @@ from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.data.pairs import PairMaker, as_pairs, good_pairs
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.labels import IGNORE_INDEX
-from qlora_fsdp.model.attention import VARLEN_SDPA
-from qlora_fsdp.model.build import load_tokenizer
-from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.layers.attention import VARLEN_SDPA
+from qlora_fsdp.loading.checkpoint import load_tokenizer
+from qlora_fsdp.losses.forward import ForwardLoss
 from tests.helpers import tiny_config
 from tests.test_chat_templates import family_tokenizer, target_runs
 

@@ -18,9 +18,9 @@ from qlora_fsdp.commands.merge import main as merge_main
 from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.labels import IGNORE_INDEX
-from qlora_fsdp.model.build import load_tokenizer
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.pair_loss import PairLoss, as_pairs
+from qlora_fsdp.loading.checkpoint import load_tokenizer
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.losses.pairs import PairLoss, as_pairs
 from qlora_fsdp.training.loop import accumulate_pairs
 from qlora_fsdp.training.pair_steps import pair_rows
 from tests.helpers import (

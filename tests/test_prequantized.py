@@ -24,11 +24,11 @@ from qlora_fsdp.api import train
 from qlora_fsdp.config import Config
 from qlora_fsdp.config.loader import to_yaml
 from qlora_fsdp.data.batching import Sample, collate
-from qlora_fsdp.model.adapter import adapter_file_key, export_adapter, peft_adapter_key
-from qlora_fsdp.model.build import load_tokenizer
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.forward_loss import ForwardLoss
-from qlora_fsdp.model.loading import model_layout
+from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, peft_adapter_key
+from qlora_fsdp.loading.checkpoint import load_tokenizer
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.fill import model_layout
+from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.plan.held import meta_held, planning_config
 from qlora_fsdp.tools.generate import load_generator
 from qlora_fsdp.tools.merge import merge_adapter

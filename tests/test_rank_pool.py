@@ -50,9 +50,9 @@ def test_a_failing_task_names_the_rank_and_its_workers_are_replaced(tmp_path):
 
 
 def patch_the_package(info) -> int:
-    import qlora_fsdp.model.build
+    import qlora_fsdp.loading.build
 
-    qlora_fsdp.model.build.QUANT_STORAGE = torch.bfloat16  # left patched, as a careless test would
+    qlora_fsdp.loading.build.QUANT_STORAGE = torch.bfloat16  # left patched, as a careless test would
     return os.getpid()
 
 

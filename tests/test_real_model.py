@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from qlora_fsdp.api import train
 from qlora_fsdp.data.pipeline import load_dataset
 from qlora_fsdp.data.templates import prompt_ids
-from qlora_fsdp.model.build import load_tokenizer
-from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.loading.checkpoint import load_tokenizer
+from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.training.loop import evaluate

@@ -18,9 +18,10 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.model.adapter import check_scaling, config_for_adapter, load_adapter_into, read_adapter
-from qlora_fsdp.model.build import build_meta_model, load_hf_config
-from qlora_fsdp.model.factory import build_model
+from qlora_fsdp.loading.adapter import check_scaling, config_for_adapter, load_adapter_into, read_adapter
+from qlora_fsdp.loading.build import build_meta_model
+from qlora_fsdp.loading.checkpoint import load_hf_config
+from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.tools.merge import as_trained, merge_adapter
 from tests.helpers import tiny_config
 from tests.test_merge_generate import PROMPT, adapter_and_logits

@@ -17,11 +17,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qlora_fsdp.api import train
 from qlora_fsdp.data.templates import prompt_ids
-from qlora_fsdp.model.adapter import config_for_adapter
-from qlora_fsdp.model.build import load_hf_config
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.forward_loss import loss_sum
-from qlora_fsdp.model.sharding import sharded_meta_model
+from qlora_fsdp.loading.adapter import config_for_adapter
+from qlora_fsdp.loading.checkpoint import load_hf_config
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.sharding import sharded_meta_model
+from qlora_fsdp.losses.forward import loss_sum
 from qlora_fsdp.plan.held import held_bytes, nbytes
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter

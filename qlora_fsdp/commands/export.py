@@ -92,8 +92,8 @@ def merged_source(args: argparse.Namespace, work: Path, outtype: str) -> tuple[P
         if not args.model.is_dir():
             raise GgufExportError(f"--model {args.model} is not a checkpoint folder")
         return args.model, check_exportable(args.model)
-    from qlora_fsdp.model.adapter import config_for_adapter
-    from qlora_fsdp.model.build import model_dir
+    from qlora_fsdp.loading.adapter import config_for_adapter
+    from qlora_fsdp.loading.checkpoint import model_dir
     from qlora_fsdp.tools.merge import merge_adapter
 
     cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)

@@ -24,7 +24,7 @@ from qlora_fsdp.commands.exit import leave_process, run_command
 from qlora_fsdp.config import load_config
 from qlora_fsdp.data.sources import alpaca_user_turn
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.adapter import config_for_adapter
+from qlora_fsdp.loading.adapter import config_for_adapter
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

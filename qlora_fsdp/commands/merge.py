@@ -20,7 +20,7 @@ from pathlib import Path
 
 from qlora_fsdp.commands.exit import run_command
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.adapter import config_for_adapter
+from qlora_fsdp.loading.adapter import config_for_adapter
 from qlora_fsdp.tools.merge import merge_adapter, parse_size
 
 

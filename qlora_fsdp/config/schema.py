@@ -25,7 +25,7 @@ class ModelConfig:
     init: Literal["pretrained", "random"] = "pretrained"  # random: seeded weights from config.json alone
     # auto: per-sample attention for packed rows (flash_attention_2 on CUDA where flash-attn is installed, else
     # sdpa_varlen), sdpa otherwise. With packing, sdpa and eager score whole rows under a dense block-diagonal
-    # mask (exact, slower); flex_attention trains on CUDA only. See qlora_fsdp/model/attention.py
+    # mask (exact, slower); flex_attention trains on CUDA only. See qlora_fsdp/layers/attention.py
     attn_implementation: AttnImplementation = "auto"
     allow_pickle: bool = False  # .bin/.pt weights can run code when unpickled; refused unless this is true
     # a PEFT adapter folder to start from (an SFT run's `adapter/`), trained further with the recipe's LoRA
@@ -126,7 +126,7 @@ DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]
 @dataclass
 class PreferenceConfig:
     """Preference tuning (train.objective dpo, orpo or simpo) on pairs of a prompt, a chosen and a rejected
-    completion (qlora_fsdp/data/pairs.py reads them; qlora_fsdp/model/preference_loss.py has the formulas)."""
+    completion (qlora_fsdp/data/pairs.py reads them; qlora_fsdp/losses/preference.py has the formulas)."""
 
     beta: float | None = None  # None: the objective's usual value (dpo 0.1, simpo 2.0)
     loss_type: DpoLossType = "sigmoid"  # dpo: sigmoid (the paper's), robust (label noise), hinge (SLiC), ipo

@@ -3,7 +3,7 @@
 Labels are shifted here (labels[t] is the token after input[t]), per sample, so in a packed row no
 sample's first token is ever a target of the sample before it. Packed rows carry position ids that
 restart at 0 for each sample and no attention mask: attention then stays within each sample, per sample
-(sdpa_varlen, flash_attention_2) or under a block-diagonal mask (sdpa, eager, flex); see model/attention.py.
+(sdpa_varlen, flash_attention_2) or under a block-diagonal mask (sdpa, eager, flex); see layers/attention.py.
 """
 
 from __future__ import annotations

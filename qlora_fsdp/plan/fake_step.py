@@ -35,12 +35,12 @@ from transformers import PretrainedConfig
 from qlora_fsdp.config import CheckpointedLayers, Config
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.model.activation_offload import ActivationOffloader
-from qlora_fsdp.model.experts4bit import shaped_quant_state
-from qlora_fsdp.model.forward_loss import ForwardLoss
-from qlora_fsdp.model.loading import materialize
-from qlora_fsdp.model.pair_loss import PairLoss
-from qlora_fsdp.model.sharding import sharded_meta_model
+from qlora_fsdp.layers.activation_offload import ActivationOffloader
+from qlora_fsdp.layers.experts4bit import shaped_quant_state
+from qlora_fsdp.loading.fill import materialize
+from qlora_fsdp.loading.sharding import sharded_meta_model
+from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.losses.pairs import PairLoss
 from qlora_fsdp.plan.step_tracker import Moment, Segment, StepMemory, run_step
 from qlora_fsdp.training.optimizer import build_optimizer
 

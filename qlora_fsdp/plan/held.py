@@ -18,10 +18,12 @@ from transformers import PretrainedConfig
 from qlora_fsdp.config import REPO_ROOT, Config
 from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.model.build import base_parameter_count, decoder_layers, load_hf_config
-from qlora_fsdp.model.experts4bit import NESTED_BLOCKSIZE, Experts4bit
-from qlora_fsdp.model.quantized_forms import quant_method
-from qlora_fsdp.model.sharding import sharded_meta_model
+from qlora_fsdp.families import quant_method
+from qlora_fsdp.layers.decoder import decoder_layers
+from qlora_fsdp.layers.experts4bit import NESTED_BLOCKSIZE, Experts4bit
+from qlora_fsdp.loading.build import base_parameter_count
+from qlora_fsdp.loading.checkpoint import load_hf_config
+from qlora_fsdp.loading.sharding import sharded_meta_model
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 from qlora_fsdp.plan.hardware import planned_device
 from qlora_fsdp.precision import resolve_dtypes

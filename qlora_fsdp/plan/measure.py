@@ -16,9 +16,9 @@ import torch
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.distributed import DistInfo
-from qlora_fsdp.model.activation_offload import ActivationOffloader
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.forward_loss import ForwardLoss
+from qlora_fsdp.layers.activation_offload import ActivationOffloader
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.plan.fake_step import step_loss, synthetic_batches
 from qlora_fsdp.plan.step_tracker import StepMemory, run_step, stored_quant_state
 from qlora_fsdp.training.optimizer import build_optimizer

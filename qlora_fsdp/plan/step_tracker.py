@@ -25,9 +25,9 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.data.batching import Batch
-from qlora_fsdp.model.build import decoder_layers
-from qlora_fsdp.model.forward_loss import ForwardLoss
-from qlora_fsdp.model.pair_loss import PairCounts, PairLoss
+from qlora_fsdp.layers.decoder import decoder_layers
+from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.losses.pairs import PairCounts, PairLoss
 from qlora_fsdp.plan.op_work import GEMM_4BIT, Work, op_work
 from qlora_fsdp.training.loop import backward_micro_batch, set_gradient_sync
 from qlora_fsdp.training.optimizer import ShardedOptimizer

@@ -25,12 +25,12 @@ from qlora_fsdp.config import Config, Template
 from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import DistInfo, init_distributed
-from qlora_fsdp.model.adapter import load_adapter_into
-from qlora_fsdp.model.attention import generation_attention
-from qlora_fsdp.model.build import load_hf_config, load_tokenizer
-from qlora_fsdp.model.factory import build_model
-from qlora_fsdp.model.families import attention_needs
-from qlora_fsdp.model.sharding import uses_fsdp
+from qlora_fsdp.families import attention_needs
+from qlora_fsdp.layers.attention import generation_attention
+from qlora_fsdp.loading.adapter import load_adapter_into
+from qlora_fsdp.loading.checkpoint import load_hf_config, load_tokenizer
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.sharding import uses_fsdp
 
 
 @dataclass

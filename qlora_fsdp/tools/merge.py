@@ -24,23 +24,24 @@ from transformers import AutoConfig
 from qlora_fsdp.config import Config, DType
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError
-from qlora_fsdp.model.adapter import adapter_file_key, read_adapter
-from qlora_fsdp.model.build import build_meta_model, load_hf_config, model_dir
-from qlora_fsdp.model.expert_training import expert_loras
-from qlora_fsdp.model.experts4bit import LORA_SUFFIX, ExpertMatrix
-from qlora_fsdp.model.families import ExpertPart, PartsWaiting
-from qlora_fsdp.model.loading import base_targets, model_layout, quantize
-from qlora_fsdp.model.names import PEFT_PREFIX, is_lora_tensor, weight_key
-from qlora_fsdp.model.quantized_forms import (
+from qlora_fsdp.families import quant_method
+from qlora_fsdp.layers.expert_lora import expert_loras
+from qlora_fsdp.layers.experts4bit import LORA_SUFFIX, ExpertMatrix
+from qlora_fsdp.loading.adapter import adapter_file_key, read_adapter
+from qlora_fsdp.loading.build import build_meta_model
+from qlora_fsdp.loading.checkpoint import load_hf_config, model_dir
+from qlora_fsdp.loading.fill import base_targets, model_layout, quantize
+from qlora_fsdp.loading.layout import ExpertPart, PartsWaiting
+from qlora_fsdp.loading.names import PEFT_PREFIX, is_lora_tensor, weight_key
+from qlora_fsdp.loading.stored_forms import (
     MXFP4_PARTS,
     StoredStatistics,
     bnb_4bit_part,
     is_packed_shape,
     mxfp4_experts,
     mxfp4_part,
-    quant_method,
 )
-from qlora_fsdp.model.weight_files import stored_weight_tensors
+from qlora_fsdp.loading.weight_files import stored_weight_tensors
 from qlora_fsdp.precision import describe_device, resolve_dtypes
 
 

@@ -16,6 +16,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from qlora_fsdp.families import small_models_tie_embeddings
+
 SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -74,7 +76,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec) ->
         max_position_embeddings=spec.max_positions,
         initializer_range=spec.init_std,
         # Qwen's small models tie the head to the embeddings; cover that path too
-        tie_word_embeddings=spec.family.startswith("qwen"),
+        tie_word_embeddings=small_models_tie_embeddings(spec.family),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

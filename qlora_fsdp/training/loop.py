@@ -23,8 +23,8 @@ from qlora_fsdp.data.batching import Batch, Sample, StepSampler, collate, collat
 from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.errors import TrainingStopped
-from qlora_fsdp.model.forward_loss import ForwardLoss
-from qlora_fsdp.model.pair_loss import PairLoss
+from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.losses.pairs import PairLoss
 from qlora_fsdp.precision import uses_loss_scaling
 from qlora_fsdp.training.checkpoints import Checkpointer
 from qlora_fsdp.training.grad_sync import set_gradient_sync

@@ -14,7 +14,7 @@ from torch import nn
 
 from qlora_fsdp.data.batching import Batch, Sample, collate_packed
 from qlora_fsdp.distributed import DistInfo, all_reduce_sums
-from qlora_fsdp.model.pair_loss import PairCounts, PairLoss, adapter_off, pair_counts
+from qlora_fsdp.losses.pairs import PairCounts, PairLoss, adapter_off, pair_counts
 from qlora_fsdp.training.grad_sync import set_gradient_sync
 
 PER_TOKEN_METRICS = ("chosen_nll",)  # divided by the chosen completions' target tokens; the rest by pairs

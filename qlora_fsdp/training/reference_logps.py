@@ -28,8 +28,8 @@ from qlora_fsdp.data.batching import collate_packed, pack
 from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.errors import DataError
-from qlora_fsdp.model.pair_loss import PairLoss
-from qlora_fsdp.model.weight_files import weight_files
+from qlora_fsdp.loading.weight_files import weight_files
+from qlora_fsdp.losses.pairs import PairLoss
 from qlora_fsdp.training.checkpoints import TMP_PREFIX, sync_dir
 from qlora_fsdp.training.pair_steps import held_out_batches, idle_forwards
 

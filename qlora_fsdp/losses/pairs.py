@@ -16,15 +16,9 @@ import torch
 from torch import nn
 
 from qlora_fsdp.config import Config, Objective, PreferenceConfig
-from qlora_fsdp.model.expert_training import expert_lora_off
-from qlora_fsdp.model.forward_loss import ForwardLoss, LossBatch
-from qlora_fsdp.model.preference_loss import (
-    PairLogps,
-    PairRewards,
-    dpo_losses,
-    orpo_odds_ratio_losses,
-    simpo_losses,
-)
+from qlora_fsdp.layers.expert_lora import expert_lora_off
+from qlora_fsdp.losses.forward import ForwardLoss, LossBatch
+from qlora_fsdp.losses.preference import PairLogps, PairRewards, dpo_losses, orpo_odds_ratio_losses, simpo_losses
 
 # the sums a micro-batch adds to the step's metrics (each then divided by the step's pairs)
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")

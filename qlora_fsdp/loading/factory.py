@@ -9,10 +9,11 @@ import torch
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import DistInfo
-from qlora_fsdp.model.adapter import load_adapter_into
-from qlora_fsdp.model.build import decoder_layers, load_hf_config
-from qlora_fsdp.model.loading import load_weights, materialize
-from qlora_fsdp.model.sharding import sharded_meta_model
+from qlora_fsdp.layers.decoder import decoder_layers
+from qlora_fsdp.loading.adapter import load_adapter_into
+from qlora_fsdp.loading.checkpoint import load_hf_config
+from qlora_fsdp.loading.fill import load_weights, materialize
+from qlora_fsdp.loading.sharding import sharded_meta_model
 from qlora_fsdp.precision import describe_device, resolve_dtypes
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from qlora_fsdp.families import softcaps_logits
 from qlora_fsdp.labels import IGNORE_INDEX
 
 
@@ -62,7 +63,7 @@ def hidden_states_instead_of_logits(head: nn.Module) -> Iterator[None]:
 def post_processes_logits(model: nn.Module) -> bool:
     """Models that transform the head's output inside their forward (Gemma 2's soft-capping) would transform
     the hidden states handed back in its place, so they take the full loss."""
-    return getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None
+    return softcaps_logits(getattr(model, "config", None))
 
 
 def target_hidden_states(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.model.activation_offload import ActivationOffloader
-from qlora_fsdp.model.attention import attach_sample_bounds, flattens_packed_rows
-from qlora_fsdp.model.loss import per_sample_loss, summed_loss
-from qlora_fsdp.model.router_loss import RouterLoss, router_loss_coefficient
+from qlora_fsdp.layers.activation_offload import ActivationOffloader
+from qlora_fsdp.layers.attention import attach_sample_bounds, flattens_packed_rows
+from qlora_fsdp.losses.router import RouterLoss, router_loss_coefficient
+from qlora_fsdp.losses.tokens import per_sample_loss, summed_loss
 
 
 class LossBatch(Protocol):

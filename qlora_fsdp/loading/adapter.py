@@ -15,10 +15,10 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
-from qlora_fsdp.model.expert_training import ExpertLora, peft_expert_key
-from qlora_fsdp.model.families import CheckpointLayout, lora_target_regex
-from qlora_fsdp.model.loading import copy_full_into, model_layout
-from qlora_fsdp.model.names import PEFT_PREFIX, clean_name
+from qlora_fsdp.layers.expert_lora import ExpertLora, peft_expert_key
+from qlora_fsdp.loading.fill import copy_full_into, model_layout
+from qlora_fsdp.loading.layout import CheckpointLayout, lora_target_regex
+from qlora_fsdp.loading.names import PEFT_PREFIX, clean_name
 
 ADAPTER_NAME = "default"
 TRAINING_CONFIG = "training_config.yaml"  # the resolved recipe, next to the PEFT files

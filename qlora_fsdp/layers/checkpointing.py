@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from qlora_fsdp.config import ActivationCheckpointingConfig
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.model.build import decoder_layers
+from qlora_fsdp.layers.decoder import decoder_layers
 
 SUB_LAYERS = {"attention": "self_attn", "mlp": "mlp"}  # the attribute names of every supported family
 

@@ -20,7 +20,7 @@ from torch import nn
 from qlora_fsdp.config import LoraConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.model.experts4bit import EXPERT_MATRICES, LORA_SUFFIX, Experts4bit, LoraUpdate
+from qlora_fsdp.layers.experts4bit import EXPERT_MATRICES, LORA_SUFFIX, Experts4bit, LoraUpdate, router_class
 
 
 class ExpertLora(nn.Module):
@@ -122,7 +122,6 @@ def target_parameters(model: nn.Module) -> list[str]:
 
 def routers(model: nn.Module) -> dict[str, nn.Module]:
     """The routers of a mixture of experts by name: the modules whose output transformers records as router logits."""
-    from qlora_fsdp.model.router_loss import router_class
 
     found = router_class(model)
     if found is None:

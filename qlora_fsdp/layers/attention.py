@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 
 from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.families import CAUSAL_ONLY, AttentionNeeds
 
 VARLEN_SDPA = "sdpa_varlen"
 # the name transformers knows it by: one containing "sdpa" would make transformers refuse it for the families it
@@ -152,22 +153,7 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-@dataclass(frozen=True)
-class AttentionNeeds:
-    """What a family's attention needs of a kernel (families.attention_needs reads it from the config)."""
-
-    family: str = "llama"
-    softcap: bool = False  # Gemma 2's attn_logit_softcapping
-    sinks: bool = False  # gpt-oss
-    sdpa: bool = True  # transformers runs this family under sdpa
-
-    @property
-    def sdpa_exact(self) -> bool:
-        """transformers' sdpa computes this family's attention (its masks carry windows, not caps or sinks)."""
-        return self.sdpa and not (self.softcap or self.sinks)
-
-
-def resolve_attention(choice: str, packing: bool, device_type: str, needs: AttentionNeeds = AttentionNeeds()) -> str:
+def resolve_attention(choice: str, packing: bool, device_type: str, needs: AttentionNeeds = CAUSAL_ONLY) -> str:
     """The kernel a run uses for `model.attn_implementation` (`auto`: exact for the family and the fastest measured;
     ours computes windows, soft-capping and sinks, packed or not)."""
     if choice == "auto":
@@ -190,7 +176,7 @@ def resolve_attention(choice: str, packing: bool, device_type: str, needs: Atten
     return choice
 
 
-def generation_attention(choice: AttnImplementation, needs: AttentionNeeds = AttentionNeeds()) -> AttnImplementation:
+def generation_attention(choice: AttnImplementation, needs: AttentionNeeds = CAUSAL_ONLY) -> AttnImplementation:
     """Sampling runs a KV cache and left-padded prompts, which need a mask: sdpa unless a kernel that has one, or
     eager where the family's attention is more than sdpa computes."""
     if choice in ("eager", "flex_attention") or (choice == "flash_attention_2" and not needs.sinks):

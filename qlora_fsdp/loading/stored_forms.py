@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 
 from qlora_fsdp.config import QuantConfig
 from qlora_fsdp.errors import ConfigError, ModelLoadError
+from qlora_fsdp.families import quant_method
 
 MXFP4_PARTS = ("blocks", "scales")
 BNB_STATISTICS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -33,12 +34,6 @@ UNTRAINABLE_FORMS = {
     "hqq": "HQQ", "quanto": "quanto", "eetq": "EETQ (8-bit)", "aqlm": "AQLM", "vptq": "VPTQ", "higgs": "HIGGS",
     "torchao": "torchao", "bitnet": "BitNet", "spqr": "SpQR", "auto-round": "AutoRound", "quark": "Quark",
 }
-
-
-def quant_method(config: PretrainedConfig | None) -> str | None:
-    quantization = getattr(config, "quantization_config", None) or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    return getattr(quantization, "quant_method", None) if method is None else method
 
 
 def mxfp4_part(key: str) -> tuple[str, str] | None:

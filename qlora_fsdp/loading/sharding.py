@@ -11,10 +11,10 @@ from transformers import PretrainedConfig
 
 from qlora_fsdp.config import Config, FSDPConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.model.attention import resolve_attention
-from qlora_fsdp.model.build import build_meta_model
-from qlora_fsdp.model.checkpointing import apply_activation_checkpointing, layer_slots
-from qlora_fsdp.model.families import attention_needs
+from qlora_fsdp.families import attention_needs
+from qlora_fsdp.layers.attention import resolve_attention
+from qlora_fsdp.layers.checkpointing import apply_activation_checkpointing, layer_slots
+from qlora_fsdp.loading.build import build_meta_model
 
 
 def fsdp_policies(fsdp: FSDPConfig, device: torch.device) -> dict:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qlora_fsdp.layers.experts4bit import router_class
+
 
 def router_loss_coefficient(model: nn.Module) -> float | None:
     """The coefficient where the model's config asks for the loss, else None."""
@@ -26,15 +28,6 @@ def router_loss_coefficient(model: nn.Module) -> float | None:
     if not getattr(config, "output_router_logits", False):
         return None
     return float(getattr(config, "router_aux_loss_coef", 0.0))
-
-
-def router_class(model: nn.Module) -> tuple[type[nn.Module], int] | None:
-    """The router module's class and which of its outputs are the logits, as transformers records them."""
-    for module in model.modules():
-        recorder = (getattr(type(module), "_can_record_outputs", None) or {}).get("router_logits")
-        if recorder is not None:
-            return recorder.target_class, recorder.index
-    return None
 
 
 def balancing_function(model: nn.Module) -> Any:

@@ -27,11 +27,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from qlora_fsdp.config import Config, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.model.build import QUANT_STORAGE, model_dir
-from qlora_fsdp.model.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts4bit
-from qlora_fsdp.model.families import CheckpointLayout, ExpertPart, PartsWaiting
-from qlora_fsdp.model.names import clean_name, is_lora_tensor, weight_key
-from qlora_fsdp.model.quantized_forms import (
+from qlora_fsdp.layers.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts4bit
+from qlora_fsdp.loading.build import QUANT_STORAGE
+from qlora_fsdp.loading.checkpoint import model_dir
+from qlora_fsdp.loading.layout import CheckpointLayout, ExpertPart, PartsWaiting
+from qlora_fsdp.loading.names import clean_name, is_lora_tensor, weight_key
+from qlora_fsdp.loading.stored_forms import (
     MXFP4_PARTS,
     StoredStatistics,
     bnb_4bit_part,
@@ -40,7 +41,7 @@ from qlora_fsdp.model.quantized_forms import (
     mxfp4_part,
     packed_byte_rows,
 )
-from qlora_fsdp.model.weight_files import InMemoryTensor, LazyTensor, StoredTensor, stored_weight_tensors
+from qlora_fsdp.loading.weight_files import InMemoryTensor, LazyTensor, StoredTensor, stored_weight_tensors
 
 _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
 

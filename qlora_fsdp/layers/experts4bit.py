@@ -28,7 +28,7 @@ from qlora_fsdp.config import QuantConfig
 from qlora_fsdp.errors import ModelLoadError
 
 EXPERT_MATRICES = ("gate_up_proj", "down_proj")
-LORA_SUFFIX = "_lora"  # an expert matrix's LoRA (expert_training.ExpertLora) sits beside it: `down_proj_lora`
+LORA_SUFFIX = "_lora"  # an expert matrix's LoRA (expert_lora.ExpertLora) sits beside it: `down_proj_lora`
 PLANNED_GROUP = 16  # experts one op of the planner's fake step stands for
 NESTED_BLOCKSIZE = 256  # bitsandbytes' block size for the statistics of double quantization
 _CODES: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -329,3 +329,12 @@ def make_4bit(module: nn.Module, quant: QuantConfig) -> None:
     if base not in _CLASSES:
         _CLASSES[base] = type(f"{base.__name__}4bit", (Experts4bit, base), {})
     module.__class__ = _CLASSES[base]
+
+
+def router_class(model: nn.Module) -> tuple[type[nn.Module], int] | None:
+    """The router module's class and which of its outputs are the logits, as transformers records them."""
+    for module in model.modules():
+        recorder = (getattr(type(module), "_can_record_outputs", None) or {}).get("router_logits")
+        if recorder is not None:
+            return recorder.target_class, recorder.index
+    return None

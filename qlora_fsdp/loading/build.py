@@ -6,7 +6,6 @@ parameters afterwards, one tensor at a time.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,24 +17,22 @@ import torch
 from accelerate import init_empty_weights
 from peft.tuners.lora.dora import DoraLinearLayer
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from qlora_fsdp.config import Config, LoraConfig, QuantConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.errors import ConfigError, ModelLoadError, first_line
-from qlora_fsdp.model import expert_training, quantized_forms
-from qlora_fsdp.model.attention import transformers_name
-from qlora_fsdp.model.experts4bit import Experts4bit, quantize_experts
-from qlora_fsdp.model.families import (
-    CheckpointLayout,
-    checkpoint_layout,
-    refuse_unsupported,
-    run_mixers_per_sample,
-    text_config,
-)
-from qlora_fsdp.model.fused_lora import fuse_lora_projections
-from qlora_fsdp.model.names import is_lora_tensor
-from qlora_fsdp.model.weight_files import stored_keys
+from qlora_fsdp.errors import ConfigError, ModelLoadError
+from qlora_fsdp.families import refuse_mxfp4_dense
+from qlora_fsdp.layers import expert_lora
+from qlora_fsdp.layers.attention import transformers_name
+from qlora_fsdp.layers.decoder import decoder_layers, run_mixers_per_sample
+from qlora_fsdp.layers.experts4bit import Experts4bit, quantize_experts
+from qlora_fsdp.layers.fused_lora import fuse_lora_projections
+from qlora_fsdp.loading import stored_forms
+from qlora_fsdp.loading.checkpoint import checkpoint_folder
+from qlora_fsdp.loading.layout import CheckpointLayout, checkpoint_layout
+from qlora_fsdp.loading.names import is_lora_tensor
+from qlora_fsdp.loading.weight_files import stored_keys
 
 # 4-bit values are packed two to a byte and stored as raw bytes. FSDP2 never casts a non-float parameter and
 # all-gathers it as bytes, whatever the mixed-precision policy or the LoRA dtype. The earlier bf16 storage was
@@ -43,61 +40,6 @@ from qlora_fsdp.model.weight_files import stored_keys
 # pattern as 0x7FFF, so about 0.1% of the packed bytes decode to other 4-bit values whenever a layer's
 # all-gather is uniformly bf16 (bitsandbytes #1945, pytorch #159333; emulated on CPU in tests/test_numerics.py).
 QUANT_STORAGE = torch.uint8
-
-
-def model_dir(model_path: str) -> Path:
-    """A local checkpoint folder as is; otherwise a hub id, fetched (config, tokenizer and safetensors only)."""
-    path = Path(model_path)
-    if path.is_dir():
-        return path
-    if path.exists() or model_path.startswith((".", "/")) or model_path.count("/") > 1:
-        raise ModelLoadError(f"model.path '{model_path}' is not a checkpoint folder")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
-    except Exception as err:  # offline, gated or unknown: say which, in one line
-        raise ModelLoadError(f"model.path '{model_path}' is neither a local folder nor reachable on the hub "
-                             f"({type(err).__name__}); for the tiny default run `make tiny-model`") from None
-
-
-def base_model_dir(cfg: Config) -> Path:
-    """model.path as a folder with a config.json (asked first: without one, a tokenizer load fails obscurely)."""
-    path = model_dir(cfg.model.path)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face checkpoint folder (point model.path "
-                             "at the folder holding config.json, the tokenizer and the *.safetensors)")
-    try:
-        json.loads((path / "config.json").read_text())
-    except (ValueError, UnicodeDecodeError) as err:  # transformers' own message names neither line nor cause
-        raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({first_line(err)})") from None
-    return path
-
-
-def load_hf_config(cfg: Config) -> PretrainedConfig:
-    path = base_model_dir(cfg)
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    except ValueError as err:  # JSON that is not a config, an unknown model_type, remote code refused
-        raise ModelLoadError(f"{path / 'config.json'}: {first_line(err)}") from None
-    quantized_forms.refuse_untrainable_form(config, path / "config.json")
-    quantized_forms.refuse_contradicting_recipe(config, cfg.quant, path / "config.json")
-    text = text_config(config)  # a multimodal checkpoint trains its text model
-    if text is not config and getattr(config, "quantization_config", None) is not None:
-        text.quantization_config = config.quantization_config  # how the whole checkpoint is stored
-    return text
-
-
-def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
-    path = base_model_dir(cfg)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError, TypeError) as err:  # no or broken tokenizer files
-        raise ModelLoadError(f"{path}: cannot load its tokenizer ({first_line(err)}); the folder needs "
-                             "tokenizer.json or the tokenizer files of its model family") from None
-    if tokenizer.pad_token is None:  # Llama 3 ships none; padding is masked out of loss and attention
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = "eager") -> peft.PeftModel:
@@ -116,7 +58,7 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
     run_mixers_per_sample(decoder_layers(model))
     swap_linears_for_4bit(model, cfg.quant, stored_4bit_linears(checkpoint_folder(cfg), layout))
     quantize_experts(model, cfg.quant)
-    refuse_mxfp4_dense(model, hf_config)
+    refuse_mxfp4_dense(hf_config, has_experts=any(isinstance(m, Experts4bit) for m in model.modules()))
     refuse_unsupported(model)
     model.requires_grad_(False)
     model.config.use_cache = False  # no KV cache while training
@@ -125,20 +67,12 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
     return peft_model
 
 
-def checkpoint_folder(cfg: Config) -> Path | None:
-    """The folder whose weights will be read; None for random weights (a hub id is then not fetched)."""
-    path = Path(cfg.model.path)
-    if path.is_dir():
-        return path
-    return None if cfg.model.init == "random" else model_dir(cfg.model.path)
-
-
 def stored_4bit_linears(folder: Path | None, layout: CheckpointLayout) -> set[str] | None:
     """The linear layers a pre-quantized checkpoint stores in 4-bit (our module names); None for a checkpoint that
     stores none (its linears are quantized at load, all but quant.skip_modules)."""
     if folder is None or not any(folder.glob("*.safetensors")):
         return None
-    keys = quantized_forms.quantized_weight_keys(stored_keys(folder))
+    keys = stored_forms.quantized_weight_keys(stored_keys(folder))
     if not keys:
         return None
     ours = {layout.model_key(key)[0] for key in keys}
@@ -193,14 +127,6 @@ def make_meta_linear4bit(linear: nn.Linear, quant: QuantConfig) -> bnb.nn.Linear
     return layer
 
 
-def refuse_mxfp4_dense(model: nn.Module, hf_config: PretrainedConfig) -> None:
-    """MXFP4 is trained from where gpt-oss uses it, on the experts (decoded, then NF4); not on dense weights."""
-    if quantized_forms.quant_method(hf_config) == "mxfp4" and not any(isinstance(m, Experts4bit)
-                                                                      for m in model.modules()):
-        raise ModelLoadError(f"{hf_config.model_type}: config.json says its weights are stored in MXFP4 and it has no "
-                             "experts: MXFP4 dense weights are not supported; use the unquantized checkpoint")
-
-
 def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
     targets = lora_targets(model, lora.target_modules)
     config = peft.LoraConfig(
@@ -228,14 +154,14 @@ def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
 
 def add_expert_training(model: peft.PeftModel, lora: LoraConfig) -> None:
     """lora.target_experts and lora.train_router, recorded in the adapter's config as PEFT would record them."""
-    expert_training.check_expert_training(model, lora)
+    expert_lora.check_expert_training(model, lora)
     config = model.peft_config["default"]
     assert isinstance(config, peft.LoraConfig), "attach_lora makes the adapter from a peft.LoraConfig"
     if lora.target_experts:
-        expert_training.attach_expert_lora(model, lora)
-        config.target_parameters = expert_training.target_parameters(model)
+        expert_lora.attach_expert_lora(model, lora)
+        config.target_parameters = expert_lora.target_parameters(model)
     if lora.train_router:
-        config.modules_to_save = expert_training.train_routers(model, lora)
+        config.modules_to_save = expert_lora.train_routers(model, lora)
 
 
 def lora_targets(model: nn.Module, targets: str | list[str]) -> str | list[str]:
@@ -293,21 +219,6 @@ def base_parameter_count(model: nn.Module) -> int:
     return count
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks, found from the model (its `_no_split_modules`, else the longest ModuleList)."""
-    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    # by the class or a base of it: fully_shard swaps a module's class for a subclass (FSDPLlamaDecoderLayer)
-    layers = [m for m in base.modules() if any(c.__name__ in names for c in type(m).__mro__)]
-    if layers:
-        return layers
-    lists = [m for m in base.modules() if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1]
-    if not lists:
-        raise ModelLoadError(f"cannot find the decoder layers of {type(base).__name__}")
-    longest: nn.ModuleList = max(lists, key=len)
-    return list(longest)
-
-
 @contextmanager
 def meta_dora_magnitudes() -> Iterator[None]:
     """PEFT sizes DoRA's magnitude by dequantizing the base weight, which does not exist on the meta device.
@@ -326,3 +237,13 @@ def meta_dora_magnitudes() -> Iterator[None]:
         yield
     finally:
         DoraLinearLayer.update_layer = original  # type: ignore[method-assign]
+
+
+def refuse_unsupported(model: nn.Module) -> None:
+    """A 3-D experts parameter left after the 4-bit swaps is a layout no 4-bit layer replaced (a short convolution's
+    3-D weight, Qwen3.5's, is not an expert)."""
+    for name, param in model.named_parameters():
+        if param.ndim == 3 and ".experts." in f".{name}.":
+            model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            raise ModelLoadError(f"{model_type} holds '{name}', a 3-D weight of a layout 4-bit loading does not know "
+                                 "yet, so it would train unquantized")

@@ -1,0 +1,102 @@
+"""What differs between model families, in one place: the rest of the package asks these functions and never tests
+a family's name itself.
+
+- **Multimodal checkpoints** (Gemma 3 4B-27B, Mistral 3): trained as their text model (`text_config`).
+- **Attention**: what a family's attention adds to causal attention (sliding windows, soft-capping, sinks) and
+  whether transformers' sdpa can run it.
+- **Logits**: families that soft-cap the head's output inside their forward (Gemma 2).
+- **Stored forms**: MXFP4 is stored by gpt-oss on its experts only.
+- **Tiny models**: which families tie the head to the embeddings in their small sizes (the tiny models copy it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from qlora_fsdp.errors import ModelLoadError
+
+# families whose attention adds a learned logit per head to every softmax (transformers' `s_aux`)
+SINK_FAMILIES = {"gpt_oss"}
+
+
+def is_multimodal(config: PretrainedConfig) -> bool:
+    """A vision-language checkpoint whose language model is a decoder of its own (`text_config`)."""
+    sub_configs = getattr(config, "sub_configs", {}) or {}
+    return "text_config" in sub_configs and "vision_config" in sub_configs
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config training builds a causal LM from: the text model's for a multimodal checkpoint."""
+    if not is_multimodal(config):
+        return config
+    text = config.get_text_config()
+    if type(text) not in AutoModelForCausalLM._model_mapping:
+        raise ModelLoadError(f"{config.model_type}: its language model ({text.model_type}) is not a causal LM "
+                             "transformers can build on its own; this multimodal family is not supported yet")
+    return text
+
+
+def full_model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """The checkpoint's own architecture (config.json's `architectures`), as transformers would load it."""
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    model_class = getattr(transformers, names[0], None) if names else None
+    if model_class is None:
+        raise ModelLoadError(f"{config.model_type}: config.json names no architecture transformers has ({names})")
+    return model_class
+
+
+@dataclass(frozen=True)
+class AttentionNeeds:
+    """What a family's attention needs of a kernel (families.attention_needs reads it from the config)."""
+
+    family: str = "llama"
+    softcap: bool = False  # Gemma 2's attn_logit_softcapping
+    sinks: bool = False  # gpt-oss
+    sdpa: bool = True  # transformers runs this family under sdpa
+
+    @property
+    def sdpa_exact(self) -> bool:
+        """transformers' sdpa computes this family's attention (its masks carry windows, not caps or sinks)."""
+        return self.sdpa and not (self.softcap or self.sinks)
+
+
+CAUSAL_ONLY = AttentionNeeds()  # plain causal attention (Llama): what a kernel is asked when no family is named
+
+
+def attention_needs(config: PretrainedConfig) -> AttentionNeeds:
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return AttentionNeeds(
+        family=config.model_type,
+        softcap=getattr(config, "attn_logit_softcapping", None) is not None,
+        sinks=config.model_type in SINK_FAMILIES,
+        sdpa=bool(getattr(model_class, "_supports_sdpa", True)),
+    )
+
+
+def softcaps_logits(config: PretrainedConfig | None) -> bool:
+    """Gemma 2 transforms the head's output inside its forward (final logit soft-capping)."""
+    return getattr(config, "final_logit_softcapping", None) is not None
+
+
+def quant_method(config: PretrainedConfig | None) -> str | None:
+    """config.json's quantization_config.quant_method (a dict, or transformers' config object), if any."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    return getattr(quantization, "quant_method", None) if method is None else method
+
+
+def refuse_mxfp4_dense(config: PretrainedConfig, has_experts: bool) -> None:
+    """MXFP4 is trained from where gpt-oss uses it, on the experts (decoded, then NF4); not on dense weights."""
+    if quant_method(config) == "mxfp4" and not has_experts:
+        raise ModelLoadError(f"{config.model_type}: config.json says its weights are stored in MXFP4 and it has no "
+                             "experts: MXFP4 dense weights are not supported; use the unquantized checkpoint")
+
+
+def small_models_tie_embeddings(model_type: str) -> bool:
+    """Qwen's small models tie the head to the embeddings (Llama 3.2 and Gemma too, but not our tiny ones)."""
+    return model_type.startswith("qwen")
+
