@@ -21,6 +21,7 @@ from qlora_fsdp.config import LoraConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.layers.experts4bit import EXPERT_MATRICES, LORA_SUFFIX, Experts4bit, LoraUpdate, router_class
+from qlora_fsdp.layers.lora_math import expert_factors, lora_scale
 
 
 class ExpertLora(nn.Module):
@@ -31,7 +32,7 @@ class ExpertLora(nn.Module):
         super().__init__()
         self.n_experts, self.r = n_experts, lora.r
         self.transposed = transposed  # the experts store [in, out] (gpt-oss), as the merge needs to know
-        self.scaling = lora.alpha / (lora.r**0.5 if lora.use_rslora else lora.r)
+        self.scaling = lora_scale(lora.r, lora.alpha, lora.use_rslora)
         self.compute_in_base_dtype = lora.compute_dtype == "base"
         dtype = TORCH_DTYPES[lora.dtype]
         self.lora_A = nn.Parameter(torch.empty(lora.r * n_experts, in_features, dtype=dtype, device="meta"))
@@ -41,8 +42,7 @@ class ExpertLora(nn.Module):
     def updates(self, base_dtype: torch.dtype, group: int | None = None) -> list[LoraUpdate]:
         """One update an expert (or a group of `group` experts), cast once to the dtype lora.compute_dtype says."""
         dtype = base_dtype if self.compute_in_base_dtype else self.lora_A.dtype
-        a = self.lora_A.to(dtype).unflatten(0, (self.n_experts, self.r))  # [experts, r, in]
-        b = self.lora_B.to(dtype).unflatten(1, (self.r, self.n_experts)).permute(2, 1, 0)  # [experts, r, out]
+        a, b = expert_factors(self.lora_A.to(dtype), self.lora_B.to(dtype), self.n_experts)
         pieces = zip(a.unbind(), b.unbind(), strict=True) if group is None else zip(a.split(group), b.split(group),
                                                                                       strict=True)
         return [LoraUpdate(a_part, b_part, self.scaling) for a_part, b_part in pieces]

@@ -28,11 +28,10 @@ from qlora_fsdp.layers.attention import transformers_name
 from qlora_fsdp.layers.decoder import decoder_layers, run_mixers_per_sample
 from qlora_fsdp.layers.experts4bit import Experts4bit, quantize_experts
 from qlora_fsdp.layers.fused_lora import fuse_lora_projections
-from qlora_fsdp.loading import stored_forms
 from qlora_fsdp.loading.checkpoint import checkpoint_folder
 from qlora_fsdp.loading.layout import CheckpointLayout, checkpoint_layout
 from qlora_fsdp.loading.names import is_lora_tensor
-from qlora_fsdp.loading.weight_files import stored_keys
+from qlora_fsdp.loading.reader import stored_4bit_weights
 
 # 4-bit values are packed two to a byte and stored as raw bytes. FSDP2 never casts a non-float parameter and
 # all-gathers it as bytes, whatever the mixed-precision policy or the LoRA dtype. The earlier bf16 storage was
@@ -70,9 +69,7 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
 def stored_4bit_linears(folder: Path | None, layout: CheckpointLayout) -> set[str] | None:
     """The linear layers a pre-quantized checkpoint stores in 4-bit (our module names); None for a checkpoint that
     stores none (its linears are quantized at load, all but quant.skip_modules)."""
-    if folder is None or not any(folder.glob("*.safetensors")):
-        return None
-    keys = stored_forms.quantized_weight_keys(stored_keys(folder))
+    keys = stored_4bit_weights(folder)
     if not keys:
         return None
     ours = {layout.model_key(key)[0] for key in keys}

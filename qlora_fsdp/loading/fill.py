@@ -4,7 +4,8 @@ Each linear weight is read whole and quantized to NF4 on the compute device (its
 covers the whole tensor); a rank keeps only its dim-0 chunk of the packed bytes (exactly FSDP2's
 `torch.chunk` shard) and frees the rest before the next tensor. Other weights (embeddings, norms,
 lm_head) are read only for the rows this rank keeps. A mixture of experts' experts are read one expert at
-a time, and only by the rank that keeps that expert (ExpertRows). Peak host memory per rank: its shards plus
+a time, and only by the rank that keeps that expert. The checkpoint's stored forms are read by loading/reader.py,
+which merge uses too. Peak host memory per rank: its shards plus
 one full tensor, never the whole model or the whole quantized model.
 """
 
@@ -25,23 +26,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from qlora_fsdp.config import Config, QuantConfig
+from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.layers.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts4bit
+from qlora_fsdp.layers.lora_math import dora_magnitude
 from qlora_fsdp.loading.build import QUANT_STORAGE
 from qlora_fsdp.loading.checkpoint import model_dir
-from qlora_fsdp.loading.layout import CheckpointLayout, ExpertPart, PartsWaiting
+from qlora_fsdp.loading.layout import CheckpointLayout
 from qlora_fsdp.loading.names import clean_name, is_lora_tensor, weight_key
-from qlora_fsdp.loading.stored_forms import (
-    MXFP4_PARTS,
-    StoredStatistics,
-    bnb_4bit_part,
-    is_packed_shape,
-    mxfp4_experts,
-    mxfp4_part,
-    packed_byte_rows,
-)
-from qlora_fsdp.loading.weight_files import InMemoryTensor, LazyTensor, StoredTensor, stored_weight_tensors
+from qlora_fsdp.loading.reader import CheckpointReader, Experts, FourBit, ModelShapes, Piece, Plain
+from qlora_fsdp.loading.weight_files import InMemoryTensor, StoredTensor
 
 _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
 
@@ -135,7 +130,7 @@ def chunk_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
 @torch.no_grad()
 def copy_rows_into(param: torch.Tensor, part: torch.Tensor) -> None:
     """Copy this rank's rows (already cut with `shard_row_range`) into the local shard."""
-    local = param.to_local() if isinstance(param, DTensor) else param.data
+    local = local_shard(param)
     if local.shape != part.shape:
         raise ModelLoadError(f"shard shape {tuple(local.shape)} does not match checkpoint part {tuple(part.shape)}")
     local.copy_(part)
@@ -174,24 +169,12 @@ def dora_magnitude_of(modules: dict[str, nn.Module], linear_name: str) -> nn.Par
     return next(iter(magnitudes.values())).weight
 
 
-@dataclass(frozen=True)
-class Statistic:
-    """A stored statistic of a pre-quantized 4-bit weight (`absmax`, `quant_map`, ...); the piece's key is the
-    weight's."""
-
-    name: str
-
-
-# our key, the tensor, where from, and which expert it holds or which statistic of a 4-bit weight it is
-Piece = tuple[str, StoredTensor, str, ExpertPart | Statistic | None]
-
-
-def random_tensors(targets: dict[str, Target], std: float, seed: int, device: torch.device) -> Iterator[Piece]:
+def random_pieces(targets: dict[str, Target], std: float, seed: int, device: torch.device) -> Iterator[Piece]:
     """Seeded stand-ins for an architecture-only run: N(0, std) matrices, unit norms, zero biases.
 
     Each tensor has its own generator (seed, name), so any world size builds the very same model (on one
     device type: CUDA's generator draws other numbers than the CPU's, and is what makes a 70B init fast).
-    Experts come one at a time and are drawn only by the rank that keeps them.
+    Experts are drawn one at a time and only by the rank that keeps them.
     """
     seen: set[int] = set()
     for key, target in targets.items():
@@ -201,15 +184,19 @@ def random_tensors(targets: dict[str, Target], std: float, seed: int, device: to
         module = target.quantized_module
         shape = (module.out_features, module.in_features) if module is not None else tuple(target.param.shape)
         if target.experts is not None:
-            for expert in range(target.param.shape[0]):
-                draw = functools.partial(normal, target.experts.shape, std, seed, f"{key}.{expert}", device)
-                yield key, LazyTensor(target.experts.shape, draw), "random init", ExpertPart(expert)
+            draw = functools.partial(random_expert, target.experts.shape, std, seed, key, device)
+            yield Experts(key, key, range(target.param.shape[0]), draw, "random init")
         elif key.endswith("bias"):
-            yield key, InMemoryTensor(torch.zeros(shape)), "random init", None
+            yield Plain(key, key, key, InMemoryTensor(torch.zeros(shape)), "random init")
         elif "norm" in key:
-            yield key, InMemoryTensor(torch.ones(shape)), "random init", None
+            yield Plain(key, key, key, InMemoryTensor(torch.ones(shape)), "random init")
         else:
-            yield key, InMemoryTensor(normal(shape, std, seed, key, device)), "random init", None
+            yield Plain(key, key, key, InMemoryTensor(normal(shape, std, seed, key, device)), "random init")
+
+
+def random_expert(shape: tuple[int, int], std: float, seed: int, key: str, device: torch.device,
+                  expert: int) -> torch.Tensor:
+    return normal(shape, std, seed, f"{key}.{expert}", device)
 
 
 def normal(shape: tuple[int, ...], std: float, seed: int, name: str, device: torch.device) -> torch.Tensor:
@@ -224,24 +211,23 @@ def release_freed_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def tensor_source(cfg: Config, targets: dict[str, Target], model: nn.Module, device: torch.device
-                  ) -> Iterator[Piece]:
-    """(our model's key, tensor, where from): seeded random tensors, or the checkpoint's, renamed by its layout."""
+def pieces(cfg: Config, targets: dict[str, Target], model: nn.Module, device: torch.device) -> Iterator[Piece]:
+    """Seeded random tensors, or the checkpoint's, read by the one reader merge uses too."""
     if cfg.model.init == "random":
         std = getattr(model.config, "initializer_range", 0.02)
-        yield from random_tensors(targets, std, cfg.train.seed, device)
+        yield from random_pieces(targets, std, cfg.train.seed, device)
         return
-    layout = model_layout(model)
-    for stored_key, tensor, source in stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
-        statistic = bnb_4bit_part(stored_key)
-        if statistic is not None:  # named after its weight, which the layout knows
-            key, _ = layout.model_key(statistic[0])
-            if key is not None:
-                yield key, tensor, source, Statistic(statistic[1])
-            continue
-        key, part = layout.model_key(stored_key)
-        if key is not None:  # None: a part the text model does not hold (a vision tower)
-            yield key, tensor, source, part
+    reader = CheckpointReader(model_dir(cfg.model.path), model_layout(model), model_shapes(targets, cfg), device,
+                              cfg.model.allow_pickle)
+    yield from reader.pieces()
+
+
+def model_shapes(targets: dict[str, Target], cfg: Config) -> ModelShapes:
+    """What the reader needs to know of the model: its 4-bit linears and its experts, by our keys."""
+    four_bit = {key: (t.quantized_module.out_features, t.quantized_module.in_features)
+                for key, t in targets.items() if t.quantized_module is not None}
+    experts = {key: (t.param.shape[0], t.experts) for key, t in targets.items() if t.experts is not None}
+    return ModelShapes(four_bit, experts, TORCH_DTYPES[cfg.model.dtype], cfg.quant)
 
 
 def model_layout(model: nn.Module) -> CheckpointLayout:
@@ -255,178 +241,57 @@ def model_layout(model: nn.Module) -> CheckpointLayout:
 def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
     """Stream every base tensor into its (sharded) parameter; then initialize LoRA."""
     targets = base_targets(model)
-    loaded: set[int] = set()
-    experts = ExpertRows(cfg, device)
-    stored_4bit = Prequantized(cfg, device)
-    for key, tensor, source, part in tensor_source(cfg, targets, model, device):
-        target = targets.get(key)
-        if target is None and experts.load_mxfp4(key, targets, tensor):
+    placed: dict[int, set[int]] = {}  # parameter -> the experts placed (one for a parameter without experts)
+    for piece in pieces(cfg, targets, model, device):
+        if piece.key is None:  # a part the text model does not hold (a vision tower)
             continue
+        target = targets.get(piece.key)
         if target is None:
-            if key.endswith("rotary_emb.inv_freq"):  # older checkpoints saved this computed buffer
-                continue
-            raise ModelLoadError(f"{source} holds '{key}', which the model built from config.json lacks: "
+            raise ModelLoadError(f"{piece.source} holds '{piece.key}', which the model built from config.json lacks: "
                                  "config and weights disagree")
-        if isinstance(part, Statistic) or stored_4bit.is_packed(target, tensor):
-            stored_4bit.load(key, target, tensor, part)
-        elif target.experts is not None:
-            experts.load(key, target, tensor, part)
+        if isinstance(piece, Experts):
+            place_experts(piece, target)
+        elif isinstance(piece, FourBit):
+            place_four_bit(piece, target, device)
         else:
-            load_tensor(target, tensor, cfg, device)
-            loaded.add(id(target.param))
+            load_tensor(target, piece.tensor, cfg, device)
+        placed.setdefault(id(target.param), set()).update(piece.experts if isinstance(piece, Experts) else {0})
         release_freed_memory()  # return the full tensor's pages before reading the next
-    loaded |= experts.complete(targets) | stored_4bit.complete()
-    missing = sorted(k for k, t in targets.items() if id(t.param) not in loaded)
+    missing = sorted(k for k, t in targets.items() if len(placed.get(id(t.param), ())) < expected_pieces(t))
     if missing:
         raise ModelLoadError(f"checkpoint lacks '{missing[0]}' ({len(missing)} missing): config and weights disagree")
     init_lora(model, cfg.train.seed)
 
 
-class ExpertRows:
-    """Fills fused experts parameters expert by expert: from a fused stored tensor (read one expert at a time) or
-    from per-expert tensors (Mixtral's w1 and w3 joined into gate_up_proj). A rank reads and quantizes only the
-    experts it keeps; per-expert parts wait only until their expert's other parts arrive."""
-
-    def __init__(self, cfg: Config, device: torch.device) -> None:
-        self.dtype, self.device = TORCH_DTYPES[cfg.model.dtype], device
-        self.seen: dict[str, set[int]] = {}
-        self.waiting = PartsWaiting()  # (key, expert) -> this rank's parts of an expert's matrix
-        self.mxfp4 = PartsWaiting()  # key -> its MXFP4 blocks and scales, not read yet
-
-    def load_mxfp4(self, key: str, targets: dict[str, Target], stored: StoredTensor) -> bool:
-        """An experts parameter stored in MXFP4 (gpt-oss): once both its blocks and its scales have come, each of
-        this rank's experts is decoded and quantized to NF4. False for a key that is not such a part."""
-        found = mxfp4_part(key)
-        target = targets.get(found[0]) if found else None
-        if found is None or target is None or target.experts is None:
-            return False
-        name, which = found
-        parts = self.mxfp4.add(name, MXFP4_PARTS.index(which), stored, len(MXFP4_PARTS))
-        if parts is None:
-            return True
-        n_experts = target.param.shape[0]
-        first, last = shard_row_range(target.param, n_experts)
-        for expert in range(first, last):
-            blocks, scales = (part.read((expert, expert + 1)).to(self.device) for part in parts)
-            weight = mxfp4_experts(blocks, scales, self.dtype)[0]
-            if tuple(weight.shape) != target.experts.shape:
-                raise ModelLoadError(f"MXFP4 experts of '{name}' decode to {tuple(weight.shape)} where the config "
-                                     f"wants {target.experts.shape}: config and weights disagree")
-            self.store(target, expert - first, weight)
-        self.seen[name] = set(range(n_experts))
-        return True
-
-    def load(self, key: str, target: Target, stored: StoredTensor, part: ExpertPart | None) -> None:
-        matrix, n_experts = target.experts, target.param.shape[0]
-        assert matrix is not None, "load_weights sends only experts targets here"
-        first, last = shard_row_range(target.param, n_experts)
-        if part is None:  # all experts in one tensor
-            if tuple(stored.shape) != (n_experts, *matrix.shape):
-                raise ModelLoadError(f"checkpoint experts of shape {tuple(stored.shape)} for '{key}', where the config "
-                                     f"wants {(n_experts, *matrix.shape)}: config and weights disagree")
-            for expert in range(first, last):
-                self.store(target, expert - first, stored.read((expert, expert + 1))[0])
-            self.seen.setdefault(key, set()).update(range(n_experts))
-            return
-        self.seen.setdefault(key, set()).add(part.expert)
-        if not first <= part.expert < last:
-            return  # another rank's expert: not even read
-        parts = self.waiting.add((key, part.expert), part.part, stored.read(), part.n_parts)
-        if parts is not None:
-            weight = torch.cat(parts)
-            if tuple(weight.shape) != matrix.shape:
-                raise ModelLoadError(f"checkpoint expert {part.expert} of '{key}' has shape {tuple(weight.shape)} "
-                                     f"where the config wants {matrix.shape}: config and weights disagree")
-            self.store(target, part.expert - first, weight)
-
-    def store(self, target: Target, local_expert: int, weight: torch.Tensor) -> None:
-        assert target.experts is not None
-        row = target.experts.to_row(weight.to(device=self.device, dtype=self.dtype))
-        local = target.param.to_local() if isinstance(target.param, DTensor) else target.param.data
-        local[local_expert].copy_(row)
-
-    def complete(self, targets: dict[str, Target]) -> set[int]:
-        """The experts parameters whose every expert was in the checkpoint."""
-        if (name := self.mxfp4.incomplete()) is not None:
-            raise ModelLoadError(f"checkpoint holds only one of the MXFP4 blocks and scales of '{name}': damaged or "
-                                 "incomplete download?")
-        if (waiting := self.waiting.incomplete()) is not None:
-            key, expert = waiting
-            raise ModelLoadError(f"checkpoint holds only part of expert {expert} of '{key}': config and weights "
-                                 "disagree")
-        return {id(t.param) for k, t in targets.items()
-                if t.experts is not None and len(self.seen.get(k, ())) == t.param.shape[0]}
+def expected_pieces(target: Target) -> int:
+    return target.param.shape[0] if target.experts is not None else 1
 
 
-class Prequantized:
-    """Fills 4-bit linears from a pre-quantized checkpoint as stored: a rank copies its rows of the packed bytes and
-    rebuilds the whole weight's quantization state from the statistics (replicated, as after quantizing at load)."""
+def place_experts(piece: Experts, target: Target) -> None:
+    """This rank's experts of the piece, each quantized into its row of bytes; the others are not even read."""
+    if target.experts is None:
+        raise ModelLoadError(f"{piece.source} holds experts for '{piece.key}', which the model holds as a plain "
+                             "tensor: config and weights disagree")
+    first, last = shard_row_range(target.param, target.param.shape[0])
+    local = local_shard(target.param)
+    for expert in piece.experts:
+        if first <= expert < last:
+            weight = piece.read(expert).to(dtype=target.experts.dtype)
+            local[expert - first].copy_(target.experts.to_row(weight))
 
-    def __init__(self, cfg: Config, device: torch.device) -> None:
-        self.quant, self.device = cfg.quant, device
-        self.statistics = StoredStatistics(TORCH_DTYPES[cfg.model.dtype])
-        self.packed: set[str] = set()
-        self.stated: dict[str, Target] = {}
 
-    @staticmethod
-    def is_packed(target: Target, stored: StoredTensor) -> bool:
-        return target.quantized_module is not None and is_packed_shape(stored.shape)
-
-    def load(self, key: str, target: Target, stored: StoredTensor, part: ExpertPart | Statistic | None) -> None:
-        module = target.quantized_module
-        if module is None:
-            raise ModelLoadError(f"the checkpoint stores '{key}' in 4-bit, where this model has no 4-bit linear: "
-                                 "config and weights disagree")
-        if not isinstance(part, Statistic):
-            self.copy_packed(key, target, stored)
-            return
-        state = self.statistics.add(key, part.name, stored.read(), self.device)
-        if state is None:
-            return
-        state.check(key, (module.out_features, module.in_features), self.quant)
-        module.quant_state = state.state
-        if isinstance(module.weight, bnb.nn.Params4bit):
-            module.weight.quant_state = state.state
-        self.stated[key] = target
-        self.fill_dora_magnitude(target)
-
-    def copy_packed(self, key: str, target: Target, stored: StoredTensor) -> None:
-        """This rank's rows of [n / 2, 1] packed bytes, read from however many stored elements cover them."""
-        n_bytes = target.param.shape[0]
-        itemsize, remainder = divmod(n_bytes, stored.shape[0])
-        if remainder or itemsize not in (1, 2, 4):
-            raise ModelLoadError(f"the 4-bit weight '{key}' is stored as {tuple(stored.shape)}, where the config "
-                                 f"wants {n_bytes} packed bytes: config and weights disagree")
-        first, last = shard_row_range(target.param, n_bytes)
-        rows = stored.read((first // itemsize, -(-last // itemsize)))
-        copy_rows_into(target.param, packed_byte_rows(rows, first, last - first).to(self.device))
-        self.packed.add(key)
-        self.fill_dora_magnitude(target)
-
-    def fill_dora_magnitude(self, target: Target) -> None:
-        """DoRA's magnitudes are the dequantized weight's row norms: the whole weight, gathered once both the
-        bytes and the state are here (DoRA is rare; without it nothing is gathered)."""
-        key = next((k for k, t in self.stated.items() if t is target), None)
-        if target.dora_magnitude is None or key is None or key not in self.packed:
-            return
-        module = target.quantized_module
-        assert module is not None and module.quant_state is not None
-        local = target.param.to_local() if isinstance(target.param, DTensor) else target.param.data
-        packed = target.param.full_tensor() if isinstance(target.param, DTensor) else local
-        weight = bnbf.dequantize_4bit(packed, module.quant_state).float()
-        copy_full_into(target.dora_magnitude, weight.norm(dim=1).to(target.dora_magnitude.dtype))
-
-    def complete(self) -> set[int]:
-        """The 4-bit parameters that got both their bytes and their state."""
-        if (key := self.statistics.incomplete()) is not None:
-            raise ModelLoadError(f"checkpoint holds only some of the statistics of the 4-bit weight '{key}': "
-                                 "damaged or incomplete download?")
-        one_sided = sorted(self.packed ^ self.stated.keys())
-        if one_sided:
-            has = "its packed bytes" if one_sided[0] in self.packed else "its statistics"
-            raise ModelLoadError(f"checkpoint holds only {has} of the 4-bit weight '{one_sided[0]}': damaged or "
-                                 "incomplete download?")
-        return {id(target.param) for target in self.stated.values()}
+def place_four_bit(piece: FourBit, target: Target, device: torch.device) -> None:
+    """A pre-quantized weight as stored: this rank's rows of the packed bytes, and the whole weight's quantization
+    state (replicated, as after quantizing at load)."""
+    module = target.quantized_module
+    if module is None:
+        raise ModelLoadError(f"the checkpoint stores '{piece.key}' in 4-bit, where this model has no 4-bit linear: "
+                             "config and weights disagree")
+    first, last = shard_row_range(target.param, piece.n_bytes)
+    copy_rows_into(target.param, piece.bytes(first, last).to(device))
+    set_quant_state(module, piece.state)
+    if target.dora_magnitude is not None:
+        copy_full_into(target.dora_magnitude, dora_magnitude(piece.dequantized(), target.dora_magnitude.dtype))
 
 
 def load_tensor(target: Target, stored: StoredTensor, cfg: Config, device: torch.device) -> None:
@@ -450,13 +315,18 @@ def load_quantized(target: Target, full: torch.Tensor, cfg: Config) -> None:
         raise ModelLoadError(f"checkpoint weight of shape {tuple(full.shape)} for a "
                              f"{module.out_features}x{module.in_features} linear: config and weights disagree")
     packed, quant_state = quantize(full, cfg.quant, target.param.dtype)
-    module.quant_state = quant_state  # replicated per rank: double quantization keeps it small
-    if isinstance(module.weight, bnb.nn.Params4bit):
-        module.weight.quant_state = quant_state
+    set_quant_state(module, quant_state)
     copy_full_into(target.param, packed)
     if target.dora_magnitude is not None:
-        weight = bnbf.dequantize_4bit(packed, quant_state).float()
-        copy_full_into(target.dora_magnitude, weight.norm(dim=1).to(target.dora_magnitude.dtype))
+        weight = bnbf.dequantize_4bit(packed, quant_state)
+        copy_full_into(target.dora_magnitude, dora_magnitude(weight, target.dora_magnitude.dtype))
+
+
+def set_quant_state(module: bnb.nn.Linear4bit, state: bnbf.QuantState) -> None:
+    """The whole weight's state, replicated per rank (double quantization keeps it small)."""
+    module.quant_state = state
+    if isinstance(module.weight, bnb.nn.Params4bit):
+        module.weight.quant_state = state
 
 
 def quantize(weight: torch.Tensor, quant: QuantConfig, storage: torch.dtype = QUANT_STORAGE

@@ -9,7 +9,6 @@ Host RAM stays near one output shard plus one weight: nothing holds the whole mo
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,21 +26,13 @@ from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.families import quant_method
 from qlora_fsdp.layers.expert_lora import expert_loras
 from qlora_fsdp.layers.experts4bit import LORA_SUFFIX, ExpertMatrix
+from qlora_fsdp.layers.lora_math import expert_delta, lora_scale
 from qlora_fsdp.loading.adapter import adapter_file_key, read_adapter
 from qlora_fsdp.loading.build import build_meta_model
 from qlora_fsdp.loading.checkpoint import load_hf_config, model_dir
-from qlora_fsdp.loading.fill import base_targets, model_layout, quantize
-from qlora_fsdp.loading.layout import ExpertPart, PartsWaiting
+from qlora_fsdp.loading.fill import base_targets, model_layout, model_shapes, quantize
 from qlora_fsdp.loading.names import PEFT_PREFIX, is_lora_tensor, weight_key
-from qlora_fsdp.loading.stored_forms import (
-    MXFP4_PARTS,
-    StoredStatistics,
-    bnb_4bit_part,
-    is_packed_shape,
-    mxfp4_experts,
-    mxfp4_part,
-)
-from qlora_fsdp.loading.weight_files import stored_weight_tensors
+from qlora_fsdp.loading.reader import CheckpointReader, Experts, FourBit, Piece
 from qlora_fsdp.precision import describe_device, resolve_dtypes
 
 
@@ -74,11 +65,8 @@ class ExpertDelta:
 
     def merged(self, expert: int, weight: torch.Tensor) -> torch.Tensor:
         """One expert's matrix + s B_e A_e, in fp32."""
-        r = self.a.shape[0] // self.n_experts
-        a = self.a.unflatten(0, (self.n_experts, r))[expert].to(weight.device).float()
-        b = self.b.unflatten(1, (r, self.n_experts))[:, :, expert].to(weight.device).float()
-        delta = self.scale * (b @ a)  # [out, in]
-        return weight.float() + (delta.t() if self.transposed else delta)
+        delta = expert_delta(self.a, self.b, self.n_experts, expert, self.scale, self.transposed)
+        return weight.float() + delta.to(weight.device)
 
 
 @dataclass
@@ -100,8 +88,7 @@ def adapter_updates(adapter_dir: Path, meta: nn.Module) -> AdapterUpdates:
     config, tensors = read_adapter(adapter_dir)
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ModelLoadError("adapters with per-module rank_pattern/alpha_pattern are not supported by the merge")
-    r, alpha = config["r"], config["lora_alpha"]
-    scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    scale = lora_scale(config["r"], config["lora_alpha"], bool(config.get("use_rslora")))
     layout = model_layout(meta)
 
     def saved(name: str) -> bool:  # the adapter decides what it changes (PEFT's own adapters have no experts' LoRA)
@@ -129,44 +116,13 @@ def adapter_updates(adapter_dir: Path, meta: nn.Module) -> AdapterUpdates:
     return AdapterUpdates(linear, experts, replaced)
 
 
-def updated_linear(updates: AdapterUpdates, full_key: str, weight: torch.Tensor, dtype: DType) -> torch.Tensor:
+def updated_linear(updates: AdapterUpdates, full_key: str, weight: torch.Tensor) -> torch.Tensor:
     """A base tensor as the merge writes it: plus its LoRA update, or replaced where it trained in full (a router)."""
     if full_key in updates.linear:
         weight = updates.linear.pop(full_key).merged(weight)
     if full_key in updates.replaced:
         weight = updates.replaced.pop(full_key)
-    return weight.to(device="cpu", dtype=TORCH_DTYPES[dtype])
-
-
-class StoredFourBit:
-    """A pre-quantized checkpoint's 4-bit weights, dequantized once their packed bytes and all their statistics
-    have come (a file stores them by dtype, far apart)."""
-
-    def __init__(self, device: str, dtype: torch.dtype) -> None:
-        self.device = torch.device(device)
-        self.statistics = StoredStatistics(dtype)  # dequantized to model.dtype, as training does
-        self.packed: dict[str, torch.Tensor] = {}
-        self.states: dict[str, bnbf.QuantState] = {}
-
-    def add(self, key: str, statistic: tuple[str, str] | None,
-            tensor: torch.Tensor) -> tuple[str, torch.Tensor | None]:
-        """(the weight's key, the dequantized weight once complete, else None)."""
-        if statistic is None:
-            self.packed[key] = tensor.contiguous().view(torch.uint8).reshape(-1, 1)
-        else:
-            key, name = statistic
-            state = self.statistics.add(key, name, tensor, self.device)
-            if state is not None:
-                self.states[key] = state.state
-        if key not in self.packed or key not in self.states:
-            return key, None
-        return key, bnbf.dequantize_4bit(self.packed.pop(key), self.states.pop(key))
-
-    def check_complete(self) -> None:
-        waiting = self.statistics.incomplete() or next(iter([*self.packed, *self.states]), None)
-        if waiting is not None:
-            raise ModelLoadError(f"checkpoint holds only part of the 4-bit weight '{waiting}' (its packed bytes and "
-                                 "statistics): damaged or incomplete download?")
+    return weight
 
 
 def as_trained(weight: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -177,51 +133,30 @@ def as_trained(weight: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 class ExpertRounding:
     """Experts as training held them: each expert's matrix rounded through 4-bit as a whole (unless the merge is
-    into the original weights), plus its LoRA update if it had one. A checkpoint that keeps an expert's gate and up
-    projections apart waits for both before either is written."""
+    into the original weights), plus its LoRA update if it had one; written in the checkpoint's own layout."""
 
     def __init__(self, matrices: dict[str, ExpertMatrix], deltas: dict[str, ExpertDelta], rounding: bool) -> None:
         self.matrices, self.deltas, self.rounding = matrices, deltas, rounding
-        self.waiting = PartsWaiting()  # (key, expert) -> (stored key, tensor) of each part of an expert's matrix
-        self.mxfp4 = PartsWaiting()  # key -> its MXFP4 blocks and scales
-        self.merged: set[str] = set()  # keys whose LoRA update was added
+        self.merged: set[str] = set()  # full keys whose LoRA update was added
 
-    def finished(self, key: str, expert: int, weight: torch.Tensor) -> torch.Tensor:
+    def finished(self, piece: Experts, expert: int) -> torch.Tensor:
         """One expert's whole matrix as merged: rounded as trained, its update added."""
-        matrix = self.matrices[key]
+        weight, matrix = piece.read(expert), self.matrices[piece.key]
         if self.rounding:
             weight = matrix.dequantize(matrix.to_row(weight))
-        delta = self.deltas.get(key)
+        delta = self.deltas.get(piece.full_key)
         if delta is None:
             return weight
-        self.merged.add(key)
+        self.merged.add(piece.full_key)
         return delta.merged(expert, weight).to(weight.dtype)
 
-    def all_experts(self, key: str, experts: torch.Tensor) -> torch.Tensor:
-        return torch.stack([self.finished(key, index, expert) for index, expert in enumerate(experts)])
-
-    def decoded_mxfp4(self, part: tuple[str, str], stored: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """MXFP4 experts (gpt-oss): once blocks and scales have both come, the decoded experts under the
-        parameter's own name, merged."""
-        name, which = part
-        parts = self.mxfp4.add(name, MXFP4_PARTS.index(which), stored, len(MXFP4_PARTS))
-        if parts is None:
-            return []
-        blocks, scales = parts
-        return [(name, self.all_experts(name, mxfp4_experts(blocks, scales, self.matrices[name].dtype)))]
-
-    def ready(self, stored_key: str, key: str, part: ExpertPart | None,
-              weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """(stored key, merged tensor) for what is complete now: a fused tensor at once, an expert's parts once
-        all have come."""
-        if part is None:
-            return [(stored_key, self.all_experts(key, weight))]
-        pieces = self.waiting.add((key, part.expert), part.part, (stored_key, weight), part.n_parts)
-        if pieces is None:
-            return []
-        whole = self.finished(key, part.expert, torch.cat([tensor for _, tensor in pieces]))
-        rows = whole.split([tensor.shape[0] for _, tensor in pieces])
-        return [(name, part_rows) for (name, _), part_rows in zip(pieces, rows, strict=True)]
+    def written(self, piece: Experts) -> list[tuple[str, torch.Tensor]]:
+        """(stored key, tensor): all experts stacked under one key, or one expert split into its stored parts."""
+        if not piece.parts:
+            return [(piece.stored_key, torch.stack([self.finished(piece, e) for e in piece.experts]))]
+        (expert,) = piece.experts
+        rows = self.finished(piece, expert).split([n_rows for _, n_rows in piece.parts])
+        return [(name, part) for (name, _), part in zip(piece.parts, rows, strict=True)]
 
 
 class ShardWriter:
@@ -282,40 +217,19 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     cfg = resolve_dtypes(cfg, describe_device(torch.device(device)))  # `auto` as on the device that merges
     meta = meta_model_to_merge_into(cfg, base_weights)
     updates = adapter_updates(adapter_dir, meta)
-    layout = model_layout(meta)  # the adapter's and the checkpoint's keys both name the checkpoint's full model
-    targets = {layout.full_from_ours(key): target for key, target in base_targets(meta).items()}
-    quantized = {key for key, target in targets.items() if target.quantized_module is not None}
+    targets = base_targets(meta)
     experts = ExpertRounding({key: t.experts for key, t in targets.items() if t.experts is not None},
                              updates.experts, rounding=base_weights == "dequantized")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     writer = ShardWriter(tmp, max_shard_bytes)
-    stored_4bit = StoredFourBit(device, TORCH_DTYPES[cfg.model.dtype])
-    for key, stored, _ in stored_weight_tensors(model_dir(cfg.model.path), cfg.model.allow_pickle):
-        if key.endswith("rotary_emb.inv_freq"):
-            continue
-        statistic = bnb_4bit_part(key)
-        if statistic is not None or (layout.full_key(key)[0] in quantized and is_packed_shape(stored.shape)):
-            key, ready = stored_4bit.add(key, statistic, stored.read().to(device))
-            if ready is not None:  # as trained: the stored 4-bit values, dequantized
-                writer.add(key, updated_linear(updates, layout.full_key(key)[0], ready, dtype))
-            continue
-        full_key, part = layout.full_key(key)
-        mxfp4 = mxfp4_part(full_key)
-        if mxfp4 is not None and mxfp4[0] in experts.matrices:  # written as the unquantized model holds it
-            for ready_key, ready in experts.decoded_mxfp4(mxfp4, stored.read().to(device)):
-                writer.add(ready_key, ready.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
-            continue
-        weight = stored.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
-        if full_key in experts.matrices:
-            for ready_key, ready in experts.ready(key, full_key, part, weight):
-                writer.add(ready_key, ready.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
-            continue
-        if full_key in quantized and base_weights == "dequantized":
-            weight = as_trained(weight, cfg)
-        writer.add(key, updated_linear(updates, full_key, weight, dtype))
-    stored_4bit.check_complete()
+    shapes = model_shapes(targets, cfg)
+    reader = CheckpointReader(model_dir(cfg.model.path), model_layout(meta), shapes, torch.device(device),
+                              cfg.model.allow_pickle)
+    for piece in reader.pieces():
+        for key, tensor in merged_tensors(piece, updates, experts, set(shapes.four_bit), cfg, device):
+            writer.add(key, tensor.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
     for key in experts.merged:
         updates.experts.pop(key)
     if updates.unused() is not None:
@@ -327,6 +241,19 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return shards
+
+
+def merged_tensors(piece: Piece, updates: AdapterUpdates, experts: ExpertRounding, quantized: set[str],
+                   cfg: Config, device: str) -> list[tuple[str, torch.Tensor]]:
+    """(stored key, tensor as merged) for one piece of the base checkpoint."""
+    if isinstance(piece, Experts):
+        return experts.written(piece)
+    if isinstance(piece, FourBit):  # as trained: the stored 4-bit values, dequantized
+        return [(piece.stored_key, updated_linear(updates, piece.full_key, piece.dequantized()))]
+    weight = piece.tensor.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
+    if experts.rounding and piece.key in quantized:
+        weight = as_trained(weight, cfg)
+    return [(piece.stored_key, updated_linear(updates, piece.full_key, weight))]
 
 
 def write_plain_config(cfg: Config, out_dir: Path, dtype: DType) -> None:
