@@ -87,11 +87,12 @@ def write_checkpoint(out: Path) -> tuple[int, int]:
 def prepare_ours(model_dir: str, reader: Backend) -> Callable[[], object]:
     from qlora_fsdp.config import Config
     from qlora_fsdp.distributed import init_distributed
-    from qlora_fsdp.loading import fill, weight_files
+    from qlora_fsdp.loading import reader as loading_reader
+    from qlora_fsdp.loading import weight_files
     from qlora_fsdp.loading.factory import build_model
 
     # training has one reader; only this benchmark swaps in another, in its own process
-    fill.stored_weight_tensors = functools.partial(weight_files.stored_weight_tensors, backend=reader)
+    loading_reader.stored_weight_tensors = functools.partial(weight_files.stored_weight_tensors, backend=reader)
     info = init_distributed()
     cfg = Config()
     cfg.model.path = model_dir
