@@ -17,6 +17,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from qlora_fsdp.config import LoraConfig, QuantConfig
 from qlora_fsdp.layers.expert_lora import ExpertLora, attach_expert_lora
 from qlora_fsdp.layers.experts4bit import DequantizedMatmul, ExpertMatrix, Experts4bit, Routes, make_4bit
+from qlora_fsdp.plan.fake_experts import planned_forward
 from qlora_fsdp.plan.op_work import Work, op_work
 
 
@@ -104,7 +105,7 @@ def test_the_planners_grouped_experts_count_the_work_of_trainings_loop(family, w
             weights = torch.empty(tokens, top_k)
             with CountWork() as count:
                 if path == "planned":
-                    out = experts.planned_forward(hidden, weights)
+                    out = planned_forward(experts, hidden, torch.empty(tokens, top_k, dtype=torch.long), weights)
                 else:  # the training path, with the planner's even routing: 8 rows for each of the 32 experts
                     order = torch.arange(tokens * top_k)
                     routes = Routes(order, order // top_k, list(range(32)), [8] * 32)

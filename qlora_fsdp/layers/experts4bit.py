@@ -29,7 +29,6 @@ from qlora_fsdp.errors import ModelLoadError
 
 EXPERT_MATRICES = ("gate_up_proj", "down_proj")
 LORA_SUFFIX = "_lora"  # an expert matrix's LoRA (expert_lora.ExpertLora) sits beside it: `down_proj_lora`
-PLANNED_GROUP = 16  # experts one op of the planner's fake step stands for
 NESTED_BLOCKSIZE = 256  # bitsandbytes' block size for the statistics of double quantization
 _CODES: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -93,14 +92,6 @@ class ExpertMatrix:
     def dequantize(self, row: torch.Tensor) -> torch.Tensor:
         return bnbf.dequantize_4bit(row[: self.numel // 2].view(-1, 1), self.quant_state(row))
 
-    def dequantize_fake_group(self, rows: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        """The planner's one dequantization op for a group of experts, as [group, *shape] (the stored matrix or its
-        transpose): shapes only, as fake tensors have no values to decode, so the orientation costs no copy."""
-        assert is_fake(rows), "experts are dequantized one at a time outside the planner"
-        n, (height, width) = rows.shape[0], self.shape
-        state = shaped_quant_state((n * height, width), self.blocksize, self.double_quant, self.quant_type, self.dtype)
-        packed = torch.empty(n * self.numel // 2, 1, dtype=torch.uint8, device=rows.device)  # not a copy of rows
-        return bnbf.dequantize_4bit(packed, state).view(n, *shape)
 
 
 def shaped_quant_state(shape: tuple[int, int], blocksize: int, double_quant: bool, quant_type: str,
@@ -128,7 +119,7 @@ def codes(quant_type: str, device: torch.device) -> tuple[torch.Tensor, torch.Te
     key = (quant_type, str(device))
     if key in _CODES:
         return _CODES[key]
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
     with unset_fake_temporarily():
         on_cpu = bnbf.get_4bit_type(quant_type, device="cpu"), bnbf.create_dynamic_map(signed=True)
@@ -145,25 +136,14 @@ class DequantizedMatmul(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, row: torch.Tensor, matrix: ExpertMatrix, transposed: bool) -> torch.Tensor:
         ctx.save_for_backward(row)
         ctx.matrix, ctx.transposed = matrix, transposed
-        if row.ndim == 2:  # the planner's group of experts, x [group, rows, in]
-            return torch.bmm(x, fake_weights(matrix, row, transposed, for_backward=False).to(x.dtype))
         weight = matrix.dequantize(row).to(x.dtype)
         return x @ weight if transposed else F.linear(x, weight)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         (row,) = ctx.saved_tensors
-        if row.ndim == 2:
-            return torch.bmm(grad, fake_weights(ctx.matrix, row, ctx.transposed, for_backward=True)), None, None, None
         weight = ctx.matrix.dequantize(row).to(grad.dtype)
         return (grad @ weight.t() if ctx.transposed else grad @ weight), None, None, None
-
-
-def fake_weights(matrix: ExpertMatrix, rows: torch.Tensor, transposed: bool, for_backward: bool) -> torch.Tensor:
-    """A group's matrices as bmm multiplies by them: [in, out] in the forward, [out, in] in the backward."""
-    rows_dim, cols_dim = matrix.shape
-    in_dim, out_dim = (rows_dim, cols_dim) if transposed else (cols_dim, rows_dim)  # gpt-oss stores x @ W's W
-    return matrix.dequantize_fake_group(rows, (out_dim, in_dim) if for_backward else (in_dim, out_dim))
 
 
 class Experts4bit(nn.Module):
@@ -180,8 +160,6 @@ class Experts4bit(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if is_fake(top_k_index):
-            return self.planned_forward(hidden_states, top_k_weights)
         routes = Routes.of(top_k_index, self.gate_up_proj.shape[0])
         grouped = hidden_states.index_select(0, routes.tokens).split(routes.counts)  # one gather, grouped by expert
         updates = self.lora_updates(hidden_states.dtype)
@@ -190,23 +168,6 @@ class Experts4bit(nn.Module):
         weighted = torch.cat(outputs) * top_k_weights.flatten()[routes.order, None]
         # one scatter; per token its experts' outputs are added in ascending expert order, as transformers adds them
         return torch.zeros_like(hidden_states).index_add_(0, routes.tokens, weighted.to(hidden_states.dtype))
-
-    def planned_forward(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The planner's step (fake tensors: routing has no values). Every expert is hit by an equal share of the
-        routed tokens, the worst case for what a step dequantizes and holds. PLANNED_GROUP experts run as one op:
-        the same FLOPs and dequantized elements as one at a time in a sixteenth of the ops (a fake op costs what a
-        real op's Python does); the plan then holds a group's dequantized matrices at once where training holds one."""
-        (n_tokens, top_k), n_experts = top_k_weights.shape, self.gate_up_proj.shape[0]
-        per_expert = math.ceil(n_tokens * top_k / n_experts)
-        routed = torch.arange(n_experts * per_expert, device=hidden_states.device) % (n_tokens * top_k)
-        grouped = hidden_states[routed // top_k].view(n_experts, per_expert, -1).split(PLANNED_GROUP)
-        updates = self.lora_updates(hidden_states.dtype, PLANNED_GROUP)
-        outputs = []
-        for index, rows in enumerate(grouped):
-            experts = slice(index * PLANNED_GROUP, (index + 1) * PLANNED_GROUP)
-            outputs.append(self.expert_mlp(experts, rows, {name: group[index] for name, group in updates.items()}))
-        weighted = torch.cat(outputs).flatten(0, 1) * top_k_weights.flatten()[routed, None]
-        return torch.zeros_like(hidden_states).index_add_(0, routed // top_k, weighted.to(hidden_states.dtype))
 
     def idle_parameters(self) -> int:
         """Expert elements a token does not use (all but top-k of the experts): what `active` parameters leave out."""
@@ -224,22 +185,20 @@ class Experts4bit(nn.Module):
                 updates[name] = lora.updates(dtype, group)
         return updates
 
-    def expert_mlp(self, expert: int | slice, x: torch.Tensor,
+    def expert_mlp(self, expert: int, x: torch.Tensor,
                    lora: dict[str, LoraUpdate] | None = None) -> torch.Tensor:
         lora = lora or {}
         hidden = self.expert_linear("gate_up_proj", expert, x, lora.get("gate_up_proj"))
         return self.expert_linear("down_proj", expert, self._apply_gate(hidden), lora.get("down_proj"))
 
-    def expert_linear(self, name: str, expert: int | slice, x: torch.Tensor,
-                      lora: LoraUpdate | None = None) -> torch.Tensor:
-        """x times one expert's matrix (or, in the planner, a group's: x [group, rows, in]), plus its LoRA update."""
+    def expert_linear(self, name: str, expert: int, x: torch.Tensor, lora: LoraUpdate | None = None) -> torch.Tensor:
+        """x times one expert's matrix, plus its LoRA update."""
         rows = getattr(self, name)
         y = DequantizedMatmul.apply(x, rows[expert], self.expert_matrices[name], self.is_transposed)
         if lora is not None:
             y = y + lora(x)
         if self.has_bias:
-            bias = getattr(self, f"{name}_bias")[expert]
-            y = y + (bias if isinstance(expert, int) else bias.unsqueeze(1))
+            y = y + getattr(self, f"{name}_bias")[expert]
         return y
 
 
@@ -274,12 +233,6 @@ class Routes:
             per_expert = torch.bincount(flat, minlength=n_experts).tolist()  # the one sync, as in transformers
         hit = [(expert, count) for expert, count in enumerate(per_expert) if count]
         return Routes(order, order // top_k, [e for e, _ in hit], [c for _, c in hit])
-
-
-def is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake as torch_is_fake
-
-    return bool(torch_is_fake(tensor))
 
 
 # ---- building: swap a family's experts for 4-bit ones --------------------------------------------------------

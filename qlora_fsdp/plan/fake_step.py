@@ -41,6 +41,7 @@ from qlora_fsdp.loading.fill import materialize
 from qlora_fsdp.loading.sharding import sharded_meta_model
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.losses.pairs import PairLoss
+from qlora_fsdp.plan.fake_experts import plan_experts
 from qlora_fsdp.plan.step_tracker import Moment, Segment, StepMemory, run_step
 from qlora_fsdp.training.optimizer import build_optimizer
 
@@ -130,6 +131,7 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
     with FakeTensorMode(allow_non_fake_inputs=True):  # meta and real inputs become fake
         materialize(model, DEVICE, DEVICE)
         give_quant_states(model, cfg)
+        plan_experts(model)  # routing has no values here: every expert takes its share
         # real: bitsandbytes builds its 8-bit code tables from Python numbers, collate counts the targets
         with unset_fake_temporarily():
             optimizer = build_optimizer(model, cfg.optim)
