@@ -24,10 +24,11 @@ from qlora_fsdp.plan.hardware import peak_flops
 from qlora_fsdp.plan.run_batch import resolve_run_batch
 from qlora_fsdp.precision import describe_device, describe_dtypes, resolve_dtypes
 from qlora_fsdp.training.checkpoints import Checkpointer, check_world_size
-from qlora_fsdp.training.loop import MfuReference, RunSummary, Trainer
+from qlora_fsdp.training.loop import Trainer
 from qlora_fsdp.training.metrics import MetricsLogger, format_summary
 from qlora_fsdp.training.optimizer import build_optimizer, build_scheduler
 from qlora_fsdp.training.plots import plot_loss_curves
+from qlora_fsdp.training.records import MfuReference, RunSummary
 from qlora_fsdp.training.run_dir import prepare_run_dir
 from qlora_fsdp.training.shared_dir import check_output_dir_shared
 from qlora_fsdp.training.tracking import check_available as check_trackers_available

@@ -6,7 +6,6 @@ import math
 
 import torch
 
-from qlora_fsdp.training.loop import RunSummary
 from qlora_fsdp.training.metrics import (
     StepWindow,
     format_duration,
@@ -16,6 +15,7 @@ from qlora_fsdp.training.metrics import (
     memory_peaks_gib,
     reset_memory_peaks,
 )
+from qlora_fsdp.training.records import RunSummary
 
 GIB = 2**30
 

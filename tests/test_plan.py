@@ -218,7 +218,7 @@ def test_70b_plans_from_config_json_alone(plans_70b, recipe_plans):
 
 def test_mfu_counts_6n_flops_a_token_and_8n_with_dpos_reference_forward():
 
-    from qlora_fsdp.training.loop import MfuReference
+    from qlora_fsdp.training.records import MfuReference
 
     unknown = MfuReference.for_run(70_553_706_496, None, world_size=2)  # unknown device (CPU): no MFU reported
     assert unknown.mfu(477.0) is None

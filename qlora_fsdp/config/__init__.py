@@ -7,7 +7,6 @@ from qlora_fsdp.config.loader import (
     resolve_recipe_path,
     to_dict,
     to_yaml,
-    validate,
 )
 from qlora_fsdp.config.schema import (
     FSDP_CONFIGS_DIR,
@@ -39,6 +38,7 @@ from qlora_fsdp.config.schema import (
     TemplateChoice,
     TrainConfig,
 )
+from qlora_fsdp.config.validation import validate
 
 __all__ = [
     "ActivationCheckpointingConfig", "CheckpointScope", "CheckpointedLayers", "Config", "DType", "DTypeChoice",

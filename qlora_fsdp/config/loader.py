@@ -19,8 +19,8 @@ from qlora_fsdp.config.schema import (
     RECIPES_DIR,
     Config,
 )
+from qlora_fsdp.config.validation import validate
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
 
 class RecipeLoader(yaml.SafeLoader):
@@ -304,116 +304,3 @@ def _describe(expected: Any) -> str:
     )
 
 
-def validate(config: Config) -> Config:
-    """Checks across fields that types alone cannot express."""
-    positive = {
-        "data.grad_accum_steps": config.data.grad_accum_steps,
-        "data.context_length": config.data.context_length,
-        "data.eval_batch_size": config.data.eval_batch_size,
-        "train.max_steps": config.train.max_steps,
-        "lora.r": config.lora.r,
-        "activation_checkpointing.every_n": config.activation_checkpointing.every_n,
-        "activation_checkpointing.first_last": config.activation_checkpointing.first_last,
-        "loss.chunk_tokens": config.loss.chunk_tokens,
-        "quant.blocksize": config.quant.blocksize,
-        "train.keep_last": config.train.keep_last,
-        "train.max_bad_steps": config.train.max_bad_steps,
-        "hardware.gpus_per_node": config.hardware.gpus_per_node,
-        "hardware.nodes": config.hardware.nodes,
-        "profile.steps": config.profile.steps,
-        "optim.loss_scale_growth_interval": config.optim.loss_scale_growth_interval,
-    }
-    optional_positive = {
-        "data.micro_batch_size": None if config.data.micro_batch_size == "auto" else config.data.micro_batch_size,
-        "data.effective_batch": config.data.effective_batch,
-        "data.effective_batch_tokens": config.data.effective_batch_tokens,
-        "optim.lr_base_batch": config.optim.lr_base_batch,
-        "fsdp.shard_size": config.fsdp.shard_size,
-    }
-    positive.update({key: value for key, value in optional_positive.items() if value is not None})
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"'{key}' must be at least 1, got {value}")
-    if config.fsdp.param_dtype not in (None, "bfloat16"):
-        # the packed 4-bit bytes are never cast (uint8 storage); bf16 is the one compute policy tested end to end
-        raise ConfigError(f"'fsdp.param_dtype' must be null or bfloat16, got {config.fsdp.param_dtype!r}")
-    if config.optim.name not in OPTIMIZERS:
-        raise ConfigError(f"'optim.name' must be one of {', '.join(repr(n) for n in OPTIMIZERS)}, got "
-                          f"{config.optim.name!r}")
-    if config.optim.lr <= 0:
-        raise ConfigError(f"'optim.lr' must be positive, got {config.optim.lr}")
-    if config.optim.loss_scale_init <= 0:
-        raise ConfigError(f"'optim.loss_scale_init' must be positive, got {config.optim.loss_scale_init}")
-    if config.train.collective_timeout_minutes <= 0:
-        raise ConfigError("'train.collective_timeout_minutes' must be positive, got "
-                          f"{config.train.collective_timeout_minutes}")
-    if config.train.first_collective_timeout_s <= 0:
-        raise ConfigError("'train.first_collective_timeout_s' must be positive, got "
-                          f"{config.train.first_collective_timeout_s}")
-    _validate_batch(config)
-    _validate_warmup(config)
-    _validate_preference(config)
-    _validate_compile(config)
-    checkpointing = config.activation_checkpointing
-    if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
-        raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
-                          f"of 0-based layer indices, got {checkpointing.layers}")
-    if config.train.log_every < 1:
-        raise ConfigError(f"'train.log_every' must be 1 (every step) or more, got {config.train.log_every}")
-    if config.train.save_every < 0:
-        raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")
-    return config
-
-
-def _validate_preference(config: Config) -> None:
-    preference, objective = config.preference, config.train.objective
-    if preference.resolved_beta(objective) <= 0:
-        raise ConfigError(f"'preference.beta' must be positive, got {preference.beta}")
-    if not 0 <= preference.label_smoothing < 0.5:
-        raise ConfigError(f"'preference.label_smoothing' must be at least 0 and below 0.5, got "
-                          f"{preference.label_smoothing}")
-    if objective != "sft" and config.data.overlong == "split":
-        raise ConfigError("'data.overlong: split' cuts samples into pieces, which a preference pair cannot be; use "
-                          "truncate or drop")
-    if objective == "dpo" and config.model.adapter and preference.reference == "adapter_off":
-        raise ConfigError("'preference.reference: adapter_off' would compare against the base without "
-                          "model.adapter's weights; use precomputed (or auto, which then precomputes)")
-    if objective == "dpo" and config.lora.train_router and preference.reference == "adapter_off":
-        raise ConfigError("'preference.reference: adapter_off' would compare against the trained routers, which "
-                          "the adapter switch leaves on; use precomputed (or auto, which then precomputes)")
-    if objective != "sft" and config.data.train_on_inputs:
-        raise ConfigError("'data.train_on_inputs: true' trains on prompts, which a preference objective never "
-                          "does; remove it")
-
-
-def _validate_compile(config: Config) -> None:
-    checkpointing = config.activation_checkpointing
-    if config.train.compile and (checkpointing.scope != "layer" or checkpointing.offload):
-        raise ConfigError("'train.compile: true' is tested with whole-layer checkpointing only; set "
-                          "'activation_checkpointing.scope: layer' and 'offload: false', or 'train.compile: false'")
-
-
-def _validate_batch(config: Config) -> None:
-    data, optim = config.data, config.optim
-    if data.effective_batch is not None and data.effective_batch_tokens is not None:
-        raise ConfigError("set one of 'data.effective_batch' (rows) and 'data.effective_batch_tokens', not both")
-    has_target = data.effective_batch is not None or data.effective_batch_tokens is not None
-    if has_target and data.grad_accum_steps != 1:
-        raise ConfigError(f"'data.grad_accum_steps: {data.grad_accum_steps}' and an effective batch are both set; "
-                          "the effective batch derives the steps: remove one (or pass data.grad_accum_steps=1)")
-    if data.micro_batch_size == "auto" and not has_target:
-        raise ConfigError("'data.micro_batch_size: auto' needs a target: set 'data.effective_batch' (rows per "
-                          "optimizer step) or 'data.effective_batch_tokens'")
-    if optim.lr_scaling != "none" and optim.lr_base_batch is None:
-        raise ConfigError(f"'optim.lr_scaling: {optim.lr_scaling}' needs 'optim.lr_base_batch', the effective "
-                          "batch (rows) that optim.lr was tuned for")
-
-
-def _validate_warmup(config: Config) -> None:
-    optim = config.optim
-    if not 0 <= optim.warmup_ratio < 1:
-        raise ConfigError(f"'optim.warmup_ratio' must be at least 0 and below 1 (a fraction of train.max_steps), "
-                          f"got {optim.warmup_ratio}")
-    if optim.warmup_steps and optim.warmup_ratio:
-        raise ConfigError(f"'optim.warmup_steps: {optim.warmup_steps}' and 'optim.warmup_ratio: "
-                          f"{optim.warmup_ratio}' are both set: keep one (the other 0)")
