@@ -100,3 +100,15 @@ def small_models_tie_embeddings(model_type: str) -> bool:
     """Qwen's small models tie the head to the embeddings (Llama 3.2 and Gemma too, but not our tiny ones)."""
     return model_type.startswith("qwen")
 
+
+# a config's model_type as people name the family (another model_type is shown as it is)
+FAMILY_NAMES = {
+    "llama": "Llama", "qwen2": "Qwen2.5", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE (MoE)", "qwen3_5": "Qwen3.5",
+    "qwen3_5_moe": "Qwen3.5-MoE (MoE)", "mistral": "Mistral", "mixtral": "Mixtral (MoE)", "gemma2": "Gemma 2",
+    "gemma3": "Gemma 3", "gemma3_text": "Gemma 3", "phi3": "Phi-3", "olmo2": "OLMo 2", "gpt_oss": "gpt-oss (MoE)",
+}
+
+
+def family_name(model_type: str) -> str:
+    """A config's model_type as people name the family (the recipe table's column)."""
+    return FAMILY_NAMES.get(model_type, model_type)

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from qlora_fsdp.config import REPO_ROOT, Config, load_config
+from qlora_fsdp.families import family_name
 from qlora_fsdp.plan.fake_world import leave_fake_world
 from qlora_fsdp.plan.held import planning_config
 from qlora_fsdp.plan.memory import GIB
@@ -16,12 +17,7 @@ from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 START, END = "<!-- recipe table: made by scripts/recipe_table.py -->", "<!-- end of recipe table -->"
 HEADER = ["| recipe | family | model | hardware | setting | planned GPU memory (rank 0) | host RAM (node) "
           "| predicted tokens/s |", "| --- | --- | --- | --- | --- | --- | --- | ---: |"]
-# a config's model_type as people name the family (another model_type is shown as it is)
-FAMILY_NAMES = {
-    "llama": "Llama", "qwen2": "Qwen2.5", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE (MoE)", "qwen3_5": "Qwen3.5",
-    "qwen3_5_moe": "Qwen3.5-MoE (MoE)", "mistral": "Mistral", "mixtral": "Mixtral (MoE)", "gemma2": "Gemma 2",
-    "gemma3": "Gemma 3", "gemma3_text": "Gemma 3", "phi3": "Phi-3", "olmo2": "OLMo 2", "gpt_oss": "gpt-oss (MoE)",
-}
+
 
 
 def recipe_names() -> list[str]:
@@ -54,7 +50,7 @@ def table_row(name: str, planned: RecipePlan) -> str:
     verdict = "" if result.fits else " (DOES NOT FIT)"
     rate = f"{step_tokens(cfg) / recipe_time(cfg, result.step).total:,.0f}" if result.step is not None else ""
     model_type = planning_config(cfg).model_type  # the text model's, for a multimodal checkpoint
-    family = FAMILY_NAMES.get(model_type, model_type)
+    family = family_name(model_type)
     return (f"| `{name}` | {family} | {cfg.model.path} | {hardware_words(cfg)} | {setting_words(cfg)} | "
             f"{result.gpu_total / GIB:.1f} GiB of {result.capacity_gib:g}{verdict} | {host} | {rate} |")
 
