@@ -26,7 +26,7 @@ from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.families import quant_method
 from qlora_fsdp.layers.expert_lora import expert_loras
 from qlora_fsdp.layers.experts4bit import LORA_SUFFIX, ExpertMatrix
-from qlora_fsdp.layers.lora_math import expert_delta, lora_scale
+from qlora_fsdp.layers.lora_math import dora_magnitude, expert_delta, lora_scale
 from qlora_fsdp.loading.adapter import adapter_file_key, read_adapter
 from qlora_fsdp.loading.build import build_meta_model
 from qlora_fsdp.loading.checkpoint import load_hf_config, model_dir
@@ -50,7 +50,8 @@ class LoraDelta:
         combined = weight.float() + self.scale * (b @ a)
         if self.magnitude is None:
             return combined
-        return combined * (self.magnitude.to(weight.device).float() / combined.norm(dim=1)).unsqueeze(1)
+        norms = dora_magnitude(combined, torch.float32)  # the merged rows' norms, as DoRA's init takes them
+        return combined * (self.magnitude.to(weight.device).float() / norms).unsqueeze(1)
 
 
 @dataclass
