@@ -2,12 +2,15 @@
 wheels (tests/conftest.py: `real_gemma_dir`). Scaled embeddings, five sliding-window layers (512 tokens) to each
 global one, QK norm, a 262k vocabulary tied to the head.
 
-Rows here are longer than its window (about 530 tokens), so a kernel that ignored the window would give another
-loss. Held-out loss before training equal to transformers + bitsandbytes NF4 at world sizes 1 and 2; a short
-fine-tune lowers it; greedy sampling with the adapter works in one process. float32 compute (DESIGN.md, fact 14)."""
+Samples here are longer than its window (about 530 tokens), so a kernel that ignored the window would give another
+loss. Held-out loss before training equal to transformers + bitsandbytes NF4: in one process unpacked (one sample a
+row: transformers' sdpa runs), and on 2 ranks packed (both samples in one row: our per-sample kernel, sdpa_varlen,
+computes each sample's windows); a short fine-tune lowers it; greedy sampling with the adapter works in one
+process. float32 compute (DESIGN.md, fact 14)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,9 +19,15 @@ import torch
 from transformers import AutoTokenizer
 
 from qlora_fsdp.api import train
+from qlora_fsdp.data.batching import collate_packed
+from qlora_fsdp.distributed import all_reduce_sums
+from qlora_fsdp.layers.decoder import describe_attention
+from qlora_fsdp.loading.checkpoint import load_tokenizer
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from tests.helpers import REPO, run_ranks_sequence, tiny_config
-from tests.test_real_model import eval_samples, held_out_loss, transformers_samples_loss
+from tests.test_real_model import eval_samples, transformers_samples_loss
 
 pytestmark = pytest.mark.slow  # ranks on gloo
 WINDOW = 512
@@ -42,6 +51,24 @@ def fine_tune_and_sample(info, cfg) -> tuple[dict, list[int]]:
     return summary, generator.token_ids("What is 2 plus 3?", Sampling(max_new_tokens=4))
 
 
+def packed_held_out_loss(info, cfg) -> dict:
+    """The held-out samples packed into one row, on rank 0 of 2 (each sample longer than the window); the other rank
+    joins each layer's all-gather with a one-token forward, as evaluation's ranks without samples do. The model is
+    built for packed data, so the run's kernel is ours: the line it prints at start says which."""
+    packed_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, packing=True))
+    model, pad_id = build_model(packed_cfg, info), load_tokenizer(cfg).pad_token_id
+    model.eval()
+    total, n_targets = 0.0, 0
+    with torch.no_grad():
+        if info.rank == 0:
+            batch = collate_packed([eval_samples(cfg)], pad_id)
+            total, n_targets = ForwardLoss()(model, batch, info.device).item(), batch.n_targets
+        else:
+            model(input_ids=torch.tensor([[pad_id]], device=info.device))
+    summed, targets = all_reduce_sums([total, n_targets], info.device)
+    return {"loss": summed / targets, "attention": describe_attention(model)}
+
+
 @pytest.fixture(scope="module")
 def gemma_runs(real_gemma_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma")
@@ -50,8 +77,8 @@ def gemma_runs(real_gemma_dir, tmp_path_factory):
                             "context_length": 640, "packing": False, "micro_batch_size": 1, "eval_samples": 2},
                       train={"max_steps": 1, "output_dir": str(root / "run")})
     (one,) = run_ranks_sequence([(fine_tune_and_sample, (cfg,))], 1, root / "one")
-    (two_loss,) = run_ranks_sequence([(held_out_loss, (cfg,))], 2, root / "two")
-    return {"cfg": cfg, "summary": one[0], "reply": one[1], "two_loss": two_loss, "samples": eval_samples(cfg)}
+    (packed,) = run_ranks_sequence([(packed_held_out_loss, (cfg,))], 2, root / "two")
+    return {"cfg": cfg, "summary": one[0], "reply": one[1], "packed": packed, "samples": eval_samples(cfg)}
 
 
 def test_rows_are_longer_than_the_sliding_window(gemma_runs, real_gemma_dir):
@@ -60,13 +87,16 @@ def test_rows_are_longer_than_the_sliding_window(gemma_runs, real_gemma_dir):
     assert min(len(sample.input_ids) for sample in gemma_runs["samples"]) > WINDOW
 
 
-def test_held_out_loss_equals_transformers_nf4_at_world_sizes_1_and_2(real_gemma_dir, gemma_runs):
+def test_held_out_loss_equals_transformers_nf4_unpacked_at_world_size_1_and_packed_at_2(real_gemma_dir, gemma_runs):
     reference, summary = transformers_samples_loss(real_gemma_dir, gemma_runs["samples"]), gemma_runs["summary"]
-    print(f"Gemma 3 270M held-out loss: transformers {reference:.5f}, ours world size 1 "
-          f"{summary['eval_loss_start']:.5f}, 2 {gemma_runs['two_loss']:.5f}; after 1 step "
-          f"{summary['eval_loss_end']:.5f}")  # shown by pytest -s
+    packed = gemma_runs["packed"]
+    print(f"Gemma 3 270M held-out loss: transformers {reference:.6f}, ours world size 1 unpacked "
+          f"{summary['eval_loss_start']:.6f}, 2 packed {packed['loss']:.6f}; after 1 step "
+          f"{summary['eval_loss_end']:.6f}")  # shown by pytest -s
+    assert packed["attention"] == f"attention: sdpa_varlen for gemma3_text (sliding windows of {WINDOW} tokens)"
+    assert sum(len(sample.input_ids) for sample in gemma_runs["samples"]) > 2 * WINDOW  # the packed row
     assert summary["eval_loss_start"] == pytest.approx(reference, rel=1e-4)
-    assert gemma_runs["two_loss"] == pytest.approx(reference, rel=1e-4)
+    assert packed["loss"] == pytest.approx(reference, rel=1e-4)
 
 
 def test_a_short_fine_tune_lowers_the_held_out_loss(gemma_runs):
