@@ -95,8 +95,9 @@ def test_held_out_loss_equals_transformers_nf4_unpacked_at_world_size_1_and_pack
           f"{summary['eval_loss_end']:.6f}")  # shown by pytest -s
     assert packed["attention"] == f"attention: sdpa_varlen for gemma3_text (sliding windows of {WINDOW} tokens)"
     assert sum(len(sample.input_ids) for sample in gemma_runs["samples"]) > 2 * WINDOW  # the packed row
-    assert summary["eval_loss_start"] == pytest.approx(reference, rel=1e-4)
-    assert packed["loss"] == pytest.approx(reference, rel=1e-4)
+    # 1e-5: a kernel that ignored the window moves the packed loss by 1.3e-4 (its 530-token samples just pass 512)
+    assert summary["eval_loss_start"] == pytest.approx(reference, rel=1e-5)
+    assert packed["loss"] == pytest.approx(reference, rel=1e-5)
 
 
 def test_a_short_fine_tune_lowers_the_held_out_loss(gemma_runs):
