@@ -100,6 +100,17 @@ def fsdp_params(model: torch.nn.Module) -> list[Any]:
             for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params]
 
 
+def decoder_lora_keys(model: torch.nn.Module) -> set[str]:
+    """PEFT's adapter-file keys of LoRA A and B on every 4-bit linear in the decoder layers of transformers' own 4-bit
+    model: what lora.target_modules 'all-linear' trains, known without our code. Two gradient dicts compared key
+    for key also agree when both are empty; this says which keys they must hold."""
+    import bitsandbytes as bnb
+
+    return {f"base_model.model.{name}.lora_{part}.weight" for name, module in model.named_modules()
+            if isinstance(module, bnb.nn.Linear4bit) and ".layers." in name and "vision_tower" not in name
+            for part in "AB"}
+
+
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys() and a
     diff = sum((a[k].double() - b[k].double()).pow(2).sum() for k in a) ** 0.5

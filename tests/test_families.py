@@ -33,7 +33,15 @@ from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.families import FAMILIES, MOE_FAMILIES, write_family_model
-from tests.helpers import REPO, full_grads, run_ranks, tiny_config, transformers_nf4, variable_length_samples
+from tests.helpers import (
+    REPO,
+    decoder_lora_keys,
+    full_grads,
+    run_ranks,
+    tiny_config,
+    transformers_nf4,
+    variable_length_samples,
+)
 
 pytestmark = pytest.mark.slow  # ranks on gloo
 N_SAMPLES = 6
@@ -123,10 +131,27 @@ def round_experts_through_nf4(model: torch.nn.Module) -> int:
     return rounded
 
 
+def expected_adapter_keys(base: torch.nn.Module) -> set[str]:
+    """What one step must give a gradient to, read off transformers' model rather than our adapter's config: LoRA on
+    every decoder linear, and where the family trains them, the experts' LoRA (PEFT nests gate_up_proj's under
+    base_layer) and every router parameter."""
+    keys = decoder_lora_keys(base)
+    if base.config.model_type not in TRAINS_EXPERTS:
+        return keys
+    for name, module in base.named_modules():
+        if name.endswith(".mlp.experts"):
+            keys |= {f"base_model.model.{name}.{nested}lora_{part}.weight" for nested in ("", "base_layer.")
+                     for part in "AB"}
+        elif type(module).__name__.endswith("TopKRouter"):
+            keys |= {f"base_model.model.{name}.{param}" for param, _ in module.named_parameters()}
+    return keys
+
+
 def reference_side(model_dir: Path, adapter: Path, samples: list[Sample]) -> dict:
     """Held-out loss of transformers + bitsandbytes NF4 (each sample alone), and with PEFT loading our adapter:
     one step's gradients of the same loss and one sample's logits."""
     base = reference_model(model_dir)
+    expected_keys = expected_adapter_keys(base)  # before PEFT wraps the modules
     n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
 
     def loss(model) -> torch.Tensor:
@@ -145,7 +170,7 @@ def reference_side(model_dir: Path, adapter: Path, samples: list[Sample]) -> dic
              if param.requires_grad}
     with torch.no_grad():
         logits = peft_model(input_ids=torch.tensor([samples[0].input_ids])).logits
-    return {"loss": base_loss, "grads": grads, "logits": logits}
+    return {"loss": base_loss, "grads": grads, "logits": logits, "expected_keys": expected_keys}
 
 
 def stored_keys(folder: Path) -> set[str]:
@@ -174,6 +199,8 @@ def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, toke
         assert run["packed"] == pytest.approx(reference["loss"], rel=1e-4)
         assert run["padded"] == pytest.approx(reference["loss"], rel=1e-4)
         assert run["adapter_off"] == pytest.approx(run["packed"], rel=1e-6)
+    assert len(reference["expected_keys"]) >= 16  # 2 layers, at least 4 linears each
+    assert reference["grads"].keys() >= reference["expected_keys"]
     for run in (one, two):  # one step's LoRA gradients equal transformers + PEFT's on the same 4-bit model
         assert run["grads"].keys() == reference["grads"].keys()
         for key, grad in reference["grads"].items():
@@ -406,7 +433,7 @@ def test_a_mixture_of_experts_resumes_bit_identically_and_samples_in_one_process
     assert sorted(step_losses(resumed)) == [3] and sorted(step_losses(straight)) == [1, 2, 3]  # step 3 alone
     assert step_losses(resumed)[3] == step_losses(straight)[3]
     ours, theirs = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (resumed, straight))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+    assert ours.keys() == theirs.keys() and len(ours) > 0 and all(torch.equal(ours[key], theirs[key]) for key in ours)
 
     ids = torch.tensor([tokenizer("Name a colour.")["input_ids"]])
     reply, logits = run_ranks(sampled_alone, 1, straight / "adapter", ids, tmp_dir=tmp_path)[0]

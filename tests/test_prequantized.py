@@ -34,7 +34,15 @@ from qlora_fsdp.tools.generate import load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.families import write_family_model
-from tests.helpers import REPO, full_grads, run_ranks, run_ranks_sequence, tiny_config, variable_length_samples
+from tests.helpers import (
+    REPO,
+    decoder_lora_keys,
+    full_grads,
+    run_ranks,
+    run_ranks_sequence,
+    tiny_config,
+    variable_length_samples,
+)
 from tests.test_families import nonzero_lora_b
 from tests.test_real_model import eval_samples, held_out_loss
 
@@ -147,6 +155,7 @@ def smollm2_prequantized(real_model_dir, tmp_path_factory) -> Path:
 def check_against_transformers(model_dir: Path, result: dict, tmp_path: Path, name: str) -> None:
     cfg, (one, two) = result["cfg"], result["summaries"]
     reference_model = transformers_prequantized(model_dir)
+    expected_keys = decoder_lora_keys(reference_model)  # before PEFT wraps the modules
     reference = transformers_loss(reference_model, cfg)
     print(f"{name}: transformers {reference:.6f}, ours ws1 {one['eval_loss_start']:.6f}, "
           f"ws2 {two['eval_loss_start']:.6f}; after 2 steps {one['eval_loss_end']:.6f}, "
@@ -164,6 +173,7 @@ def check_against_transformers(model_dir: Path, result: dict, tmp_path: Path, na
     assert (base - live).abs().max() > 100 * (peft - live).abs().max()  # the adapter matters here
 
     reference_grads = peft_gradients(model_dir, result["grads_adapter"], result["samples"])
+    assert len(expected_keys) >= 2 * 7 * 2 and reference_grads.keys() >= expected_keys  # 2+ layers of 7 linears
     assert result["grads"].keys() == reference_grads.keys()
     for key, grad in reference_grads.items():  # training's path (with gradients) through the stored 4-bit values
         assert (result["grads"][key] - grad).norm() < 1e-4 * grad.norm(), key
