@@ -3,16 +3,17 @@
 Each mutation replaces one exact snippet of a committed file, runs the guarding test, and restores the file
 (also on Ctrl-C). Before planting anything it checks every entry of the list: its snippet occurs exactly once in
 its file, the planted file still compiles, its test exists. It refuses to start when a file it mutates has
-uncommitted changes, so a restore can never lose work. A mutation the test does not catch prints MISSED and makes
-the exit code 1.
+uncommitted changes, so a restore can never lose work. Only a test that fails an assertion catches a bug (tests/
+mutation_outcomes.py records how each test ended): a collection or setup error, an exception in the test's call or a
+timeout is reported as an error, and a mutation no test fails on prints MISSED; either makes the exit code 1.
 
 Each test runs in a fork of this process, which imported torch, transformers, PEFT and bitsandbytes once: a test
 pays only for the repo's own modules (imported fresh in the fork, the planted bug with them), about 2 s instead of
 10. This process never imports the repo's modules itself.
 
-    python -m tests.mutation_check                 # all (about 6 minutes on 2 cores; --quick: 45 s)
+    python -m tests.mutation_check                 # all (about 6 minutes on 2 cores; --quick: 70 s)
     python -m tests.mutation_check blocksize norm  # those whose name contains a word
-    python -m tests.mutation_check --quick         # those whose guarding tests take seconds (CI runs these)
+    python -m tests.mutation_check --quick         # those guarded by single-process tests of seconds (CI runs these)
     python -m tests.mutation_check --baseline      # first each guarding test without a bug: it must pass
 """
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,7 +48,7 @@ class Mutation:
     original: str
     planted: str
     test: str
-    quick: bool = False  # its guarding test takes seconds: in the --quick set CI runs
+    quick: bool = False  # its guarding test runs in one process (no ranks, torchrun) in seconds: the set CI runs
 
 
 PREQUANTIZED_TINY = ("tests/test_prequantized.py::"
@@ -212,7 +215,21 @@ MUTATIONS = [
     Mutation("routing weights ignored by the 4-bit experts", "qlora_fsdp/layers/experts4bit.py",
              "        weighted = torch.cat(outputs) * top_k_weights.flatten()[routes.order, None]\n",
              "        weighted = torch.cat(outputs)\n",
-             "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[mixtral]",
+             "tests/test_experts4bit.py::test_4bit_experts_compute_the_familys_experts_on_the_rounded_matrices"
+             "[mixtral]", quick=True),
+    Mutation("the experts' backward multiplies by a bf16 copy of the matrix", "qlora_fsdp/layers/experts4bit.py",
+             "        weight = ctx.matrix.dequantize(row).to(grad.dtype)\n",
+             "        weight = ctx.matrix.dequantize(row).to(torch.bfloat16).to(grad.dtype)\n",
+             "tests/test_experts4bit.py::test_the_dequantizing_matmul_gives_the_gradient_of_the_rounded_matrix",
+             quick=True),
+    Mutation("MXFP4's two values of a byte read high nibble first", "qlora_fsdp/loading/stored_forms.py",
+             "    return convert_moe_packed_tensors(blocks, scales, dtype=dtype)\n",
+             "    return convert_moe_packed_tensors((blocks << 4) | (blocks >> 4), scales, dtype=dtype)\n",
+             "tests/test_mxfp4.py::test_a_byte_holds_its_blocks_even_element_in_the_low_nibble", quick=True),
+    Mutation("the trained router's input cast cut from the graph", "qlora_fsdp/layers/expert_lora.py",
+             "            a.to(next(mod.parameters()).dtype) if torch.is_tensor(a)",
+             "            a.data.to(next(mod.parameters()).dtype) if torch.is_tensor(a)",
+             "tests/test_experts4bit.py::test_trained_routers_compute_in_lora_dtype_and_pass_their_gradient_down",
              quick=True),
     Mutation("an expert's gate and up projections joined in the wrong order", "qlora_fsdp/loading/reader.py",
              "torch.cat([tensor.read() for _, tensor in parts])",
@@ -236,14 +253,16 @@ MUTATIONS = [
              "        if not param.requires_grad or ",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[gpt_oss]"),
     Mutation("quantize with blocksize 128", "qlora_fsdp/loading/fill.py", "        blocksize=quant.blocksize,\n",
-             "        blocksize=128,\n", "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical",
-             quick=True),
+             "        blocksize=128,\n", "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
     Mutation("double quantization off", "qlora_fsdp/loading/fill.py",
              "        compress_statistics=quant.double_quant,\n", "        compress_statistics=False,\n",
              "tests/test_numerics.py::test_packed_4bit_weights_unshard_byte_identical"),
     Mutation("bf16 packed storage", "qlora_fsdp/loading/build.py", "QUANT_STORAGE = torch.uint8\n",
              "QUANT_STORAGE = torch.bfloat16\n",
              "tests/test_numerics.py::test_packed_weights_survive_cuda_copy_behaviour"),
+    Mutation("the emulated CUDA copy rewrites float16's NaNs but not bf16's", "qlora_fsdp/tools/cuda_copy.py",
+             "READ_THROUGH_FLOAT = (torch.bfloat16, torch.float16)\n", "READ_THROUGH_FLOAT = (torch.float16,)\n",
+             "tests/test_cuda_copy.py::test_the_emulated_copy_rewrites_nans_as_cudas_fused_copy_does", quick=True),
     Mutation("rsLoRA not passed to PEFT", "qlora_fsdp/loading/build.py",
              "        use_rslora=lora.use_rslora,", "        use_rslora=False,",
              "tests/test_rslora.py::test_exported_rslora_adapter_loads_in_peft_with_the_same_outputs", quick=True),
@@ -256,8 +275,7 @@ MUTATIONS = [
              "tests/test_tied_weights.py::test_tied_model_loads_as_one_tensor_with_transformers_loss"),
     Mutation("every rank copies rank 0's rows of a pre-quantized weight", "qlora_fsdp/loading/reader.py",
              "        rows = self.packed.read((first // itemsize, -(-last // itemsize)))",
-             "        rows = self.packed.read((0, -(-(last - first) // itemsize)))",
-             PREQUANTIZED_TINY, quick=True),
+             "        rows = self.packed.read((0, -(-(last - first) // itemsize)))", PREQUANTIZED_TINY),
     Mutation("the merge writes a stored 4-bit weight without its LoRA update", "qlora_fsdp/tools/merge.py",
              "        return [(piece.stored_key, updated_linear(updates, piece.full_key, piece.dequantized()))]",
              "        return [(piece.stored_key, (updated_linear(updates, piece.full_key, piece.dequantized()), "
@@ -267,9 +285,17 @@ MUTATIONS = [
 ]
 
 
+def marked_slow(source: str, definition: int) -> bool:
+    """The test defined at offset `definition` is in the slow lane (pool ranks, torchrun, other processes): by its
+    module's pytestmark or one of its own decorators (the lines right above its def)."""
+    if re.search(r"^pytestmark = .*mark\.slow", source, re.MULTILINE):
+        return True
+    return "mark.slow" in source[:definition].split("\n\n")[-1]  # the decorators: after the last blank line
+
+
 def entry_problems(mutation: Mutation) -> list[str]:
     """What keeps an entry from planting its bug: a snippet not found exactly once, a planted file that does not
-    compile, a guarding test that does not exist."""
+    compile, a guarding test that does not exist; a quick entry's test in the slow lane."""
     path, (test_file, _, test_name) = REPO / mutation.path, mutation.test.partition("::")
     text = path.read_text() if path.is_file() else ""
     found = text.count(mutation.original)
@@ -282,8 +308,12 @@ def entry_problems(mutation: Mutation) -> list[str]:
         problems.append(f"'{mutation.name}': the planted {mutation.path} does not compile: {err}")
     test_path = REPO / test_file
     function = test_name.partition("[")[0]  # a parametrized test's id names its case
-    if not test_path.is_file() or f"def {function}(" not in test_path.read_text():
+    source = test_path.read_text() if test_path.is_file() else ""
+    definition = re.search(rf"^def {re.escape(function)}\(", source, re.MULTILINE)
+    if definition is None:
         problems.append(f"'{mutation.name}': no test {mutation.test}")
+    elif mutation.quick and marked_slow(source, definition.start()):
+        problems.append(f"'{mutation.name}': quick, but {mutation.test} is marked slow (ranks or processes)")
     return problems
 
 
@@ -301,8 +331,9 @@ def warm_up() -> None:
     assert not ours, f"the repo's own modules imported before planting: {ours[:3]}"
 
 
-def test_in_fork(test: str, log_fd: int) -> NoReturn:
-    """The forked child: run the test, its output to `log_fd`; never returns into the caller's frames."""
+def test_in_fork(test: str, log_fd: int, outcomes: Path) -> NoReturn:
+    """The forked child: run the test, its output to `log_fd`, how each test ended to `outcomes`; never returns into
+    the caller's frames."""
     code = 3
     try:
         os.setpgid(0, 0)  # a group of its own: a timeout ends its rank workers with it
@@ -311,7 +342,9 @@ def test_in_fork(test: str, log_fd: int) -> NoReturn:
         os.chdir(REPO)
         import pytest
 
-        code = int(pytest.main([*PYTEST_ARGS, test]))
+        from tests.mutation_outcomes import OutcomeRecorder
+
+        code = int(pytest.main([*PYTEST_ARGS, test], plugins=[OutcomeRecorder(outcomes)]))
     finally:
         atexit._run_exitfuncs()  # the rank pool closes its workers at exit
         sys.stdout.flush()
@@ -343,32 +376,45 @@ def kill_group(pid: int) -> None:
     os.waitpid(pid, 0)
 
 
-def run_test(test: str) -> tuple[int | None, str]:
-    """(pytest's exit code or None on a timeout, its output) of the test in a fork of this warmed-up process."""
+def run_test(test: str) -> tuple[int | None, str, list[dict]]:
+    """(pytest's exit code or None on a timeout, its output, tests/mutation_outcomes.py's records) of the test in a
+    fork of this warmed-up process."""
+    handle, name = tempfile.mkstemp(suffix=".jsonl")  # not a TemporaryDirectory: the fork's exit would remove it
+    os.close(handle)
+    outcomes = Path(name)
     with tempfile.TemporaryFile() as log:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            test_in_fork(test, log.fileno())
+            test_in_fork(test, log.fileno(), outcomes)
         try:
             os.setpgid(pid, pid)  # also here: the child may not have run yet
         except (PermissionError, ProcessLookupError):
             pass  # it has, and its group is its own already
         code = wait_for(pid, TEST_TIMEOUT_S)
         log.seek(0)
-        return code, log.read().decode(errors="replace")
+        records = [json.loads(line) for line in outcomes.read_text().splitlines()]
+        outcomes.unlink()
+        return code, log.read().decode(errors="replace"), records
 
 
-def verdict(code: int | None, output: str) -> tuple[bool, str]:
-    """(caught, what the table says): the test failed, or hung; a test not found or a crash is no catch."""
+def verdict(code: int | None, output: str, outcomes: list[dict]) -> tuple[bool, str]:
+    """(caught, what the table says): caught only where a test's call failed an assertion. A collection or setup
+    error, an exception in the call (a crashed rank too), a hang or a test not found is an error, never a catch: the
+    bug broke something the test did not claim to check."""
     evidence = " / ".join([line[1:].strip() for line in output.splitlines() if line.startswith("E ")][:2])
-    if code is None:
-        return True, f"caught: timed out after {TEST_TIMEOUT_S:.0f} s"
-    if code == 1:
+    if any(o["phase"] == "call" and o["outcome"] == "failed" and o["assertion"] for o in outcomes):
         return True, f"caught: {evidence}"
+    if code is None:
+        return False, f"ERROR: timed out after {TEST_TIMEOUT_S:.0f} s"
+    errors = [f"{o['phase']} error ({o['exception'] or 'no exception'}) in {o['test']}" for o in outcomes
+              if o["outcome"] == "failed"]
+    if errors:
+        return False, f"ERROR, not an assertion: {errors[0]}: {evidence}"
     if code == 0:
-        return False, "MISSED"
+        ran = any(o["phase"] == "call" and o["outcome"] == "passed" for o in outcomes)
+        return False, "MISSED" if ran else "ERROR: nothing ran (skipped)"
     tail = " / ".join(output.strip().splitlines()[-2:])
     return False, f"ERROR: pytest exit code {code}: {tail}"
 
@@ -379,10 +425,10 @@ def run_with(mutation: Mutation) -> tuple[bool, str]:
     text = path.read_text()
     path.write_text(text.replace(mutation.original, mutation.planted))
     try:
-        code, output = run_test(mutation.test)
+        code, output, outcomes = run_test(mutation.test)
     finally:
         path.write_text(text)
-    return verdict(code, output)
+    return verdict(code, output, outcomes)
 
 
 def failing_baselines(mutations: list[Mutation]) -> list[str]:

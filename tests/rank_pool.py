@@ -38,6 +38,15 @@ class TaskReport:
     ok: bool
     error: str = ""  # the task's traceback when it failed
     reusable: bool = True  # False: the worker leaves (its process group may be half-broken)
+    assertion: bool = False  # it failed an assertion (tests/mutation_check.py counts only those as a catch)
+
+
+class RanksFailed(AssertionError):
+    """A task failed on some ranks; `rank_assertions`: which of those failed an assertion rather than crashed."""
+
+    def __init__(self, message: str, rank_assertions: list[bool]) -> None:
+        super().__init__(message)
+        self.rank_assertions = rank_assertions
 
 
 @dataclass
@@ -136,8 +145,11 @@ def _run_task(task: Task, baseline_env: dict[str, str]) -> TaskReport:
         result = task.fn(info, *task.args)
         torch.save(result, Path(task.out_dir) / f"rank{task.rank}.pt")
         del result
-    except BaseException:
-        return TaskReport(ok=False, error=traceback.format_exc(), reusable=False)
+    except BaseException as error:
+        from tests.mutation_outcomes import failed_an_assertion
+
+        return TaskReport(ok=False, error=traceback.format_exc(), reusable=False,
+                          assertion=failed_an_assertion(error))
     if _retiring:
         return TaskReport(ok=True, reusable=False)
     left_patched = patched_names(package)
@@ -196,8 +208,8 @@ class RankPool:
         failed = [f"rank {rank}: {report.error or 'no report'}" for rank, report in enumerate(reports)
                   if not report.ok]
         if failed:
-            raise AssertionError(f"{fn.__name__} failed on {len(failed)} of {len(workers)} ranks:\n"
-                                 + "\n".join(failed))
+            raise RanksFailed(f"{fn.__name__} failed on {len(failed)} of {len(workers)} ranks:\n" + "\n".join(failed),
+                              [report.assertion for report in reports if not report.ok])
         return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(len(workers))]
 
     def _ready_set(self, key: tuple[int, bool], n: int) -> list[tuple[mp.Process, Connection]]:
@@ -207,7 +219,7 @@ class RankPool:
             for _, conn in workers:
                 if not conn.poll(600) or conn.recv() != "ready":
                     self._discard(key)
-                    raise AssertionError(f"a pool worker for world size {key[0]} did not start")
+                    raise RuntimeError(f"a pool worker for world size {key[0]} did not start")  # not a test's failure
         return self._sets[key]
 
     def _collect(self, workers: list[tuple[mp.Process, Connection]], timeout: float) -> list[TaskReport]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qlora_fsdp.config import changed_settings, load_config, to_yaml
+from qlora_fsdp.config.loader import read_yaml_text
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.plan.hardware import GPUS
 from tests.helpers import REPO, CliResult, train_here
@@ -133,6 +134,9 @@ def test_yes_no_on_off_are_strings_where_strings_are_expected(tmp_path):
     one. Quoted or not, in a file or an override."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("activation_checkpointing:\n  mode: off\ndata:\n  packing: yes\ntrain:\n  overwrite: On\n")
+    read = read_yaml_text(recipe.read_text())  # the words as read, before the schema takes them
+    assert [read[section][key] for section, key in (("activation_checkpointing", "mode"), ("data", "packing"),
+                                                    ("train", "overwrite"))] == ["off", "yes", "On"]
     cfg = load_config(str(recipe))
     assert (cfg.activation_checkpointing.mode, cfg.data.packing, cfg.train.overwrite) == ("off", True, True)
     cfg = load_config("tiny_cpu", ["activation_checkpointing.mode=off", "data.packing=no", "train.output_dir=on"])

@@ -1,21 +1,25 @@
 """The 4-bit experts' pieces on their own (one process, no ranks): the row of bytes, the matmul that dequantizes twice,
-the grouping of routed tokens, and the planner's stand-in, which must count the work of training's expert loop."""
+the grouping of routed tokens, the whole experts module against the family's own on the rounded matrices, the
+trained routers' dtype, and the planner's stand-in, which must count the work of training's expert loop."""
 
 from __future__ import annotations
 
 import collections
+import copy
 
 import bitsandbytes.functional as bnbf
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from qlora_fsdp.config import LoraConfig, QuantConfig
-from qlora_fsdp.layers.expert_lora import ExpertLora, attach_expert_lora
+from qlora_fsdp.layers.expert_lora import ExpertLora, attach_expert_lora, train_routers
 from qlora_fsdp.layers.experts4bit import DequantizedMatmul, ExpertMatrix, Experts4bit, Routes, make_4bit
 from qlora_fsdp.plan.fake_experts import planned_forward
 from qlora_fsdp.plan.op_work import Work, op_work
@@ -52,6 +56,83 @@ def test_routes_group_each_experts_tokens_in_token_order():
     assert routes.experts == [0, 2, 3] and routes.counts == [2, 2, 2]  # expert 1 and 4 not hit: not run
     assert routes.tokens.tolist() == [0, 1, 0, 2, 1, 2]
     assert top_k_index.flatten()[routes.order].tolist() == [0, 0, 2, 2, 3, 3]
+
+
+def experts_of(family: str) -> torch.nn.Module:
+    """The family's own experts module (4 experts, 2 a token), random weights; gpt-oss stores x @ W's W and biases."""
+    shapes = dict(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+    experts_class = GptOssExperts if family == "gpt_oss" else MixtralExperts
+    module = experts_class(AutoConfig.for_model(family, **shapes))
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_(0.0, 0.1)
+    return module
+
+
+def rounded_through_nf4(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose every expert matrix is what bitsandbytes' quantize_4bit and dequantize_4bit make of it (the
+    recipe's defaults: NF4, blocks of 64, double quantization)."""
+    rounded = copy.deepcopy(module)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            for expert in getattr(rounded, name):
+                packed, state = bnbf.quantize_4bit(expert.contiguous(), blocksize=64, compress_statistics=True,
+                                                   quant_type="nf4", quant_storage=torch.uint8)
+                expert.copy_(bnbf.dequantize_4bit(packed, state))
+    return rounded
+
+
+def as_4bit(module: torch.nn.Module) -> Experts4bit:
+    """Our 4-bit experts of the same weights: one row of bytes an expert, as loading fills them."""
+    ours = copy.deepcopy(module).requires_grad_(False)
+    make_4bit(ours, QuantConfig())
+    assert isinstance(ours, Experts4bit)
+    for name, matrix in ours.expert_matrices.items():
+        rows = torch.stack([matrix.to_row(expert) for expert in getattr(module, name).detach()])
+        setattr(ours, name, torch.nn.Parameter(rows, requires_grad=False))
+    return ours
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_4bit_experts_compute_the_familys_experts_on_the_rounded_matrices(family):
+    """Outputs, and the gradients of the hidden states and of the routing weights (the backward dequantizes again),
+    against the family's own module holding the matrices bitsandbytes' round trip gives."""
+    module, generator = experts_of(family), torch.Generator().manual_seed(0)
+    index = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(12)])  # 12 tokens, 2 experts each
+    routing = torch.softmax(torch.randn(12, 2, generator=generator), dim=-1)
+    hidden, grad = torch.randn(12, 64, generator=generator), torch.randn(12, 64, generator=generator)
+    results = []
+    for experts in (rounded_through_nf4(module), as_4bit(module)):
+        inputs = hidden.clone().requires_grad_(), routing.clone().requires_grad_()
+        out = experts(inputs[0], index, inputs[1])
+        out.backward(grad)
+        results.append((out.detach(), inputs[0].grad, inputs[1].grad))
+    (expected, expected_hidden, expected_routing), (ours, our_hidden, our_routing) = results
+    assert expected.abs().max() > 0.01
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(our_hidden, expected_hidden, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(our_routing, expected_routing, rtol=1e-5, atol=1e-6)
+
+
+def test_trained_routers_compute_in_lora_dtype_and_pass_their_gradient_down():
+    """lora.train_router in a bf16 model: the router's weights become fp32 (lora.dtype) and its bf16 input is cast
+    up on the way in, as part of the graph, so the layers below still get the router's gradient."""
+    config = AutoConfig.for_model("qwen3_moe", hidden_size=64, moe_intermediate_size=64, num_experts=4,
+                                  num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, vocab_size=32)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    assert train_routers(model, LoraConfig()) == ["mlp.gate"]
+    weight = model.model.layers[0].mlp.gate.weight
+    assert weight.dtype == torch.float32 and weight.requires_grad
+    hidden = torch.randn(5, 64, dtype=torch.bfloat16, requires_grad=True)
+    logits = model.model.layers[0].mlp.gate(hidden)[0]
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, F.linear(hidden.detach().float(), weight.detach()))
+    grad = torch.randn_like(logits)
+    logits.backward(grad)
+    assert hidden.grad is not None, "the router's input is cut from the graph: nothing below learns from routing"
+    torch.testing.assert_close(hidden.grad, (grad @ weight.detach()).to(torch.bfloat16))
+    torch.testing.assert_close(weight.grad, grad.t() @ hidden.detach().float())
 
 
 class CountWork(TorchDispatchMode):

@@ -145,8 +145,10 @@ def test_only_the_completions_are_targets_under_published_templates(family):
     pair = encode_pair(prompt, chosen, rejected, "", tokenizer, template)
     runs = [target_runs(tokenizer, s.input_ids, s.labels) for s in (pair.chosen, pair.rejected)]
     assert len(runs[0]) == len(runs[1]) == 1, runs
-    (before, end), (other_before, other_end) = (run.split(reply) for run, reply in (
-        (runs[0][0], "Green, like grass."), (runs[1][0], "Green is not a color.")))
+    parts = [run.split(reply) for run, reply in ((runs[0][0], "Green, like grass."), (runs[1][0],
+                                                                                     "Green is not a color."))]
+    assert [len(split) for split in parts] == [2, 2], runs  # each completion's whole reply is in its targets
+    (before, end), (other_before, other_end) = parts
     assert before == other_before == ("<think>\n\n</think>\n\n" if family == "qwen3" else "")
     assert end == other_end and end.strip() != ""  # the template's end of turn, the same for both
     start = pair.prompt_tokens

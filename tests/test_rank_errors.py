@@ -117,6 +117,6 @@ def test_a_failed_collective_after_a_peers_user_error_ends_quietly_with_2(monkey
         run_command(collective_failed)
     store.set(rank_errors.RAISED_AT_KEY, "100")
     store.set(rank_errors.ERROR_KEY, "error: injected user error on rank 1")
-    with pytest.raises(RankExit) as ended:
+    with pytest.raises((RankExit, RuntimeError)) as ended:  # the second: taken as its own crash, which it is not
         run_command(collective_failed)
-    assert ended.value.code == 2 and capsys.readouterr().err == ""
+    assert ended.type is RankExit and ended.value.code == 2 and capsys.readouterr().err == ""
