@@ -9,6 +9,8 @@ multimodal checkpoint) with PEFT loading our adapter, and our merge loaded by tr
 
 from __future__ import annotations
 
+import json
+import re
 import zlib
 from pathlib import Path
 
@@ -183,6 +185,19 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def assert_adapter_targets_the_decoder_only(model_dir: Path, adapter: Path) -> None:
+    """PEFT matches a string `target_modules` in full against each module name of the multimodal model: it must name
+    the decoder's projections and none of the vision tower's (whose q_proj and fc1 a name list would catch too)."""
+    from qlora_fsdp.loading.layout import meta_full_model
+
+    targets = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+    assert isinstance(targets, str), f"a list of names also matches the vision tower: {targets}"
+    names = [name for name, _ in meta_full_model(AutoConfig.from_pretrained(model_dir)).named_modules()]
+    vision = [name for name in names if "vision" in name]
+    assert vision and not [name for name in vision if re.fullmatch(targets, name)]
+    assert [name for name in names if name.endswith("q_proj") and re.fullmatch(targets, name)]
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES | MOE_FAMILIES))
 def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, tokenizer, tmp_path):
     model_dir = write_family_model(tmp_path / family, family, tokenizer)
@@ -191,6 +206,8 @@ def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, toke
     adapter = tmp_path / "adapter"
     one = run_ranks(our_side, 1, model_dir, tmp_path / "one", samples, None, tmp_dir=tmp_path)[0]
     two = run_ranks(our_side, 2, model_dir, tmp_path / "two", samples, adapter, tmp_dir=tmp_path)[0]
+    if family.endswith("multimodal"):
+        assert_adapter_targets_the_decoder_only(model_dir, adapter)
     reference = reference_side(model_dir, adapter, samples)
     print(f"{family}: reference {reference['loss']:.6f}, ours " + ", ".join(
         f"{name} {run[kind]:.6f}" for name, run in (("ws1", one), ("ws2", two)) for kind in ("packed", "padded")))
