@@ -281,6 +281,23 @@ MUTATIONS = [
              "piece.dequantized())[1])]", PREQUANTIZED_TINY),
     Mutation("pre-quantized weights dequantize to their stored dtype", "qlora_fsdp/loading/stored_forms.py",
              "        state.dtype = self.dtype\n", "", PREQUANTIZED_TINY),
+    # ---- GGUF export and its Modelfile (tests/test_gguf_export.py: the converter runs, so none is quick) ---------
+    Mutation("a GGUF asked for as bf16 written as f16", "qlora_fsdp/tools/gguf_export.py",
+             '"--outtype", outtype, "--outfile"', '"--outtype", {"bf16": "f16"}.get(outtype, outtype), "--outfile"',
+             "tests/test_gguf_export.py::test_tiny_families_export_and_read_back_equal[gemma3-bf16]"),
+    Mutation("an f16 GGUF's merge rounded to bfloat16", "qlora_fsdp/tools/gguf_export.py",
+             '"f16": "float16", "bf16": "bfloat16"', '"f16": "bfloat16", "bf16": "bfloat16"',
+             "tests/test_gguf_export.py::test_f16_export_of_an_adapter_computes_peft_on_the_base"),
+    Mutation("a GGUF of an adapter converted from its base", "qlora_fsdp/commands/export.py",
+             '    return work / "merged", arch\n', "    return model_dir(cfg.model.path), arch\n",
+             "tests/test_gguf_export.py::test_f16_export_of_an_adapter_computes_peft_on_the_base"),
+    Mutation("the Modelfile leaves out the template's default system prompt", "qlora_fsdp/tools/ollama.py",
+             "        if translation.system:\n", "        if False:\n",
+             "tests/test_gguf_export.py::test_modelfile_translates_the_chatml_template_with_its_default_system_prompt"),
+    Mutation("the Modelfile's TEMPLATE written with its newlines escaped", "qlora_fsdp/tools/ollama.py",
+             "    return '\"\"\"' + text + '\"\"\"'\n",
+             "    return '\"\"\"' + text.replace(\"\\n\", \"\\\\n\") + '\"\"\"'\n",
+             "tests/test_gguf_export.py::test_modelfile_translates_the_chatml_template_with_its_default_system_prompt"),
 ]
 
 
