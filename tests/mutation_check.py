@@ -271,7 +271,7 @@ MUTATIONS = [
              "tests/test_attention.py::test_bounds_from_the_batch_lengths_equal_those_read_from_the_position_ids",
              quick=True),
     Mutation("a tied head left untied after to_empty", "qlora_fsdp/loading/fill.py", "    retie(tied)\n", "",
-             "tests/test_tied_weights.py::test_tied_model_loads_as_one_tensor_with_transformers_loss"),
+             "tests/test_materialize.py::test_materialize_keeps_a_tied_head_one_tensor", quick=True),
     Mutation("every rank copies rank 0's rows of a pre-quantized weight", "qlora_fsdp/loading/reader.py",
              "        rows = self.packed.read((first // itemsize, -(-last // itemsize)))",
              "        rows = self.packed.read((0, -(-(last - first) // itemsize)))", PREQUANTIZED_TINY),
