@@ -6,7 +6,9 @@
     python -m tests.gpu_check --dry-run           # CPU, small sizes; what needs CUDA is listed as skipped
 
 Checks (each in its own process, with its own time budget, so an OOM, a crash or a fake process group stays
-inside it; `python -m tests.gpu_check_cases NAME --device cpu` runs one in the foreground, at CPU sizes):
+inside it: on a GPU a fresh `python -m tests.gpu_check_cases`, on the CPU a fork of this process, which imported
+torch and the checks once; `python -m tests.gpu_check_cases NAME --device cpu` runs one in the foreground, at CPU
+sizes):
   nan_canary            all 65,536 bf16 bit patterns through FSDP2's all-gather copy-in, as bf16 and as uint8
   fsdp_real_path        Llama 3.1 70B architecture (2 layers) sharded over a fake 2-rank group: every gathered
                         4-bit weight equals this rank's loaded shard byte for byte (offload on and off)
@@ -33,10 +35,12 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -44,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-CASES_COMMAND = [sys.executable, "-m", "tests.gpu_check_cases"]  # then: NAME --device D --work W --result R
+DEFAULT_CASES_COMMAND = [sys.executable, "-m", "tests.gpu_check_cases"]  # then: NAME --device D --work W --result R
+CASES_COMMAND = DEFAULT_CASES_COMMAND  # a test puts fake cases here; the CPU forks only the real ones
 TOTAL_SECONDS = 570  # under the 10 minutes a device command may run, start-up included
 LOG_TAIL_LINES = 15
 
@@ -120,17 +125,71 @@ def child_env(device: str | None) -> dict[str, str]:
 def run_check(check: Check, device: str, work: Path, timeout: float) -> tuple[list[Row], dict[str, Any]]:
     """The check in its own process; its rows, and the environment it reports (device name, versions)."""
     result, log = work / f"{check.name}.json", work / f"{check.name}.log"
-    command = [*CASES_COMMAND, check.name, "--device", device, "--work", str(work), "--result", str(result)]
-    try:
-        with log.open("w") as out:
-            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=child_env(device), cwd=REPO,
-                                  timeout=timeout)
-    except subprocess.TimeoutExpired:
+    argv = [check.name, "--device", device, "--work", str(work), "--result", str(result)]
+    if device == "cpu" and CASES_COMMAND == DEFAULT_CASES_COMMAND:
+        code = forked_check(argv, device, log, timeout)
+    else:
+        code = process_check([*CASES_COMMAND, *argv], device, log, timeout)
+    if code is None:
         return [Row(check.name, "failed", f"timed out after {timeout:.0f} s (killed); see {log.name}")], {}
     if not result.is_file():
-        return [Row(check.name, "failed", f"crashed with exit code {done.returncode}; see {log.name}")], {}
+        return [Row(check.name, "failed", f"crashed with exit code {code}; see {log.name}")], {}
     data = json.loads(result.read_text())
     return [Row(**row) for row in data["rows"]], data.get("env", {})
+
+
+def process_check(command: list[str], device: str, log: Path, timeout: float) -> int | None:
+    """The check as a fresh process: its exit code, None when it ran past `timeout` (then it is killed)."""
+    try:
+        with log.open("w") as out:
+            return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=child_env(device), cwd=REPO,
+                                  timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def forked_check(argv: list[str], device: str, log: Path, timeout: float) -> int | None:
+    """tests.gpu_check_cases' main(argv) in a fork of this process, which imports it (torch, transformers, PEFT,
+    bitsandbytes) once for all the checks instead of once per check: each check is still a process of its own, its
+    output to `log`, killed with its whole group past `timeout` (then None). The CPU only: a fork must not inherit a
+    CUDA context, and this process never needs one there."""
+    import tests.gpu_check_cases as cases
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with log.open("w") as out:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the caller's frames
+            code = 1
+            try:
+                os.setpgid(0, 0)  # a group of its own: a timeout ends whatever it started with it
+                os.dup2(out.fileno(), 1)
+                os.dup2(out.fileno(), 2)
+                os.chdir(REPO)
+                os.environ.update(child_env(device))
+                code = cases.main(argv)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+    try:
+        os.setpgid(pid, pid)  # also here: the child may not have run yet
+    except (PermissionError, ProcessLookupError):
+        pass  # it has, and its group is its own already
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os.waitpid(pid, 0)
+    return None
 
 
 def log_tail(path: Path) -> str:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -83,11 +84,30 @@ json.dump({"rows": [{"check": name, "status": "passed", "result": "ok", "figures
 """
 
 
+def fake_case(name: str):
+    """The forked checks' stand-ins for FAKE_CASES: a crash (no result), one past its budget, one that passes."""
+    def case(ctx) -> list:
+        if name == "nan_canary":
+            os._exit(3)  # a crash: no result written
+        if name == "fsdp_real_path":
+            time.sleep(60)  # past its budget
+        return [gpu_check.Row(name, "passed", "ok", {"x": 1})]
+    return case
+
+
 @pytest.mark.slow
-def test_a_crash_or_a_timeout_fails_that_check_only(tmp_path, monkeypatch):
-    cases = tmp_path / "cases.py"
-    cases.write_text(FAKE_CASES)
-    monkeypatch.setattr(gpu_check, "CASES_COMMAND", [sys.executable, str(cases)])
+@pytest.mark.parametrize("runner", ["process", "fork"])
+def test_a_crash_or_a_timeout_fails_that_check_only(tmp_path, monkeypatch, runner):
+    """Either way a check runs (a fresh process on a GPU, a fork of the warm parent on the CPU)."""
+    if runner == "process":
+        cases = tmp_path / "cases.py"
+        cases.write_text(FAKE_CASES)
+        monkeypatch.setattr(gpu_check, "CASES_COMMAND", [sys.executable, str(cases)])
+    else:
+        from tests import gpu_check_cases
+
+        names = ("nan_canary", "fsdp_real_path", "merge_device", "one_gpu_70b_offload")
+        monkeypatch.setattr(gpu_check_cases, "CASES", {name: fake_case(name) for name in names})
     monkeypatch.setattr(gpu_check, "CHECKS", (
         gpu_check.Check("nan_canary", 30, cuda_only=False), gpu_check.Check("fsdp_real_path", 2, cuda_only=False),
         gpu_check.Check("merge_device", 30, cuda_only=False), gpu_check.Check("one_gpu_70b_offload", 30, True)))
