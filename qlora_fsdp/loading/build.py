@@ -1,6 +1,6 @@
 """Build the model on the meta device, swap linears for NF4 `Linear4bit`, attach LoRA/DoRA.
 
-No weight is read here and nothing here knows about ranks: `loading.py` fills the (possibly sharded)
+No weight is read here and nothing here knows about ranks: `fill.py` fills the (possibly sharded)
 parameters afterwards, one tensor at a time.
 """
 
@@ -135,7 +135,7 @@ def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
         use_rslora=lora.use_rslora,  # saved in adapter_config.json, so PEFT and the merge scale alike
         bias="none",
         task_type="CAUSAL_LM",
-        init_lora_weights=False,  # weights are meta now; loading.py initializes them, the same on any world size
+        init_lora_weights=False,  # weights are meta now; fill.py initializes them, the same on any world size
     )
     check_targets(model, targets)
     with meta_dora_magnitudes():
@@ -220,7 +220,7 @@ def base_parameter_count(model: nn.Module) -> int:
 def meta_dora_magnitudes() -> Iterator[None]:
     """PEFT sizes DoRA's magnitude by dequantizing the base weight, which does not exist on the meta device.
 
-    Create it empty with the right shape instead; loading.py fills it with the weight's row norms.
+    Create it empty with the right shape instead; fill.py fills it with the weight's row norms.
     """
     original = DoraLinearLayer.update_layer
 
