@@ -111,6 +111,23 @@ def decoder_lora_keys(model: torch.nn.Module) -> set[str]:
             for part in "AB"}
 
 
+def reference_loss(model: torch.nn.Module, samples: list[Sample]) -> tuple[torch.Tensor, int]:
+    """The summed cross-entropy of the samples' target tokens under a transformers (or PEFT) model, and how many
+    targets there are: one forward of the samples right-padded into a batch, the padding masked out. Each sample's
+    logits are those of its own forward to float rounding (1e-7 relative), and each 4-bit weight is dequantized
+    once instead of once a sample (bitsandbytes dequantizes a whole weight per call on the CPU: a pre-quantized
+    SmolLM2's 16 held-out samples one by one took 7x as long)."""
+    length = max(len(sample.input_ids) for sample in samples)
+    ids = torch.tensor([sample.input_ids + [0] * (length - len(sample.input_ids)) for sample in samples])
+    mask = torch.tensor([[1] * len(sample.input_ids) + [0] * (length - len(sample.input_ids)) for sample in samples])
+    labels = torch.tensor([sample.labels + [-100] * (length - len(sample.labels)) for sample in samples])[:, 1:]
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    # row by row: one row's log-softmax at a time (a 262k vocabulary's logits are large)
+    total = sum(torch.nn.functional.cross_entropy(row[:-1], targets, ignore_index=-100, reduction="sum")
+                for row, targets in zip(logits, labels, strict=True))
+    return total, int((labels != -100).sum())
+
+
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys() and a
     diff = sum((a[k].double() - b[k].double()).pow(2).sum() for k in a) ** 0.5

@@ -38,6 +38,7 @@ from tests.helpers import (
     REPO,
     decoder_lora_keys,
     full_grads,
+    reference_loss,
     run_ranks,
     run_ranks_sequence,
     tiny_config,
@@ -74,14 +75,9 @@ def transformers_prequantized(model_dir: Path, model_class: type = AutoModelForC
 
 
 def transformers_loss(model: torch.nn.Module, cfg: Config) -> float:
-    total, n_targets = 0.0, 0
     with torch.no_grad():
-        for sample in eval_samples(cfg):
-            logits = model(input_ids=torch.tensor([sample.input_ids])).logits[0, :-1]
-            targets = torch.tensor(sample.labels[1:])
-            total += torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
-            n_targets += int((targets != -100).sum())
-    return total / n_targets
+        total, n_targets = reference_loss(model, eval_samples(cfg))
+    return total.item() / n_targets
 
 
 def live_logits(info, cfg: Config, adapter: Path) -> torch.Tensor:
@@ -106,18 +102,14 @@ def gradients(info, cfg: Config, samples: list[Sample], adapter: Path) -> dict:
 
 
 def peft_gradients(model_dir: Path, adapter: Path, samples: list[Sample]) -> dict:
-    """The same loss through PEFT on transformers' own load of the checkpoint, each sample alone."""
+    """The same loss through PEFT on transformers' own load of the checkpoint (the samples in one padded batch)."""
     base = transformers_prequantized(model_dir)
     for module in base.modules():
         if isinstance(module, bnb.nn.Linear4bit):  # dequantized to fp32 as ours (model.dtype); stored: bf16
             module.weight.quant_state.dtype = torch.float32
     model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
-    n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
-    for sample in samples:
-        logits = model(input_ids=torch.tensor([sample.input_ids])).logits[0, :-1]
-        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(sample.labels[1:]), ignore_index=-100,
-                                                 reduction="sum")
-        (loss / n_targets).backward()
+    loss, n_targets = reference_loss(model, samples)  # the samples padded into one batch, the padding masked
+    (loss / n_targets).backward()
     return {peft_adapter_key(name, "default"): param.grad for name, param in model.named_parameters()
             if param.requires_grad}
 

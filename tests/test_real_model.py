@@ -23,7 +23,7 @@ from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.training.loop import evaluate
-from tests.helpers import REPO, run_ranks_sequence, tiny_config, transformers_nf4
+from tests.helpers import REPO, reference_loss, run_ranks_sequence, tiny_config, transformers_nf4
 
 pytestmark = pytest.mark.slow  # ranks on gloo
 
@@ -72,14 +72,9 @@ def transformers_loss(model_dir: Path, cfg) -> float:
 
 def transformers_samples_loss(model_dir: Path, samples: list) -> float:
     model = transformers_nf4(model_dir)
-    total, n_targets = 0.0, 0
     with torch.no_grad():
-        for sample in samples:
-            logits = model(input_ids=torch.tensor([sample.input_ids])).logits[0, :-1]
-            targets = torch.tensor(sample.labels[1:])
-            total += torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
-            n_targets += int((targets != -100).sum())
-    return total / n_targets
+        total, n_targets = reference_loss(model, samples)
+    return total.item() / n_targets
 
 
 @pytest.fixture(scope="module")
