@@ -8,6 +8,11 @@ multi-process test harness, which keeps its workers between tests).
 
 Workers whose task failed, hung or left its group unclean (a test that makes the ranks part ways on purpose) are
 killed and replaced on the next task, so one bad test cannot leak a broken process group into the next.
+
+Workers are forked from a server process that imported those libraries once (multiprocessing's forkserver, with
+the environment the session started with): the first worker pays the imports, every later one (the other sets,
+each replacement) starts at once. The server never computes or joins a group, so a fork of it is a process that
+has just imported, as a spawned worker was.
 """
 
 from __future__ import annotations
@@ -76,8 +81,15 @@ def retire_this_worker() -> None:
     _retiring = True
 
 
+# the forkserver imports these before it forks any worker (tests.rank_pool itself: the workers' target)
+PRELOAD = ["tests.rank_pool", "torch.distributed", "bitsandbytes", "peft", "transformers", "qlora_fsdp.api",
+           "tests.helpers"]
+_SESSION_ENV = dict(os.environ)  # at import (collection), before any test changes the environment
+
+
 def _warm_imports() -> None:
-    """What nearly every task imports: paid once per worker instead of once per task."""
+    """What nearly every task imports: paid once per worker instead of once per task (and, preloaded by the
+    forkserver, once for all workers)."""
     import bitsandbytes  # noqa: F401
     import peft  # noqa: F401
     import transformers  # noqa: F401
@@ -251,12 +263,40 @@ class RankPool:
             for process, _ in workers:
                 process.join(10)
             self._discard(key)
+        _stop_forkserver()
+
+
+def _forkserver() -> Any:
+    """The context workers are made in; its server starts on first use with the session's first environment (a
+    test that set a variable in this process and then needed a new worker would hand it to every later one)."""
+    from multiprocessing import forkserver
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    now = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SESSION_ENV)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(now)
+    return context
+
+
+def _stop_forkserver() -> None:
+    """End the server and wait for it: it reaped every worker, so the session's CPU time (`/usr/bin/time make
+    test`) counts theirs only once this process has reaped it."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
 
 
 def _start_worker() -> tuple[mp.Process, Connection]:
-    parent_end, child_end = mp.get_context("spawn").Pipe()
+    context = _forkserver()
+    parent_end, child_end = context.Pipe()
     # not a daemon: a task may start processes of its own (data loader workers)
-    process = mp.get_context("spawn").Process(target=_serve, args=(child_end,))
+    process = context.Process(target=_serve, args=(child_end,))
     process.start()
     child_end.close()
     return process, parent_end
