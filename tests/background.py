@@ -8,7 +8,8 @@ time limit of its own belongs here: a starved process overruns it.
 
 A module registers a job at import under the name of the fixture that hands its result to tests (collection imports
 every test module before conftest starts the jobs); the fixture calls `result(name)`. A job that no selected test
-needs never starts.
+needs never starts. `register_shared` makes one process serve several fixtures (the planners: one import of torch,
+one cache of measured steps); `{parts}` in its command becomes the fixtures the selected tests use.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 NICENESS = 10
 WORK = "{work}"  # in a job's command: its own scratch folder
+PARTS = "{parts}"  # in a shared job's command: the fixtures it serves that a selected test uses, comma-separated
 
 
 @dataclass
@@ -32,14 +34,16 @@ class Job:
     command: list[str]
     env: dict[str, str]
     timeout: float
+    parts: tuple[str, ...] = ()  # a shared job: the fixtures it serves
     work: Path | None = None
     proc: subprocess.Popen | None = None
     done: subprocess.CompletedProcess | None = field(default=None, repr=False)
 
-    def start(self, root: Path) -> None:
+    def start(self, root: Path, parts: Sequence[str] = ()) -> None:
         self.work = root / self.name
         self.work.mkdir()
-        command = [part.replace(WORK, str(self.work)) for part in self.command]
+        served = ",".join(parts or self.parts)
+        command = [part.replace(WORK, str(self.work)).replace(PARTS, served) for part in self.command]
         self.proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=self.env, preexec_fn=lambda: os.nice(NICENESS))
 
@@ -73,6 +77,14 @@ def register(fixture: str, command: Sequence[str], env: dict[str, str], timeout:
     _JOBS[fixture] = Job(fixture, list(command), env, timeout)
 
 
+def register_shared(fixtures: Sequence[str], command: Sequence[str], env: dict[str, str], timeout: float = 600) -> None:
+    """One job for the tests that use any of `fixtures`; `{parts}` in the command: those of them a selected test
+    uses (all of them where the job starts from a plain call). Each fixture's `result` is the whole process."""
+    job = Job("+".join(fixtures), list(command), env, timeout, parts=tuple(fixtures))
+    for fixture in fixtures:
+        _JOBS[fixture] = job
+
+
 def job_names() -> set[str]:
     return set(_JOBS)
 
@@ -86,9 +98,10 @@ def scratch_root() -> Path:
 def start_for(fixtures_of_selected_tests: Iterable[Iterable[str]]) -> list[str]:
     """Start every job whose fixture a selected test uses; returns their names."""
     used = {name for fixtures in fixtures_of_selected_tests for name in fixtures}
-    needed = [job for job in _JOBS.values() if job.name in used and job.proc is None]
+    jobs = {id(job): job for job in _JOBS.values()}.values()  # a shared job once
+    needed = [job for job in jobs if job.proc is None and (used & set(job.parts or (job.name,)))]
     for job in needed:
-        job.start(scratch_root())
+        job.start(scratch_root(), [part for part in job.parts if part in used])
     return [job.name for job in needed]
 
 
@@ -104,7 +117,7 @@ def work(name: str) -> Path:
 
 
 def stop_all() -> None:
-    for job in _JOBS.values():
+    for job in {id(job): job for job in _JOBS.values()}.values():
         job.stop()
     for root in _ROOT:
         shutil.rmtree(root, ignore_errors=True)

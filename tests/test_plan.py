@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.plan.fake_step import plans_reference_forward
 from qlora_fsdp.plan.recipe_table import HEADER, readme_table, recipe_names
 from qlora_fsdp.training.loop import accumulate_gradients
-from tests import background
+from tests import planners
 from tests.helpers import REPO, batches, fsdp_params, run_ranks_sequence, tiny_config, variable_length_samples
 
 PAD = 2
@@ -102,72 +101,20 @@ def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path):
     assert measured["accumulating"] == 2 * measured["grads"]
 
 
-PLAN_70B = """
-import sys
-from transformers import LlamaConfig
-import datasets, huggingface_hub
-def fetch(*args, **kwargs):
-    raise SystemExit(f"planning fetched {args[:1]}")  # the recipes name hub data and models; a plan reads neither
-datasets.load_dataset = huggingface_hub.snapshot_download = fetch
-import torch.distributed as dist
-from qlora_fsdp.config import load_config
-from qlora_fsdp.plan.fake_world import planning_mesh
-from qlora_fsdp.plan.held import meta_held
-from qlora_fsdp.plan.levers import variants
-from qlora_fsdp.plan.memory import GIB, activations_peak_line, plan
-from qlora_fsdp.plan.report import report
-cfg = load_config('llama70b_2x4090', ['fsdp_preset=full_shard'])
-held = meta_held(cfg, planning_mesh(2))  # one meta build for both presets: offload moves bytes, not shapes
-offload = load_config('llama70b_2x4090', ['fsdp_preset=full_shard_cpu_offload'])
-for name, c in (('full_shard', cfg), ('full_shard_cpu_offload', offload)):
-    result = plan(c, held)
-    print(name, 'FITS' if result.fits else 'DOES NOT FIT', round(result.gpu_total / 2**30, 2))
-print(result.description)
-print([label for label, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(c, held).fits])
-for row in result.gpu_rows:
-    print('row', row.basis, round(row.bytes / GIB, 3), row.name)
-print('largest activations:', activations_peak_line(result.step, result.resident_gpu))
-dist.destroy_process_group()
-# the 8B's layer shapes and vocabulary, 2 layers (its misfit fixes are as many steps: 32 layers would take 40 s)
-LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
-            num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False).save_pretrained(sys.argv[1])
-text, fits = report(load_config('llama3_8b_1x4090', [f'model.path={sys.argv[1]}', 'loss.chunked=false',
-                                                     'hardware.gpu_memory_gib=12']))
-print(text)
-"""
-
-
-NO_FETCH = """
-import datasets, huggingface_hub, runpy, sys
-def fetch(*args, **kwargs):
-    raise SystemExit(f"planning fetched {args[:1]}")  # the recipes name hub data and models; a plan reads neither
-datasets.load_dataset = huggingface_hub.snapshot_download = fetch
-sys.argv = ["scripts/recipe_table.py", "--json"]
-runpy.run_path("scripts/recipe_table.py", run_name="__main__")
-"""
-
-
-PLANNER_ENV = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-# every shipped recipe's plan (scripts/recipe_table.py --json) and the 70B test's own plans: each planner keeps a core
-# busy for a minute or two, so both run beside the tests before them (tests/background.py)
-background.register("recipe_plans", [sys.executable, "-c", NO_FETCH], PLANNER_ENV)
-background.register("plans_70b", [sys.executable, "-c", PLAN_70B, "{work}/8b-2-layers"], PLANNER_ENV)
-
-
-def finished(job: str) -> str:
-    done = background.result(job)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+# every shipped recipe's plan (scripts/recipe_table.py --json) and the 70B test's own plans (tests/planners.py, with
+# test_step_time's published runs, in one process): minutes of a core, so they run beside the tests before them
+# (tests/background.py)
+planners.register()
 
 
 @pytest.fixture(scope="module")
 def recipe_plans() -> dict:
-    return json.loads(finished("recipe_plans"))
+    return json.loads(planners.part("recipe_plans"))
 
 
 @pytest.fixture(scope="module")
 def plans_70b() -> str:
-    return finished("plans_70b")
+    return planners.part("plans_70b")
 
 
 @pytest.mark.slow

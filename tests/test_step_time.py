@@ -6,7 +6,6 @@ How well the priced step matches published runs is `python -m benchmarks.publish
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -20,13 +19,13 @@ from qlora_fsdp.plan.step_time import (
     link_seconds,
     part_time,
 )
-from tests import background
-from tests.helpers import REPO, run_ranks
+from tests import planners
+from tests.helpers import run_ranks
 from tests.test_step_memory import architecture, step_config
 
-# 24 published runs planned and priced (about 2 minutes of a core): beside the tests before it (tests/background.py)
-background.register("published_runs", [sys.executable, "-m", "benchmarks.published_runs", "--json"],
-                    {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+# 24 published runs planned and priced (about 2 minutes of a core): beside the tests before it, in the planners'
+# process (tests/planners.py, tests/background.py)
+planners.register()
 # the runs the model misses by more than 25%, and why: a step this small (7B, one row a GPU, on 3090s) took 2.1 s
 # at 512 tokens and 3.1 s at 2,048 in Answer.AI's loop; the rig's PCIe 3.0 x4 gathers explain 1.3 s of it, and
 # about 0.8 s a step that does not scale with the work is not modelled (the source's prose gives 550 s and 800 s
@@ -84,9 +83,7 @@ def test_the_fake_step_counts_the_models_work(tmp_path):
 
 @pytest.fixture(scope="module")
 def published_runs() -> dict:
-    done = background.result("published_runs")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return json.loads(planners.part("published_runs"))
 
 
 @pytest.mark.slow
