@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -155,6 +156,7 @@ def forked_check(argv: list[str], device: str, log: Path, timeout: float) -> int
     CUDA context, and this process never needs one there."""
     import tests.gpu_check_cases as cases
 
+    gc.freeze()  # the imports' objects, out of the collector's sight: a check's gc.collect walks only its own
     sys.stdout.flush()
     sys.stderr.flush()
     with log.open("w") as out:
