@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from qlora_fsdp.api import train
 from qlora_fsdp.data.batching import collate_packed
@@ -51,17 +50,19 @@ def fine_tune_and_sample(info, cfg) -> tuple[dict, list[int]]:
     return summary, generator.token_ids("What is 2 plus 3?", Sampling(max_new_tokens=4))
 
 
-def packed_held_out_loss(info, cfg) -> dict:
+def packed_held_out_loss(info, cfg, samples: list, pad_id: int) -> dict:
     """The held-out samples packed into one row, on rank 0 of 2 (each sample longer than the window); the other rank
     joins each layer's all-gather with a one-token forward, as evaluation's ranks without samples do. The model is
-    built for packed data, so the run's kernel is ours: the line it prints at start says which."""
+    built for packed data, so the run's kernel is ours: the line it prints at start says which. The samples and the
+    pad id come from the test process (loading the 262k-token tokenizer and hashing it for the data cache cost a
+    rank seconds each time)."""
     packed_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, packing=True))
-    model, pad_id = build_model(packed_cfg, info), load_tokenizer(cfg).pad_token_id
+    model = build_model(packed_cfg, info)
     model.eval()
     total, n_targets = 0.0, 0
     with torch.no_grad():
         if info.rank == 0:
-            batch = collate_packed([eval_samples(cfg)], pad_id)
+            batch = collate_packed([samples], pad_id)
             total, n_targets = ForwardLoss()(model, batch, info.device).item(), batch.n_targets
         else:
             model(input_ids=torch.tensor([[pad_id]], device=info.device))
@@ -76,9 +77,12 @@ def gemma_runs(real_gemma_dir, tmp_path_factory):
                       data={"path": str(write_text_records(root / "text.jsonl")), "format": "text",
                             "context_length": 640, "packing": False, "micro_batch_size": 1, "eval_samples": 2},
                       train={"max_steps": 1, "output_dir": str(root / "run")})
+    tokenizer = load_tokenizer(cfg)
+    samples = eval_samples(cfg, tokenizer)
     (one,) = run_ranks_sequence([(fine_tune_and_sample, (cfg,))], 1, root / "one")
-    (packed,) = run_ranks_sequence([(packed_held_out_loss, (cfg,))], 2, root / "two")
-    return {"cfg": cfg, "summary": one[0], "reply": one[1], "packed": packed, "samples": eval_samples(cfg)}
+    (packed,) = run_ranks_sequence([(packed_held_out_loss, (cfg, samples, tokenizer.pad_token_id))], 2, root / "two")
+    return {"cfg": cfg, "summary": one[0], "reply": one[1], "packed": packed, "samples": samples,
+            "tokenizer": tokenizer}
 
 
 def test_rows_are_longer_than_the_sliding_window(gemma_runs, real_gemma_dir):
@@ -106,6 +110,6 @@ def test_a_short_fine_tune_lowers_the_held_out_loss(gemma_runs):
 
 
 def test_the_adapter_samples(gemma_runs, real_gemma_dir):
-    reply = AutoTokenizer.from_pretrained(real_gemma_dir).decode(gemma_runs["reply"], skip_special_tokens=True)
+    reply = gemma_runs["tokenizer"].decode(gemma_runs["reply"], skip_special_tokens=True)
     assert len(gemma_runs["reply"]) > 0 and reply.strip(), gemma_runs["reply"]
     assert torch.isfinite(torch.tensor(gemma_runs["summary"]["eval_loss_end"]))

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from qlora_fsdp.api import train
 from qlora_fsdp.data.pipeline import load_dataset
 from qlora_fsdp.data.templates import prompt_ids
+from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.tools.generate import Sampling, load_generator
@@ -42,35 +43,45 @@ def write_chat_records(path: Path, n: int = 200) -> Path:
     return path
 
 
-def eval_samples(cfg):
-    data = load_dataset(load_tokenizer(cfg), cfg.data, cfg.train.seed)
+def eval_samples(cfg, tokenizer=None):
+    data = load_dataset(tokenizer or load_tokenizer(cfg), cfg.data, cfg.train.seed)
     return data.samples(data.eval, list(range(len(data.eval))))
 
 
-def held_out_loss(info, cfg) -> float:
-    """The 4-bit base's held-out loss as training's evaluation computes it."""
+def held_out_loss(info, cfg, samples: list | None = None, pad_id: int | None = None) -> float:
+    """The 4-bit base's held-out loss as training's evaluation computes it; on `samples` (the test process's
+    eval_samples, so a rank need not load the tokenizer and tokenize the data again) where given."""
     model = build_model(cfg, info)
-    return evaluate(model, eval_samples(cfg), cfg.data.eval_batch_size, load_tokenizer(cfg).pad_token_id, info)
+    if samples is None:
+        tokenizer = load_tokenizer(cfg)
+        samples, pad_id = eval_samples(cfg, tokenizer), tokenizer.pad_token_id
+    return evaluate(model, samples, cfg.data.eval_batch_size, pad_id, info)
 
 
-def reply(info, cfg, adapter: Path | None, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """(greedy reply to QUESTION, logits of `input_ids`) as generate.py holds the model; no adapter: the base."""
-    generator = load_generator(cfg, adapter)
+def reply_and_logits(generator, info, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
     with torch.no_grad():
         logits = generator.model(input_ids=input_ids.to(info.device)).logits.cpu()
     return generator.reply(QUESTION, GREEDY), logits
 
 
-def fine_tune(info, cfg) -> dict:
-    return train(cfg, info=info)
+def reply(info, cfg, adapter: Path | None, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(greedy reply to QUESTION, logits of `input_ids`) as generate.py holds the model; no adapter: the base."""
+    return reply_and_logits(load_generator(cfg, adapter), info, input_ids)
 
 
-def transformers_loss(model_dir: Path, cfg) -> float:
-    """transformers + bitsandbytes' own NF4 load, none of our loading code, on the same held-out records."""
-    return transformers_samples_loss(model_dir, eval_samples(cfg))
+def replies_around_a_fine_tune(info, cfg, adapter: Path, input_ids: torch.Tensor) -> tuple:
+    """The base's reply and logits, 4 steps of fine-tuning, the adapter's reply and logits: one generator's load for
+    both, the adapter put into it after training as load_generator(cfg, adapter) puts it into the base it builds
+    (two ranks take that path whole)."""
+    generator = load_generator(cfg, None)  # LoRA at its zero init: the base
+    base = reply_and_logits(generator, info, input_ids)
+    summary = train(cfg, info=info)
+    load_adapter_into(generator.model, adapter)
+    return base, summary, reply_and_logits(generator, info, input_ids)
 
 
 def transformers_samples_loss(model_dir: Path, samples: list) -> float:
+    """transformers + bitsandbytes' own NF4 load, none of our loading code, on the same held-out records."""
     model = transformers_nf4(model_dir)
     with torch.no_grad():
         total, n_targets = reference_loss(model, samples)
@@ -87,17 +98,19 @@ def real_runs(real_model_dir, tmp_path_factory):
                             "context_length": 128, "packing": False, "micro_batch_size": 4, "eval_samples": 16},
                       train={"max_steps": 4, "output_dir": str(root / "run")})
     adapter = root / "run" / "adapter"
-    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    tokenizer = load_tokenizer(cfg)
+    samples = eval_samples(cfg, tokenizer)
     ids = torch.tensor([prompt_ids([{"role": "user", "content": QUESTION}], tokenizer, "tokenizer")])
-    base, summary, tuned = run_ranks_sequence(
-        [(reply, (cfg, None, ids)), (fine_tune, (cfg,)), (reply, (cfg, adapter, ids))], 1, root / "one")
-    two_loss, two_tuned = run_ranks_sequence([(held_out_loss, (cfg,)), (reply, (cfg, adapter, ids))], 2, root / "two")
+    ((base, summary, tuned),) = run_ranks_sequence([(replies_around_a_fine_tune, (cfg, adapter, ids))], 1,
+                                                   root / "one")
+    two_loss, two_tuned = run_ranks_sequence(
+        [(held_out_loss, (cfg, samples, tokenizer.pad_token_id)), (reply, (cfg, adapter, ids))], 2, root / "two")
     return {"cfg": cfg, "adapter": adapter, "ids": ids, "base": base, "summary": summary, "tuned": tuned,
-            "two_loss": two_loss, "two_tuned": two_tuned}
+            "two_loss": two_loss, "two_tuned": two_tuned, "samples": samples}
 
 
 def test_held_out_loss_equals_transformers_nf4_at_world_sizes_1_and_2(real_model_dir, real_runs):
-    reference, summary = transformers_loss(real_model_dir, real_runs["cfg"]), real_runs["summary"]
+    reference, summary = transformers_samples_loss(real_model_dir, real_runs["samples"]), real_runs["summary"]
     print(f"held-out loss: transformers {reference:.5f}, ours world size 1 {summary['eval_loss_start']:.5f}, "
           f"2 {real_runs['two_loss']:.5f}; after 4 steps {summary['eval_loss_end']:.5f}")  # shown by pytest -s
     assert real_runs["summary"]["eval_loss_start"] == pytest.approx(reference, rel=1e-3)
