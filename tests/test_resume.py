@@ -86,14 +86,27 @@ def step_losses(out: Path) -> dict[int, float]:
 
 
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    wait_until(lambda logged: any(r.get("step", 0) >= step and "loss" in r for r in logged), out, proc, timeout,
+               f"step {step} not reached")
+
+
+def wait_for_a_step_after_a_resume(out: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Until the restarted world has resumed and logged a step of its own."""
+    def resumed_and_stepped(logged: list[dict]) -> bool:
+        resumes = [index for index, r in enumerate(logged) if r.get("event") == "resume"]
+        return bool(resumes) and any("loss" in r for r in logged[resumes[-1] + 1 :])
+    wait_until(resumed_and_stepped, out, proc, timeout, "no step after a resume")
+
+
+def wait_until(condition, out: Path, proc: subprocess.Popen, timeout: float, what: str) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, f"run ended early: {proc.stderr.read()[-2000:]}"
-        if any(r.get("step", 0) >= step and "loss" in r for r in records(out)):
+        if condition(records(out)):
             return
         time.sleep(0.05)
     kill_tree(proc)
-    raise TimeoutError(f"step {step} not reached")
+    raise TimeoutError(what)
 
 
 def workers(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -147,28 +160,22 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp
 
 
 @pytest.mark.slow
-def test_elastic_restart_resumes_by_itself(tiny_model_dir, tmp_path, reference):
+def test_elastic_restart_then_sigterm_then_kill_9_then_resume_equals_the_uninterrupted_run(tiny_model_dir, tmp_path,
+                                                                                           reference):
+    """A rank killed under `torchrun --max-restarts 1`: torchrun restarts the world, which resumes by itself. The
+    restarted world preempted politely (SIGTERM: save at once, exit 0), resumed under torchrun, then killed hard at
+    a random step and resumed again: the losses and the adapter are the uninterrupted run's. (The restart and the
+    SIGTERM were two tests, each with a torchrun of its own; the restarted world takes the signal as well.)"""
     out = tmp_path / "run"
     proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out), max_restarts=1))
-    wait_for_step(out, 5, proc)
-    workers(proc)[-1].kill()  # one rank dies; torchrun restarts the world, which must resume, not start over
-    stderr = finish(proc)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert any(r.get("event") == "resume" for r in records(out))
-    assert_same_run(out, reference)
-
-
-@pytest.mark.slow
-def test_sigterm_then_kill_9_then_resume_equals_the_uninterrupted_run(tiny_model_dir, tmp_path, reference):
-    """Preempted politely (SIGTERM: save at once, exit 0), resumed, then killed hard at a random step and
-    resumed again: the losses and the adapter are the uninterrupted run's."""
-    out = tmp_path / "run"
-    proc = start(torchrun("train.py", *recipe_args(tiny_model_dir, out)))
     wait_for_step(out, 3, proc)
+    workers(proc)[-1].kill()  # one rank dies; torchrun restarts the world, which must resume, not start over
+    wait_for_a_step_after_a_resume(out, proc)
     for worker in workers(proc):  # as a cluster scheduler does before preempting
         worker.send_signal(signal.SIGTERM)
     stderr = finish(proc)
     assert proc.returncode == 0, stderr[-3000:]
+    assert any(r.get("event") == "resume" for r in records(out))  # the restarted world resumed
     summary = records(out)[-1]
     stopped = summary["steps"]
     assert summary["stopped_by_signal"] and stopped < MAX_STEPS - 3
