@@ -15,11 +15,13 @@ bf16 values.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +186,29 @@ def check_tokenizer(model: RealModel, folder: Path, vocab_size: int) -> None:
                                    f"for {vocab_size} embedding rows")
 
 
+@contextlib.contextmanager
+def one_parse_of_each_gguf() -> Iterator[None]:
+    """transformers parses the GGUF file anew for the tokenizer's config, the tokenizer, the model's config and the
+    weights: 16 s of CPU each for Gemma 3's 262k-token vocabulary. The parsed file is read-only (its tensors are
+    views of a read-only memory map), so one parse serves them all."""
+    import gguf
+
+    original = gguf.GGUFReader
+    parsed: dict[str, Any] = {}
+
+    def reader(path: str | Path, mode: str = "r") -> Any:
+        key = f"{Path(path).resolve()}:{mode}"
+        if key not in parsed:
+            parsed[key] = original(path, mode)
+        return parsed[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def convert(gguf_file: Path, out: Path, model: RealModel = SMOLLM2) -> None:
     """GGUF -> a Hugging Face checkpoint folder (bf16 safetensors, as the hub ships the model)."""
     try:
@@ -195,8 +220,9 @@ def convert(gguf_file: Path, out: Path, model: RealModel = SMOLLM2) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_file.parent), gguf_file.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with one_parse_of_each_gguf():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     check_read(model, hf_model)
     config = hf_model.config
     config.__dict__.pop("quantization_config", None)  # a plain checkpoint from here on
