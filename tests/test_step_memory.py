@@ -38,13 +38,20 @@ def test_layers_split_into_head_repeated_block_and_tail():
     assert (len(first_last.head), first_last.block, first_last.count, len(first_last.tail)) == (1, (plain,), 10, 1)
     every_third = find_repeats((wrapped, plain, plain) * 26 + (wrapped, plain))  # every_nth 3 on 80 layers
     assert every_third.block in {(wrapped, plain, plain), (plain, plain, wrapped), (plain, wrapped, plain)}
-    assert every_third.count == 26 and every_third.saved == (26 - 5) * 3
-    # the two repeats at either end keep their own labels (a layer's neighbours change its step), the rest go
+    # measured with the block 2 and 3 times (one edge repeat each side), or 4 and 5 under activation offload
+    assert every_third.count == 26 and every_third.short_counts == (2, 3) and every_third.saved == (26 - 3) * 3
+    assert find_repeats((wrapped, plain, plain) * 26 + (wrapped, plain), edge=2).saved == (26 - 5) * 3
+    # the repeat at either end keeps its own label (a layer's neighbours change its step), the rest go
     uniform = find_repeats((wrapped,) * 80)
     labels = [position(layer, uniform) for layer in range(80)]
+    assert labels[0] == ("block", "from start", 0, 0) and labels[-1] == ("block", "from end", 0, 0)
+    assert labels[1:-1] == [None] * 78 and position(-1, uniform) == -1
+    # under activation offload, the two at either end (it copies back the layer after next)
+    offloaded = find_repeats((wrapped,) * 80, edge=2)
+    labels = [position(layer, offloaded) for layer in range(80)]
     assert labels[:2] == [("block", "from start", 0, 0), ("block", "from start", 1, 0)]
     assert labels[-2:] == [("block", "from end", 1, 0), ("block", "from end", 0, 0)]
-    assert labels[2:-2] == [None] * 76 and position(-1, uniform) == -1
+    assert labels[2:-2] == [None] * 76
 
 
 # ---- planned against real ----------------------------------------------------------------------------------------
@@ -133,8 +140,9 @@ def whole_and_shortened(info, configs, accumulating):
 
 @pytest.mark.slow
 def test_shortened_runs_give_the_whole_models_figures(tmp_path):
-    """12 layers measured with their repeated block 4 and 5 times and continued: every phase's peak, the loss's
-    own bytes and the offloaded bytes equal the whole model's, for a uniform, an edged and a periodic policy. And
+    """12 layers measured with their repeated block 2 and 3 times (4 and 5 under activation offload) and continued:
+    every phase's peak, the loss's own bytes and the offloaded bytes equal the whole model's, for a uniform policy
+    with activation offload, an edged and a periodic one (one edge repeat was measured to differ under offload). And
     a third micro-batch (sync off, gradients accumulated) reaches no higher than the planner's two."""
     model_dir = architecture(tmp_path / "twelve", layers=12, hidden=64, heads=2, kv_heads=1, vocab=512)
     configs = [

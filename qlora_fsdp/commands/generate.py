@@ -22,9 +22,7 @@ from pathlib import Path
 
 from qlora_fsdp.commands.exit import leave_process, run_command
 from qlora_fsdp.config import load_config
-from qlora_fsdp.data.sources import alpaca_user_turn
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.loading.adapter import config_for_adapter
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -66,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qlora_fsdp.loading.adapter import config_for_adapter  # PEFT and torch: not for --help or a usage error
+
     if args.no_adapter == (args.adapter is not None):
         raise UserError("give --adapter ADAPTER, or --no-adapter with --recipe")
     if args.no_adapter:
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.recipe, args.overrides)
     else:
         cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
+    from qlora_fsdp.data.sources import alpaca_user_turn
     from qlora_fsdp.distributed import cleanup
     from qlora_fsdp.tools.generate import Sampling, load_generator  # heavy imports once the arguments are good
 

@@ -20,8 +20,6 @@ from pathlib import Path
 
 from qlora_fsdp.commands.exit import run_command
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.loading.adapter import config_for_adapter
-from qlora_fsdp.tools.merge import merge_adapter, parse_size
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -46,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qlora_fsdp.loading.adapter import config_for_adapter  # PEFT and torch: not for --help or a usage error
+    from qlora_fsdp.tools.merge import merge_adapter, parse_size
+
     if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
         raise UserError(f"{args.out} exists and is not empty: choose another --out, or pass --overwrite")
     cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)

@@ -48,11 +48,11 @@ from qlora_fsdp.training.optimizer import build_optimizer
 DEVICE = torch.device("cpu")
 HOST_STAND_IN = torch.device("meta")  # activation offload's host copies: counted apart, never on the device
 WHOLE_MODEL_LAYERS = 12  # up to this many decoder layers, the whole model runs (about 0.3 s a layer and micro-batch)
-# a layer's step depends on its neighbours (FSDP2 gathers the next layer while one computes, and reduce-scatters the
-# previous one's gradients; offload copies the next one back): the first and last EDGE repeats of a block differ
-# from the others, so a long model runs with its block repeated 4 and 5 times, where one more adds a middle repeat
-EDGE = 2
-SHORT_REPEATS = (2 * EDGE, 2 * EDGE + 1)
+# a layer's step depends on its neighbours: FSDP2 gathers the next layer while one computes and reduce-scatters the
+# previous one's gradients, so the first and last repeat of a block differ from the middle ones; activation offload
+# also copies back the layer after next, so there the first and last two do. A long model runs with its block
+# repeated 2 * edge and 2 * edge + 1 times, where the one more is a middle repeat (see `edge_repeats`)
+EDGE, OFFLOAD_EDGE = 1, 2
 # layer types that differ only in which keys a query attends to (sliding windows): the same tensors, the same bytes
 ATTENTION_SPANS = {"sliding_attention", "full_attention", None}
 MICRO_BATCHES = 2  # the first (no gradients yet, sync off), the last (sync on); a middle one adds nothing (tested)
@@ -154,14 +154,26 @@ class Repeats:
     block: tuple[Kind, ...]
     count: int
     tail: tuple[Kind, ...]
+    edge: int = EDGE  # repeats at each end whose step differs from a middle repeat's
 
     def layers(self, count: int) -> tuple[Kind, ...]:
         return self.head + self.block * count + self.tail
 
     @property
+    def short_counts(self) -> tuple[int, int]:
+        """The block's repeats in the two shortened runs: every edge repeat, then one middle repeat more."""
+        return 2 * self.edge, 2 * self.edge + 1
+
+    @property
     def saved(self) -> int:
-        """Layers the shortened runs leave out (the longer one repeats the block SHORT_REPEATS[1] times)."""
-        return (self.count - SHORT_REPEATS[1]) * len(self.block)
+        """Layers the shortened runs leave out (the longer one repeats the block short_counts[1] times)."""
+        return (self.count - self.short_counts[1]) * len(self.block)
+
+
+def edge_repeats(cfg: Config) -> int:
+    """How many repeats at each end of a block differ from the middle ones (measured: with one edge repeat, a
+    step with activation offload differs from the whole model's; every shipped recipe without it plans the same)."""
+    return OFFLOAD_EDGE if cfg.activation_checkpointing.offload else EDGE
 
 
 def layer_kinds(cfg: Config, hf_config: PretrainedConfig) -> tuple[Kind, ...]:
@@ -174,16 +186,16 @@ def layer_kinds(cfg: Config, hf_config: PretrainedConfig) -> tuple[Kind, ...]:
     return tuple((cfg.activation_checkpointing.wraps(index, n), types[index]) for index in range(n))
 
 
-def find_repeats(kinds: tuple[Kind, ...], max_block: int = 8) -> Repeats:
+def find_repeats(kinds: tuple[Kind, ...], max_block: int = 8, edge: int = EDGE) -> Repeats:
     """The split that leaves out the most layers (a block of up to `max_block` layers repeated in a row)."""
-    best = Repeats(kinds, (), 0, ())
+    best = Repeats(kinds, (), 0, (), edge)
     for size in range(1, max_block + 1):
         for start in range(len(kinds) - 2 * size + 1):
             block = kinds[start : start + size]
             count = 1
             while kinds[start + count * size : start + (count + 1) * size] == block:
                 count += 1
-            found = Repeats(kinds[:start], block, count, kinds[start + count * size :])
+            found = Repeats(kinds[:start], block, count, kinds[start + count * size :], edge)
             if found.saved > best.saved:
                 best = found
     return best
@@ -210,9 +222,9 @@ def position(layer: int, repeats: Repeats) -> object | None:
     if layer >= head + repeats.count * size:
         return "tail", layer - head - repeats.count * size
     instance, offset = divmod(layer - head, size)
-    if instance < EDGE:
+    if instance < repeats.edge:
         return "block", "from start", instance, offset
-    if instance >= repeats.count - EDGE:
+    if instance >= repeats.count - repeats.edge:
         return "block", "from end", repeats.count - 1 - instance, offset
     return None
 
@@ -227,14 +239,14 @@ def relabelled(step: StepMemory, repeats: Repeats) -> dict[Segment, Moment]:
 
 
 def extrapolated(shorter: StepMemory, longer: StepMemory, repeats: Repeats) -> StepMemory:
-    """The whole model's step from the runs with the block repeated SHORT_REPEATS times.
+    """The whole model's step from the runs with the block repeated `repeats.short_counts` times.
 
     Every part's peak is a line in the number of repeats: from the second repeat on, one more block adds the same
     bytes to every instant (its shards, its kept activations, its gradients) and changes nothing else. A middle
-    repeat's peak is a line in its place between the EDGE repeats at either end, so one of those holds the
+    repeat's peak is a line in its place between the edge repeats at either end, so one of those holds the
     block's peak; only their parts are continued, each along its own line (the largest part at 4 and 5 repeats
     need not be the largest at 80)."""
-    first, second = SHORT_REPEATS
+    first, second = repeats.short_counts
     a = relabelled(shorter, dataclasses.replace(repeats, count=first))
     b = relabelled(longer, dataclasses.replace(repeats, count=second))
 
@@ -252,11 +264,11 @@ def extrapolated(shorter: StepMemory, longer: StepMemory, repeats: Repeats) -> S
 def planned_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh,
                  whole_model_layers: int = WHOLE_MODEL_LAYERS) -> StepMemory:
     """The measured step of `cfg`: the whole model when it is short, else the shortened runs continued."""
-    repeats = find_repeats(layer_kinds(cfg, hf_config))
+    repeats = find_repeats(layer_kinds(cfg, hf_config), edge=edge_repeats(cfg))
     if hf_config.num_hidden_layers <= whole_model_layers or repeats.saved <= 0:
         return measure_fake_step(cfg, hf_config, mesh)
     shorter, longer = (measure_fake_step(*shortened(cfg, hf_config, repeats.layers(count)), mesh)
-                       for count in SHORT_REPEATS)
+                       for count in repeats.short_counts)
     return extrapolated(shorter, longer, repeats)
 
 
