@@ -10,9 +10,10 @@ import peft
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.config import Config, load_config, to_dict, to_yaml, validate
+from qlora_fsdp.config import PAIR_OBJECTIVES, Config, load_config, to_dict, to_yaml, validate
 from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.data.pipeline import Dataset, load_dataset
+from qlora_fsdp.data.prompts import PromptData, load_prompt_data
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
 from qlora_fsdp.layers.decoder import describe_attention
 from qlora_fsdp.loading.adapter import export_adapter
@@ -23,7 +24,9 @@ from qlora_fsdp.plan.batch_size import describe_batch
 from qlora_fsdp.plan.hardware import peak_flops
 from qlora_fsdp.plan.run_batch import resolve_run_batch
 from qlora_fsdp.precision import describe_device, describe_dtypes, resolve_dtypes
+from qlora_fsdp.rewards.functions import resolve_rewards
 from qlora_fsdp.training.checkpoints import Checkpointer, check_world_size
+from qlora_fsdp.training.grpo_steps import GrpoSteps
 from qlora_fsdp.training.loop import Trainer
 from qlora_fsdp.training.metrics import MetricsLogger, format_summary
 from qlora_fsdp.training.optimizer import build_optimizer, build_scheduler
@@ -48,6 +51,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     """
     cfg = load_config(config, overrides) if isinstance(config, str) else validate(config)
     check_trackers_available(cfg.logging)  # every rank, before anything is read
+    rewards = resolve_rewards(cfg.grpo) if cfg.train.objective == "grpo" else []  # an unknown one: before loading
     info = info or init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes,
                                     first_collective_timeout_s=cfg.train.first_collective_timeout_s)
     device = describe_device(info.device)
@@ -59,12 +63,13 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
         check_world_size(checkpoint, info.world_size)  # before minutes of loading, not after
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg)
-    data = (load_dataset(tokenizer, cfg.data, cfg.train.seed, info) if cfg.train.objective == "sft"
-            else load_pairs(tokenizer, cfg, info))
+    data = load_data(tokenizer, cfg, info)
     model = build_model(cfg, info)
     recipe = cfg  # as written (auto micro-batch, unscaled lr); cfg from here on is what this run uses
     cfg = decide_on_main(lambda: resolve_run_batch(recipe, model, info))
     trainer = make_trainer(cfg, info, model, data, tokenizer)
+    if isinstance(data, PromptData):
+        trainer.grpo = GrpoSteps(cfg, info, model, tokenizer, data, trainer.forward_loss, rewards)
     trainer.logger.write(describe_dtypes(written, cfg, device))
     trainer.logger.write(describe_attention(model))
     trainer.logger.write(describe_batch(recipe, cfg, info.world_size))
@@ -73,7 +78,16 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     return finish(trainer, trainer.train(), tokenizer)
 
 
-def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset,
+def load_data(tokenizer: PreTrainedTokenizerBase, cfg: Config, info: DistInfo) -> Dataset | PromptData:
+    """SFT samples, preference pairs, or GRPO's prompts, as the objective reads them."""
+    if cfg.train.objective == "grpo":
+        return load_prompt_data(tokenizer, cfg)
+    if cfg.train.objective in PAIR_OBJECTIVES:
+        return load_pairs(tokenizer, cfg, info)
+    return load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
+
+
+def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset | PromptData,
                  tokenizer: PreTrainedTokenizerBase) -> Trainer:
     out_dir = Path(cfg.train.output_dir)
     optimizer = build_optimizer(model, cfg.optim)

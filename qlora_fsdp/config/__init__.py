@@ -10,6 +10,7 @@ from qlora_fsdp.config.loader import (
 )
 from qlora_fsdp.config.schema import (
     FSDP_CONFIGS_DIR,
+    PAIR_OBJECTIVES,
     RECIPES_DIR,
     REPO_ROOT,
     ActivationCheckpointingConfig,
@@ -22,6 +23,8 @@ from qlora_fsdp.config.schema import (
     DType,
     DTypeChoice,
     FSDPConfig,
+    GrpoConfig,
+    GrpoLossType,
     HardwareConfig,
     LoggingConfig,
     LoraConfig,
@@ -33,6 +36,7 @@ from qlora_fsdp.config.schema import (
     PreferenceConfig,
     ProfileConfig,
     QuantConfig,
+    RewardConfig,
     SourceConfig,
     Template,
     TemplateChoice,
@@ -42,9 +46,9 @@ from qlora_fsdp.config.validation import validate
 
 __all__ = [
     "ActivationCheckpointingConfig", "CheckpointScope", "CheckpointedLayers", "Config", "DType", "DTypeChoice",
-    "DpoLossType", "DataConfig", "DataFormat", "FSDPConfig", "FSDP_CONFIGS_DIR", "HardwareConfig", "LoggingConfig",
-    "LoraConfig", "LossConfig", "ModelConfig", "Objective", "OptimConfig", "OverlongPolicy", "PreferenceConfig",
-    "ProfileConfig", "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "SourceConfig", "Template",
-    "TemplateChoice", "TrainConfig", "changed_settings", "load_config", "resolve_recipe_path", "to_dict", "to_yaml",
-    "validate",
+    "DataConfig", "DataFormat", "DpoLossType", "FSDPConfig", "FSDP_CONFIGS_DIR", "GrpoConfig", "GrpoLossType",
+    "HardwareConfig", "LoggingConfig", "LoraConfig", "LossConfig", "ModelConfig", "Objective", "OptimConfig",
+    "OverlongPolicy", "PAIR_OBJECTIVES", "PreferenceConfig", "ProfileConfig", "QuantConfig", "RECIPES_DIR", "REPO_ROOT",
+    "RUN_CONTROL_KEYS", "RewardConfig", "SourceConfig", "Template", "TemplateChoice", "TrainConfig",
+    "changed_settings", "load_config", "resolve_recipe_path", "to_dict", "to_yaml", "validate",
 ]

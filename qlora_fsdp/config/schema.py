@@ -119,7 +119,8 @@ class LossConfig:
     chunk_tokens: int = 256  # tokens per chunk of the output projection and loss
 
 
-Objective = Literal["sft", "dpo", "orpo", "simpo"]
+Objective = Literal["sft", "dpo", "orpo", "simpo", "grpo"]
+PAIR_OBJECTIVES = ("dpo", "orpo", "simpo")  # the objectives trained on preference pairs
 DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]
 
 
@@ -146,6 +147,48 @@ class PreferenceConfig:
 
 
 @dataclass
+class RewardConfig:
+    """One reward function: a built-in's name (qlora_fsdp/rewards/builtin.py) or `module:function`, importable
+    where training runs; called as TRL calls one (prompts=, completions=, completion_ids=, and every other column
+    of the dataset as a keyword argument), returning a float or None per completion."""
+
+    function: str = "math_answer"
+    weight: float = 1.0
+    options: dict[str, Any] = field(default_factory=dict)  # a built-in's settings, e.g. {tags: [think, answer]}
+
+
+GrpoLossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
+
+
+@dataclass
+class GrpoConfig:
+    """train.objective grpo: the policy generates `num_generations` completions per prompt, rewards score them,
+    and the update follows TRL 1.16's GRPOTrainer (qlora_fsdp/losses/policy.py has the formulas; the defaults
+    are TRL's, but max_completion_length)."""
+
+    num_generations: int = 8  # completions per prompt: a group, whose rewards are compared with each other
+    max_completion_length: int = 256  # new tokens at most; dr_grpo's constant normalizer too
+    temperature: float = 1.0  # sampling, and the log-probabilities the update computes (logits / temperature)
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: list[str] = field(default_factory=list)  # strings that end a completion besides EOS
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # the standard deviation advantages divide by
+    loss_type: GrpoLossType = "dapo"
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    epsilon: float = 0.2  # the ratio's clip below 1
+    epsilon_high: float | None = None  # and above 1; None: epsilon (DAPO's clip-higher uses 0.28)
+    delta: float | None = None  # an upper cap on the unclipped ratio (two-sided clipping); None: none
+    beta: float = 0.0  # the KL penalty's weight; the reference is the base with the adapter off; 0: no reference
+    num_iterations: int = 1  # updates per generated batch; above 1 the log-probabilities at generation are kept
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length count in no loss
+
+    @property
+    def resolved_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass
 class OptimConfig:
     name: str = "paged_adamw_8bit"  # a key of qlora_fsdp/optimizer_registry.py's registry
     lr: float = 2e-4  # the peak learning rate, reached after warmup
@@ -165,7 +208,7 @@ class OptimConfig:
     loss_scale_growth_interval: int = 2000  # good steps in a row before the scale doubles
 
 
-DataFormat = Literal["alpaca", "chat", "sharegpt", "text"]
+DataFormat = Literal["alpaca", "chat", "sharegpt", "text", "prompt"]  # prompt: GRPO's prompts (data/prompts.py)
 TemplateChoice = Literal["auto", "tokenizer", "alpaca", "chatml"]  # what a recipe may ask for
 Template = Literal["tokenizer", "alpaca", "chatml"]  # what a run renders with, once `auto` is decided
 OverlongPolicy = Literal["truncate", "drop", "split"]
@@ -294,6 +337,7 @@ class Config:
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -56,6 +56,7 @@ def validate(config: Config) -> Config:
     _validate_batch(config)
     _validate_warmup(config)
     _validate_preference(config)
+    _validate_grpo(config)
     _validate_compile(config)
     checkpointing = config.activation_checkpointing
     if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
@@ -87,6 +88,33 @@ def _validate_preference(config: Config) -> None:
     if objective != "sft" and config.data.train_on_inputs:
         raise ConfigError("'data.train_on_inputs: true' trains on prompts, which a preference objective never "
                           "does; remove it")
+
+
+def _validate_grpo(config: Config) -> None:
+    grpo, grpo_run = config.grpo, config.train.objective == "grpo"
+    if grpo_run != (config.data.format == "prompt"):
+        raise ConfigError("'train.objective: grpo' reads prompts ('data.format: prompt'), and prompts are for grpo "
+                          f"only; got objective {config.train.objective} with format {config.data.format}")
+    if not grpo_run:
+        return
+    if grpo.num_generations < 2:
+        raise ConfigError(f"'grpo.num_generations' must be at least 2 (a group compares its completions), got "
+                          f"{grpo.num_generations}")
+    if not 0 < grpo.max_completion_length < config.data.context_length:
+        raise ConfigError(f"'grpo.max_completion_length' must be positive and below data.context_length "
+                          f"({config.data.context_length}), which also holds the prompt; got "
+                          f"{grpo.max_completion_length}")
+    checks = {"grpo.temperature": grpo.temperature, "grpo.epsilon": grpo.epsilon, "grpo.top_p": grpo.top_p,
+              "grpo.num_iterations": grpo.num_iterations, "grpo.epsilon_high": grpo.resolved_epsilon_high}
+    for key, value in checks.items():
+        if value <= 0:
+            raise ConfigError(f"'{key}' must be positive, got {value}")
+    if grpo.beta < 0 or grpo.top_k < 0 or (grpo.delta is not None and grpo.delta <= 1):
+        raise ConfigError("'grpo.beta' and 'grpo.top_k' must be 0 or more, 'grpo.delta' null or above 1; got "
+                          f"{grpo.beta}, {grpo.top_k}, {grpo.delta}")
+    if grpo.beta > 0 and (config.model.adapter or config.lora.train_router):
+        raise ConfigError("'grpo.beta' > 0 compares against the base with the adapter off, which a run that starts "
+                          "from an adapter or trains routers does not have; set grpo.beta: 0")
 
 
 def _validate_compile(config: Config) -> None:

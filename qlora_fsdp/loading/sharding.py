@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import PretrainedConfig
 
-from qlora_fsdp.config import Config, FSDPConfig
+from qlora_fsdp.config import PAIR_OBJECTIVES, Config, FSDPConfig
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.families import attention_needs
@@ -71,7 +71,7 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
     before a byte is allocated. Training then allocates and loads it; the planner only measures it."""
     device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     # a preference pair's two sequences share a row: several samples a row, as packing puts them
-    several_a_row = cfg.data.packing or cfg.train.objective != "sft"
+    several_a_row = cfg.data.packing or cfg.train.objective in PAIR_OBJECTIVES
     attention = resolve_attention(cfg.model.attn_implementation, several_a_row, device_type, attention_needs(hf_config))
     model = build_meta_model(cfg, hf_config, attention)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)

@@ -14,7 +14,7 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.layers.attention import attach_sample_bounds, flattens_packed_rows
 from qlora_fsdp.losses.router import RouterLoss, router_loss_coefficient
-from qlora_fsdp.losses.tokens import per_sample_loss, summed_loss
+from qlora_fsdp.losses.tokens import per_sample_loss, summed_loss, target_logps
 
 
 class LossBatch(Protocol):
@@ -70,6 +70,13 @@ class ForwardLoss:
         with self.offloading():
             return per_sample_loss(model, inputs, labels, self.chunk_tokens, targets,
                                    batch.target_samples().to(device), batch.n_samples)
+
+    def token_logps(self, model: nn.Module, batch: LossBatch, device: torch.device,
+                    temperature: float = 1.0) -> torch.Tensor:
+        """Each target token's log-probability at `temperature`, flat in the batch's target order (GRPO)."""
+        inputs, labels, targets = model_inputs(model, batch, device)
+        with self.offloading():
+            return target_logps(model, inputs, labels, self.chunk_tokens, targets, temperature)
 
     def offloading(self) -> AbstractContextManager[Any]:
         """What the forward saves for backward waits in host memory (when the recipe offloads, and only where

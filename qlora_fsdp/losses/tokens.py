@@ -132,3 +132,29 @@ def per_sample_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tens
         else:
             total = total + head_sample_losses(head, hidden[part], labels[part], samples[part], n_samples)
     return total
+
+
+def head_target_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                      temperature: float) -> torch.Tensor:
+    logits = F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
+    return -F.cross_entropy(logits.float() / temperature, labels, reduction="none")
+
+
+def target_logps(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int | None,
+                 targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target | what precedes it) at each target position (targets' order), from the logits divided by
+    `temperature` (GRPO scores completions at the temperature it sampled them at). Chunked as summed_loss."""
+    if chunk_tokens is None or post_processes_logits(model):
+        logits = model(**inputs).logits.flatten(0, -2).index_select(0, targets)
+        return -F.cross_entropy(logits.float() / temperature, labels.flatten().index_select(0, targets),
+                                reduction="none")
+    head, hidden, labels = target_hidden_states(model, inputs, labels, targets)
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(head_target_logps, head, hidden[part], labels[part], temperature,
+                                    use_reentrant=False))
+        else:
+            parts.append(head_target_logps(head, hidden[part], labels[part], temperature))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)

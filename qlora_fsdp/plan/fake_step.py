@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
-from qlora_fsdp.config import CheckpointedLayers, Config
+from qlora_fsdp.config import PAIR_OBJECTIVES, CheckpointedLayers, Config
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
@@ -86,7 +86,7 @@ def synthetic_batches(cfg: Config) -> list[Batch]:
     batches can need one."""
     rows, length = cfg.data.micro_batch, cfg.data.context_length
     sample = Sample(input_ids=[0] * length, labels=[0] * length)
-    if cfg.data.packing or cfg.train.objective != "sft":  # a preference pair's two sequences share a row
+    if cfg.data.packing or cfg.train.objective in PAIR_OBJECTIVES:  # a preference pair's two sequences share a row
         half = length // 2
         pair = [Sample(sample.input_ids[:half], sample.labels[:half]), Sample(sample.input_ids[half:],
                                                                                sample.labels[half:])]
@@ -109,7 +109,7 @@ def planning_forward_loss(cfg: Config) -> ForwardLoss:
 
 def step_loss(cfg: Config, forward_loss: ForwardLoss) -> ForwardLoss | PairLoss:
     """What training's step computes its loss with: the forward's, or the preference objective's over pairs."""
-    if cfg.train.objective == "sft":
+    if cfg.train.objective not in PAIR_OBJECTIVES:  # grpo's update is a forward over packed completions
         return forward_loss
     return PairLoss(cfg.train.objective, cfg.preference, forward_loss)
 

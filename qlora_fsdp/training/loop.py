@@ -16,9 +16,10 @@ import peft
 import torch
 from torch import nn
 
-from qlora_fsdp.config import Config, changed_settings
+from qlora_fsdp.config import PAIR_OBJECTIVES, Config, changed_settings
 from qlora_fsdp.data.batching import Batch, Sample, StepSampler, collate, collate_packed
 from qlora_fsdp.data.pipeline import Dataset
+from qlora_fsdp.data.prompts import PromptData
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.errors import TrainingStopped
 from qlora_fsdp.losses.forward import ForwardLoss
@@ -26,6 +27,7 @@ from qlora_fsdp.losses.pairs import PairLoss
 from qlora_fsdp.precision import uses_loss_scaling
 from qlora_fsdp.training.checkpoints import Checkpointer
 from qlora_fsdp.training.grad_sync import set_gradient_sync
+from qlora_fsdp.training.grpo_steps import GrpoSteps
 from qlora_fsdp.training.loss_scale import LossScaler
 from qlora_fsdp.training.metrics import MetricsLogger, StepWindow, memory_peaks_gib, reset_memory_peaks
 from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
@@ -98,7 +100,7 @@ def eval_record(loss: float) -> dict[str, float]:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset, pad_id: int,
+    def __init__(self, cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset | PromptData, pad_id: int,
                  optimizer: ShardedOptimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  logger: MetricsLogger, checkpointer: Checkpointer | None = None,
                  mfu_reference: MfuReference | None = None) -> None:
@@ -117,7 +119,8 @@ class Trainer:
         self.mfu_reference = mfu_reference or MfuReference()
         self.memory_peaks: dict[str, float] = {}  # the run's largest, over ranks
         self.forward_loss = ForwardLoss.for_config(cfg, info.device)
-        self.pair_loss = PairLoss.for_config(cfg, info.device) if cfg.train.objective != "sft" else None
+        self.pair_loss = PairLoss.for_config(cfg, info.device) if cfg.train.objective in PAIR_OBJECTIVES else None
+        self.grpo: GrpoSteps | None = None  # train.objective grpo: api.make_trainer sets it (it needs the tokenizer)
         self.references: dict[str, torch.Tensor] | None = None  # DPO's, when computed before training
         self.scaler = LossScaler(uses_loss_scaling(cfg), cfg.optim.loss_scale_init,
                                  cfg.optim.loss_scale_growth_interval)
@@ -217,12 +220,14 @@ class Trainer:
         """One optimizer step; a non-finite loss or gradient norm skips the update (the data is consumed). Under
         float16's loss scaling an overflow is expected now and then: the scale backs off, and the step does not
         count toward max_bad_steps while the scale is still at least 1."""
-        micro_batches = self.micro_batches()
         scale = self.scaler.factor
-        if self.pair_loss is not None:
-            result = accumulate_pairs(self.model, micro_batches, self.info.device, self.pair_loss, scale)
+        if self.grpo is not None:  # its micro-batches are generated: the sampler's prompts, num_generations each
+            result = self.grpo.step(self.sampler.next_step, scale)
+        elif self.pair_loss is not None:
+            result = accumulate_pairs(self.model, self.micro_batches(), self.info.device, self.pair_loss, scale)
         else:
-            result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss, scale)
+            result = accumulate_gradients(self.model, self.micro_batches(), self.info.device, self.forward_loss,
+                                          scale)
         self.scaler.unscale_(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
         lr = float(self.scheduler.get_last_lr()[0])  # torch types it float | Tensor; with a float lr it is a float
@@ -277,8 +282,8 @@ class Trainer:
             # a checkpoint ends a record too: a resumed run then logs the same records as an uninterrupted one
             if save or stats.skipped or "eval_loss" in record or self.step % cfg.log_every == 0:
                 self.logger.log(self.window.take())
-            shown = ("loss", "reward_accuracy", "reward_margin", "eval_loss", "eval_ppl", "eval_reward_accuracy",
-                     "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu", "peak_memory_gib")
+            shown = ("loss", "reward", "reward_accuracy", "reward_margin", "eval_loss", "eval_ppl",
+                     "eval_reward_accuracy", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu", "peak_memory_gib")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
             self.check_bad_steps(stats)
             if save:

@@ -1,0 +1,114 @@
+"""GRPO's prompts: records with a `prompt` (plain text, or chat messages that the template renders with the
+generation prompt, as TRL does) and any other columns, which reach the reward functions as keyword arguments.
+
+Plain text is tokenized as it is (the tokenizer's own BOS and nothing else: TRL's way); give chat messages to have
+the chat template applied. Prompts longer than data.context_length - grpo.max_completion_length tokens leave no
+room for a completion and are refused in one line naming the record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from qlora_fsdp.config import Config, DataConfig
+from qlora_fsdp.data.pipeline import run_template
+from qlora_fsdp.data.sources import read_source, sources_of
+from qlora_fsdp.data.templates import prompt_ids
+from qlora_fsdp.errors import DataError
+
+RESERVED = ("prompt", "completion", "completion_ids")  # TRL passes every other column to the reward functions
+
+
+@dataclass
+class Prompts:
+    """Tokenized prompts and what the reward functions see of each record."""
+
+    ids: list[list[int]]
+    prompts: list[Any]  # as the reward functions get them: the text, or the messages
+    columns: dict[str, list[Any]]  # every other column of the records
+    records: list[int]  # each prompt's index in the data (error messages name it)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def subset(self, indices: list[int]) -> Prompts:
+        return Prompts([self.ids[i] for i in indices], [self.prompts[i] for i in indices],
+                       {name: [values[i] for i in indices] for name, values in self.columns.items()},
+                       [self.records[i] for i in indices])
+
+
+@dataclass
+class PromptData:
+    """The trainer's view of GRPO's data: a unit is a prompt (its completions are made at each step)."""
+
+    train: Prompts
+    eval: Prompts
+    template: str
+    packs: None = None
+
+    @property
+    def n_units(self) -> int:
+        return len(self.train)
+
+    def unit_lengths(self) -> list[int]:
+        return [len(ids) for ids in self.train.ids]
+
+    def samples(self, split: Prompts, indices: list[int]) -> list[Any]:
+        """No fixed samples: completions are generated (the trainer's held-out loss has none to score)."""
+        return []
+
+    def describe(self, context_length: int, overlong: str) -> str:
+        return (f"{len(self.train) + len(self.eval)} prompts, {len(self.train)} train / {len(self.eval)} held out "
+                f"(template {self.template})")
+
+
+def is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def encode_prompt(prompt: Any, tokenizer: PreTrainedTokenizerBase, template: str, where: str) -> list[int]:
+    if is_chat(prompt):
+        return prompt_ids(list(prompt), tokenizer, template)  # type: ignore[arg-type]
+    if isinstance(prompt, str) and prompt:
+        return list(tokenizer(prompt)["input_ids"])
+    raise DataError(f"{where}: 'prompt' must be text or a list of chat messages, got {type(prompt).__name__}")
+
+
+def read_prompts(data: DataConfig) -> datasets.Dataset:
+    parts = [read_source(source, data.cache_dir) for source in sources_of(data)]
+    records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    if "prompt" not in records.column_names:
+        raise DataError(f"{data.path}: GRPO reads a 'prompt' column; the records have {records.column_names}")
+    return records
+
+
+def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config) -> Prompts:
+    """Every record's prompt, tokenized, in the data's order."""
+    records = read_prompts(cfg.data)
+    template = run_template(cfg.data, tokenizer)
+    room = cfg.data.context_length - cfg.grpo.max_completion_length
+    ids, prompts = [], []
+    for index, record in enumerate(records):
+        where = f"{cfg.data.path} record {index + 1}"
+        encoded = encode_prompt(record["prompt"], tokenizer, template, where)
+        if len(encoded) > room:
+            raise DataError(f"{where}: the prompt has {len(encoded)} tokens, more than data.context_length - "
+                            f"grpo.max_completion_length = {room}; raise data.context_length or shorten it")
+        ids.append(encoded)
+        prompts.append(record["prompt"])
+    columns = {name: list(records[name]) for name in records.column_names if name not in RESERVED}
+    return Prompts(ids, prompts, columns, list(range(len(ids))))
+
+
+def load_prompt_data(tokenizer: PreTrainedTokenizerBase, cfg: Config) -> PromptData:
+    """The prompts, with data.eval_samples of them held out (chosen by the seed)."""
+    prompts = load_prompts(tokenizer, cfg)
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.train.seed)).tolist()
+    held = min(cfg.data.eval_samples, len(prompts) - 1)
+    return PromptData(prompts.subset(sorted(order[held:])), prompts.subset(sorted(order[:held])),
+                      run_template(cfg.data, tokenizer))

@@ -1,0 +1,146 @@
+"""The recipe's reward functions: found before any weight is loaded, called as TRL calls them, and checked.
+
+A function is a built-in's name or `module:function` (a module importable from the working directory, or a
+`path/to/file.py:function`). It gets `prompts`, `completions` (text, or the assistant's message for chat prompts),
+`completion_ids` and every other column of the dataset as keyword arguments, one entry per completion, and returns
+one float or None (not applicable) per completion. A function that raises, returns another count or NaN stops the
+run in one line naming it and the prompt's index in the dataset.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qlora_fsdp.config import GrpoConfig, RewardConfig
+from qlora_fsdp.errors import ConfigError, UserError
+from qlora_fsdp.rewards.builtin import BUILTINS, RewardFunction, builtin
+
+
+class RewardError(UserError):
+    """A reward function failed on the run's data."""
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str
+    function: RewardFunction
+    weight: float
+
+
+def import_function(spec: str) -> RewardFunction:
+    module_name, _, attribute = spec.rpartition(":")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise ConfigError(f"reward function {spec!r}: no file {path}")
+        loaded = importlib.util.spec_from_file_location(path.stem, path)
+        assert loaded is not None and loaded.loader is not None
+        module = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(module)
+    else:
+        if str(Path.cwd()) not in sys.path:  # the user's own module, beside where they run training
+            sys.path.append(str(Path.cwd()))
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ConfigError(f"reward function {spec!r}: cannot import {module_name} ({error})") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ConfigError(f"reward function {spec!r}: {module_name} has no function {attribute!r}")
+    return function
+
+
+def resolve(config: RewardConfig, grpo: GrpoConfig) -> Reward:
+    if ":" not in config.function:
+        found = builtin(config.function, config.options, grpo.max_completion_length)
+        if found is None:
+            raise ConfigError(f"unknown reward function {config.function!r}: a built-in ({', '.join(BUILTINS)}) or "
+                              "module:function")
+        return Reward(config.function, found, config.weight)
+    if config.options:
+        raise ConfigError(f"reward function {config.function!r}: options are for built-ins; give yours defaults")
+    return Reward(config.function, import_function(config.function), config.weight)
+
+
+def resolve_rewards(grpo: GrpoConfig) -> list[Reward]:
+    """Every reward function of the recipe, or a ConfigError naming the first that cannot be had."""
+    if not grpo.rewards:
+        raise ConfigError("train.objective grpo needs at least one reward function in grpo.rewards")
+    return [resolve(config, grpo) for config in grpo.rewards]
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """One rank's completions, grouped: completions[i] answers prompts[i] (each prompt repeated num_generations
+    times in a row); record_ids[i] is the prompt's index in the dataset; columns hold its other fields."""
+
+    prompts: list[Any]
+    completions: list[Any]
+    completion_ids: list[list[int]]
+    record_ids: list[int]
+    columns: dict[str, list[Any]]
+
+
+def call_one(reward: Reward, rollouts: Rollouts) -> list[Any]:
+    try:
+        return list(reward.function(prompts=rollouts.prompts, completions=rollouts.completions,
+                                    completion_ids=rollouts.completion_ids, **rollouts.columns))
+    except Exception as error:  # noqa: BLE001 (any failure of user code stops the run in one line)
+        message = str(error).splitlines()[0] if str(error) else ""
+        raise RewardError(f"reward function {reward.name} raised {type(error).__name__}: {message} (prompt "
+                          f"{first_failing(reward, rollouts)} of the dataset)") from None
+
+
+def first_failing(reward: Reward, rollouts: Rollouts) -> int:
+    """The dataset index of the first prompt whose completions alone make the function raise."""
+    for index, record in enumerate(rollouts.record_ids):
+        if index and record == rollouts.record_ids[index - 1]:
+            continue
+        rows = [i for i, r in enumerate(rollouts.record_ids) if r == record]
+        try:
+            reward.function(prompts=[rollouts.prompts[i] for i in rows],
+                            completions=[rollouts.completions[i] for i in rows],
+                            completion_ids=[rollouts.completion_ids[i] for i in rows],
+                            **{key: [values[i] for i in rows] for key, values in rollouts.columns.items()})
+        except Exception:  # noqa: BLE001
+            return record
+    return rollouts.record_ids[0]
+
+
+def checked(reward: Reward, values: list[Any], rollouts: Rollouts) -> list[float]:
+    if len(values) != len(rollouts.completions):
+        raise RewardError(f"reward function {reward.name} returned {len(values)} values for "
+                          f"{len(rollouts.completions)} completions (prompts {rollouts.record_ids[0]}..."
+                          f"{rollouts.record_ids[-1]} of the dataset); return one float or None per completion")
+    scores = []
+    for index, value in enumerate(values):
+        try:
+            number = math.nan if value is None else float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or (value is not None and not math.isfinite(number)):
+            raise RewardError(f"reward function {reward.name} returned {value!r} for a completion of prompt "
+                              f"{rollouts.record_ids[index]} of the dataset; return a finite float or None")
+        scores.append(number)
+    return scores
+
+
+def score(rewards: list[Reward], rollouts: Rollouts) -> torch.Tensor:
+    """(completions, functions): each function's checked scores, NaN where it returned None."""
+    columns = [checked(reward, call_one(reward, rollouts), rollouts) for reward in rewards]
+    return torch.tensor(columns, dtype=torch.float32).T.reshape(len(rollouts.completions), len(rewards))
+
+
+def combined(scores: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """Each completion's reward: the weighted sum of the scores it got (None ones left out), NaN if it got none."""
+    weighted = scores * torch.tensor(weights, dtype=scores.dtype)
+    total = torch.nansum(weighted, dim=1)
+    return torch.where(torch.isnan(scores).all(dim=1), torch.full_like(total, math.nan), total)

@@ -1,0 +1,192 @@
+"""GRPO's optimizer step on one rank: generate, score, and update (qlora_fsdp/losses/policy.py has the loss).
+
+A step takes the rank's prompts of the step (micro_batch_size a micro-batch, grad_accum_steps micro-batches),
+generates num_generations completions of each in one call, scores them, and turns the rewards into advantages
+(groups never cross ranks: a prompt's completions are all made where the prompt is). Each micro-batch's
+completions (prompt + completion, the completion's tokens the targets) are packed into rows, or padded, and its
+share of the step's loss is backpropagated; gradients reduce-scatter once, after the last. The step's loss is
+normalized by counts summed over every micro-batch and rank, so any split gives one big batch's gradient.
+
+With num_iterations > 1, one generation serves that many optimizer steps, and the log-probabilities at generation
+are kept (the ratio's denominator); with beta > 0 the reference's (the adapter off) are computed at generation too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+from transformers import PreTrainedTokenizerBase
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed, pack
+from qlora_fsdp.data.prompts import PromptData, Prompts, is_chat
+from qlora_fsdp.distributed import DistInfo, all_reduce_sums
+from qlora_fsdp.labels import IGNORE_INDEX
+from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.losses.pairs import adapter_off
+from qlora_fsdp.losses.policy import StepCounts, TokenTerms, clip_fractions, group_advantages, std_from_sums, step_share
+from qlora_fsdp.rewards.functions import Reward, Rollouts, combined, score
+from qlora_fsdp.training.grad_sync import set_gradient_sync
+from qlora_fsdp.training.records import StepResult
+from qlora_fsdp.training.rollouts import generate
+
+
+@dataclass
+class Generation:
+    """One rank's completions for a step, ready for the update: per completion, in prompt order."""
+
+    samples: list[Sample]
+    micro_batches: list[list[int]]  # completion indices of each micro-batch
+    advantages: torch.Tensor
+    old_logps: list[torch.Tensor] | None
+    ref_logps: list[torch.Tensor] | None
+    counts: StepCounts
+    metrics: dict[str, float]
+
+
+def completion_sample(prompt: list[int], completion: list[int], masked: bool) -> Sample:
+    """Prompt + completion; the completion's tokens are the targets (none where its loss is masked)."""
+    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + ([IGNORE_INDEX] * len(completion) if masked
+                                                                         else list(completion)))
+
+
+class GrpoSteps:
+    def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, tokenizer: PreTrainedTokenizerBase,
+                 data: PromptData, forward_loss: ForwardLoss, rewards: list[Reward]) -> None:
+        self.cfg, self.grpo, self.info, self.model, self.tokenizer = cfg, cfg.grpo, info, model, tokenizer
+        self.data, self.forward_loss, self.rewards = data, forward_loss, rewards
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.current: Generation | None = None
+        self.uses = 0  # optimizer steps the current generation has served
+        # PeftModel.generate calls the inner model's forward, past the FSDP root's hooks: make generate a forward
+        # of the root, so embeddings, norm and head are gathered for it (a no-op for an unsharded model)
+        register_fsdp_forward_method(model, "generate")
+
+    # ---- the batches ------------------------------------------------------------------------------------------
+
+    def batch(self, samples: list[Sample]) -> tuple[Batch, list[int]]:
+        """The micro-batch as the model takes it, and the order its samples are numbered in (row by row)."""
+        if not self.cfg.data.packing:
+            return collate(samples, self.pad_id), list(range(len(samples)))
+        rows = pack([len(s.input_ids) for s in samples], self.cfg.data.context_length)
+        order = [index for row in rows for index in row]
+        return collate_packed([[samples[i] for i in row] for row in rows], self.pad_id), order
+
+    def logps_by_completion(self, generation_samples: list[Sample], indices: list[int],
+                            adapter: bool) -> list[torch.Tensor]:
+        """Each completion's target log-probabilities (no gradients), under the policy or the reference."""
+        batch, order = self.batch([generation_samples[i] for i in indices])
+        with torch.no_grad(), (adapter_off(self.model) if not adapter else nullcontext()):
+            flat = self.forward_loss.token_logps(self.model, batch, self.info.device, self.grpo.temperature)
+        pieces = torch.split(flat.detach(), batch.targets_per_sample().tolist())
+        by_position = dict(zip(order, pieces, strict=True))
+        return [by_position[i] for i in range(len(indices))]
+
+    # ---- generation and rewards -------------------------------------------------------------------------------
+
+    def rollouts(self, prompts: Prompts, ids: list[list[int]]) -> Rollouts:
+        g = self.grpo.num_generations
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        chat = [is_chat(p) for p in prompts.prompts for _ in range(g)]
+        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat, strict=True)]
+        return Rollouts([p for p in prompts.prompts for _ in range(g)], completions, ids,
+                        [r for r in prompts.records for _ in range(g)],
+                        {name: [v for v in values for _ in range(g)] for name, values in prompts.columns.items()})
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        scale = self.grpo.scale_rewards
+        batch_std = None
+        if scale == "batch":  # over every rank's completions of the step
+            present = rewards[~torch.isnan(rewards)].double()
+            sums = all_reduce_sums([present.numel(), present.sum().item(), (present**2).sum().item()],
+                                   self.info.device)
+            batch_std = std_from_sums(*sums)
+        return group_advantages(rewards, self.grpo.num_generations, scale, batch_std)
+
+    def generate(self, units: list[list[int]]) -> Generation:
+        g = self.grpo.num_generations
+        flat_units = [u for micro in units for u in micro]
+        prompts = self.data.train.subset(flat_units)
+        made = generate(self.model, self.tokenizer, prompts.ids, self.grpo, self.info.device,
+                        synced=self.info.world_size > 1)
+        mask = self.grpo.mask_truncated_completions
+        samples = [completion_sample(prompts.ids[i // g], ids, mask and cut)
+                   for i, (ids, cut) in enumerate(zip(made.ids, made.truncated, strict=True))]
+        scores = score(self.rewards, self.rollouts(prompts, made.ids))
+        rewards = combined(scores, [r.weight for r in self.rewards])
+        micro_batches, start = [], 0
+        for micro in units:
+            micro_batches.append(list(range(start, start + len(micro) * g)))
+            start += len(micro) * g
+        old = ref = None
+        if self.grpo.num_iterations > 1:
+            old = [lp for m in micro_batches for lp in self.logps_by_completion(samples, m, adapter=True)]
+        if self.grpo.beta != 0.0:
+            ref = [lp for m in micro_batches for lp in self.logps_by_completion(samples, m, adapter=False)]
+        tokens = sum(sum(label != IGNORE_INDEX for label in s.labels) for s in samples)
+        completions, n_tokens = all_reduce_sums([len(samples), tokens], self.info.device)
+        metrics = self.reward_metrics(scores, rewards, made.ids, made.truncated)
+        return Generation(samples, micro_batches, self.advantages(rewards), old, ref,
+                          StepCounts(completions, n_tokens), metrics)
+
+    def reward_metrics(self, scores: torch.Tensor, rewards: torch.Tensor, ids: list[list[int]],
+                       truncated: list[bool]) -> dict[str, float]:
+        """Means over every rank's completions: the reward, each function's score, the length, the truncated."""
+        present = ~torch.isnan(scores)
+        sums = [float(torch.nansum(rewards)), float((~torch.isnan(rewards)).sum()),
+                sum(len(i) for i in ids), sum(truncated), len(ids)]
+        for column in range(scores.shape[1]):
+            sums += [float(torch.nansum(scores[:, column])), float(present[:, column].sum())]
+        totals = all_reduce_sums(sums, self.info.device)
+        metrics = {"reward": totals[0] / max(totals[1], 1.0), "completion_length": totals[2] / totals[4],
+                   "truncated_ratio": totals[3] / totals[4]}
+        for index, reward in enumerate(self.rewards):
+            count = totals[6 + 2 * index]
+            metrics[f"rewards/{reward.name}"] = totals[5 + 2 * index] / count if count else math.nan
+        return metrics
+
+    # ---- the update -------------------------------------------------------------------------------------------
+
+    def next_generation(self, next_units: Callable[[], list[list[int]]]) -> Generation:
+        if self.current is None or self.uses >= self.grpo.num_iterations:
+            self.current, self.uses = self.generate(next_units()), 0
+        self.uses += 1
+        return self.current
+
+    def micro_batch_share(self, generation: Generation, indices: list[int]) -> tuple[torch.Tensor, TokenTerms]:
+        batch, order = self.batch([generation.samples[i] for i in indices])
+        picked = [indices[i] for i in order]
+        device = self.info.device
+        logps = self.forward_loss.token_logps(self.model, batch, device, self.grpo.temperature)
+
+        def flat(per_completion: list[torch.Tensor] | None) -> torch.Tensor | None:
+            return None if per_completion is None else torch.cat([per_completion[i] for i in picked]).to(device)
+
+        terms = TokenTerms(logps, flat(generation.old_logps), flat(generation.ref_logps),
+                           generation.advantages[picked].to(device), batch.target_samples().to(device),
+                           batch.n_samples)
+        return step_share(terms, self.grpo, generation.counts), terms
+
+    def step(self, next_units: Callable[[], list[list[int]]], loss_factor: float = 1.0) -> StepResult:
+        """One optimizer step's gradients (generating first where the last generation is used up)."""
+        generation = self.next_generation(next_units)
+        local, low, high, n_tokens = 0.0, 0.0, 0.0, 0
+        for index, indices in enumerate(generation.micro_batches):
+            set_gradient_sync(self.model, index == len(generation.micro_batches) - 1)
+            share, terms = self.micro_batch_share(generation, indices)
+            (share * loss_factor if loss_factor != 1.0 else share).backward()
+            local += share.item()
+            clipped = clip_fractions(terms, self.grpo)
+            low, high = low + clipped[0], high + clipped[1]
+            n_tokens += sum(len(generation.samples[i].input_ids) for i in indices)
+        loss, low, high, tokens = all_reduce_sums([local, low, high, n_tokens], self.info.device)
+        counts = generation.counts
+        metrics = {**generation.metrics, "clip_ratio_low": low / max(counts.tokens, 1.0),
+                   "clip_ratio_high": high / max(counts.tokens, 1.0)}
+        return StepResult(loss, counts.tokens, tokens, counts.completions, tokens, metrics)
