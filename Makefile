@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-dpo test test-fast test-slow lint gpu-check gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
+.PHONY: demo demo-dpo demo-grpo test test-fast test-slow lint gpu-check gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
 $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyproject.toml
@@ -35,6 +35,9 @@ data/tiny_instruct.jsonl: scripts/make_dataset.py
 data/tiny_preferences.jsonl: scripts/make_dataset.py
 	$(BIN)/python scripts/make_dataset.py --kind preferences --out $@
 
+data/tiny_prompts.jsonl: scripts/make_dataset.py
+	$(BIN)/python scripts/make_dataset.py --kind prompts --out $@
+
 $(TINY_MODEL)/config.json: $(BIN)/activate scripts/make_tiny_model.py qlora_fsdp/tools/tiny_model.py data/tiny_instruct.jsonl
 	$(BIN)/python scripts/make_tiny_model.py --out $(TINY_MODEL) --dataset data/tiny_instruct.jsonl
 
@@ -55,9 +58,15 @@ demo-dpo: $(BIN)/activate tiny-model data/tiny_preferences.jsonl
 	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu_dpo train.output_dir=outputs/demo-dpo \
 		train.overwrite=true
 
+# reinforcement learning from rewards (GRPO): the sharded 4-bit model generates, examples/rewards.py scores, TRL's loss
+# updates; the mean reward climbs from about 0.01
+demo-grpo: $(BIN)/activate tiny-model data/tiny_prompts.jsonl
+	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu_grpo train.output_dir=outputs/demo-grpo \
+		train.overwrite=true
+
 # all tests, both lanes; the 20 slowest are listed at the end (tests/README.md: where the time goes), and each
 # skipped test's reason (-rs), so a real-model test that skipped shows in CI's log
-test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl
+test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl
 	$(BIN)/python -m pytest -q -rs --durations=20 tests
 
 # the fast lane: in-process unit tests, under 2 minutes; the slow lane (ranks, torchrun, subprocesses) is `-m slow`

@@ -1,6 +1,7 @@
 """Generate the shipped datasets: simple, learnable tasks (alpaca format) and preference pairs.
 
-`--kind instruct` (tiny_cpu's data/tiny_instruct.jsonl); `--kind preferences` (tiny_cpu_dpo's
+`--kind instruct` (tiny_cpu's data/tiny_instruct.jsonl); `--kind prompts` (tiny_cpu_grpo's data/tiny_prompts.jsonl:
+a category to name words of, scored by examples/rewards.py); `--kind preferences` (tiny_cpu_dpo's
 data/tiny_preferences.jsonl): pairs whose chosen completion follows a rule a tiny model can learn from pairs
 alone: it names the right capital (the rejected one another country's), or it copies a text in capital letters
 (the rejected one copies it as written), in TRL's conversational shape (prompt, chosen and rejected as message
@@ -104,10 +105,25 @@ def generate_preferences(n_records: int, seed: int) -> list[dict[str, Any]]:
     return [preference_record(rng.choice((capital_pair, capital_letters_pair))(rng)) for _ in range(n_records)]
 
 
+# GRPO's prompts: a category to name words of; examples/rewards.py scores the share of the completion's words in it
+CATEGORIES = {"colors": ("yellow", "purple", "orange", "silver", "copper"), "animals": ("tiger", "dragon", "falcon", "rabbit")}
+
+
+def generate_prompts(n_records: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    asks = ("Name some {}.", "List a few {}.", "Say some {}, please.")
+    records = []
+    for _ in range(n_records):
+        category = rng.choice(sorted(CATEGORIES))
+        records.append({"prompt": rng.choice(asks).format(category), "category": category})
+    return records
+
+
 # kind -> (generator, default file, default records, default seed)
 KINDS: dict[str, tuple[Callable[[int, int], list[Any]], str, int, int]] = {
     "instruct": (generate, "data/tiny_instruct.jsonl", 4000, 1234),
     "preferences": (generate_preferences, "data/tiny_preferences.jsonl", 2000, 4321),
+    "prompts": (generate_prompts, "data/tiny_prompts.jsonl", 500, 2468),
 }
 
 

@@ -12,6 +12,7 @@ completions masked.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 
 from qlora_fsdp.config import GrpoConfig
 from qlora_fsdp.losses.policy import group_advantages
-from tests.helpers import build_tiny_checkpoint, decoder_lora_keys, full_grads, run_ranks, tiny_config
+from tests.helpers import build_tiny_checkpoint, decoder_lora_keys, full_grads, run_cli, run_ranks, tiny_config
 
 PROMPTS, GENERATIONS, PROMPT_LENGTH = 4, 2, 6
 TEMPERATURE = 0.7
@@ -213,3 +214,106 @@ def test_advantages_are_trls_group_and_batch_normalization():
         torch.testing.assert_close(got, torch.nan_to_num(want, nan=0.0))
         assert got[3] == 0.0  # the completion no function scored
     assert torch.equal(group_advantages(torch.ones(4), 4, "group"), torch.zeros(4))  # a group with no spread
+
+
+def test_rewards_built_in_and_errors_in_one_line(tmp_path, monkeypatch):
+    from trl.rewards import get_soft_overlong_punishment
+
+    from qlora_fsdp.config import RewardConfig
+    from qlora_fsdp.errors import ConfigError
+    from qlora_fsdp.rewards.builtin import format_reward, length_penalty, math_answer
+    from qlora_fsdp.rewards.functions import RewardError, Rollouts, combined, resolve_rewards, score
+
+    gold = ["Natalia sold 48/2 = 24 clips.\n#### 72", "#### 1,000", "\\boxed{\\frac{1}{2}}", "no answer here"]
+    said = ["... so the answer is \\boxed{72}.", "It is 1000.", "#### 0.5", "42"]
+    assert math_answer(said, gold) == [1.0, 1.0, 1.0, None]  # a gold answer without a final answer: not scored
+    assert math_answer(["#### 71", [{"role": "assistant", "content": "\\boxed{1001}"}]], gold[:2]) == [0.0, 0.0]
+    tagged = format_reward(["think", "answer"])
+    assert tagged(["<think>a</think>\n<answer>b</answer>", "<answer>b</answer>", "<think>a<think>b</think><answer>c"
+                   "</answer>"]) == [1.0, 0.0, 0.0]
+    ids = [[1] * n for n in (3, 6, 7, 9, 12)]
+    assert length_penalty(10, 4)(ids) == pytest.approx(get_soft_overlong_punishment(10, 4)(ids))
+
+    monkeypatch.chdir(tmp_path)  # module:function imports from where training runs
+    (tmp_path / "user_rewards.py").write_text(
+        "def raising(completions, **kw):\n    if any('boom' in c for c in completions): raise KeyError('answer')\n"
+        "    return [1.0] * len(completions)\n"
+        "def short(completions, **kw):\n    return [1.0]\n"
+        "def nan(completions, **kw):\n    return [float('nan')] * len(completions)\n"
+        "def partial(completions, **kw):\n    return [None, 2.0] * (len(completions) // 2)\n")
+    grpo = GrpoConfig(num_generations=2, rewards=[RewardConfig("user_rewards:partial"), RewardConfig("format", 0.5)])
+    rollouts = Rollouts(["p", "p", "q", "q"], ["x", "<think>a</think><answer>b</answer>", "boom", "y"],
+                        [[1], [2], [3], [4]], [7, 7, 9, 9], {"answer": ["1", "1", "2", "2"]})
+    scores = score(resolve_rewards(grpo), rollouts)
+    assert torch.equal(torch.isnan(scores[:, 0]), torch.tensor([True, False, True, False]))
+    assert combined(scores, [1.0, 0.5]).tolist() == [0.0, 2.5, 0.0, 2.0]  # None skipped, not zeroed
+    assert torch.isnan(combined(torch.tensor([[float("nan"), float("nan")]]), [1.0, 1.0])).all()
+    errors = {"raising": "reward function user_rewards:raising raised KeyError: 'answer' (prompt 9 of the dataset)",
+              "short": "reward function user_rewards:short returned 1 values for 4 completions",
+              "nan": "reward function user_rewards:nan returned nan for a completion of prompt 7 of the dataset"}
+    for name, message in errors.items():
+        with pytest.raises(RewardError) as raised:
+            score(resolve_rewards(GrpoConfig(rewards=[RewardConfig(f"user_rewards:{name}")])), rollouts)
+        assert str(raised.value).startswith(message) and "\n" not in str(raised.value), raised.value
+    for function, message in (("nowhere:fn", "cannot import nowhere"), ("user_rewards:absent", "has no function"),
+                              ("exact", "unknown reward function 'exact'")):
+        with pytest.raises(ConfigError, match=message):
+            resolve_rewards(GrpoConfig(rewards=[RewardConfig(function)]))
+
+
+# ---- runs: generate, score, update -----------------------------------------------------------------------------------
+
+def generate_with_stops(info, model_dir: Path) -> dict:
+    """The ranks generate for different prompts with a stop string, so rows and ranks stop at different tokens:
+    the sharded model's all-gathers stay in step (synced_gpus) and every rank returns."""
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
+    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.training.rollouts import generate
+
+    cfg = tiny_config(model_dir)
+    tokenizer = load_tokenizer(cfg)
+    model = build_model(cfg, info)
+    torch.manual_seed(info.rank)
+    prompt = tokenizer(["Reverse the letters of the word.", "How many words are in the text?"][info.rank])
+    grpo = GrpoConfig(num_generations=4, max_completion_length=12, stop=["e"])
+    made = generate(model, tokenizer, [prompt["input_ids"]], grpo, info.device, synced=info.world_size > 1)
+    texts = [tokenizer.decode(ids) for ids in made.ids]
+    return {"lengths": [len(ids) for ids in made.ids], "texts": texts, "truncated": made.truncated,
+            "eos": tokenizer.eos_token_id, "ids": made.ids, "training": model.training}
+
+
+@pytest.mark.slow
+def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(tiny_model_dir, tmp_path):
+    ranks = run_ranks(generate_with_stops, 2, tiny_model_dir, tmp_dir=tmp_path)
+    for made in ranks:
+        assert len(made["lengths"]) == 4 and made["training"]
+        for text, ids, cut in zip(made["texts"], made["ids"], made["truncated"], strict=True):
+            # cut only at 12 tokens without EOS or the stop string; a row that stopped before 12 was not cut
+            assert cut == (len(ids) == 12 and made["eos"] not in ids and not text.endswith("e")), (text, ids)
+    assert {tuple(r["lengths"]) for r in ranks} != {(12,) * 4}  # the stop string ended rows early
+
+    out = tmp_path / "run"
+    results = run_cli(["--recipe", "tiny_cpu_grpo", f"model.path={tiny_model_dir}", f"train.output_dir={out}",
+                       "train.max_steps=30", "logging.plot=false"], 2, tmp_path)
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    first, last = (sum(r["reward"] for r in part) / len(part) for part in (steps[:10], steps[-10:]))
+    print(f"GRPO tiny_cpu_grpo: mean reward steps 1-10 {first:.3f}, 21-30 {last:.3f}")
+    assert first < 0.1 and last > 0.25, (first, last)
+    assert all(r["completion_length"] <= 8 and 0 <= r["truncated_ratio"] <= 1 for r in steps)
+    summary = next(r for r in records if r.get("event") == "summary")
+    assert summary["samples"] == 30 * 2 * 2 * 8  # a step: 2 ranks x 2 prompts x 8 completions
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_an_unknown_reward_function_is_refused_before_loading(tmp_path):
+    from tests.helpers import train_here
+
+    out = tmp_path / "run"
+    result = train_here(["--recipe", "tiny_cpu_grpo", "grpo.rewards=[{function: my_rewards:correct}]",
+                         f"train.output_dir={out}", "model.path=/nonexistent/model"])
+    assert result.returncode != 0
+    assert "reward function 'my_rewards:correct': cannot import my_rewards" in result.stderr
+    assert "nonexistent" not in result.stderr  # refused before the model (or the data) is read

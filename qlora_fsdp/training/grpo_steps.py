@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config
@@ -64,9 +63,6 @@ class GrpoSteps:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.current: Generation | None = None
         self.uses = 0  # optimizer steps the current generation has served
-        # PeftModel.generate calls the inner model's forward, past the FSDP root's hooks: make generate a forward
-        # of the root, so embeddings, norm and head are gathered for it (a no-op for an unsharded model)
-        register_fsdp_forward_method(model, "generate")
 
     # ---- the batches ------------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import GrpoConfig
@@ -44,6 +44,14 @@ def eos_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.insert(0, tokenizer.eos_token_id)
     return ids
+
+
+def generate_is_a_forward(model: nn.Module) -> None:
+    """PeftModel.generate calls the inner model's forward, past the FSDP root's hooks: make generate a forward of
+    the root, so embeddings, norm and head are gathered for it (once: registering wraps the method)."""
+    if isinstance(model, FSDPModule) and not getattr(model, "_generate_is_a_forward", False):
+        register_fsdp_forward_method(model, "generate")
+        model._generate_is_a_forward = True
 
 
 @contextmanager
@@ -73,16 +81,17 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 def cut(row: list[int], ends: set[int], pad_id: int, stops: list[str],
         tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], bool]:
-    """The completion's tokens (through its first EOS) and whether max_completion_length cut it."""
+    """The completion's tokens (through its first EOS) and whether max_completion_length (the row's width) cut it."""
     for index, token in enumerate(row):
         if token in ends:
             return row[: index + 1], False
     if not stops:  # no EOS and nothing else stops a row: it ran to the limit
         return row, True
+    width = len(row)
     while row and row[-1] == pad_id:  # a row a stop string ended is padded to the batch's longest
         row = row[:-1]
-    text = tokenizer.decode(row)
-    return row, not any(text.endswith(stop) for stop in stops)
+    ended = len(row) < width or any(tokenizer.decode(row).endswith(stop) for stop in stops)
+    return row, not ended
 
 
 def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], grpo: GrpoConfig,
@@ -93,12 +102,13 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list
     ends = eos_ids(model, tokenizer)
     input_ids, attention_mask = left_padded(rows, pad_id)
     stops = {"stop_strings": grpo.stop, "tokenizer": tokenizer} if grpo.stop else {}
+    generate_is_a_forward(model)
     with generating(model):
         out = model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
             max_new_tokens=grpo.max_completion_length, do_sample=True, temperature=grpo.temperature,
             top_p=grpo.top_p, top_k=grpo.top_k or None, eos_token_id=ends, pad_token_id=pad_id,
             use_cache=True, synced_gpus=synced, **stops)
-    new = out[:, input_ids.shape[1]:].tolist()
+    new = [row + [pad_id] * (grpo.max_completion_length - len(row)) for row in out[:, input_ids.shape[1]:].tolist()]
     completions = [cut(row, set(ends), pad_id, grpo.stop, tokenizer) for row in new]
     return Completions([ids for ids, _ in completions], [truncated for _, truncated in completions])
