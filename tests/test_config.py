@@ -122,6 +122,10 @@ def test_every_shipped_recipe_loads():
         if name == "tiny_cpu_dpo":  # shipped preference pairs, TRL's conversational shape
             assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_preferences.jsonl", "chat",
                                                                              "dpo")
+        elif name == "tiny_cpu_grpo":  # shipped prompts, each with the column its reward function reads
+            assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_prompts.jsonl", "prompt",
+                                                                             "grpo")
+            assert [r.function for r in cfg.grpo.rewards] == ["examples.rewards:category_words"]
         elif name.endswith("_dpo"):  # UltraFeedback-binarized's preference split, by hub id
             assert [(s.path, s.format, s.split) for s in cfg.data.sources] == [
                 ("HuggingFaceH4/ultrafeedback_binarized", "chat", "train_prefs")] and cfg.train.objective == "dpo"

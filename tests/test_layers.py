@@ -19,10 +19,11 @@ ALLOWED = {
     "layers": BASE,  # modules that compute, knowing nothing of files or losses
     "losses": BASE | {"layers"},
     "loading": BASE | {"layers"},  # checkpoints -> the built, sharded, filled model
-    "training": BASE | {"data", *MODEL},
+    "rewards": BASE,  # GRPO's reward functions: the recipe's, found and called (user code, never the model)
+    "training": BASE | {"data", "rewards", *MODEL},
     "plan": BASE | {"data", *MODEL, "training"},  # the planner runs training's own step on fake tensors
     "tools": BASE | {"data", *MODEL},  # never api.py: the tools do not start training
-    "api": BASE | {"data", *MODEL, "training", "plan"},
+    "api": BASE | {"data", *MODEL, "rewards", "training", "plan"},
     "commands": BASE | {"api", "plan", "data", *MODEL, "tools"},  # the command lines: the top
     "__init__": {"api", "config"},
 }

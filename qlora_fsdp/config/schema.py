@@ -152,8 +152,8 @@ class RewardConfig:
     where training runs; called as TRL calls one (prompts=, completions=, completion_ids=, and every other column
     of the dataset as a keyword argument), returning a float or None per completion."""
 
-    function: str = "math_answer"
-    weight: float = 1.0
+    function: str = ""  # required: e.g. math_answer, or my_rewards:correctness
+    weight: float = 1.0  # its share of the reward: the weighted sum over the functions (None scores left out)
     options: dict[str, Any] = field(default_factory=dict)  # a built-in's settings, e.g. {tags: [think, answer]}
 
 
@@ -169,11 +169,13 @@ class GrpoConfig:
     num_generations: int = 8  # completions per prompt: a group, whose rewards are compared with each other
     max_completion_length: int = 256  # new tokens at most; dr_grpo's constant normalizer too
     temperature: float = 1.0  # sampling, and the log-probabilities the update computes (logits / temperature)
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens whose probability reaches it; 1.0: off
+    top_k: int = 0  # sampling among the k likeliest tokens; 0: off
     stop: list[str] = field(default_factory=list)  # strings that end a completion besides EOS
-    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    rewards: list[RewardConfig] = field(default_factory=list)  # one at least; their weighted sum is the reward
     scale_rewards: Literal["group", "batch", "none"] = "group"  # the standard deviation advantages divide by
+    # how the step's token losses are averaged: dapo, bnpo over every token; grpo per completion, then over them;
+    # dr_grpo over completions x max_completion_length (TRL's default: dapo)
     loss_type: GrpoLossType = "dapo"
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
     epsilon: float = 0.2  # the ratio's clip below 1

@@ -97,6 +97,9 @@ def _validate_grpo(config: Config) -> None:
                           f"only; got objective {config.train.objective} with format {config.data.format}")
     if not grpo_run:
         return
+    if not grpo.rewards or not all(reward.function for reward in grpo.rewards):
+        raise ConfigError("'train.objective: grpo' needs reward functions: grpo.rewards: [{function: math_answer}] "
+                          "(a built-in: math_answer, format, length_penalty) or [{function: my_module:my_function}]")
     if grpo.num_generations < 2:
         raise ConfigError(f"'grpo.num_generations' must be at least 2 (a group compares its completions), got "
                           f"{grpo.num_generations}")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -35,23 +35,34 @@ class Reward:
     weight: float
 
 
+def import_module(spec: str, name: str) -> ModuleType:
+    """An installed module, one beside train.py, or one under the working directory (the user's own file)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        beside = Path.cwd() / (name.replace(".", "/") + ".py")
+        if not beside.is_file():
+            raise ConfigError(f"reward function {spec!r}: cannot import {name} ({error})") from None
+    return load_file(beside)
+
+
+def load_file(path: Path) -> ModuleType:
+    found = importlib.util.spec_from_file_location(path.stem, path)
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
 def import_function(spec: str) -> RewardFunction:
     module_name, _, attribute = spec.rpartition(":")
     if module_name.endswith(".py"):
         path = Path(module_name)
         if not path.is_file():
             raise ConfigError(f"reward function {spec!r}: no file {path}")
-        loaded = importlib.util.spec_from_file_location(path.stem, path)
-        assert loaded is not None and loaded.loader is not None
-        module = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(module)
+        module = load_file(path)
     else:
-        if str(Path.cwd()) not in sys.path:  # the user's own module, beside where they run training
-            sys.path.append(str(Path.cwd()))
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise ConfigError(f"reward function {spec!r}: cannot import {module_name} ({error})") from None
+        module = import_module(spec, module_name)
     function = getattr(module, attribute, None)
     if not callable(function):
         raise ConfigError(f"reward function {spec!r}: {module_name} has no function {attribute!r}")

@@ -220,14 +220,14 @@ class Trainer:
         """One optimizer step; a non-finite loss or gradient norm skips the update (the data is consumed). Under
         float16's loss scaling an overflow is expected now and then: the scale backs off, and the step does not
         count toward max_bad_steps while the scale is still at least 1."""
+        micro_batches = self.micro_batches() if self.grpo is None else []  # grpo generates its own
         scale = self.scaler.factor
-        if self.grpo is not None:  # its micro-batches are generated: the sampler's prompts, num_generations each
+        if self.grpo is not None:  # the sampler's prompts, num_generations completions each
             result = self.grpo.step(self.sampler.next_step, scale)
         elif self.pair_loss is not None:
-            result = accumulate_pairs(self.model, self.micro_batches(), self.info.device, self.pair_loss, scale)
+            result = accumulate_pairs(self.model, micro_batches, self.info.device, self.pair_loss, scale)
         else:
-            result = accumulate_gradients(self.model, self.micro_batches(), self.info.device, self.forward_loss,
-                                          scale)
+            result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss, scale)
         self.scaler.unscale_(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
         lr = float(self.scheduler.get_last_lr()[0])  # torch types it float | Tensor; with a float lr it is a float
