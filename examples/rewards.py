@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-WORDS = {"colors": {"yellow", "purple", "orange", "silver", "copper"}, "animals": {"tiger", "dragon", "falcon", "rabbit"}}
+WORDS = {"colors": {"yellow", "purple", "orange", "silver", "copper"},
+         "animals": {"tiger", "dragon", "falcon", "rabbit"}}
 
 
 def category_words(completions: list[str], category: list[str], **kwargs: Any) -> list[float]:

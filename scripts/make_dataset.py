@@ -106,7 +106,8 @@ def generate_preferences(n_records: int, seed: int) -> list[dict[str, Any]]:
 
 
 # GRPO's prompts: a category to name words of; examples/rewards.py scores the share of the completion's words in it
-CATEGORIES = {"colors": ("yellow", "purple", "orange", "silver", "copper"), "animals": ("tiger", "dragon", "falcon", "rabbit")}
+CATEGORIES = {"colors": ("yellow", "purple", "orange", "silver", "copper"),
+              "animals": ("tiger", "dragon", "falcon", "rabbit")}
 
 
 def generate_prompts(n_records: int, seed: int) -> list[dict[str, Any]]:
