@@ -4,9 +4,9 @@ rewards, advantages, and a run that generates, scores and updates at world sizes
 The update: fixed completions of fixed prompts (some ending in EOS, some cut at max_completion_length), the same
 advantages, old and reference log-probabilities on both sides; TRL's `compute_loss` on its own 4-bit model with
 the adapter loaded by PEFT (one process, the whole batch: TRL's one big batch) against ours at world size 1 (two
-micro-batches, padded rows) and 2 (a micro-batch a rank, packed rows): the loss and every LoRA gradient, for the
-four loss types, token and sequence (GSPO) ratios, clipping both sides, delta, the KL term and truncated
-completions masked.
+micro-batches, padded rows) and 2 (two micro-batches a rank, packed rows): the loss and every LoRA gradient, for the
+four loss types at both importance-sampling levels (token, and GSPO's sequence), with clip-higher, delta, the KL
+term and truncated completions masked among them.
 """
 
 from __future__ import annotations
@@ -25,13 +25,16 @@ from tests.helpers import build_tiny_checkpoint, decoder_lora_keys, full_grads, 
 
 PROMPTS, GENERATIONS, PROMPT_LENGTH = 4, 2, 6
 TEMPERATURE = 0.7
-# TRL's settings, each a GrpoConfig of ours with the same meaning
-SETTINGS = {
-    "dapo_token_kl_clip_higher": dict(loss_type="dapo", beta=0.04, epsilon_high=0.28),
-    "grpo_sequence_delta": dict(loss_type="grpo", importance_sampling_level="sequence", delta=1.5),
-    "dr_grpo_kl": dict(loss_type="dr_grpo", beta=0.1),
-    "bnpo_masked_truncated": dict(loss_type="bnpo", mask_truncated_completions=True),
+# TRL's settings, each a GrpoConfig of ours with the same meaning: every loss type at both importance-sampling levels,
+# with the KL term, clip-higher, delta and masked truncated completions spread over them
+EXTRAS = {
+    ("dapo", "token"): dict(beta=0.04, epsilon_high=0.28), ("dapo", "sequence"): dict(mask_truncated_completions=True),
+    ("grpo", "token"): dict(beta=0.04, delta=1.5), ("grpo", "sequence"): dict(delta=1.5),
+    ("dr_grpo", "token"): dict(beta=0.1), ("dr_grpo", "sequence"): dict(epsilon_high=0.28),
+    ("bnpo", "token"): dict(mask_truncated_completions=True), ("bnpo", "sequence"): dict(beta=0.04),
 }
+SETTINGS = {f"{loss}_{level}": dict(loss_type=loss, importance_sampling_level=level, **extra)
+            for (loss, level), extra in EXTRAS.items()}
 MAX_COMPLETION = 7
 
 
@@ -100,7 +103,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
             out["old_ref"] = old_ref
         tokens = sum(len(ids[i]) for i, m in zip(range(len(ids)), [grpo.mask_truncated_completions and t
                                                                    for t in truncated], strict=True) if not m)
-        per = len(rows) // (2 if info.world_size == 1 else 1)
+        per = len(rows) // 2  # two micro-batches a rank: accumulation at both world sizes
         kept = [old_ref["old"][i] if not m else old_ref["old"][i][:0] for i, m in zip(rows, masked, strict=True)]
         ref = [old_ref["ref"][i] if not m else old_ref["ref"][i][:0] for i, m in zip(rows, masked, strict=True)]
         steps.current = Generation(samples, [list(range(s, s + per)) for s in range(0, len(rows), per)],
@@ -192,7 +195,9 @@ def test_the_update_equals_trls_at_world_sizes_1_and_2(tmp_path):
         assert reference["grads"].keys() >= trl["expected_keys"]
         for run in (one, two):
             ours = run["settings"][name]
-            assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-7), name
+            # abs 1e-6: a loss is a sum of token terms of both signs (grpo_token's, -0.0233, agrees to 3e-7: 1.2e-5
+            # relative); the two 4-bit forwards (ours, bitsandbytes') differ at float rounding
+            assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-6), name
             assert ours["grads"].keys() == reference["grads"].keys(), name
             for key, grad in reference["grads"].items():
                 assert relative(ours["grads"][key], grad) < 1e-5, (name, key)
@@ -306,6 +311,12 @@ def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(
     summary = next(r for r in records if r.get("event") == "summary")
     assert summary["samples"] == 30 * 2 * 2 * 8  # a step: 2 ranks x 2 prompts x 8 completions
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    for key in ("reward_std", "rewards/examples.rewards:category_words/std", "completion_length_max",
+                "generated_tokens_per_s", "clip_ratio_low", "clip_ratio_high"):
+        assert all(key in r for r in steps), key
+    samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == list(range(1, 31))
+    assert all(len(s["completions"]) == len(s["rewards"]) == 8 and s["prompt"] for s in samples)
 
 
 def test_an_unknown_reward_function_is_refused_before_loading(tmp_path):

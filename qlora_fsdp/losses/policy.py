@@ -125,3 +125,12 @@ def clip_fractions(terms: TokenTerms, grpo: GrpoConfig) -> tuple[float, float]:
         low = ((ratio < 1 - grpo.epsilon) & (advantage < 0)).sum().item()
         high = ((ratio > 1 + grpo.resolved_epsilon_high) & (advantage > 0)).sum().item()
     return float(low), float(high)
+
+
+def kl_sum(terms: TokenTerms) -> float:
+    """The k3 estimate of the KL to the reference, summed over the micro-batch's tokens (0 without a reference)."""
+    if terms.ref_logps is None:
+        return 0.0
+    with torch.no_grad():
+        gap = terms.ref_logps - terms.logps
+        return float((torch.exp(gap) - gap - 1).sum())

@@ -14,9 +14,11 @@ are kept (the ratio's denominator); with beta > 0 the reference's (the adapter o
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,15 +27,23 @@ from transformers import PreTrainedTokenizerBase
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed, pack
 from qlora_fsdp.data.prompts import PromptData, Prompts, is_chat
-from qlora_fsdp.distributed import DistInfo, all_reduce_sums
+from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sums
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.losses.pairs import adapter_off
-from qlora_fsdp.losses.policy import StepCounts, TokenTerms, clip_fractions, group_advantages, std_from_sums, step_share
+from qlora_fsdp.losses.policy import (
+    StepCounts,
+    TokenTerms,
+    clip_fractions,
+    group_advantages,
+    kl_sum,
+    std_from_sums,
+    step_share,
+)
 from qlora_fsdp.rewards.functions import Reward, Rollouts, combined, score
 from qlora_fsdp.training.grad_sync import set_gradient_sync
 from qlora_fsdp.training.records import StepResult
-from qlora_fsdp.training.rollouts import generate
+from qlora_fsdp.training.rollouts import Completions, generate
 
 
 @dataclass
@@ -47,6 +57,7 @@ class Generation:
     ref_logps: list[torch.Tensor] | None
     counts: StepCounts
     metrics: dict[str, float]
+    sample: dict[str, Any] | None = None  # a few completions with their rewards, for completions.jsonl
 
 
 def completion_sample(prompt: list[int], completion: list[int], masked: bool) -> Sample:
@@ -62,6 +73,7 @@ class GrpoSteps:
         self.data, self.forward_loss, self.rewards = data, forward_loss, rewards
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.current: Generation | None = None
+        self.current_sample: dict[str, Any] | None = None
         self.uses = 0  # optimizer steps the current generation has served
 
     # ---- the batches ------------------------------------------------------------------------------------------
@@ -109,8 +121,10 @@ class GrpoSteps:
         g = self.grpo.num_generations
         flat_units = [u for micro in units for u in micro]
         prompts = self.data.train.subset(flat_units)
+        started = time.perf_counter()
         made = generate(self.model, self.tokenizer, prompts.ids, self.grpo, self.info.device,
                         synced=self.info.world_size > 1)
+        seconds = time.perf_counter() - started
         mask = self.grpo.mask_truncated_completions
         samples = [completion_sample(prompts.ids[i // g], ids, mask and cut)
                    for i, (ids, cut) in enumerate(zip(made.ids, made.truncated, strict=True))]
@@ -127,31 +141,43 @@ class GrpoSteps:
             ref = [lp for m in micro_batches for lp in self.logps_by_completion(samples, m, adapter=False)]
         tokens = sum(sum(label != IGNORE_INDEX for label in s.labels) for s in samples)
         completions, n_tokens = all_reduce_sums([len(samples), tokens], self.info.device)
-        metrics = self.reward_metrics(scores, rewards, made.ids, made.truncated)
+        metrics = self.reward_metrics(scores, rewards, made.ids, made.truncated, seconds)
         return Generation(samples, micro_batches, self.advantages(rewards), old, ref,
-                          StepCounts(completions, n_tokens), metrics)
+                          StepCounts(completions, n_tokens), metrics, self.sample_record(prompts, made, rewards))
 
     def reward_metrics(self, scores: torch.Tensor, rewards: torch.Tensor, ids: list[list[int]],
-                       truncated: list[bool]) -> dict[str, float]:
-        """Means over every rank's completions: the reward, each function's score, the length, the truncated."""
-        present = ~torch.isnan(scores)
-        sums = [float(torch.nansum(rewards)), float((~torch.isnan(rewards)).sum()),
-                sum(len(i) for i in ids), sum(truncated), len(ids)]
-        for column in range(scores.shape[1]):
-            sums += [float(torch.nansum(scores[:, column])), float(present[:, column].sum())]
+                       truncated: list[bool], seconds: float) -> dict[str, float]:
+        """Over every rank's completions: the reward's and each function's mean and standard deviation, the
+        completions' mean and longest length, the truncated share, and generated tokens a second."""
+        columns = [("reward", rewards)] + [(f"rewards/{r.name}", scores[:, i]) for i, r in enumerate(self.rewards)]
+        sums: list[float] = [sum(len(i) for i in ids), sum(truncated), len(ids), seconds]
+        for _, values in columns:
+            present = values[~torch.isnan(values)].double()
+            sums += [present.numel(), present.sum().item(), (present**2).sum().item()]
         totals = all_reduce_sums(sums, self.info.device)
-        metrics = {"reward": totals[0] / max(totals[1], 1.0), "completion_length": totals[2] / totals[4],
-                   "truncated_ratio": totals[3] / totals[4]}
-        for index, reward in enumerate(self.rewards):
-            count = totals[6 + 2 * index]
-            metrics[f"rewards/{reward.name}"] = totals[5 + 2 * index] / count if count else math.nan
+        longest = all_reduce_maxes([float(max((len(i) for i in ids), default=0))], self.info.device)[0]
+        n = totals[2]
+        metrics = {"completion_length": totals[0] / n, "completion_length_max": longest,
+                   "truncated_ratio": totals[1] / n,
+                   "generated_tokens_per_s": totals[0] / max(totals[3] / self.info.world_size, 1e-9)}
+        for index, (name, _) in enumerate(columns):
+            count, total, squares = totals[4 + 3 * index : 7 + 3 * index]
+            metrics[name] = total / count if count else math.nan
+            metrics[f"{name}_std" if name == "reward" else f"{name}/std"] = std_from_sums(count, total, squares)
         return metrics
+
+    def sample_record(self, prompts: Prompts, made: Completions, rewards: torch.Tensor) -> dict[str, Any]:
+        """The first prompt's completions and rewards (rank 0's), for completions.jsonl."""
+        g = self.grpo.num_generations
+        texts = self.tokenizer.batch_decode(made.ids[:g], skip_special_tokens=True)
+        return {"prompt": prompts.prompts[0], "completions": texts, "rewards": rewards[:g].tolist()}
 
     # ---- the update -------------------------------------------------------------------------------------------
 
     def next_generation(self, next_units: Callable[[], list[list[int]]]) -> Generation:
         if self.current is None or self.uses >= self.grpo.num_iterations:
             self.current, self.uses = self.generate(next_units()), 0
+            self.current_sample = self.current.sample
         self.uses += 1
         return self.current
 
@@ -172,17 +198,24 @@ class GrpoSteps:
     def step(self, next_units: Callable[[], list[list[int]]], loss_factor: float = 1.0) -> StepResult:
         """One optimizer step's gradients (generating first where the last generation is used up)."""
         generation = self.next_generation(next_units)
-        local, low, high, n_tokens = 0.0, 0.0, 0.0, 0
+        local, low, high, kl, n_tokens = 0.0, 0.0, 0.0, 0.0, 0
         for index, indices in enumerate(generation.micro_batches):
             set_gradient_sync(self.model, index == len(generation.micro_batches) - 1)
             share, terms = self.micro_batch_share(generation, indices)
             (share * loss_factor if loss_factor != 1.0 else share).backward()
             local += share.item()
             clipped = clip_fractions(terms, self.grpo)
-            low, high = low + clipped[0], high + clipped[1]
+            low, high, kl = low + clipped[0], high + clipped[1], kl + kl_sum(terms)
             n_tokens += sum(len(generation.samples[i].input_ids) for i in indices)
-        loss, low, high, tokens = all_reduce_sums([local, low, high, n_tokens], self.info.device)
+        loss, low, high, kl, tokens = all_reduce_sums([local, low, high, kl, n_tokens], self.info.device)
         counts = generation.counts
         metrics = {**generation.metrics, "clip_ratio_low": low / max(counts.tokens, 1.0),
                    "clip_ratio_high": high / max(counts.tokens, 1.0)}
+        if self.grpo.beta != 0.0:
+            metrics["kl"] = kl / max(counts.tokens, 1.0)
         return StepResult(loss, counts.tokens, tokens, counts.completions, tokens, metrics)
+
+    def take_sample(self) -> dict[str, Any] | None:
+        """The current generation's completions record, once (rank 0 writes it)."""
+        sample, self.current_sample = self.current_sample, None
+        return sample

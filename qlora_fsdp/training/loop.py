@@ -261,6 +261,8 @@ class Trainer:
             elapsed = time.perf_counter() - step_start
             self.profiler.step_done()
             self.step += 1
+            if self.grpo is not None:
+                self.logger.log_completions(self.step, self.grpo.take_sample())
             tokens += stats.tokens
             samples += int(stats.samples)
             rate = stats.tokens / elapsed

@@ -99,6 +99,13 @@ class MetricsLogger:
             for tracker in self.trackers:
                 tracker.log(record["step"], numeric(record))
 
+    def log_completions(self, step: int, record: dict[str, Any] | None) -> None:
+        """A few of the step's generated completions with their rewards (GRPO): completions.jsonl beside the
+        metrics."""
+        if self.enabled and record is not None:
+            with (self.path.parent / "completions.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, **record}) + "\n")
+
     def progress(self, step: int, values: dict[str, float]) -> None:
         if self.bar is None:
             return
