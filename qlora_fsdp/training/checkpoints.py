@@ -85,6 +85,10 @@ def optimizer_entries(optimizer: ShardedOptimizer, rank: int) -> dict[str, Any]:
     return entries
 
 
+def rank_state_file(rank: int) -> str:
+    return f"rank{rank}_state.pt"
+
+
 def rng_entries(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
     entries = {f"rng/rank{rank}/cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -185,8 +189,10 @@ class Checkpointer:
     tokenizer: PreTrainedTokenizerBase
     base_model_path: str
 
-    def save(self, step: int, model: peft.PeftModel, optimizer: ShardedOptimizer, trainer_state: dict) -> Path:
-        """Every rank calls this; returns the complete checkpoint's folder."""
+    def save(self, step: int, model: peft.PeftModel, optimizer: ShardedOptimizer, trainer_state: dict,
+             rank_state: dict | None = None) -> Path:
+        """Every rank calls this; returns the complete checkpoint's folder. `rank_state`: what this rank alone holds
+        (GRPO's generation in use), tensors and plain values, saved beside the rest."""
         root = self.run_dir / CHECKPOINTS_DIR
         final, tmp = root / checkpoint_name(step), root / f"{TMP_PREFIX}{checkpoint_name(step)}"
         if (final / STATE_FILE).is_file():  # resumed from this very step and stopped before another
@@ -197,6 +203,8 @@ class Checkpointer:
         barrier()
         try:
             self.write(tmp, step, model, optimizer, trainer_state)
+            if rank_state is not None:
+                torch.save(rank_state, tmp / rank_state_file(self.info.rank))
         except (OSError, RuntimeError, CheckpointException) as err:  # DCP's error is a BaseException
             cause = out_of_space(err)
             if cause is None:
@@ -239,6 +247,11 @@ class Checkpointer:
     def prune(self) -> None:
         for old in complete_checkpoints(self.run_dir)[: -self.keep_last]:
             shutil.rmtree(old)
+
+    def rank_state(self, path: Path) -> dict | None:
+        """This rank's own saved state, if the run saved one (weights_only: tensors and plain values)."""
+        file = path / rank_state_file(self.info.rank)
+        return torch.load(file, weights_only=True) if file.is_file() else None
 
     def load(self, path: Path, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
         """Load weights, optimizer state and RNG in place; returns the trainer state to apply."""

@@ -215,6 +215,24 @@ class GrpoSteps:
             metrics["kl"] = kl / max(counts.tokens, 1.0)
         return StepResult(loss, counts.tokens, tokens, counts.completions, tokens, metrics)
 
+    def state(self) -> dict[str, Any]:
+        """The generation still in use (num_iterations > 1), for a checkpoint: a resumed run updates on the very
+        completions the uninterrupted one does."""
+        g = self.current
+        if g is None or self.uses >= self.grpo.num_iterations:
+            return {"uses": 0}
+        return {"uses": self.uses, "ids": [s.input_ids for s in g.samples], "labels": [s.labels for s in g.samples],
+                "micro_batches": g.micro_batches, "advantages": g.advantages, "old_logps": g.old_logps,
+                "ref_logps": g.ref_logps, "counts": [g.counts.completions, g.counts.tokens], "metrics": g.metrics}
+
+    def load_state(self, state: dict[str, Any] | None) -> None:
+        if not state or not state["uses"]:
+            return
+        samples = [Sample(ids, labels) for ids, labels in zip(state["ids"], state["labels"], strict=True)]
+        self.current = Generation(samples, state["micro_batches"], state["advantages"], state["old_logps"],
+                                  state["ref_logps"], StepCounts(*state["counts"]), state["metrics"])
+        self.uses = state["uses"]
+
     def take_sample(self) -> dict[str, Any] | None:
         """The current generation's completions record, once (rank 0 writes it)."""
         sample, self.current_sample = self.current_sample, None

@@ -144,6 +144,8 @@ class Trainer:
     def resume(self, checkpoint: Path) -> None:
         assert self.checkpointer is not None, "resuming reads a checkpoint; api.make_trainer always makes one"
         self.load_state_dict(self.checkpointer.load(checkpoint, self.model, self.optimizer))
+        if self.grpo is not None:
+            self.grpo.load_state(self.checkpointer.rank_state(checkpoint))
         self.last_checkpoint = checkpoint
         self.logger.log({"event": "resume", "step": self.step, "checkpoint": str(checkpoint)})
         self.logger.write(f"resumed from {checkpoint} at step {self.step}")
@@ -153,7 +155,9 @@ class Trainer:
 
     def save(self) -> None:
         if self.checkpointer is not None:
-            self.last_checkpoint = self.checkpointer.save(self.step, self.model, self.optimizer, self.state_dict())
+            rank_state = self.grpo.state() if self.grpo is not None else None
+            self.last_checkpoint = self.checkpointer.save(self.step, self.model, self.optimizer, self.state_dict(),
+                                                          rank_state)
             self.logger.log({"event": "checkpoint", "step": self.step, "path": str(self.last_checkpoint)})
 
     def step_memory_peaks(self) -> dict[str, float]:
