@@ -1,0 +1,149 @@
+"""GRPO's generation: tokens/s of the policy's own sampling (qlora_fsdp/training/rollouts.py: our 4-bit model with
+its LoRA, held as training holds it, one process) against transformers' `generate` on transformers + bitsandbytes +
+PEFT's 4-bit model of the same checkpoint, the same rows, lengths and sampling, measured in the same run.
+
+    python -m benchmarks.grpo_generation                       # CPU: a tiny Llama, fp32
+    python -m benchmarks.grpo_generation --arch llama-1b --device cuda --rows 32 --new-tokens 128
+
+The checkpoint is random weights in a Llama shape (`--arch`), written once to --work. Both sides sample every row to
+the same length (a random model rarely samples EOS; a row that does is still counted to the batch's end, on both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ARCHES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary
+    "tiny": (128, 344, 4, 4, 2, 512),
+    "llama-1b": (2048, 8192, 16, 32, 8, 128256),  # Llama 3.2 1B's shapes
+}
+
+
+class IdsOnly:
+    """What generation asks of a tokenizer, for a model without one: ids (prompts are random ids here)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.pad_token_id, self.eos_token_id = 0, vocab - 1
+
+    def decode(self, ids: list[int], **kwargs: object) -> str:
+        return ""
+
+
+def write_checkpoint(arch: str, folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (folder / "config.json").is_file():
+        return folder
+    hidden, inter, layers, heads, kv, vocab = ARCHES[arch]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, bos_token_id=1,
+                         eos_token_id=vocab - 1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+@dataclass
+class Timed:
+    tokens: int
+    seconds: float
+    peak_gib: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def timed(run, device: torch.device) -> Timed:  # noqa: ANN001 (a callable returning the new tokens' tensor width)
+    run(4)  # warm-up: kernels, allocator
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    tokens = run(None)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return Timed(tokens, time.perf_counter() - started, peak)
+
+
+def ours(folder: Path, prompts: list[list[int]], args: argparse.Namespace, device: torch.device) -> Timed:
+    from qlora_fsdp.config import GrpoConfig, load_config
+    from qlora_fsdp.distributed import init_distributed
+    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.training.rollouts import generate
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg = load_config("tiny_cpu", [f"model.path={folder}", f"model.dtype={dtype}", f"quant.compute_dtype={dtype}",
+                                   "data.packing=false", "activation_checkpointing.mode=off"])
+    model = build_model(cfg, init_distributed())
+    tokenizer = IdsOnly(ARCHES[args.arch][5])
+
+    def run(new_tokens: int | None) -> int:
+        grpo = GrpoConfig(num_generations=args.rows // len(prompts),
+                          max_completion_length=new_tokens or args.new_tokens)
+        made = generate(model, tokenizer, prompts, grpo, device, synced=False)
+        return len(made.ids) * max(len(ids) for ids in made.ids)
+
+    return timed(run, device)
+
+
+def transformers_side(folder: Path, prompts: list[list[int]], args: argparse.Namespace, device: torch.device) -> Timed:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=dtype)
+    base = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=dtype, device_map=device)
+    for module in base.modules():  # on a CPU, the kernel training uses (bitsandbytes' repacked one needs other shapes)
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear")).eval()
+    rows = [ids for ids in prompts for _ in range(args.rows // len(prompts))]
+    input_ids = torch.tensor(rows, device=device)
+
+    def run(new_tokens: int | None) -> int:
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 max_new_tokens=new_tokens or args.new_tokens, do_sample=True, temperature=1.0,
+                                 top_k=None, pad_token_id=0, eos_token_id=ARCHES[args.arch][5] - 1, use_cache=True)
+        return len(rows) * (out.shape[1] - input_ids.shape[1])
+
+    return timed(run, device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=sorted(ARCHES), default="tiny")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rows", type=int, default=16, help="completions generated together (prompts x 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--work", type=Path, default=Path("outputs/bench-grpo-generation"))
+    args = parser.parse_args()
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    folder = write_checkpoint(args.arch, args.work / args.arch)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, ARCHES[args.arch][5] - 1, (args.prompt_tokens,), generator=generator).tolist()
+               for _ in range(max(args.rows // 8, 1))]
+    torch.manual_seed(0)
+    mine = ours(folder, prompts, args, device)
+    theirs = transformers_side(folder, prompts, args, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"GRPO generation, {args.arch} (random weights, NF4 + LoRA r16), {args.rows} rows x {args.prompt_tokens} "
+          f"prompt tokens, {args.new_tokens} new tokens, on {name}\n")
+    print("| generator | new tokens | seconds | tokens/s | peak GPU GiB |\n| --- | ---: | ---: | ---: | ---: |")
+    for label, t in (("ours (rollouts.generate, training's model)", mine),
+                     ("transformers generate (bitsandbytes + PEFT)", theirs)):
+        print(f"| {label} | {t.tokens} | {t.seconds:.2f} | {t.rate:,.0f} | {t.peak_gib:.2f} |")
+    print(f"\nours / transformers: {mine.rate / theirs.rate:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
