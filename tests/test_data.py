@@ -200,6 +200,27 @@ def test_tokenization_is_cached(tokenizer, tmp_path, monkeypatch):
     assert calls == [] and second.train["input_ids"] == first.train["input_ids"]
 
 
+def test_the_cache_key_is_the_tokenizer_and_the_settings_not_its_pickle(tokenizer):
+    """Tokenization's cache key (data/fingerprint.py) without pickling the tokenizer: equal for an equal tokenizer,
+    unchanged by encoding with it, new for another input, another vocabulary, chat template or setting."""
+    import copy
+
+    from qlora_fsdp.data.fingerprint import map_fingerprint
+
+    key = map_fingerprint("input", tokenizer, "Tokenize", "alpaca", False)
+    encode([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], tokenizer, "alpaca", False, "")
+    assert key is not None and key == map_fingerprint("input", copy.deepcopy(tokenizer), "Tokenize", "alpaca", False)
+    grown, templated = copy.deepcopy(tokenizer), copy.deepcopy(tokenizer)
+    grown.add_tokens(["<new-token>"])
+    templated.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    others = {map_fingerprint("other input", tokenizer, "Tokenize", "alpaca", False),
+              map_fingerprint("input", grown, "Tokenize", "alpaca", False),
+              map_fingerprint("input", templated, "Tokenize", "alpaca", False),
+              map_fingerprint("input", tokenizer, "Tokenize", "chatml", False),
+              map_fingerprint("input", tokenizer, "Tokenize", "alpaca", True)}
+    assert len(others) == 5 and key not in others
+
+
 def test_malformed_line_names_file_and_line(tokenizer, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": \n')

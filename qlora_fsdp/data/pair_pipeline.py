@@ -9,6 +9,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, OverlongPolicy, SourceConfig, Template
+from qlora_fsdp.data.fingerprint import map_fingerprint
 from qlora_fsdp.data.pair_encoding import EncodedPair, encode_pair, fit_pair
 from qlora_fsdp.data.pairs import BadPair, as_pairs, good_pairs
 from qlora_fsdp.data.pipeline import Dataset, assembled
@@ -76,7 +77,9 @@ def tokenized_pairs(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerB
     pairs, n_records, n_bad = read_pairs(sources, cfg.train.seed, data.cache_dir, drop_bad)
     encoded = pairs.map(TokenizePair(tokenizer, template, data.context_length, data.overlong), batched=True,
                         remove_columns=pairs.column_names, num_proc=data.num_proc if data.num_proc > 1 else None,
-                        desc="tokenizing pairs")
+                        desc="tokenizing pairs",
+                        new_fingerprint=map_fingerprint(pairs._fingerprint, tokenizer, "TokenizePair", template,
+                                                        data.context_length, data.overlong))
     n_overlong = sum(encoded["overlong"])
     # a completion with no target token under the template, a prompt that leaves the completions no room
     encoded, n_unusable = good_pairs(encoded, drop_bad)

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import DataConfig, OverlongPolicy, SourceConfig, Template
 from qlora_fsdp.data.batching import Sample, pack
+from qlora_fsdp.data.fingerprint import map_fingerprint
 from qlora_fsdp.data.sources import mixed_conversations, sources_of
 from qlora_fsdp.data.templates import IGNORE_INDEX, choose_template, encode
 from qlora_fsdp.distributed import DistInfo, barrier
@@ -114,7 +115,9 @@ def tokenized(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerBase, d
     conversations = mixed_conversations(sources, seed, data.cache_dir)
     encoded = conversations.map(Tokenize(tokenizer, template, data.train_on_inputs),
                                 remove_columns=conversations.column_names,  # messages, tools
-                                num_proc=data.num_proc if data.num_proc > 1 else None, desc="tokenizing")
+                                num_proc=data.num_proc if data.num_proc > 1 else None, desc="tokenizing",
+                                new_fingerprint=map_fingerprint(conversations._fingerprint, tokenizer, "Tokenize",
+                                                                template, data.train_on_inputs))
     n_overlong = sum(length > data.context_length for length in encoded["length"])
     fitted = encoded.map(fit_to_context, batched=True, with_indices=True, desc="fitting",
                          fn_kwargs={"context_length": data.context_length, "policy": data.overlong})
