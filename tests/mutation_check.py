@@ -147,6 +147,24 @@ MUTATIONS = [
              "        table[ids] = logps.view(-1, 2).float()\n", "        table[ids] = logps.view(2, -1).t().float()\n",
              "tests/test_preference_training.py::"
              "test_precomputed_reference_trains_as_the_adapter_off_one_and_a_stale_one_is_refused"),
+    # ---- GRPO: advantages, the policy loss, rewards ---------------------------------------------------------------
+    Mutation("advantages divided by the std without TRL's epsilon", "qlora_fsdp/losses/policy.py",
+             "        advantages = advantages / (nan_std(groups, dim=1).unsqueeze(1) + STD_EPSILON)\n",
+             "        advantages = advantages / nan_std(groups, dim=1).unsqueeze(1)\n",
+             "tests/test_grpo.py::test_advantages_are_trls_group_and_batch_normalization", quick=True),
+    Mutation("KL term without TRL's ratio weighting", "qlora_fsdp/losses/policy.py",
+             "        losses = losses + grpo.beta * (torch.exp(gap) - gap - 1) * ratio\n",
+             "        losses = losses + grpo.beta * (torch.exp(gap) - gap - 1)\n",
+             "tests/test_grpo.py::test_the_update_equals_trls_at_world_sizes_1_and_2"),
+    Mutation("GSPO's sequence ratio from the summed log-ratios", "qlora_fsdp/losses/policy.py",
+             "        log_ratio = per_sample_mean(log_ratio, terms.sample_ids, terms.n_samples)[terms.sample_ids]\n",
+             "        log_ratio = log_ratio.new_zeros(terms.n_samples).index_add(0, terms.sample_ids, log_ratio)"
+             "[terms.sample_ids]\n",
+             "tests/test_grpo.py::test_the_update_equals_trls_at_world_sizes_1_and_2"),
+    Mutation("a None score makes the whole reward NaN", "qlora_fsdp/rewards/functions.py",
+             "    total = torch.nansum(weighted, dim=1)\n",
+             "    total = weighted.sum(dim=1)\n",
+             "tests/test_grpo.py::test_rewards_built_in_and_errors_in_one_line", quick=True),
     # ---- the planner: memory, step time ----------------------------------------------------------------------
     Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan/held.py",
              "    return held.lora_elements * accumulated_grad_itemsize(cfg)\n",
