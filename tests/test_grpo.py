@@ -352,3 +352,31 @@ def test_resumed_mid_generation_equals_the_uninterrupted_run_on_two_ranks(tiny_m
     assert any(step[3] > 0 for step in steps(part))  # the KL term was live after the resume
     adapter = "adapter/adapter_model.safetensors"
     assert (part / adapter).read_bytes() == (full / adapter).read_bytes()
+
+
+def test_prompt_data_errors_name_the_file_and_record(tiny_model_dir, tmp_path):
+    from qlora_fsdp.data.prompts import load_prompt_data
+    from qlora_fsdp.errors import DataError
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
+
+    def config(path: Path, context: int = 64):
+        return tiny_config(tiny_model_dir, data={"path": str(path), "format": "prompt", "context_length": context,
+                                                 "eval_samples": 1},
+                           train={"objective": "grpo"}, grpo={"max_completion_length": 16})
+
+    records = tmp_path / "prompts.jsonl"
+    records.write_text("\n".join(json.dumps(r) for r in (
+        {"prompt": "Name some colors.", "answer": "#### 1"},
+        {"prompt": [{"role": "user", "content": "Name some animals."}], "answer": "#### 2"},
+        {"prompt": "word " * 200, "answer": "#### 3"})) + "\n")
+    tokenizer = load_tokenizer(config(records))
+    with pytest.raises(DataError, match=r"prompts.jsonl record 3: the prompt has \d+ tokens, more than "
+                                        r"data.context_length - grpo.max_completion_length = 112"):
+        load_prompt_data(tokenizer, config(records, context=128))
+    data = load_prompt_data(tokenizer, config(records, context=512))
+    assert len(data.train) + len(data.eval) == 3 and data.train.columns.keys() == {"answer"}
+    chat = data.train.prompts + data.eval.prompts
+    assert sum(isinstance(p, list) for p in chat) == 1  # the messages stay messages for the reward functions
+    (tmp_path / "no_prompt.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(DataError, match=r"no_prompt.jsonl: GRPO reads a 'prompt' column; the records have "):
+        load_prompt_data(tokenizer, config(tmp_path / "no_prompt.jsonl"))
