@@ -15,6 +15,7 @@ import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,7 +45,8 @@ def write_checkpoint(arch: str, folder: Path) -> Path:
                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, bos_token_id=1,
                          eos_token_id=vocab - 1, tie_word_embeddings=False)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    model: Any = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(folder)
     return folder
 
 
@@ -82,7 +84,7 @@ def ours(folder: Path, prompts: list[list[int]], args: argparse.Namespace, devic
     cfg = load_config("tiny_cpu", [f"model.path={folder}", f"model.dtype={dtype}", f"quant.compute_dtype={dtype}",
                                    "data.packing=false", "activation_checkpointing.mode=off"])
     model = build_model(cfg, init_distributed())
-    tokenizer = IdsOnly(ARCHES[args.arch][5])
+    tokenizer: Any = IdsOnly(ARCHES[args.arch][5])  # generate reads its ids only
 
     def run(new_tokens: int | None) -> int:
         grpo = GrpoConfig(num_generations=args.rows // len(prompts),
@@ -103,7 +105,7 @@ def transformers_side(folder: Path, prompts: list[list[int]], args: argparse.Nam
     base = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=dtype, device_map=device)
     for module in base.modules():  # on a CPU, the kernel training uses (bitsandbytes' repacked one needs other shapes)
         if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+            setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear")).eval()
     rows = [ids for ids in prompts for _ in range(args.rows // len(prompts))]
     input_ids = torch.tensor(rows, device=device)

@@ -24,7 +24,7 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 MODELS_DIR = Path("models")
 ROUND_TRIP = "The capital of France is Paris."  # the saved tokenizer must give this text back
@@ -196,17 +196,17 @@ def one_parse_of_each_gguf() -> Iterator[None]:
     original = gguf.GGUFReader
     parsed: dict[str, Any] = {}
 
-    def reader(path: str | Path, mode: str = "r") -> Any:
+    def reader(path: str | Path, mode: Literal["r", "r+", "c"] = "r") -> Any:
         key = f"{Path(path).resolve()}:{mode}"
         if key not in parsed:
             parsed[key] = original(path, mode)
         return parsed[key]
 
-    gguf.GGUFReader = reader
+    setattr(gguf, "GGUFReader", reader)  # noqa: B010 (a module attribute swapped for the call)
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        setattr(gguf, "GGUFReader", original)  # noqa: B010
 
 
 def convert(gguf_file: Path, out: Path, model: RealModel = SMOLLM2) -> None:

@@ -191,6 +191,7 @@ class Trainer:
 
     def prepare_reference(self) -> None:
         if self.precomputes_reference() and self.references is None and self.pair_loss is not None:
+            assert isinstance(self.data, Dataset), "a preference objective reads pairs"
             self.logger.write("reference log-probabilities: computed once before training (preference.reference)")
             self.references = reference_logps(self.cfg, self.model, self.data, self.pair_loss, self.pad_id,
                                               self.info, Path(self.cfg.train.output_dir), self.step)

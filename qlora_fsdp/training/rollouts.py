@@ -14,16 +14,18 @@ string ends with the string's last token; one that did neither was cut at max_co
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-from transformers import PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from qlora_fsdp.config import GrpoConfig
+from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.families import attention_needs
 from qlora_fsdp.layers.attention import generation_attention
 
@@ -51,14 +53,14 @@ def generate_is_a_forward(model: nn.Module) -> None:
     the root, so embeddings, norm and head are gathered for it (once: registering wraps the method)."""
     if isinstance(model, FSDPModule) and not getattr(model, "_generate_is_a_forward", False):
         register_fsdp_forward_method(model, "generate")
-        model._generate_is_a_forward = True
+        setattr(model, "_generate_is_a_forward", True)  # noqa: B010 (a mark on the module, not a field of it)
 
 
 @contextmanager
 def generating(model: nn.Module) -> Iterator[None]:
     """For one generate call: the generation kernel, eager layers, eval mode; then training's again."""
-    config = model.config
-    kernel = config._attn_implementation
+    config = cast(PretrainedConfig, model.config)
+    kernel = cast(AttnImplementation, config._attn_implementation)
     was_training = model.training
     config._attn_implementation = generation_attention(kernel, attention_needs(config))
     model.eval()
@@ -90,7 +92,7 @@ def cut(row: list[int], ends: set[int], pad_id: int, stops: list[str],
     width = len(row)
     while row and row[-1] == pad_id:  # a row a stop string ended is padded to the batch's longest
         row = row[:-1]
-    ended = len(row) < width or any(tokenizer.decode(row).endswith(stop) for stop in stops)
+    ended = len(row) < width or any(str(tokenizer.decode(row)).endswith(stop) for stop in stops)
     return row, not ended
 
 
@@ -103,8 +105,9 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list
     input_ids, attention_mask = left_padded(rows, pad_id)
     stops = {"stop_strings": grpo.stop, "tokenizer": tokenizer} if grpo.stop else {}
     generate_is_a_forward(model)
+    sample = cast(Callable[..., torch.Tensor], model.generate)
     with generating(model):
-        out = model.generate(
+        out = sample(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
             max_new_tokens=grpo.max_completion_length, do_sample=True, temperature=grpo.temperature,
             top_p=grpo.top_p, top_k=grpo.top_k or None, eos_token_id=ends, pad_token_id=pad_id,
