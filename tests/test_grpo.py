@@ -280,7 +280,7 @@ def generate_with_stops(info, model_dir: Path) -> dict:
     model = build_model(cfg, info)
     torch.manual_seed(info.rank)
     prompt = tokenizer(["Reverse the letters of the word.", "How many words are in the text?"][info.rank])
-    grpo = GrpoConfig(num_generations=4, max_completion_length=12, stop=["e"])
+    grpo = GrpoConfig(num_generations=4, max_completion_length=12, stop=["e"], generation_rows=3)  # calls of 3, 1
     made = generate(model, tokenizer, [prompt["input_ids"]], grpo, info.device, synced=info.world_size > 1)
     texts = [tokenizer.decode(ids) for ids in made.ids]
     return {"lengths": [len(ids) for ids in made.ids], "texts": texts, "truncated": made.truncated,

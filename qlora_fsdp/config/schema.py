@@ -172,6 +172,8 @@ class GrpoConfig:
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens whose probability reaches it; 1.0: off
     top_k: int = 0  # sampling among the k likeliest tokens; 0: off
     stop: list[str] = field(default_factory=list)  # strings that end a completion besides EOS
+    # completions generated together (the KV cache holds this many rows); None: all of a rank's step in one call
+    generation_rows: int | None = None
     rewards: list[RewardConfig] = field(default_factory=list)  # one at least; their weighted sum is the reward
     scale_rewards: Literal["group", "batch", "none"] = "group"  # the standard deviation advantages divide by
     # how the step's token losses are averaged: dapo, bnpo over every token; grpo per completion, then over them;

@@ -112,6 +112,8 @@ def _validate_grpo(config: Config) -> None:
     for key, value in checks.items():
         if value <= 0:
             raise ConfigError(f"'{key}' must be positive, got {value}")
+    if grpo.generation_rows is not None and grpo.generation_rows < 1:
+        raise ConfigError(f"'grpo.generation_rows' must be at least 1 or null, got {grpo.generation_rows}")
     if grpo.beta < 0 or grpo.top_k < 0 or (grpo.delta is not None and grpo.delta <= 1):
         raise ConfigError("'grpo.beta' and 'grpo.top_k' must be 0 or more, 'grpo.delta' null or above 1; got "
                           f"{grpo.beta}, {grpo.top_k}, {grpo.delta}")

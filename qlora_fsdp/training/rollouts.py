@@ -98,20 +98,25 @@ def cut(row: list[int], ends: set[int], pad_id: int, stops: list[str],
 
 def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], grpo: GrpoConfig,
              device: torch.device, synced: bool) -> Completions:
-    """num_generations completions of each prompt, in order. A collective under FSDP2 when `synced`."""
+    """num_generations completions of each prompt, in order, `grpo.generation_rows` rows a call. A collective
+    under FSDP2 when `synced`."""
     rows = [ids for ids in prompts for _ in range(grpo.num_generations)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ends = eos_ids(model, tokenizer)
-    input_ids, attention_mask = left_padded(rows, pad_id)
     stops = {"stop_strings": grpo.stop, "tokenizer": tokenizer} if grpo.stop else {}
     generate_is_a_forward(model)
     sample = cast(Callable[..., torch.Tensor], model.generate)
+    chunk = grpo.generation_rows or len(rows)  # every rank has as many rows, so as many calls
+    new: list[list[int]] = []
     with generating(model):
-        out = sample(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            max_new_tokens=grpo.max_completion_length, do_sample=True, temperature=grpo.temperature,
-            top_p=grpo.top_p, top_k=grpo.top_k or None, eos_token_id=ends, pad_token_id=pad_id,
-            use_cache=True, synced_gpus=synced, **stops)
-    new = [row + [pad_id] * (grpo.max_completion_length - len(row)) for row in out[:, input_ids.shape[1]:].tolist()]
+        for first in range(0, len(rows), chunk):
+            input_ids, attention_mask = left_padded(rows[first : first + chunk], pad_id)
+            out = sample(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                max_new_tokens=grpo.max_completion_length, do_sample=True, temperature=grpo.temperature,
+                top_p=grpo.top_p, top_k=grpo.top_k or None, eos_token_id=ends, pad_token_id=pad_id,
+                use_cache=True, synced_gpus=synced, **stops)
+            new += [row + [pad_id] * (grpo.max_completion_length - len(row))
+                    for row in out[:, input_ids.shape[1]:].tolist()]
     completions = [cut(row, set(ends), pad_id, grpo.stop, tokenizer) for row in new]
     return Completions([ids for ids, _ in completions], [truncated for _, truncated in completions])
