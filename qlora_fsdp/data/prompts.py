@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, DataConfig
 from qlora_fsdp.data.pipeline import run_template
-from qlora_fsdp.data.sources import read_source, sources_of
+from qlora_fsdp.data.sources import read_source, sources_of, weighted
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.errors import DataError
 
@@ -79,8 +79,9 @@ def encode_prompt(prompt: Any, tokenizer: PreTrainedTokenizerBase, template: str
     raise DataError(f"{where}: 'prompt' must be text or a list of chat messages, got {type(prompt).__name__}")
 
 
-def read_prompts(data: DataConfig) -> datasets.Dataset:
-    parts = [read_source(source, data.cache_dir) for source in sources_of(data)]
+def read_prompts(data: DataConfig, seed: int) -> datasets.Dataset:
+    """Every source's records, each repeated or subsampled by its weight, as SFT data is mixed."""
+    parts = [weighted(read_source(source, data.cache_dir), source.weight, seed) for source in sources_of(data)]
     records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if "prompt" not in records.column_names:
         raise DataError(f"{data.path}: GRPO reads a 'prompt' column; the records have {records.column_names}")
@@ -89,7 +90,7 @@ def read_prompts(data: DataConfig) -> datasets.Dataset:
 
 def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config) -> Prompts:
     """Every record's prompt, tokenized, in the data's order."""
-    records = read_prompts(cfg.data)
+    records = read_prompts(cfg.data, cfg.train.seed)
     template = run_template(cfg.data, tokenizer)
     room = cfg.data.context_length - cfg.grpo.max_completion_length
     ids, prompts = [], []

@@ -31,10 +31,14 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
                            reduction="sum")
 
 
-def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     # a plain Linear head runs as its function: calling the module again after the model's forward would look
     # to module-level memory trackers (torch's MemTracker, the planner's measured step) like a second forward
-    logits = F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
+    return F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
+
+
+def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head_logits(head, hidden)
     return cross_entropy_sum(logits, labels)
 
 
@@ -108,7 +112,7 @@ def per_sample_sums(losses: torch.Tensor, samples: torch.Tensor, n_samples: int)
 
 def head_sample_losses(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, samples: torch.Tensor,
                        n_samples: int) -> torch.Tensor:
-    logits = F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
+    logits = head_logits(head, hidden)
     losses = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
     return per_sample_sums(losses, samples, n_samples)
 
@@ -136,7 +140,7 @@ def per_sample_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tens
 
 def head_target_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                       temperature: float) -> torch.Tensor:
-    logits = F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
+    logits = head_logits(head, hidden)
     return -F.cross_entropy(logits.float() / temperature, labels, reduction="none")
 
 
