@@ -359,9 +359,9 @@ def test_prompt_data_errors_name_the_file_and_record(tiny_model_dir, tmp_path):
     from qlora_fsdp.errors import DataError
     from qlora_fsdp.loading.checkpoint import load_tokenizer
 
-    def config(path: Path, context: int = 64):
+    def config(path: Path, context: int = 64, **data):
         return tiny_config(tiny_model_dir, data={"path": str(path), "format": "prompt", "context_length": context,
-                                                 "eval_samples": 1},
+                                                 "eval_samples": 1, **data},
                            train={"objective": "grpo"}, grpo={"max_completion_length": 16})
 
     records = tmp_path / "prompts.jsonl"
@@ -377,6 +377,14 @@ def test_prompt_data_errors_name_the_file_and_record(tiny_model_dir, tmp_path):
     assert len(data.train) + len(data.eval) == 3 and data.train.columns.keys() == {"answer"}
     chat = data.train.prompts + data.eval.prompts
     assert sum(isinstance(p, list) for p in chat) == 1  # the messages stay messages for the reward functions
-    (tmp_path / "no_prompt.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
-    with pytest.raises(DataError, match=r"no_prompt.jsonl: GRPO reads a 'prompt' column; the records have "):
-        load_prompt_data(tokenizer, config(tmp_path / "no_prompt.jsonl"))
+    gsm8k = tmp_path / "gsm8k.jsonl"  # GSM8K's columns: the prompt is its question, `answer` reaches the rewards
+    gsm8k.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"... #### {i + 1}"}) + "\n"
+                             for i in range(3)))
+    with pytest.raises(DataError, match=r"gsm8k.jsonl: GRPO reads a 'prompt' column \(or data.fields: "
+                                        r"\{prompt: <column>\}\); the records have \['question', 'answer'\]"):
+        load_prompt_data(tokenizer, config(gsm8k))
+    mapped = load_prompt_data(tokenizer, config(gsm8k, fields={"prompt": "question"}))
+    assert sorted(mapped.train.prompts + mapped.eval.prompts) == [f"What is {i} + 1?" for i in range(3)]
+    assert mapped.train.columns.keys() == {"answer"}
+    with pytest.raises(DataError, match=r"data fields \['output'\] do not apply to prompt data; its one field is "):
+        load_prompt_data(tokenizer, config(gsm8k, fields={"output": "answer"}))

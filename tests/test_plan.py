@@ -221,21 +221,23 @@ def test_every_shipped_recipe_plans_its_time(recipe_plans):
     for name, got in recipe_plans.items():
         report = got["report"]
         step = float(re.search(r"^\| \*\*step\*\* \| \*\*([\d.]+)\*\* \|$", report, re.M).group(1))
-        adding = [float(x) for x in re.findall(r"^\| (?:matmuls|attention|element-wise|4-bit|optimizer|transfers left)"
-                                              r"[^|]*\| ([\d.]+) \|$", report, re.M)]
-        assert len(adding) == 6 and sum(adding) == pytest.approx(step, abs=0.05), name
-        line = re.search(r"^([\d,]+) tokens a step: ([\d,]+) tokens/s, MFU \d+% .*train.max_steps (\d+): "
+        adding = [float(x) for x in re.findall(r"^\| (?:matmuls|attention|element-wise|4-bit|optimizer|transfers left"
+                                              r"|generation)[^|]*\| ([\d.]+) \|$", report, re.M)]
+        cfg = load_config(name)
+        grpo = cfg.train.objective == "grpo"  # generating is a part of its step
+        assert len(adding) == 6 + grpo and sum(adding) == pytest.approx(step, abs=0.05), name
+        line = re.search(r"^([\d,]+) (?:trained )?tokens a step: ([\d,]+) tokens/s, MFU \d+% .*train.max_steps (\d+): "
                          r"([\d.]+) (h|min)$", report, re.M)
         tokens, rate, max_steps, hours, unit = line.groups()
         assert float(rate.replace(",", "")) == pytest.approx(float(tokens.replace(",", "")) / step, rel=0.01)
         per_unit, printed = (3600, 0.06) if unit == "h" else (60, 0.6)  # hours to a tenth, minutes whole
         assert float(hours) == pytest.approx(int(max_steps) * step / per_unit, abs=printed), name
         assert f"| {rate} |" in got["row"]  # the README's table shows it
-        assert re.search(r"^one epoch of [\d,]+ records: ", report, re.M), name
-        cfg = load_config(name)
+        assert re.search(rf"^one epoch of [\d,]+ {'prompts' if grpo else 'records'}: ", report, re.M), name
         flops = 8 if plans_reference_forward(cfg) else 6  # DPO's reference forward each micro-batch: 2N more
         moe = re.search(r"\(([\d.]+B) active a token\)", report.splitlines()[0])  # MFU counts active parameters
-        assert f"({flops}N FLOP a token{', N the active parameters' if moe else ''})" in report, name
+        generated = ", 2N a generated one" if grpo else ""
+        assert f"({flops}N FLOP a token{generated}{', N the active parameters' if moe else ''})" in report, name
         link = "PCIe 4.0 x16, no peer-to-peer: collectives through host memory" if "4090" in name else "PCIe"
         assert re.search(rf"^time per optimizer step on \d+ x {cfg.hardware.gpu} \({link}", report, re.M), name
 
@@ -262,3 +264,29 @@ def test_the_plan_names_where_its_peak_is_and_where_activations_are_largest():
                                                                     "elsewhere: 3.00 GiB in the first")
     step.segments[end] = Moment(11 * gib, 4 * gib, 0)  # now the peak itself: the table says it all
     assert step.model_instant() == end and activations_peak_line(step) is None
+
+
+def test_generations_kv_cache_is_what_transformers_generate_keeps():
+    """GRPO's plan counts the KV cache from the architecture: it equals the cache transformers' generate holds at
+    the end (rows x (prompt + new - 1) tokens: the last token's keys are never computed), and a sliding-window
+    layer keeps its window (transformers keeps window - 1 between steps, window while appending: the plan takes
+    the larger)."""
+    import transformers
+
+    from qlora_fsdp.plan.generation import kv_cache_bytes
+
+    torch.manual_seed(0)
+    llama = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)
+    gemma = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                          layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    rows, prompt, new = 3, 5, 6
+    for config, sliding_layers in ((llama, 0), (gemma, 2)):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        out = model.generate(torch.randint(1, 60, (rows, prompt)), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=True, return_dict_in_generate=True, pad_token_id=0)
+        held = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers
+                   for t in (layer.keys, layer.values))
+        token = rows * 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4
+        assert kv_cache_bytes(config, rows, prompt + new - 1, 4) == held + sliding_layers * token

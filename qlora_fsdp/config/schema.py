@@ -225,6 +225,7 @@ class SourceConfig:
     fields: dict[str, str] = field(default_factory=dict)  # our field name -> the data's, e.g. {output: response}
     weight: float = 1.0  # copies per epoch: 2.0 repeats the source, 0.5 takes a seeded half
     split: str = "train"  # for hub ids and save_to_disk dataset dicts
+    subset: str | None = None  # a hub dataset's configuration, where it has several (openai/gsm8k: main)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.config import Config, DataConfig
+from qlora_fsdp.config import Config, DataConfig, SourceConfig
 from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.sources import read_source, sources_of, weighted
 from qlora_fsdp.data.templates import prompt_ids
@@ -79,12 +79,28 @@ def encode_prompt(prompt: Any, tokenizer: PreTrainedTokenizerBase, template: str
     raise DataError(f"{where}: 'prompt' must be text or a list of chat messages, got {type(prompt).__name__}")
 
 
+def with_prompt_column(records: datasets.Dataset, source: SourceConfig) -> datasets.Dataset:
+    """The source's prompt column named `prompt` (data.fields: {prompt: question} reads GSM8K's questions)."""
+    unknown = set(source.fields) - {"prompt"}
+    if unknown:
+        raise DataError(f"data fields {sorted(unknown)} do not apply to prompt data; its one field is prompt "
+                        "(the other columns reach the reward functions under their own names)")
+    column = source.fields.get("prompt", "prompt")
+    if column == "prompt" or column not in records.column_names:
+        return records
+    if "prompt" in records.column_names:
+        records = records.remove_columns("prompt")
+    return records.rename_column(column, "prompt")
+
+
 def read_prompts(data: DataConfig, seed: int) -> datasets.Dataset:
     """Every source's records, each repeated or subsampled by its weight, as SFT data is mixed."""
-    parts = [weighted(read_source(source, data.cache_dir), source.weight, seed) for source in sources_of(data)]
+    parts = [weighted(with_prompt_column(read_source(source, data.cache_dir), source), source.weight, seed)
+             for source in sources_of(data)]
     records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if "prompt" not in records.column_names:
-        raise DataError(f"{data.path}: GRPO reads a 'prompt' column; the records have {records.column_names}")
+        raise DataError(f"{data.path}: GRPO reads a 'prompt' column (or data.fields: {{prompt: <column>}}); the "
+                        f"records have {records.column_names}")
     return records
 
 

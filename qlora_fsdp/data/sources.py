@@ -68,7 +68,7 @@ def read_source(source: SourceConfig, cache_dir: str | None) -> datasets.Dataset
     if source.path.startswith((".", "/")) or source.path.count("/") > 1 or path.suffix in FILE_BUILDERS:
         raise DataError(f"data source {source.path} does not exist")
     try:  # a hub dataset id
-        return datasets.load_dataset(source.path, split=source.split, cache_dir=cache_dir)
+        return datasets.load_dataset(source.path, source.subset, split=source.split, cache_dir=cache_dir)
     except Exception as err:
         raise DataError(f"data source '{source.path}' is neither a local path nor a reachable hub dataset "
                         f"({type(err).__name__})") from None

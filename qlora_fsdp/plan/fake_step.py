@@ -79,12 +79,18 @@ def give_quant_states(model: nn.Module, cfg: Config) -> None:
             module.register_forward_pre_hook(attach_quant_state)
 
 
+def update_rows(cfg: Config) -> int:
+    """Rows of a micro-batch's forward: GRPO's micro-batch holds num_generations completions of each of its
+    prompts, each up to the whole context (packing puts shorter ones together; the plan takes the longest)."""
+    return cfg.data.micro_batch * (cfg.grpo.num_generations if cfg.train.objective == "grpo" else 1)
+
+
 def synthetic_batches(cfg: Config) -> list[Batch]:
     """The step's micro-batches at full length, laid out as training lays them out (real tensors: transformers
     looks at their values to choose its attention mask). Packed rows hold two samples (as a preference pair's row
     holds its two sequences) and padded micro-batches have a shorter last row, so the mask is built whenever real
     batches can need one."""
-    rows, length = cfg.data.micro_batch, cfg.data.context_length
+    rows, length = update_rows(cfg), cfg.data.context_length
     sample = Sample(input_ids=[0] * length, labels=[0] * length)
     if cfg.data.packing or cfg.train.objective in PAIR_OBJECTIVES:  # a preference pair's two sequences share a row
         half = length // 2
@@ -276,7 +282,7 @@ def step_setting(cfg: Config, hf_config: PretrainedConfig) -> str:
     """What the step's memory depends on; plans that differ elsewhere (a GPU size, the host RAM, the lr) share it."""
     data = cfg.data
     return repr((hf_config.to_json_string(use_diff=False), cfg.model, cfg.quant, cfg.lora, cfg.fsdp,
-                 cfg.activation_checkpointing, cfg.loss, cfg.optim.name, data.micro_batch, data.context_length,
+                 cfg.activation_checkpointing, cfg.loss, cfg.optim.name, update_rows(cfg), data.context_length,
                  data.packing, min(data.grad_accum_steps, MICRO_BATCHES), cfg.hardware.world_size,
                  plans_reference_forward(cfg)))
 

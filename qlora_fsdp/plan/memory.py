@@ -18,9 +18,11 @@ from typing import Literal
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.plan.fake_step import update_rows
 from qlora_fsdp.plan.fake_world import recipe_step
+from qlora_fsdp.plan.generation import generation_memory
 from qlora_fsdp.plan.hardware import GPU, GPUS
-from qlora_fsdp.plan.held import Held, planned_dtypes
+from qlora_fsdp.plan.held import Held, planned_dtypes, planning_config
 from qlora_fsdp.plan.step_tracker import Segment, StepMemory
 
 GIB = 2**30
@@ -56,10 +58,20 @@ class Plan:
     description: str
     step: StepMemory | None = None  # the measured step (its work prices the step's time: plan/step_time.py)
     resident_gpu: float = 0.0  # bytes the device holds through the whole step (in the step's every instant)
+    generating_rows: list[Row] = dataclasses.field(default_factory=list)  # GRPO: the device while generating
+
+    @property
+    def update_total(self) -> float:
+        return sum(r.bytes for r in self.gpu_rows)
+
+    @property
+    def generating_total(self) -> float:
+        return sum(r.bytes for r in self.generating_rows)
 
     @property
     def gpu_total(self) -> float:
-        return sum(r.bytes for r in self.gpu_rows)
+        """The step's peak: the update's, or generation's where it holds more."""
+        return max(self.update_total, self.generating_total)
 
     @property
     def host_total(self) -> float:
@@ -139,7 +151,7 @@ def measured_rows(cfg: Config, step: StepMemory, exact_on_gpu: float) -> list[Ro
     """The step's peak, in rows that add up to it: what was alive at the peak of forward and backward, then what
     the loss and the optimizer update reach above it (each only when it does)."""
     top, instant = step.model, step.model_instant()
-    tokens = f"micro-batch {cfg.data.micro_batch} x {cfg.data.context_length} tokens"
+    tokens = f"micro-batch {update_rows(cfg)} x {cfg.data.context_length} tokens"
     at = f": {instant_words(instant)}" if instant is not None else ""
     rows = [Row("gathered parameters: unsharded layers and root, all-gather buffers (measured at the peak of "
                 f"forward and backward{at})", top.gathered, "measured")] if top.gathered else []
@@ -161,18 +173,39 @@ def gpu_resident_rows(held: Held, cfg: Config) -> list[Row]:
     return [*rows, Row("quantization state (whole, on every rank)", held.quant_state, "exact")]
 
 
+def with_context(rows: list[Row]) -> list[Row]:
+    allocated = sum(r.bytes for r in rows)
+    return [*rows, Row("CUDA context and allocator slack", CUDA_CONTEXT_GIB * GIB + ALLOCATOR_SLACK * allocated,
+                       "estimate")]
+
+
+def offload_copy_rows(held: Held, cfg: Config) -> list[Row]:
+    # on a GPU, FSDP2 copies a layer's host shards to the device before gathering them; on the CPU mesh the step
+    # is measured on they already are there, so this transient is added: a conservative bound
+    return [Row("offloaded shards copied to the GPU to gather a layer (not in the measured step; added)",
+                held.layer_shard, "exact")] if cfg.fsdp.cpu_offload else []
+
+
 def gpu_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
     rows = gpu_resident_rows(held, cfg)
     rows += measured_rows(cfg, step, sum(r.bytes for r in rows))
-    if cfg.fsdp.cpu_offload:
-        # on a GPU, FSDP2 copies a layer's host shards to the device before gathering them; on the CPU mesh the
-        # step is measured on they already are there, so this transient is added: a conservative bound
-        rows.append(Row("offloaded shards copied to the GPU to gather a layer (not in the measured step; added)",
-                        held.layer_shard, "exact"))
-    allocated = sum(r.bytes for r in rows)
-    rows.append(Row("CUDA context and allocator slack", CUDA_CONTEXT_GIB * GIB + ALLOCATOR_SLACK * allocated,
-                    "estimate"))
-    return rows
+    return with_context(rows + offload_copy_rows(held, cfg))
+
+
+def generating_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
+    """GRPO: the device while the policy generates (plan/generation.py), empty for other objectives."""
+    if cfg.train.objective != "grpo":
+        return []
+    made = generation_memory(cfg, planning_config(cfg), step, held.largest_linear)
+    tokens = f"{made.rows} rows x ({made.prompt_tokens} prompt + {made.new_tokens} new) tokens"
+    rows = [*gpu_resident_rows(held, cfg),
+            Row(f"KV cache ({tokens}; {made.calls} call{'s' if made.calls > 1 else ''} a step)", made.kv_cache_bytes,
+                "exact"),
+            Row("gathered parameters while decoding (the root for the call, layers in turn: the update's forward "
+                "gathers)", made.gathered_bytes, "measured"),
+            Row("temporaries: the prompts' forward (one layer's MLP, a dequantized weight) or sampling's logits",
+                made.temporaries_bytes, "estimate")]
+    return with_context(rows + offload_copy_rows(held, cfg))
 
 
 def loading_bytes(held: Held, cfg: Config) -> int:
@@ -210,7 +243,8 @@ def plan(cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
     description = (f"{parameters(n)} base parameters{active}, world size {cfg.hardware.world_size}, "
                    f"weights {cfg.model.dtype}, 4-bit compute {cfg.quant.compute_dtype}")
     return Plan(gpu_rows(held, cfg, step), host_rows(held, cfg, step), gpu_spec(cfg).memory_gib,
-                cfg.hardware.host_ram_gib, description, step, sum(r.bytes for r in gpu_resident_rows(held, cfg)))
+                cfg.hardware.host_ram_gib, description, step, sum(r.bytes for r in gpu_resident_rows(held, cfg)),
+                generating_rows(held, cfg, step))
 
 
 def format_rows(rows: list[Row]) -> list[str]:

@@ -41,6 +41,16 @@ def report(cfg: Config) -> tuple[str, bool]:
     return report_text(planned), planned.result.fits
 
 
+def generating_lines(result: Plan) -> list[str]:
+    """GRPO: the device while the policy generates, and which of the two phases is the step's peak."""
+    if not result.generating_rows:
+        return []
+    peak = "generation" if result.generating_total > result.update_total else "the update"
+    return ["per GPU (rank 0) while generating:", *format_rows(result.generating_rows),
+            f"| **total** | **{result.generating_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |",
+            f"the step's peak is {peak}'s: {result.gpu_total / GIB:.2f} GiB", ""]
+
+
 def report_text(planned: RecipePlan) -> str:
     """What `--plan` prints for a planned recipe."""
     recipe, cfg, held, mesh, result = planned.recipe, planned.planned, planned.held, planned.mesh, planned.result
@@ -48,9 +58,9 @@ def report_text(planned: RecipePlan) -> str:
     host_capacity = f"of {result.host_capacity_gib:g} GiB" if result.host_capacity_gib else "unchecked"
     note = activations_peak_line(result.step, result.resident_gpu) if result.step else None
     lines = [f"plan for {cfg.model.path} on {cfg.hardware.world_size} x {gpu}: {result.description}", "",
-             "per GPU (rank 0):", *format_rows(result.gpu_rows),
-             f"| **total** | **{result.gpu_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |",
-             *([note] if note else []), "",
+             f"per GPU (rank 0){' in the update' if result.generating_rows else ''}:", *format_rows(result.gpu_rows),
+             f"| **total** | **{result.update_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |",
+             *([note] if note else []), "", *generating_lines(result),
              "host RAM, per node:", *format_rows(result.host_rows),
              f"| **total** | **{result.host_total / GIB:.2f}** | {host_capacity} |",
              "", describe_batch(recipe, cfg, cfg.hardware.world_size), "FITS" if result.fits else "DOES NOT FIT"]

@@ -67,6 +67,7 @@ class StepTime:
     copies: float = 0.0  # host<->GPU, on their own, before overlap
     optimizer: float = 0.0
     exposed: float = 0.0
+    generation: float = 0.0  # GRPO: the policy's completions, and the log-probabilities kept from generation
     total: float = 0.0
 
     @property

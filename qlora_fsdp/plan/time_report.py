@@ -6,22 +6,51 @@ import math
 from pathlib import Path
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.plan.fake_step import plans_reference_forward
+from qlora_fsdp.plan.fake_step import plans_reference_forward, update_rows
+from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time
 from qlora_fsdp.plan.hardware import GPU
-from qlora_fsdp.plan.held import Held
+from qlora_fsdp.plan.held import Held, planning_config
 from qlora_fsdp.plan.memory import gpu_spec
-from qlora_fsdp.plan.step_time import StepTime, matmul_efficiency, step_time
+from qlora_fsdp.plan.step_time import Rates, StepTime, matmul_efficiency, part_time, step_time
 from qlora_fsdp.plan.step_tracker import StepMemory
 
 
 def recipe_time(cfg: Config, step: StepMemory) -> StepTime:
-    return step_time(step, cfg.data.grad_accum_steps, gpu_spec(cfg), cfg.fsdp.cpu_offload,
+    """The step's time on the recipe's GPUs; GRPO's includes generating (plan/generation.py)."""
+    time = step_time(step, cfg.data.grad_accum_steps, gpu_spec(cfg), cfg.fsdp.cpu_offload,
                      matmul_efficiency(cfg.hardware.gpu), cfg.hardware.host_memory_gbps)
+    if cfg.train.objective == "grpo":
+        time.generation = recipe_generation(cfg, step).total / cfg.grpo.num_iterations
+        time.generation += kept_logps_seconds(cfg, step) / cfg.grpo.num_iterations
+        time.total += time.generation
+    return time
+
+
+def rates(cfg: Config) -> Rates:
+    return Rates.of(gpu_spec(cfg), matmul_efficiency(cfg.hardware.gpu), cfg.hardware.host_memory_gbps)
+
+
+def recipe_generation(cfg: Config, step: StepMemory) -> GenerationTime:
+    hf = planning_config(cfg)
+    memory = generation_memory(cfg, hf, step, largest_linear=0)  # its calls and cache; temporaries are not timed
+    return generation_time(cfg, hf, step, memory, rates(cfg))
+
+
+def kept_logps_seconds(cfg: Config, step: StepMemory) -> float:
+    """The forwards over a generation's completions that compute the log-probabilities kept for the update: the
+    reference's (beta > 0) and the old policy's (num_iterations > 1), each the update's forward without backward."""
+    forwards = (cfg.grpo.beta != 0) + (cfg.grpo.num_iterations > 1)
+    if not forwards:
+        return 0.0
+    offload = cfg.fsdp.cpu_offload
+    one = sum(part_time(part, step.work[0, part], rates(cfg), offload).total
+              for part in ("pre", "forward", "post", "loss") if (0, part) in step.work)
+    return forwards * cfg.data.grad_accum_steps * one
 
 
 def step_tokens(cfg: Config) -> int:
     """Tokens a step trains on at full rows (packed rows, or the longest row of a padded batch)."""
-    return cfg.data.micro_batch * cfg.data.context_length * cfg.data.grad_accum_steps * cfg.hardware.world_size
+    return update_rows(cfg) * cfg.data.context_length * cfg.data.grad_accum_steps * cfg.hardware.world_size
 
 
 def dataset_records(cfg: Config) -> int | None:
@@ -41,6 +70,9 @@ def epoch_line(cfg: Config, step_seconds: float) -> str:
     if records is None:
         return "one epoch: set data.records (and, with packing, data.mean_record_tokens) to see its time"
     rows_per_step = cfg.data.micro_batch * cfg.data.grad_accum_steps * cfg.hardware.world_size
+    if cfg.train.objective == "grpo":  # a record is a prompt; a generation serves num_iterations steps
+        steps = math.ceil(records / rows_per_step) * cfg.grpo.num_iterations
+        return f"one epoch of {records:,} prompts: {steps:,} steps, {hours(steps * step_seconds)}"
     if cfg.data.packing and not cfg.data.mean_record_tokens:
         steps = math.ceil(records / rows_per_step)
         return (f"one epoch of {records:,} records: at most {steps:,} steps, {hours(steps * step_seconds)} (a record "
@@ -63,6 +95,30 @@ def link_description(gpu: GPU) -> str:
     return pcie if gpu.peer_to_peer else f"{pcie}, no peer-to-peer: collectives through host memory"
 
 
+def generation_lines(cfg: Config, step: StepMemory) -> list[str]:
+    """GRPO: what generating costs a rank, per call and per decoding step, and what bounds a step."""
+    made = recipe_generation(cfg, step)
+    bound = max((made.decode_link, "the link: every layer all-gathered each step"),
+                (made.decode_gpu, "memory bandwidth: every weight dequantized and read each step"),
+                (made.decode_host, "the host issuing each layer's kernels"))[1]
+    calls = f"{made.calls} call{'s' if made.calls > 1 else ''}"
+    return [f"generation: {calls} a rank x ({made.prefill:.2f} s over the prompts + {made.new_tokens} decoding steps "
+            f"x {made.decode_step:.3f} s), every row to max_completion_length; a decoding step takes link "
+            f"{made.decode_link:.3f} s, GPU {made.decode_gpu:.3f} s, host {made.decode_host:.3f} s: bound by {bound}"]
+
+
+def mfu_words(cfg: Config, held: Held, flops_per_token: int) -> tuple[float, str]:
+    """FLOPs of a step (trained tokens at 6N or 8N; GRPO's generated tokens at 2N, priced to their limit)."""
+    trained = step_tokens(cfg) * flops_per_token * held.active_parameters
+    active = ", N the active parameters" if held.active_parameters < held.base_parameters else ""
+    if cfg.train.objective != "grpo":
+        return trained, f"{flops_per_token}N FLOP a token{active}"
+    generated = (cfg.data.micro_batch * cfg.data.grad_accum_steps * cfg.hardware.world_size
+                 * cfg.grpo.num_generations * cfg.grpo.max_completion_length)
+    words = f"{flops_per_token}N FLOP a token, 2N a generated one{active}"
+    return trained + generated * 2 * held.active_parameters, words
+
+
 def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
     """The table of the step's time and the run's, for a GPU recipe (none on the CPU: no rates to price with)."""
     gpu = gpu_spec(cfg)
@@ -72,20 +128,24 @@ def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
     tokens = step_tokens(cfg)
     rate = tokens / time.total
     flops_per_token = 8 if plans_reference_forward(cfg) else 6  # DPO's reference forward: 2N more, as training counts
-    mfu = rate * flops_per_token * held.active_parameters / (gpu.bf16_tflops * 1e12 * cfg.hardware.world_size)
+    flops, flop_words = mfu_words(cfg, held, flops_per_token)
+    mfu = flops / time.total / (gpu.bf16_tflops * 1e12 * cfg.hardware.world_size)
+    grpo = cfg.train.objective == "grpo"
     rows = [("matmuls (each on the roofline: FLOPs or bytes, whichever is slower)", time.matmul),
             ("attention", time.attention), ("element-wise ops (bytes read and written)", time.elementwise),
             ("4-bit dequantization", time.dequant),
             ("collectives on their own (all-gather, reduce-scatter)", time.collectives),
             ("host<->GPU copies on their own (offload)", time.copies), ("optimizer update", time.optimizer),
             ("transfers left exposed after overlapping the compute", time.exposed)]
-    active = ", N the active parameters" if held.active_parameters < held.base_parameters else ""
+    if grpo:
+        rows.append(("generation (completions, and log-probabilities kept from it)", time.generation))
     unpriced = "; the network between nodes is not priced: optimistic" if cfg.hardware.nodes > 1 else ""
+    trained = "trained tokens" if grpo else "tokens"
     return ["", f"time per optimizer step on {cfg.hardware.world_size} x {cfg.hardware.gpu} ({link_description(gpu)}"
                 f"{unpriced}), predicted from the step's counted work (docs/benchmarks/step-time.md compares the "
                 "model with published runs):",
             "| part | seconds |", "| --- | ---: |", *(f"| {name} | {seconds:.2f} |" for name, seconds in rows),
-            f"| **step** | **{time.total:.2f}** |",
-            f"{tokens:,} tokens a step: {rate:,.0f} tokens/s, MFU {mfu:.0%} ({flops_per_token}N FLOP a token{active}); "
+            f"| **step** | **{time.total:.2f}** |", *(generation_lines(cfg, step) if grpo else []),
+            f"{tokens:,} {trained} a step: {rate:,.0f} tokens/s, MFU {mfu:.0%} ({flop_words}); "
             f"train.max_steps {cfg.train.max_steps}: {hours(cfg.train.max_steps * time.total)}",
             epoch_line(cfg, time.total)]
