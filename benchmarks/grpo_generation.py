@@ -22,6 +22,7 @@ import torch
 ARCHES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary
     "tiny": (128, 344, 4, 4, 2, 512),
     "llama-1b": (2048, 8192, 16, 32, 8, 128256),  # Llama 3.2 1B's shapes
+    "llama-3b": (3072, 8192, 28, 24, 8, 128256),  # Llama 3.2 3B's shapes
 }
 
 
@@ -35,15 +36,19 @@ class IdsOnly:
         return ""
 
 
-def write_checkpoint(arch: str, folder: Path) -> Path:
+def write_checkpoint(arch: str, folder: Path, weights: bool = True) -> Path:
+    """Random weights in the arch's shape (or its config.json alone: a plan reads nothing else)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if (folder / "config.json").is_file():
+    if (folder / ("model.safetensors" if weights else "config.json")).is_file():
         return folder
     hidden, inter, layers, heads, kv, vocab = ARCHES[arch]
     config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, bos_token_id=1,
                          eos_token_id=vocab - 1, tie_word_embeddings=False)
+    if not weights:
+        config.save_pretrained(folder)
+        return folder
     torch.manual_seed(0)
     model: Any = LlamaForCausalLM(config)
     model.to(torch.bfloat16).save_pretrained(folder)
@@ -120,6 +125,27 @@ def transformers_side(folder: Path, prompts: list[list[int]], args: argparse.Nam
     return timed(run, device)
 
 
+def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gpu: str) -> str:
+    """What --plan predicts for this call on `gpu` (plan/generation.py), before any process group exists."""
+    from qlora_fsdp.config import load_config
+    from qlora_fsdp.plan.fake_world import leave_fake_world
+    from qlora_fsdp.plan.report import plan_recipe
+    from qlora_fsdp.plan.time_report import recipe_generation
+
+    cfg = load_config("tiny_cpu_grpo", [
+        f"model.path={folder}", "model.dtype=bfloat16", "quant.compute_dtype=bfloat16", f"hardware.gpu={gpu}",
+        "activation_checkpointing.mode=off", f"data.micro_batch_size={len(prompts)}", "data.grad_accum_steps=1",
+        f"data.context_length={args.prompt_tokens + args.new_tokens}", f"grpo.max_completion_length={args.new_tokens}",
+        f"grpo.num_generations={args.rows // len(prompts)}"])
+    recipe = plan_recipe(cfg)
+    leave_fake_world()
+    assert recipe.result.step is not None
+    made = recipe_generation(recipe.planned, recipe.result.step)
+    return (f"planned on {gpu} (plan/generation.py): {made.total:.2f} s = {made.prefill:.2f} s over the prompts + "
+            f"{made.new_tokens} decoding steps x {made.decode_step * 1e3:.1f} ms (link {made.decode_link * 1e3:.1f}, "
+            f"GPU {made.decode_gpu * 1e3:.1f}, host {made.decode_host * 1e3:.1f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=sorted(ARCHES), default="tiny")
@@ -128,12 +154,19 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--work", type=Path, default=Path("outputs/bench-grpo-generation"))
+    parser.add_argument("--plan-on", metavar="GPU", help="also print what --plan predicts for this call on GPU (a "
+                        "hardware.gpu name, e.g. h100); planned on the CPU, with torch 2.13's fake tensors")
+    parser.add_argument("--plan-only", action="store_true", help="print the prediction, measure nothing")
     args = parser.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    folder = write_checkpoint(args.arch, args.work / args.arch)
+    folder = write_checkpoint(args.arch, args.work / args.arch, weights=not args.plan_only)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, ARCHES[args.arch][5] - 1, (args.prompt_tokens,), generator=generator).tolist()
                for _ in range(max(args.rows // 8, 1))]
+    prediction = planned(folder, prompts, args, args.plan_on) if args.plan_on else None
+    if args.plan_only:
+        print(prediction)
+        return
     torch.manual_seed(0)
     mine = ours(folder, prompts, args, device)
     theirs = transformers_side(folder, prompts, args, device)
@@ -145,6 +178,8 @@ def main() -> None:
                      ("transformers generate (bitsandbytes + PEFT)", theirs)):
         print(f"| {label} | {t.tokens} | {t.seconds:.2f} | {t.rate:,.0f} | {t.peak_gib:.2f} |")
     print(f"\nours / transformers: {mine.rate / theirs.rate:.2f}x")
+    if prediction:
+        print(f"{prediction}; measured {mine.seconds:.2f} s ({mine.seconds / args.new_tokens * 1e3:.1f} ms a token)")
 
 
 if __name__ == "__main__":
