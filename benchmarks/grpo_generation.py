@@ -40,7 +40,7 @@ def write_checkpoint(arch: str, folder: Path, weights: bool = True) -> Path:
     """Random weights in the arch's shape (or its config.json alone: a plan reads nothing else)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if (folder / ("model.safetensors" if weights else "config.json")).is_file():
+    if any(folder.glob("*.safetensors")) or (not weights and (folder / "config.json").is_file()):
         return folder
     hidden, inter, layers, heads, kv, vocab = ARCHES[arch]
     config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
