@@ -32,9 +32,12 @@ from qlora_fsdp.plan.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
 from qlora_fsdp.plan.step_time import Rates, link_seconds
 from qlora_fsdp.plan.step_tracker import StepMemory
 
-# The host's time to issue one decoder layer's kernels in a decoding step (FSDP2's hooks, bitsandbytes' and PEFT's
-# Python, HF's cache): measured with benchmarks/grpo_generation.py on an H100 machine (docs/benchmarks/grpo.md)
-DECODE_HOST_SECONDS_PER_LAYER = 0.005
+# A decoding step's time a layer that neither bytes nor FLOPs explain: the host issuing the layer's kernels (FSDP2's
+# hooks, bitsandbytes' and PEFT's Python, HF's cache), plus a part that grows with the rows (small-batch kernels,
+# the cache's copies). Fitted to benchmarks/grpo_generation.py on an H100 machine: Llama 3.2 3B's shapes at 32 and
+# 128 rows took 140 and 217 ms a step (28 layers); docs/benchmarks/grpo.md has the measured and planned figures
+DECODE_HOST_SECONDS_PER_LAYER = 0.0041
+DECODE_SECONDS_PER_ROW_LAYER = 0.0000286
 SAMPLING_BYTES_PER_LOGIT = 32  # the logits upcast to fp32, temperature, top-k/top-p's sort (values, int64 indices)
 MLP_TEMPORARIES = 3  # the gate's and up projection's outputs and their product, a prompt token at a time
 
@@ -126,7 +129,7 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     mean_cache = memory.kv_cache_bytes * (prompt + new / 2) / (prompt + new)  # the cache read grows a token a step
     weights = forward.dequant_elements * (DEQUANT_BYTES_PER_ELEMENT + itemsize) + head  # dequantized, then read
     gpu = (weights + mean_cache) / rates.memory + flops_per_token * rows / rates.flops
-    host = layers * DECODE_HOST_SECONDS_PER_LAYER
+    host = layers * (DECODE_HOST_SECONDS_PER_LAYER + rows * DECODE_SECONDS_PER_ROW_LAYER)
     decode = max(gpu, link, host) + min(gpu, link) / max(layers, 1)  # the first gather hides behind nothing
     prefill = (flops_per_token * rows * prompt / rates.flops + link
                + forward.dequant_elements * DEQUANT_BYTES_PER_ELEMENT / rates.memory)
