@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -111,7 +112,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
                                    StepCounts(len(ids), tokens), {})
         result = steps.step(lambda: [])
         grads = {adapter_file_key(key, model_layout(model)): grad for key, grad in full_grads(model).items()}
-        out["settings"][name] = {"loss": result.loss, "grads": grads}
+        out["settings"][name] = {"loss": result.loss, "grads": grads, "entropy": result.metrics["entropy"]}
         model.zero_grad(set_to_none=True)
     return out
 
@@ -173,7 +174,8 @@ def trl_update(model_dir: Path, adapter: Path, old_ref: dict) -> dict:
         loss.backward()
         grads = {peft_adapter_key(n, "default"): p.grad.detach().clone() for n, p in model.named_parameters()
                  if p.requires_grad}
-        out["settings"][name] = {"loss": loss.item(), "grads": grads}
+        out["settings"][name] = {"loss": loss.item(), "grads": grads,
+                                 "entropy": trainer._metrics["train"]["entropy"][-1]}
     return out
 
 
@@ -198,6 +200,7 @@ def test_the_update_equals_trls_at_world_sizes_1_and_2(tmp_path):
             # abs 1e-6: a loss is a sum of token terms of both signs (grpo_token's, -0.0233, agrees to 3e-7: 1.2e-5
             # relative); the two 4-bit forwards (ours, bitsandbytes') differ at float rounding
             assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-6), name
+            assert ours["entropy"] == pytest.approx(reference["entropy"], rel=1e-5), name  # the logged mean
             assert ours["grads"].keys() == reference["grads"].keys(), name
             for key, grad in reference["grads"].items():
                 assert relative(ours["grads"][key], grad) < 1e-5, (name, key)
@@ -312,8 +315,9 @@ def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(
     assert summary["samples"] == 30 * 2 * 2 * 8  # a step: 2 ranks x 2 prompts x 8 completions
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     for key in ("reward_std", "rewards/examples.rewards:category_words/std", "completion_length_max",
-                "generated_tokens_per_s", "clip_ratio_low", "clip_ratio_high"):
+                "generated_tokens_per_s", "clip_ratio_low", "clip_ratio_high", "entropy"):
         assert all(key in r for r in steps), key
+    assert all(0 < r["entropy"] < math.log(512) for r in steps)  # nats, below the tiny vocabulary's uniform
     samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == list(range(1, 31))
     assert all(len(s["completions"]) == len(s["rewards"]) == 8 and s["prompt"] for s in samples)

@@ -72,8 +72,9 @@ class ForwardLoss:
                                    batch.target_samples().to(device), batch.n_samples)
 
     def token_logps(self, model: nn.Module, batch: LossBatch, device: torch.device,
-                    temperature: float = 1.0) -> torch.Tensor:
-        """Each target token's log-probability at `temperature`, flat in the batch's target order (GRPO)."""
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each target token's log-probability at `temperature` and the entropy there (no gradient), flat in the
+        batch's target order (GRPO)."""
         inputs, labels, targets = model_inputs(model, batch, device)
         with self.offloading():
             return target_logps(model, inputs, labels, self.chunk_tokens, targets, temperature)

@@ -138,20 +138,31 @@ def per_sample_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tens
     return total
 
 
+def logps_and_entropies(logits: torch.Tensor, labels: torch.Tensor,
+                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's log-probability of its label and (no gradient: it is logged, never trained on) the entropy
+    of its next-token distribution, from the logits divided by `temperature`."""
+    scaled = logits.float() / temperature
+    logps = -F.cross_entropy(scaled, labels, reduction="none")
+    with torch.no_grad():
+        log_probs = scaled.log_softmax(-1)
+        entropies = -(log_probs.exp() * log_probs).sum(-1)
+    return logps, entropies
+
+
 def head_target_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
-                      temperature: float) -> torch.Tensor:
-    logits = head_logits(head, hidden)
-    return -F.cross_entropy(logits.float() / temperature, labels, reduction="none")
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return logps_and_entropies(head_logits(head, hidden), labels, temperature)
 
 
 def target_logps(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int | None,
-                 targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+                 targets: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target | what precedes it) at each target position (targets' order), from the logits divided by
-    `temperature` (GRPO scores completions at the temperature it sampled them at). Chunked as summed_loss."""
+    `temperature` (GRPO scores completions at the temperature it sampled them at), and the entropy there (for the
+    log, no gradient). Chunked as summed_loss."""
     if chunk_tokens is None or post_processes_logits(model):
         logits = model(**inputs).logits.flatten(0, -2).index_select(0, targets)
-        return -F.cross_entropy(logits.float() / temperature, labels.flatten().index_select(0, targets),
-                                reduction="none")
+        return logps_and_entropies(logits, labels.flatten().index_select(0, targets), temperature)
     head, hidden, labels = target_hidden_states(model, inputs, labels, targets)
     parts = []
     for start in range(0, hidden.shape[0], chunk_tokens):
@@ -161,4 +172,7 @@ def target_logps(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
                                     use_reentrant=False))
         else:
             parts.append(head_target_logps(head, hidden[part], labels[part], temperature))
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    if not parts:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat([logps for logps, _ in parts]), torch.cat([entropies for _, entropies in parts])

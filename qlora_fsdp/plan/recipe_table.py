@@ -10,8 +10,9 @@ from qlora_fsdp.config import REPO_ROOT, Config, load_config
 from qlora_fsdp.families import family_name
 from qlora_fsdp.plan.fake_world import leave_fake_world
 from qlora_fsdp.plan.held import planning_config
-from qlora_fsdp.plan.memory import GIB
+from qlora_fsdp.plan.memory import GIB, gpu_spec
 from qlora_fsdp.plan.report import RecipePlan, plan_recipe, report_text
+from qlora_fsdp.plan.step_tracker import StepMemory
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 
 START, END = "<!-- recipe table: made by scripts/recipe_table.py -->", "<!-- end of recipe table -->"
@@ -43,15 +44,27 @@ def setting_words(cfg: Config) -> str:
     return ", ".join(words)
 
 
+def grpo_words(cfg: Config, step: StepMemory | None) -> str:
+    """GRPO's setting, and its step's time with what generating takes of it (the tokens/s column counts only the
+    tokens the update trains on)."""
+    grpo = cfg.grpo
+    words = f", GRPO: {grpo.num_generations} completions of up to {grpo.max_completion_length} tokens a prompt"
+    if step is None or not gpu_spec(cfg).priced:
+        return words
+    time = recipe_time(cfg, step)
+    return words + f"; a step {time.total:,.0f} s, generating {time.generation:,.0f} s of it"
+
+
 def table_row(name: str, planned: RecipePlan) -> str:
     cfg, result = planned.planned, planned.result
     host = f"{result.host_total / GIB:.1f} GiB" + (f" of {result.host_capacity_gib:g}" if result.host_capacity_gib
                                                    else "")
     verdict = "" if result.fits else " (DOES NOT FIT)"
     rate = f"{step_tokens(cfg) / recipe_time(cfg, result.step).total:,.0f}" if result.step is not None else ""
+    setting = setting_words(cfg) + (grpo_words(cfg, result.step) if cfg.train.objective == "grpo" else "")
     model_type = planning_config(cfg).model_type  # the text model's, for a multimodal checkpoint
     family = family_name(model_type)
-    return (f"| `{name}` | {family} | {cfg.model.path} | {hardware_words(cfg)} | {setting_words(cfg)} | "
+    return (f"| `{name}` | {family} | {cfg.model.path} | {hardware_words(cfg)} | {setting} | "
             f"{result.gpu_total / GIB:.1f} GiB of {result.capacity_gib:g}{verdict} | {host} | {rate} |")
 
 

@@ -91,7 +91,7 @@ class GrpoSteps:
         """Each completion's target log-probabilities (no gradients), under the policy or the reference."""
         batch, order = self.batch([generation_samples[i] for i in indices])
         with torch.no_grad(), (adapter_off(self.model) if not adapter else nullcontext()):
-            flat = self.forward_loss.token_logps(self.model, batch, self.info.device, self.grpo.temperature)
+            flat, _ = self.forward_loss.token_logps(self.model, batch, self.info.device, self.grpo.temperature)
         pieces = torch.split(flat.detach(), batch.targets_per_sample().tolist())
         by_position = dict(zip(order, pieces, strict=True))
         return [by_position[i] for i in range(len(indices))]
@@ -181,11 +181,14 @@ class GrpoSteps:
         self.uses += 1
         return self.current
 
-    def micro_batch_share(self, generation: Generation, indices: list[int]) -> tuple[torch.Tensor, TokenTerms]:
+    def micro_batch_share(self, generation: Generation,
+                          indices: list[int]) -> tuple[torch.Tensor, TokenTerms, float]:
+        """The micro-batch's share of the step's loss, its token terms, and its summed entropy (the counted
+        tokens')."""
         batch, order = self.batch([generation.samples[i] for i in indices])
         picked = [indices[i] for i in order]
         device = self.info.device
-        logps = self.forward_loss.token_logps(self.model, batch, device, self.grpo.temperature)
+        logps, entropies = self.forward_loss.token_logps(self.model, batch, device, self.grpo.temperature)
 
         def flat(per_completion: list[torch.Tensor] | None) -> torch.Tensor | None:
             return None if per_completion is None else torch.cat([per_completion[i] for i in picked]).to(device)
@@ -193,24 +196,26 @@ class GrpoSteps:
         terms = TokenTerms(logps, flat(generation.old_logps), flat(generation.ref_logps),
                            generation.advantages[picked].to(device), batch.target_samples().to(device),
                            batch.n_samples)
-        return step_share(terms, self.grpo, generation.counts), terms
+        return step_share(terms, self.grpo, generation.counts), terms, float(entropies.sum())
 
     def step(self, next_units: Callable[[], list[list[int]]], loss_factor: float = 1.0) -> StepResult:
         """One optimizer step's gradients (generating first where the last generation is used up)."""
         generation = self.next_generation(next_units)
-        local, low, high, kl, n_tokens = 0.0, 0.0, 0.0, 0.0, 0
+        local, low, high, kl, entropy, n_tokens = 0.0, 0.0, 0.0, 0.0, 0.0, 0
         for index, indices in enumerate(generation.micro_batches):
             set_gradient_sync(self.model, index == len(generation.micro_batches) - 1)
-            share, terms = self.micro_batch_share(generation, indices)
+            share, terms, entropies = self.micro_batch_share(generation, indices)
+            entropy += entropies
             (share * loss_factor if loss_factor != 1.0 else share).backward()
             local += share.item()
             clipped = clip_fractions(terms, self.grpo)
             low, high, kl = low + clipped[0], high + clipped[1], kl + kl_sum(terms)
             n_tokens += sum(len(generation.samples[i].input_ids) for i in indices)
-        loss, low, high, kl, tokens = all_reduce_sums([local, low, high, kl, n_tokens], self.info.device)
+        loss, low, high, kl, entropy, tokens = all_reduce_sums([local, low, high, kl, entropy, n_tokens],
+                                                               self.info.device)
         counts = generation.counts
         metrics = {**generation.metrics, "clip_ratio_low": low / max(counts.tokens, 1.0),
-                   "clip_ratio_high": high / max(counts.tokens, 1.0)}
+                   "clip_ratio_high": high / max(counts.tokens, 1.0), "entropy": entropy / max(counts.tokens, 1.0)}
         if self.grpo.beta != 0.0:
             metrics["kl"] = kl / max(counts.tokens, 1.0)
         return StepResult(loss, counts.tokens, tokens, counts.completions, tokens, metrics)
