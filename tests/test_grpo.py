@@ -60,7 +60,8 @@ def grpo_settings(name: str) -> GrpoConfig:
                       **SETTINGS[name])
 
 
-def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None, packed: bool) -> dict:
+def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None, packed: bool,
+               settings: tuple[str, ...] = tuple(SETTINGS), micro: int = 2, lora: dict | None = None) -> dict:
     """Each setting's step loss and LoRA gradients on our model; world size 1 also writes the adapter (LoRA B
     seeded away from zero, so every LoRA tensor has a gradient) and returns the old and reference log-probabilities
     both sides then use (its own, moved by seeded noise so that ratios reach past the clip)."""
@@ -73,7 +74,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
     from qlora_fsdp.training.grpo_steps import Generation, GrpoSteps, completion_sample
 
     cfg = tiny_config(model_dir, data={"packing": packed, "context_length": 64, "format": "prompt"},
-                      train={"objective": "grpo"})
+                      train={"objective": "grpo"}, lora=lora or {})
     tokenizer = load_tokenizer(cfg)
     model = build_model(cfg, info)
     if adapter is None:
@@ -91,7 +92,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
     rows = [p * GENERATIONS + g for p in mine for g in range(GENERATIONS)]
     advantages = group_advantages(torch.tensor([float(i % 5) for i in range(len(ids))]), GENERATIONS, "group")
     out: dict = {"adapter": adapter, "settings": {}}
-    for name in SETTINGS:
+    for name in settings:
         grpo = grpo_settings(name)
         masked = [grpo.mask_truncated_completions and truncated[i] for i in rows]
         samples = [completion_sample(prompts[i // GENERATIONS], ids[i], m) for i, m in zip(rows, masked, strict=True)]
@@ -104,7 +105,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
             out["old_ref"] = old_ref
         tokens = sum(len(ids[i]) for i, m in zip(range(len(ids)), [grpo.mask_truncated_completions and t
                                                                    for t in truncated], strict=True) if not m)
-        per = len(rows) // 2  # two micro-batches a rank: accumulation at both world sizes
+        per = len(rows) // micro  # micro-batches a rank (two: accumulation at both world sizes)
         kept = [old_ref["old"][i] if not m else old_ref["old"][i][:0] for i, m in zip(rows, masked, strict=True)]
         ref = [old_ref["ref"][i] if not m else old_ref["ref"][i][:0] for i, m in zip(rows, masked, strict=True)]
         steps.current = Generation(samples, [list(range(s, s + per)) for s in range(0, len(rows), per)],
@@ -112,13 +113,16 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
                                    StepCounts(len(ids), tokens), {})
         result = steps.step(lambda: [])
         grads = {adapter_file_key(key, model_layout(model)): grad for key, grad in full_grads(model).items()}
-        out["settings"][name] = {"loss": result.loss, "grads": grads, "entropy": result.metrics["entropy"]}
+        out["settings"][name] = {"loss": result.loss, "grads": grads, "entropy": result.metrics["entropy"],
+                                 "router_aux_loss": result.metrics.get("router_aux_loss")}
         model.zero_grad(set_to_none=True)
     return out
 
 
-def trl_update(model_dir: Path, adapter: Path, old_ref: dict) -> dict:
-    """TRL's GRPOTrainer.compute_loss, one process, the whole batch, on transformers' 4-bit model + PEFT."""
+def trl_update(model_dir: Path, adapter: Path, old_ref: dict, settings: tuple[str, ...] = tuple(SETTINGS),
+               splits: int = 1, base: torch.nn.Module | None = None) -> dict:
+    """TRL's GRPOTrainer.compute_loss, one process, on transformers' 4-bit model (or `base`) + PEFT: the whole batch
+    in `splits` consecutive micro-batches, gradients accumulated as TRL accumulates them."""
     from accelerate import Accelerator
     from peft import PeftModel
     from transformers import AutoTokenizer
@@ -129,8 +133,10 @@ def trl_update(model_dir: Path, adapter: Path, old_ref: dict) -> dict:
     from tests.helpers import transformers_nf4
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    base = transformers_nf4(model_dir)
+    base = base if base is not None else transformers_nf4(model_dir)
     expected_keys = decoder_lora_keys(base)  # before PEFT wraps the modules
+    text_config = base.config.get_text_config()
+    aux_coefficient = getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
     model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
     add_fused_lm_head(model.get_base_model(), temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
     model.train()
@@ -141,23 +147,26 @@ def trl_update(model_dir: Path, adapter: Path, old_ref: dict) -> dict:
     completion_ids = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids])
     advantages = group_advantages(torch.tensor([float(i % 5) for i in range(rows)]), GENERATIONS, "group")
     out = {"expected_keys": expected_keys, "settings": {}}
-    for name, settings in SETTINGS.items():
+    for name in settings:
         grpo = grpo_settings(name)
         mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
         if grpo.mask_truncated_completions:
             mask[torch.tensor(truncated)] = 0
         trainer = object.__new__(GRPOTrainer)
         trainer.args = GRPOConfig(output_dir=str(adapter.parent / "trl"), bf16=False, use_cpu=True, report_to="none",
-                                  per_device_train_batch_size=rows, num_generations=GENERATIONS,
-                                  gradient_checkpointing=False, **{k: v for k, v in settings.items()
+                                  per_device_train_batch_size=rows // splits, num_generations=GENERATIONS,
+                                  gradient_accumulation_steps=splits,  # steps_per_generation follows it
+                                  gradient_checkpointing=False, **{k: v for k, v in SETTINGS[name].items()
                                                                     if k in ("delta", "mask_truncated_completions")})
         trainer.accelerator, trainer.model = Accelerator(cpu=True), model
         for key, value in dict(top_entropy_quantile=1.0, importance_sampling_level=grpo.importance_sampling_level,
                                off_policy_mask_threshold=None, beta=grpo.beta, loss_type=grpo.loss_type,
                                epsilon_low=grpo.epsilon, epsilon_high=grpo.resolved_epsilon_high, use_vllm=False,
                                vllm_importance_sampling_correction=False, max_completion_length=MAX_COMPLETION,
-                               current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
-                               aux_loss_enabled=False,
+                               current_gradient_accumulation_steps=splits, _entropy_bonus_enabled=False,
+                               # TRL's rule: a config with the router switch at all, and a non-zero coefficient
+                               aux_loss_enabled=hasattr(text_config, "output_router_logits") and aux_coefficient != 0,
+                               router_aux_loss_coef=aux_coefficient,
                                _metrics={"train": defaultdict(list), "eval": defaultdict(list)}).items():
             setattr(trainer, key, value)
 
@@ -166,16 +175,23 @@ def trl_update(model_dir: Path, adapter: Path, old_ref: dict) -> dict:
 
         inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
                   "completion_ids": completion_ids, "completion_mask": mask, "advantages": advantages,
-                  "num_items_in_batch": mask.sum(), "old_per_token_logps": padded(old_ref["old"]) * mask}
+                  "old_per_token_logps": padded(old_ref["old"]) * mask}
         if grpo.beta:
             inputs["ref_per_token_logps"] = padded(old_ref["ref"]) * mask
         model.zero_grad(set_to_none=True)
-        loss = trainer.compute_loss(model, inputs)
-        loss.backward()
+        loss = torch.zeros(())
+        for part in torch.arange(rows).chunk(splits):  # TRL's micro-batches; num_items_in_batch is the step's
+            micro_loss = trainer.compute_loss(model, {**{k: v[part] for k, v in inputs.items()},
+                                                      "num_items_in_batch": mask.sum()})
+            micro_loss.backward()
+            loss = loss + micro_loss.detach()
         grads = {peft_adapter_key(n, "default"): p.grad.detach().clone() for n, p in model.named_parameters()
                  if p.requires_grad}
-        out["settings"][name] = {"loss": loss.item(), "grads": grads,
-                                 "entropy": trainer._metrics["train"]["entropy"][-1]}
+        entropy = trainer._metrics["train"]["entropy"][-splits:]  # each micro-batch's mean: weighted by tokens
+        weights = [int(mask[part].sum()) for part in torch.arange(rows).chunk(splits)]
+        aux = trainer._metrics["train"]["aux_loss"][-splits:]  # each micro-batch's: their mean is the step's
+        out["settings"][name] = {"loss": loss.item(), "grads": grads, "aux_loss": sum(aux) / splits if aux else None,
+                                 "entropy": sum(e * w for e, w in zip(entropy, weights, strict=True)) / sum(weights)}
     return out
 
 
@@ -205,6 +221,37 @@ def test_the_update_equals_trls_at_world_sizes_1_and_2(tmp_path):
             for key, grad in reference["grads"].items():
                 assert relative(ours["grads"][key], grad) < 1e-5, (name, key)
 
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_update_equals_trls_with_its_load_balancing_loss(tmp_path):
+    """Qwen3-MoE with LoRA on its 4-bit experts and trained routers: the update (dapo, token) equals TRL's, whose
+    load-balancing loss joins it (the config has the router switch and a coefficient): at world size 1 in two
+    padded micro-batches and at 2 in one packed micro-batch a rank, against TRL accumulating the same two."""
+    from qlora_fsdp.tools.tiny_model import train_tokenizer
+    from tests.families import write_family_model
+    from tests.helpers import REPO
+    from tests.test_families import expected_adapter_keys, reference_model
+
+    model_dir = write_family_model(tmp_path / "moe", "qwen3_moe", train_tokenizer(REPO / "data" / "tiny_instruct.jsonl",
+                                                                                  512))
+    lora = {"r": 4, "dropout": 0.0, "target_experts": True, "train_router": True}
+    settings = ("dapo_token",)
+    one = run_ranks(our_update, 1, model_dir, None, None, False, settings, 2, lora, tmp_dir=tmp_path)[0]
+    two = run_ranks(our_update, 2, model_dir, one["adapter"], one["old_ref"], True, settings, 1, lora,
+                    tmp_dir=tmp_path)[0]
+    base = reference_model(model_dir)
+    expected = expected_adapter_keys(base)
+    trl = trl_update(model_dir, one["adapter"], one["old_ref"], settings, splits=2, base=base)
+    reference = trl["settings"]["dapo_token"]
+    assert reference["grads"].keys() >= expected and any("router" in key or "gate.weight" in key for key in expected)
+    for run in (one, two):
+        ours = run["settings"]["dapo_token"]
+        print(f"MoE dapo_token: TRL {reference['loss']:.7f}, ours {ours['loss']:.7f}")
+        assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-6)
+        assert ours["router_aux_loss"] == pytest.approx(reference["aux_loss"], rel=1e-5)
+        for key, grad in reference["grads"].items():
+            assert relative(run["settings"]["dapo_token"]["grads"][key], grad) < 1e-5, key
 
 # ---- advantages and rewards (in process) --------------------------------------------------------------------------
 
@@ -321,6 +368,28 @@ def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(
     samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == list(range(1, 31))
     assert all(len(s["completions"]) == len(s["rewards"]) == 8 and s["prompt"] for s in samples)
+    assert_merged_equals_peft(out / "adapter", tiny_model_dir, tmp_path / "merged")
+
+
+def assert_merged_equals_peft(adapter: Path, model_dir: Path, merged_dir: Path) -> None:
+    """A GRPO adapter is an adapter like any: PEFT loads it onto transformers' 4-bit model, and the merge gives
+    those logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from qlora_fsdp.loading.adapter import config_for_adapter
+    from qlora_fsdp.tools.merge import merge_adapter
+    from tests.helpers import transformers_nf4
+
+    merge_adapter(config_for_adapter(adapter, None, []), adapter, merged_dir, "float32")
+    input_ids = torch.tensor([[1, 20, 30, 40, 50, 60]])
+    with torch.no_grad():
+        base = transformers_nf4(model_dir)
+        before = base(input_ids=input_ids).logits
+        live = PeftModel.from_pretrained(base, adapter).eval()(input_ids=input_ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)(input_ids=input_ids).logits
+    assert (live - before).abs().max() > 1e-3  # the adapter moved the model: matching it means something
+    assert (merged - live).abs().max() < 1e-4 * live.abs().max()
 
 
 def test_an_unknown_reward_function_is_refused_before_loading(tmp_path):

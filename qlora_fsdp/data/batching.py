@@ -83,6 +83,15 @@ class Batch:
             first += n
         return owner[self.target_positions]
 
+    def real_tokens(self) -> torch.Tensor:
+        """1 at every token of a sample, 0 at padding (a padded row's tail, a packed row's), in the rows' shape."""
+        if self.segments is None or self.row_samples is None:
+            return self.attention_mask if self.attention_mask is not None else torch.ones_like(self.input_ids)
+        mask = torch.zeros_like(self.input_ids)
+        for row, (lengths, n) in enumerate(zip(self.segments, self.row_samples, strict=True)):
+            mask[row, : sum(lengths[:n])] = 1
+        return mask
+
     def sample_bounds(self, one_row: bool = False) -> list[list[tuple[int, int]]]:
         """[start, end) of every sample (and padding tail) of each packed row, or of the one long row; from the
         lengths, so no tensor is read."""

@@ -29,12 +29,23 @@ class LossBatch(Protocol):
 
     def sample_bounds(self, one_row: bool) -> Any: ...
 
+    def real_tokens(self) -> torch.Tensor: ...
+
     def target_samples(self) -> torch.Tensor: ...
 
     def targets_per_sample(self) -> torch.Tensor: ...
 
     @property
     def n_samples(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class PolicyTokens:
+    """GRPO's forward over a micro-batch of completions, at its target tokens (flat, in target order)."""
+
+    logps: torch.Tensor  # log-probability of each target at the sampling temperature
+    entropies: torch.Tensor  # the next-token distribution's entropy there (no gradient: logged only)
+    router_aux: torch.Tensor | None  # a mixture of experts' load-balancing loss over the real tokens, where asked
 
 
 @dataclass(frozen=True)
@@ -71,13 +82,19 @@ class ForwardLoss:
             return per_sample_loss(model, inputs, labels, self.chunk_tokens, targets,
                                    batch.target_samples().to(device), batch.n_samples)
 
-    def token_logps(self, model: nn.Module, batch: LossBatch, device: torch.device,
-                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each target token's log-probability at `temperature` and the entropy there (no gradient), flat in the
-        batch's target order (GRPO)."""
+    def token_logps(self, model: nn.Module, batch: LossBatch, device: torch.device, temperature: float = 1.0,
+                    router_aux: bool = False) -> PolicyTokens:
+        """Each target token's log-probability at `temperature` and the entropy there, flat in the batch's target
+        order (GRPO); with `router_aux`, the routers' load-balancing loss over the batch's real tokens (padding
+        left out, packed or not: the tokens a padded batch's attention mask keeps, as TRL's forward gets)."""
         inputs, labels, targets = model_inputs(model, batch, device)
-        with self.offloading():
-            return target_logps(model, inputs, labels, self.chunk_tokens, targets, temperature)
+        with self.offloading(), self.router.catching(model, router_aux) as router_logits:
+            logps, entropies = target_logps(model, inputs, labels, self.chunk_tokens, targets, temperature)
+        aux = None
+        if router_aux:
+            mask = batch.real_tokens().reshape(inputs["input_ids"].shape).to(device)
+            aux = self.router.loss(model, router_logits, mask, 1.0)
+        return PolicyTokens(logps, entropies, aux)
 
     def offloading(self) -> AbstractContextManager[Any]:
         """What the forward saves for backward waits in host memory (when the recipe offloads, and only where

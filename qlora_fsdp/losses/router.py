@@ -30,6 +30,14 @@ def router_loss_coefficient(model: nn.Module) -> float | None:
     return float(getattr(config, "router_aux_loss_coef", 0.0))
 
 
+def grpo_router_coefficient(model: nn.Module) -> float | None:
+    """GRPO's rule (TRL 1.16's): the load-balancing loss joins the update wherever the config has the switch at all
+    (`output_router_logits`, even false) and a non-zero `router_aux_loss_coef`; None elsewhere."""
+    config = getattr(model, "config", None)
+    coefficient = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    return coefficient if hasattr(config, "output_router_logits") and coefficient else None
+
+
 def balancing_function(model: nn.Module) -> Any:
     """The family's own load_balancing_loss_func (each family's modeling module defines one)."""
     for module in model.modules():

@@ -29,7 +29,7 @@ from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed, pac
 from qlora_fsdp.data.prompts import PromptData, Prompts, is_chat
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sums
 from qlora_fsdp.labels import IGNORE_INDEX
-from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.losses.forward import ForwardLoss, PolicyTokens
 from qlora_fsdp.losses.pairs import adapter_off
 from qlora_fsdp.losses.policy import (
     StepCounts,
@@ -40,6 +40,7 @@ from qlora_fsdp.losses.policy import (
     std_from_sums,
     step_share,
 )
+from qlora_fsdp.losses.router import grpo_router_coefficient
 from qlora_fsdp.rewards.functions import Reward, Rollouts, combined, score
 from qlora_fsdp.training.grad_sync import set_gradient_sync
 from qlora_fsdp.training.records import StepResult
@@ -75,6 +76,7 @@ class GrpoSteps:
         self.current: Generation | None = None
         self.current_sample: dict[str, Any] | None = None
         self.uses = 0  # optimizer steps the current generation has served
+        self.router_coefficient = grpo_router_coefficient(model)
 
     # ---- the batches ------------------------------------------------------------------------------------------
 
@@ -91,7 +93,7 @@ class GrpoSteps:
         """Each completion's target log-probabilities (no gradients), under the policy or the reference."""
         batch, order = self.batch([generation_samples[i] for i in indices])
         with torch.no_grad(), (adapter_off(self.model) if not adapter else nullcontext()):
-            flat, _ = self.forward_loss.token_logps(self.model, batch, self.info.device, self.grpo.temperature)
+            flat = self.forward_loss.token_logps(self.model, batch, self.info.device, self.grpo.temperature).logps
         pieces = torch.split(flat.detach(), batch.targets_per_sample().tolist())
         by_position = dict(zip(order, pieces, strict=True))
         return [by_position[i] for i in range(len(indices))]
@@ -182,13 +184,15 @@ class GrpoSteps:
         return self.current
 
     def micro_batch_share(self, generation: Generation,
-                          indices: list[int]) -> tuple[torch.Tensor, TokenTerms, float]:
-        """The micro-batch's share of the step's loss, its token terms, and its summed entropy (the counted
-        tokens')."""
+                          indices: list[int]) -> tuple[torch.Tensor, TokenTerms, PolicyTokens]:
+        """The micro-batch's share of the step's loss (with a mixture of experts' load-balancing loss where TRL
+        adds it: the coefficient times the mean over every micro-batch and rank), its token terms and forward."""
         batch, order = self.batch([generation.samples[i] for i in indices])
         picked = [indices[i] for i in order]
         device = self.info.device
-        logps, entropies = self.forward_loss.token_logps(self.model, batch, device, self.grpo.temperature)
+        forward = self.forward_loss.token_logps(self.model, batch, device, self.grpo.temperature,
+                                                router_aux=self.router_coefficient is not None)
+        logps = forward.logps
 
         def flat(per_completion: list[torch.Tensor] | None) -> torch.Tensor | None:
             return None if per_completion is None else torch.cat([per_completion[i] for i in picked]).to(device)
@@ -196,28 +200,35 @@ class GrpoSteps:
         terms = TokenTerms(logps, flat(generation.old_logps), flat(generation.ref_logps),
                            generation.advantages[picked].to(device), batch.target_samples().to(device),
                            batch.n_samples)
-        return step_share(terms, self.grpo, generation.counts), terms, float(entropies.sum())
+        share = step_share(terms, self.grpo, generation.counts)
+        if forward.router_aux is not None and self.router_coefficient is not None:
+            micro_batches = len(generation.micro_batches) * self.info.world_size
+            share = share + self.router_coefficient * forward.router_aux / micro_batches
+        return share, terms, forward
 
     def step(self, next_units: Callable[[], list[list[int]]], loss_factor: float = 1.0) -> StepResult:
         """One optimizer step's gradients (generating first where the last generation is used up)."""
         generation = self.next_generation(next_units)
-        local, low, high, kl, entropy, n_tokens = 0.0, 0.0, 0.0, 0.0, 0.0, 0
+        local, low, high, kl, entropy, aux, n_tokens = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0
         for index, indices in enumerate(generation.micro_batches):
             set_gradient_sync(self.model, index == len(generation.micro_batches) - 1)
-            share, terms, entropies = self.micro_batch_share(generation, indices)
-            entropy += entropies
+            share, terms, forward = self.micro_batch_share(generation, indices)
+            entropy += float(forward.entropies.sum())
+            aux += float(forward.router_aux) if forward.router_aux is not None else 0.0
             (share * loss_factor if loss_factor != 1.0 else share).backward()
             local += share.item()
             clipped = clip_fractions(terms, self.grpo)
             low, high, kl = low + clipped[0], high + clipped[1], kl + kl_sum(terms)
             n_tokens += sum(len(generation.samples[i].input_ids) for i in indices)
-        loss, low, high, kl, entropy, tokens = all_reduce_sums([local, low, high, kl, entropy, n_tokens],
-                                                               self.info.device)
+        loss, low, high, kl, entropy, aux, tokens = all_reduce_sums(
+            [local, low, high, kl, entropy, aux, n_tokens], self.info.device)
         counts = generation.counts
         metrics = {**generation.metrics, "clip_ratio_low": low / max(counts.tokens, 1.0),
                    "clip_ratio_high": high / max(counts.tokens, 1.0), "entropy": entropy / max(counts.tokens, 1.0)}
         if self.grpo.beta != 0.0:
             metrics["kl"] = kl / max(counts.tokens, 1.0)
+        if self.router_coefficient is not None:
+            metrics["router_aux_loss"] = aux / (len(generation.micro_batches) * self.info.world_size)
         return StepResult(loss, counts.tokens, tokens, counts.completions, tokens, metrics)
 
     def state(self) -> dict[str, Any]:
