@@ -126,6 +126,10 @@ def test_every_shipped_recipe_loads():
             assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_prompts.jsonl", "prompt",
                                                                              "grpo")
             assert [r.function for r in cfg.grpo.rewards] == ["examples.rewards:category_words"]
+        elif name.endswith("_grpo"):  # GSM8K's questions as prompts; its `answer` column reaches math_answer
+            assert [(s.path, s.subset, s.format, s.fields) for s in cfg.data.sources] == [
+                ("openai/gsm8k", "main", "prompt", {"prompt": "question"})] and cfg.train.objective == "grpo"
+            assert [r.function for r in cfg.grpo.rewards] == ["math_answer"]
         elif name.endswith("_dpo"):  # UltraFeedback-binarized's preference split, by hub id
             assert [(s.path, s.format, s.split) for s in cfg.data.sources] == [
                 ("HuggingFaceH4/ultrafeedback_binarized", "chat", "train_prefs")] and cfg.train.objective == "dpo"

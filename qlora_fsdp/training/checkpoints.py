@@ -210,6 +210,7 @@ class Checkpointer:
             if cause is None:
                 raise
             raise self.disk_full(tmp, cause) from None
+        barrier()  # every rank's files are written (a rank's own state is written after DCP's collective save)
         if self.info.is_main:
             os.rename(tmp, final)  # the commit point
             sync_dir(root)
