@@ -360,6 +360,9 @@ def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(
     assert all(r["completion_length"] <= 8 and 0 <= r["truncated_ratio"] <= 1 for r in steps)
     summary = next(r for r in records if r.get("event") == "summary")
     assert summary["samples"] == 30 * 2 * 2 * 8  # a step: 2 ranks x 2 prompts x 8 completions
+    # the 8 held-out prompts (4 a rank), scored before and after: the policy learned beyond its training prompts
+    print(f"held-out reward {summary['eval_reward_start']:.3f} -> {summary['eval_reward_end']:.3f}")
+    assert summary["eval_reward_end"] > summary["eval_reward_start"] + 0.1
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     for key in ("reward_std", "rewards/examples.rewards:category_words/std", "completion_length_max",
                 "generated_tokens_per_s", "clip_ratio_low", "clip_ratio_high", "entropy"):

@@ -174,6 +174,27 @@ class GrpoSteps:
         texts = self.tokenizer.batch_decode(made.ids[:g], skip_special_tokens=True)
         return {"prompt": prompts.prompts[0], "completions": texts, "rewards": rewards[:g].tolist()}
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out prompts' rewards: each rank generates for an equal share of them (a collective: every rank
+        steps as often), num_generations completions each, sampled as in training from a generator seeded by the
+        step, so evaluating leaves training's sampling where it was (a resumed run samples the same)."""
+        held_out = self.data.eval
+        share = len(held_out) // self.info.world_size
+        if not share:
+            return {}
+        prompts = held_out.subset(list(range(self.info.rank * share, (self.info.rank + 1) * share)))
+        devices = [self.info.device] if self.info.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.cfg.train.seed + 7919 * step + self.info.rank)
+            made = generate(self.model, self.tokenizer, prompts.ids, self.grpo, self.info.device,
+                            synced=self.info.world_size > 1)
+        scores = score(self.rewards, self.rollouts(prompts, made.ids))
+        metrics = self.reward_metrics(scores, combined(scores, [r.weight for r in self.rewards]), made.ids,
+                                      made.truncated, 0.0)
+        kept = ["reward", "reward_std", "completion_length", "truncated_ratio"]
+        kept += [f"rewards/{r.name}" for r in self.rewards]
+        return {f"eval_{key}": metrics[key] for key in kept}
+
     # ---- the update -------------------------------------------------------------------------------------------
 
     def next_generation(self, next_units: Callable[[], list[list[int]]]) -> Generation:

@@ -169,8 +169,14 @@ class Trainer:
             self.memory_peaks[key] = max(value, self.memory_peaks.get(key, 0.0))
         return peaks
 
+    def has_eval(self) -> bool:
+        return bool(self.eval_samples) or (self.grpo is not None and len(self.grpo.data.eval) > 0)
+
     def evaluate(self) -> dict[str, float]:
-        """The held-out record: loss and perplexity; for preference pairs, loss and the reward metrics."""
+        """The held-out record: loss and perplexity; for preference pairs, loss and the reward metrics; for GRPO,
+        the held-out prompts' rewards."""
+        if self.grpo is not None:
+            return self.grpo.evaluate(self.step)
         if self.pair_loss is not None:
             references = self.references["eval"] if self.references is not None else None
             return evaluate_pairs(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
@@ -274,7 +280,7 @@ class Trainer:
             mfu = self.mfu_reference.mfu(rate)
             record = {"step": self.step, **stats.record(), "tokens_per_s": rate,
                       **({"mfu": mfu} if mfu is not None else {}), "step_time_s": elapsed}
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != cfg.max_steps and self.eval_samples:
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != cfg.max_steps and self.has_eval():
                 record.update(self.evaluate())
             record.update(self.step_memory_peaks())
             offloader = self.forward_loss.offloader
@@ -287,9 +293,10 @@ class Trainer:
                 self.logger.log(self.window.take())
             self.window.add(record)
             # a checkpoint ends a record too: a resumed run then logs the same records as an uninterrupted one
-            if save or stats.skipped or "eval_loss" in record or self.step % cfg.log_every == 0:
+            evaluated = "eval_loss" in record or "eval_reward" in record
+            if save or stats.skipped or evaluated or self.step % cfg.log_every == 0:
                 self.logger.log(self.window.take())
-            shown = ("loss", "reward", "reward_accuracy", "reward_margin", "eval_loss", "eval_ppl",
+            shown = ("loss", "reward", "reward_accuracy", "reward_margin", "eval_loss", "eval_ppl", "eval_reward",
                      "eval_reward_accuracy", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu", "peak_memory_gib")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
             self.check_bad_steps(stats)
@@ -303,8 +310,8 @@ class Trainer:
         self.prepare_reference()
         self.model.train()
         resumed = self.step > 0
-        first = self.evaluate() if self.eval_samples and not resumed else eval_record(math.nan)
-        first_eval = first["eval_loss"]
+        first = self.evaluate() if self.has_eval() and not resumed else eval_record(math.nan)
+        first_eval = first.get("eval_loss", math.nan)
         rewards = {f"{key}_start": first[key] for key in REWARD_SUMMARY if key in first}
         if not resumed:
             self.logger.log({"step": 0, **first})
@@ -317,8 +324,8 @@ class Trainer:
             self.profiler.stop()
             self.stop.uninstall()
         wall = time.perf_counter() - start
-        final = self.evaluate() if self.eval_samples and not stopped else eval_record(math.nan)
-        final_eval = final["eval_loss"]
+        final = self.evaluate() if self.has_eval() and not stopped else eval_record(math.nan)
+        final_eval = final.get("eval_loss", math.nan)
         rewards.update({f"{key}_end": final[key] for key in REWARD_SUMMARY if key in final})
         if not stopped:
             self.logger.log({"step": self.step, **final})

@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-REWARD_SUMMARY = ("eval_reward_accuracy", "eval_reward_margin")  # kept in a preference run's summary
+# kept in the summary: a preference run's held-out accuracy and margin, a GRPO run's held-out reward
+REWARD_SUMMARY = ("eval_reward_accuracy", "eval_reward_margin", "eval_reward")
 
 
 @dataclass(frozen=True)
