@@ -61,7 +61,8 @@ def grpo_settings(name: str) -> GrpoConfig:
 
 
 def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None, packed: bool,
-               settings: tuple[str, ...] = tuple(SETTINGS), micro: int = 2, lora: dict | None = None) -> dict:
+               settings: tuple[str, ...] = tuple(SETTINGS), micro: int = 2, lora: dict | None = None,
+               context: int = 64) -> dict:
     """Each setting's step loss and LoRA gradients on our model; world size 1 also writes the adapter (LoRA B
     seeded away from zero, so every LoRA tensor has a gradient) and returns the old and reference log-probabilities
     both sides then use (its own, moved by seeded noise so that ratios reach past the clip)."""
@@ -73,7 +74,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
     from qlora_fsdp.losses.policy import StepCounts
     from qlora_fsdp.training.grpo_steps import Generation, GrpoSteps, completion_sample
 
-    cfg = tiny_config(model_dir, data={"packing": packed, "context_length": 64, "format": "prompt"},
+    cfg = tiny_config(model_dir, data={"packing": packed, "context_length": context, "format": "prompt"},
                       train={"objective": "grpo"}, lora=lora or {})
     tokenizer = load_tokenizer(cfg)
     model = build_model(cfg, info)
@@ -238,7 +239,8 @@ def test_a_mixture_of_experts_update_equals_trls_with_its_load_balancing_loss(tm
     lora = {"r": 4, "dropout": 0.0, "target_experts": True, "train_router": True}
     settings = ("dapo_token",)
     one = run_ranks(our_update, 1, model_dir, None, None, False, settings, 2, lora, tmp_dir=tmp_path)[0]
-    two = run_ranks(our_update, 2, model_dir, one["adapter"], one["old_ref"], True, settings, 1, lora,
+    # packed into rows of 24 tokens: two or so completions a row, rows with padding tails the routers must not count
+    two = run_ranks(our_update, 2, model_dir, one["adapter"], one["old_ref"], True, settings, 1, lora, 24,
                     tmp_dir=tmp_path)[0]
     base = reference_model(model_dir)
     expected = expected_adapter_keys(base)
