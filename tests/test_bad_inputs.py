@@ -294,6 +294,36 @@ def data_bad_function_call(d: Path, model: Path) -> list[str]:
     return [data_file(d, [json.dumps({"conversations": turns})], "tools.jsonl"), "data.format=sharegpt"]
 
 
+# --- GRPO prompts and rewards ----------------------------------------------------------------------------------
+@bad_input(r"gsm8k\.jsonl: GRPO reads a 'prompt' column \(or data\.fields: \{prompt: <column>\}\); the records have "
+           r"\['question', 'answer'\]")
+def grpo_data_without_prompt_column(d: Path, model: Path) -> list[str]:
+    """GSM8K's records for GRPO, whose prompts are in a `question` column."""
+    record = json.dumps({"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"})
+    return ["--recipe", "tiny_cpu_grpo", data_file(d, [record] * 8, "gsm8k.jsonl")]
+
+
+@bad_input(r"prompts\.jsonl record 2: the prompt has \d+ tokens, more than data\.context_length - "
+           r"grpo\.max_completion_length = 24; raise data\.context_length or shorten it")
+def grpo_prompt_longer_than_the_context(d: Path, model: Path) -> list[str]:
+    """A GRPO prompt that leaves no room in the context for its completion."""
+    lines = [json.dumps({"prompt": "Name a colour." if i != 1 else "Name a colour. " * 40, "category": "colors"})
+             for i in range(8)]
+    return ["--recipe", "tiny_cpu_grpo", data_file(d, lines, "prompts.jsonl")]
+
+
+@bad_input(r"reward function 'my_rewards:correct': cannot import my_rewards")
+def grpo_unknown_reward_function(d: Path, model: Path) -> list[str]:
+    """A reward function whose module does not exist (refused before the model, here a missing folder, is read)."""
+    return ["--recipe", "tiny_cpu_grpo", "grpo.rewards=[{function: my_rewards:correct}]", "model.path=/nonexistent"]
+
+
+@bad_input(r"'train\.objective: grpo' needs reward functions: grpo\.rewards: \[\{function: math_answer\}\]")
+def grpo_without_rewards(d: Path, model: Path) -> list[str]:
+    """A GRPO run with no reward function."""
+    return ["--recipe", "tiny_cpu_grpo", "grpo.rewards=[]"]
+
+
 # --- model folders ---------------------------------------------------------------------------------------------
 @bad_input(r"no_config has no config\.json: not a Hugging Face checkpoint folder")
 def model_without_config(d: Path, model: Path) -> list[str]:
