@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import PAIR_OBJECTIVES, Config, load_config, to_dict, to_yaml, validate
+from qlora_fsdp.data.images import ImageData, load_image_data, records_have_images
 from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.data.pipeline import Dataset, load_dataset
 from qlora_fsdp.data.prompts import PromptData, load_prompt_data
@@ -36,6 +37,7 @@ from qlora_fsdp.training.run_dir import prepare_run_dir
 from qlora_fsdp.training.shared_dir import check_output_dir_shared
 from qlora_fsdp.training.tracking import check_available as check_trackers_available
 from qlora_fsdp.training.tracking import open_trackers
+from qlora_fsdp.vision.encoder import checkpoint_config, image_token_id, load_processor, vision_encoder
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -65,6 +67,8 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     tokenizer = load_tokenizer(cfg)
     data = load_data(tokenizer, cfg, info)
     model = build_model(cfg, info)
+    if isinstance(data, ImageData):  # the image side, frozen, beside the sharded decoder on every rank
+        vision_encoder(model, cfg, info.device)
     recipe = cfg  # as written (auto micro-batch, unscaled lr); cfg from here on is what this run uses
     cfg = decide_on_main(lambda: resolve_run_batch(recipe, model, info))
     trainer = make_trainer(cfg, info, model, data, tokenizer)
@@ -78,16 +82,19 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     return finish(trainer, trainer.train(), tokenizer)
 
 
-def load_data(tokenizer: PreTrainedTokenizerBase, cfg: Config, info: DistInfo) -> Dataset | PromptData:
-    """SFT samples, preference pairs, or GRPO's prompts, as the objective reads them."""
+def load_data(tokenizer: PreTrainedTokenizerBase, cfg: Config, info: DistInfo) -> Dataset | PromptData | ImageData:
+    """SFT samples (with images, where the records show some), preference pairs, or GRPO's prompts, as the
+    objective reads them."""
     if cfg.train.objective == "grpo":
         return load_prompt_data(tokenizer, cfg)
     if cfg.train.objective in PAIR_OBJECTIVES:
         return load_pairs(tokenizer, cfg, info)
+    if records_have_images(cfg):
+        return load_image_data(load_processor(cfg), image_token_id(checkpoint_config(cfg)), cfg)
     return load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
 
 
-def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset | PromptData,
+def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset | PromptData | ImageData,
                  tokenizer: PreTrainedTokenizerBase) -> Trainer:
     out_dir = Path(cfg.train.output_dir)
     optimizer = build_optimizer(model, cfg.optim)

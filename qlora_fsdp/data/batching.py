@@ -21,6 +21,17 @@ from qlora_fsdp.data.templates import IGNORE_INDEX
 class Sample:
     input_ids: list[int]
     labels: list[int]  # unshifted: IGNORE_INDEX where the token is not a target
+    # a record with images: the checkpoint's processor's image inputs (pixel_values, and what the family needs
+    # beside them), one entry an image along the first dimension, in the order the image tokens come
+    vision: dict[str, torch.Tensor] | None = None
+
+
+def joined_vision(samples: list[Sample]) -> dict[str, torch.Tensor] | None:
+    """The image inputs of these samples in the order their image tokens come in the batch; None without images."""
+    parts = [s.vision for s in samples if s.vision is not None]
+    if not parts:
+        return None
+    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
 
 @dataclass
@@ -34,6 +45,7 @@ class Batch:
     position_ids: torch.Tensor | None = None  # packed rows
     segments: list[list[int]] | None = None  # packed rows: each row's sample lengths, then its padding tail
     row_samples: list[int] | None = None  # packed rows: how many of each row's segments are samples
+    vision: dict[str, torch.Tensor] | None = None  # the rows' images, in the order their image tokens come
     # preference pairs whose reference log-probabilities were computed before training: per sequence, in order
     reference_logps: torch.Tensor | None = None
     # flat indices of the target tokens, the only positions the output layer and the loss need; found when the
@@ -120,7 +132,8 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         attention_mask[row, :n] = 1
         labels[row, :n] = torch.tensor(shifted(sample))
     n_targets = int((labels != IGNORE_INDEX).sum())
-    return Batch(input_ids, labels, n_targets, int(attention_mask.sum()), len(samples), attention_mask=attention_mask)
+    return Batch(input_ids, labels, n_targets, int(attention_mask.sum()), len(samples), attention_mask=attention_mask,
+                 vision=joined_vision(samples))
 
 
 def collate_packed(rows: list[list[Sample]], pad_id: int, length: int | None = None) -> Batch:
@@ -145,7 +158,8 @@ def collate_packed(rows: list[list[Sample]], pad_id: int, length: int | None = N
         segments.append([len(s.input_ids) for s in row] + ([length - start] if length > start else []))
     n_targets = int((labels != IGNORE_INDEX).sum())
     return Batch(input_ids, labels, n_targets, n_tokens, sum(map(len, rows)), position_ids=position_ids,
-                 segments=segments, row_samples=[len(row) for row in rows])
+                 segments=segments, row_samples=[len(row) for row in rows],
+                 vision=joined_vision([s for row in rows for s in row]))
 
 
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -15,6 +15,7 @@ from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.layers.attention import attach_sample_bounds, flattens_packed_rows
 from qlora_fsdp.losses.router import RouterLoss, router_loss_coefficient
 from qlora_fsdp.losses.tokens import per_sample_loss, summed_loss, target_logps
+from qlora_fsdp.vision.embeddings import images_in_embeddings
 
 
 class LossBatch(Protocol):
@@ -68,7 +69,8 @@ class ForwardLoss:
         load-balancing loss times the batch's targets where the model's config asks for it (router_loss.py)."""
         inputs, labels, targets = model_inputs(model, batch, device)
         coefficient = router_loss_coefficient(model) if torch.is_grad_enabled() else None
-        with self.offloading(), self.router.catching(model, coefficient is not None) as router_logits:
+        with (self.offloading(), self.router.catching(model, coefficient is not None) as router_logits,
+              images_in_embeddings(model, getattr(batch, "vision", None), device)):
             total = summed_loss(model, inputs, labels, self.chunk_tokens, targets)
         if coefficient is not None:
             aux = self.router.loss(model, router_logits, inputs.get("attention_mask"), coefficient)
@@ -78,7 +80,7 @@ class ForwardLoss:
     def per_sample(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
         """Each sample's summed cross-entropy (minus its targets' log-probability), a vector of batch.n_samples."""
         inputs, labels, targets = model_inputs(model, batch, device)
-        with self.offloading():
+        with self.offloading(), images_in_embeddings(model, getattr(batch, "vision", None), device):
             return per_sample_loss(model, inputs, labels, self.chunk_tokens, targets,
                                    batch.target_samples().to(device), batch.n_samples)
 
@@ -88,7 +90,8 @@ class ForwardLoss:
         order (GRPO); with `router_aux`, the routers' load-balancing loss over the batch's real tokens (padding
         left out, packed or not: the tokens a padded batch's attention mask keeps, as TRL's forward gets)."""
         inputs, labels, targets = model_inputs(model, batch, device)
-        with self.offloading(), self.router.catching(model, router_aux) as router_logits:
+        with (self.offloading(), self.router.catching(model, router_aux) as router_logits,
+              images_in_embeddings(model, getattr(batch, "vision", None), device)):
             logps, entropies = target_logps(model, inputs, labels, self.chunk_tokens, targets, temperature)
         aux = None
         if router_aux:

@@ -1,0 +1,237 @@
+"""Chat records with images, for a vision-language checkpoint: each turned into token ids, labels and the image
+inputs by the checkpoint's own processor (AutoProcessor: its chat template, its image processor, its expansion of
+an image marker into the image's tokens).
+
+A record is a chat (`messages`) whose message content is text, or a list of parts: `{"type": "text", "text": ...}`
+and `{"type": "image", "image": "photo.png"}` (a path, relative to the data file's folder or absolute). LLaMA-Factory's
+form is read too: `<image>` markers in the text and an `images` column with one path a marker, in order; and a hub
+dataset's `Image` feature in that column. Records without images mix in.
+
+Labels: the assistant's replies only, never an image token or a prompt. The conversation is rendered once by the
+processor's template; each assistant reply is the text the template adds between the conversation before it (with
+the generation prompt) and the conversation through it, so templates must render turns as prefixes (every
+published chat template does). The text is tokenized with offsets, then the processor's expansion of each image
+marker into its tokens is aligned to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from PIL import Image
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.data.batching import Sample, pack
+from qlora_fsdp.data.sources import read_source, sources_of
+from qlora_fsdp.errors import DataError, first_line
+from qlora_fsdp.labels import IGNORE_INDEX
+
+MARKER = "<image>"  # LLaMA-Factory's marker in a message's text
+TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")  # the rest is the images'
+
+
+@dataclass
+class ImageData:
+    """The trainer's view of image records: samples in memory, each with its image inputs."""
+
+    train: list[Sample]
+    eval: list[Sample]
+    template: str
+    n_records: int
+    packs: list[list[int]] | None = None
+
+    @property
+    def n_units(self) -> int:
+        return len(self.packs) if self.packs is not None else len(self.train)
+
+    def unit_lengths(self) -> list[int]:
+        lengths = [len(s.input_ids) for s in self.train]
+        return [sum(lengths[i] for i in row) for row in self.packs] if self.packs is not None else lengths
+
+    def samples(self, split: list[Sample], indices: list[int]) -> list[Sample]:
+        return [split[i] for i in indices]
+
+    def describe(self, context_length: int, overlong: str) -> str:
+        images = sum(s.vision is not None for s in self.train + self.eval)
+        rows = f", packed into {len(self.packs)} rows" if self.packs is not None else ""
+        return (f"{self.n_records} records ({images} with images), {len(self.train)} train / {len(self.eval)} eval "
+                f"samples{rows} (template {self.template})")
+
+
+def has_images(records: datasets.Dataset) -> bool:
+    """An `images` column, or a message whose content lists an image part (the first records tell)."""
+    if "images" in records.column_names:
+        return True
+    if "messages" not in records.column_names:
+        return False
+    for record in records.select(range(min(len(records), 64))):
+        for message in record["messages"] or []:
+            content = message.get("content")
+            if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+                return True
+    return False
+
+
+def read_image(value: Any, folder: Path, where: str) -> Image.Image:
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, dict) and value.get("bytes") is not None:  # a hub Image feature, undecoded
+        import io
+
+        return Image.open(io.BytesIO(value["bytes"])).convert("RGB")
+    if not isinstance(value, str) or not value:
+        raise DataError(f"{where}: an image is given as {type(value).__name__}, not a path")
+    path = Path(value) if Path(value).is_absolute() else folder / value
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError) as err:
+        raise DataError(f"{where}: image {value} cannot be read ({first_line(err)})") from None
+
+
+def parts_of(content: Any, images: list[Any], where: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A message's content as parts, and the images it shows, in order (LLaMA-Factory's markers take from
+    `images`, which this consumes)."""
+    if isinstance(content, list):
+        parts, shown = [], []
+        for part in content:
+            if part.get("type") == "image":
+                shown.append(part.get("image") or part.get("path") or part.get("url"))
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": part.get("text") or ""})
+        return parts, shown
+    if not isinstance(content, str):
+        raise DataError(f"{where}: a message's content is {type(content).__name__}, not text or a list of parts")
+    pieces = content.split(MARKER)
+    if len(pieces) - 1 > len(images):
+        raise DataError(f"{where}: {len(pieces) - 1} {MARKER} markers but {len(images)} images left in `images`")
+    parts, shown = [], []
+    for index, piece in enumerate(pieces):
+        if index:
+            parts.append({"type": "image"})
+            shown.append(images.pop(0))
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts, shown
+
+
+def conversation(record: dict[str, Any], folder: Path, where: str) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """The record's messages with content as parts, and its images read, in the order they are shown."""
+    left = list(record.get("images") or [])
+    messages, shown = [], []
+    for message in record.get("messages") or []:
+        parts, images = parts_of(message.get("content"), left, where)
+        messages.append({"role": message["role"], "content": parts})
+        shown += images
+    if left:
+        raise DataError(f"{where}: {len(left)} of the record's `images` have no {MARKER} marker in its messages")
+    if not messages:
+        raise DataError(f"{where}: the record has no messages")
+    return messages, [read_image(image, folder, where) for image in shown]
+
+
+def render(processor: ProcessorMixin, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+    try:
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as err:  # the template's raise_exception, or a template tripping over the data
+        raise DataError(f"the processor's chat template cannot render a conversation: {first_line(err)}") from None
+    assert isinstance(text, str), "tokenize=False renders text"
+    return text
+
+
+def reply_spans(processor: ProcessorMixin, messages: list[dict[str, Any]], full: str,
+                where: str) -> list[tuple[int, int]]:
+    """Character ranges of the assistant's replies in the rendered conversation."""
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(processor, messages[:index], generation_prompt=True)
+        through = render(processor, messages[: index + 1])
+        if not (full.startswith(before) and full.startswith(through) and len(through) > len(before)):
+            raise DataError(f"{where}: the processor's chat template does not render the conversation turn by turn "
+                            "(a reply's text is not the rendering's prefix), so its replies cannot be located")
+        spans.append((len(before), len(through)))
+    return spans
+
+
+def expanded_labels(plain: list[int], labels: list[int], expanded: list[int], image_token: int,
+                    where: str) -> list[int]:
+    """The labels of the processor's ids, where each image marker token became the image's tokens (never a
+    target)."""
+    out: list[int] = []
+    j = 0
+    for token, label in zip(plain, labels, strict=True):
+        if token == image_token:
+            start = j
+            while j < len(expanded) and expanded[j] == image_token:
+                j += 1
+            if j == start:
+                raise DataError(f"{where}: the processor wrote no tokens for an image")
+            out += [IGNORE_INDEX] * (j - start)
+            continue
+        if j >= len(expanded) or expanded[j] != token:
+            raise DataError(f"{where}: the processor's tokens differ from the tokenizer's beyond the images")
+        out.append(label)
+        j += 1
+    if j != len(expanded):
+        raise DataError(f"{where}: the processor's tokens differ from the tokenizer's beyond the images")
+    return out
+
+
+def encode_record(record: dict[str, Any], processor: ProcessorMixin, image_token: int, folder: Path,
+                  where: str) -> Sample:
+    messages, images = conversation(record, folder, where)
+    full = render(processor, messages)
+    spans = reply_spans(processor, messages, full, where)
+    tokenizer: PreTrainedTokenizerBase = processor.tokenizer
+    plain = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [token if any(a <= start < b for a, b in spans) else IGNORE_INDEX
+              for token, (start, _) in zip(plain["input_ids"], plain["offset_mapping"], strict=True)]
+    if not images:
+        return Sample(list(plain["input_ids"]), labels)
+    out = processor(text=[full], images=images, add_special_tokens=False, return_tensors="pt")
+    expanded = out["input_ids"][0].tolist()
+    vision = {key: value for key, value in out.items() if key not in TEXT_INPUTS and isinstance(value, torch.Tensor)}
+    return Sample(expanded, expanded_labels(list(plain["input_ids"]), labels, expanded, image_token, where), vision)
+
+
+def load_image_data(processor: ProcessorMixin, image_token: int, cfg: Config) -> ImageData:
+    """Every source's records encoded, data.eval_samples held out (by the seed), packed where the recipe packs."""
+    data = cfg.data
+    samples: list[Sample] = []
+    for source in sources_of(data):
+        records = read_source(source, data.cache_dir)
+        path = Path(source.path)
+        folder = path if path.is_dir() else path.parent
+        for index, record in enumerate(records):
+            where = f"{source.path} record {index + 1}"
+            sample = encode_record(record, processor, image_token, folder, where)
+            if len(sample.input_ids) > data.context_length:
+                raise DataError(f"{where}: {len(sample.input_ids)} tokens with its images, more than "
+                                f"data.context_length {data.context_length}; raise it or lower the images' pixel "
+                                "budget")
+            samples.append(sample)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.train.seed)).tolist()
+    held = min(data.eval_samples, len(samples) - 1)
+    train = [samples[i] for i in sorted(order[held:])]
+    held_out = [samples[i] for i in sorted(order[:held])]
+    packs = pack([len(s.input_ids) for s in train], data.context_length) if data.packing else None
+    return ImageData(train, held_out, "processor", len(samples), packs)
+
+
+def records_have_images(cfg: Config) -> bool:
+    """Whether the recipe's data holds images (a chat data source whose records show some)."""
+    for source in sources_of(cfg.data):
+        if source.format != "chat":
+            continue
+        if has_images(read_source(source, cfg.data.cache_dir)):
+            return True
+    return False
+

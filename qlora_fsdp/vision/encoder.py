@@ -1,0 +1,183 @@
+"""A vision-language checkpoint's image side: the vision tower and projector that turn pixels into the decoder's
+input embeddings, beside the causal LM that trains (built from `text_config`, sharded, 4-bit with LoRA).
+
+Frozen, and replicated on every rank rather than sharded by FSDP2: it holds no collectives, so ranks whose
+micro-batches differ in images (one text-only, one with three images) never wait on each other. Its linears are NF4
+where transformers + bitsandbytes quantize them (every nn.Linear but the modules transformers keeps), with the
+recipe's quantization settings, so the image features are the reference's.
+
+It is the checkpoint's own base model (`LlavaModel`, ...), built without its decoder and read from the checkpoint:
+`get_image_features` is the family's own code. Built once per run, at the first micro-batch with images.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig, ProcessorMixin
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.dtypes import TORCH_DTYPES
+from qlora_fsdp.errors import ModelLoadError, first_line
+from qlora_fsdp.families import full_model_class, is_multimodal
+from qlora_fsdp.loading.build import make_meta_linear4bit
+from qlora_fsdp.loading.fill import quantize, set_quant_state
+from qlora_fsdp.loading.layout import CheckpointLayout, layout_from_transforms, meta_full_model
+from qlora_fsdp.loading.weight_files import stored_weight_tensors
+
+
+@dataclass
+class VisionEncoder:
+    """Pixels -> the decoder's embeddings at the image tokens."""
+
+    base: nn.Module  # the checkpoint's base model without its decoder
+    image_token_id: int
+    dtype: torch.dtype  # what it computes in (the recipe's 4-bit compute dtype)
+
+    @torch.no_grad()
+    def features(self, vision: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Every image's features in order, one row an image token: what the family's forward scatters there."""
+        inputs = {key: value.to(device) for key, value in vision.items()}
+        inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        out = self.base.get_image_features(**inputs, return_dict=True)
+        pooled = out.pooler_output
+        return torch.cat(list(pooled), dim=0) if isinstance(pooled, list | tuple) else pooled.flatten(0, -2)
+
+
+def load_processor(cfg: Config) -> ProcessorMixin:
+    """The checkpoint's own processor (its chat template, image processor and image-token expansion)."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{cfg.model.path}: records with images need the checkpoint's processor, which "
+                             f"cannot be loaded ({first_line(err)})") from None
+
+
+def checkpoint_config(cfg: Config) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def image_token_id(config: PretrainedConfig) -> int:
+    found = getattr(config, "image_token_id", None)
+    if found is None:
+        found = getattr(config, "image_token_index", None)
+    if found is None:
+        raise ModelLoadError(f"{config.model_type}: its config names no image token (image_token_id)")
+    return int(found)
+
+
+def without_decoder(config: PretrainedConfig) -> PretrainedConfig:
+    """The checkpoint's config with a one-layer decoder: the base model is built for its image side only."""
+    small = copy.deepcopy(config)
+    text = small.get_text_config()
+    text.num_hidden_layers = 1
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:1]
+    return small
+
+
+def quantized_names(config: PretrainedConfig) -> set[str] | None:
+    """The full model's linears transformers + bitsandbytes make 4-bit (None: the reference quantizes every one)."""
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    full = meta_full_model(config)
+    keep = HfQuantizer.get_modules_to_not_convert(full, None, full._keep_in_fp32_modules)
+    return {name for name, module in full.named_modules()
+            if isinstance(module, nn.Linear) and should_convert_module(name, keep)}
+
+
+def build_base(config: PretrainedConfig, dtype: torch.dtype) -> tuple[nn.Module, str]:
+    """The base model of the checkpoint's class on the CPU, its decoder dropped; and its name in the full model."""
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        full = full_model_class(config)(without_decoder(config)).to(dtype)
+    prefix = full.base_model_prefix
+    base = getattr(full, prefix)
+    decoder = getattr(base, "language_model", None)
+    if decoder is None:
+        raise ModelLoadError(f"{config.model_type}: its base model has no language_model; images are not supported "
+                             "for this family yet")
+    base.language_model = None
+    return base, prefix + "."
+
+
+def read_image_side(base: nn.Module, prefix: str, folder: Path, layout: CheckpointLayout, text_prefix: str) -> None:
+    """The stored tensors of everything but the decoder and the head, into `base` (every one must come)."""
+    params = dict(base.named_parameters())
+    buffers = {name: b for name, b in base.named_buffers() if name in base.state_dict()}
+    wanted = {**params, **buffers}
+    found: set[str] = set()
+    for stored_key, stored, _ in stored_weight_tensors(folder, allow_pickle=False):
+        key, part = layout.full_key(stored_key)
+        if key.startswith(text_prefix) or not key.startswith(prefix) or part is not None:
+            continue
+        name = key.removeprefix(prefix)
+        if name not in wanted:
+            continue
+        value = stored.read()
+        if tuple(value.shape) != tuple(wanted[name].shape):
+            raise ModelLoadError(f"checkpoint tensor {stored_key} of shape {tuple(value.shape)} where the config "
+                                 f"wants {tuple(wanted[name].shape)}")
+        with torch.no_grad():
+            wanted[name].copy_(value.to(wanted[name].dtype))
+        found.add(name)
+    missing = sorted(set(params) - found)
+    if missing:
+        raise ModelLoadError(f"{folder}: the checkpoint lacks the vision tower's {missing[0]} (and {len(missing) - 1} "
+                             "more): not a vision-language checkpoint of its config's family")
+
+
+def quantize_linears(base: nn.Module, prefix: str, names: set[str] | None, cfg: Config, device: torch.device) -> int:
+    """NF4 in place of the linears the reference quantizes (the recipe's blocksize and double quantization)."""
+    count = 0
+    for name, module in list(base.named_modules()):
+        if not isinstance(module, nn.Linear) or (names is not None and prefix + name not in names):
+            continue
+        layer = make_meta_linear4bit(module, cfg.quant)
+        layer.to_empty(device=device)
+        packed, state = quantize(module.weight.detach().to(device), cfg.quant, layer.weight.dtype)
+        layer.weight.data = packed
+        set_quant_state(layer, state)
+        if module.bias is not None:
+            layer.bias.data = module.bias.detach().to(device)
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(base.get_submodule(parent_name) if parent_name else base, leaf, layer)
+        count += 1
+    return count
+
+
+def build_vision_encoder(cfg: Config, device: torch.device) -> VisionEncoder:
+    config = checkpoint_config(cfg)
+    if not is_multimodal(config):
+        raise ModelLoadError(f"{cfg.model.path}: a {config.model_type} checkpoint has no vision tower; records with "
+                             "images need a vision-language checkpoint")
+    dtype = TORCH_DTYPES[cfg.quant.compute_dtype]
+    base, prefix = build_base(config, dtype)
+    layout = layout_from_transforms(meta_full_model(config))
+    text_prefix = prefix + "language_model."
+    read_image_side(base, prefix, Path(cfg.model.path), layout, text_prefix)
+    quantize_linears(base, prefix, quantized_names(config), cfg, device)
+    base.to(device).eval().requires_grad_(False)
+    return VisionEncoder(base, image_token_id(config), dtype)
+
+
+_ENCODERS: weakref.WeakKeyDictionary[nn.Module, VisionEncoder] = weakref.WeakKeyDictionary()
+
+
+def vision_encoder(model: nn.Module, cfg: Config | None = None, device: torch.device | None = None) -> VisionEncoder:
+    """The model's encoder, built at first use (kept beside the model, outside FSDP2's reach)."""
+    found = _ENCODERS.get(model)
+    if found is None:
+        assert cfg is not None and device is not None, "the first call builds the encoder"
+        found = _ENCODERS[model] = build_vision_encoder(cfg, device)
+    return found
+

@@ -1,0 +1,124 @@
+"""Vision-language fine-tuning: chat records with images, the checkpoint's processor, its image side frozen and
+replicated beside the sharded 4-bit decoder, against transformers + bitsandbytes NF4 (+ PEFT) on the same records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from qlora_fsdp.tools.tiny_model import train_tokenizer
+from tests.helpers import REPO, run_ranks, tiny_config
+from tests.vision_models import write_image_records, write_tiny_llava
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("llava")
+    model = write_tiny_llava(root / "model", train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512))
+    return model, write_image_records(root / "data")
+
+
+def vision_config(model_dir: Path, data: Path, out: Path, **data_keys):
+    return tiny_config(model_dir, data={"path": str(data), "format": "chat", "context_length": 128, "eval_samples": 2,
+                                        **data_keys}, train={"output_dir": str(out)}, lora={"r": 4, "dropout": 0.0})
+
+
+def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None) -> dict:
+    """Our loss over every record (padded, then packed), with LoRA B seeded away from zero, and one step's LoRA
+    gradients; at world size 2 rank 0 takes the text-only records and rank 1 the ones with images, so the ranks'
+    forwards differ in images every step (no collective may depend on them)."""
+    from qlora_fsdp.api import load_data
+    from qlora_fsdp.config.loader import to_yaml
+    from qlora_fsdp.data.batching import collate, collate_packed
+    from qlora_fsdp.distributed import all_reduce_sums
+    from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
+    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.fill import model_layout
+    from qlora_fsdp.losses.forward import ForwardLoss
+    from qlora_fsdp.vision.encoder import vision_encoder
+    from tests.helpers import full_grads
+    from tests.test_families import nonzero_lora_b
+
+    cfg = vision_config(model_dir, data, out)
+    tokenizer = load_tokenizer(cfg)
+    loaded = load_data(tokenizer, cfg, info)
+    model = build_model(cfg, info)
+    vision_encoder(model, cfg, info.device)
+    samples = loaded.train + loaded.eval
+    if info.world_size == 1:
+        mine = samples
+    else:
+        with_images = [s for s in samples if s.vision is not None]
+        mine = [s for s in samples if s.vision is None] if info.rank == 0 else with_images
+    n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
+    pad = tokenizer.pad_token_id
+    packed = collate_packed([mine[: len(mine) // 2], mine[len(mine) // 2 :]], pad)
+    padded = collate(mine, pad)
+    nonzero_lora_b(model)
+    with torch.no_grad():
+        sums = [ForwardLoss()(model, batch, info.device).item() for batch in (padded, packed)]
+    losses = all_reduce_sums(sums, info.device)
+    for _ in range(2):  # two more steps' forwards and backwards: ranks whose images differ stay in step
+        (ForwardLoss.for_config(cfg, info.device)(model, packed, info.device) / n_targets).backward()
+    model.zero_grad(set_to_none=True)
+    (ForwardLoss.for_config(cfg, info.device)(model, packed, info.device) / n_targets).backward()
+    layout = model_layout(model)
+    grads = {adapter_file_key(name, layout): grad for name, grad in full_grads(model).items()}
+    if adapter is not None:
+        export_adapter(model, tokenizer, adapter, str(model_dir), info.is_main, to_yaml(cfg))
+    return {"padded": losses[0] / n_targets, "packed": losses[1] / n_targets, "grads": grads,
+            "images": sum(s.vision is not None for s in samples), "samples": samples}
+
+
+def reference_side(model_dir: Path, adapter: Path, samples: list) -> dict:
+    """transformers' own NF4 load of the LLaVA checkpoint (its vision tower and projector 4-bit too), each record
+    alone with its pixels: the loss with PEFT loading our adapter, and its LoRA gradients."""
+    from peft import PeftModel
+    from transformers import LlavaForConditionalGeneration
+
+    from qlora_fsdp.loading.adapter import peft_adapter_key
+    from tests.helpers import decoder_lora_keys, transformers_nf4
+
+    base = transformers_nf4(model_dir, LlavaForConditionalGeneration)
+    expected = decoder_lora_keys(base)
+    model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
+    n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
+    total = torch.zeros(())
+    for sample in samples:
+        extra = {"pixel_values": sample.vision["pixel_values"]} if sample.vision is not None else {}
+        logits = model(input_ids=torch.tensor([sample.input_ids]), **extra).logits[0, :-1]
+        total = total + torch.nn.functional.cross_entropy(logits.float(), torch.tensor(sample.labels[1:]),
+                                                          ignore_index=-100, reduction="sum")
+    loss = total / n_targets
+    loss.backward()
+    grads = {peft_adapter_key(name, "default"): p.grad for name, p in model.named_parameters() if p.requires_grad}
+    return {"loss": loss.item(), "grads": grads, "expected": expected}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.slow
+def test_llava_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(llava, tmp_path):
+    """Records with images (parts, two in one record, LLaMA-Factory markers) and text-only ones: the loss with the
+    adapter, padded and packed, and one step's LoRA gradients equal transformers + bitsandbytes NF4 + PEFT, at world
+    size 1 and at 2 with one rank text-only."""
+    model_dir, data = llava
+    adapter = tmp_path / "adapter"
+    one = run_ranks(our_side, 1, model_dir, data, tmp_path / "one", adapter, tmp_dir=tmp_path)[0]
+    two = run_ranks(our_side, 2, model_dir, data, tmp_path / "two", None, tmp_dir=tmp_path)[0]
+    assert one["images"] == 6  # of 8 records
+    reference = reference_side(model_dir, adapter, one["samples"])
+    print(f"LLaVA: transformers {reference['loss']:.6f}, ours ws1 {one['padded']:.6f} padded "
+          f"{one['packed']:.6f} packed, ws2 {two['padded']:.6f} {two['packed']:.6f}")
+    for run in (one, two):
+        for key in ("padded", "packed"):
+            assert run[key] == pytest.approx(reference["loss"], rel=1e-5), key
+        assert reference["grads"].keys() >= reference["expected"] and len(reference["expected"]) >= 8
+        assert run["grads"].keys() == reference["grads"].keys()
+        for key, grad in reference["grads"].items():
+            assert relative(run["grads"][key], grad) < 1e-5, key

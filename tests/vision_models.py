@@ -1,0 +1,80 @@
+"""Tiny random vision-language checkpoints saved with their processors (as the hub ships them), and chat records
+with images written as people write them: image parts in the content, LLaMA-Factory's `<image>` markers with an
+`images` column, and text-only records mixed in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from PIL import Image
+from transformers import PreTrainedTokenizerFast
+
+IMAGE_TOKEN = "<image>"
+# a chat template that writes content parts (an image as the token the processor expands), as VLM templates do
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_tiny_llava(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
+    """LLaVA's layout: a CLIP vision tower (32-pixel images, 8-pixel patches: 16 image tokens), a two-layer
+    projector, a Llama decoder under `language_model`; saved in bf16 with its LlavaProcessor. The tokenizer gains
+    the image token and the chat template."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8, projection_dim=32)
+    config = LlavaConfig(text_config=text, vision_config=vision, vision_feature_layer=-1,
+                         vision_feature_select_strategy="default",
+                         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.to(torch.bfloat16).save_pretrained(out)
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                   chat_template=CHAT_TEMPLATE, num_additional_image_tokens=1).save_pretrained(out)
+    return out
+
+
+def write_image_records(folder: Path) -> Path:
+    """Chat records, a JSON line each: images as content parts (one or two), LLaMA-Factory's markers, text only."""
+    folder.mkdir(parents=True, exist_ok=True)
+    colours = {"red": (220, 20, 20), "green": (20, 200, 40), "blue": (30, 40, 230), "yellow": (230, 220, 20)}
+    for index, (name, rgb) in enumerate(colours.items()):
+        image = Image.new("RGB", (40 + 8 * index, 30 + 4 * index), rgb)
+        for x in range(0, image.width, 5):  # a pattern, so the pixels differ beyond the colour
+            image.putpixel((x, x % image.height), (255 - rgb[0], 255 - rgb[1], 255 - rgb[2]))
+        image.save(folder / f"{name}.png")
+
+    def part(name: str) -> dict:
+        return {"type": "image", "image": f"{name}.png"}
+
+    def text(value: str) -> dict:
+        return {"type": "text", "text": value}
+
+    records = [
+        {"messages": [{"role": "user", "content": [part(name), text("What colour is this?")]},
+                      {"role": "assistant", "content": [text(f"It is {name}.")]}]} for name in colours
+    ] + [
+        {"messages": [{"role": "user", "content": [part("red"), text("and"), part("blue"), text("Which is warmer?")]},
+                      {"role": "assistant", "content": [text("The red one.")]}]},
+        {"messages": [{"role": "user", "content": "<image>Name the colour."},
+                      {"role": "assistant", "content": "Green."}], "images": ["green.png"]},
+        {"messages": [{"role": "user", "content": "Name a warm colour."},
+                      {"role": "assistant", "content": "Orange."}]},
+        {"messages": [{"role": "user", "content": "Name a cold colour."},
+                      {"role": "assistant", "content": "Blue."}]},
+    ]
+    path = folder / "images.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
