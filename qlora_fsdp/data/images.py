@@ -53,7 +53,7 @@ class ImageData:
         lengths = [len(s.input_ids) for s in self.train]
         return [sum(lengths[i] for i in row) for row in self.packs] if self.packs is not None else lengths
 
-    def samples(self, split: list[Sample], indices: list[int]) -> list[Sample]:
+    def samples(self, split: Any, indices: list[int]) -> list[Sample]:
         return [split[i] for i in indices]
 
     def describe(self, context_length: int, overlong: str) -> str:

@@ -58,7 +58,7 @@ class PromptData:
     def unit_lengths(self) -> list[int]:
         return [len(ids) for ids in self.train.ids]
 
-    def samples(self, split: Prompts, indices: list[int]) -> list[Any]:
+    def samples(self, split: Any, indices: list[int]) -> list[Any]:
         """No fixed samples: completions are generated (the trainer's held-out loss has none to score)."""
         return []
 

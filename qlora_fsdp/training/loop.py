@@ -18,6 +18,7 @@ from torch import nn
 
 from qlora_fsdp.config import PAIR_OBJECTIVES, Config, changed_settings
 from qlora_fsdp.data.batching import Batch, Sample, StepSampler, collate, collate_packed
+from qlora_fsdp.data.images import ImageData
 from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.data.prompts import PromptData
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
@@ -100,7 +101,8 @@ def eval_record(loss: float) -> dict[str, float]:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset | PromptData, pad_id: int,
+    def __init__(self, cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset | PromptData | ImageData,
+                 pad_id: int,
                  optimizer: ShardedOptimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  logger: MetricsLogger, checkpointer: Checkpointer | None = None,
                  mfu_reference: MfuReference | None = None) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | Non
         yield
         return
     encoder = vision_encoder(model)
-    embedding = model.get_input_embeddings()
+    embedding = cast(nn.Module, cast(Any, model).get_input_embeddings())
     features = encoder.features(vision, device)
 
     def scatter(_module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:

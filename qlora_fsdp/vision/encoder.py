@@ -16,6 +16,7 @@ import copy
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from qlora_fsdp.loading.weight_files import stored_weight_tensors
 class VisionEncoder:
     """Pixels -> the decoder's embeddings at the image tokens."""
 
-    base: nn.Module  # the checkpoint's base model without its decoder
+    base: Any  # the checkpoint's base model without its decoder (LlavaModel, ...: its get_image_features)
     image_token_id: int
     dtype: torch.dtype  # what it computes in (the recipe's 4-bit compute dtype)
 
@@ -89,7 +90,7 @@ def quantized_names(config: PretrainedConfig) -> set[str] | None:
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     full = meta_full_model(config)
-    keep = HfQuantizer.get_modules_to_not_convert(full, None, full._keep_in_fp32_modules)
+    keep = HfQuantizer.get_modules_to_not_convert(full, None, list(full._keep_in_fp32_modules or []))
     return {name for name, module in full.named_modules()
             if isinstance(module, nn.Linear) and should_convert_module(name, keep)}
 
@@ -99,7 +100,8 @@ def build_base(config: PretrainedConfig, dtype: torch.dtype) -> tuple[nn.Module,
     from transformers.initialization import no_init_weights
 
     with no_init_weights():
-        full = full_model_class(config)(without_decoder(config)).to(dtype)
+        full: Any = full_model_class(config)(without_decoder(config))
+    full.to(dtype)
     prefix = full.base_model_prefix
     base = getattr(full, prefix)
     decoder = getattr(base, "language_model", None)
