@@ -21,6 +21,7 @@ from qlora_fsdp.loading.adapter import export_adapter
 from qlora_fsdp.loading.build import base_parameter_count
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.vision_encoder import checkpoint_config, image_token_id, load_processor, load_vision_encoder
 from qlora_fsdp.plan.batch_size import describe_batch
 from qlora_fsdp.plan.hardware import peak_flops
 from qlora_fsdp.plan.run_batch import resolve_run_batch
@@ -37,7 +38,6 @@ from qlora_fsdp.training.run_dir import prepare_run_dir
 from qlora_fsdp.training.shared_dir import check_output_dir_shared
 from qlora_fsdp.training.tracking import check_available as check_trackers_available
 from qlora_fsdp.training.tracking import open_trackers
-from qlora_fsdp.vision.encoder import checkpoint_config, image_token_id, load_processor, vision_encoder
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -68,7 +68,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     data = load_data(tokenizer, cfg, info)
     model = build_model(cfg, info)
     if isinstance(data, ImageData):  # the image side, frozen, beside the sharded decoder on every rank
-        vision_encoder(model, cfg, info.device)
+        load_vision_encoder(model, cfg, info.device)
     recipe = cfg  # as written (auto micro-batch, unscaled lr); cfg from here on is what this run uses
     cfg = decide_on_main(lambda: resolve_run_batch(recipe, model, info))
     trainer = make_trainer(cfg, info, model, data, tokenizer)

@@ -37,8 +37,8 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None)
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_model
     from qlora_fsdp.loading.fill import model_layout
+    from qlora_fsdp.loading.vision_encoder import load_vision_encoder
     from qlora_fsdp.losses.forward import ForwardLoss
-    from qlora_fsdp.vision.encoder import vision_encoder
     from tests.helpers import full_grads
     from tests.test_families import nonzero_lora_b
 
@@ -46,7 +46,7 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None)
     tokenizer = load_tokenizer(cfg)
     loaded = load_data(tokenizer, cfg, info)
     model = build_model(cfg, info)
-    vision_encoder(model, cfg, info.device)
+    load_vision_encoder(model, cfg, info.device)
     samples = loaded.train + loaded.eval
     if info.world_size == 1:
         mine = samples
@@ -122,3 +122,52 @@ def test_llava_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(llava,
         assert run["grads"].keys() == reference["grads"].keys()
         for key, grad in reference["grads"].items():
             assert relative(run["grads"][key], grad) < 1e-5, key
+
+
+def test_records_become_replies_only_labels_with_each_images_tokens(llava, tmp_path):
+    """The processor's encoding: targets are the replies (and their end-of-turn token) only, never an image token
+    or a prompt; each image becomes its 16 tokens and its pixels; the errors name the file and record."""
+    import json
+
+    from transformers import AutoProcessor
+
+    from qlora_fsdp.data.images import load_image_data
+    from qlora_fsdp.errors import DataError
+
+    model_dir, data = llava
+    processor = AutoProcessor.from_pretrained(model_dir)
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    loaded = load_image_data(processor, image_token, vision_config(model_dir, data, tmp_path / "out",
+                                                                   eval_samples=0))
+    replies = [json.loads(line)["messages"][1]["content"] for line in data.read_text().splitlines()]
+    replies = [r if isinstance(r, str) else r[0]["text"] for r in replies]
+    eos = processor.tokenizer.eos_token
+    got = []
+    for sample in loaded.train:
+        targets = [t for t, label in zip(sample.input_ids, sample.labels, strict=True) if label != -100]
+        got.append(processor.tokenizer.decode(targets))
+        images = sample.input_ids.count(image_token)
+        assert all(label == -100 for t, label in zip(sample.input_ids, sample.labels, strict=True)
+                   if t == image_token)
+        shown = 0 if sample.vision is None else sample.vision["pixel_values"].shape[0]
+        assert images == 16 * shown
+    assert sorted(got) == sorted(reply + eos for reply in replies)
+
+    def refused(record: dict, name: str) -> str:
+        path = tmp_path / name
+        opening = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]}
+        path.write_text(json.dumps(opening) + "\n" + json.dumps(record) + "\n")
+        (tmp_path / "red.png").write_bytes((data.parent / "red.png").read_bytes())
+        with pytest.raises(DataError) as caught:
+            load_image_data(processor, image_token, vision_config(model_dir, path, tmp_path / "out"))
+        return str(caught.value)
+
+    ask = {"role": "assistant", "content": "Red."}
+    assert refused({"messages": [{"role": "user", "content": [{"type": "image", "image": "gone.png"}]}, ask]},
+                   "missing.jsonl").startswith(f"{tmp_path / 'missing.jsonl'} record 2: image gone.png cannot be read")
+    assert refused({"messages": [{"role": "user", "content": "<image><image>Two?"}, ask], "images": ["red.png"]},
+                   "markers.jsonl") == (f"{tmp_path / 'markers.jsonl'} record 2: 2 <image> markers but 1 images left "
+                                        "in `images`")
+    assert refused({"messages": [{"role": "user", "content": "No marker."}, ask], "images": ["red.png"]},
+                   "unshown.jsonl") == (f"{tmp_path / 'unshown.jsonl'} record 2: 1 of the record's `images` have no "
+                                        "<image> marker in its messages")

@@ -136,11 +136,13 @@ def conversation(record: dict[str, Any], folder: Path, where: str) -> tuple[list
     return messages, [read_image(image, folder, where) for image in shown]
 
 
-def render(processor: ProcessorMixin, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+def render(processor: ProcessorMixin, messages: list[dict[str, Any]], where: str,
+           generation_prompt: bool = False) -> str:
     try:
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as err:  # the template's raise_exception, or a template tripping over the data
-        raise DataError(f"the processor's chat template cannot render a conversation: {first_line(err)}") from None
+        raise DataError(f"{where}: the processor's chat template cannot render the conversation "
+                        f"({first_line(err)})") from None
     assert isinstance(text, str), "tokenize=False renders text"
     return text
 
@@ -152,8 +154,10 @@ def reply_spans(processor: ProcessorMixin, messages: list[dict[str, Any]], full:
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = render(processor, messages[:index], generation_prompt=True)
-        through = render(processor, messages[: index + 1])
+        if index == 0:
+            raise DataError(f"{where}: the conversation opens with the assistant; start it with a user message")
+        before = render(processor, messages[:index], where, generation_prompt=True)
+        through = render(processor, messages[: index + 1], where)
         if not (full.startswith(before) and full.startswith(through) and len(through) > len(before)):
             raise DataError(f"{where}: the processor's chat template does not render the conversation turn by turn "
                             "(a reply's text is not the rendering's prefix), so its replies cannot be located")
@@ -188,7 +192,7 @@ def expanded_labels(plain: list[int], labels: list[int], expanded: list[int], im
 def encode_record(record: dict[str, Any], processor: ProcessorMixin, image_token: int, folder: Path,
                   where: str) -> Sample:
     messages, images = conversation(record, folder, where)
-    full = render(processor, messages)
+    full = render(processor, messages, where)
     spans = reply_spans(processor, messages, full, where)
     tokenizer: PreTrainedTokenizerBase = processor.tokenizer
     plain = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)

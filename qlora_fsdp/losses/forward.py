@@ -13,9 +13,9 @@ from torch import nn
 from qlora_fsdp.config import Config
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.layers.attention import attach_sample_bounds, flattens_packed_rows
+from qlora_fsdp.layers.image_embeddings import images_in_embeddings
 from qlora_fsdp.losses.router import RouterLoss, router_loss_coefficient
 from qlora_fsdp.losses.tokens import per_sample_loss, summed_loss, target_logps
-from qlora_fsdp.vision.embeddings import images_in_embeddings
 
 
 class LossBatch(Protocol):

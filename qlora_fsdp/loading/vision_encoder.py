@@ -1,20 +1,15 @@
-"""A vision-language checkpoint's image side: the vision tower and projector that turn pixels into the decoder's
-input embeddings, beside the causal LM that trains (built from `text_config`, sharded, 4-bit with LoRA).
+"""A vision-language checkpoint's image side, loaded: the vision tower and projector beside the causal LM that
+trains (built from `text_config`, sharded, 4-bit with LoRA); layers/image_embeddings.py puts its features in.
 
-Frozen, and replicated on every rank rather than sharded by FSDP2: it holds no collectives, so ranks whose
-micro-batches differ in images (one text-only, one with three images) never wait on each other. Its linears are NF4
-where transformers + bitsandbytes quantize them (every nn.Linear but the modules transformers keeps), with the
-recipe's quantization settings, so the image features are the reference's.
-
-It is the checkpoint's own base model (`LlavaModel`, ...), built without its decoder and read from the checkpoint:
-`get_image_features` is the family's own code. Built once per run, at the first micro-batch with images.
+It is the checkpoint's own base model (`LlavaModel`, ...), built without its decoder (a one-layer one, dropped) and
+read from the checkpoint: `get_image_features` is the family's own code. Its linears are NF4 where transformers +
+bitsandbytes quantize them (every nn.Linear but the modules transformers keeps), with the recipe's quantization
+settings, so the image features are the reference's. Frozen; every rank loads it whole.
 """
 
 from __future__ import annotations
 
 import copy
-import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,28 +21,11 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError, first_line
 from qlora_fsdp.families import full_model_class, is_multimodal
+from qlora_fsdp.layers.image_embeddings import VisionEncoder, attach_vision_encoder
 from qlora_fsdp.loading.build import make_meta_linear4bit
 from qlora_fsdp.loading.fill import quantize, set_quant_state
 from qlora_fsdp.loading.layout import CheckpointLayout, layout_from_transforms, meta_full_model
 from qlora_fsdp.loading.weight_files import stored_weight_tensors
-
-
-@dataclass
-class VisionEncoder:
-    """Pixels -> the decoder's embeddings at the image tokens."""
-
-    base: Any  # the checkpoint's base model without its decoder (LlavaModel, ...: its get_image_features)
-    image_token_id: int
-    dtype: torch.dtype  # what it computes in (the recipe's 4-bit compute dtype)
-
-    @torch.no_grad()
-    def features(self, vision: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-        """Every image's features in order, one row an image token: what the family's forward scatters there."""
-        inputs = {key: value.to(device) for key, value in vision.items()}
-        inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
-        out = self.base.get_image_features(**inputs, return_dict=True)
-        pooled = out.pooler_output
-        return torch.cat(list(pooled), dim=0) if isinstance(pooled, list | tuple) else pooled.flatten(0, -2)
 
 
 def load_processor(cfg: Config) -> ProcessorMixin:
@@ -172,14 +150,8 @@ def build_vision_encoder(cfg: Config, device: torch.device) -> VisionEncoder:
     return VisionEncoder(base, image_token_id(config), dtype)
 
 
-_ENCODERS: weakref.WeakKeyDictionary[nn.Module, VisionEncoder] = weakref.WeakKeyDictionary()
-
-
-def vision_encoder(model: nn.Module, cfg: Config | None = None, device: torch.device | None = None) -> VisionEncoder:
-    """The model's encoder, built at first use (kept beside the model, outside FSDP2's reach)."""
-    found = _ENCODERS.get(model)
-    if found is None:
-        assert cfg is not None and device is not None, "the first call builds the encoder"
-        found = _ENCODERS[model] = build_vision_encoder(cfg, device)
-    return found
-
+def load_vision_encoder(model: nn.Module, cfg: Config, device: torch.device) -> VisionEncoder:
+    """Build the checkpoint's image side and keep it beside `model` (the decoder that trains)."""
+    encoder = build_vision_encoder(cfg, device)
+    attach_vision_encoder(model, encoder)
+    return encoder
