@@ -180,6 +180,18 @@ MUTATIONS = [
              "    per_token = 2 * kv_heads * head_dim(hf) * itemsize\n",
              "    per_token = kv_heads * head_dim(hf) * itemsize\n",
              "tests/test_plan.py::test_generations_kv_cache_is_what_transformers_generate_keeps", quick=True),
+    # ---- vision-language: images into the embeddings, the image side as the reference holds it --------------------
+    Mutation("image features never reach the embeddings", "qlora_fsdp/layers/image_embeddings.py",
+             "        return output.masked_scatter(mask.unsqueeze(-1), features.to(output.dtype))\n",
+             "        return output\n",
+             "tests/test_vision.py::test_llava_equals_transformers_nf4_with_images_at_world_sizes_1_and_2"),
+    Mutation("the vision tower kept unquantized where transformers makes it 4-bit", "qlora_fsdp/loading/vision_encoder.py",
+             "        if not isinstance(module, nn.Linear) or (names is not None and prefix + name not in names):\n",
+             "        if True:\n",
+             "tests/test_vision.py::test_llava_equals_transformers_nf4_with_images_at_world_sizes_1_and_2"),
+    Mutation("image tokens counted as targets", "qlora_fsdp/data/images.py",
+             "            out += [IGNORE_INDEX] * (j - start)\n", "            out += expanded[start:j]\n",
+             "tests/test_vision.py::test_records_become_replies_only_labels_with_each_images_tokens", quick=True),
     # ---- the planner: memory, step time ----------------------------------------------------------------------
     Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan/held.py",
              "    return held.lora_elements * accumulated_grad_itemsize(cfg)\n",
