@@ -324,6 +324,17 @@ def grpo_without_rewards(d: Path, model: Path) -> list[str]:
     return ["--recipe", "tiny_cpu_grpo", "grpo.rewards=[]"]
 
 
+# --- records with images --------------------------------------------------------------------------------------
+@bad_input(r"the data's records show images, but .* is a llama checkpoint without a vision tower; use a "
+           r"vision-language checkpoint, or text-only records")
+def data_images_for_a_text_model(d: Path, model: Path) -> list[str]:
+    """Chat records with images for a text-only checkpoint."""
+    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"},
+                                                        {"type": "text", "text": "What is it?"}]},
+                           {"role": "assistant", "content": "A cat."}]}
+    return [data_file(d, [json.dumps(record)] * 4, "images.jsonl"), "data.format=chat"]
+
+
 # --- model folders ---------------------------------------------------------------------------------------------
 @bad_input(r"no_config has no config\.json: not a Hugging Face checkpoint folder")
 def model_without_config(d: Path, model: Path) -> list[str]:

@@ -29,8 +29,15 @@ from qlora_fsdp.loading.weight_files import stored_weight_tensors
 
 
 def load_processor(cfg: Config) -> ProcessorMixin:
-    """The checkpoint's own processor (its chat template, image processor and image-token expansion)."""
+    """The checkpoint's own processor (its chat template, image processor and image-token expansion); a text-only
+    checkpoint is refused in one line."""
     from transformers import AutoProcessor
+
+    config = checkpoint_config(cfg)
+    if not is_multimodal(config):
+        raise ModelLoadError(f"the data's records show images, but {cfg.model.path} is a {config.model_type} "
+                             "checkpoint without a vision tower; use a vision-language checkpoint, or text-only "
+                             "records")
 
     try:
         return AutoProcessor.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
