@@ -187,7 +187,7 @@ MUTATIONS = [
              "tests/test_vision.py::test_llava_equals_transformers_nf4_with_images_at_world_sizes_1_and_2"),
     Mutation("the vision tower kept unquantized where transformers makes it 4-bit",
              "qlora_fsdp/loading/vision_encoder.py",
-             "        if not isinstance(module, nn.Linear) or (names is not None and prefix + name not in names):\n",
+             "        if not isinstance(module, nn.Linear) or prefix + name not in names:\n",
              "        if True:\n",
              "tests/test_vision.py::test_llava_equals_transformers_nf4_with_images_at_world_sizes_1_and_2"),
     Mutation("image tokens counted as targets", "qlora_fsdp/data/images.py",

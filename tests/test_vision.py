@@ -183,9 +183,10 @@ def test_train_py_learns_from_images_on_two_ranks_and_the_merge_keeps_the_vision
     from safetensors.torch import load_file
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
+    from qlora_fsdp.commands.generate import main as generate_main
     from qlora_fsdp.loading.adapter import config_for_adapter
     from qlora_fsdp.tools.merge import merge_adapter
-    from tests.helpers import run_cli, transformers_nf4
+    from tests.helpers import command_here, run_cli, transformers_nf4
 
     model_dir, data = llava
     out = tmp_path / "run"
@@ -215,3 +216,11 @@ def test_train_py_learns_from_images_on_two_ranks_and_the_merge_keeps_the_vision
     inputs = processor(text=[text], images=[Image.open(data.parent / "red.png")], return_tensors="pt")
     with torch.no_grad():
         assert torch.isfinite(model(**inputs).logits).all()
+        # generate --image: our 4-bit model with the adapter replies as PEFT on transformers' NF4 model does (greedy)
+        prompt_len = inputs["input_ids"].shape[1]
+        theirs = peft_model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, prompt_len:]
+    expected = processor.tokenizer.decode(theirs, skip_special_tokens=True)
+    replied = command_here(generate_main, ["--adapter", str(adapter), "--prompt", "Colour?", "--image",
+                                           str(data.parent / "red.png"), "--max-new-tokens", "6"])
+    assert replied.returncode == 0, replied.stderr[-2000:]
+    assert replied.stdout.splitlines() == [expected]

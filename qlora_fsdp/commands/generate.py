@@ -7,6 +7,7 @@
     python scripts/generate.py --recipe tiny_cpu --no-adapter --prompt ... # the base alone, to compare
     torchrun --nproc_per_node 2 scripts/generate.py --adapter ADAPTER      # sharded over 2 GPUs, as training was
     python scripts/generate.py --adapter ADAPTER --offload                 # one GPU, one layer at a time on it
+    python scripts/generate.py --adapter ADAPTER --image cat.png --prompt "What is this?"  # a vision-language model
 
 Settings (model, quantization, template, sharding) come from the adapter folder's training_config.yaml, or
 --recipe. The model is held as training held it: FSDP2 over the torchrun ranks, with the recipe's
@@ -33,6 +34,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); none: read prompts from stdin")
     parser.add_argument("--input", default="", help="an alpaca-style input for every prompt (the record's `input`)")
     parser.add_argument("--system", help="a system message before each prompt")
+    parser.add_argument("--image", action="append", type=Path,
+                        help="an image shown with every prompt (repeatable; a vision-language checkpoint)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -79,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
     from qlora_fsdp.tools.generate import Sampling, load_generator  # heavy imports once the arguments are good
 
     try:
-        generator = load_generator(cfg, args.adapter, args.offload)
+        generator = load_generator(cfg, args.adapter, args.offload, images=bool(args.image))
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
         for prompt in shared_prompts(args):
-            reply = generator.reply(alpaca_user_turn(prompt, args.input), sampling, args.system)  # every rank
+            reply = generator.reply(alpaca_user_turn(prompt, args.input), sampling, args.system, args.image)
             if generator.is_main:
                 print(reply, flush=True)
     finally:

@@ -70,6 +70,8 @@ def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | Non
 
     def scatter(_module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         mask = args[0] == encoder.image_token_id
+        if not mask.any():  # generation's decoding steps after the prompt: new tokens only
+            return output
         if int(mask.sum()) * output.shape[-1] != features.numel():
             raise DataError(f"a micro-batch has {int(mask.sum())} image tokens for {features.shape[0]} image "
                             "features: its images and their tokens disagree")

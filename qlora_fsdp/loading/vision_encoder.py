@@ -69,8 +69,9 @@ def without_decoder(config: PretrainedConfig) -> PretrainedConfig:
     return small
 
 
-def quantized_names(config: PretrainedConfig) -> set[str] | None:
-    """The full model's linears transformers + bitsandbytes make 4-bit (None: the reference quantizes every one)."""
+def quantized_names(config: PretrainedConfig) -> set[str]:
+    """The full model's linears transformers + bitsandbytes make 4-bit (its own rule: every one but those it keeps,
+    the head and `_keep_in_fp32_modules`)."""
     from transformers.quantizers.base import HfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 
@@ -123,11 +124,11 @@ def read_image_side(base: nn.Module, prefix: str, folder: Path, layout: Checkpoi
                              "more): not a vision-language checkpoint of its config's family")
 
 
-def quantize_linears(base: nn.Module, prefix: str, names: set[str] | None, cfg: Config, device: torch.device) -> int:
+def quantize_linears(base: nn.Module, prefix: str, names: set[str], cfg: Config, device: torch.device) -> int:
     """NF4 in place of the linears the reference quantizes (the recipe's blocksize and double quantization)."""
     count = 0
     for name, module in list(base.named_modules()):
-        if not isinstance(module, nn.Linear) or (names is not None and prefix + name not in names):
+        if not isinstance(module, nn.Linear) or prefix + name not in names:
             continue
         layer = make_meta_linear4bit(module, cfg.quant)
         layer.to_empty(device=device)

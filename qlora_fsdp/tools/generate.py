@@ -14,6 +14,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import peft
 import torch
@@ -22,15 +23,18 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, Template
+from qlora_fsdp.data.images import TEXT_INPUTS, read_image
 from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import DistInfo, init_distributed
 from qlora_fsdp.families import attention_needs
 from qlora_fsdp.layers.attention import generation_attention
+from qlora_fsdp.layers.image_embeddings import images_in_embeddings
 from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_hf_config, load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.sharding import uses_fsdp
+from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
 
 
 @dataclass
@@ -47,19 +51,43 @@ class Generator:
     tokenizer: PreTrainedTokenizerBase
     template: Template
     info: DistInfo
+    processor: Any = None  # a vision-language checkpoint's, where prompts come with images
+
+    def prompt_inputs(self, prompt: str, system: str | None,
+                      images: list[Path] | None) -> tuple[list[int], dict[str, torch.Tensor] | None]:
+        """The prompt's ids (rendered as training rendered it) and, with images, their inputs: the processor's
+        chat template shows the images before the prompt's text."""
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        if not images:
+            return prompt_ids(messages + [{"role": "user", "content": prompt}], self.tokenizer, self.template), None
+        assert self.processor is not None, "load_generator(..., images=True) loads the processor"
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+        text = self.processor.apply_chat_template(messages + [{"role": "user", "content": parts}], tokenize=False,
+                                                  add_generation_prompt=True)
+        pictures = [read_image(str(path), Path.cwd(), "--image") for path in images]
+        out = self.processor(text=[text], images=pictures, add_special_tokens=False, return_tensors="pt")
+        vision = {key: value for key, value in out.items() if key not in TEXT_INPUTS}
+        return out["input_ids"][0].tolist(), vision
 
     @property
     def is_main(self) -> bool:
         return self.info.is_main
 
     @torch.no_grad()
-    def token_ids(self, prompt: str, sampling: Sampling, system: str | None = None) -> list[int]:
+    def token_ids(self, prompt: str, sampling: Sampling, system: str | None = None,
+                  images: list[Path] | None = None) -> list[int]:
         """The new tokens of one reply. A collective under FSDP: every rank calls it with the same arguments."""
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        ids = torch.tensor([prompt_ids(messages, self.tokenizer, self.template)], device=self.info.device)
+        prompt_tokens, vision = self.prompt_inputs(prompt, system, images)
+        ids = torch.tensor([prompt_tokens], device=self.info.device)
         torch.manual_seed(sampling.seed)  # the same draws on every rank, so the same tokens and the same forwards
         sample = sampling.temperature > 0
-        out = self.model.generate(
+        with images_in_embeddings(self.model, vision, self.info.device):
+            out = self.sample(ids, sampling, sample)
+        release_root(self.model)
+        return out[0, ids.shape[1]:].tolist()
+
+    def sample(self, ids: torch.Tensor, sampling: Sampling, sample: bool) -> torch.Tensor:
+        return self.model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=sampling.max_new_tokens,
             do_sample=sample, temperature=sampling.temperature if sample else None,
             top_p=sampling.top_p if sample else None, pad_token_id=self.tokenizer.pad_token_id,
@@ -68,11 +96,10 @@ class Generator:
             # a rank that reached EOS keeps running dummy forwards (and all-gathers) until every rank has: should
             # numerics ever differ between GPUs, no rank waits forever for another's gather
             synced_gpus=self.info.world_size > 1)
-        release_root(self.model)
-        return out[0, ids.shape[1]:].tolist()
 
-    def reply(self, prompt: str, sampling: Sampling, system: str | None = None) -> str:
-        return readable_reply(self.tokenizer, self.token_ids(prompt, sampling, system))
+    def reply(self, prompt: str, sampling: Sampling, system: str | None = None,
+              images: list[Path] | None = None) -> str:
+        return readable_reply(self.tokenizer, self.token_ids(prompt, sampling, system, images))
 
 
 # one message of gpt-oss's harmony format: its channel (the header may name a recipient and a content type), its text
@@ -101,9 +128,11 @@ def sampling_config(cfg: Config, offload: bool | None = None) -> Config:
     return dataclasses.replace(cfg, activation_checkpointing=no_recompute, fsdp=fsdp, model=model, train=train)
 
 
-def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None = None) -> Generator:
+def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None = None,
+                   images: bool = False) -> Generator:
     """The recipe's base in 4-bit with the adapter's weights, sharded and offloaded as training does it (see
-    `sampling_config`); without an adapter, LoRA stays at its zero init, so replies are the base model's."""
+    `sampling_config`); without an adapter, LoRA stays at its zero init, so replies are the base model's. With
+    `images`, a vision-language checkpoint's processor and image side too."""
     cfg = sampling_config(cfg, offload)
     info = init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes,
                             first_collective_timeout_s=cfg.train.first_collective_timeout_s)
@@ -118,7 +147,11 @@ def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None =
     # PeftModel.generate calls the inner model's forward, past the FSDP root's hooks: make generate a forward of
     # the root, so embeddings, norm and head are gathered for it (a no-op for an unsharded model)
     register_fsdp_forward_method(model, "generate")
-    return Generator(model, tokenizer, run_template(cfg.data, tokenizer), info)
+    processor = None
+    if images:
+        processor = load_processor(cfg)
+        load_vision_encoder(model, cfg, info.device)
+    return Generator(model, tokenizer, run_template(cfg.data, tokenizer), info, processor)
 
 
 def note_unsharded_fallback(cfg: Config, info: DistInfo) -> None:
