@@ -224,3 +224,58 @@ def test_train_py_learns_from_images_on_two_ranks_and_the_merge_keeps_the_vision
                                            str(data.parent / "red.png"), "--max-new-tokens", "6"])
     assert replied.returncode == 0, replied.stderr[-2000:]
     assert replied.stdout.splitlines() == [expected]
+
+
+def test_images_by_url_and_from_a_saved_hub_dataset_encode_as_files_do(llava, tmp_path):
+    """The same record with its image as a file, as a URL (a local server) and in a datasets Image column saved
+    with save_to_disk (as a hub dataset arrives): the same ids, labels and pixels; a dead URL is one line."""
+    import http.server
+    import threading
+    from functools import partial
+
+    import datasets
+    from transformers import AutoProcessor
+
+    from qlora_fsdp.data.images import load_image_data
+    from qlora_fsdp.errors import DataError
+
+    model_dir, data = llava
+    processor = AutoProcessor.from_pretrained(model_dir)
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    folder = data.parent
+
+    def record(image: object) -> dict:
+        return {"messages": [{"role": "user", "content": "<image>Name the colour."},
+                             {"role": "assistant", "content": "Blue."}], "images": [image]}
+
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    (tmp_path / "blue.png").write_bytes((folder / "blue.png").read_bytes())
+    try:
+        files = {"file.jsonl": "blue.png", "url.jsonl": f"{url}/blue.png"}
+        encoded = []
+        for name, image in files.items():
+            (tmp_path / name).write_text((json.dumps(record(image)) + "\n") * 2)
+            encoded.append(load_image_data(processor, image_token, vision_config(
+                model_dir, tmp_path / name, tmp_path / "out", eval_samples=0)).train[0])
+        hub = datasets.Dataset.from_dict({"messages": [record(None)["messages"]] * 2,
+                                          "images": [[str(tmp_path / "blue.png")]] * 2},
+                                         features=datasets.Features({
+                                             "messages": [{"role": datasets.Value("string"),
+                                                           "content": datasets.Value("string")}],
+                                             "images": datasets.Sequence(datasets.Image())}))
+        hub.save_to_disk(tmp_path / "hub")
+        encoded.append(load_image_data(processor, image_token, vision_config(
+            model_dir, tmp_path / "hub", tmp_path / "out", eval_samples=0)).train[0])
+        for sample in encoded[1:]:
+            assert sample.input_ids == encoded[0].input_ids and sample.labels == encoded[0].labels
+            assert torch.equal(sample.vision["pixel_values"], encoded[0].vision["pixel_values"])
+        (tmp_path / "dead.jsonl").write_text(json.dumps(record(f"{url}/gone.png")) + "\n")
+        with pytest.raises(DataError, match=r"dead.jsonl record 1: image http://127.0.0.1:\d+/gone.png cannot be "
+                                            r"fetched or read \(HTTP Error 404"):
+            load_image_data(processor, image_token, vision_config(model_dir, tmp_path / "dead.jsonl",
+                                                                  tmp_path / "out"))
+    finally:
+        server.shutdown()

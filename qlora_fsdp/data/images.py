@@ -16,6 +16,7 @@ marker into its tokens is aligned to it.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,17 +82,29 @@ def read_image(value: Any, folder: Path, where: str) -> Image.Image:
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     if isinstance(value, dict) and value.get("bytes") is not None:  # a hub Image feature, undecoded
-        import io
-
         return Image.open(io.BytesIO(value["bytes"])).convert("RGB")
     if not isinstance(value, str) or not value:
         raise DataError(f"{where}: an image is given as {type(value).__name__}, not a path")
+    if value.startswith(("http://", "https://")):
+        return fetched_image(value, where)
     path = Path(value) if Path(value).is_absolute() else folder / value
     try:
         with Image.open(path) as image:
             return image.convert("RGB")
     except (OSError, ValueError) as err:
         raise DataError(f"{where}: image {value} cannot be read ({first_line(err)})") from None
+
+
+def fetched_image(url: str, where: str) -> Image.Image:
+    """An image given by URL, read once at start (a minute at most: a dead link is one line, not a hang)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:  # noqa: S310 (http and https only, checked)
+            data = response.read()
+        return Image.open(io.BytesIO(data)).convert("RGB")
+    except (OSError, ValueError) as err:
+        raise DataError(f"{where}: image {url} cannot be fetched or read ({first_line(err)})") from None
 
 
 def parts_of(content: Any, images: list[Any], where: str) -> tuple[list[dict[str, Any]], list[Any]]:
