@@ -1,7 +1,8 @@
 """What differs between model families, in one place: the rest of the package asks these functions and never tests
 a family's name itself.
 
-- **Multimodal checkpoints** (Gemma 3 4B-27B, Mistral 3): trained as their text model (`text_config`).
+- **Multimodal checkpoints** (Gemma 3 4B-27B, Mistral 3): trained as their text model (`text_config`); with
+  images in the records only where that is checked (LLaVA), the others refused in one line saying why.
 - **Attention**: what a family's attention adds to causal attention (sliding windows, soft-capping, sinks) and
   whether transformers' sdpa can run it.
 - **Logits**: families that soft-cap the head's output inside their forward (Gemma 2).
@@ -36,6 +37,27 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
         raise ModelLoadError(f"{config.model_type}: its language model ({text.model_type}) is not a causal LM "
                              "transformers can build on its own; this multimodal family is not supported yet")
     return text
+
+
+# vision-language families whose training with images is checked against transformers (tests/test_vision.py): the
+# image features go in at the image tokens of a causal, one-axis-position decoder
+IMAGE_FAMILIES = {"llava": "LLaVA"}
+IMAGES_NOT_YET = {  # what the others need, said when their records show images
+    "gemma3": "its image tokens attend to each other both ways, which the attention kernels here do not do yet",
+    "qwen2_vl": "its decoder takes 3-axis rotary positions and has no causal-LM class in transformers",
+    "qwen2_5_vl": "its decoder takes 3-axis rotary positions and has no causal-LM class in transformers",
+    "qwen3_vl": "its decoder takes 3-axis rotary positions and has no causal-LM class in transformers",
+    "mllama": "its decoder reads the images through cross-attention layers",
+}
+
+
+def check_images_supported(config: PretrainedConfig) -> None:
+    """Records with images train only where the loss is checked against transformers: never a different loss."""
+    if config.model_type in IMAGE_FAMILIES:
+        return
+    why = IMAGES_NOT_YET.get(config.model_type, "it is not checked against transformers yet")
+    raise ModelLoadError(f"records with images are not supported for {config.model_type} yet: {why}; train it on "
+                         f"text records, or use a checkpoint of {', '.join(IMAGE_FAMILIES.values())}")
 
 
 def full_model_class(config: PretrainedConfig) -> type[PreTrainedModel]:

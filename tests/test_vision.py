@@ -279,3 +279,18 @@ def test_images_by_url_and_from_a_saved_hub_dataset_encode_as_files_do(llava, tm
                                                                   tmp_path / "out"))
     finally:
         server.shutdown()
+
+
+def test_images_for_a_family_not_checked_yet_are_refused_in_one_line(tmp_path):
+    """Gemma 3 with images would run its image tokens causally where transformers lets them see each other: refused,
+    with the reason, before the processor is read (its text records still train as before)."""
+    from qlora_fsdp.errors import ModelLoadError
+    from qlora_fsdp.loading.vision_encoder import load_processor
+    from tests.families import write_family_model
+
+    tokenizer = train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512)
+    gemma = write_family_model(tmp_path / "gemma3", "gemma3_multimodal", tokenizer)
+    with pytest.raises(ModelLoadError, match=r"^records with images are not supported for gemma3 yet: its image tokens "
+                                             r"attend to each other both ways, .*; train it on text records, or use a "
+                                             r"checkpoint of LLaVA$"):
+        load_processor(tiny_config(gemma))

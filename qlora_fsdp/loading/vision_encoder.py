@@ -20,7 +20,7 @@ from transformers import AutoConfig, PretrainedConfig, ProcessorMixin
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError, first_line
-from qlora_fsdp.families import full_model_class, is_multimodal
+from qlora_fsdp.families import check_images_supported, full_model_class, is_multimodal
 from qlora_fsdp.layers.image_embeddings import VisionEncoder, attach_vision_encoder
 from qlora_fsdp.loading.build import make_meta_linear4bit
 from qlora_fsdp.loading.fill import quantize, set_quant_state
@@ -38,6 +38,7 @@ def load_processor(cfg: Config) -> ProcessorMixin:
         raise ModelLoadError(f"the data's records show images, but {cfg.model.path} is a {config.model_type} "
                              "checkpoint without a vision tower; use a vision-language checkpoint, or text-only "
                              "records")
+    check_images_supported(config)
 
     try:
         return AutoProcessor.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
