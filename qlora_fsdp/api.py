@@ -21,7 +21,7 @@ from qlora_fsdp.loading.adapter import export_adapter
 from qlora_fsdp.loading.build import base_parameter_count
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
-from qlora_fsdp.loading.vision_encoder import checkpoint_config, image_token_id, load_processor, load_vision_encoder
+from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
 from qlora_fsdp.plan.batch_size import describe_batch
 from qlora_fsdp.plan.hardware import peak_flops
 from qlora_fsdp.plan.run_batch import resolve_run_batch
@@ -90,7 +90,7 @@ def load_data(tokenizer: PreTrainedTokenizerBase, cfg: Config, info: DistInfo) -
     if cfg.train.objective in PAIR_OBJECTIVES:
         return load_pairs(tokenizer, cfg, info)
     if records_have_images(cfg):
-        return load_image_data(load_processor(cfg), image_token_id(checkpoint_config(cfg)), cfg)
+        return load_image_data(load_processor(cfg), cfg)
     return load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
 
 

@@ -39,11 +39,19 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return text
 
 
-# vision-language families whose training with images is checked against transformers (tests/test_vision.py): the
-# image features go in at the image tokens of a causal, one-axis-position decoder
-IMAGE_FAMILIES = {"llava": "LLaVA"}
+@dataclass(frozen=True)
+class ImageFamily:
+    """A vision-language family whose training with images is checked against transformers (tests/test_vision.py):
+    the image features go in at the image tokens of a decoder with one-axis positions."""
+
+    name: str
+    # where an image's tokens attend to each other both ways (Gemma 3): the module of transformers' own mask builder
+    both_ways_masks: str | None = None
+
+
+IMAGE_FAMILIES = {"llava": ImageFamily("LLaVA"),
+                  "gemma3": ImageFamily("Gemma 3", both_ways_masks="transformers.models.gemma3.modeling_gemma3")}
 IMAGES_NOT_YET = {  # what the others need, said when their records show images
-    "gemma3": "its image tokens attend to each other both ways, which the attention kernels here do not do yet",
     "qwen2_vl": "its decoder takes 3-axis rotary positions and has no causal-LM class in transformers",
     "qwen2_5_vl": "its decoder takes 3-axis rotary positions and has no causal-LM class in transformers",
     "qwen3_vl": "its decoder takes 3-axis rotary positions and has no causal-LM class in transformers",
@@ -56,8 +64,9 @@ def check_images_supported(config: PretrainedConfig) -> None:
     if config.model_type in IMAGE_FAMILIES:
         return
     why = IMAGES_NOT_YET.get(config.model_type, "it is not checked against transformers yet")
+    families = ", ".join(family.name for family in IMAGE_FAMILIES.values())
     raise ModelLoadError(f"records with images are not supported for {config.model_type} yet: {why}; train it on "
-                         f"text records, or use a checkpoint of {', '.join(IMAGE_FAMILIES.values())}")
+                         f"text records, or use a checkpoint of {families}")
 
 
 def full_model_class(config: PretrainedConfig) -> type[PreTrainedModel]:

@@ -11,14 +11,19 @@ import torch
 
 from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.helpers import REPO, run_ranks, tiny_config
-from tests.vision_models import write_image_records, write_tiny_llava
+from tests.vision_models import write_image_records, write_tiny_gemma3, write_tiny_llava
+
+WRITERS = {"llava": write_tiny_llava, "gemma3": write_tiny_gemma3}
+
+
+def tiny_vlm(root: Path, family: str) -> tuple[Path, Path]:
+    model = WRITERS[family](root / "model", train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512))
+    return model, write_image_records(root / "data")
 
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("llava")
-    model = write_tiny_llava(root / "model", train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512))
-    return model, write_image_records(root / "data")
+    return tiny_vlm(tmp_path_factory.mktemp("llava"), "llava")
 
 
 def vision_config(model_dir: Path, data: Path, out: Path, **data_keys):
@@ -75,22 +80,27 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None)
 
 
 def reference_side(model_dir: Path, adapter: Path, samples: list) -> dict:
-    """transformers' own NF4 load of the LLaVA checkpoint (its vision tower and projector 4-bit too), each record
-    alone with its pixels: the loss with PEFT loading our adapter, and its LoRA gradients."""
+    """transformers' own NF4 load of the checkpoint's class (its vision tower and projector 4-bit where it makes
+    them so), each record alone with its pixels (and, for Gemma 3, the token types that let an image's tokens see
+    each other): the loss with PEFT loading our adapter, and its LoRA gradients."""
+    import transformers
     from peft import PeftModel
-    from transformers import LlavaForConditionalGeneration
 
     from qlora_fsdp.loading.adapter import peft_adapter_key
     from tests.helpers import decoder_lora_keys, transformers_nf4
 
-    base = transformers_nf4(model_dir, LlavaForConditionalGeneration)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    base = transformers_nf4(model_dir, getattr(transformers, config.architectures[0]))
     expected = decoder_lora_keys(base)
     model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
     n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
     total = torch.zeros(())
     for sample in samples:
+        ids = torch.tensor([sample.input_ids])
         extra = {"pixel_values": sample.vision["pixel_values"]} if sample.vision is not None else {}
-        logits = model(input_ids=torch.tensor([sample.input_ids]), **extra).logits[0, :-1]
+        if config.model_type == "gemma3":
+            extra["token_type_ids"] = (ids == config.image_token_id).long()
+        logits = model(input_ids=ids, **extra).logits[0, :-1]
         total = total + torch.nn.functional.cross_entropy(logits.float(), torch.tensor(sample.labels[1:]),
                                                           ignore_index=-100, reduction="sum")
     loss = total / n_targets
@@ -104,17 +114,19 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-def test_llava_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(llava, tmp_path):
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(family, llava, tmp_path):
     """Records with images (parts, two in one record, LLaMA-Factory markers) and text-only ones: the loss with the
     adapter, padded and packed, and one step's LoRA gradients equal transformers + bitsandbytes NF4 + PEFT, at world
-    size 1 and at 2 with one rank text-only."""
-    model_dir, data = llava
+    size 1 and at 2 with one rank text-only. LLaVA: image features into a Llama decoder; Gemma 3: an image's tokens
+    attend to each other both ways (and its sliding windows) in every kernel."""
+    model_dir, data = llava if family == "llava" else tiny_vlm(tmp_path / "vlm", family)
     adapter = tmp_path / "adapter"
     one = run_ranks(our_side, 1, model_dir, data, tmp_path / "one", adapter, tmp_dir=tmp_path)[0]
     two = run_ranks(our_side, 2, model_dir, data, tmp_path / "two", None, tmp_dir=tmp_path)[0]
     assert one["images"] == 6  # of 8 records
     reference = reference_side(model_dir, adapter, one["samples"])
-    print(f"LLaVA: transformers {reference['loss']:.6f}, ours ws1 {one['padded']:.6f} padded "
+    print(f"{family}: transformers {reference['loss']:.6f}, ours ws1 {one['padded']:.6f} padded "
           f"{one['packed']:.6f} packed, ws2 {two['padded']:.6f} {two['packed']:.6f}")
     for run in (one, two):
         for key in ("padded", "packed"):
@@ -138,7 +150,7 @@ def test_records_become_replies_only_labels_with_each_images_tokens(llava, tmp_p
     model_dir, data = llava
     processor = AutoProcessor.from_pretrained(model_dir)
     image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
-    loaded = load_image_data(processor, image_token, vision_config(model_dir, data, tmp_path / "out",
+    loaded = load_image_data(processor, vision_config(model_dir, data, tmp_path / "out",
                                                                    eval_samples=0))
     replies = [json.loads(line)["messages"][1]["content"] for line in data.read_text().splitlines()]
     replies = [r if isinstance(r, str) else r[0]["text"] for r in replies]
@@ -160,7 +172,7 @@ def test_records_become_replies_only_labels_with_each_images_tokens(llava, tmp_p
         path.write_text(json.dumps(opening) + "\n" + json.dumps(record) + "\n")
         (tmp_path / "red.png").write_bytes((data.parent / "red.png").read_bytes())
         with pytest.raises(DataError) as caught:
-            load_image_data(processor, image_token, vision_config(model_dir, path, tmp_path / "out"))
+            load_image_data(processor, vision_config(model_dir, path, tmp_path / "out"))
         return str(caught.value)
 
     ask = {"role": "assistant", "content": "Red."}
@@ -241,7 +253,6 @@ def test_images_by_url_and_from_a_saved_hub_dataset_encode_as_files_do(llava, tm
 
     model_dir, data = llava
     processor = AutoProcessor.from_pretrained(model_dir)
-    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
     folder = data.parent
 
     def record(image: object) -> dict:
@@ -258,7 +269,7 @@ def test_images_by_url_and_from_a_saved_hub_dataset_encode_as_files_do(llava, tm
         encoded = []
         for name, image in files.items():
             (tmp_path / name).write_text((json.dumps(record(image)) + "\n") * 2)
-            encoded.append(load_image_data(processor, image_token, vision_config(
+            encoded.append(load_image_data(processor, vision_config(
                 model_dir, tmp_path / name, tmp_path / "out", eval_samples=0)).train[0])
         hub = datasets.Dataset.from_dict({"messages": [record(None)["messages"]] * 2,
                                           "images": [[str(tmp_path / "blue.png")]] * 2},
@@ -267,7 +278,7 @@ def test_images_by_url_and_from_a_saved_hub_dataset_encode_as_files_do(llava, tm
                                                            "content": datasets.Value("string")}],
                                              "images": datasets.Sequence(datasets.Image())}))
         hub.save_to_disk(tmp_path / "hub")
-        encoded.append(load_image_data(processor, image_token, vision_config(
+        encoded.append(load_image_data(processor, vision_config(
             model_dir, tmp_path / "hub", tmp_path / "out", eval_samples=0)).train[0])
         for sample in encoded[1:]:
             assert sample.input_ids == encoded[0].input_ids and sample.labels == encoded[0].labels
@@ -275,22 +286,22 @@ def test_images_by_url_and_from_a_saved_hub_dataset_encode_as_files_do(llava, tm
         (tmp_path / "dead.jsonl").write_text(json.dumps(record(f"{url}/gone.png")) + "\n")
         with pytest.raises(DataError, match=r"dead.jsonl record 1: image http://127.0.0.1:\d+/gone.png cannot be "
                                             r"fetched or read \(HTTP Error 404"):
-            load_image_data(processor, image_token, vision_config(model_dir, tmp_path / "dead.jsonl",
+            load_image_data(processor, vision_config(model_dir, tmp_path / "dead.jsonl",
                                                                   tmp_path / "out"))
     finally:
         server.shutdown()
 
 
 def test_images_for_a_family_not_checked_yet_are_refused_in_one_line(tmp_path):
-    """Gemma 3 with images would run its image tokens causally where transformers lets them see each other: refused,
-    with the reason, before the processor is read (its text records still train as before)."""
+    """Qwen2.5-VL with images would need 3-axis positions: refused, with the reason, before the processor is read
+    (never a loss that differs from transformers')."""
+    from transformers import Qwen2_5_VLConfig
+
     from qlora_fsdp.errors import ModelLoadError
     from qlora_fsdp.loading.vision_encoder import load_processor
-    from tests.families import write_family_model
 
-    tokenizer = train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512)
-    gemma = write_family_model(tmp_path / "gemma3", "gemma3_multimodal", tokenizer)
-    with pytest.raises(ModelLoadError, match=r"^records with images are not supported for gemma3 yet: its image tokens "
-                                             r"attend to each other both ways, .*; train it on text records, or use a "
-                                             r"checkpoint of LLaVA$"):
-        load_processor(tiny_config(gemma))
+    Qwen2_5_VLConfig().save_pretrained(tmp_path / "qwen")
+    with pytest.raises(ModelLoadError, match=r"^records with images are not supported for qwen2_5_vl yet: its decoder "
+                                             r"takes 3-axis rotary positions .*; train it on text records, or use a "
+                                             r"checkpoint of LLaVA, Gemma 3$"):
+        load_processor(tiny_config(tmp_path / "qwen"))

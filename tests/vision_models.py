@@ -46,6 +46,34 @@ def write_tiny_llava(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 
     return out
 
 
+GEMMA3_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<start_of_image>")  # Gemma's marker, which its processor expands
+
+
+def write_tiny_gemma3(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
+    """Gemma 3 4B-27B's layout (tests/families.py's tiny one: a SigLIP tower, 4 tokens an image, a Gemma 3 decoder
+    with sliding windows) with its Gemma3Processor: the image marker becomes "\n\n", the begin-of-image token, the
+    image's tokens, the end-of-image token and "\n\n"; an image's tokens attend to each other both ways."""
+    from transformers import Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from tests.families import gemma3_multimodal
+
+    marks = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer.add_special_tokens({"additional_special_tokens": list(marks.values())})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, extra_special_tokens=marks,
+                                        **tokenizer.special_tokens_map)
+    tokenizer.chat_template = GEMMA3_TEMPLATE
+    config = gemma3_multimodal(tokenizer)
+    config.image_token_id = tokenizer.convert_tokens_to_ids(marks["image_token"])
+    config.boi_token_index = tokenizer.convert_tokens_to_ids(marks["boi_token"])
+    config.eoi_token_index = tokenizer.convert_tokens_to_ids(marks["eoi_token"])
+    torch.manual_seed(seed)
+    Gemma3ForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
+    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tokenizer,
+                    chat_template=GEMMA3_TEMPLATE, image_seq_length=4).save_pretrained(out)
+    return out
+
+
 def write_image_records(folder: Path) -> Path:
     """Chat records, a JSON line each: images as content parts (one or two), LLaMA-Factory's markers, text only."""
     folder.mkdir(parents=True, exist_ok=True)

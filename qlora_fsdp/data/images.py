@@ -16,6 +16,7 @@ marker into its tokens is aligned to it.
 
 from __future__ import annotations
 
+import difflib
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,31 +179,20 @@ def reply_spans(processor: ProcessorMixin, messages: list[dict[str, Any]], full:
     return spans
 
 
-def expanded_labels(plain: list[int], labels: list[int], expanded: list[int], image_token: int,
-                    where: str) -> list[int]:
-    """The labels of the processor's ids, where each image marker token became the image's tokens (never a
-    target)."""
-    out: list[int] = []
-    j = 0
-    for token, label in zip(plain, labels, strict=True):
-        if token == image_token:
-            start = j
-            while j < len(expanded) and expanded[j] == image_token:
-                j += 1
-            if j == start:
-                raise DataError(f"{where}: the processor wrote no tokens for an image")
-            out += [IGNORE_INDEX] * (j - start)
-            continue
-        if j >= len(expanded) or expanded[j] != token:
-            raise DataError(f"{where}: the processor's tokens differ from the tokenizer's beyond the images")
-        out.append(label)
-        j += 1
-    if j != len(expanded):
-        raise DataError(f"{where}: the processor's tokens differ from the tokenizer's beyond the images")
+def expanded_labels(plain: list[int], labels: list[int], expanded: list[int], where: str) -> list[int]:
+    """The labels of the processor's ids, which differ from the tokenizer's where each image marker became the
+    image's tokens (and, for some families, the text around them): aligned by the longest common runs, whatever
+    the processor added is no target; a reply it changed is refused."""
+    out = [IGNORE_INDEX] * len(expanded)
+    for tag, a, b, c, d in difflib.SequenceMatcher(a=plain, b=expanded, autojunk=False).get_opcodes():
+        if tag == "equal":
+            out[c:d] = labels[a:b]
+        elif any(label != IGNORE_INDEX for label in labels[a:b]):
+            raise DataError(f"{where}: the processor changed the tokens of a reply, not only the images'")
     return out
 
 
-def encode_record(record: dict[str, Any], processor: ProcessorMixin, image_token: int, folder: Path,
+def encode_record(record: dict[str, Any], processor: ProcessorMixin, folder: Path,
                   where: str) -> Sample:
     messages, images = conversation(record, folder, where)
     full = render(processor, messages, where)
@@ -216,10 +206,10 @@ def encode_record(record: dict[str, Any], processor: ProcessorMixin, image_token
     out = processor(text=[full], images=images, add_special_tokens=False, return_tensors="pt")
     expanded = out["input_ids"][0].tolist()
     vision = {key: value for key, value in out.items() if key not in TEXT_INPUTS and isinstance(value, torch.Tensor)}
-    return Sample(expanded, expanded_labels(list(plain["input_ids"]), labels, expanded, image_token, where), vision)
+    return Sample(expanded, expanded_labels(list(plain["input_ids"]), labels, expanded, where), vision)
 
 
-def load_image_data(processor: ProcessorMixin, image_token: int, cfg: Config) -> ImageData:
+def load_image_data(processor: ProcessorMixin, cfg: Config) -> ImageData:
     """Every source's records encoded, data.eval_samples held out (by the seed), packed where the recipe packs."""
     data = cfg.data
     samples: list[Sample] = []
@@ -229,7 +219,7 @@ def load_image_data(processor: ProcessorMixin, image_token: int, cfg: Config) ->
         folder = path if path.is_dir() else path.parent
         for index, record in enumerate(records):
             where = f"{source.path} record {index + 1}"
-            sample = encode_record(record, processor, image_token, folder, where)
+            sample = encode_record(record, processor, folder, where)
             if len(sample.input_ids) > data.context_length:
                 raise DataError(f"{where}: {len(sample.input_ids)} tokens with its images, more than "
                                 f"data.context_length {data.context_length}; raise it or lower the images' pixel "

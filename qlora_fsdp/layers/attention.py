@@ -129,6 +129,12 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     if dropout:
         raise RuntimeError(f"{VARLEN_SDPA} has no attention dropout; use sdpa or eager")
     options = AttentionOptions.from_kwargs(kwargs)
+    if isinstance(attention_mask, torch.Tensor):  # a mask made for the batch (images seen both ways): dense
+        if options.softcap is not None or options.sinks is not None:
+            raise RuntimeError(f"{VARLEN_SDPA} reads a given mask only for plain attention")
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.shape[0] != query.shape[0]:  # one sample a row (padded, or alone)
         return family_attention(query, key, value, scaling, options).transpose(1, 2).contiguous(), None

@@ -11,16 +11,20 @@ kept beside the model, not as a submodule, so FSDP2 never wraps it.
 
 from __future__ import annotations
 
+import copy
+import importlib
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from qlora_fsdp.errors import DataError
+from qlora_fsdp.layers.attention import sample_bounds
 
 
 @dataclass
@@ -30,6 +34,7 @@ class VisionEncoder:
     base: Any  # the checkpoint's base model without its decoder (LlavaModel, ...: its get_image_features)
     image_token_id: int
     dtype: torch.dtype  # what it computes in (the recipe's 4-bit compute dtype)
+    both_ways_masks: str | None = None  # families.ImageFamily's: an image's tokens attend to each other both ways
 
     @torch.no_grad()
     def features(self, vision: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -77,8 +82,69 @@ def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | Non
                             "features: its images and their tokens disagree")
         return output.masked_scatter(mask.unsqueeze(-1), features.to(output.dtype))
 
-    handle = embedding.register_forward_hook(scatter)
+    handles = [embedding.register_forward_hook(scatter)]
+    if encoder.both_ways_masks is not None:
+        decoder = decoder_model(model)
+        handles.append(decoder.register_forward_pre_hook(partial(image_blocks, encoder), with_kwargs=True))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+
+
+def decoder_model(model: nn.Module) -> nn.Module:
+    """The decoder's base model (its forward takes the ids, the positions and the attention mask)."""
+    causal_lm: Any = cast(Any, model).get_base_model() if hasattr(model, "get_base_model") else model
+    return cast(nn.Module, getattr(causal_lm, causal_lm.base_model_prefix))
+
+
+def image_blocks(encoder: VisionEncoder, module: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """For a family whose image tokens see each other both ways (Gemma 3): the decoder's masks, built by the
+    family's own code from where the images are (causal, or-ed with each image's block; sliding where the layer
+    is), handed to the decoder in place of its causal ones. The attention kernels read a given mask. Packed rows
+    get each sample's own masks on the diagonal (transformers builds them for one sample a row: the sliding
+    layers' overlay is lost for a sample that does not start the row)."""
+    ids = kwargs.get("input_ids")
+    if ids is None or not bool((ids == encoder.image_token_id).any()):
+        return None
+    positions, padding = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    if positions is None or padding is not None:  # one sample a row
+        return args, {**kwargs, "attention_mask": family_masks(encoder, module, ids, padding, positions)}
+    rows = []
+    for row in range(ids.shape[0]):
+        bounds = sample_bounds(positions[row])
+        per_sample = [family_masks(encoder, module, ids[row : row + 1, start:end], None, None)
+                      for start, end in bounds]
+        rows.append(block_diagonal(per_sample, bounds, ids.shape[1], ids.device))
+    masks = {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
+    return args, {**kwargs, "attention_mask": masks}
+
+
+def family_masks(encoder: VisionEncoder, module: nn.Module, ids: torch.Tensor, padding: torch.Tensor | None,
+                 positions: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """transformers' own masks of the family for these rows, as boolean [rows, 1, tokens, tokens] (None: plain
+    causal)."""
+    family = importlib.import_module(cast(str, encoder.both_ways_masks))
+    config = copy.copy(cast(Any, module).config)
+    config._attn_implementation = "sdpa"  # boolean masks, which every kernel here reads
+    blocks = family.get_block_sequence_ids_for_mask((ids == encoder.image_token_id).long(), device=ids.device)
+    return cast(dict[str, torch.Tensor | None], family.create_masks_for_vision_model(
+        config=config, inputs_embeds=torch.empty(*ids.shape, 1, dtype=encoder.dtype, device=ids.device),
+        attention_mask=padding, past_key_values=None, position_ids=positions, block_sequence_ids=blocks))
+
+
+def block_diagonal(per_sample: list[dict[str, torch.Tensor | None]], bounds: list[tuple[int, int]], width: int,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """One packed row's masks: each sample's on the diagonal (plain causal where transformers left it to the
+    kernel), nothing across samples."""
+    out = {}
+    for key in per_sample[0]:
+        full = torch.zeros(1, 1, width, width, dtype=torch.bool, device=device)
+        for masks, (start, end) in zip(per_sample, bounds, strict=True):
+            mask = masks[key]
+            causal = torch.ones(end - start, end - start, dtype=torch.bool, device=device).tril()
+            full[0, 0, start:end, start:end] = causal if mask is None else mask[0, 0]
+        out[key] = full
+    return out

@@ -20,7 +20,7 @@ from transformers import AutoConfig, PretrainedConfig, ProcessorMixin
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError, first_line
-from qlora_fsdp.families import check_images_supported, full_model_class, is_multimodal
+from qlora_fsdp.families import IMAGE_FAMILIES, check_images_supported, full_model_class, is_multimodal
 from qlora_fsdp.layers.image_embeddings import VisionEncoder, attach_vision_encoder
 from qlora_fsdp.loading.build import make_meta_linear4bit
 from qlora_fsdp.loading.fill import quantize, set_quant_state
@@ -78,8 +78,8 @@ def quantized_names(config: PretrainedConfig) -> set[str]:
 
     full = meta_full_model(config)
     keep = HfQuantizer.get_modules_to_not_convert(full, None, list(full._keep_in_fp32_modules or []))
-    return {name for name, module in full.named_modules()
-            if isinstance(module, nn.Linear) and should_convert_module(name, keep)}
+    return {name for name, module in full.named_modules()  # exactly nn.Linear, as transformers: not MHA's out_proj
+            if type(module) is nn.Linear and should_convert_module(name, keep)}
 
 
 def build_base(config: PretrainedConfig, dtype: torch.dtype) -> tuple[nn.Module, str]:
@@ -129,7 +129,7 @@ def quantize_linears(base: nn.Module, prefix: str, names: set[str], cfg: Config,
     """NF4 in place of the linears the reference quantizes (the recipe's blocksize and double quantization)."""
     count = 0
     for name, module in list(base.named_modules()):
-        if not isinstance(module, nn.Linear) or prefix + name not in names:
+        if type(module) is not nn.Linear or prefix + name not in names:
             continue
         layer = make_meta_linear4bit(module, cfg.quant)
         layer.to_empty(device=device)
@@ -149,6 +149,7 @@ def build_vision_encoder(cfg: Config, device: torch.device) -> VisionEncoder:
     if not is_multimodal(config):
         raise ModelLoadError(f"{cfg.model.path}: a {config.model_type} checkpoint has no vision tower; records with "
                              "images need a vision-language checkpoint")
+    check_images_supported(config)
     dtype = TORCH_DTYPES[cfg.quant.compute_dtype]
     base, prefix = build_base(config, dtype)
     layout = layout_from_transforms(meta_full_model(config))
@@ -156,7 +157,7 @@ def build_vision_encoder(cfg: Config, device: torch.device) -> VisionEncoder:
     read_image_side(base, prefix, Path(cfg.model.path), layout, text_prefix)
     quantize_linears(base, prefix, quantized_names(config), cfg, device)
     base.to(device).eval().requires_grad_(False)
-    return VisionEncoder(base, image_token_id(config), dtype)
+    return VisionEncoder(base, image_token_id(config), dtype, IMAGE_FAMILIES[config.model_type].both_ways_masks)
 
 
 def load_vision_encoder(model: nn.Module, cfg: Config, device: torch.device) -> VisionEncoder:
