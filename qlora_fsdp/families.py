@@ -2,7 +2,7 @@
 a family's name itself.
 
 - **Multimodal checkpoints** (Gemma 3 4B-27B, Mistral 3): trained as their text model (`text_config`); with
-  images in the records only where that is checked (LLaVA), the others refused in one line saying why.
+  images in the records only where that is checked (LLaVA, Gemma 3), the others refused in one line saying why.
 - **Attention**: what a family's attention adds to causal attention (sliding windows, soft-capping, sinks) and
   whether transformers' sdpa can run it.
 - **Logits**: families that soft-cap the head's output inside their forward (Gemma 2).
