@@ -200,7 +200,7 @@ MUTATIONS = [
              "    if False:  # a mask made for the batch",
              "tests/test_vision.py::test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2[gemma3]"),
     Mutation("image tokens counted as targets", "qlora_fsdp/data/images.py",
-             "            out += [IGNORE_INDEX] * (j - start)\n", "            out += expanded[start:j]\n",
+             "    out = [IGNORE_INDEX] * len(expanded)\n", "    out = list(expanded)\n",
              "tests/test_vision.py::test_records_become_replies_only_labels_with_each_images_tokens", quick=True),
     # ---- the planner: memory, step time ----------------------------------------------------------------------
     Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan/held.py",
