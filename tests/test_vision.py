@@ -34,7 +34,8 @@ def vision_config(model_dir: Path, data: Path, out: Path, **data_keys):
 def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None) -> dict:
     """Our loss over every record (padded, then packed), with LoRA B seeded away from zero, and one step's LoRA
     gradients; at world size 2 rank 0 takes the text-only records and rank 1 the ones with images, so the ranks'
-    forwards differ in images every step (no collective may depend on them)."""
+    forwards differ in images every step (no collective may depend on them). World size 1 runs the recipe without
+    packing (transformers' sdpa kernel), 2 with it (the per-sample kernel, packed rows as one)."""
     from qlora_fsdp.api import load_data
     from qlora_fsdp.config.loader import to_yaml
     from qlora_fsdp.data.batching import collate, collate_packed
@@ -48,7 +49,7 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None)
     from tests.helpers import full_grads
     from tests.test_families import nonzero_lora_b
 
-    cfg = vision_config(model_dir, data, out)
+    cfg = vision_config(model_dir, data, out, packing=info.world_size > 1)
     tokenizer = load_tokenizer(cfg)
     loaded = load_data(tokenizer, cfg, info)
     model = build_model(cfg, info)
