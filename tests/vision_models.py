@@ -68,7 +68,10 @@ def write_tiny_gemma3(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int =
     config.boi_token_index = tokenizer.convert_tokens_to_ids(marks["boi_token"])
     config.eoi_token_index = tokenizer.convert_tokens_to_ids(marks["eoi_token"])
     torch.manual_seed(seed)
-    Gemma3ForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # transformers starts the projection at zero, where the images would change nothing
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
+    model.to(torch.bfloat16).save_pretrained(out)
     Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tokenizer,
                     chat_template=GEMMA3_TEMPLATE, image_seq_length=4).save_pretrained(out)
     return out
@@ -78,11 +81,13 @@ def write_image_records(folder: Path) -> Path:
     """Chat records, a JSON line each: images as content parts (one or two), LLaMA-Factory's markers, text only."""
     folder.mkdir(parents=True, exist_ok=True)
     colours = {"red": (220, 20, 20), "green": (20, 200, 40), "blue": (30, 40, 230), "yellow": (230, 220, 20)}
+    generator = torch.Generator().manual_seed(7)
     for index, (name, rgb) in enumerate(colours.items()):
-        image = Image.new("RGB", (40 + 8 * index, 30 + 4 * index), rgb)
-        for x in range(0, image.width, 5):  # a pattern, so the pixels differ beyond the colour
-            image.putpixel((x, x % image.height), (255 - rgb[0], 255 - rgb[1], 255 - rgb[2]))
-        image.save(folder / f"{name}.png")
+        width, height = 40 + 8 * index, 30 + 4 * index
+        # the colour, with noise that differs across the image: every patch (so every image token) differs
+        noise = torch.randint(0, 96, (height, width, 3), generator=generator)
+        pixels = (torch.tensor(rgb).clamp(max=159) + noise).to(torch.uint8).numpy()
+        Image.fromarray(pixels, "RGB").save(folder / f"{name}.png")
 
     def part(name: str) -> dict:
         return {"type": "image", "image": f"{name}.png"}
