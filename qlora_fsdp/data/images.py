@@ -3,15 +3,15 @@ inputs by the checkpoint's own processor (AutoProcessor: its chat template, its 
 an image marker into the image's tokens).
 
 A record is a chat (`messages`) whose message content is text, or a list of parts: `{"type": "text", "text": ...}`
-and `{"type": "image", "image": "photo.png"}` (a path, relative to the data file's folder or absolute). LLaMA-Factory's
-form is read too: `<image>` markers in the text and an `images` column with one path a marker, in order; and a hub
-dataset's `Image` feature in that column. Records without images mix in.
+and `{"type": "image", "image": "photo.png"}` (a path, relative to the data file's folder or absolute, or an http(s)
+URL). LLaMA-Factory's form is read too: `<image>` markers in the text and an `images` column with one path a marker,
+in order; and a hub dataset's `Image` feature in that column. Records without images mix in.
 
 Labels: the assistant's replies only, never an image token or a prompt. The conversation is rendered once by the
 processor's template; each assistant reply is the text the template adds between the conversation before it (with
 the generation prompt) and the conversation through it, so templates must render turns as prefixes (every
-published chat template does). The text is tokenized with offsets, then the processor's expansion of each image
-marker into its tokens is aligned to it.
+published chat template does). The text is tokenized with offsets, then aligned to the processor's ids, which
+differ where each image marker became the image's tokens (and, for Gemma 3, the text around them).
 """
 
 from __future__ import annotations
