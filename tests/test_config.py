@@ -130,6 +130,9 @@ def test_every_shipped_recipe_loads():
             assert [(s.path, s.subset, s.format, s.fields) for s in cfg.data.sources] == [
                 ("openai/gsm8k", "main", "prompt", {"prompt": "question"})] and cfg.train.objective == "grpo"
             assert [r.function for r in cfg.grpo.rewards] == ["math_answer"]
+        elif name.endswith("_images"):  # TRL's LLaVA-Instruct mix: image parts in the messages, an `images` column
+            assert [(s.path, s.format) for s in cfg.data.sources] == [("HuggingFaceH4/llava-instruct-mix-vsft", "chat")]
+            assert cfg.data.images_per_row >= 1
         elif name.endswith("_dpo"):  # UltraFeedback-binarized's preference split, by hub id
             assert [(s.path, s.format, s.split) for s in cfg.data.sources] == [
                 ("HuggingFaceH4/ultrafeedback_binarized", "chat", "train_prefs")] and cfg.train.objective == "dpo"

@@ -306,3 +306,26 @@ def test_images_for_a_family_not_checked_yet_are_refused_in_one_line(tmp_path):
                                              r"takes 3-axis rotary positions .*; train it on text records, or use a "
                                              r"checkpoint of LLaVA, Gemma 3$"):
         load_processor(tiny_config(tmp_path / "qwen"))
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_path):
+    """--plan counts the image side from the meta model (NF4 where transformers quantizes, its statistics, the rest
+    in the compute dtype): the very bytes the built encoder holds."""
+    import bitsandbytes as bnb
+
+    from qlora_fsdp.loading.vision_encoder import build_vision_encoder
+    from qlora_fsdp.plan.image_side import full_config, image_side, weight_bytes
+
+    model_dir, data = llava if family == "llava" else tiny_vlm(tmp_path / "vlm", family)
+    cfg = vision_config(model_dir, data, tmp_path / "out", images_per_row=2)
+    base = build_vision_encoder(cfg, torch.device("cpu")).base
+    held = sum(p.numel() * p.element_size() for p in base.parameters())
+    for module in base.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            state = module.quant_state
+            parts = [state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset]
+            held += sum(t.numel() * t.element_size() for t in parts)
+    assert weight_bytes(full_config(cfg), cfg) == held
+    side = image_side(cfg)
+    assert side is not None and side.images == 2 * cfg.data.micro_batch and (side.masks > 0) == (family == "gemma3")

@@ -254,6 +254,9 @@ class DataConfig:
     # with packing, their mean length in tokens (rows hold several records)
     records: int | None = None
     mean_record_tokens: float | None = None  # a record's mean length in tokens (with packing)
+    # for --plan, a vision-language recipe: the images a row holds at most (the image side's memory, its forward and,
+    # for Gemma 3, its masks); 0: text only. Training sees the images in the records themselves
+    images_per_row: int = 0
 
     @property
     def micro_batch(self) -> int:

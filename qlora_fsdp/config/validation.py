@@ -62,6 +62,8 @@ def validate(config: Config) -> Config:
     if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
         raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
                           f"of 0-based layer indices, got {checkpointing.layers}")
+    if config.data.images_per_row < 0:
+        raise ConfigError(f"'data.images_per_row' must be 0 (text only) or more, got {config.data.images_per_row}")
     if config.train.log_every < 1:
         raise ConfigError(f"'train.log_every' must be 1 (every step) or more, got {config.train.log_every}")
     if config.train.save_every < 0:

@@ -115,7 +115,12 @@ def parts_of(content: Any, images: list[Any], where: str) -> tuple[list[dict[str
         parts, shown = [], []
         for part in content:
             if part.get("type") == "image":
-                shown.append(part.get("image") or part.get("path") or part.get("url"))
+                given = part.get("image") or part.get("path") or part.get("url")
+                if given is None:  # TRL's form: the part marks the place, `images` holds the image, in order
+                    if not images:
+                        raise DataError(f"{where}: an image part without an image, and no `images` left for it")
+                    given = images.pop(0)
+                shown.append(given)
                 parts.append({"type": "image"})
             else:
                 parts.append({"type": "text", "text": part.get("text") or ""})

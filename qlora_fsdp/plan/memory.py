@@ -23,6 +23,7 @@ from qlora_fsdp.plan.fake_world import recipe_step
 from qlora_fsdp.plan.generation import generation_memory
 from qlora_fsdp.plan.hardware import GPU, GPUS
 from qlora_fsdp.plan.held import Held, planned_dtypes, planning_config
+from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.step_tracker import Segment, StepMemory
 
 GIB = 2**30
@@ -59,6 +60,7 @@ class Plan:
     step: StepMemory | None = None  # the measured step (its work prices the step's time: plan/step_time.py)
     resident_gpu: float = 0.0  # bytes the device holds through the whole step (in the step's every instant)
     generating_rows: list[Row] = dataclasses.field(default_factory=list)  # GRPO: the device while generating
+    image_forward_total: float = 0.0  # images: the device while the vision tower runs (before the decoder's forward)
 
     @property
     def update_total(self) -> float:
@@ -70,8 +72,8 @@ class Plan:
 
     @property
     def gpu_total(self) -> float:
-        """The step's peak: the update's, or generation's where it holds more."""
-        return max(self.update_total, self.generating_total)
+        """The step's peak: the update's, or generation's or the vision tower's where they hold more."""
+        return max(self.update_total, self.generating_total, self.image_forward_total)
 
     @property
     def host_total(self) -> float:
@@ -170,7 +172,12 @@ def measured_rows(cfg: Config, step: StepMemory, exact_on_gpu: float) -> list[Ro
 def gpu_resident_rows(held: Held, cfg: Config) -> list[Row]:
     """What the device holds through the whole step."""
     rows = [] if cfg.fsdp.cpu_offload else resident_rows(held, cfg)
-    return [*rows, Row("quantization state (whole, on every rank)", held.quant_state, "exact")]
+    rows.append(Row("quantization state (whole, on every rank)", held.quant_state, "exact"))
+    side = image_side(cfg)
+    if side is not None:
+        rows.append(Row("image side, whole on every rank: vision tower and projector (4-bit where transformers "
+                        "makes them so)", side.weights, "exact"))
+    return rows
 
 
 def with_context(rows: list[Row]) -> list[Row]:
@@ -189,7 +196,20 @@ def offload_copy_rows(held: Held, cfg: Config) -> list[Row]:
 def gpu_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
     rows = gpu_resident_rows(held, cfg)
     rows += measured_rows(cfg, step, sum(r.bytes for r in rows))
+    side = image_side(cfg)
+    if side is not None and side.masks:
+        rows.append(Row("masks of the images' both-ways attention (full and sliding, a micro-batch's; added)",
+                        side.masks, "exact"))
     return with_context(rows + offload_copy_rows(held, cfg))
+
+
+def image_forward_total(held: Held, cfg: Config) -> float:
+    """The device while the vision tower runs a micro-batch's images: what it holds all step, and the forward."""
+    side = image_side(cfg)
+    if side is None:
+        return 0.0
+    rows = [*gpu_resident_rows(held, cfg), Row("the vision tower's forward", side.forward, "estimate")]
+    return sum(r.bytes for r in with_context(rows))
 
 
 def generating_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
@@ -244,7 +264,7 @@ def plan(cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
                    f"weights {cfg.model.dtype}, 4-bit compute {cfg.quant.compute_dtype}")
     return Plan(gpu_rows(held, cfg, step), host_rows(held, cfg, step), gpu_spec(cfg).memory_gib,
                 cfg.hardware.host_ram_gib, description, step, sum(r.bytes for r in gpu_resident_rows(held, cfg)),
-                generating_rows(held, cfg, step))
+                generating_rows(held, cfg, step), image_forward_total(held, cfg))
 
 
 def format_rows(rows: list[Row]) -> list[str]:

@@ -41,6 +41,8 @@ def setting_words(cfg: Config) -> str:
         words.append("activation offload")
     if cfg.hardware.nodes > 1 and cfg.fsdp.shard_size:
         words.append(f"HSDP (shards over {cfg.fsdp.shard_size})")
+    if cfg.data.images_per_row:
+        words.append(f"{cfg.data.images_per_row} image{'s' if cfg.data.images_per_row > 1 else ''} a row")
     return ", ".join(words)
 
 

@@ -10,6 +10,7 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.plan.batch_size import describe_batch, effective_rows, resolve_batch
 from qlora_fsdp.plan.fake_world import planning_mesh
 from qlora_fsdp.plan.held import Held, meta_held, planned_dtypes
+from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.levers import suggestions
 from qlora_fsdp.plan.memory import GIB, Plan, activations_peak_line, format_rows, gpu_spec, micro_batch_fits, plan
 from qlora_fsdp.plan.time_report import time_lines
@@ -51,6 +52,17 @@ def generating_lines(result: Plan) -> list[str]:
             f"the step's peak is {peak}'s: {result.gpu_total / GIB:.2f} GiB", ""]
 
 
+def image_lines(cfg: Config, result: Plan) -> list[str]:
+    """A recipe with images: what the vision tower's forward holds, against the step's peak."""
+    side = image_side(cfg)
+    if side is None:
+        return []
+    where = "below the peak" if result.image_forward_total <= result.update_total else "the step's peak"
+    return [f"images: {side.images} a micro-batch of {side.tokens_per_image} tokens each; the vision tower's forward "
+            f"adds {side.forward / GIB:.2f} GiB (estimate) before the decoder's, {result.image_forward_total / GIB:.2f}"
+            f" GiB in all: {where}", ""]
+
+
 def report_text(planned: RecipePlan) -> str:
     """What `--plan` prints for a planned recipe."""
     recipe, cfg, held, mesh, result = planned.recipe, planned.planned, planned.held, planned.mesh, planned.result
@@ -60,7 +72,7 @@ def report_text(planned: RecipePlan) -> str:
     lines = [f"plan for {cfg.model.path} on {cfg.hardware.world_size} x {gpu}: {result.description}", "",
              f"per GPU (rank 0){' in the update' if result.generating_rows else ''}:", *format_rows(result.gpu_rows),
              f"| **total** | **{result.update_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |",
-             *([note] if note else []), "", *generating_lines(result),
+             *([note] if note else []), "", *generating_lines(result), *image_lines(cfg, result),
              "host RAM, per node:", *format_rows(result.host_rows),
              f"| **total** | **{result.host_total / GIB:.2f}** | {host_capacity} |",
              "", describe_batch(recipe, cfg, cfg.hardware.world_size), "FITS" if result.fits else "DOES NOT FIT"]

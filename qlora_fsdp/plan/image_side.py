@@ -1,0 +1,92 @@
+"""The plan's image side, for a recipe whose records show images (`data.images_per_row`): what every rank holds
+beside the sharded decoder while its micro-batch's images pass the vision tower (loading/vision_encoder.py builds
+it, replicated and frozen), and the masks of a family whose image tokens see each other both ways.
+
+The decoder's step is measured as for text (image tokens are tokens of the rows); the image side runs before the
+decoder's forward and frees what it made (no gradients), so its forward adds to the resident bytes at its own
+instant, not at the decoder's peak.
+- weights: exact, from the checkpoint's full model on the meta device: the linears transformers + bitsandbytes make
+  4-bit as packed NF4 and their quantization state, the rest in the compute dtype;
+- the forward (an estimate): one layer's activations for the micro-batch's images (each image's patches through
+  attention and the MLP, the attention scores of one head group at a time), beside the features it keeps;
+- Gemma 3's masks (exact): two boolean [row, tokens, tokens] masks (full and sliding) per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.dtypes import TORCH_DTYPES
+from qlora_fsdp.families import IMAGE_FAMILIES, check_images_supported
+from qlora_fsdp.loading.layout import meta_full_model
+from qlora_fsdp.loading.vision_encoder import quantized_names
+from qlora_fsdp.plan.held import planning_model, quant_state_bytes
+
+ACTIVATIONS_PER_PATCH = 6  # hidden-sized tensors a vision layer keeps alive at once (norm, q, k, v, out, residual)
+
+
+@dataclass(frozen=True)
+class ImageSide:
+    weights: int  # bytes every rank holds
+    forward: int  # bytes the tower's forward adds at its peak (an estimate)
+    masks: int  # bytes of a both-ways family's masks for a micro-batch
+    images: int  # images a micro-batch passes
+    tokens_per_image: int
+
+
+def full_config(cfg: Config) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(planning_model(cfg).model.path,
+                                      trust_remote_code=cfg.model.trust_remote_code)
+
+
+def weight_bytes(config: PretrainedConfig, cfg: Config) -> int:
+    """The image side's bytes: NF4 where transformers quantizes, the compute dtype elsewhere (the decoder and the
+    head are not the image side)."""
+    full = meta_full_model(config)
+    quantized = quantized_names(config)
+    itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
+    total = 0
+    for name, module in full.named_modules():
+        if "language_model" in name or name.startswith("lm_head") or module is full:
+            continue
+        own = list(module.named_parameters(recurse=False))
+        if name in quantized and isinstance(module, nn.Linear):
+            n = module.in_features * module.out_features
+            total += n // 2 + quant_state_bytes(n, cfg.quant.blocksize, cfg.quant.double_quant)
+            own = [(key, p) for key, p in own if key != "weight"]
+        total += sum(p.numel() * itemsize for _, p in own)
+    return total
+
+
+def tokens_per_image(config: PretrainedConfig) -> int:
+    """The image tokens the decoder reads for one image (Gemma 3: mm_tokens_per_image; LLaVA: its patches)."""
+    fixed = getattr(config, "mm_tokens_per_image", None)
+    if fixed:
+        return int(fixed)
+    vision = config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2
+
+
+def image_side(cfg: Config) -> ImageSide | None:
+    per_row = cfg.data.images_per_row
+    if not per_row:
+        return None
+    config = full_config(cfg)
+    check_images_supported(config)
+    vision = config.vision_config
+    itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
+    images = cfg.data.micro_batch * per_row
+    patches = (vision.image_size // vision.patch_size) ** 2
+    layer = patches * (ACTIVATIONS_PER_PATCH * vision.hidden_size + 2 * vision.intermediate_size) * itemsize
+    scores = patches * patches * 4  # one head's fp32 scores at a time (sdpa's math path on the widest GPUs)
+    per_token = tokens_per_image(config)
+    features = images * per_token * config.get_text_config().hidden_size * itemsize
+    forward = images * (layer + scores) + features
+    both_ways = IMAGE_FAMILIES[config.model_type].both_ways_masks is not None
+    rows, length = cfg.data.micro_batch, cfg.data.context_length
+    masks = 2 * rows * length * length if both_ways else 0
+    return ImageSide(weight_bytes(config, cfg), forward, masks, images, per_token)
