@@ -62,8 +62,6 @@ def validate(config: Config) -> Config:
     if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
         raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
                           f"of 0-based layer indices, got {checkpointing.layers}")
-    if config.data.images_per_row < 0:
-        raise ConfigError(f"'data.images_per_row' must be 0 (text only) or more, got {config.data.images_per_row}")
     if config.train.log_every < 1:
         raise ConfigError(f"'train.log_every' must be 1 (every step) or more, got {config.train.log_every}")
     if config.train.save_every < 0:
@@ -145,6 +143,8 @@ def _validate_batch(config: Config) -> None:
     if optim.lr_scaling != "none" and optim.lr_base_batch is None:
         raise ConfigError(f"'optim.lr_scaling: {optim.lr_scaling}' needs 'optim.lr_base_batch', the effective "
                           "batch (rows) that optim.lr was tuned for")
+    if config.data.images_per_row < 0:
+        raise ConfigError(f"'data.images_per_row' must be 0 (text only) or more, got {config.data.images_per_row}")
 
 
 def _validate_warmup(config: Config) -> None:
