@@ -70,13 +70,12 @@ def without_decoder(config: PretrainedConfig) -> PretrainedConfig:
     return small
 
 
-def quantized_names(config: PretrainedConfig) -> set[str]:
-    """The full model's linears transformers + bitsandbytes make 4-bit (its own rule: every one but those it keeps,
-    the head and `_keep_in_fp32_modules`)."""
+def quantized_names(full: Any) -> set[str]:
+    """The full model's linears (built on the meta device) transformers + bitsandbytes make 4-bit (its own rule:
+    every one but those it keeps, the head and `_keep_in_fp32_modules`)."""
     from transformers.quantizers.base import HfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    full = meta_full_model(config)
     keep = HfQuantizer.get_modules_to_not_convert(full, None, list(full._keep_in_fp32_modules or []))
     return {name for name, module in full.named_modules()  # exactly nn.Linear, as transformers: not MHA's out_proj
             if type(module) is nn.Linear and should_convert_module(name, keep)}
@@ -155,7 +154,7 @@ def build_vision_encoder(cfg: Config, device: torch.device) -> VisionEncoder:
     layout = layout_from_transforms(meta_full_model(config))
     text_prefix = prefix + "language_model."
     read_image_side(base, prefix, Path(cfg.model.path), layout, text_prefix)
-    quantize_linears(base, prefix, quantized_names(config), cfg, device)
+    quantize_linears(base, prefix, quantized_names(meta_full_model(config)), cfg, device)
     base.to(device).eval().requires_grad_(False)
     return VisionEncoder(base, image_token_id(config), dtype, IMAGE_FAMILIES[config.model_type].both_ways_masks)
 

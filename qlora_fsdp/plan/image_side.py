@@ -47,7 +47,7 @@ def weight_bytes(config: PretrainedConfig, cfg: Config) -> int:
     """The image side's bytes: NF4 where transformers quantizes, the compute dtype elsewhere (the decoder and the
     head are not the image side)."""
     full = meta_full_model(config)
-    quantized = quantized_names(config)
+    quantized = quantized_names(full)
     itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     total = 0
     for name, module in full.named_modules():
@@ -71,10 +71,23 @@ def tokens_per_image(config: PretrainedConfig) -> int:
     return (vision.image_size // vision.patch_size) ** 2
 
 
+_SIDES: dict[tuple[object, ...], ImageSide] = {}
+
+
 def image_side(cfg: Config) -> ImageSide | None:
-    per_row = cfg.data.images_per_row
-    if not per_row:
+    """The recipe's image side (None: text only), worked out once per setting: a plan asks for it in every table."""
+    if not cfg.data.images_per_row:
         return None
+    data, quant = cfg.data, cfg.quant
+    key = (planning_model(cfg).model.path, data.images_per_row, data.micro_batch, data.context_length,
+           quant.compute_dtype, quant.blocksize, quant.double_quant)
+    if key not in _SIDES:
+        _SIDES[key] = side_of(cfg)
+    return _SIDES[key]
+
+
+def side_of(cfg: Config) -> ImageSide:
+    per_row = cfg.data.images_per_row
     config = full_config(cfg)
     check_images_supported(config)
     vision = config.vision_config
