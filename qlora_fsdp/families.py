@@ -42,19 +42,20 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
 @dataclass(frozen=True)
 class ImageFamily:
     """A vision-language family whose training with images is checked against transformers (tests/test_vision.py):
-    the image features go in at the image tokens of a decoder with one-axis positions."""
+    the image features go in at the image tokens of the decoder."""
 
     name: str
     # where an image's tokens attend to each other both ways (Gemma 3): the module of transformers' own mask builder
     both_ways_masks: str | None = None
+    grid_positions: bool = False  # rotary positions over 3 axes, an image's from its grid (Qwen-VL's get_rope_index)
 
 
 IMAGE_FAMILIES = {"llava": ImageFamily("LLaVA"),
-                  "gemma3": ImageFamily("Gemma 3", both_ways_masks="transformers.models.gemma3.modeling_gemma3")}
+                  "gemma3": ImageFamily("Gemma 3", both_ways_masks="transformers.models.gemma3.modeling_gemma3"),
+                  "qwen2_5_vl": ImageFamily("Qwen2.5-VL", grid_positions=True)}
 IMAGES_NOT_YET = {  # what the others need, said when their records show images
-    "qwen2_vl": "its decoder takes 3-axis rotary positions and has no causal-LM class in transformers",
-    "qwen2_5_vl": "its decoder takes 3-axis rotary positions and has no causal-LM class in transformers",
-    "qwen3_vl": "its decoder takes 3-axis rotary positions and has no causal-LM class in transformers",
+    "qwen2_vl": "its vision tower is not checked yet (Qwen2.5-VL's is)",
+    "qwen3_vl": "its vision tower adds features to the first decoder layers' outputs (deepstack)",
     "mllama": "its decoder reads the images through cross-attention layers",
 }
 

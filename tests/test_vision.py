@@ -11,9 +11,9 @@ import torch
 
 from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.helpers import REPO, run_ranks, tiny_config
-from tests.vision_models import write_image_records, write_tiny_gemma3, write_tiny_llava
+from tests.vision_models import write_image_records, write_tiny_gemma3, write_tiny_llava, write_tiny_qwen2_5_vl
 
-WRITERS = {"llava": write_tiny_llava, "gemma3": write_tiny_gemma3}
+WRITERS = {"llava": write_tiny_llava, "gemma3": write_tiny_gemma3, "qwen2_5_vl": write_tiny_qwen2_5_vl}
 
 
 def tiny_vlm(root: Path, family: str) -> tuple[Path, Path]:
@@ -98,9 +98,11 @@ def reference_side(model_dir: Path, adapter: Path, samples: list) -> dict:
     total = torch.zeros(())
     for sample in samples:
         ids = torch.tensor([sample.input_ids])
-        extra = {"pixel_values": sample.vision["pixel_values"]} if sample.vision is not None else {}
+        extra = dict(sample.vision) if sample.vision is not None else {}
         if config.model_type == "gemma3":
             extra["token_type_ids"] = (ids == config.image_token_id).long()
+        if config.model_type == "qwen2_5_vl":  # where the images are, for its 3-axis positions
+            extra["mm_token_type_ids"] = (ids == config.image_token_id).int()
         logits = model(input_ids=ids, **extra).logits[0, :-1]
         total = total + torch.nn.functional.cross_entropy(logits.float(), torch.tensor(sample.labels[1:]),
                                                           ignore_index=-100, reduction="sum")
@@ -115,7 +117,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llava", "gemma3"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl"])
 def test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(family, llava, tmp_path):
     """Records with images (parts, two in one record, LLaMA-Factory markers) and text-only ones: the loss with the
     adapter, padded and packed, and one step's LoRA gradients equal transformers + bitsandbytes NF4 + PEFT, at world
@@ -294,21 +296,21 @@ def test_images_by_url_and_from_a_saved_hub_dataset_encode_as_files_do(llava, tm
 
 
 def test_images_for_a_family_not_checked_yet_are_refused_in_one_line(tmp_path):
-    """Qwen2.5-VL with images would need 3-axis positions: refused, with the reason, before the processor is read
-    (never a loss that differs from transformers')."""
-    from transformers import Qwen2_5_VLConfig
+    """Llama 3.2 Vision reads its images through cross-attention layers: refused, with the reason, before the
+    processor is read (never a loss that differs from transformers')."""
+    from transformers import MllamaConfig
 
     from qlora_fsdp.errors import ModelLoadError
     from qlora_fsdp.loading.vision_encoder import load_processor
 
-    Qwen2_5_VLConfig().save_pretrained(tmp_path / "qwen")
-    with pytest.raises(ModelLoadError, match=r"^records with images are not supported for qwen2_5_vl yet: its decoder "
-                                             r"takes 3-axis rotary positions .*; train it on text records, or use a "
-                                             r"checkpoint of LLaVA, Gemma 3$"):
-        load_processor(tiny_config(tmp_path / "qwen"))
+    MllamaConfig().save_pretrained(tmp_path / "mllama")
+    with pytest.raises(ModelLoadError, match=r"^records with images are not supported for mllama yet: its decoder "
+                                             r"reads the images through cross-attention layers; train it on text "
+                                             r"records, or use a checkpoint of LLaVA, Gemma 3, Qwen2.5-VL$"):
+        load_processor(tiny_config(tmp_path / "mllama"))
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl"])
 def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_path):
     """--plan counts the image side from the meta model (NF4 where transformers quantizes, its statistics, the rest
     in the compute dtype): the very bytes the built encoder holds."""

@@ -138,7 +138,8 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.shape[0] != query.shape[0]:  # one sample a row (padded, or alone)
         return family_attention(query, key, value, scaling, options).transpose(1, 2).contiguous(), None
-    bounds = getattr(position_ids, "sample_bounds", None) or [sample_bounds(row) for row in position_ids]
+    bounds = (kwargs.get("sample_bounds") or getattr(position_ids, "sample_bounds", None)
+              or [sample_bounds(row) for row in position_ids])
     rows = []
     for row, row_bounds in enumerate(bounds):
         parts = [family_attention(query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],

@@ -10,6 +10,7 @@ settings, so the image features are the reference's. Frozen; every rank loads it
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from qlora_fsdp.errors import ModelLoadError, first_line
 from qlora_fsdp.families import IMAGE_FAMILIES, check_images_supported, full_model_class, is_multimodal
 from qlora_fsdp.layers.image_embeddings import VisionEncoder, attach_vision_encoder
 from qlora_fsdp.loading.build import make_meta_linear4bit
+from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.fill import quantize, set_quant_state
 from qlora_fsdp.loading.layout import CheckpointLayout, layout_from_transforms, meta_full_model
 from qlora_fsdp.loading.weight_files import stored_weight_tensors
@@ -42,9 +44,45 @@ def load_processor(cfg: Config) -> ProcessorMixin:
 
     try:
         return AutoProcessor.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    except ImportError as err:
+        if "VideoProcessor" not in str(err):
+            raise
+        return processor_without_videos(cfg)  # transformers' video processors need torchvision; images do not
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"{cfg.model.path}: records with images need the checkpoint's processor, which "
                              f"cannot be loaded ({first_line(err)})") from None
+
+
+def processor_without_videos(cfg: Config) -> ProcessorMixin:
+    """The checkpoint's processor with its image processor and tokenizer and no video processor (Qwen-VL's needs
+    torchvision, which a machine may lack; records here hold images only)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+
+    path, remote = cfg.model.path, cfg.model.trust_remote_code
+    images = AutoImageProcessor.from_pretrained(path, trust_remote_code=remote)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
+    family_class = processor_class_from_name(PROCESSOR_MAPPING_NAMES.get(checkpoint_config(cfg).model_type, ""))
+    if family_class is None:
+        raise ModelLoadError(f"{path}: its processor needs torchvision (for videos); install torchvision")
+
+    class ImagesOnly(family_class):  # type: ignore[valid-type, misc]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return ImagesOnly(image_processor=images, tokenizer=tokenizer, video_processor=None,
+                      chat_template=processor_chat_template(model_dir(path)) or tokenizer.chat_template)
+
+
+def processor_chat_template(folder: Path) -> str | None:
+    """The processor's own chat template, where the checkpoint ships one (chat_template.jinja, or .json's)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        return str(json.loads((folder / "chat_template.json").read_text())["chat_template"])
+    return None
 
 
 def checkpoint_config(cfg: Config) -> PretrainedConfig:
@@ -156,7 +194,8 @@ def build_vision_encoder(cfg: Config, device: torch.device) -> VisionEncoder:
     read_image_side(base, prefix, Path(cfg.model.path), layout, text_prefix)
     quantize_linears(base, prefix, quantized_names(meta_full_model(config)), cfg, device)
     base.to(device).eval().requires_grad_(False)
-    return VisionEncoder(base, image_token_id(config), dtype, IMAGE_FAMILIES[config.model_type].both_ways_masks)
+    family = IMAGE_FAMILIES[config.model_type]
+    return VisionEncoder(base, image_token_id(config), dtype, family.both_ways_masks, family.grid_positions)
 
 
 def load_vision_encoder(model: nn.Module, cfg: Config, device: torch.device) -> VisionEncoder:
