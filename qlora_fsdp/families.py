@@ -49,6 +49,11 @@ class ImageFamily:
     both_ways_masks: str | None = None
     grid_positions: bool = False  # rotary positions over 3 axes, an image's from its grid (Qwen-VL's get_rope_index)
 
+    @property
+    def dynamic_resolution(self) -> bool:
+        """Images keep their aspect and become as many tokens as their pixels make (a budget applies): Qwen-VL."""
+        return self.grid_positions
+
 
 IMAGE_FAMILIES = {"llava": ImageFamily("LLaVA"),
                   "gemma3": ImageFamily("Gemma 3", both_ways_masks="transformers.models.gemma3.modeling_gemma3"),

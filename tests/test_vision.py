@@ -320,7 +320,8 @@ def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_pat
     from qlora_fsdp.plan.image_side import full_config, image_side, weight_bytes
 
     model_dir, data = llava if family == "llava" else tiny_vlm(tmp_path / "vlm", family)
-    cfg = vision_config(model_dir, data, tmp_path / "out", images_per_row=2)
+    budget = {"image_max_pixels": 56 * 56} if family == "qwen2_5_vl" else {}
+    cfg = vision_config(model_dir, data, tmp_path / "out", images_per_row=2, **budget)
     base = build_vision_encoder(cfg, torch.device("cpu")).base
     held = sum(p.numel() * p.element_size() for p in base.parameters())
     for module in base.modules():
@@ -331,3 +332,29 @@ def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_pat
     assert weight_bytes(full_config(cfg), cfg) == held
     side = image_side(cfg)
     assert side is not None and side.images == 2 * cfg.data.micro_batch and (side.masks > 0) == (family == "gemma3")
+    assert_pixel_budget(family, cfg, side.tokens_per_image)
+
+
+def assert_pixel_budget(family: str, cfg, planned_tokens: int) -> None:
+    """Qwen2.5-VL: the recipe's data.image_max_pixels is the processor's (a 300x200 image is resized into it) and the
+    plan's tokens an image; a fixed-size family refuses the key in one line, and Qwen's plan asks for it."""
+    import dataclasses
+
+    from PIL import Image
+
+    from qlora_fsdp.errors import ConfigError
+    from qlora_fsdp.loading.vision_encoder import load_processor
+    from qlora_fsdp.plan.image_side import side_of
+
+    if family != "qwen2_5_vl":
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_max_pixels=56 * 56))
+        with pytest.raises(ConfigError, match=r"^data.image_min_pixels / image_max_pixels: .* resizes every image to "
+                                              r"one size; .*: remove the keys$"):
+            load_processor(cfg)
+        return
+    grid = load_processor(cfg).image_processor(images=[Image.new("RGB", (300, 200))])["image_grid_thw"]
+    assert grid.tolist() == [[1, 2, 4]]  # 8 patches of 14 pixels: 2 tokens at most 56x56 pixels
+    assert planned_tokens == 56 * 56 // 28**2 == 4
+    unbudgeted = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_max_pixels=None))
+    with pytest.raises(ConfigError, match=r"set data.image_max_pixels"):
+        side_of(unbudgeted)

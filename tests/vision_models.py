@@ -83,7 +83,8 @@ QWEN_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "".join(QWEN_MARKS[:3]))  # Qwe
 
 def write_tiny_qwen2_5_vl(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
     """Qwen2.5-VL's layout: a windowed ViT over 14-pixel patches merged 2x2 into one token (a 56-pixel square is 4
-    tokens), a Qwen2 decoder with rotary positions over 3 axes (`mrope_section`). Saved as the hub ships it: the
+    tokens), a Qwen2 decoder with rotary positions over 3 axes (`mrope_section`), its head tied to the embeddings as
+    in the 3B (the whole config says so, not its text config). Saved as the hub ships it: the
     image processor's config naming the processor, the tokenizer and the chat template (transformers builds the
     video processor only with torchvision)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -96,13 +97,13 @@ def write_tiny_qwen2_5_vl(out: Path, tokenizer: PreTrainedTokenizerFast, seed: i
     text = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "rope_parameters": rope, "initializer_range": 0.1,
             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id, "tie_word_embeddings": False}
+            "pad_token_id": tokenizer.pad_token_id}
     vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
               "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
               "fullatt_block_indexes": [1]}
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=marks["<|image_pad|>"],
                               video_token_id=marks["<|video_pad|>"], vision_start_token_id=marks["<|vision_start|>"],
-                              vision_end_token_id=marks["<|vision_end|>"], tie_word_embeddings=False)
+                              vision_end_token_id=marks["<|vision_end|>"], tie_word_embeddings=True)  # as 3B
     torch.manual_seed(seed)
     Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
     images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,

@@ -257,6 +257,10 @@ class DataConfig:
     # for --plan, a vision-language recipe: the images a row holds at most (the image side's memory, its forward and,
     # for Gemma 3, its masks); 0: text only. Training sees the images in the records themselves
     images_per_row: int = 0
+    # a dynamic-resolution family's pixel budget per image (Qwen2.5-VL: a 28x28-pixel square is one token): an image
+    # is resized to hold at least min and at most max pixels; None: the checkpoint's processor's own
+    image_min_pixels: int | None = None
+    image_max_pixels: int | None = None
 
     @property
     def micro_batch(self) -> int:

@@ -145,6 +145,10 @@ def _validate_batch(config: Config) -> None:
                           "batch (rows) that optim.lr was tuned for")
     if config.data.images_per_row < 0:
         raise ConfigError(f"'data.images_per_row' must be 0 (text only) or more, got {config.data.images_per_row}")
+    low, high = config.data.image_min_pixels, config.data.image_max_pixels
+    if (low is not None and low < 1) or (high is not None and high < 1) or (low and high and low > high):
+        raise ConfigError(f"'data.image_min_pixels' ({low}) and 'data.image_max_pixels' ({high}) must be positive, "
+                          "min at most max")
 
 
 def _validate_warmup(config: Config) -> None:

@@ -55,6 +55,8 @@ def load_hf_config(cfg: Config) -> PretrainedConfig:
     text = text_config(config)  # a multimodal checkpoint trains its text model
     if text is not config and getattr(config, "quantization_config", None) is not None:
         text.quantization_config = config.quantization_config  # how the whole checkpoint is stored
+    if text is not config and not hasattr(text, "tie_word_embeddings"):  # Qwen2.5-VL says it on the whole
+        text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
     return text
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from transformers import AutoConfig, PretrainedConfig, ProcessorMixin
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.errors import ModelLoadError, first_line
+from qlora_fsdp.errors import ConfigError, ModelLoadError, first_line
 from qlora_fsdp.families import IMAGE_FAMILIES, check_images_supported, full_model_class, is_multimodal
 from qlora_fsdp.layers.image_embeddings import VisionEncoder, attach_vision_encoder
 from qlora_fsdp.loading.build import make_meta_linear4bit
@@ -43,14 +43,32 @@ def load_processor(cfg: Config) -> ProcessorMixin:
     check_images_supported(config)
 
     try:
-        return AutoProcessor.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        processor = AutoProcessor.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     except ImportError as err:
         if "VideoProcessor" not in str(err):
             raise
-        return processor_without_videos(cfg)  # transformers' video processors need torchvision; images do not
+        processor = processor_without_videos(cfg)  # transformers' video processors need torchvision; images do not
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"{cfg.model.path}: records with images need the checkpoint's processor, which "
                              f"cannot be loaded ({first_line(err)})") from None
+    return with_pixel_budget(processor, cfg, config)
+
+
+def with_pixel_budget(processor: ProcessorMixin, cfg: Config, config: PretrainedConfig) -> ProcessorMixin:
+    """The recipe's data.image_min_pixels / image_max_pixels in the image processor's size (a dynamic-resolution
+    family's); a family that resizes every image to one size refuses them in one line."""
+    low, high = cfg.data.image_min_pixels, cfg.data.image_max_pixels
+    if low is None and high is None:
+        return processor
+    family = IMAGE_FAMILIES[config.model_type]
+    if not family.dynamic_resolution:
+        raise ConfigError(f"data.image_min_pixels / image_max_pixels: {family.name} resizes every image to one "
+                          "size; the pixel budget is for dynamic-resolution families (Qwen2.5-VL): remove the keys")
+    images: Any = cast(Any, processor).image_processor
+    size = dict(images.size)
+    size.update({key: value for key, value in (("shortest_edge", low), ("longest_edge", high)) if value is not None})
+    images.size = type(images.size)(**size)
+    return processor
 
 
 def processor_without_videos(cfg: Config) -> ProcessorMixin:

@@ -21,6 +21,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
+from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.families import IMAGE_FAMILIES, check_images_supported
 from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.vision_encoder import quantized_names
@@ -62,13 +63,27 @@ def weight_bytes(config: PretrainedConfig, cfg: Config) -> int:
     return total
 
 
-def tokens_per_image(config: PretrainedConfig) -> int:
-    """The image tokens the decoder reads for one image (Gemma 3: mm_tokens_per_image; LLaVA: its patches)."""
+def patches_per_image(config: PretrainedConfig, cfg: Config) -> int:
+    """The patches the vision tower reads for one image: its fixed size's, or a dynamic-resolution family's at the
+    recipe's pixel budget (the most an image can be)."""
+    vision = config.vision_config
+    if not IMAGE_FAMILIES[config.model_type].dynamic_resolution:
+        return int((vision.image_size // vision.patch_size) ** 2)
+    if cfg.data.image_max_pixels is None:
+        raise ConfigError(f"data.images_per_row: a {IMAGE_FAMILIES[config.model_type].name} image is as many "
+                          "tokens as its pixels make; set data.image_max_pixels (say 1003520: 1280 tokens) so the "
+                          "plan can count them")
+    return int(cfg.data.image_max_pixels // vision.patch_size**2)
+
+
+def tokens_per_image(config: PretrainedConfig, cfg: Config) -> int:
+    """The image tokens the decoder reads for one image (Gemma 3: mm_tokens_per_image; Qwen-VL: its patches merged
+    2x2; LLaVA: its patches)."""
     fixed = getattr(config, "mm_tokens_per_image", None)
     if fixed:
         return int(fixed)
-    vision = config.vision_config
-    return (vision.image_size // vision.patch_size) ** 2
+    merged = getattr(config.vision_config, "spatial_merge_size", 1) ** 2
+    return patches_per_image(config, cfg) // merged
 
 
 _SIDES: dict[tuple[object, ...], ImageSide] = {}
@@ -80,7 +95,7 @@ def image_side(cfg: Config) -> ImageSide | None:
         return None
     data, quant = cfg.data, cfg.quant
     key = (planning_model(cfg).model.path, data.images_per_row, data.micro_batch, data.context_length,
-           quant.compute_dtype, quant.blocksize, quant.double_quant)
+           data.image_max_pixels, quant.compute_dtype, quant.blocksize, quant.double_quant)
     if key not in _SIDES:
         _SIDES[key] = side_of(cfg)
     return _SIDES[key]
@@ -93,10 +108,10 @@ def side_of(cfg: Config) -> ImageSide:
     vision = config.vision_config
     itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     images = cfg.data.micro_batch * per_row
-    patches = (vision.image_size // vision.patch_size) ** 2
+    patches = patches_per_image(config, cfg)
     layer = patches * (ACTIVATIONS_PER_PATCH * vision.hidden_size + 2 * vision.intermediate_size) * itemsize
     scores = patches * patches * 4  # one head's fp32 scores at a time (sdpa's math path on the widest GPUs)
-    per_token = tokens_per_image(config)
+    per_token = tokens_per_image(config, cfg)
     features = images * per_token * config.get_text_config().hidden_size * itemsize
     forward = images * (layer + scores) + features
     both_ways = IMAGE_FAMILIES[config.model_type].both_ways_masks is not None
