@@ -138,6 +138,8 @@ def test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(family, llav
         assert run["grads"].keys() == reference["grads"].keys()
         for key, grad in reference["grads"].items():
             assert relative(run["grads"][key], grad) < 1e-5, key
+    if family != "llava":  # LLaVA's are held after train.py's run
+        merged_reply_and_generation(model_dir, adapter, data, tmp_path)
 
 
 def test_records_become_replies_only_labels_with_each_images_tokens(llava, tmp_path):
@@ -194,14 +196,7 @@ def test_train_py_learns_from_images_on_two_ranks_and_the_merge_keeps_the_vision
     """train.py on image records, 2 ranks, packed rows: the held-out loss falls; the adapter loads with PEFT onto
     the checkpoint's own class; the merged checkpoint holds the vision tower and projector as stored and runs on an
     image."""
-    from peft import PeftModel
-    from safetensors.torch import load_file
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    from qlora_fsdp.commands.generate import main as generate_main
-    from qlora_fsdp.loading.adapter import config_for_adapter
-    from qlora_fsdp.tools.merge import merge_adapter
-    from tests.helpers import command_here, run_cli, transformers_nf4
+    from tests.helpers import run_cli
 
     model_dir, data = llava
     out = tmp_path / "run"
@@ -213,25 +208,41 @@ def test_train_py_learns_from_images_on_two_ranks_and_the_merge_keeps_the_vision
     summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     print(f"LLaVA on images: held-out loss {summary['eval_loss_start']:.3f} -> {summary['eval_loss_end']:.3f}")
     assert summary["eval_loss_end"] < 0.8 * summary["eval_loss_start"]
-    adapter = out / "adapter"
-    peft_model = PeftModel.from_pretrained(transformers_nf4(model_dir, LlavaForConditionalGeneration), adapter)
+    merged_reply_and_generation(model_dir, out / "adapter", data, tmp_path)
+
+
+def merged_reply_and_generation(model_dir: Path, adapter: Path, data: Path, tmp_path: Path) -> None:
+    """The adapter loads with PEFT onto the checkpoint's own class; the merged checkpoint holds the image side as
+    stored and runs on an image; `generate --image` (our 4-bit model with the adapter) replies as PEFT on
+    transformers' NF4 model does (greedy)."""
+    import transformers
+    from peft import PeftModel
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from qlora_fsdp.commands.generate import main as generate_main
+    from qlora_fsdp.loading.adapter import config_for_adapter
+    from qlora_fsdp.loading.vision_encoder import load_processor
+    from qlora_fsdp.tools.merge import merge_adapter
+    from tests.helpers import command_here, transformers_nf4
+
+    model_class = getattr(transformers, transformers.AutoConfig.from_pretrained(model_dir).architectures[0])
+    peft_model = PeftModel.from_pretrained(transformers_nf4(model_dir, model_class), adapter)
     assert any("lora_A" in name for name, _ in peft_model.named_parameters())
     merged_dir = tmp_path / "merged"
     merge_adapter(config_for_adapter(adapter, None, []), adapter, merged_dir, "float32")
     stored, merged = load_file(model_dir / "model.safetensors"), load_file(merged_dir / "model.safetensors")
-    image_side = [key for key in stored if "vision_tower" in key or "multi_modal_projector" in key]
-    assert image_side and all(torch.equal(merged[key].float(), stored[key].float()) for key in image_side)
-    model = LlavaForConditionalGeneration.from_pretrained(merged_dir, dtype=torch.float32)
-    processor = AutoProcessor.from_pretrained(model_dir)
-    from PIL import Image
-
+    # the vision tower and projector, by the names each family stores them under (Qwen: its hub's `visual.`)
+    image_side = [key for key in stored if any(part in key for part in ("vision_tower", "projector", "visual."))]
+    assert len(image_side) >= 8 and all(torch.equal(merged[key].float(), stored[key].float()) for key in image_side)
+    model = model_class.from_pretrained(merged_dir, dtype=torch.float32)
+    processor = load_processor(tiny_config(model_dir))  # Qwen's without torchvision
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                        {"type": "text", "text": "Colour?"}]}],
                                          tokenize=False, add_generation_prompt=True)
     inputs = processor(text=[text], images=[Image.open(data.parent / "red.png")], return_tensors="pt")
     with torch.no_grad():
         assert torch.isfinite(model(**inputs).logits).all()
-        # generate --image: our 4-bit model with the adapter replies as PEFT on transformers' NF4 model does (greedy)
         prompt_len = inputs["input_ids"].shape[1]
         theirs = peft_model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, prompt_len:]
     expected = processor.tokenizer.decode(theirs, skip_special_tokens=True)
