@@ -57,10 +57,11 @@ class ImageFamily:
 
 IMAGE_FAMILIES = {"llava": ImageFamily("LLaVA"),
                   "gemma3": ImageFamily("Gemma 3", both_ways_masks="transformers.models.gemma3.modeling_gemma3"),
-                  "qwen2_5_vl": ImageFamily("Qwen2.5-VL", grid_positions=True)}
+                  "qwen2_5_vl": ImageFamily("Qwen2.5-VL", grid_positions=True),
+                  "qwen3_vl": ImageFamily("Qwen3-VL", grid_positions=True)}
 IMAGES_NOT_YET = {  # what the others need, said when their records show images
     "qwen2_vl": "its vision tower is not checked yet (Qwen2.5-VL's is)",
-    "qwen3_vl": "its vision tower adds features to the first decoder layers' outputs (deepstack)",
+    "qwen3_vl_moe": "its mixture-of-experts decoder with images is not checked yet (Qwen3-VL's dense one is)",
     "mllama": "its decoder reads the images through cross-attention layers",
 }
 

@@ -11,9 +11,16 @@ import torch
 
 from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.helpers import REPO, run_ranks, tiny_config
-from tests.vision_models import write_image_records, write_tiny_gemma3, write_tiny_llava, write_tiny_qwen2_5_vl
+from tests.vision_models import (
+    write_image_records,
+    write_tiny_gemma3,
+    write_tiny_llava,
+    write_tiny_qwen2_5_vl,
+    write_tiny_qwen3_vl,
+)
 
-WRITERS = {"llava": write_tiny_llava, "gemma3": write_tiny_gemma3, "qwen2_5_vl": write_tiny_qwen2_5_vl}
+WRITERS = {"llava": write_tiny_llava, "gemma3": write_tiny_gemma3, "qwen2_5_vl": write_tiny_qwen2_5_vl,
+           "qwen3_vl": write_tiny_qwen3_vl}
 
 
 def tiny_vlm(root: Path, family: str) -> tuple[Path, Path]:
@@ -101,7 +108,7 @@ def reference_side(model_dir: Path, adapter: Path, samples: list) -> dict:
         extra = dict(sample.vision) if sample.vision is not None else {}
         if config.model_type == "gemma3":
             extra["token_type_ids"] = (ids == config.image_token_id).long()
-        if config.model_type == "qwen2_5_vl":  # where the images are, for its 3-axis positions
+        if config.model_type.startswith("qwen"):  # where the images are, for its 3-axis positions
             extra["mm_token_type_ids"] = (ids == config.image_token_id).int()
         logits = model(input_ids=ids, **extra).logits[0, :-1]
         total = total + torch.nn.functional.cross_entropy(logits.float(), torch.tensor(sample.labels[1:]),
@@ -117,7 +124,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl"])
 def test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(family, llava, tmp_path):
     """Records with images (parts, two in one record, LLaMA-Factory markers) and text-only ones: the loss with the
     adapter, padded and packed, and one step's LoRA gradients equal transformers + bitsandbytes NF4 + PEFT, at world
@@ -321,7 +328,7 @@ def test_images_for_a_family_not_checked_yet_are_refused_in_one_line(tmp_path):
         load_processor(tiny_config(tmp_path / "mllama"))
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl"])
 def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_path):
     """--plan counts the image side from the meta model (NF4 where transformers quantizes, its statistics, the rest
     in the compute dtype): the very bytes the built encoder holds."""
@@ -331,7 +338,7 @@ def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_pat
     from qlora_fsdp.plan.image_side import full_config, image_side, weight_bytes
 
     model_dir, data = llava if family == "llava" else tiny_vlm(tmp_path / "vlm", family)
-    budget = {"image_max_pixels": 56 * 56} if family == "qwen2_5_vl" else {}
+    budget = {"image_max_pixels": 56 * 56} if family.startswith("qwen") else {}
     cfg = vision_config(model_dir, data, tmp_path / "out", images_per_row=2, **budget)
     base = build_vision_encoder(cfg, torch.device("cpu")).base
     held = sum(p.numel() * p.element_size() for p in base.parameters())
@@ -347,7 +354,7 @@ def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_pat
 
 
 def assert_pixel_budget(family: str, cfg, planned_tokens: int) -> None:
-    """Qwen2.5-VL: the recipe's data.image_max_pixels is the processor's (a 300x200 image is resized into it) and the
+    """Qwen-VL: the recipe's data.image_max_pixels is the processor's (a 300x200 image is resized into it) and the
     plan's tokens an image; a fixed-size family refuses the key in one line, and Qwen's plan asks for it."""
     import dataclasses
 
@@ -357,15 +364,16 @@ def assert_pixel_budget(family: str, cfg, planned_tokens: int) -> None:
     from qlora_fsdp.loading.vision_encoder import load_processor
     from qlora_fsdp.plan.image_side import side_of
 
-    if family != "qwen2_5_vl":
+    if not family.startswith("qwen"):
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_max_pixels=56 * 56))
         with pytest.raises(ConfigError, match=r"^data.image_min_pixels / image_max_pixels: .* resizes every image to "
                                               r"one size; .*: remove the keys$"):
             load_processor(cfg)
         return
     grid = load_processor(cfg).image_processor(images=[Image.new("RGB", (300, 200))])["image_grid_thw"]
-    assert grid.tolist() == [[1, 2, 4]]  # 8 patches of 14 pixels: 2 tokens at most 56x56 pixels
-    assert planned_tokens == 56 * 56 // 28**2 == 4
+    assert grid.tolist() == [[1, 2, 4]]  # 8 patches (of 14 or 16 pixels): 2 tokens, within 56x56 pixels
+    patch = 14 if family == "qwen2_5_vl" else 16
+    assert planned_tokens == 56 * 56 // patch**2 // 4 == (4 if patch == 14 else 3)
     unbudgeted = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_max_pixels=None))
     with pytest.raises(ConfigError, match=r"set data.image_max_pixels"):
         side_of(unbudgeted)

@@ -115,6 +115,38 @@ def write_tiny_qwen2_5_vl(out: Path, tokenizer: PreTrainedTokenizerFast, seed: i
     return out
 
 
+def write_tiny_qwen3_vl(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
+    """Qwen3-VL's layout: a ViT over 16-pixel patches merged 2x2 (a 64-pixel square is 4 tokens) whose first two
+    blocks' merged features are added to the first two decoder layers' image tokens (deepstack), a Qwen3 decoder
+    with interleaved 3-axis rotary positions; saved as the hub ships it (see write_tiny_qwen2_5_vl)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_MARKS)})
+    tokenizer.chat_template = QWEN_TEMPLATE
+    marks = {mark: tokenizer.convert_tokens_to_ids(mark) for mark in QWEN_MARKS}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    text = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_parameters": rope,
+            "initializer_range": 0.1, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+    vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+              "deepstack_visual_indexes": [0, 1], "initializer_range": 0.1}
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=marks["<|image_pad|>"],
+                           video_token_id=marks["<|video_pad|>"], vision_start_token_id=marks["<|vision_start|>"],
+                           vision_end_token_id=marks["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
+    images = Qwen2VLImageProcessorPil(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16, merge_size=2,
+                                      temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    images.processor_class = "Qwen3VLProcessor"
+    images.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+    return out
+
+
 def write_image_records(folder: Path) -> Path:
     """Chat records, a JSON line each: images as content parts (one or two), LLaMA-Factory's markers, text only."""
     folder.mkdir(parents=True, exist_ok=True)

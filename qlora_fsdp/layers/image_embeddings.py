@@ -38,13 +38,26 @@ class VisionEncoder:
     grid_positions: bool = False  # families.ImageFamily's: rotary positions over 3 axes, the images' from their grids
 
     @torch.no_grad()
-    def features(self, vision: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-        """Every image's features in order, one row an image token: what the family's forward scatters there."""
+    def features(self, vision: dict[str, torch.Tensor], device: torch.device) -> EncodedImages:
+        """Every image's features in order, one row an image token: what the family's forward scatters there (and
+        Qwen3-VL's deepstack features, one such tensor for each of the first decoder layers)."""
         inputs = {key: value.to(device) for key, value in vision.items()}
         inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
         out = self.base.get_image_features(**inputs, return_dict=True)
-        pooled = out.pooler_output
-        return torch.cat(list(pooled), dim=0) if isinstance(pooled, list | tuple) else pooled.flatten(0, -2)
+        deepstack = getattr(out, "deepstack_features", None)
+        return EncodedImages(image_rows(out.pooler_output),
+                             None if deepstack is None else [image_rows(layer) for layer in deepstack])
+
+
+@dataclass
+class EncodedImages:
+    features: torch.Tensor  # [image tokens, hidden]: the embeddings at the image tokens
+    deepstack: list[torch.Tensor] | None  # Qwen3-VL: added to the image tokens' outputs of the first layers
+
+
+def image_rows(pooled: Any) -> torch.Tensor:
+    """A family's features (a tensor, or one per image) as one row an image token, in order."""
+    return torch.cat(list(pooled), dim=0) if isinstance(pooled, list | tuple) else pooled.flatten(0, -2)
 
 
 _ENCODERS: weakref.WeakKeyDictionary[nn.Module, VisionEncoder] = weakref.WeakKeyDictionary()
@@ -72,7 +85,8 @@ def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | Non
         return
     encoder = vision_encoder(model)
     embedding = cast(nn.Module, cast(Any, model).get_input_embeddings())
-    features = encoder.features(vision, device)
+    encoded = encoder.features(vision, device)
+    features = encoded.features
 
     def scatter(_module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         mask = args[0] == encoder.image_token_id
@@ -90,6 +104,9 @@ def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | Non
     if encoder.grid_positions:
         positions = GridPositions(encoder, vision["image_grid_thw"])
         handles.append(decoder_model(model).register_forward_pre_hook(positions, with_kwargs=True))
+    if encoded.deepstack is not None:
+        deepstack = partial(deepstack_inputs, encoder.image_token_id, encoded.deepstack)
+        handles.append(decoder_model(model).register_forward_pre_hook(deepstack, with_kwargs=True))
     try:
         yield
     finally:
@@ -215,3 +232,13 @@ def image_count(ids: torch.Tensor, image_token_id: int) -> int:
     """How many images a sample's ids hold: the runs of image tokens."""
     marks = (ids == image_token_id).int()
     return int((marks[1:] > marks[:-1]).sum()) + int(marks[0])
+
+
+def deepstack_inputs(image_token_id: int, deepstack: list[torch.Tensor], module: nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Qwen3-VL's decoder adds the vision tower's intermediate features to the image tokens' hidden states after
+    its first layers: handed to its forward where the image tokens are (none in a decoding step)."""
+    ids = kwargs.get("input_ids")
+    if ids is None or not bool((ids == image_token_id).any()):
+        return None
+    return args, {**kwargs, "visual_pos_masks": ids == image_token_id, "deepstack_visual_embeds": deepstack}

@@ -1,7 +1,7 @@
 """A causal LM over a vision-language family's own text model, for the families transformers gives none
-(Qwen2.5-VL): the decoder of the checkpoint's class (`model`, its rotary embedding over three axes included) and
-the head (`lm_head`), registered with AutoModelForCausalLM so it is built, sharded and loaded as every decoder here.
-Checkpoint keys map onto it as for Gemma 3 (loading/layout.py): `model.language_model.` <-> `model.`.
+(Qwen2.5-VL, Qwen3-VL): the decoder of the checkpoint's class (`model`, its rotary embedding over three axes
+included) and the head (`lm_head`), registered with AutoModelForCausalLM so it is built, sharded and loaded as every
+decoder here. Checkpoint keys map onto it as for Gemma 3 (loading/layout.py): `model.language_model.` <-> `model.`.
 
 Positions. These decoders take [3, batch, tokens] rotary positions (temporal, height, width), plus, as a fourth row
 in front, the plain text positions that say where packed samples start. A text row is the same on every axis, so
@@ -19,7 +19,7 @@ from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, Pretr
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # the text configs of the vision-language families whose decoder has no causal-LM class in transformers
-TEXT_MODEL_TYPES = ("qwen2_5_vl_text",)
+TEXT_MODEL_TYPES = ("qwen2_5_vl_text", "qwen3_vl_text")
 
 
 class TextDecoderLM(PreTrainedModel, GenerationMixin):
