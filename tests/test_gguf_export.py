@@ -450,3 +450,44 @@ def test_a_template_is_translated_only_where_it_renders_chats_the_same(source, a
     else:
         assert "no TEMPLATE written" in translation.note
         assert "TEMPLATE" not in modelfile("x.gguf", translation, []).replace("no TEMPLATE", "")
+
+
+def test_a_vision_language_checkpoint_exports_its_projector_beside_the_text_model(sp_tokenizer, tmp_path):
+    """Gemma 3 with its vision tower: the text GGUF and llama.cpp's vision projector file (mmproj) beside it, whose
+    tower and projector tensors are the checkpoint's (f32: exact); the printed command reads images with both."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.vision_models import write_tiny_gemma3
+
+    model_dir = write_tiny_gemma3(tmp_path / "vlm", AutoTokenizer.from_pretrained(sp_tokenizer.name_or_path))
+    shutil.copy(Path(sp_tokenizer.name_or_path) / "tokenizer.model", model_dir)  # as released (see tiny_family)
+    # the tower's keys as Google's released files spell them (transformers 5 saves them without `vision_model.`,
+    # which the converter cannot map)
+    weights = load_file(model_dir / "model.safetensors")
+    save_file({key.replace("vision_tower.", "vision_tower.vision_model.", 1): value for key, value in weights.items()},
+              model_dir / "model.safetensors", metadata={"format": "pt"})
+    code, stdout, err = export(["--model", model_dir, "--out", tmp_path / "gguf", "--outtype", "f32"])
+    assert code == 0, err
+    assert sorted(path.name for path in (tmp_path / "gguf").glob("*.gguf")) == ["mmproj-vlm-F32.gguf", "vlm-F32.gguf"]
+    projector = tmp_path / "gguf" / "mmproj-vlm-F32.gguf"
+    assert f"llama-mtmd-cli -m {tmp_path / 'gguf' / 'vlm-F32.gguf'} --mmproj {projector} --image" in stdout
+    written = {tensor.name: torch.from_numpy(tensor.data.copy()) for tensor in GGUFReader(projector).tensors}
+    stored = load_file(model_dir / "model.safetensors")
+    query = stored["vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight"].float()
+    assert torch.equal(written["v.blk.0.attn_q.weight"].reshape(query.shape), query)
+    assert not any(name.startswith("blk.") for name in written)  # the decoder is the text file's
+
+
+def test_a_vision_language_family_without_a_projector_class_is_refused_before_anything_is_written(tmp_path):
+    """PaddleOCR-VL: the converter writes its text model but has no mmproj class; the text model alone would lose
+    the images, so the export is refused in one line saying what llama.cpp needs."""
+    model_dir = tmp_path / "paddle"
+    config = AutoConfig.for_model("paddleocr_vl")
+    config.architectures = ["PaddleOCRVLForConditionalGeneration"]
+    config.save_pretrained(model_dir)
+    code, _, err = export(["--model", model_dir, "--out", tmp_path / "gguf"])
+    assert code == 2
+    assert err == ("error: llama.cpp's converter cannot write the vision projector (mmproj) of "
+                   "PaddleOCRVLForConditionalGeneration, which llama.cpp needs beside the text model to read images; "
+                   "export the merged checkpoint with a llama.cpp whose converter has an mmproj class for it\n")
+    assert not (tmp_path / "gguf").exists() and not (tmp_path / "gguf.tmp").exists()

