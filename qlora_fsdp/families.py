@@ -48,6 +48,7 @@ class ImageFamily:
     # where an image's tokens attend to each other both ways (Gemma 3): the module of transformers' own mask builder
     both_ways_masks: str | None = None
     grid_positions: bool = False  # rotary positions over 3 axes, an image's from its grid (Qwen-VL's get_rope_index)
+    cross_attention: bool = False  # the text reads the images through cross-attention layers (Llama 3.2 Vision)
 
     @property
     def dynamic_resolution(self) -> bool:
@@ -58,11 +59,11 @@ class ImageFamily:
 IMAGE_FAMILIES = {"llava": ImageFamily("LLaVA"),
                   "gemma3": ImageFamily("Gemma 3", both_ways_masks="transformers.models.gemma3.modeling_gemma3"),
                   "qwen2_5_vl": ImageFamily("Qwen2.5-VL", grid_positions=True),
-                  "qwen3_vl": ImageFamily("Qwen3-VL", grid_positions=True)}
+                  "qwen3_vl": ImageFamily("Qwen3-VL", grid_positions=True),
+                  "mllama": ImageFamily("Llama 3.2 Vision", cross_attention=True)}
 IMAGES_NOT_YET = {  # what the others need, said when their records show images
     "qwen2_vl": "its vision tower is not checked yet (Qwen2.5-VL's is)",
     "qwen3_vl_moe": "its mixture-of-experts decoder with images is not checked yet (Qwen3-VL's dense one is)",
-    "mllama": "its decoder reads the images through cross-attention layers",
 }
 
 

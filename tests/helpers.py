@@ -107,7 +107,8 @@ def decoder_lora_keys(model: torch.nn.Module) -> set[str]:
     import bitsandbytes as bnb
 
     return {f"base_model.model.{name}.lora_{part}.weight" for name, module in model.named_modules()
-            if isinstance(module, bnb.nn.Linear4bit) and ".layers." in name and "vision_tower" not in name
+            if isinstance(module, bnb.nn.Linear4bit) and ".layers." in name
+            and not any(tower in name for tower in ("vision_tower", "vision_model", "visual"))
             for part in "AB"}
 
 

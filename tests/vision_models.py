@@ -147,6 +147,40 @@ def write_tiny_qwen3_vl(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int
     return out
 
 
+MLLAMA_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<|image|>")
+
+
+def write_tiny_mllama(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
+    """Llama 3.2 Vision's layout: an image is one <|image|> token; the text reads it through cross-attention layers
+    (here the second of three) over the tiled vision tower's states (28-pixel tiles, at most 2 an image, 4 patches and
+    a class token each), gated by tanh gates the test sets away from transformers' zero init."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaProcessor
+    from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|image|>", "<|python_tag|>"]})
+    tokenizer.chat_template = MLLAMA_TEMPLATE
+    text = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "cross_attention_layers": [1],
+            "initializer_range": 0.1, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_global_layers": 1,
+              "attention_heads": 2, "image_size": 28, "patch_size": 14, "max_num_tiles": 2,
+              "intermediate_layers_indices": [0], "vision_output_dim": 64, "initializer_range": 0.1,
+              "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]]}
+    config = MllamaConfig(text_config=text, vision_config=vision,
+                          image_token_index=tokenizer.convert_tokens_to_ids("<|image|>"))
+    torch.manual_seed(seed)
+    model = MllamaForConditionalGeneration(config)
+    with torch.no_grad():  # transformers starts the gates at zero, where the images would change nothing
+        for name, parameter in model.named_parameters():
+            if name.endswith("_gate"):
+                parameter.fill_(0.8)
+    model.to(torch.bfloat16).save_pretrained(out)
+    images = MllamaImageProcessorPil(size={"height": 28, "width": 28}, max_image_tiles=2)
+    MllamaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=MLLAMA_TEMPLATE).save_pretrained(out)
+    return out
+
+
 def write_image_records(folder: Path) -> Path:
     """Chat records, a JSON line each: images as content parts (one or two), LLaMA-Factory's markers, text only."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -210,8 +210,16 @@ def encode_record(record: dict[str, Any], processor: ProcessorMixin, folder: Pat
         return Sample(list(plain["input_ids"]), labels)
     out = processor(text=[full], images=images, add_special_tokens=False, return_tensors="pt")
     expanded = out["input_ids"][0].tolist()
+    return Sample(expanded, expanded_labels(list(plain["input_ids"]), labels, expanded, where), vision_inputs(out))
+
+
+def vision_inputs(out: Any) -> dict[str, torch.Tensor]:
+    """What the image side reads of one sample's processor output: its tensors but the text's, one item an image
+    along the first axis (so a micro-batch's samples join by concatenation)."""
     vision = {key: value for key, value in out.items() if key not in TEXT_INPUTS and isinstance(value, torch.Tensor)}
-    return Sample(expanded, expanded_labels(list(plain["input_ids"]), labels, expanded, where), vision)
+    if vision.pop("cross_attention_mask", None) is not None:  # Llama 3.2 Vision: remade from the ids per sample,
+        vision = {key: value[0] for key, value in vision.items()}  # and its images without the sample axis
+    return vision
 
 
 def load_image_data(processor: ProcessorMixin, cfg: Config) -> ImageData:

@@ -124,17 +124,17 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
                         attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                         **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: [batch, heads, tokens, dim] in, [batch, tokens, heads, dim] out."""
-    if query.shape[2] != key.shape[2]:
-        raise RuntimeError(f"{VARLEN_SDPA} is for training and evaluation (no KV cache); generate with sdpa")
     if dropout:
         raise RuntimeError(f"{VARLEN_SDPA} has no attention dropout; use sdpa or eager")
     options = AttentionOptions.from_kwargs(kwargs)
-    if isinstance(attention_mask, torch.Tensor):  # a mask made for the batch (images seen both ways): dense
-        if options.softcap is not None or options.sinks is not None:
+    if isinstance(attention_mask, torch.Tensor):  # a mask made for the batch (images seen both ways, or the
+        if options.softcap is not None or options.sinks is not None:  # image states a cross-attention reads): dense
             raise RuntimeError(f"{VARLEN_SDPA} reads a given mask only for plain attention")
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
+    if query.shape[2] != key.shape[2]:
+        raise RuntimeError(f"{VARLEN_SDPA} is for training and evaluation (no KV cache); generate with sdpa")
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.shape[0] != query.shape[0]:  # one sample a row (padded, or alone)
         return family_attention(query, key, value, scaling, options).transpose(1, 2).contiguous(), None

@@ -1,10 +1,11 @@
-"""A causal LM over a vision-language family's own text model, for the families transformers gives none
-(Qwen2.5-VL, Qwen3-VL): the decoder of the checkpoint's class (`model`, its rotary embedding over three axes
-included) and the head (`lm_head`), registered with AutoModelForCausalLM so it is built, sharded and loaded as every
-decoder here. Checkpoint keys map onto it as for Gemma 3 (loading/layout.py): `model.language_model.` <-> `model.`.
+"""A causal LM over a vision-language family's own text model, for the families transformers gives none (Qwen2.5-VL,
+Qwen3-VL; Llama 3.2 Vision's has one whose base_model_prefix names no attribute of it): the decoder of the
+checkpoint's class (`model`) and the head (`lm_head`), registered with AutoModelForCausalLM so it is built, sharded
+and loaded as every decoder here. Checkpoint keys map onto it as for Gemma 3 (loading/layout.py):
+`model.language_model.` <-> `model.`.
 
-Positions. These decoders take [3, batch, tokens] rotary positions (temporal, height, width), plus, as a fourth row
-in front, the plain text positions that say where packed samples start. A text row is the same on every axis, so
+Positions. Qwen-VL's decoders take [3, batch, tokens] rotary positions (temporal, height, width), plus, as a fourth
+row in front, the plain text positions that say where packed samples start. A text row is the same on every axis, so
 the plain [batch, tokens] positions training gives become the four rows here; the image tokens' own positions are
 filled in by layers/image_embeddings.py from the images' grids.
 """
@@ -15,11 +16,14 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-# the text configs of the vision-language families whose decoder has no causal-LM class in transformers
-TEXT_MODEL_TYPES = ("qwen2_5_vl_text", "qwen3_vl_text")
+# the text configs of the vision-language families whose decoder has no causal-LM class in transformers (Llama 3.2
+# Vision's has one whose base_model_prefix names no attribute of it): its text model's class, and whether its
+# positions run over 3 axes
+TEXT_MODELS = {"qwen2_5_vl_text": ("Qwen2_5_VLTextModel", True), "qwen3_vl_text": ("Qwen3VLTextModel", True),
+               "mllama_text_model": ("MllamaTextModel", False)}
 
 
 class TextDecoderLM(PreTrainedModel, GenerationMixin):
@@ -27,6 +31,7 @@ class TextDecoderLM(PreTrainedModel, GenerationMixin):
 
     base_model_prefix = "model"
     text_model_class: type[PreTrainedModel]
+    grid_positions: bool  # the decoder takes [text, temporal, height, width] positions (Qwen-VL)
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -48,7 +53,8 @@ class TextDecoderLM(PreTrainedModel, GenerationMixin):
         bounds = getattr(position_ids, "sample_bounds", None)  # packed rows' samples (losses/forward.py)
         if bounds is not None:
             kwargs["sample_bounds"] = bounds  # the four rows are a new tensor: the attention reads them here
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=four_rows(position_ids),
+        positions = four_rows(position_ids) if self.grid_positions else position_ids
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         hidden = out.last_hidden_state
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -63,7 +69,7 @@ def four_rows(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     return position_ids.unsqueeze(0).expand(4, -1, -1)
 
 
-def causal_lm_class(text_model_class: type[PreTrainedModel]) -> type[TextDecoderLM]:
+def causal_lm_class(text_model_class: type[PreTrainedModel], grid_positions: bool) -> type[TextDecoderLM]:
     """TextDecoderLM for one family: its pretrained base's weight init and kernels, its text config."""
     family_base = next(base for base in text_model_class.__mro__[1:]
                        if issubclass(base, PreTrainedModel) and base is not PreTrainedModel)
@@ -71,18 +77,20 @@ def causal_lm_class(text_model_class: type[PreTrainedModel]) -> type[TextDecoder
     layer_names = [name for name in getattr(family_base, "_no_split_modules", None) or [] if "Decoder" in name]
     return type(name, (TextDecoderLM, family_base), {
         "config_class": text_model_class.config_class, "text_model_class": text_model_class,
+        "grid_positions": grid_positions,
         "base_model_prefix": "model", "_no_split_modules": layer_names, "__module__": __name__})
 
 
 def register_text_decoders() -> None:
-    """Register a causal LM for each family in TEXT_MODEL_TYPES (once; idempotent)."""
+    """Register a causal LM for each family in TEXT_MODELS (once; idempotent)."""
+    import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    for model_type in TEXT_MODEL_TYPES:
+    for model_type, (class_name, grid_positions) in TEXT_MODELS.items():
         config_class = CONFIG_MAPPING[model_type]
         if config_class in AutoModelForCausalLM._model_mapping:
             continue
         # exist_ok: transformers skips registering a class for one of its own configs without it
-        text_model_class = cast(type[PreTrainedModel], AutoModel._model_mapping[config_class])
-        AutoModelForCausalLM.register(config_class, causal_lm_class(text_model_class), exist_ok=True)
+        text_model_class = cast(type[PreTrainedModel], getattr(transformers, class_name))
+        AutoModelForCausalLM.register(config_class, causal_lm_class(text_model_class, grid_positions), exist_ok=True)
 

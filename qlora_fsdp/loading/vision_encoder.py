@@ -213,7 +213,8 @@ def build_vision_encoder(cfg: Config, device: torch.device) -> VisionEncoder:
     quantize_linears(base, prefix, quantized_names(meta_full_model(config)), cfg, device)
     base.to(device).eval().requires_grad_(False)
     family = IMAGE_FAMILIES[config.model_type]
-    return VisionEncoder(base, image_token_id(config), dtype, family.both_ways_masks, family.grid_positions)
+    return VisionEncoder(base, image_token_id(config), dtype, family.both_ways_masks, family.grid_positions,
+                         family.cross_attention, int(getattr(config.vision_config, "max_num_tiles", 1)))
 
 
 def load_vision_encoder(model: nn.Module, cfg: Config, device: torch.device) -> VisionEncoder:

@@ -9,7 +9,9 @@ instant, not at the decoder's peak.
   4-bit as packed NF4 and their quantization state, the rest in the compute dtype;
 - the forward (an estimate): one layer's activations for the micro-batch's images (each image's patches through
   attention and the MLP, the attention scores of one head group at a time), beside the features it keeps;
-- Gemma 3's masks (exact): two boolean [row, tokens, tokens] masks (full and sliding) per micro-batch.
+- Gemma 3's masks (exact): two boolean [row, tokens, tokens] masks (full and sliding) per micro-batch;
+- Llama 3.2 Vision: an image is one token of the row; its tiles' states, which the cross-attention layers read, are
+  kept beside the decoder (counted with the features).
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ def patches_per_image(config: PretrainedConfig, cfg: Config) -> int:
     """The patches the vision tower reads for one image: its fixed size's, or a dynamic-resolution family's at the
     recipe's pixel budget (the most an image can be)."""
     vision = config.vision_config
-    if not IMAGE_FAMILIES[config.model_type].dynamic_resolution:
+    family = IMAGE_FAMILIES[config.model_type]
+    if family.cross_attention:  # Llama 3.2 Vision: each of its tiles, and a class token each
+        return int(vision.max_num_tiles * ((vision.image_size // vision.patch_size) ** 2 + 1))
+    if not family.dynamic_resolution:
         return int((vision.image_size // vision.patch_size) ** 2)
     if cfg.data.image_max_pixels is None:
         raise ConfigError(f"data.images_per_row: a {IMAGE_FAMILIES[config.model_type].name} image is as many "
@@ -78,10 +83,12 @@ def patches_per_image(config: PretrainedConfig, cfg: Config) -> int:
 
 def tokens_per_image(config: PretrainedConfig, cfg: Config) -> int:
     """The image tokens the decoder reads for one image (Gemma 3: mm_tokens_per_image; Qwen-VL: its patches merged
-    2x2; LLaVA: its patches)."""
+    2x2; LLaVA: its patches; Llama 3.2 Vision: its one token)."""
     fixed = getattr(config, "mm_tokens_per_image", None)
     if fixed:
         return int(fixed)
+    if IMAGE_FAMILIES[config.model_type].cross_attention:  # one <|image|> token; the text reads its states
+        return 1
     merged = getattr(config.vision_config, "spatial_merge_size", 1) ** 2
     return patches_per_image(config, cfg) // merged
 
@@ -112,7 +119,8 @@ def side_of(cfg: Config) -> ImageSide:
     layer = patches * (ACTIVATIONS_PER_PATCH * vision.hidden_size + 2 * vision.intermediate_size) * itemsize
     scores = patches * patches * 4  # one head's fp32 scores at a time (sdpa's math path on the widest GPUs)
     per_token = tokens_per_image(config, cfg)
-    features = images * per_token * config.get_text_config().hidden_size * itemsize
+    kept = patches if IMAGE_FAMILIES[config.model_type].cross_attention else per_token  # what the text reads
+    features = images * kept * config.get_text_config().hidden_size * itemsize
     forward = images * (layer + scores) + features
     both_ways = IMAGE_FAMILIES[config.model_type].both_ways_masks is not None
     rows, length = cfg.data.micro_batch, cfg.data.context_length

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, Template
-from qlora_fsdp.data.images import TEXT_INPUTS, read_image
+from qlora_fsdp.data.images import read_image, vision_inputs
 from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import DistInfo, init_distributed
@@ -66,7 +66,7 @@ class Generator:
                                                   add_generation_prompt=True)
         pictures = [read_image(str(path), Path.cwd(), "--image") for path in images]
         out = self.processor(text=[text], images=pictures, add_special_tokens=False, return_tensors="pt")
-        vision = {key: value for key, value in out.items() if key not in TEXT_INPUTS}
+        vision = vision_inputs(out)
         return out["input_ids"][0].tolist(), vision
 
     @property
