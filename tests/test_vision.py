@@ -370,6 +370,32 @@ def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_pat
     side = image_side(cfg)
     assert side is not None and side.images == 2 * cfg.data.micro_batch and (side.masks > 0) == (family == "gemma3")
     assert_pixel_budget(family, cfg, side.tokens_per_image)
+    assert_unquantized_tower(cfg, data)
+
+
+def assert_unquantized_tower(cfg, data: Path) -> None:
+    """quant.vision_tower: unquantized keeps the image side in the compute dtype: no 4-bit layer, the plan's bytes
+    the built ones, and the features of transformers' own unquantized model on a record's image."""
+    import dataclasses
+
+    import bitsandbytes as bnb
+    import transformers
+
+    from qlora_fsdp.data.images import encode_record
+    from qlora_fsdp.loading.vision_encoder import build_vision_encoder, load_processor
+    from qlora_fsdp.plan.image_side import full_config, weight_bytes
+
+    cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, vision_tower="unquantized"))
+    encoder = build_vision_encoder(cfg, torch.device("cpu"))
+    assert not any(isinstance(module, bnb.nn.Linear4bit) for module in encoder.base.modules())
+    assert weight_bytes(full_config(cfg), cfg) == sum(p.numel() * p.element_size() for p in encoder.base.parameters())
+    record = json.loads(data.read_text().splitlines()[0])
+    vision = encode_record(record, load_processor(cfg), data.parent, "record 1").vision
+    config = transformers.AutoConfig.from_pretrained(cfg.model.path)
+    theirs = getattr(transformers, config.architectures[0]).from_pretrained(cfg.model.path, dtype=torch.float32)
+    reference = dataclasses.replace(encoder, base=theirs.model)
+    ours, expected = (e.features(vision, torch.device("cpu")).features for e in (encoder, reference))
+    assert ours.numel() >= 4 * ours.shape[-1] and torch.equal(ours, expected)  # 4 image tokens (or states) at least
 
 
 def assert_pixel_budget(family: str, cfg, planned_tokens: int) -> None:

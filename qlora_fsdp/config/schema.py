@@ -40,6 +40,10 @@ class QuantConfig:
     compute_dtype: DTypeChoice = "auto"  # what the 4-bit weights are dequantized to
     blocksize: int = 64  # weights per absmax scale; a pre-quantized checkpoint's own must be given
     skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])  # linears (by last name part) kept unquantized
+    # a vision-language checkpoint's image side (vision tower and projector, frozen): `auto` makes 4-bit what
+    # transformers + bitsandbytes make 4-bit for the family; `unquantized` keeps it all in the compute dtype (more
+    # memory, the image features of the unquantized model)
+    vision_tower: Literal["auto", "unquantized"] = "auto"
 
 
 @dataclass

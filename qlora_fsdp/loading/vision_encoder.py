@@ -210,7 +210,8 @@ def build_vision_encoder(cfg: Config, device: torch.device) -> VisionEncoder:
     layout = layout_from_transforms(meta_full_model(config))
     text_prefix = prefix + "language_model."
     read_image_side(base, prefix, Path(cfg.model.path), layout, text_prefix)
-    quantize_linears(base, prefix, quantized_names(meta_full_model(config)), cfg, device)
+    if cfg.quant.vision_tower == "auto":
+        quantize_linears(base, prefix, quantized_names(meta_full_model(config)), cfg, device)
     base.to(device).eval().requires_grad_(False)
     family = IMAGE_FAMILIES[config.model_type]
     return VisionEncoder(base, image_token_id(config), dtype, family.both_ways_masks, family.grid_positions,

@@ -6,7 +6,8 @@ The decoder's step is measured as for text (image tokens are tokens of the rows)
 decoder's forward and frees what it made (no gradients), so its forward adds to the resident bytes at its own
 instant, not at the decoder's peak.
 - weights: exact, from the checkpoint's full model on the meta device: the linears transformers + bitsandbytes make
-  4-bit as packed NF4 and their quantization state, the rest in the compute dtype;
+  4-bit as packed NF4 and their quantization state (unless quant.vision_tower is `unquantized`), the rest in the
+  compute dtype;
 - the forward (an estimate): one layer's activations for the micro-batch's images (each image's patches through
   attention and the MLP, the attention scores of one head group at a time), beside the features it keeps;
 - Gemma 3's masks (exact): two boolean [row, tokens, tokens] masks (full and sliding) per micro-batch;
@@ -50,7 +51,7 @@ def weight_bytes(config: PretrainedConfig, cfg: Config) -> int:
     """The image side's bytes: NF4 where transformers quantizes, the compute dtype elsewhere (the decoder and the
     head are not the image side)."""
     full = meta_full_model(config)
-    quantized = quantized_names(full)
+    quantized = quantized_names(full) if cfg.quant.vision_tower == "auto" else set()
     itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     total = 0
     for name, module in full.named_modules():
@@ -102,7 +103,7 @@ def image_side(cfg: Config) -> ImageSide | None:
         return None
     data, quant = cfg.data, cfg.quant
     key = (planning_model(cfg).model.path, data.images_per_row, data.micro_batch, data.context_length,
-           data.image_max_pixels, quant.compute_dtype, quant.blocksize, quant.double_quant)
+           data.image_max_pixels, quant.compute_dtype, quant.blocksize, quant.double_quant, quant.vision_tower)
     if key not in _SIDES:
         _SIDES[key] = side_of(cfg)
     return _SIDES[key]
