@@ -40,6 +40,7 @@ class ImageSide:
     masks: int  # bytes of a both-ways family's masks for a micro-batch
     images: int  # images a micro-batch passes
     tokens_per_image: int
+    forward_flops: float = 0.0  # the tower and projector's forward over a micro-batch's images (an estimate)
 
 
 def full_config(cfg: Config) -> PretrainedConfig:
@@ -47,16 +48,20 @@ def full_config(cfg: Config) -> PretrainedConfig:
                                       trust_remote_code=cfg.model.trust_remote_code)
 
 
-def weight_bytes(config: PretrainedConfig, cfg: Config) -> int:
+def image_side_modules(full: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The full model's modules but the decoder's and the head's."""
+    return [(name, module) for name, module in full.named_modules()
+            if not ("language_model" in name or name.startswith("lm_head") or module is full)]
+
+
+def weight_bytes(config: PretrainedConfig, cfg: Config, full: nn.Module | None = None) -> int:
     """The image side's bytes: NF4 where transformers quantizes, the compute dtype elsewhere (the decoder and the
     head are not the image side)."""
-    full = meta_full_model(config)
+    full = meta_full_model(config) if full is None else full
     quantized = quantized_names(full) if cfg.quant.vision_tower == "auto" else set()
     itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     total = 0
-    for name, module in full.named_modules():
-        if "language_model" in name or name.startswith("lm_head") or module is full:
-            continue
+    for name, module in image_side_modules(full):
         own = list(module.named_parameters(recurse=False))
         if name in quantized and isinstance(module, nn.Linear):
             n = module.in_features * module.out_features
@@ -126,4 +131,16 @@ def side_of(cfg: Config) -> ImageSide:
     both_ways = IMAGE_FAMILIES[config.model_type].both_ways_masks is not None
     rows, length = cfg.data.micro_batch, cfg.data.context_length
     masks = 2 * rows * length * length if both_ways else 0
-    return ImageSide(weight_bytes(config, cfg), forward, masks, images, per_token)
+    full = meta_full_model(config)
+    return ImageSide(weight_bytes(config, cfg, full), forward, masks, images, per_token,
+                     images * image_flops(full, config, patches))
+
+
+def image_flops(full: nn.Module, config: PretrainedConfig, patches: int) -> float:
+    """One image through the tower and projector (an estimate, high: every patch through every linear, and full
+    attention in every layer, where Qwen2.5-VL's windows and the mergers' fewer tokens do less)."""
+    vision = config.vision_config
+    linear = sum(module.in_features * module.out_features for _, module in image_side_modules(full)
+                 if isinstance(module, nn.Linear))
+    layers = int(getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", 0))
+    return float(2 * linear * patches + 4 * layers * int(vision.hidden_size) * patches**2)

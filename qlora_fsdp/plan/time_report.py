@@ -10,6 +10,7 @@ from qlora_fsdp.plan.fake_step import plans_reference_forward, update_rows
 from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time
 from qlora_fsdp.plan.hardware import GPU
 from qlora_fsdp.plan.held import Held, planning_config
+from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import Rates, StepTime, matmul_efficiency, part_time, step_time
 from qlora_fsdp.plan.step_tracker import StepMemory
@@ -23,6 +24,10 @@ def recipe_time(cfg: Config, step: StepMemory) -> StepTime:
         time.generation = recipe_generation(cfg, step).total / cfg.grpo.num_iterations
         time.generation += kept_logps_seconds(cfg, step) / cfg.grpo.num_iterations
         time.total += time.generation
+    side = image_side(cfg)
+    if side is not None:  # every micro-batch's images, before its decoder forward
+        time.vision = cfg.data.grad_accum_steps * side.forward_flops / rates(cfg).flops
+        time.total += time.vision
     return time
 
 
@@ -139,6 +144,8 @@ def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
             ("transfers left exposed after overlapping the compute", time.exposed)]
     if grpo:
         rows.append(("generation (completions, and log-probabilities kept from it)", time.generation))
+    if time.vision:
+        rows.append(("the vision tower's forward over the images (an estimate, high)", time.vision))
     unpriced = "; the network between nodes is not priced: optimistic" if cfg.hardware.nodes > 1 else ""
     trained = "trained tokens" if grpo else "tokens"
     return ["", f"time per optimizer step on {cfg.hardware.world_size} x {cfg.hardware.gpu} ({link_description(gpu)}"
