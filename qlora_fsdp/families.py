@@ -145,6 +145,7 @@ FAMILY_NAMES = {
     "llama": "Llama", "qwen2": "Qwen2.5", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE (MoE)", "qwen3_5": "Qwen3.5",
     "qwen3_5_moe": "Qwen3.5-MoE (MoE)", "mistral": "Mistral", "mixtral": "Mixtral (MoE)", "gemma2": "Gemma 2",
     "gemma3": "Gemma 3", "gemma3_text": "Gemma 3", "phi3": "Phi-3", "olmo2": "OLMo 2", "gpt_oss": "gpt-oss (MoE)",
+    "qwen2_5_vl_text": "Qwen2.5-VL", "qwen3_vl_text": "Qwen3-VL", "mllama_text_model": "Llama 3.2 Vision",
 }
 
 

@@ -335,6 +335,13 @@ def data_images_for_a_text_model(d: Path, model: Path) -> list[str]:
     return [data_file(d, [json.dumps(record)] * 4, "images.jsonl"), "data.format=chat"]
 
 
+@bad_input(r"'data\.image_min_pixels' \(1003520\) and 'data\.image_max_pixels' \(3136\) must be positive, min at "
+           r"most max")
+def data_pixel_budget_upside_down(d: Path, model: Path) -> list[str]:
+    """A pixel budget whose least is more than its most (the two keys swapped)."""
+    return ["data.image_min_pixels=1003520", "data.image_max_pixels=3136"]
+
+
 # --- model folders ---------------------------------------------------------------------------------------------
 @bad_input(r"no_config has no config\.json: not a Hugging Face checkpoint folder")
 def model_without_config(d: Path, model: Path) -> list[str]:

@@ -262,8 +262,9 @@ class DataConfig:
     # for Gemma 3, its masks); 0: text only. Training sees the images in the records themselves
     images_per_row: int = 0
     # a dynamic-resolution family's pixel budget per image (Qwen2.5-VL: a 28x28-pixel square is one token): an image
-    # is resized to hold at least min and at most max pixels; None: the checkpoint's processor's own
+    # is resized to hold at least this many pixels; None: the checkpoint's processor's own
     image_min_pixels: int | None = None
+    # and at most this many (589824, 768x768: a Qwen2.5-VL image at most 752 tokens); --plan counts each image at it
     image_max_pixels: int | None = None
 
     @property

@@ -142,5 +142,5 @@ def image_flops(full: nn.Module, config: PretrainedConfig, patches: int) -> floa
     vision = config.vision_config
     linear = sum(module.in_features * module.out_features for _, module in image_side_modules(full)
                  if isinstance(module, nn.Linear))
-    layers = int(getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", 0))
+    layers = int(getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", None) or 0)
     return float(2 * linear * patches + 4 * layers * int(vision.hidden_size) * patches**2)
