@@ -16,11 +16,13 @@ from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.data.pipeline import Dataset, load_dataset
 from qlora_fsdp.data.prompts import PromptData, load_prompt_data
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
+from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.layers.decoder import describe_attention
 from qlora_fsdp.loading.adapter import export_adapter
 from qlora_fsdp.loading.build import base_parameter_count
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.image_side_training import trains_image_side
 from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
 from qlora_fsdp.plan.batch_size import describe_batch
 from qlora_fsdp.plan.hardware import peak_flops
@@ -66,6 +68,9 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg)
     data = load_data(tokenizer, cfg, info)
+    if trains_image_side(cfg) and not isinstance(data, ImageData):
+        raise ConfigError("lora.train_projector / lora.target_vision_tower train a vision-language checkpoint's "
+                          "image side: the data's records show no images (image parts, or an `images` column)")
     model = build_model(cfg, info)
     if isinstance(data, ImageData):  # the image side, frozen, beside the sharded decoder on every rank
         load_vision_encoder(model, cfg, info.device)

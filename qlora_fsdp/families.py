@@ -49,6 +49,9 @@ class ImageFamily:
     both_ways_masks: str | None = None
     grid_positions: bool = False  # rotary positions over 3 axes, an image's from its grid (Qwen-VL's get_rope_index)
     cross_attention: bool = False  # the text reads the images through cross-attention layers (Llama 3.2 Vision)
+    # the projector's modules in the base model (what lora.train_projector trains); the rest of the image side is
+    # the vision tower
+    projector: tuple[str, ...] = ("multi_modal_projector",)
 
     @property
     def dynamic_resolution(self) -> bool:
@@ -58,8 +61,9 @@ class ImageFamily:
 
 IMAGE_FAMILIES = {"llava": ImageFamily("LLaVA"),
                   "gemma3": ImageFamily("Gemma 3", both_ways_masks="transformers.models.gemma3.modeling_gemma3"),
-                  "qwen2_5_vl": ImageFamily("Qwen2.5-VL", grid_positions=True),
-                  "qwen3_vl": ImageFamily("Qwen3-VL", grid_positions=True),
+                  "qwen2_5_vl": ImageFamily("Qwen2.5-VL", grid_positions=True, projector=("visual.merger",)),
+                  "qwen3_vl": ImageFamily("Qwen3-VL", grid_positions=True,
+                                          projector=("visual.merger", "visual.deepstack_merger_list")),
                   "mllama": ImageFamily("Llama 3.2 Vision", cross_attention=True)}
 IMAGES_NOT_YET = {  # what the others need, said when their records show images
     "qwen2_vl": "its vision tower is not checked yet (Qwen2.5-VL's is)",

@@ -30,14 +30,16 @@ def build_tiny_checkpoint(out: Path, layers: int = 2, max_shard_size: str = "50G
     return out
 
 
-def transformers_nf4(model_dir: Path, model_class: Any = None) -> torch.nn.Module:
+def transformers_nf4(model_dir: Path, model_class: Any = None, unquantized: list[str] | None = None) -> torch.nn.Module:
     """transformers + bitsandbytes' own NF4 load (double quantization, fp32 compute), none of our loading code: the
-    reference our loaded model is held to. Eager attention where transformers' sdpa cannot run the family."""
+    reference our loaded model is held to. Eager attention where transformers' sdpa cannot run the family.
+    `unquantized`: bitsandbytes' skip list (llm_int8_skip_modules) instead of transformers' own choice."""
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.uint8)
+                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.uint8,
+                               llm_int8_skip_modules=unquantized)
     model_class = model_class or AutoModelForCausalLM
     try:
         model = model_class.from_pretrained(model_dir, quantization_config=quant, dtype=torch.float32)

@@ -335,6 +335,13 @@ def data_images_for_a_text_model(d: Path, model: Path) -> list[str]:
     return [data_file(d, [json.dumps(record)] * 4, "images.jsonl"), "data.format=chat"]
 
 
+@bad_input(r"lora\.train_projector / lora\.target_vision_tower train a vision-language checkpoint's image side: the "
+           r"data's records show no images \(image parts, or an `images` column\)")
+def lora_train_projector_without_images(d: Path, model: Path) -> list[str]:
+    """The projector trained (lora.train_projector) on text-only records."""
+    return ["lora.train_projector=true"]
+
+
 @bad_input(r"'data\.image_min_pixels' \(1003520\) and 'data\.image_max_pixels' \(3136\) must be positive, min at "
            r"most max")
 def data_pixel_budget_upside_down(d: Path, model: Path) -> list[str]:

@@ -34,12 +34,13 @@ def llava(tmp_path_factory) -> tuple[Path, Path]:
     return tiny_vlm(tmp_path_factory.mktemp("llava"), "llava")
 
 
-def vision_config(model_dir: Path, data: Path, out: Path, **data_keys):
+def vision_config(model_dir: Path, data: Path, out: Path, lora: dict | None = None, **data_keys):
     return tiny_config(model_dir, data={"path": str(data), "format": "chat", "context_length": 128, "eval_samples": 2,
-                                        **data_keys}, train={"output_dir": str(out)}, lora={"r": 4, "dropout": 0.0})
+                                        **data_keys}, train={"output_dir": str(out)},
+                       lora={"r": 4, "dropout": 0.0, **(lora or {})})
 
 
-def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None) -> dict:
+def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None, lora: dict | None = None) -> dict:
     """Our loss over every record (padded, then packed), with LoRA B seeded away from zero, and one step's LoRA
     gradients; at world size 2 rank 0 takes the text-only records and rank 1 the ones with images, so the ranks'
     forwards differ in images every step (no collective may depend on them). World size 1 runs the recipe without
@@ -54,10 +55,11 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None)
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.loading.vision_encoder import load_vision_encoder
     from qlora_fsdp.losses.forward import ForwardLoss
+    from qlora_fsdp.training.grad_sync import sum_replicated_gradients
     from tests.helpers import full_grads
     from tests.test_families import nonzero_lora_b
 
-    cfg = vision_config(model_dir, data, out, packing=info.world_size > 1)
+    cfg = vision_config(model_dir, data, out, lora, packing=info.world_size > 1)
     tokenizer = load_tokenizer(cfg)
     loaded = load_data(tokenizer, cfg, info)
     model = build_model(cfg, info)
@@ -80,6 +82,7 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None)
         (ForwardLoss.for_config(cfg, info.device)(model, packed, info.device) / n_targets).backward()
     model.zero_grad(set_to_none=True)
     (ForwardLoss.for_config(cfg, info.device)(model, packed, info.device) / n_targets).backward()
+    sum_replicated_gradients(model)  # a trained image side's, as the training step does
     layout = model_layout(model)
     grads = {adapter_file_key(name, layout): grad for name, grad in full_grads(model).items()}
     if adapter is not None:
@@ -88,7 +91,7 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None)
             "images": sum(s.vision is not None for s in samples), "samples": samples}
 
 
-def reference_side(model_dir: Path, adapter: Path, samples: list) -> dict:
+def reference_side(model_dir: Path, adapter: Path, samples: list, unquantized: list[str] | None = None) -> dict:
     """transformers' own NF4 load of the checkpoint's class (its vision tower and projector 4-bit where it makes
     them so), each record alone with its pixels (and, for Gemma 3, the token types that let an image's tokens see
     each other): the loss with PEFT loading our adapter, and its LoRA gradients."""
@@ -99,7 +102,7 @@ def reference_side(model_dir: Path, adapter: Path, samples: list) -> dict:
     from tests.helpers import decoder_lora_keys, transformers_nf4
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    base = transformers_nf4(model_dir, getattr(transformers, config.architectures[0]))
+    base = transformers_nf4(model_dir, getattr(transformers, config.architectures[0]), unquantized)
     expected = decoder_lora_keys(base)
     model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
     n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
@@ -166,6 +169,31 @@ def test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(family, llav
         merged_reply_and_generation(model_dir, adapter, data, tmp_path)
 
 
+@pytest.mark.slow
+def test_a_trained_projector_and_tower_lora_equal_peft_at_world_sizes_1_and_2(llava, tmp_path):
+    """lora.train_projector and lora.target_vision_tower on LLaVA: the loss and one step's gradients (the decoder's
+    LoRA, the tower's LoRA, the projector's weights) equal PEFT's on transformers' NF4 model with the projector kept
+    unquantized, PEFT loading our adapter (modules_to_save and the tower's modules in its config), at world size 1
+    and 2 with one rank text-only (the image side's gradients summed over the ranks by hand)."""
+    model_dir, data = llava
+    adapter, trained = tmp_path / "adapter", {"train_projector": True, "target_vision_tower": True}
+    one = run_ranks(our_side, 1, model_dir, data, tmp_path / "one", adapter, trained, tmp_dir=tmp_path)[0]
+    two = run_ranks(our_side, 2, model_dir, data, tmp_path / "two", None, trained, tmp_dir=tmp_path)[0]
+    reference = reference_side(model_dir, adapter, one["samples"], ["model.multi_modal_projector", "lm_head"])
+    saved = json.loads((adapter / "adapter_config.json").read_text())
+    assert saved["modules_to_save"] == ["model.multi_modal_projector"]
+    print(f"LLaVA trained image side: transformers {reference['loss']:.6f}, ours ws1 {one['padded']:.6f} padded "
+          f"{one['packed']:.6f} packed, ws2 {two['padded']:.6f} {two['packed']:.6f}")
+    image_side = [key for key in reference["grads"] if "vision_tower" in key or "projector" in key]
+    assert len([key for key in image_side if "lora_" in key]) >= 12 and len(image_side) >= 16
+    for run in (one, two):
+        for key in ("padded", "packed"):
+            assert run[key] == pytest.approx(reference["loss"], rel=1e-5), key
+        assert run["grads"].keys() == reference["grads"].keys()
+        for key, grad in reference["grads"].items():
+            assert relative(run["grads"][key], grad) < 1e-5, key
+
+
 def test_records_become_replies_only_labels_with_each_images_tokens(llava, tmp_path):
     """The processor's encoding: targets are the replies (and their end-of-turn token) only, never an image token
     or a prompt; each image becomes its 16 tokens and its pixels; the errors name the file and record."""
@@ -216,28 +244,32 @@ def test_records_become_replies_only_labels_with_each_images_tokens(llava, tmp_p
 
 
 @pytest.mark.slow
-def test_train_py_learns_from_images_on_two_ranks_and_the_merge_keeps_the_vision_tower(llava, tmp_path):
-    """train.py on image records, 2 ranks, packed rows: the held-out loss falls; the adapter loads with PEFT onto
-    the checkpoint's own class; the merged checkpoint holds the vision tower and projector as stored and runs on an
-    image."""
+def test_train_py_learns_from_images_with_a_trained_image_side_and_merges_it(llava, tmp_path):
+    """train.py on image records, 2 ranks, packed rows, the projector trained in full and LoRA on the vision tower
+    (gradient clipping on, a checkpoint saved): the held-out loss falls; the adapter loads with PEFT onto the
+    checkpoint's own class; the merged checkpoint computes what PEFT's 4-bit model with the adapter computes."""
     from tests.helpers import run_cli
 
     model_dir, data = llava
     out = tmp_path / "run"
     results = run_cli(["--recipe", "tiny_cpu", f"model.path={model_dir}", f"data.path={data}", "data.format=chat",
                        "data.eval_samples=2", "data.micro_batch_size=2", "data.grad_accum_steps=1",
-                       "train.max_steps=30", "train.eval_every=0", "train.save_every=0", "optim.warmup_steps=0",
+                       "train.max_steps=30", "train.eval_every=0", "train.save_every=15", "optim.warmup_steps=0",
+                       "optim.max_grad_norm=1.0", "lora.train_projector=true", "lora.target_vision_tower=true",
+                       "model.dtype=float32", "quant.compute_dtype=float32",  # the merge is then held to fp32 PEFT
                        "logging.plot=false", f"train.output_dir={out}"], 2, tmp_path)
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
     summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     print(f"LLaVA on images: held-out loss {summary['eval_loss_start']:.3f} -> {summary['eval_loss_end']:.3f}")
     assert summary["eval_loss_end"] < 0.8 * summary["eval_loss_start"]
-    merged_reply_and_generation(model_dir, out / "adapter", data, tmp_path)
+    merged_reply_and_generation(model_dir, out / "adapter", data, tmp_path, ["model.multi_modal_projector", "lm_head"])
 
 
-def merged_reply_and_generation(model_dir: Path, adapter: Path, data: Path, tmp_path: Path) -> None:
+def merged_reply_and_generation(model_dir: Path, adapter: Path, data: Path, tmp_path: Path,
+                                trained_image_side: list[str] | None = None) -> None:
     """The adapter loads with PEFT onto the checkpoint's own class; the merged checkpoint holds the image side as
-    stored and runs on an image; `generate --image` (our 4-bit model with the adapter) replies as PEFT on
+    stored (or, where it trained, gives PEFT's logits: `trained_image_side` is what transformers keeps unquantized
+    for it) and runs on an image; `generate --image` (our 4-bit model with the adapter) replies as PEFT on
     transformers' NF4 model does (greedy)."""
     import transformers
     from peft import PeftModel
@@ -251,7 +283,7 @@ def merged_reply_and_generation(model_dir: Path, adapter: Path, data: Path, tmp_
     from tests.helpers import command_here, transformers_nf4
 
     model_class = getattr(transformers, transformers.AutoConfig.from_pretrained(model_dir).architectures[0])
-    peft_model = PeftModel.from_pretrained(transformers_nf4(model_dir, model_class), adapter)
+    peft_model = PeftModel.from_pretrained(transformers_nf4(model_dir, model_class, trained_image_side), adapter)
     assert any("lora_A" in name for name, _ in peft_model.named_parameters())
     merged_dir = tmp_path / "merged"
     merge_adapter(config_for_adapter(adapter, None, []), adapter, merged_dir, "float32")
@@ -259,7 +291,8 @@ def merged_reply_and_generation(model_dir: Path, adapter: Path, data: Path, tmp_
     # the vision tower and projector, by the names each family stores them under (Qwen: its hub's `visual.`)
     image_side = [key for key in stored
                   if any(part in key for part in ("vision_tower", "vision_model", "projector", "visual."))]
-    assert len(image_side) >= 8 and all(torch.equal(merged[key].float(), stored[key].float()) for key in image_side)
+    unchanged = [key for key in image_side if torch.equal(merged[key].float(), stored[key].float())]
+    assert len(image_side) >= 8 and (unchanged == image_side) == (trained_image_side is None)
     model = model_class.from_pretrained(merged_dir, dtype=torch.float32)
     processor = load_processor(tiny_config(model_dir))  # Qwen's without torchvision
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
@@ -267,7 +300,10 @@ def merged_reply_and_generation(model_dir: Path, adapter: Path, data: Path, tmp_
                                          tokenize=False, add_generation_prompt=True)
     inputs = processor(text=[text], images=[Image.open(data.parent / "red.png")], return_tensors="pt")
     with torch.no_grad():
-        assert torch.isfinite(model(**inputs).logits).all()
+        logits = model(**inputs).logits
+        assert torch.isfinite(logits).all()
+        if trained_image_side is not None:  # the merge into the weights as trained (4-bit, dequantized)
+            assert relative(logits, peft_model(**inputs).logits) < 1e-5
         prompt_len = inputs["input_ids"].shape[1]
         theirs = peft_model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, prompt_len:]
     expected = processor.tokenizer.decode(theirs, skip_special_tokens=True)
@@ -371,6 +407,35 @@ def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_pat
     assert side is not None and side.images == 2 * cfg.data.micro_batch and (side.masks > 0) == (family == "gemma3")
     assert_pixel_budget(family, cfg, side.tokens_per_image)
     assert_unquantized_tower(cfg, data)
+    assert_trained_side_bytes(cfg)
+
+
+def assert_trained_side_bytes(cfg) -> None:
+    """lora.train_projector and lora.target_vision_tower: the encoder holds the plan's bytes (the projector whole in
+    lora.dtype, LoRA on the tower's linears), and the plan's gradients and optimizer state are those of exactly the
+    tensors that train."""
+    import dataclasses
+
+    import bitsandbytes as bnb
+
+    from qlora_fsdp.loading.vision_encoder import build_vision_encoder
+    from qlora_fsdp.optimizer_registry import OPTIMIZERS
+    from qlora_fsdp.plan.image_side import full_config, side_of, weight_bytes
+
+    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, train_projector=True, target_vision_tower=True))
+    base = build_vision_encoder(cfg, torch.device("cpu")).base
+    held = sum(p.numel() * p.element_size() for p in base.parameters())
+    for module in base.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            state = module.quant_state
+            parts = [state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset]
+            held += sum(t.numel() * t.element_size() for t in parts)
+    assert weight_bytes(full_config(cfg), cfg) == held
+    trained = [p for p in base.parameters() if p.requires_grad]
+    lora = [p for name, p in base.named_parameters() if ".lora_" in name]
+    assert len(lora) >= 8 and len(trained) > len(lora)  # the tower's LoRA and the projector
+    n = sum(p.numel() for p in trained)
+    assert side_of(cfg).trained == n * 4 + OPTIMIZERS[cfg.optim.name].state_bytes(n, 4)
 
 
 def assert_unquantized_tower(cfg, data: Path) -> None:

@@ -38,11 +38,16 @@ class VisionEncoder:
     grid_positions: bool = False  # families.ImageFamily's: rotary positions over 3 axes, the images' from their grids
     cross_attention: bool = False  # families.ImageFamily's: the text reads the images' states in cross-attention
     max_tiles: int = 1  # Llama 3.2 Vision: the tiles an image's states hold (its own, then masked ones)
+    trains: bool = False  # its projector or LoRA on its tower train (loading/image_side_training.py)
 
-    @torch.no_grad()
     def features(self, vision: dict[str, torch.Tensor], device: torch.device) -> EncodedImages:
         """Every image's features in order, one row an image token: what the family's forward scatters there (and
-        Qwen3-VL's deepstack features, one such tensor for each of the first decoder layers)."""
+        Qwen3-VL's deepstack features, one such tensor for each of the first decoder layers). With a gradient
+        where the image side trains and the caller computes one."""
+        with torch.set_grad_enabled(self.trains and torch.is_grad_enabled()):
+            return self.encode(vision, device)
+
+    def encode(self, vision: dict[str, torch.Tensor], device: torch.device) -> EncodedImages:
         inputs = {key: value.to(device) for key, value in vision.items()}
         inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
         if self.cross_attention:

@@ -17,6 +17,7 @@ from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.layers.expert_lora import ExpertLora, peft_expert_key
 from qlora_fsdp.loading.fill import copy_full_into, model_layout
+from qlora_fsdp.loading.image_side_training import IMAGE_SIDE, peft_settings
 from qlora_fsdp.loading.layout import CheckpointLayout, lora_target_regex
 from qlora_fsdp.loading.names import PEFT_PREFIX, clean_name
 
@@ -68,9 +69,11 @@ def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, ou
     config.init_lora_weights = True  # we initialized them ourselves; loaders should use PEFT's default
     lora_modules = [clean_name(name) for name, module in model.named_modules()
                     if hasattr(module, "lora_A") and not isinstance(module, ExpertLora)]  # those are target_parameters
-    decoder_only = lora_target_regex(layout, lora_modules)
+    decoder_only = lora_target_regex(layout, [name for name in lora_modules if f".{IMAGE_SIDE}." not in name])
     if decoder_only is not None:  # PEFT on the multimodal model: the decoder's modules, not the vision tower's
         config.target_modules = decoder_only
+    for key, value in peft_settings(model, layout.prefix + ".", config.target_modules, lora_modules).items():
+        setattr(config, key, value)  # a trained image side: its projector (modules_to_save), its tower's LoRA
     config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(out_dir)
     (out_dir / TRAINING_CONFIG).write_text(config_yaml)

@@ -17,6 +17,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.families import full_model_class, is_multimodal
+from qlora_fsdp.loading.image_side_training import IMAGE_SIDE
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,10 @@ class CheckpointLayout:
         return None
 
     def full_from_ours(self, key: str) -> str:
-        """Our model's name as the checkpoint's full model spells it (the adapter's names on disk)."""
+        """Our model's name as the checkpoint's full model spells it (the adapter's names on disk); a trained image
+        side's (loading/image_side_training.py) is the full model's base model's."""
+        if key.startswith(IMAGE_SIDE + "."):
+            return f"{self.prefix}.{key.removeprefix(IMAGE_SIDE + '.')}"
         if self.text_prefix is None or not key.startswith(self.decoder_prefix):
             return key
         return self.text_prefix + key.removeprefix(self.decoder_prefix)

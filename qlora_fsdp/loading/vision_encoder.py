@@ -26,6 +26,13 @@ from qlora_fsdp.layers.image_embeddings import VisionEncoder, attach_vision_enco
 from qlora_fsdp.loading.build import make_meta_linear4bit
 from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.fill import quantize, set_quant_state
+from qlora_fsdp.loading.image_side_training import (
+    attach_trained,
+    make_trainable,
+    projector_modules,
+    trains_image_side,
+    under,
+)
 from qlora_fsdp.loading.layout import CheckpointLayout, layout_from_transforms, meta_full_model
 from qlora_fsdp.loading.weight_files import stored_weight_tensors
 
@@ -210,16 +217,23 @@ def build_vision_encoder(cfg: Config, device: torch.device) -> VisionEncoder:
     layout = layout_from_transforms(meta_full_model(config))
     text_prefix = prefix + "language_model."
     read_image_side(base, prefix, Path(cfg.model.path), layout, text_prefix)
-    if cfg.quant.vision_tower == "auto":
-        quantize_linears(base, prefix, quantized_names(meta_full_model(config)), cfg, device)
-    base.to(device).eval().requires_grad_(False)
     family = IMAGE_FAMILIES[config.model_type]
+    if cfg.quant.vision_tower == "auto":
+        trained = [prefix + name for name in projector_modules(base, family)] if cfg.lora.train_projector else []
+        names = {name for name in quantized_names(meta_full_model(config)) if not under(name, trained)}
+        quantize_linears(base, prefix, names, cfg, device)
+    base.to(device).eval().requires_grad_(False)
+    if trains_image_side(cfg):
+        make_trainable(base, cfg, family)
     return VisionEncoder(base, image_token_id(config), dtype, family.both_ways_masks, family.grid_positions,
-                         family.cross_attention, int(getattr(config.vision_config, "max_num_tiles", 1)))
+                         family.cross_attention, int(getattr(config.vision_config, "max_num_tiles", 1)),
+                         trains=trains_image_side(cfg))
 
 
 def load_vision_encoder(model: nn.Module, cfg: Config, device: torch.device) -> VisionEncoder:
     """Build the checkpoint's image side and keep it beside `model` (the decoder that trains)."""
     encoder = build_vision_encoder(cfg, device)
     attach_vision_encoder(model, encoder)
+    if encoder.trains:
+        attach_trained(model, encoder.base)
     return encoder

@@ -26,8 +26,10 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.families import IMAGE_FAMILIES, check_images_supported
+from qlora_fsdp.loading.image_side_training import under
 from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.vision_encoder import quantized_names
+from qlora_fsdp.optimizer_registry import OPTIMIZERS
 from qlora_fsdp.plan.held import planning_model, quant_state_bytes
 
 ACTIVATIONS_PER_PATCH = 6  # hidden-sized tensors a vision layer keeps alive at once (norm, q, k, v, out, residual)
@@ -41,6 +43,7 @@ class ImageSide:
     images: int  # images a micro-batch passes
     tokens_per_image: int
     forward_flops: float = 0.0  # the tower and projector's forward over a micro-batch's images (an estimate)
+    trained: int = 0  # gradients and optimizer state of what trains on it (lora.train_projector, target_vision_tower)
 
 
 def full_config(cfg: Config) -> PretrainedConfig:
@@ -56,19 +59,46 @@ def image_side_modules(full: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def weight_bytes(config: PretrainedConfig, cfg: Config, full: nn.Module | None = None) -> int:
     """The image side's bytes: NF4 where transformers quantizes, the compute dtype elsewhere (the decoder and the
-    head are not the image side)."""
+    head are not the image side); what trains (lora.train_projector, lora.target_vision_tower's LoRA) in lora.dtype."""
     full = meta_full_model(config) if full is None else full
     quantized = quantized_names(full) if cfg.quant.vision_tower == "auto" else set()
-    itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
+    itemsize, trained_size = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize, TORCH_DTYPES[cfg.lora.dtype].itemsize
+    trained = projector_names(full, config) if cfg.lora.train_projector else []
     total = 0
     for name, module in image_side_modules(full):
         own = list(module.named_parameters(recurse=False))
+        if under(name, trained):
+            total += sum(p.numel() for _, p in own) * trained_size
+            continue
         if name in quantized and isinstance(module, nn.Linear):
             n = module.in_features * module.out_features
             total += n // 2 + quant_state_bytes(n, cfg.quant.blocksize, cfg.quant.double_quant)
             own = [(key, p) for key, p in own if key != "weight"]
         total += sum(p.numel() * itemsize for _, p in own)
-    return total
+    return total + tower_lora_elements(full, config, cfg) * trained_size
+
+
+def projector_names(full: nn.Module, config: PretrainedConfig) -> list[str]:
+    return [f"{full.base_model_prefix}.{name}" for name in IMAGE_FAMILIES[config.model_type].projector]
+
+
+def tower_lora_elements(full: nn.Module, config: PretrainedConfig, cfg: Config) -> int:
+    """LoRA's A and B on the vision tower's linears (lora.target_vision_tower)."""
+    if not cfg.lora.target_vision_tower:
+        return 0
+    projector = projector_names(full, config)
+    return sum(cfg.lora.r * (module.in_features + module.out_features) for name, module in image_side_modules(full)
+               if type(module) is nn.Linear and not under(name, projector))
+
+
+def trained_bytes(full: nn.Module, config: PretrainedConfig, cfg: Config) -> int:
+    """The gradients and optimizer state of what trains on the image side (whole on every rank)."""
+    projector = projector_names(full, config) if cfg.lora.train_projector else []
+    elements = tower_lora_elements(full, config, cfg) + sum(
+        p.numel() for name, module in image_side_modules(full) if under(name, projector)
+        for p in module.parameters(recurse=False))
+    itemsize = TORCH_DTYPES[cfg.lora.dtype].itemsize
+    return elements * itemsize + OPTIMIZERS[cfg.optim.name].state_bytes(elements, itemsize) if elements else 0
 
 
 def patches_per_image(config: PretrainedConfig, cfg: Config) -> int:
@@ -108,7 +138,8 @@ def image_side(cfg: Config) -> ImageSide | None:
         return None
     data, quant = cfg.data, cfg.quant
     key = (planning_model(cfg).model.path, data.images_per_row, data.micro_batch, data.context_length,
-           data.image_max_pixels, quant.compute_dtype, quant.blocksize, quant.double_quant, quant.vision_tower)
+           data.image_max_pixels, quant.compute_dtype, quant.blocksize, quant.double_quant, quant.vision_tower,
+           cfg.lora.train_projector, cfg.lora.target_vision_tower, cfg.lora.r, cfg.lora.dtype, cfg.optim.name)
     if key not in _SIDES:
         _SIDES[key] = side_of(cfg)
     return _SIDES[key]
@@ -133,7 +164,7 @@ def side_of(cfg: Config) -> ImageSide:
     masks = 2 * rows * length * length if both_ways else 0
     full = meta_full_model(config)
     return ImageSide(weight_bytes(config, cfg, full), forward, masks, images, per_token,
-                     images * image_flops(full, config, patches))
+                     images * image_flops(full, config, patches), trained_bytes(full, config, cfg))
 
 
 def image_flops(full: nn.Module, config: PretrainedConfig, patches: int) -> float:

@@ -177,6 +177,9 @@ def gpu_resident_rows(held: Held, cfg: Config) -> list[Row]:
     if side is not None:
         rows.append(Row("image side, whole on every rank: vision tower and projector (4-bit where transformers "
                         "makes them so)", side.weights, "exact"))
+        if side.trained:
+            rows.append(Row("its trained projector / tower LoRA: gradients and optimizer state", side.trained,
+                            "exact"))
     return rows
 
 

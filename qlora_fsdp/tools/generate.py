@@ -33,6 +33,7 @@ from qlora_fsdp.layers.image_embeddings import images_in_embeddings
 from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_hf_config, load_tokenizer
 from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.image_side_training import trains_image_side
 from qlora_fsdp.loading.sharding import uses_fsdp
 from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
 
@@ -139,6 +140,10 @@ def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None =
     note_unsharded_fallback(cfg, info)
     model = build_model(cfg, info, shard=True)  # unsharded where uses_fsdp says so (one process, no offload)
     tokenizer = load_tokenizer(cfg)
+    processor = None
+    if images or trains_image_side(cfg):  # a trained image side's weights are in the adapter: built first
+        processor = load_processor(cfg)
+        load_vision_encoder(model, cfg, info.device)
     if adapter_dir is not None:
         load_adapter_into(model, adapter_dir)
         if (adapter_dir / "tokenizer_config.json").is_file():  # the tokenizer the run used, saved with it
@@ -147,10 +152,6 @@ def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None =
     # PeftModel.generate calls the inner model's forward, past the FSDP root's hooks: make generate a forward of
     # the root, so embeddings, norm and head are gathered for it (a no-op for an unsharded model)
     register_fsdp_forward_method(model, "generate")
-    processor = None
-    if images:
-        processor = load_processor(cfg)
-        load_vision_encoder(model, cfg, info.device)
     return Generator(model, tokenizer, run_template(cfg.data, tokenizer), info, processor)
 
 

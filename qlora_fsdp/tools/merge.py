@@ -12,7 +12,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import bitsandbytes.functional as bnbf
 import torch
@@ -23,7 +23,7 @@ from transformers import AutoConfig
 from qlora_fsdp.config import Config, DType
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError
-from qlora_fsdp.families import quant_method
+from qlora_fsdp.families import is_multimodal, quant_method
 from qlora_fsdp.layers.expert_lora import expert_loras
 from qlora_fsdp.layers.experts4bit import LORA_SUFFIX, ExpertMatrix
 from qlora_fsdp.layers.lora_math import dora_magnitude, expert_delta, lora_scale
@@ -31,6 +31,7 @@ from qlora_fsdp.loading.adapter import adapter_file_key, read_adapter
 from qlora_fsdp.loading.build import build_meta_model
 from qlora_fsdp.loading.checkpoint import load_hf_config, model_dir
 from qlora_fsdp.loading.fill import base_targets, model_layout, model_shapes, quantize
+from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.names import PEFT_PREFIX, is_lora_tensor, weight_key
 from qlora_fsdp.loading.reader import CheckpointReader, Experts, FourBit, Piece
 from qlora_fsdp.precision import describe_device, resolve_dtypes
@@ -106,15 +107,41 @@ def adapter_updates(adapter_dir: Path, meta: nn.Module) -> AdapterUpdates:
                for name, lora in expert_loras(meta).items() if saved(f"{name}{LORA_SUFFIX}.lora_A")}
     replaced = {base_key(name): take(name) for name, param in meta.named_parameters()
                 if param.requires_grad and not is_lora_tensor(name) and saved(name)}
+    replaced.update(image_side_replaced(config, tensors))
     linear = {}
     for key in tensors:
         if key.endswith(".lora_A.weight"):
             module = key.removesuffix(".lora_A.weight")
             linear[module.removeprefix(PEFT_PREFIX) + ".weight"] = LoraDelta(
                 tensors[key], tensors[f"{module}.lora_B.weight"], scale, tensors.get(f"{module}.lora_magnitude_vector"))
+    lora_parts = (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector")
+    unknown = [key for key in tensors if not key.endswith(lora_parts)]
+    if unknown:  # never a merge that leaves out what the adapter trained
+        raise ModelLoadError(f"{adapter_dir}: the adapter has '{unknown[0]}', which is neither LoRA nor a module it "
+                             "names in modules_to_save; the merge does not know where it goes")
     if not (linear or experts or replaced):
         raise ModelLoadError(f"{adapter_dir} holds no LoRA weights")
     return AdapterUpdates(linear, experts, replaced)
+
+
+def rounded_tower(cfg: Config, updates: AdapterUpdates) -> set[str]:
+    """A vision-language checkpoint's tower weights that trained 4-bit under LoRA (full keys): merged into as the
+    4-bit model computed them, as the decoder's are. The tower's other weights stay as stored."""
+    from qlora_fsdp.loading.vision_encoder import checkpoint_config, quantized_names
+
+    config = checkpoint_config(cfg)
+    if cfg.quant.vision_tower != "auto" or not is_multimodal(config):
+        return set()
+    four_bit = {name + ".weight" for name in quantized_names(meta_full_model(config))}
+    return {key for key in updates.linear if key in four_bit and "language_model" not in key}
+
+
+def image_side_replaced(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language adapter's projector trained in full (its modules_to_save, named in the full model), taken
+    out of `tensors` by the full model's key."""
+    modules = [PEFT_PREFIX + name + "." for name in config.get("modules_to_save") or []]
+    keys = [key for key in tensors if ".lora_" not in key and key.startswith(tuple(modules))]
+    return {key.removeprefix(PEFT_PREFIX): tensors.pop(key) for key in keys}
 
 
 def updated_linear(updates: AdapterUpdates, full_key: str, weight: torch.Tensor) -> torch.Tensor:
@@ -226,10 +253,11 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     tmp.mkdir(parents=True)
     writer = ShardWriter(tmp, max_shard_bytes)
     shapes = model_shapes(targets, cfg)
+    tower = rounded_tower(cfg, updates)
     reader = CheckpointReader(model_dir(cfg.model.path), model_layout(meta), shapes, torch.device(device),
                               cfg.model.allow_pickle)
     for piece in reader.pieces():
-        for key, tensor in merged_tensors(piece, updates, experts, set(shapes.four_bit), cfg, device):
+        for key, tensor in merged_tensors(piece, updates, experts, set(shapes.four_bit) | tower, cfg, device):
             writer.add(key, tensor.to(device="cpu", dtype=TORCH_DTYPES[dtype]))
     for key in experts.merged:
         updates.experts.pop(key)
@@ -252,7 +280,7 @@ def merged_tensors(piece: Piece, updates: AdapterUpdates, experts: ExpertRoundin
     if isinstance(piece, FourBit):  # as trained: the stored 4-bit values, dequantized
         return [(piece.stored_key, updated_linear(updates, piece.full_key, piece.dequantized()))]
     weight = piece.tensor.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
-    if experts.rounding and piece.key in quantized:
+    if experts.rounding and (piece.key in quantized or piece.full_key in quantized):
         weight = as_trained(weight, cfg)
     return [(piece.stored_key, updated_linear(updates, piece.full_key, weight))]
 

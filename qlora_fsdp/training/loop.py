@@ -27,7 +27,7 @@ from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.losses.pairs import PairLoss
 from qlora_fsdp.precision import uses_loss_scaling
 from qlora_fsdp.training.checkpoints import Checkpointer
-from qlora_fsdp.training.grad_sync import set_gradient_sync
+from qlora_fsdp.training.grad_sync import set_gradient_sync, sum_replicated_gradients
 from qlora_fsdp.training.grpo_steps import GrpoSteps
 from qlora_fsdp.training.loss_scale import LossScaler
 from qlora_fsdp.training.metrics import MetricsLogger, StepWindow, memory_peaks_gib, reset_memory_peaks
@@ -241,6 +241,7 @@ class Trainer:
             result = accumulate_pairs(self.model, micro_batches, self.info.device, self.pair_loss, scale)
         else:
             result = accumulate_gradients(self.model, micro_batches, self.info.device, self.forward_loss, scale)
+        sum_replicated_gradients(self.model)  # a trained image side, whole on every rank
         self.scaler.unscale_(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
         lr = float(self.scheduler.get_last_lr()[0])  # torch types it float | Tensor; with a float lr it is a float

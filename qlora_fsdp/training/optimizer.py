@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -98,9 +98,26 @@ def build_scheduler(optimizer: ShardedOptimizer, optim: OptimConfig, total_steps
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
-    """Global L2 norm over all shards (DTensor reduces across ranks); clip in place if asked."""
+    """Global L2 norm over all shards (DTensor reduces across ranks); clip in place if asked. Tensors every rank
+    holds whole (a trained image side) count once, beside the shards."""
     params = [p for p in model.parameters() if p.grad is not None]
+    whole = [p for p in params if not isinstance(p, DTensor)]
+    if whole and len(whole) < len(params):
+        return clip_mixed(params, whole, max_norm)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return norm.item()
+
+
+def clip_mixed(params: list[nn.Parameter], whole: list[nn.Parameter], max_norm: float | None) -> float:
+    """The norm over sharded and whole gradients together, and both clipped by it (torch's coefficient)."""
+    sharded = [cast(torch.Tensor, p.grad) for p in params if isinstance(p, DTensor)]
+    shard_norm = torch.nn.utils.get_total_norm(sharded, foreach=True)
+    whole_norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in whole], foreach=True)
+    total = math.hypot(float(cast(DTensor, shard_norm).full_tensor()), float(whole_norm))
+    coefficient = min(1.0, max_norm / (total + 1e-6)) if max_norm is not None else 1.0
+    if coefficient < 1.0:
+        torch._foreach_mul_(sharded, coefficient)
+        torch._foreach_mul_([cast(torch.Tensor, p.grad) for p in whole], coefficient)
+    return total
