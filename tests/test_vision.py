@@ -246,22 +246,35 @@ def test_records_become_replies_only_labels_with_each_images_tokens(llava, tmp_p
 @pytest.mark.slow
 def test_train_py_learns_from_images_with_a_trained_image_side_and_merges_it(llava, tmp_path):
     """train.py on image records, 2 ranks, packed rows, the projector trained in full and LoRA on the vision tower
-    (gradient clipping on, a checkpoint saved): the held-out loss falls; the adapter loads with PEFT onto the
-    checkpoint's own class; the merged checkpoint computes what PEFT's 4-bit model with the adapter computes."""
+    (gradient clipping on, checkpoints saved): the held-out loss falls; a run stopped after a checkpoint and resumed
+    ends with the uninterrupted run's adapter, bit for bit; the adapter loads with PEFT onto the checkpoint's own
+    class; the merged checkpoint computes what PEFT's 4-bit model with the adapter computes."""
     from tests.helpers import run_cli
 
+    from safetensors.torch import load_file
+
     model_dir, data = llava
-    out = tmp_path / "run"
-    results = run_cli(["--recipe", "tiny_cpu", f"model.path={model_dir}", f"data.path={data}", "data.format=chat",
-                       "data.eval_samples=2", "data.micro_batch_size=2", "data.grad_accum_steps=1",
-                       "train.max_steps=30", "train.eval_every=0", "train.save_every=15", "optim.warmup_steps=0",
-                       "optim.max_grad_norm=1.0", "lora.train_projector=true", "lora.target_vision_tower=true",
-                       "model.dtype=float32", "quant.compute_dtype=float32",  # the merge is then held to fp32 PEFT
-                       "logging.plot=false", f"train.output_dir={out}"], 2, tmp_path)
+    out, stopped = tmp_path / "run", tmp_path / "stopped"
+    args = ["--recipe", "tiny_cpu", f"model.path={model_dir}", f"data.path={data}", "data.format=chat",
+            "data.eval_samples=2", "data.micro_batch_size=2", "data.grad_accum_steps=1", "train.max_steps=30",
+            "train.eval_every=0", "train.save_every=15", "optim.warmup_steps=0", "optim.max_grad_norm=1.0",
+            "lora.train_projector=true", "lora.target_vision_tower=true",
+            "model.dtype=float32", "quant.compute_dtype=float32",  # the merge is then held to fp32 PEFT
+            "logging.plot=false"]
+    results = run_cli([*args, f"train.output_dir={out}"], 2, tmp_path)
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
     summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     print(f"LLaVA on images: held-out loss {summary['eval_loss_start']:.3f} -> {summary['eval_loss_end']:.3f}")
     assert summary["eval_loss_end"] < 0.8 * summary["eval_loss_start"]
+    # stopped at step 20 (after the checkpoint of step 15) and resumed: the adapter of the uninterrupted run, exactly
+    halted = run_cli([*args, f"train.output_dir={stopped}"], 2, tmp_path, faults=(("user_error_at_step", (20, None)),))
+    assert [r.returncode for r in halted] == [2, 2]
+    resumed = run_cli([*args, f"train.output_dir={stopped}", "--resume"], 2, tmp_path)
+    assert [r.returncode for r in resumed] == [0, 0] and "resumed from" in resumed[0].stdout, resumed[0].stderr[-2000:]
+    uninterrupted = load_file(out / "adapter" / "adapter_model.safetensors")
+    again = load_file(stopped / "adapter" / "adapter_model.safetensors")
+    assert uninterrupted.keys() == again.keys() and any("vision_tower" in key for key in again)
+    assert all(torch.equal(again[key], value) for key, value in uninterrupted.items())
     merged_reply_and_generation(model_dir, out / "adapter", data, tmp_path, ["model.multi_modal_projector", "lm_head"])
 
 
