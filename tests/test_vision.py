@@ -249,9 +249,9 @@ def test_train_py_learns_from_images_with_a_trained_image_side_and_merges_it(lla
     (gradient clipping on, checkpoints saved): the held-out loss falls; a run stopped after a checkpoint and resumed
     ends with the uninterrupted run's adapter, bit for bit; the adapter loads with PEFT onto the checkpoint's own
     class; the merged checkpoint computes what PEFT's 4-bit model with the adapter computes."""
-    from tests.helpers import run_cli
-
     from safetensors.torch import load_file
+
+    from tests.helpers import run_cli
 
     model_dir, data = llava
     out, stopped = tmp_path / "run", tmp_path / "stopped"
