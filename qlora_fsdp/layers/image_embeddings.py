@@ -2,11 +2,14 @@
 loading/vision_encoder.py) turns a micro-batch's pixels into features, and the input embeddings at its image tokens
 are replaced by them, as the family's own forward does (`masked_scatter` after the token embedding, a scaled one
 included), with a forward hook on the embedding for the one forward that needs it. The decoder is training's
-sharded one and never sees pixels.
+sharded one and never sees pixels. What a family adds is handed to the decoder's forward by hooks here: Gemma 3's
+both-ways masks, Qwen-VL's grid positions (image_positions.py), Qwen3-VL's deepstack features, and Llama 3.2
+Vision's cross-attention inputs (cross_attention_images.py), which replace the embedding path for that family.
 
-The image side is frozen and replicated on every rank rather than sharded by FSDP2: it holds no collectives, so
-ranks whose micro-batches differ in images (one text-only, one with three images) never wait on each other. It is
-kept beside the model, not as a submodule, so FSDP2 never wraps it.
+The image side is replicated on every rank rather than sharded by FSDP2: it holds no collectives, so ranks whose
+micro-batches differ in images (one text-only, one with three images) never wait on each other. Frozen, it is kept
+beside the model, not as a submodule; trained, it is registered under the causal LM after sharding
+(loading/image_side_training.py), which FSDP2 then leaves alone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from torch import nn
 
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.layers.attention import sample_bounds
+from qlora_fsdp.layers.cross_attention_images import cross_attention_inputs
+from qlora_fsdp.layers.image_positions import GridPositions
 
 
 @dataclass
@@ -100,7 +105,9 @@ def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | Non
     """Within the block, the model's forward embeds `vision`'s images at their tokens (nothing without images)."""
     attached = _ENCODERS.get(model)
     if attached is not None and attached.cross_attention:  # every micro-batch, with images or not (FSDP's gathers)
-        with cross_attention_inputs(model, attached, vision, device):
+        states = attached.features(vision, device).features if vision is not None else None
+        tiles = vision["aspect_ratio_mask"].sum(-1).tolist() if vision is not None else []
+        with cross_attention_inputs(decoder_model(model), attached.image_token_id, attached.max_tiles, states, tiles):
             yield
         return
     if vision is None:
@@ -125,7 +132,7 @@ def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | Non
         decoder = decoder_model(model)
         handles.append(decoder.register_forward_pre_hook(partial(image_blocks, encoder), with_kwargs=True))
     if encoder.grid_positions:
-        positions = GridPositions(encoder, vision["image_grid_thw"])
+        positions = GridPositions(encoder.base, encoder.image_token_id, vision["image_grid_thw"])
         handles.append(decoder_model(model).register_forward_pre_hook(positions, with_kwargs=True))
     if encoded.deepstack is not None:
         deepstack = partial(deepstack_inputs, encoder.image_token_id, encoded.deepstack)
@@ -194,69 +201,6 @@ def block_diagonal(per_sample: list[dict[str, torch.Tensor | None]], bounds: lis
     return out
 
 
-class GridPositions:
-    """For a family with rotary positions over three axes (Qwen-VL): the decoder's image tokens get the positions
-    of their place in the image's grid, computed by the family's own `get_rope_index` one sample at a time (packed
-    rows keep each sample's own), and the text after an image goes on from there. Generation's new tokens go on
-    from the prompt's last position, as the family's `generate` does."""
-
-    def __init__(self, encoder: VisionEncoder, grids: torch.Tensor) -> None:
-        self.encoder, self.grids = encoder, grids
-        self.deltas: torch.Tensor | None = None  # per row: the last position minus the tokens, after a prompt
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
-        if ids is None:
-            return None
-        if not bool((ids == self.encoder.image_token_id).any()):
-            return None if self.deltas is None else (args, {**kwargs, "position_ids": self.shifted(kwargs, ids)})
-        if positions is None:  # padded rows, one sample each: transformers' own call, padding left out
-            found, self.deltas = self.rope_index(ids, self.grids.to(ids.device), kwargs.get("attention_mask"))
-            return args, {**kwargs, "position_ids": found}
-        return args, {**kwargs, "position_ids": self.per_sample(ids, positions, kwargs.get("sample_bounds"))}
-
-    def rope_index(self, ids: torch.Tensor, grids: torch.Tensor,
-                   padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        kinds = (ids == self.encoder.image_token_id).int()  # transformers' mm_token_type_ids: 1 at an image's tokens
-        found, deltas = self.encoder.base.get_rope_index(ids, kinds, image_grid_thw=grids, attention_mask=padding)
-        return found, deltas
-
-    def per_sample(self, ids: torch.Tensor, positions: torch.Tensor, bounds: Any) -> torch.Tensor:
-        """[text, temporal, height, width] rows: the text row as given, the others each sample's own."""
-        out, grids, used = positions.clone(), self.grids.to(ids.device), 0
-        deltas = torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
-        for row in range(ids.shape[0]):
-            for start, end in bounds[row] if bounds else sample_bounds(positions[0, row]):
-                sample = ids[row : row + 1, start:end]
-                n_images = image_count(sample[0], self.encoder.image_token_id)
-                if n_images:
-                    found, delta = self.rope_index(sample, grids[used : used + n_images])
-                    out[1:, row, start:end], deltas[row] = found[:, 0], delta[0]
-                    used += n_images
-        self.deltas = deltas
-        return out
-
-    def shifted(self, kwargs: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
-        """A decoding step's positions: its text positions moved by its row's delta, on the three axes."""
-        assert self.deltas is not None
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            cache = kwargs.get("past_key_values")
-            seen = cache.get_seq_length() if cache is not None else 0
-            text = torch.arange(seen, seen + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        else:
-            text = positions[0] if positions.ndim == 3 else positions
-        moved = (text + self.deltas.to(text.device)).unsqueeze(0).expand(3, -1, -1)
-        return torch.cat([text.unsqueeze(0), moved])
-
-
-def image_count(ids: torch.Tensor, image_token_id: int) -> int:
-    """How many images a sample's ids hold: the runs of image tokens."""
-    marks = (ids == image_token_id).int()
-    return int((marks[1:] > marks[:-1]).sum()) + int(marks[0])
-
-
 def deepstack_inputs(image_token_id: int, deepstack: list[torch.Tensor], module: nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Qwen3-VL's decoder adds the vision tower's intermediate features to the image tokens' hidden states after
@@ -265,115 +209,3 @@ def deepstack_inputs(image_token_id: int, deepstack: list[torch.Tensor], module:
     if ids is None or not bool((ids == image_token_id).any()):
         return None
     return args, {**kwargs, "visual_pos_masks": ids == image_token_id, "deepstack_visual_embeds": deepstack}
-
-
-@contextmanager
-def cross_attention_inputs(model: nn.Module, encoder: VisionEncoder, vision: dict[str, torch.Tensor] | None,
-                           device: torch.device) -> Iterator[None]:
-    """Within the block, the decoder's cross-attention layers read the micro-batch's images (CrossAttentionInputs)."""
-    states = encoder.features(vision, device).features if vision is not None else None
-    tiles = vision["aspect_ratio_mask"].sum(-1).tolist() if vision is not None else []
-    hook = CrossAttentionInputs(encoder.image_token_id, states, tiles, encoder.max_tiles)
-    handle = decoder_model(model).register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-class CrossAttentionInputs:
-    """Llama 3.2 Vision's cross-attention inputs for a micro-batch, as each sample alone gets them from transformers:
-    a text token reads the images of its own sample from its image's token on (the processor's own rule, tiles past
-    an image's own masked), and a token before its sample's first image reads all of that sample's image states
-    evenly with the layer's MLP masked out (what transformers' masks make of a row with nothing to read). A
-    text-only sample skips the layers in transformers; here every row has a zero state first (its key and value are
-    zero, so a token reading only it adds nothing), so the layers run on every rank whatever its images, and FSDP2's
-    gathers stay matched. Decoding steps read the prompt's cached states as its last token did."""
-
-    def __init__(self, image_token_id: int, states: torch.Tensor | None, tiles: list[int], max_tiles: int) -> None:
-        self.image_token_id, self.states, self.tiles, self.max_tiles = image_token_id, states, tiles, max_tiles
-        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # the prompt's last token's mask and MLP flag
-        self.used = 0  # images of the micro-batch taken by the rows so far
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
-        if ids is None:
-            return None
-        if self.last is not None and cache is not None and cache.get_seq_length() > 0:  # a decoding step
-            mask, flag = (part[:, :, -1:].expand(-1, -1, ids.shape[1], -1) for part in self.last)
-            return args, {**kwargs, "cross_attention_mask": mask, "full_text_row_masked_out_mask": flag}
-        positions = kwargs.get("position_ids")
-        bounds = kwargs.get("sample_bounds") or getattr(positions, "sample_bounds", None)
-        if bounds is None:
-            bounds = ([sample_bounds(row) for row in positions] if positions is not None
-                      else [[(0, ids.shape[1])]] * ids.shape[0])
-        self.used = 0
-        embeddings = cast(Any, module).get_input_embeddings().weight
-        states, mask, flag = batch_of([self.row(ids[row], bounds[row]) for row in range(ids.shape[0])],
-                                      int(cast(Any, module).config.hidden_size), embeddings.dtype)
-        self.last = (mask, flag)
-        return args, {**kwargs, "cross_attention_states": states, "cross_attention_mask": mask,
-                      "full_text_row_masked_out_mask": flag}
-
-    def row(self, ids: torch.Tensor, bounds: list[tuple[int, int]]) -> CrossRow:
-        """One row's image states and, per token, which of [zero state, those states] it reads."""
-        pieces: list[torch.Tensor] = []
-        allowed = torch.zeros(ids.shape[0], 1, dtype=torch.bool, device=ids.device)
-        allowed[:, 0] = True  # the zero state, for text-only samples
-        flag = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-        for start, end in bounds:
-            reads, sample_flag, states = self.sample(ids[start:end])
-            if states is None:
-                continue
-            allowed[start:end, 0] = False
-            before = sum(piece.shape[0] for piece in pieces)
-            allowed = torch.cat([allowed, allowed.new_zeros(ids.shape[0], states.shape[0])], dim=1)
-            allowed[start:end, 1 + before :] = reads
-            flag[start:end] = sample_flag
-            pieces.append(states)
-        return CrossRow(torch.cat(pieces) if pieces else None, allowed, flag)
-
-    def sample(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A sample's image states [its images x tiles x patches, hidden], which of them each token reads (the
-        processor's rule), and which tokens have any to read (None states: a text-only sample)."""
-        from transformers.models.mllama.processing_mllama import (
-            convert_sparse_cross_attention_mask_to_dense,
-            get_cross_attention_token_mask,
-        )
-
-        n_images = int((ids == self.image_token_id).sum())
-        if n_images == 0 or self.states is None:
-            return ids.new_zeros(0), ids.new_zeros(0), None
-        taken = range(self.used, self.used + n_images)
-        self.used += n_images
-        sparse = get_cross_attention_token_mask(ids.tolist(), self.image_token_id)
-        dense = convert_sparse_cross_attention_mask_to_dense([sparse], [[self.tiles[i] for i in taken]],
-                                                             self.max_tiles, ids.shape[0])[0]
-        patches = self.states.shape[1] // self.max_tiles
-        reads = torch.from_numpy(dense).to(ids.device).bool().repeat_interleave(patches, dim=-1).flatten(1)
-        flag = reads.any(-1)
-        reads[~flag] = True  # nothing to read yet: all of its sample's states, evenly, as transformers' masks make it
-        return reads, flag, self.states[list(taken)].flatten(0, 1)
-
-
-@dataclass
-class CrossRow:
-    states: torch.Tensor | None  # [keys, hidden] of the row's images (None: text only)
-    reads: torch.Tensor  # [tokens, 1 + keys]: which keys each token reads (the first: the zero state)
-    flag: torch.Tensor  # [tokens]: whose cross-attention MLP counts (it had images to read)
-
-
-def batch_of(rows: list[CrossRow], hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows' inputs as the cross-attention layers take them: states [rows, 1 + keys, hidden] (zeros first and
-    where a row has fewer keys), a boolean mask [rows, 1, tokens, 1 + keys] and the MLP's flag [rows, 1, tokens, 1]."""
-    width = max(row.reads.shape[1] for row in rows)
-    device = rows[0].reads.device
-    states = torch.zeros(len(rows), width, hidden, dtype=dtype, device=device)
-    mask = torch.zeros(len(rows), 1, rows[0].reads.shape[0], width, dtype=torch.bool, device=device)
-    for index, row in enumerate(rows):
-        if row.states is not None:
-            states[index, 1 : 1 + row.states.shape[0]] = row.states.to(dtype)
-        mask[index, 0, :, : row.reads.shape[1]] = row.reads
-    flag = torch.stack([row.flag for row in rows])[:, None, :, None].to(dtype)
-    return states, mask, flag
