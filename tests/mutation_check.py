@@ -224,7 +224,7 @@ MUTATIONS = [
     Mutation("a trained image side's gradients not summed over the ranks (each rank steps on its own)",
              "qlora_fsdp/training/grad_sync.py", "    if not params:\n        return\n",
              "    if True:\n        return\n",
-             "tests/test_vision.py::test_a_trained_projector_and_tower_lora_equal_peft_at_world_sizes_1_and_2"),
+             "tests/test_vision.py::test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2[llava]"),
     Mutation("merge adds the tower's LoRA to its stored weights, not the 4-bit ones it trained on",
              "qlora_fsdp/tools/merge.py", '    return {key for key in updates.linear if key in four_bit and '
              '"language_model" not in key}\n', "    return set()\n",

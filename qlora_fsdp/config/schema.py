@@ -59,8 +59,10 @@ class LoraConfig:
     target_experts: bool = False
     train_router: bool = False  # mixtures of experts: the routers trained in full (see target_experts)
     # a vision-language checkpoint with images in the data: its projector trained in full (kept unquantized, in
-    # lora.dtype; saved as PEFT's modules_to_save), and LoRA (this section's r and alpha) on its vision tower's linears
+    # lora.dtype; saved as PEFT's modules_to_save)
     train_projector: bool = False
+    # a vision-language checkpoint with images in the data: LoRA (this section's r and alpha) on its vision tower's
+    # linears, 4-bit or not
     target_vision_tower: bool = False
     dtype: DType = "float32"  # trainable weights; fp32 keeps small updates from rounding away
     # q/k/v and gate/up, which read the same input: one cast of it and one matmul by their A matrices stacked
