@@ -29,6 +29,9 @@ POLICIES = [
     ("every 2nd layer", {"mode": "every_nth", "every_n": 2}),
     ("first and last 1", {"mode": "first_last", "first_last": 1}),
     ("explicit list [1]", {"mode": "layers", "layers": [1]}),
+    ("MLP in 7-token tiles, every layer checkpointed", {"mode": "every_layer", "mlp_tile_tokens": 7}),
+    ("MLP in 7-token tiles, MLP checkpointed", {"mode": "every_layer", "scope": "mlp", "mlp_tile_tokens": 7}),
+    ("MLP in 7-token tiles, nothing checkpointed", {"mode": "off", "mlp_tile_tokens": 7}),
 ]
 
 

@@ -102,6 +102,9 @@ class ActivationCheckpointingConfig:
     # cheap element-wise ops are recomputed (torch's selective checkpointing)
     scope: CheckpointScope = "layer"
     offload: bool = False  # what checkpointing keeps (each layer's input) waits in host memory until backward
+    # every layer's MLP runs over the row in tiles of this many tokens, in forward and in backward (0: whole rows):
+    # its intermediate tensors, a layer's largest, then exist for one tile at a time (long rows)
+    mlp_tile_tokens: int = 0
 
     def wraps(self, index: int, n_layers: int) -> bool:
         """Whether decoder layer `index` (of `n_layers`) is checkpointed."""

@@ -58,15 +58,22 @@ def validate(config: Config) -> Config:
     _validate_preference(config)
     _validate_grpo(config)
     _validate_compile(config)
-    checkpointing = config.activation_checkpointing
-    if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
-        raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
-                          f"of 0-based layer indices, got {checkpointing.layers}")
+    _validate_checkpointing(config)
     if config.train.log_every < 1:
         raise ConfigError(f"'train.log_every' must be 1 (every step) or more, got {config.train.log_every}")
     if config.train.save_every < 0:
         raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")
     return config
+
+
+def _validate_checkpointing(config: Config) -> None:
+    checkpointing = config.activation_checkpointing
+    if checkpointing.mlp_tile_tokens < 0:
+        raise ConfigError(f"'activation_checkpointing.mlp_tile_tokens' must be 0 (whole rows) or more, got "
+                          f"{checkpointing.mlp_tile_tokens}")
+    if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
+        raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
+                          f"of 0-based layer indices, got {checkpointing.layers}")
 
 
 def _validate_preference(config: Config) -> None:

@@ -15,6 +15,8 @@ from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.families import attention_needs
 from qlora_fsdp.layers.attention import resolve_attention
 from qlora_fsdp.layers.checkpointing import apply_activation_checkpointing, layer_slots
+from qlora_fsdp.layers.decoder import decoder_layers
+from qlora_fsdp.layers.tiled_mlp import tile_mlps
 from qlora_fsdp.loading.build import build_meta_model
 
 
@@ -74,6 +76,8 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
     several_a_row = cfg.data.packing or cfg.train.objective in PAIR_OBJECTIVES
     attention = resolve_attention(cfg.model.attn_implementation, several_a_row, device_type, attention_needs(hf_config))
     model = build_meta_model(cfg, hf_config, attention)
+    if cfg.activation_checkpointing.mlp_tile_tokens:
+        tile_mlps(decoder_layers(model), cfg.activation_checkpointing.mlp_tile_tokens, cfg.lora.dropout)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if shard and uses_fsdp(cfg.fsdp, mesh.size()):
         shard_model(model, cfg.fsdp, mesh)
