@@ -26,7 +26,7 @@ class TiledForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], tile: int, x: torch.Tensor,
                 *params: torch.Tensor) -> torch.Tensor:
-        ctx.run, ctx.tile, ctx.n_params = run, tile, len(params)
+        ctx.run, ctx.tile = run, tile  # the weights are found again in backward, on the module, in this order
         ctx.save_for_backward(x)
         with torch.no_grad():
             return torch.cat([run(part) for part in x.detach().split(tile, dim=-2)], dim=-2)
