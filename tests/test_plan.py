@@ -292,3 +292,20 @@ def test_generations_kv_cache_is_what_transformers_generate_keeps():
                    for t in (layer.keys, layer.values))
         token = rows * 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4
         assert kv_cache_bytes(config, rows, prompt + new - 1, 4) == held + sliding_layers * token
+
+
+def test_long_rows_are_offered_the_tiled_mlp():
+    """A recipe with rows longer than 8,192 tokens, its MLP whole and no LoRA dropout, gets the tiled MLP among the
+    levers tried for a misfit; short rows, an MLP already tiled and LoRA dropout do not."""
+    import dataclasses
+
+    from qlora_fsdp.plan.levers import memory_levers
+
+    def offered(cfg) -> bool:
+        return any("activation_checkpointing.mlp_tile_tokens" in values for _, values in memory_levers(cfg))
+
+    long = load_config("llama3_8b_1x4090_long", ["activation_checkpointing.mlp_tile_tokens=0"])
+    assert offered(long)
+    assert not offered(load_config("llama3_8b_1x4090_long"))  # already tiled
+    assert not offered(dataclasses.replace(long, data=dataclasses.replace(long.data, context_length=4096)))
+    assert not offered(dataclasses.replace(long, lora=dataclasses.replace(long.lora, dropout=0.05)))

@@ -15,6 +15,9 @@ from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 # selective checkpointing scopes, least recompute first: element-wise ops only, then attention (about a fifth of a
 # Llama layer's matmul FLOPs), then the MLP, then the whole layer
 SCOPES_BY_RECOMPUTE = ("ops", "attention", "mlp", "layer")
+# rows longer than this get the tiled MLP offered (below it the MLP's intermediates are not what limits a row);
+# 4,096-token tiles planned the same as 1,024-token ones at 81,920 and 98,304 tokens (docs/benchmarks/memory.md)
+LONG_ROW, MLP_TILE = 8192, 4096
 
 
 def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
@@ -26,6 +29,10 @@ def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
     if policy.mode != "off" and not policy.offload:  # copies that overlap compute; nothing recomputed
         changes.append(("activation_checkpointing.offload=true (what checkpointing keeps waits in host memory)",
                         {"activation_checkpointing.offload": True}))
+    if not policy.mlp_tile_tokens and cfg.data.context_length > LONG_ROW and not cfg.lora.dropout:
+        changes.append((f"activation_checkpointing.mlp_tile_tokens={MLP_TILE} (the MLP over the row {MLP_TILE:,} "
+                        "tokens at a time; its forward runs once more)",
+                        {"activation_checkpointing.mlp_tile_tokens": MLP_TILE}))
     current = SCOPES_BY_RECOMPUTE.index(policy.scope) if policy.mode == "every_layer" else -1
     for scope in SCOPES_BY_RECOMPUTE[current + 1:]:
         what = "every layer" if scope == "layer" else f"{'element-wise ops' if scope == 'ops' else scope} only"
