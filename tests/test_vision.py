@@ -384,8 +384,6 @@ def test_images_for_a_family_not_checked_yet_are_refused_in_one_line(tmp_path):
 def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_path):
     """--plan counts the image side from the meta model (NF4 where transformers quantizes, its statistics, the rest
     in the compute dtype): the very bytes the built encoder holds."""
-    import bitsandbytes as bnb
-
     from qlora_fsdp.loading.vision_encoder import build_vision_encoder
     from qlora_fsdp.plan.image_side import full_config, image_side, weight_bytes
 
@@ -393,18 +391,25 @@ def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_pat
     budget = {"image_max_pixels": 56 * 56} if family.startswith("qwen") else {}
     cfg = vision_config(model_dir, data, tmp_path / "out", images_per_row=2, **budget)
     base = build_vision_encoder(cfg, torch.device("cpu")).base
+    assert weight_bytes(full_config(cfg), cfg) == held_bytes(base)
+    side = image_side(cfg)
+    assert side is not None and side.images == 2 * cfg.data.micro_batch and (side.masks > 0) == (family == "gemma3")
+    assert_pixel_budget(family, cfg, side.tokens_per_image)
+    assert_unquantized_tower(cfg, data)
+    assert_trained_side_bytes(cfg)
+
+
+def held_bytes(base: torch.nn.Module) -> int:
+    """What a built image side holds: its parameters, and each 4-bit layer's quantization statistics."""
+    import bitsandbytes as bnb
+
     held = sum(p.numel() * p.element_size() for p in base.parameters())
     for module in base.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             state = module.quant_state
             parts = [state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset]
             held += sum(t.numel() * t.element_size() for t in parts)
-    assert weight_bytes(full_config(cfg), cfg) == held
-    side = image_side(cfg)
-    assert side is not None and side.images == 2 * cfg.data.micro_batch and (side.masks > 0) == (family == "gemma3")
-    assert_pixel_budget(family, cfg, side.tokens_per_image)
-    assert_unquantized_tower(cfg, data)
-    assert_trained_side_bytes(cfg)
+    return held
 
 
 def assert_trained_side_bytes(cfg) -> None:
@@ -413,21 +418,13 @@ def assert_trained_side_bytes(cfg) -> None:
     tensors that train."""
     import dataclasses
 
-    import bitsandbytes as bnb
-
     from qlora_fsdp.loading.vision_encoder import build_vision_encoder
     from qlora_fsdp.optimizer_registry import OPTIMIZERS
     from qlora_fsdp.plan.image_side import full_config, side_of, weight_bytes
 
     cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, train_projector=True, target_vision_tower=True))
     base = build_vision_encoder(cfg, torch.device("cpu")).base
-    held = sum(p.numel() * p.element_size() for p in base.parameters())
-    for module in base.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            state = module.quant_state
-            parts = [state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset]
-            held += sum(t.numel() * t.element_size() for t in parts)
-    assert weight_bytes(full_config(cfg), cfg) == held
+    assert weight_bytes(full_config(cfg), cfg) == held_bytes(base)
     trained = [p for p in base.parameters() if p.requires_grad]
     lora = [p for name, p in base.named_parameters() if ".lora_" in name]
     assert len(lora) >= 8 and len(trained) > len(lora)  # the tower's LoRA and the projector
