@@ -71,6 +71,9 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     if trains_image_side(cfg) and not isinstance(data, ImageData):
         raise ConfigError("lora.train_projector / lora.target_vision_tower train a vision-language checkpoint's "
                           "image side: the data's records show no images (image parts, or an `images` column)")
+    if isinstance(data, ImageData) and cfg.fsdp.context_parallel > 1:
+        raise ConfigError(f"'fsdp.context_parallel: {cfg.fsdp.context_parallel}' with images: an image's tokens "
+                          "split over ranks are not built yet; use fsdp.context_parallel: 1")
     model = build_model(cfg, info)
     if isinstance(data, ImageData):  # the image side, frozen, beside the sharded decoder on every rank
         load_vision_encoder(model, cfg, info.device)

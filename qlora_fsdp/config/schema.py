@@ -82,6 +82,9 @@ class FSDPConfig:
     # None: shard over all ranks; n: HSDP, shard within groups of n ranks (a node), replicate across the groups,
     # so the parameter all-gathers stay on the fast local links
     shard_size: int | None = None
+    # context parallel: every row split over this many ranks (consecutive: the GPUs of a node), attention traded
+    # across the split (Ulysses), so one rank holds 1/n of a row's activations; 1: whole rows a rank
+    context_parallel: int = 1
 
 
 CheckpointedLayers = Literal["every_layer", "every_nth", "first_last", "layers", "off"]

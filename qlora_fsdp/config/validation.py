@@ -32,6 +32,7 @@ def validate(config: Config) -> Config:
         "data.effective_batch_tokens": config.data.effective_batch_tokens,
         "optim.lr_base_batch": config.optim.lr_base_batch,
         "fsdp.shard_size": config.fsdp.shard_size,
+        "fsdp.context_parallel": config.fsdp.context_parallel,
     }
     positive.update({key: value for key, value in optional_positive.items() if value is not None})
     for key, value in positive.items():
@@ -59,6 +60,7 @@ def validate(config: Config) -> Config:
     _validate_grpo(config)
     _validate_compile(config)
     _validate_checkpointing(config)
+    _validate_context_parallel(config)
     if config.train.log_every < 1:
         raise ConfigError(f"'train.log_every' must be 1 (every step) or more, got {config.train.log_every}")
     if config.train.save_every < 0:
@@ -74,6 +76,22 @@ def _validate_checkpointing(config: Config) -> None:
     if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
         raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
                           f"of 0-based layer indices, got {checkpointing.layers}")
+
+
+def _validate_context_parallel(config: Config) -> None:
+    degree = config.fsdp.context_parallel
+    if degree == 1:
+        return
+    if config.train.objective != "sft":
+        raise ConfigError(f"'fsdp.context_parallel: {degree}' trains train.objective sft only (a pair's or a "
+                          f"group's per-sample sums across the split are not built yet), got "
+                          f"{config.train.objective!r}; use fsdp.context_parallel: 1")
+    if config.model.attn_implementation not in ("auto", "sdpa_varlen"):
+        raise ConfigError(f"'fsdp.context_parallel: {degree}' runs the per-sample kernel between its all-to-alls, "
+                          f"not {config.model.attn_implementation!r}; use model.attn_implementation: auto")
+    if config.hardware.gpus_per_node % degree:
+        raise ConfigError(f"'fsdp.context_parallel: {degree}' does not divide hardware.gpus_per_node "
+                          f"{config.hardware.gpus_per_node}: a row is split over the GPUs of one node")
 
 
 def _validate_preference(config: Config) -> None:

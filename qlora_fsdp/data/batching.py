@@ -83,9 +83,13 @@ class Batch:
         return self.sample_targets
 
     def sample_of_each_target(self) -> torch.Tensor:
+        return self.position_samples()[self.target_positions]
+
+    def position_samples(self) -> torch.Tensor:
+        """Every flat position's sample in the batch (target_samples()' numbering)."""
         rows, width = self.input_ids.shape
         if self.segments is None or self.row_samples is None:
-            return self.target_positions // width
+            return torch.arange(rows * width) // width
         owner = torch.empty(rows * width, dtype=torch.long)
         first = 0  # index of the row's first sample
         for row, (lengths, n) in enumerate(zip(self.segments, self.row_samples, strict=True)):
@@ -93,7 +97,7 @@ class Batch:
             ids = torch.arange(first, first + len(lengths)).clamp(max=max(first + n - 1, 0))
             owner[row * width : (row + 1) * width] = torch.repeat_interleave(ids, torch.tensor(lengths))
             first += n
-        return owner[self.target_positions]
+        return owner
 
     def real_tokens(self) -> torch.Tensor:
         """1 at every token of a sample, 0 at padding (a padded row's tail, a packed row's), in the rows' shape."""

@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.families import CAUSAL_ONLY, AttentionNeeds
+from qlora_fsdp.layers.split_rows import own_head_kwargs, trade_of
 
 VARLEN_SDPA = "sdpa_varlen"
 # the name transformers knows it by: one containing "sdpa" would make transformers refuse it for the families it
@@ -123,7 +124,24 @@ def attach_sample_bounds(position_ids: torch.Tensor, bounds: list[list[tuple[int
 def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                         **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function interface: [batch, heads, tokens, dim] in, [batch, tokens, heads, dim] out."""
+    """transformers' attention-function interface: [batch, heads, tokens, dim] in, [batch, tokens, heads, dim] out.
+    Under context parallel (a HeadTrade on the module), the row's parts are traded for heads around it."""
+    trade = trade_of(module)
+    if trade is None:
+        return per_sample_attention(query, key, value, attention_mask, scaling, dropout, **kwargs), None
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and not (kwargs.get("sample_bounds") or hasattr(position_ids, "sample_bounds")):
+        raise RuntimeError("context parallel attention needs the whole row's sample bounds on the position ids "
+                           "(its own part's positions cannot tell where the other parts' samples start)")
+    out = per_sample_attention(trade.whole_row(query), trade.whole_row(key), trade.whole_row(value), attention_mask,
+                               scaling, dropout, **own_head_kwargs(trade, kwargs))
+    return trade.own_part(out.transpose(1, 2)).transpose(1, 2).contiguous(), None
+
+
+def per_sample_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, scaling: float | None, dropout: float,
+                         **kwargs: Any) -> torch.Tensor:
+    """Each sample's attention on its own (the bounds from the position ids), [batch, tokens, heads, dim] out."""
     if dropout:
         raise RuntimeError(f"{VARLEN_SDPA} has no attention dropout; use sdpa or eager")
     options = AttentionOptions.from_kwargs(kwargs)
@@ -132,12 +150,12 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
             raise RuntimeError(f"{VARLEN_SDPA} reads a given mask only for plain attention")
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
-        return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous()
     if query.shape[2] != key.shape[2]:
         raise RuntimeError(f"{VARLEN_SDPA} is for training and evaluation (no KV cache); generate with sdpa")
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.shape[0] != query.shape[0]:  # one sample a row (padded, or alone)
-        return family_attention(query, key, value, scaling, options).transpose(1, 2).contiguous(), None
+        return family_attention(query, key, value, scaling, options).transpose(1, 2).contiguous()
     bounds = (kwargs.get("sample_bounds") or getattr(position_ids, "sample_bounds", None)
               or [sample_bounds(row) for row in position_ids])
     rows = []
@@ -146,7 +164,7 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
                                   value[row : row + 1, :, start:end], scaling, options)
                  for start, end in row_bounds]
         rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows).transpose(1, 2).contiguous(), None
+    return torch.cat(rows).transpose(1, 2).contiguous()
 
 
 # registered once, at import: transformers looks the name up in every attention layer's forward. It is

@@ -10,12 +10,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from transformers import PretrainedConfig
 
 from qlora_fsdp.config import PAIR_OBJECTIVES, Config, FSDPConfig
+from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.families import attention_needs
-from qlora_fsdp.layers.attention import resolve_attention
+from qlora_fsdp.layers.attention import VARLEN_SDPA, resolve_attention
 from qlora_fsdp.layers.checkpointing import apply_activation_checkpointing, layer_slots
 from qlora_fsdp.layers.decoder import decoder_layers
+from qlora_fsdp.layers.split_rows import HeadTrade, split_attention
 from qlora_fsdp.layers.tiled_mlp import tile_mlps
 from qlora_fsdp.loading.build import build_meta_model
 
@@ -75,7 +77,13 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
     # a preference pair's two sequences share a row: several samples a row, as packing puts them
     several_a_row = cfg.data.packing or cfg.train.objective in PAIR_OBJECTIVES
     attention = resolve_attention(cfg.model.attn_implementation, several_a_row, device_type, attention_needs(hf_config))
+    split = row_split(cfg.fsdp.context_parallel)
+    if split.splits:  # the per-sample kernel is the one that trades the row's parts for heads around it
+        attention = VARLEN_SDPA
     model = build_meta_model(cfg, hf_config, attention)
+    if split.splits:
+        assert split.group is not None, "a split has its group"
+        split_attention(decoder_layers(model), hf_config, HeadTrade(split.group, split.degree, split.index))
     if cfg.activation_checkpointing.mlp_tile_tokens:
         tile_mlps(decoder_layers(model), cfg.activation_checkpointing.mlp_tile_tokens, cfg.lora.dropout)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)

@@ -21,7 +21,10 @@ from qlora_fsdp.data.batching import Batch, Sample, StepSampler, collate, collat
 from qlora_fsdp.data.images import ImageData
 from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.data.prompts import PromptData
+from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row
+from qlora_fsdp.data.templates import IGNORE_INDEX
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sum, all_reduce_sums
+from qlora_fsdp.distributed.row_groups import RowSplit, row_split
 from qlora_fsdp.errors import TrainingStopped
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.losses.pairs import PairLoss
@@ -76,24 +79,36 @@ def accumulate_pairs(model: nn.Module, micro_batches: list[Batch], device: torch
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")  # held-out batches vary in shape: compiled layers would recompile
 def evaluate(model: nn.Module, samples: list[Sample], batch_size: int, pad_id: int, info: DistInfo,
-             forward_loss: ForwardLoss | None = None) -> float:
-    """Token-weighted held-out loss over all ranks; every rank runs the same number of forwards."""
-    mine = sorted(samples, key=lambda s: len(s.input_ids))[info.rank :: info.world_size]  # alike lengths batch up
-    n_batches = math.ceil(math.ceil(len(samples) / info.world_size) / batch_size)
+             forward_loss: ForwardLoss | None = None, split: RowSplit | None = None) -> float:
+    """Token-weighted held-out loss over all ranks; every rank runs the same number of forwards. Under context
+    parallel the ranks sharing rows take the same samples, each its part of them."""
+    split = split or RowSplit(1, 0, info.rank, info.world_size)
+    # alike lengths batch up
+    mine = sorted(samples, key=lambda s: len(s.input_ids))[split.data_rank :: split.data_ranks]
+    n_batches = math.ceil(math.ceil(len(samples) / split.data_ranks) / batch_size)
     was_training = model.training
     model.eval()
     total, n_targets = 0.0, 0
     for index in range(n_batches):
         chunk = mine[index * batch_size : (index + 1) * batch_size]
         if chunk:
-            batch = collate(chunk, pad_id)
+            batch = eval_batch(chunk, pad_id, split)
             total += (forward_loss or ForwardLoss())(model, batch, info.device).item()
             n_targets += batch.n_targets
+        elif split.splits:  # a row of padding, split alike, keeps the collectives in step
+            filler = Sample([pad_id] * split.degree, [IGNORE_INDEX] * split.degree)
+            (forward_loss or ForwardLoss())(model, eval_batch([filler], pad_id, split), info.device)
         else:  # keep the collectives in step with ranks that still have samples
             model(input_ids=torch.tensor([[pad_id]], device=info.device))
     model.train(was_training)
     summed, targets = all_reduce_sums([total, n_targets], info.device)
     return summed / max(targets, 1.0)
+
+
+def eval_batch(samples: list[Sample], pad_id: int, split: RowSplit) -> Batch:
+    if not split.splits:
+        return collate(samples, pad_id)
+    return shard_row(one_row_per_sample(samples, pad_id), split.degree, split.index, pad_id)
 
 
 def eval_record(loss: float) -> dict[str, float]:
@@ -109,8 +124,9 @@ class Trainer:
         self.cfg, self.info, self.model, self.data, self.pad_id = cfg, info, model, data, pad_id
         self.optimizer, self.scheduler, self.logger, self.checkpointer = optimizer, scheduler, logger, checkpointer
         grouped = cfg.data.group_by_length or data.packs is not None
+        self.split = row_split(cfg.fsdp.context_parallel)  # the ranks sharing a row take the same units
         self.sampler = StepSampler(data.n_units, cfg.data.micro_batch, cfg.data.grad_accum_steps,
-                                   info.world_size, info.rank, cfg.train.seed,
+                                   self.split.data_ranks, self.split.data_rank, cfg.train.seed,
                                    lengths=data.unit_lengths() if grouped else None)
         self.eval_samples = data.samples(data.eval, list(range(len(data.eval))))
         self.step, self.skipped_steps, self.bad_in_a_row = 0, 0, 0
@@ -184,7 +200,7 @@ class Trainer:
             return evaluate_pairs(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
                                   self.info, self.pair_loss, references)
         return eval_record(evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
-                                    self.info, self.forward_loss))
+                                    self.info, self.forward_loss, self.split))
 
     def precomputes_reference(self) -> bool:
         """DPO with preference.reference precomputed, or auto and a run that sees every training pair."""
@@ -211,7 +227,14 @@ class Trainer:
         return batch
 
     def micro_batches(self) -> list[Batch]:
-        """This rank's micro-batches for the next step: padded samples, or packed rows."""
+        """This rank's micro-batches for the next step: padded samples, or packed rows; under context parallel,
+        this rank's part of them."""
+        batches = self.whole_micro_batches()
+        if not self.split.splits:
+            return batches
+        return [shard_row(batch, self.split.degree, self.split.index, self.pad_id) for batch in batches]
+
+    def whole_micro_batches(self) -> list[Batch]:
         data = self.data
         if self.pair_loss is not None:  # a pair a row, its two sequences side by side, or packed rows of pairs
             if data.packs is None:
@@ -222,7 +245,8 @@ class Trainer:
                                     [data.samples(data.train, packs[u]) for u in units], self.cfg.data.context_length)
                     for units in self.sampler.next_step()]
         if data.packs is None:
-            return [collate(data.samples(data.train, units), self.pad_id) for units in self.sampler.next_step()]
+            lay_out = one_row_per_sample if self.split.splits else collate
+            return [lay_out(data.samples(data.train, units), self.pad_id) for units in self.sampler.next_step()]
         # rows padded to the context length: every step has one shape, so compiled layers never recompile (the
         # rows are nearly full anyway: 99.6% in benchmarks/training_speed.py)
         length = self.cfg.data.context_length

@@ -1,0 +1,71 @@
+"""Context parallel (fsdp.context_parallel): a row split over two ranks equals the same row on one rank, loss and
+every LoRA gradient, packed (samples crossing the split) and padded, with accumulation; for Llama, Qwen3 and
+gpt-oss (sliding windows, attention sinks and a mixture of experts in one family)."""
+
+from __future__ import annotations
+
+import pytest
+
+from qlora_fsdp.data.batching import collate, collate_packed
+from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row
+from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.tools.tiny_model import train_tokenizer
+from qlora_fsdp.training.loop import accumulate_gradients
+from tests.families import write_family_model
+from tests.helpers import (
+    REPO,
+    build_tiny_checkpoint,
+    full_grads,
+    relative_difference,
+    run_ranks_sequence,
+    tiny_config,
+    variable_length_samples,
+)
+
+PAD = 2
+FAMILIES = ("llama", "qwen3", "gpt_oss")
+
+
+def whole_batches(samples, packed):
+    """Two micro-batches (accumulation): packed rows of three samples, or a sample a row, padded."""
+    halves = [samples[:6], samples[6:12]]
+    if packed:
+        return [collate_packed([half[i:i + 3] for i in range(0, 6, 3)], PAD) for half in halves]
+    return [collate(half, PAD) for half in halves]
+
+
+def split_batches(samples, packed, index):
+    """The same micro-batches as this rank's part of them."""
+    if packed:
+        return [shard_row(batch, 2, index, PAD) for batch in whole_batches(samples, packed)]
+    return [shard_row(one_row_per_sample(half, PAD), 2, index, PAD) for half in (samples[:6], samples[6:12])]
+
+
+def loss_and_grads(info, cfg, samples, packed):
+    model = build_model(cfg, info)
+    batches = whole_batches(samples, packed) if info.world_size == 1 else split_batches(samples, packed, info.rank)
+    result = accumulate_gradients(model, batches, info.device, ForwardLoss(cfg.loss.chunk_tokens))
+    return {"loss": result.loss, "targets": result.n_targets, "tokens": result.n_tokens, "grads": full_grads(model)}
+
+
+@pytest.mark.slow  # gloo ranks
+def test_a_row_split_over_two_ranks_equals_it_whole(tmp_path):
+    setups, calls = [], {1: [], 2: []}
+    tokenizer = train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512)
+    for family in FAMILIES:
+        model_dir = (build_tiny_checkpoint(tmp_path / family, family=family) if family != "gpt_oss"
+                     else write_family_model(tmp_path / family, family, tokenizer))
+        cfg = tiny_config(model_dir)
+        samples = variable_length_samples(cfg, 12)
+        for packed in (True, False):
+            setups.append((family, packed))
+            for world_size in (1, 2):
+                split_cfg = tiny_config(model_dir, fsdp={"context_parallel": world_size})
+                calls[world_size].append((loss_and_grads, (split_cfg, samples, packed)))
+    whole = run_ranks_sequence(calls[1], 1, tmp_path / "ws1")
+    split = run_ranks_sequence(calls[2], 2, tmp_path / "ws2")
+    for setup, one, two in zip(setups, whole, split, strict=True):
+        assert (two["targets"], two["tokens"]) == (one["targets"], one["tokens"]), setup
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), setup
+        assert relative_difference(two["grads"], one["grads"]) <= 1e-5, setup
