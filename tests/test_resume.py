@@ -211,6 +211,24 @@ def test_cpu_offload_run_stopped_and_resumed_equals_the_run_without_offload(tiny
 
 
 @pytest.mark.slow
+def test_context_parallel_run_stopped_and_resumed_equals_the_data_parallel_run(tiny_model_dir, tmp_path, reference):
+    """Every row split over the two ranks (fsdp.context_parallel: 2; micro-batches of 4 rows, the 2 + 2 the
+    reference's ranks take apart), stopped by an error on every rank at a random step and resumed: the per-step
+    losses and final adapter of the uninterrupted data-parallel run, held-out losses included."""
+    out = tmp_path / "run"
+    args = recipe_args(tiny_model_dir, out, "fsdp.context_parallel=2", "data.micro_batch_size=4")
+    stop_at = random.Random().randint(3, MAX_STEPS - 2)  # after the first checkpoint (step 2), before the end
+    stopped = run_cli(args, 2, tmp_path, faults=(("user_error_at_step", (stop_at, None)),))
+    assert [r.returncode for r in stopped] == [2, 2], stopped[0].stderr[-3000:]
+    resumed = finished(run_cli([*args, "--resume"], 2, tmp_path))
+    assert "resumed from" in resumed.stdout, f"stopped at step {stop_at}"
+    assert_same_run(out, reference)
+    # held out: the same samples, batched per group of ranks rather than per rank (sums in another order)
+    held_out = [{r["step"]: r["eval_loss"] for r in records(run) if "eval_loss" in r} for run in (out, reference)]
+    assert held_out[0] == pytest.approx(held_out[1], rel=1e-6) and sorted(held_out[0]) == [0, 5, 10]
+
+
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path):
     once = tmp_path / "once"  # one process: the skip decision rests on global values, alike on every rank
     finished(run_cli(recipe_args(tiny_model_dir, once, "train.log_every=4"), 1, tmp_path,

@@ -89,9 +89,6 @@ def _validate_context_parallel(config: Config) -> None:
     if config.model.attn_implementation not in ("auto", "sdpa_varlen"):
         raise ConfigError(f"'fsdp.context_parallel: {degree}' runs the per-sample kernel between its all-to-alls, "
                           f"not {config.model.attn_implementation!r}; use model.attn_implementation: auto")
-    if config.hardware.gpus_per_node % degree:
-        raise ConfigError(f"'fsdp.context_parallel: {degree}' does not divide hardware.gpus_per_node "
-                          f"{config.hardware.gpus_per_node}: a row is split over the GPUs of one node")
 
 
 def _validate_preference(config: Config) -> None:
