@@ -309,3 +309,19 @@ def test_long_rows_are_offered_the_tiled_mlp():
     assert not offered(load_config("llama3_8b_1x4090_long"))  # already tiled
     assert not offered(dataclasses.replace(long, data=dataclasses.replace(long.data, context_length=4096)))
     assert not offered(dataclasses.replace(long, lora=dataclasses.replace(long.lora, dropout=0.05)))
+
+
+def test_long_rows_on_several_gpus_are_offered_context_parallel():
+    """Rows longer than 8,192 tokens on a node of 2 GPUs get the split over both offered; one GPU, short rows,
+    rows already split over the node, or an objective the split does not train do not."""
+    from qlora_fsdp.plan.levers import memory_levers
+
+    def offered(recipe: str, *overrides: str) -> bool:
+        cfg = load_config(recipe, list(overrides))
+        return any(values == {"fsdp.context_parallel": 2} for _, values in memory_levers(cfg))
+
+    assert offered("llama70b_2x4090_long")
+    assert not offered("llama3_8b_1x4090_long")  # one GPU
+    assert not offered("llama70b_2x4090_long", "data.context_length=8192")
+    assert not offered("llama70b_2x4090_long", "fsdp.context_parallel=2")
+    assert not offered("llama70b_2x4090_dpo", "data.context_length=16384")

@@ -66,12 +66,18 @@ def scaled_lr(cfg: Config, batch: int) -> float:
     return optim.lr * (ratio if optim.lr_scaling == "linear" else math.sqrt(ratio))
 
 
+def row_takers(cfg: Config, world_size: int) -> int:
+    """Ranks (or, under context parallel, groups of ranks sharing each row) that take rows of their own."""
+    return max(1, world_size // cfg.fsdp.context_parallel)
+
+
 def resolve_batch(cfg: Config, world_size: int, fits: Callable[[int], bool] | None = None) -> Config:
     """A concrete copy of `cfg`: an integer micro-batch, the accumulation steps that reach the effective
     batch, and the scaled lr. The targets and the scaling are then dropped (effective batch null, lr_scaling
     none), so a saved config loads back as it is and is never scaled twice."""
     target = effective_rows(cfg)
     data = cfg.data
+    world_size = row_takers(cfg, world_size)
     if target is None:
         micro, accum = data.micro_batch_size, data.grad_accum_steps
         assert micro != "auto", "the loader refuses micro_batch_size auto without an effective batch to size it"
@@ -89,9 +95,12 @@ def resolve_batch(cfg: Config, world_size: int, fits: Callable[[int], bool] | No
 def describe_batch(before: Config, after: Config, world_size: int) -> str:
     """One line saying what was chosen and why, for the run log and the plan."""
     data = after.data
-    rows = data.micro_batch_size * data.grad_accum_steps * world_size
+    takers, degree = row_takers(after, world_size), after.fsdp.context_parallel
+    rows = data.micro_batch_size * data.grad_accum_steps * takers
     how = " (auto: the largest that fits)" if before.data.micro_batch_size == "auto" else ""
-    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    ranks = f"{takers} rank{'s' if takers > 1 else ''}"
+    if degree > 1:
+        ranks = f"{takers} group{'s' if takers > 1 else ''} of {degree} ranks splitting each row"
     line = (f"batch: micro-batch {data.micro_batch_size}{how} x {data.grad_accum_steps} accumulation steps x {ranks} "
             f"= {rows} rows a step (at most {rows * data.context_length:,} tokens)")
     if after.train.objective == "grpo":  # a row is a prompt; its completions are the update's rows

@@ -34,6 +34,7 @@ from transformers import PretrainedConfig
 
 from qlora_fsdp.config import PAIR_OBJECTIVES, CheckpointedLayers, Config
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
+from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.layers.experts4bit import shaped_quant_state
@@ -102,6 +103,9 @@ def synthetic_batches(cfg: Config) -> list[Batch]:
     else:
         shorter = Sample(sample.input_ids[:-1], sample.labels[:-1])
         batch = collate([sample] * (rows - 1) + [shorter if rows > 1 else sample], pad_id=0)
+    if cfg.fsdp.context_parallel > 1:  # the first part of each row, as rank 0 of a split holds it
+        whole = batch if batch.position_ids is not None else one_row_per_sample([sample] * rows, pad_id=0)
+        batch = shard_row(whole, cfg.fsdp.context_parallel, 0, pad_id=0)
     return [batch] * min(cfg.data.grad_accum_steps, MICRO_BATCHES)
 
 

@@ -7,7 +7,7 @@ import copy
 from torch.distributed.device_mesh import DeviceMesh
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.plan.held import Held, meta_held
 from qlora_fsdp.plan.memory import GIB, Plan, gpu_spec, plan
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
@@ -33,6 +33,10 @@ def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
         changes.append((f"activation_checkpointing.mlp_tile_tokens={MLP_TILE} (the MLP over the row {MLP_TILE:,} "
                         "tokens at a time; its forward runs once more)",
                         {"activation_checkpointing.mlp_tile_tokens": MLP_TILE}))
+    if splits_rows_further(cfg):
+        node = cfg.hardware.gpus_per_node
+        changes.append((f"fsdp.context_parallel={node} (each row split over the {node} GPUs of a node; rows a step "
+                        f"/ {node // cfg.fsdp.context_parallel})", {"fsdp.context_parallel": node}))
     current = SCOPES_BY_RECOMPUTE.index(policy.scope) if policy.mode == "every_layer" else -1
     for scope in SCOPES_BY_RECOMPUTE[current + 1:]:
         what = "every layer" if scope == "layer" else f"{'element-wise ops' if scope == 'ops' else scope} only"
@@ -40,6 +44,14 @@ def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
                         f"(recomputes {what})", {"activation_checkpointing.mode": "every_layer",
                                                  "activation_checkpointing.scope": scope}))
     return changes
+
+
+def splits_rows_further(cfg: Config) -> bool:
+    """Long rows of an objective context parallel trains, on a node whose GPUs do not all share each row yet."""
+    return (cfg.data.context_length > LONG_ROW and cfg.train.objective == "sft"
+            and cfg.model.attn_implementation in ("auto", "sdpa_varlen")
+            and cfg.hardware.gpus_per_node > cfg.fsdp.context_parallel
+            and cfg.hardware.gpus_per_node % cfg.fsdp.context_parallel == 0)
 
 
 def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, Config]]:
@@ -88,7 +100,8 @@ def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bo
         same_shapes = changed.lora.r == cfg.lora.r  # only the rank changes what is allocated
         try:
             result = plan(changed, held if same_shapes else meta_held(changed, mesh))
-        except ConfigError:  # a lever this architecture lacks (a sub-layer scope it has no module for)
+        except (ConfigError, ModelLoadError):  # a lever this architecture lacks (a sub-layer scope it has no module
+            # for, heads that do not divide over a split row)
             continue
         if result.fits:
             found.append(f"{label}: {result.gpu_total / GIB:.1f} GiB a GPU{time_cost(cfg, base, changed, result)}")

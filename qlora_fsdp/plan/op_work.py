@@ -16,6 +16,7 @@ from typing import Any
 
 import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
@@ -25,6 +26,7 @@ DEQUANTIZE_4BIT = torch.ops.bitsandbytes.dequantize_4bit.default
 ALL_GATHER = torch.ops.c10d._allgather_base_.default
 REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default
 ALL_GATHER_COPY_IN = torch.ops.fsdp.all_gather_copy_in.default
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default  # context parallel's trades around attention
 # a dequantized 4-bit weight: half a byte read and two written an element (bf16/fp16; the absmax is 1/64 of that)
 DEQUANT_BYTES_PER_ELEMENT = 2.5
 CPU_ATTENTION = {
@@ -49,6 +51,7 @@ class Work:
     dequant_elements: float = 0.0  # 4-bit weight elements dequantized
     gather_bytes: float = 0.0  # all-gather: received (and sent) by this rank
     scatter_bytes: float = 0.0  # reduce-scatter: sent (and received) by this rank
+    trade_bytes: float = 0.0  # context parallel's all-to-alls: sent (and received) by this rank; attention waits
     to_gpu_bytes: float = 0.0  # host -> GPU: offloaded shards to gather, offloaded activations brought back
     to_host_bytes: float = 0.0  # GPU -> host: offloaded gradient shards, activations saved for backward
     optimizer_bytes: float = 0.0  # read and written by the optimizer's update
@@ -155,6 +158,9 @@ def op_work(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, 
     if func is REDUCE_SCATTER:
         output, full = args[0], args[1]
         return Work(scatter_bytes=nbytes(full) - nbytes(output), to_host_bytes=nbytes(output) if offload else 0)
+    if func is ALL_TO_ALL:  # the part a rank keeps of its own tensor never crosses a link
+        ranks = dist.distributed_c10d._resolve_process_group(args[3]).size()
+        return Work(trade_bytes=nbytes(args[0]) * (ranks - 1) / ranks)
     if func._overloadpacket in flop_registry and "attention" not in str(func._overloadpacket):
         flops = float(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
         return matmul(flops, memory_traffic(func, args, kwargs, out))

@@ -104,6 +104,10 @@ def part_time(part: str, work: Work, rates: Rates, offload: bool) -> StepTime:
         time.total = max(busy, link) + min(busy, link) / work.layers
     else:
         time.total = busy + link
+    # context parallel's all-to-alls: attention needs their output at once, so nothing overlaps them
+    trades = work.trade_bytes / (rates.nvlink or rates.pcie)
+    time.collectives += trades
+    time.total += trades
     time.exposed = time.total - busy
     return time
 

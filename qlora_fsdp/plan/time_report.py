@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from qlora_fsdp.config import Config
+from qlora_fsdp.plan.batch_size import row_takers
 from qlora_fsdp.plan.fake_step import plans_reference_forward, update_rows
 from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time
 from qlora_fsdp.plan.hardware import GPU
@@ -55,7 +56,8 @@ def kept_logps_seconds(cfg: Config, step: StepMemory) -> float:
 
 def step_tokens(cfg: Config) -> int:
     """Tokens a step trains on at full rows (packed rows, or the longest row of a padded batch)."""
-    return update_rows(cfg) * cfg.data.context_length * cfg.data.grad_accum_steps * cfg.hardware.world_size
+    return (update_rows(cfg) * cfg.data.context_length * cfg.data.grad_accum_steps
+            * row_takers(cfg, cfg.hardware.world_size))
 
 
 def dataset_records(cfg: Config) -> int | None:
@@ -74,7 +76,7 @@ def epoch_line(cfg: Config, step_seconds: float) -> str:
     records = dataset_records(cfg)
     if records is None:
         return "one epoch: set data.records (and, with packing, data.mean_record_tokens) to see its time"
-    rows_per_step = cfg.data.micro_batch * cfg.data.grad_accum_steps * cfg.hardware.world_size
+    rows_per_step = cfg.data.micro_batch * cfg.data.grad_accum_steps * row_takers(cfg, cfg.hardware.world_size)
     if cfg.train.objective == "grpo":  # a record is a prompt; a generation serves num_iterations steps
         steps = math.ceil(records / rows_per_step) * cfg.grpo.num_iterations
         return f"one epoch of {records:,} prompts: {steps:,} steps, {hours(steps * step_seconds)}"
@@ -118,7 +120,7 @@ def mfu_words(cfg: Config, held: Held, flops_per_token: int) -> tuple[float, str
     active = ", N the active parameters" if held.active_parameters < held.base_parameters else ""
     if cfg.train.objective != "grpo":
         return trained, f"{flops_per_token}N FLOP a token{active}"
-    generated = (cfg.data.micro_batch * cfg.data.grad_accum_steps * cfg.hardware.world_size
+    generated = (cfg.data.micro_batch * cfg.data.grad_accum_steps * row_takers(cfg, cfg.hardware.world_size)
                  * cfg.grpo.num_generations * cfg.grpo.max_completion_length)
     words = f"{flops_per_token}N FLOP a token, 2N a generated one{active}"
     return trained + generated * 2 * held.active_parameters, words
