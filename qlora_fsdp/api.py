@@ -16,6 +16,7 @@ from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.data.pipeline import Dataset, load_dataset
 from qlora_fsdp.data.prompts import PromptData, load_prompt_data
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
+from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.layers.decoder import describe_attention
 from qlora_fsdp.loading.adapter import export_adapter
@@ -58,6 +59,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     rewards = resolve_rewards(cfg.grpo) if cfg.train.objective == "grpo" else []  # an unknown one: before loading
     info = info or init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes,
                                     first_collective_timeout_s=cfg.train.first_collective_timeout_s)
+    row_split(cfg.fsdp.context_parallel)  # context parallel's groups, or one line now (too few ranks)
     device = describe_device(info.device)
     written, cfg = cfg, resolve_dtypes(cfg, device)  # saved with checkpoints and adapter: what the run computed in
     out_dir = Path(cfg.train.output_dir)

@@ -349,6 +349,18 @@ def data_pixel_budget_upside_down(d: Path, model: Path) -> list[str]:
     return ["data.image_min_pixels=1003520", "data.image_max_pixels=3136"]
 
 
+@bad_input(r"'fsdp\.context_parallel: 2' needs 2 ranks: launch with torchrun --nproc_per_node 2")
+def context_parallel_without_the_ranks(d: Path, model: Path) -> list[str]:
+    """Rows split over two GPUs, launched as one process (plain python instead of torchrun)."""
+    return ["fsdp.context_parallel=2"]
+
+
+@bad_input(r"'fsdp\.context_parallel: 2' trains train\.objective sft only .*got 'dpo'; use fsdp\.context_parallel: 1")
+def context_parallel_with_preference_pairs(d: Path, model: Path) -> list[str]:
+    """Rows split over two GPUs for DPO."""
+    return ["fsdp.context_parallel=2", "train.objective=dpo"]
+
+
 # --- model folders ---------------------------------------------------------------------------------------------
 @bad_input(r"no_config has no config\.json: not a Hugging Face checkpoint folder")
 def model_without_config(d: Path, model: Path) -> list[str]:

@@ -180,11 +180,12 @@ def test_mfu_counts_6n_flops_a_token_and_8n_with_dpos_reference_forward():
 
 @pytest.mark.slow
 def test_recipes_no_peer_has_plan_fits_within_their_host_budgets(recipe_plans):
-    """A 70B on one 24 GB GPU in 64 GiB of host RAM; a 70B on two at 16k tokens or more in 128 GiB; an 8B on one
-    at more than Unsloth's published 78,475 tokens (its MLP tiled); a 32B on Kaggle's two 16 GB T4s (15 GiB usable)
-    in 29 GiB, in float16 (no bf16 on a T4)."""
+    """A 70B on one 24 GB GPU in 64 GiB of host RAM; a 70B on two at 48k tokens or more in 128 GiB (each row split
+    over both); an 8B on one at more than Unsloth's published 78,475 tokens (its MLP tiled), and on two at 192k or
+    more in 64 GiB; a 32B on Kaggle's two 16 GB T4s (15 GiB usable) in 29 GiB, in float16 (no bf16 on a T4)."""
     expected = {"llama70b_1x4090": (1, 2048, 64, 24, "bfloat16"),
-                "llama70b_2x4090_long": (2, 16384, 128, 24, "bfloat16"),
+                "llama70b_2x4090_long": (2, 49152, 128, 24, "bfloat16"),  # each row split over both GPUs
+                "llama3_8b_2x4090_long": (2, 196608, 64, 24, "bfloat16"),  # likewise
                 "llama3_8b_1x4090_long": (1, 78476, 32, 24, "bfloat16"),
                 "qwen2.5_32b_2xt4": (2, 2048, 29, 15, "float16")}
     for name, (world, min_context, host_budget, gpu_gib, dtype) in expected.items():
@@ -320,8 +321,8 @@ def test_long_rows_on_several_gpus_are_offered_context_parallel():
         cfg = load_config(recipe, list(overrides))
         return any(values == {"fsdp.context_parallel": 2} for _, values in memory_levers(cfg))
 
-    assert offered("llama70b_2x4090_long")
+    assert offered("llama70b_2x4090_long", "fsdp.context_parallel=1")
     assert not offered("llama3_8b_1x4090_long")  # one GPU
-    assert not offered("llama70b_2x4090_long", "data.context_length=8192")
-    assert not offered("llama70b_2x4090_long", "fsdp.context_parallel=2")
+    assert not offered("llama70b_2x4090_long", "fsdp.context_parallel=1", "data.context_length=8192")
+    assert not offered("llama70b_2x4090_long")  # split already
     assert not offered("llama70b_2x4090_dpo", "data.context_length=16384")

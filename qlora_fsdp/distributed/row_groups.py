@@ -25,23 +25,24 @@ class RowSplit:
         return self.degree > 1
 
 
-_made: dict[tuple[int, int], RowSplit] = {}  # per process group and degree: new_group must run once on every rank
+# per process group and degree (new_group must run once on every rank); the key holds the group itself, so a later
+# group cannot take a destroyed one's id
+_made: dict[tuple[object, int], RowSplit] = {}
 
 
 def row_split(degree: int) -> RowSplit:
     """This rank's RowSplit for rows split over `degree` ranks, making the groups the first time (every rank calls
     this in the same order: new_group is a collective). Without a process group, or degree 1: no split."""
-    if degree <= 1 or not dist.is_initialized():
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        if degree > 1:
-            raise ConfigError(f"'fsdp.context_parallel: {degree}' needs {degree} ranks: launch with torchrun "
-                              f"--nproc_per_node {degree}")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if degree <= 1:
         return RowSplit(1, 0, rank, world)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < degree:
+        raise ConfigError(f"'fsdp.context_parallel: {degree}' needs {degree} ranks: launch with torchrun "
+                          f"--nproc_per_node {degree}")
     if world % degree:
         raise ConfigError(f"'fsdp.context_parallel: {degree}' does not divide the {world} ranks: use a divisor "
                           "(the GPUs of one node)")
-    key = (id(dist.group.WORLD), degree)
+    key = (dist.group.WORLD, degree)
     if key not in _made:
         groups = [dist.new_group(list(range(start, start + degree))) for start in range(0, world, degree)]
         _made.clear()  # an earlier (destroyed) process group's groups are of no use

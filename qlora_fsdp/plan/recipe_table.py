@@ -39,6 +39,8 @@ def setting_words(cfg: Config) -> str:
         words.append("CPU offload")
     if cfg.activation_checkpointing.offload:
         words.append("activation offload")
+    if cfg.fsdp.context_parallel > 1:
+        words.append(f"each row split over {cfg.fsdp.context_parallel} GPUs")
     if cfg.hardware.nodes > 1 and cfg.fsdp.shard_size:
         words.append(f"HSDP (shards over {cfg.fsdp.shard_size})")
     if cfg.data.images_per_row:
