@@ -5,10 +5,12 @@ For three small Llama architectures (config.json only, seeded random weights), e
 offload (off, on): the plan's peak of live tensor bytes on rank 0 of a fake world of 2 (training's step on fake
 tensors under torch's FSDP2 memory tracker, as `--plan` measures it) against the peak the same tracker counts
 when the very same step runs on real tensors. NF4 base, LoRA r=16 on every linear, paged 8-bit AdamW, packed
-bf16 rows (tiny_cpu's training setup). The last line is the ratio farthest from 1.
+bf16 rows (tiny_cpu's training setup). Then, at every scale, the long-row levers on the chunked loss with every
+layer checkpointed: the MLP in tiles, the row split over both ranks (context parallel), and both. The last line is
+the ratio farthest from 1.
 
-    python -m benchmarks.planner_memory                  # 36 configurations, about 6 minutes on 2 CPU cores
-    python -m benchmarks.planner_memory --scales small   # 12 of them, under a minute
+    python -m benchmarks.planner_memory                  # 45 configurations, about 8 minutes on 2 CPU cores
+    python -m benchmarks.planner_memory --scales small   # 15 of them, about a minute
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ CHECKPOINTING = {"every layer": ["activation_checkpointing.mode=every_layer"],
                  "selective (ops)": ["activation_checkpointing.mode=every_layer", "activation_checkpointing.scope=ops"],
                  "none": ["activation_checkpointing.mode='off'"]}
 OFFLOAD = {"off": ["activation_checkpointing.offload=false"], "on": ["activation_checkpointing.offload=true"]}
+TILES = ["activation_checkpointing.mlp_tile_tokens=256"]
+SPLIT = ["fsdp.context_parallel=2"]
+LONG_ROW_LEVERS = {"MLP in 256-token tiles": TILES, "row split over 2 ranks": SPLIT, "both": TILES + SPLIT}
 
 
 def config(model_dir: Path, scale: Scale, overrides: list[str]) -> Config:
@@ -69,15 +74,17 @@ def config(model_dir: Path, scale: Scale, overrides: list[str]) -> Config:
                                     f"data.grad_accum_steps={scale.accumulation}", *overrides])
 
 
-def row(name: str, scale: Scale, model_dir: Path, choice: tuple[str, str, str], info: DistInfo) -> float:
+def row(name: str, scale: Scale, model_dir: Path, choice: tuple[str, str, str], info: DistInfo,
+        lever: str = "") -> float:
     loss, checkpointing, offload = choice
-    cfg = config(model_dir, scale, LOSSES[loss] + CHECKPOINTING[checkpointing] + OFFLOAD[offload])
+    cfg = config(model_dir, scale,
+                 LOSSES[loss] + CHECKPOINTING[checkpointing] + OFFLOAD[offload] + LONG_ROW_LEVERS.get(lever, []))
     planned = recipe_step(cfg).peak
     measured = measured_step(cfg, info).peak
     gc.collect()
     ratio = planned / measured
-    print(f"| {name}: {scale} | {loss} | {checkpointing} | {offload} | {planned / MIB:,.1f} | {measured / MIB:,.1f} "
-          f"| {ratio:.4f} |", flush=True)
+    print(f"| {name}: {scale} | {loss} | {checkpointing} | {offload} | {lever or 'none'} | {planned / MIB:,.1f} "
+          f"| {measured / MIB:,.1f} | {ratio:.4f} |", flush=True)
     return ratio
 
 
@@ -88,8 +95,8 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     info = init_fake_distributed(2, torch.device("cpu"))
     started = time.perf_counter()
-    print("| scale | loss | checkpointing | activation offload | planned peak MiB | measured peak MiB | ratio |\n"
-          "| --- | --- | --- | --- | ---: | ---: | ---: |")
+    print("| scale | loss | checkpointing | activation offload | long-row lever | planned peak MiB | measured peak MiB "
+          "| ratio |\n| --- | --- | --- | --- | --- | ---: | ---: | ---: |")
     ratios = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -98,6 +105,8 @@ def main() -> None:
                 model_dir = scale.write(Path(tmp) / name)
                 for choice in itertools.product(LOSSES, CHECKPOINTING, OFFLOAD):
                     ratios.append(row(name, scale, model_dir, choice, info))
+                for lever in LONG_ROW_LEVERS:
+                    ratios.append(row(name, scale, model_dir, ("chunked", "every layer", "off"), info, lever))
     finally:
         cleanup()
     print(f"\n({time.perf_counter() - started:.0f} s)")

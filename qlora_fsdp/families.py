@@ -156,3 +156,14 @@ FAMILY_NAMES = {
 def family_name(model_type: str) -> str:
     """A config's model_type as people name the family (the recipe table's column)."""
     return FAMILY_NAMES.get(model_type, model_type)
+
+
+def router_loss_coefficient(config: PretrainedConfig | None, grpo: bool = False) -> float | None:
+    """A mixture of experts' load-balancing coefficient where training adds the loss, else None: where the config
+    asks (`output_router_logits`); under GRPO (TRL 1.16's rule) wherever the config has the switch at all, even
+    false, and a non-zero `router_aux_loss_coef`."""
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    coefficient = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+    if grpo:
+        return coefficient if hasattr(text, "output_router_logits") and coefficient else None
+    return coefficient if getattr(text, "output_router_logits", False) else None

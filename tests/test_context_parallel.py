@@ -1,6 +1,7 @@
 """Context parallel (fsdp.context_parallel): a row split over two ranks equals the same row on one rank, loss and
 every LoRA gradient, packed (samples crossing the split) and padded, with accumulation; for Llama, Qwen3 and
-gpt-oss (sliding windows, attention sinks and a mixture of experts in one family)."""
+gpt-oss (sliding windows, attention sinks and a mixture of experts in one family); and with activation offload and
+the MLP in tiles (gpt-oss: its experts) beside the split, as the long recipes run, against the whole row without."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def split_batches(samples, packed, index):
 def loss_and_grads(info, cfg, samples, packed):
     model = build_model(cfg, info)
     batches = whole_batches(samples, packed) if info.world_size == 1 else split_batches(samples, packed, info.rank)
-    result = accumulate_gradients(model, batches, info.device, ForwardLoss(cfg.loss.chunk_tokens))
+    result = accumulate_gradients(model, batches, info.device, ForwardLoss.for_config(cfg, info.device))
     return {"loss": result.loss, "targets": result.n_targets, "tokens": result.n_tokens, "grads": full_grads(model)}
 
 
@@ -59,10 +60,17 @@ def test_a_row_split_over_two_ranks_equals_it_whole(tmp_path):
         cfg = tiny_config(model_dir)
         samples = variable_length_samples(cfg, 12)
         for packed in (True, False):
-            setups.append((family, packed))
+            setups.append((family, packed, "every layer checkpointed"))
             for world_size in (1, 2):
                 split_cfg = tiny_config(model_dir, fsdp={"context_parallel": world_size})
                 calls[world_size].append((loss_and_grads, (split_cfg, samples, packed)))
+        if family != "qwen3":  # the long recipes' levers beside the split (offloaded layer inputs, the MLP or the
+            # experts in 7-token tiles) against the whole row without them
+            setups.append((family, True, "offloaded, MLP in 7-token tiles"))
+            levers = {"offload": True, "mlp_tile_tokens": 7}
+            calls[1].append((loss_and_grads, (tiny_config(model_dir), samples, True)))
+            calls[2].append((loss_and_grads, (tiny_config(model_dir, fsdp={"context_parallel": 2},
+                                                          activation_checkpointing=levers), samples, True)))
     whole = run_ranks_sequence(calls[1], 1, tmp_path / "ws1")
     split = run_ranks_sequence(calls[2], 2, tmp_path / "ws2")
     for setup, one, two in zip(setups, whole, split, strict=True):

@@ -21,51 +21,70 @@ from qlora_fsdp.errors import ConfigError
 
 
 class TiledForward(torch.autograd.Function):
-    """forward(x) of a per-token module in tiles of `tile` tokens along dim -2; `params` its trainable tensors."""
+    """run(x) of a per-token module in tiles of `tile` tokens along dim -2; `params` the module's trainable tensors."""
 
     @staticmethod
-    def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], tile: int, x: torch.Tensor,
+    def forward(ctx: Any, run: Callable[[torch.Tensor], Any], module: nn.Module, tile: int, x: torch.Tensor,
                 *params: torch.Tensor) -> torch.Tensor:
-        ctx.run, ctx.tile = run, tile  # the weights are found again in backward, on the module, in this order
+        ctx.run, ctx.module, ctx.tile = run, module, tile  # backward finds the weights again on the module, in order
         ctx.save_for_backward(x)
         with torch.no_grad():
-            return torch.cat([run(part) for part in x.detach().split(tile, dim=-2)], dim=-2)
+            return torch.cat([hidden_of(run(part)) for part in x.detach().split(tile, dim=-2)], dim=-2)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
-        params = tuple(p for p in ctx.run.__self__.parameters() if p.requires_grad)
-        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
+        params = tuple(p for p in ctx.module.parameters() if p.requires_grad)
+        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[3] else None
         grads: list[torch.Tensor] = []
         for start in range(0, x.shape[-2], ctx.tile):
-            part = x[..., start : start + ctx.tile, :].detach().requires_grad_(ctx.needs_input_grad[2])
+            part = x[..., start : start + ctx.tile, :].detach().requires_grad_(ctx.needs_input_grad[3])
             with torch.enable_grad():
-                out = ctx.run(part)
+                out = hidden_of(ctx.run(part))
             wanted = [part] if grad_x is not None else []
-            found = torch.autograd.grad(out, [*wanted, *params], grad_out[..., start : start + ctx.tile, :])
+            # a mixture of experts: an expert no token of this tile chose has no gradient from it
+            found = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(
+                [*wanted, *params], torch.autograd.grad(out, [*wanted, *params],
+                                                        grad_out[..., start : start + ctx.tile, :], allow_unused=True),
+                strict=True))
             if grad_x is not None:
                 grad_x[..., start : start + ctx.tile, :] = found[0]
             grads = list(found[len(wanted):]) if not grads else [a + b for a, b in zip(grads, found[len(wanted):],
                                                                                        strict=True)]
-        return (None, None, grad_x, *grads)
+        return (None, None, None, grad_x, *grads)
+
+
+def hidden_of(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """An MLP's hidden states: gpt-oss' returns them with its router's scores."""
+    return output[0] if isinstance(output, tuple) else output
 
 
 def tile_mlp(mlp: nn.Module, tile: int) -> None:
-    """Make `mlp`'s forward run in tiles of `tile` tokens (rows no longer than a tile run as they are)."""
+    """Make `mlp`'s forward run in tiles of `tile` tokens (rows no longer than a tile run as they are). An MLP that
+    returns its router's scores beside its output returns None for them when tiled: nothing reads them but the
+    load-balancing loss, which is refused with tiles."""
     plain = mlp.forward
+    returns_scores = [False]
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        output = plain(x)
+        returns_scores[0] = isinstance(output, tuple)
+        return output
+
+    def forward(x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:
         if x.shape[-2] <= tile:
             return plain(x)
         params = tuple(p for p in mlp.parameters() if p.requires_grad)
-        return TiledForward.apply(plain, tile, x, *params)
+        out = TiledForward.apply(run, mlp, tile, x, *params)
+        return (out, None) if returns_scores[0] else out
 
     mlp.forward = forward
 
 
-def tile_mlps(layers: list[nn.Module], tile: int, dropout: float) -> int:
-    """Tile every decoder layer's MLP; returns how many. A mixture of experts (its router's loss sums over the whole
-    row) and LoRA dropout (its masks would differ between forward and backward) are refused in one line."""
+def tile_mlps(layers: list[nn.Module], tile: int, dropout: float, router_loss: bool = False) -> int:
+    """Tile every decoder layer's MLP; returns how many. A mixture of experts' load-balancing loss (`router_loss`:
+    it counts the whole row's routing together) and LoRA dropout (its masks would differ between forward and
+    backward) are refused in one line."""
     if dropout:
         raise ConfigError(f"'activation_checkpointing.mlp_tile_tokens' with 'lora.dropout: {dropout}': the tiles' "
                           "dropout masks would differ between forward and backward; set lora.dropout to 0")
@@ -74,9 +93,10 @@ def tile_mlps(layers: list[nn.Module], tile: int, dropout: float) -> int:
         mlp = getattr(layer, "mlp", None)
         if not isinstance(mlp, nn.Module):
             raise ConfigError(f"'activation_checkpointing.mlp_tile_tokens': {type(layer).__name__} has no `mlp`")
-        if hasattr(mlp, "gate") or hasattr(mlp, "experts") or hasattr(mlp, "router"):
-            raise ConfigError(f"'activation_checkpointing.mlp_tile_tokens': {type(mlp).__name__} is a mixture of "
-                              "experts, whose tiles are not supported yet; set it to 0")
+        if router_loss and (hasattr(mlp, "gate") or hasattr(mlp, "experts") or hasattr(mlp, "router")):
+            raise ConfigError(f"'activation_checkpointing.mlp_tile_tokens' with {type(mlp).__name__}'s load-balancing "
+                              "loss (output_router_logits, or GRPO with router_aux_loss_coef): it counts the whole "
+                              "row's routing together; turn the loss off or set mlp_tile_tokens to 0")
         tile_mlp(mlp, tile)
         count += 1
     return count

@@ -13,7 +13,7 @@ from qlora_fsdp.config import PAIR_OBJECTIVES, Config, FSDPConfig
 from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.families import attention_needs
+from qlora_fsdp.families import attention_needs, router_loss_coefficient
 from qlora_fsdp.layers.attention import VARLEN_SDPA, resolve_attention
 from qlora_fsdp.layers.checkpointing import apply_activation_checkpointing, layer_slots
 from qlora_fsdp.layers.decoder import decoder_layers
@@ -85,7 +85,8 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
         assert split.group is not None, "a split has its group"
         split_attention(decoder_layers(model), hf_config, HeadTrade(split.group, split.degree, split.index))
     if cfg.activation_checkpointing.mlp_tile_tokens:
-        tile_mlps(decoder_layers(model), cfg.activation_checkpointing.mlp_tile_tokens, cfg.lora.dropout)
+        tile_mlps(decoder_layers(model), cfg.activation_checkpointing.mlp_tile_tokens, cfg.lora.dropout,
+                  router_loss_coefficient(hf_config, cfg.train.objective == "grpo") is not None)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if shard and uses_fsdp(cfg.fsdp, mesh.size()):
         shard_model(model, cfg.fsdp, mesh)

@@ -19,23 +19,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from qlora_fsdp.families import router_loss_coefficient as router_coefficient
 from qlora_fsdp.layers.experts4bit import router_class
 
 
 def router_loss_coefficient(model: nn.Module) -> float | None:
     """The coefficient where the model's config asks for the loss, else None."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "output_router_logits", False):
-        return None
-    return float(getattr(config, "router_aux_loss_coef", 0.0))
+    return router_coefficient(getattr(model, "config", None))
 
 
 def grpo_router_coefficient(model: nn.Module) -> float | None:
     """GRPO's rule (TRL 1.16's): the load-balancing loss joins the update wherever the config has the switch at all
     (`output_router_logits`, even false) and a non-zero `router_aux_loss_coef`; None elsewhere."""
-    config = getattr(model, "config", None)
-    coefficient = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-    return coefficient if hasattr(config, "output_router_logits") and coefficient else None
+    return router_coefficient(getattr(model, "config", None), grpo=True)
 
 
 def balancing_function(model: nn.Module) -> Any:
