@@ -76,7 +76,7 @@ test-fast: $(BIN)/activate
 test-slow: $(BIN)/activate tiny-model
 	$(BIN)/python -m pytest -q --durations=20 -m slow tests
 
-# on a GPU: nine device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
+# on a GPU: ten device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
 gpu-check: $(BIN)/activate
 	$(BIN)/python -m tests.gpu_check
 

@@ -1,6 +1,6 @@
 """The one command to run on a GPU: what the CPU test suite cannot show, checked on the device.
 
-    make gpu-check                                  # all nine checks, at most 10 minutes on one H100/4090
+    make gpu-check                                  # all ten checks, at most 10 minutes on one H100/4090
     python -m tests.gpu_check --out docs/gpu_check.md   # also write the table (and its figures as .json)
     python -m tests.gpu_check --only nan_canary,fsdp_real_path
     python -m tests.gpu_check --dry-run           # CPU, small sizes; what needs CUDA is listed as skipped
@@ -24,6 +24,8 @@ sizes):
                         sdpa_varlen, flex, flash-attn if installed); per-sample vs dense mask at 4,096 tokens
   moe_experts           Qwen3-30B-A3B's experts (128, top-8, 2,048 tokens, bf16) four ways: unquantized as
                         transformers, 4-bit a gather per expert, 4-bit grouped (ours), one grouped matmul
+  long_rows             llama3_8b_1x4090_long's levers at the 8B's layer shapes (2 layers), GPU capped at 24 GiB:
+                        rows of 64k to 128k tokens until one does not fit; the largest, its peak against the plan
 Nothing is fetched from a hub: the models are built locally from config.json (random weights).
 Exit code: 0 when no check that ran failed, 1 otherwise.
 """
@@ -81,6 +83,7 @@ CHECKS = (
     Check("memory_levers", 200, cuda_only=False),
     Check("packed_attention", 90, cuda_only=False),
     Check("moe_experts", 90, cuda_only=False),
+    Check("long_rows", 150, cuda_only=False),
     Check("plan_vs_measured_70b", 240, cuda_only=True),
     Check("one_gpu_70b_offload", 240, cuda_only=True),
 )

@@ -62,6 +62,7 @@ from tests.gpu_check import Row
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
 ARCH_70B = REPO / "model_configs" / "llama-3.1-70b" / "config.json"
+ARCH_8B = REPO / "model_configs" / "llama-3.1-8b" / "config.json"
 RECIPE_70B = "llama70b_2x4090"
 MERGE_TOLERANCE = 1e-2  # bf16 output: one rounding step of a weight near 1 is 2**-7
 PLAN_TOLERANCE = 0.15
@@ -80,10 +81,10 @@ class Context:
 
 # ---- shared helpers ---------------------------------------------------------------------------------------
 
-def arch_dir(ctx: Context, layers: int | None) -> Path:
-    """A folder with the Llama 3.1 70B config.json (fewer layers if asked); on the CPU, hidden, intermediate and
-    vocab sizes / 32 and heads / 8, so the shape ratios (and GQA's 8 query heads per KV head) stay the 70B's."""
-    config = json.loads(ARCH_70B.read_text())
+def arch_dir(ctx: Context, layers: int | None, source: Path = ARCH_70B) -> Path:
+    """A folder with the Llama 3.1 70B config.json (or `source`; fewer layers if asked); on the CPU, hidden,
+    intermediate and vocab sizes / 32 and heads / 8, so the shape ratios (and GQA's query heads per KV head) stay."""
+    config = json.loads(source.read_text())
     if layers is not None:
         config["num_hidden_layers"] = layers
     if ctx.small:
@@ -92,7 +93,7 @@ def arch_dir(ctx: Context, layers: int | None) -> Path:
         config["num_attention_heads"] //= 8
         config["num_key_value_heads"] //= 8
         config["bos_token_id"], config["eos_token_id"] = 1, 2  # inside the smaller vocabulary
-    folder = ctx.work / f"llama-3.1-70b-arch-{config['num_hidden_layers']}{'-small' if ctx.small else ''}"
+    folder = ctx.work / f"{source.parent.name}-arch-{config['num_hidden_layers']}{'-small' if ctx.small else ''}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
@@ -680,12 +681,75 @@ def moe_experts(ctx: Context) -> list[Row]:
             for label, row in zip(short, results, strict=True)]
 
 
+# ---- long_rows: the largest row the one-GPU long recipe trains in 24 GiB ------------------------------------
+
+LONG_ROWS = (65536, 98304, 114688, 131072)  # tokens, on a GPU; the CPU trains two short rows
+LONG_ROW_RECIPE = "llama3_8b_1x4090_long"
+
+
+def long_row_config(ctx: Context, tokens: int) -> Config:
+    """The 8B long recipe's levers (parameter and activation offload, tiled MLP, chunked loss, bf16 LoRA) at the
+    8B's layer shapes, 2 layers, random weights: what a layer holds is what limits a row (weights and layer inputs
+    wait in host RAM), so 2 layers peak where 32 do, plus the gathers of the next layer."""
+    tile = ["activation_checkpointing.mlp_tile_tokens=64"] if ctx.small else []
+    return load_config(LONG_ROW_RECIPE, ["model.init=random", f"model.path={arch_dir(ctx, 2, ARCH_8B)}",
+                                         f"data.context_length={tokens}", "data.grad_accum_steps=1",
+                                         f"train.output_dir={ctx.work / 'unused-output'}", *tile])
+
+
+def long_row(ctx: Context, tokens: int) -> dict[str, Any]:
+    """One optimizer step on a row of `tokens` with the GPU capped at the recipe's memory: its peak, or the OOM."""
+    cfg = long_row_config(ctx, tokens)
+    info = init_distributed()
+    model = None  # freed in `finally` even when building it fails
+    try:
+        cap_gpu_memory(ctx.device, gpu_spec(cfg).memory_gib)
+        model = build_model(cfg, info)
+        reset_memory_peaks(info.device)
+        times = train_steps(model, cfg, info, steps=1)
+        measured = {"tokens": tokens, "trained": True, "tokens_per_s": times.tokens_per_s(), "loss": times.losses[-1],
+                    **gpu_memory(ctx.device)}
+        if ctx.device.type == "cuda":  # the plan of this very setting (memory_levers' dry run covers plan() on CPU)
+            measured["plan_allocated_gib"] = plan_allocated(plan(cfg, held_bytes(model, cfg))) / GIB
+        return measured
+    except torch.OutOfMemoryError:
+        return {"tokens": tokens, "trained": False}
+    finally:
+        del model
+        cleanup()
+        free_memory(ctx.device)
+
+
+def long_rows(ctx: Context) -> list[Row]:
+    """Rows of growing length until one does not fit: the largest that trains, its measured peak and the plan's."""
+    results = []
+    for tokens in (256, 512) if ctx.small else LONG_ROWS:
+        results.append(long_row(ctx, tokens))
+        print(json.dumps(results[-1]), flush=True)
+        if not results[-1]["trained"]:
+            break
+    trained = [r for r in results if r["trained"]]
+    if ctx.device.type != "cuda":
+        ok = len(trained) == len(results) and all(math.isfinite(r["loss"]) for r in trained)
+        rows = ", ".join(str(r["tokens"]) for r in results)
+        return [Row("long_rows", "passed" if ok else "failed", f"CPU smoke run: rows of {rows} tokens trained a "
+                    f"step each with {LONG_ROW_RECIPE}'s levers; no GPU figures", {"rows": results})]
+    if not trained:
+        return [Row("long_rows", "failed", f"no row of {LONG_ROWS[0]:,} tokens or more trained in 24 GiB",
+                    {"rows": results})]
+    best = trained[-1]
+    return [Row("long_rows", "info",
+                f"largest row trained in 24 GiB: {best['tokens']:,} tokens ({LONG_ROW_RECIPE}'s levers, 2 layers of "
+                f"the 8B), peak allocated {best['peak_allocated_gib']:.2f} GiB (plan "
+                f"{best['plan_allocated_gib']:.2f}), {best['tokens_per_s']:,.0f} tokens/s", {"rows": results})]
+
+
 # ---- entry --------------------------------------------------------------------------------------------------
 
 CASES: dict[str, Callable[[Context], list[Row]]] = {
     "nan_canary": nan_canary, "fsdp_real_path": fsdp_real_path, "plan_vs_measured_70b": plan_vs_measured_70b,
     "one_gpu_70b_offload": one_gpu_70b_offload, "memory_levers": memory_levers, "merge_device": merge_device,
-    "generate": generate, "packed_attention": packed_attention, "moe_experts": moe_experts}
+    "generate": generate, "packed_attention": packed_attention, "moe_experts": moe_experts, "long_rows": long_rows}
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -246,7 +246,8 @@ MUTATIONS = [
     Mutation("the ranks of a split row take different rows", "qlora_fsdp/training/loop.py",
              "self.split.data_ranks, self.split.data_rank, cfg.train.seed,",
              "info.world_size, info.rank, cfg.train.seed,",
-             "tests/test_resume.py::test_context_parallel_run_stopped_and_resumed_equals_the_data_parallel_run"),
+             "tests/test_resume.py::test_elastic_restart_then_sigterm_then_kill_9_then_resume_equals_the_uninterrupted_"
+             "run"),
     Mutation("image tokens counted as targets", "qlora_fsdp/data/images.py",
              "    out = [IGNORE_INDEX] * len(expanded)\n", "    out = list(expanded)\n",
              "tests/test_vision.py::test_records_become_replies_only_labels_with_each_images_tokens", quick=True),
