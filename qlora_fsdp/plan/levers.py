@@ -15,9 +15,11 @@ from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 # selective checkpointing scopes, least recompute first: element-wise ops only, then attention (about a fifth of a
 # Llama layer's matmul FLOPs), then the MLP, then the whole layer
 SCOPES_BY_RECOMPUTE = ("ops", "attention", "mlp", "layer")
-# rows longer than this get the tiled MLP offered (below it the MLP's intermediates are not what limits a row);
-# 4,096-token tiles planned the same as 1,024-token ones at 81,920 and 98,304 tokens (docs/benchmarks/memory.md)
-LONG_ROW, MLP_TILE = 8192, 4096
+# rows longer than this get the tiled MLP offered (below it the MLP's intermediates are not what limits a row), in
+# tiles of these sizes, the faster first: 4,096-token tiles planned the same as 1,024-token ones at 81,920 and 98,304
+# tokens; 16,384-token ones run faster and, once the peak has moved to attention, plan the same as 4,096
+# (docs/benchmarks/memory.md)
+LONG_ROW, MLP_TILES = 8192, (16384, 4096)
 
 
 def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
@@ -30,9 +32,9 @@ def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
         changes.append(("activation_checkpointing.offload=true (what checkpointing keeps waits in host memory)",
                         {"activation_checkpointing.offload": True}))
     if not policy.mlp_tile_tokens and cfg.data.context_length > LONG_ROW and not cfg.lora.dropout:
-        changes.append((f"activation_checkpointing.mlp_tile_tokens={MLP_TILE} (the MLP over the row {MLP_TILE:,} "
-                        "tokens at a time; its forward runs once more)",
-                        {"activation_checkpointing.mlp_tile_tokens": MLP_TILE}))
+        changes += [(f"activation_checkpointing.mlp_tile_tokens={tile} (the MLP over the row {tile:,} tokens at a "
+                     "time; its forward runs once more)", {"activation_checkpointing.mlp_tile_tokens": tile})
+                    for tile in MLP_TILES if tile < cfg.data.context_length]
     if splits_rows_further(cfg):
         node = cfg.hardware.gpus_per_node
         changes.append((f"fsdp.context_parallel={node} (each row split over the {node} GPUs of a node; rows a step "
