@@ -107,7 +107,7 @@ def load_data(tokenizer: PreTrainedTokenizerBase, cfg: Config, info: DistInfo) -
 def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset | PromptData | ImageData,
                  tokenizer: PreTrainedTokenizerBase) -> Trainer:
     out_dir = Path(cfg.train.output_dir)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, cfg.lora)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     trackers = open_trackers(cfg.logging, out_dir, to_dict(cfg)) if info.is_main else []
     logger = MetricsLogger(out_dir, cfg.train.max_steps, enabled=info.is_main, trackers=trackers)

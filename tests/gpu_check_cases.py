@@ -153,7 +153,7 @@ class StepTimes:
 
 def train_steps(model: peft.PeftModel, cfg: Config, info: DistInfo, steps: int) -> StepTimes:
     """Optimizer steps as the trainer takes them: accumulate, clip the global norm, step the local shards."""
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, cfg.lora)
     batches = random_batches(cfg, model.config.vocab_size, cfg.data.grad_accum_steps)
     model.train()
     times = StepTimes([], [], 0.0)

@@ -248,6 +248,12 @@ MUTATIONS = [
              "info.world_size, info.rank, cfg.train.seed,",
              "tests/test_resume.py::test_elastic_restart_then_sigterm_then_kill_9_then_resume_equals_the_uninterrupted_"
              "run"),
+    Mutation("LoRA+ speeds up the A matrices instead of the B ones", "qlora_fsdp/training/optimizer.py",
+             '("lora_B" in name.split(".") or param.ndim == 1)', '("lora_A" in name.split(".") or param.ndim == 1)',
+             "tests/test_peer_options.py::test_loraplus_groups_and_step"),
+    Mutation("NEFTune's noise scaled by the hidden size alone", "qlora_fsdp/layers/embedding_noise.py",
+             "math.sqrt(embeddings.shape[1] * embeddings.shape[2])", "math.sqrt(embeddings.shape[2])",
+             "tests/test_peer_options.py::test_neftune_noise_is_transformers"),
     Mutation("image tokens counted as targets", "qlora_fsdp/data/images.py",
              "    out = [IGNORE_INDEX] * len(expanded)\n", "    out = list(expanded)\n",
              "tests/test_vision.py::test_records_become_replies_only_labels_with_each_images_tokens", quick=True),

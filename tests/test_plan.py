@@ -45,7 +45,7 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     from qlora_fsdp.training.optimizer import build_optimizer
 
     model = build_model(cfg, info)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, cfg.lora)
     measured = {"lora": 0, "grads": 0, "base": 0, "optimizer": 0, "quant_state": 0, "accumulating": 0}
     original_sync = qlora_fsdp.training.loop.set_gradient_sync
 

@@ -8,12 +8,12 @@ from torch import nn
 
 from qlora_fsdp.config import OptimConfig, load_config
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.training.optimizer import ShardedOptimizer, build_scheduler, lr_factor, warmup_steps
+from qlora_fsdp.training.optimizer import ParameterGroup, ShardedOptimizer, build_scheduler, lr_factor, warmup_steps
 
 
 def scheduler_lrs(optim: OptimConfig, total_steps: int) -> list[float]:
     """The learning rate of each optimizer step, from the scheduler training builds."""
-    optimizer = ShardedOptimizer([nn.Parameter(torch.zeros(4))], optim)
+    optimizer = ShardedOptimizer([ParameterGroup(1.0, [nn.Parameter(torch.zeros(4))])], optim)
     scheduler = build_scheduler(optimizer, optim, total_steps)
     lrs = []
     for _ in range(total_steps):

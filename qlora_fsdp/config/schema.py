@@ -71,6 +71,9 @@ class LoraConfig:
     # the way in, their gradients and the optimizer stay in lora.dtype), or `weights` (PEFT's: the input cast up
     # to lora.dtype). docs/benchmarks/speed.md: base was 1.17x faster for the same held-out loss
     compute_dtype: Literal["weights", "base"] = "base"
+    # LoRA+: the B matrices (and trained vectors: DoRA's magnitudes, biases) learn at this multiple of optim.lr,
+    # as PEFT's create_loraplus_optimizer groups them (the paper suggests 16); None: one learning rate
+    plus_ratio: float | None = None
 
 
 @dataclass
@@ -310,6 +313,9 @@ class TrainConfig:
     # LoRA glue, activations, residuals) is fused: steps about 10% faster on CPU after a compile of about 50 s
     # (docs/benchmarks/speed.md), so it pays off on longer runs. On CPU it needs a C++ compiler
     compile: bool = False
+    # NEFTune: uniform noise of +-alpha/sqrt(tokens x hidden) on the input embeddings in training forwards, as
+    # transformers' Trainer adds it (the paper tried 5 to 15); None: off
+    neftune_alpha: float | None = None
 
     def resume_target(self) -> Literal["never", "auto"] | Path:
         """`resume` as what it names: a mode, or a checkpoint folder."""

@@ -54,6 +54,7 @@ def validate(config: Config) -> Config:
     if config.train.first_collective_timeout_s <= 0:
         raise ConfigError("'train.first_collective_timeout_s' must be positive, got "
                           f"{config.train.first_collective_timeout_s}")
+    _validate_peer_options(config)
     _validate_batch(config)
     _validate_warmup(config)
     _validate_preference(config)
@@ -66,6 +67,25 @@ def validate(config: Config) -> Config:
     if config.train.save_every < 0:
         raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")
     return config
+
+
+def _validate_peer_options(config: Config) -> None:
+    """LoRA+ and NEFTune."""
+    if config.lora.plus_ratio is not None and config.lora.plus_ratio <= 0:
+        raise ConfigError(f"'lora.plus_ratio' must be positive (LoRA+ suggests 16), or null for one learning rate, "
+                          f"got {config.lora.plus_ratio}")
+    alpha = config.train.neftune_alpha
+    if alpha is None:
+        return
+    if alpha <= 0:
+        raise ConfigError(f"'train.neftune_alpha' must be positive (NEFTune tried 5 to 15), or null for no noise, "
+                          f"got {alpha}")
+    if config.train.objective == "grpo":
+        raise ConfigError("'train.neftune_alpha' with train.objective grpo: the update's log-probabilities would be "
+                          "noised and generation's not; remove train.neftune_alpha")
+    if config.fsdp.context_parallel > 1:
+        raise ConfigError("'train.neftune_alpha' with fsdp.context_parallel: the noise's scale needs the whole "
+                          "row's length, which a rank of a split does not see; use fsdp.context_parallel: 1")
 
 
 def _validate_checkpointing(config: Config) -> None:

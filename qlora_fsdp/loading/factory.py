@@ -10,6 +10,7 @@ import torch
 from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.layers.decoder import decoder_layers
+from qlora_fsdp.layers.embedding_noise import add_embedding_noise
 from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_hf_config
 from qlora_fsdp.loading.fill import load_weights, materialize
@@ -26,6 +27,8 @@ def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftMod
     load_weights(model, cfg, info.device)
     if cfg.model.adapter:  # training goes on from a saved adapter (an SFT run's, for preference tuning)
         load_adapter_into(model, Path(cfg.model.adapter))
+    if cfg.train.neftune_alpha:
+        add_embedding_noise(model, cfg.train.neftune_alpha)
     if cfg.train.compile:
         compile_decoder_layers(model)
     return model

@@ -144,7 +144,7 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
         plan_experts(model)  # routing has no values here: every expert takes its share
         # real: bitsandbytes builds its 8-bit code tables from Python numbers, collate counts the targets
         with unset_fake_temporarily():
-            optimizer = build_optimizer(model, cfg.optim)
+            optimizer = build_optimizer(model, cfg.optim, cfg.lora)
             batches = synthetic_batches(cfg)
         optimizer.materialize_state()  # as from the 2nd step on: the state exists before the step starts
         return run_step(model, optimizer, batches, DEVICE, step_loss(cfg, planning_forward_loss(cfg)),

@@ -35,7 +35,7 @@ def measured_step(cfg: Config, info: DistInfo, batches: list[Batch] | None = Non
     values), counted by the tracker the planner counts with: its figures are the plan's to match. The batches
     default to the planner's own (full rows of the recipe's shape)."""
     model = build_model(cfg, info)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, cfg.lora)
     optimizer.materialize_state()  # the state exists from the first step on, as in the plan
     forward_loss = ForwardLoss.for_config(cfg, info.device)
     offloader = forward_loss.offloader

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from qlora_fsdp.config import OptimConfig
+from qlora_fsdp.config import LoraConfig, OptimConfig
 from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
@@ -29,15 +30,38 @@ def optimizer_class(name: str, shards: list[torch.Tensor]) -> type[torch.optim.O
     return spec.load_class()
 
 
-class ShardedOptimizer:
-    """Runs an optimizer over the local shards of (possibly DTensor) parameters."""
+@dataclass
+class ParameterGroup:
+    """Trained parameters that share a learning rate (a multiple of optim.lr, so the schedule scales them all)."""
 
-    def __init__(self, params: Iterable[nn.Parameter], optim: OptimConfig) -> None:
-        self.params = [p for p in params if p.requires_grad]
+    lr_ratio: float
+    params: list[nn.Parameter] = field(default_factory=list)
+
+
+def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], lora: LoraConfig) -> list[ParameterGroup]:
+    """The trained parameters by learning rate, the base group first (the one the metrics log). With LoRA+
+    (lora.plus_ratio), B matrices and vectors (DoRA's magnitudes, biases) take plus_ratio times the rate, as PEFT's
+    create_loraplus_optimizer groups them."""
+    base, faster = ParameterGroup(1.0), ParameterGroup(lora.plus_ratio or 1.0)
+    for name, param in named:
+        if param.requires_grad:
+            is_b_side = lora.plus_ratio is not None and ("lora_B" in name.split(".") or param.ndim == 1)
+            (faster if is_b_side else base).params.append(param)
+    return [group for group in (base, faster) if group.params or group is base]
+
+
+class ShardedOptimizer:
+    """Runs an optimizer over the local shards of (possibly DTensor) parameters, group by group."""
+
+    def __init__(self, groups: list[ParameterGroup], optim: OptimConfig) -> None:
+        self.params = [param for group in groups for param in group.params]
         self.locals = [local_shard(p).detach().requires_grad_(True) for p in self.params]
+        local_of = dict(zip(map(id, self.params), self.locals, strict=True))
+        inner_groups = [{"params": [local_of[id(p)] for p in group.params], "lr": optim.lr * group.lr_ratio}
+                        for group in groups]
         kwargs: dict[str, Any] = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps,
                                   "weight_decay": optim.weight_decay}
-        self.inner = optimizer_class(optim.name, self.locals)(self.locals, **kwargs)
+        self.inner = optimizer_class(optim.name, self.locals)(inner_groups, **kwargs)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -70,8 +94,8 @@ class ShardedOptimizer:
         self.zero_grad()
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig) -> ShardedOptimizer:
-    return ShardedOptimizer(model.parameters(), optim)
+def build_optimizer(model: nn.Module, optim: OptimConfig, lora: LoraConfig) -> ShardedOptimizer:
+    return ShardedOptimizer(parameter_groups(model.named_parameters(), lora), optim)
 
 
 def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
