@@ -38,6 +38,9 @@ data/tiny_preferences.jsonl: scripts/make_dataset.py
 data/tiny_prompts.jsonl: scripts/make_dataset.py
 	$(BIN)/python scripts/make_dataset.py --kind prompts --out $@
 
+data/tiny_kto.jsonl: scripts/make_dataset.py
+	$(BIN)/python scripts/make_dataset.py --kind kto --out $@
+
 $(TINY_MODEL)/config.json: $(BIN)/activate scripts/make_tiny_model.py qlora_fsdp/tools/tiny_model.py data/tiny_instruct.jsonl
 	$(BIN)/python scripts/make_tiny_model.py --out $(TINY_MODEL) --dataset data/tiny_instruct.jsonl
 
@@ -66,7 +69,7 @@ demo-grpo: $(BIN)/activate tiny-model data/tiny_prompts.jsonl
 
 # all tests, both lanes; the 20 slowest are listed at the end (tests/README.md: where the time goes), and each
 # skipped test's reason (-rs), so a real-model test that skipped shows in CI's log
-test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl
+test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl data/tiny_kto.jsonl
 	$(BIN)/python -m pytest -q -rs --durations=20 tests
 
 # the fast lane: in-process unit tests, under 2 minutes; the slow lane (ranks, torchrun, subprocesses) is `-m slow`

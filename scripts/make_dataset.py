@@ -1,7 +1,8 @@
 """Generate the shipped datasets: simple, learnable tasks (alpaca format) and preference pairs.
 
 `--kind instruct` (tiny_cpu's data/tiny_instruct.jsonl); `--kind prompts` (tiny_cpu_grpo's data/tiny_prompts.jsonl:
-a category to name words of, scored by examples/rewards.py); `--kind preferences` (tiny_cpu_dpo's
+a category to name words of, scored by examples/rewards.py); `--kind kto` (data/tiny_kto.jsonl: the same
+rule's completions unpaired, each labelled desirable or not); `--kind preferences` (tiny_cpu_dpo's
 data/tiny_preferences.jsonl): pairs whose chosen completion follows a rule a tiny model can learn from pairs
 alone: it names the right capital (the rejected one another country's), or it copies a text in capital letters
 (the rejected one copies it as written), in TRL's conversational shape (prompt, chosen and rejected as message
@@ -105,6 +106,20 @@ def generate_preferences(n_records: int, seed: int) -> list[dict[str, Any]]:
     return [preference_record(rng.choice((capital_pair, capital_letters_pair))(rng)) for _ in range(n_records)]
 
 
+def generate_kto(n_records: int, seed: int) -> list[dict[str, Any]]:
+    """KTO's unpaired records (TRL's shape: prompt, completion, label): each a pair's chosen completion, labelled
+    desirable, or its rejected one, labelled undesirable."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n_records):
+        prompt, chosen, rejected = rng.choice((capital_pair, capital_letters_pair))(rng)
+        desirable = rng.random() < 0.5
+        records.append({"prompt": [{"role": "user", "content": prompt}],
+                        "completion": [{"role": "assistant", "content": chosen if desirable else rejected}],
+                        "label": desirable})
+    return records
+
+
 # GRPO's prompts: a category to name words of; examples/rewards.py scores the share of the completion's words in it
 CATEGORIES = {"colors": ("yellow", "purple", "orange", "silver", "copper"),
               "animals": ("tiger", "dragon", "falcon", "rabbit")}
@@ -125,6 +140,7 @@ KINDS: dict[str, tuple[Callable[[int, int], list[Any]], str, int, int]] = {
     "instruct": (generate, "data/tiny_instruct.jsonl", 4000, 1234),
     "preferences": (generate_preferences, "data/tiny_preferences.jsonl", 2000, 4321),
     "prompts": (generate_prompts, "data/tiny_prompts.jsonl", 500, 2468),
+    "kto": (generate_kto, "data/tiny_kto.jsonl", 2000, 8642),
 }
 
 

@@ -122,6 +122,8 @@ def test_every_shipped_recipe_loads():
         if name == "tiny_cpu_dpo":  # shipped preference pairs, TRL's conversational shape
             assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_preferences.jsonl", "chat",
                                                                              "dpo")
+        elif name == "tiny_cpu_kto":  # shipped unpaired records, TRL's shape
+            assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_kto.jsonl", "chat", "kto")
         elif name == "tiny_cpu_grpo":  # shipped prompts, each with the column its reward function reads
             assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_prompts.jsonl", "prompt",
                                                                              "grpo")

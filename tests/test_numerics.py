@@ -54,7 +54,7 @@ def clipped_update(info, cfg, micro_batches_per_rank, shard=True, sgd=True):
     """One step as training takes it: accumulate, clip to a norm small enough to clip, update (plain SGD, whose
     update is the clipped gradient itself, or the recipe's optimizer over the local shards). Loss, gradients,
     global norm and the change of every LoRA weight, gathered."""
-    from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
+    from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm
 
     model = build_model(cfg, info, shard=shard)
     before = gather_trainable_state(model)
@@ -62,7 +62,7 @@ def clipped_update(info, cfg, micro_batches_per_rank, shard=True, sgd=True):
     grads = full_grads(model)
     norm = clip_grad_norm(model, 1e-3)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trainable, lr=0.1) if sgd else ShardedOptimizer(trainable, cfg.optim)
+    optimizer = torch.optim.SGD(trainable, lr=0.1) if sgd else build_optimizer(model, cfg.optim, cfg.lora)
     optimizer.step()
     after = gather_trainable_state(model)
     return {"loss": result.loss, "grads": grads, "norm": norm, "delta": {k: after[k] - before[k] for k in before},
@@ -85,7 +85,7 @@ def trainer_step_and_reference(info, cfg):
     trainer.sampler.load_state_dict(position)
 
     reference = build_model(cfg, info)
-    optimizer = build_optimizer(reference, cfg.optim)
+    optimizer = build_optimizer(reference, cfg.optim, cfg.lora)
     build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)  # sets the warm-up lr, as the trainer's does
     accumulate_gradients(reference, micro_batches, info.device)
     clip_grad_norm(reference, cfg.optim.max_grad_norm)

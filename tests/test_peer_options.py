@@ -17,8 +17,14 @@ from qlora_fsdp.loading.names import clean_name
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.training.loop import accumulate_gradients
 from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm, parameter_groups
-from tests.helpers import batches, full_grads, relative_difference, run_ranks_sequence, tiny_config, \
-    variable_length_samples
+from tests.helpers import (
+    batches,
+    full_grads,
+    relative_difference,
+    run_ranks_sequence,
+    tiny_config,
+    variable_length_samples,
+)
 
 pytestmark = pytest.mark.slow  # gloo ranks
 

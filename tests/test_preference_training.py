@@ -169,28 +169,35 @@ def losses_of(run_dir) -> list[dict]:
 
 
 def test_precomputed_reference_trains_as_the_adapter_off_one_and_a_stale_one_is_refused(tiny_model_dir, tmp_path):
-    """A few DPO steps on 2 ranks with the reference computed on every micro-batch (adapter off) and computed once
-    before training: the same losses and rewards. Resuming with other data refuses the stored reference."""
-    common = ["--recipe", "tiny_cpu_dpo", f"model.path={tiny_model_dir}", "train.max_steps=4", "train.eval_every=2",
-              "data.eval_samples=16", f"data.cache_dir={tmp_path / 'cache'}", "train.save_every=2"]
-    runs = {}
-    for reference in ("adapter_off", "precomputed"):
-        out = tmp_path / reference
-        results = run_cli([*common, f"train.output_dir={out}", f"preference.reference={reference}"], 2, tmp_path)
-        assert results[0].returncode == 0, results[0].stderr[-2000:]
-        runs[reference] = losses_of(out)
-    assert (tmp_path / "precomputed" / "reference_logps.safetensors").is_file()
-    assert not (tmp_path / "adapter_off" / "reference_logps.safetensors").exists()
-    # the start's eval, steps 1 to 4 (an eval at 2), the end's eval
-    assert len(runs["precomputed"]) == len(runs["adapter_off"]) == 6
-    for ours, theirs in zip(runs["precomputed"], runs["adapter_off"], strict=True):
-        for key in ("loss", "eval_loss", "reward_accuracy", "reward_margin", "eval_reward_margin"):
-            if key in theirs:
-                assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours, theirs)
+    """A few DPO steps, and KTO steps, on 2 ranks with the reference computed on every micro-batch (adapter off) and
+    computed once before training: the same losses and rewards (KTO's z0 too). Resuming with other data refuses the
+    stored reference."""
+    common = [f"model.path={tiny_model_dir}", "train.max_steps=4", "train.eval_every=2", "data.eval_samples=16",
+              f"data.cache_dir={tmp_path / 'cache'}", "train.save_every=2"]
+    for recipe in ("tiny_cpu_kto", "tiny_cpu_dpo"):
+        runs = {}
+        for reference in ("adapter_off", "precomputed"):
+            out = tmp_path / f"{recipe}_{reference}"
+            results = run_cli(["--recipe", recipe, *common, f"train.output_dir={out}",
+                               f"preference.reference={reference}"], 2, tmp_path)
+            assert results[0].returncode == 0, results[0].stderr[-2000:]
+            runs[reference] = losses_of(out)
+        assert (tmp_path / f"{recipe}_precomputed" / "reference_logps.safetensors").is_file()
+        assert not (tmp_path / f"{recipe}_adapter_off" / "reference_logps.safetensors").exists()
+        # the start's eval, steps 1 to 4 (an eval at 2), the end's eval
+        assert len(runs["precomputed"]) == len(runs["adapter_off"]) == 6
+        for ours, theirs in zip(runs["precomputed"], runs["adapter_off"], strict=True):
+            for key in ("loss", "eval_loss", "reward_accuracy", "reward_margin", "eval_reward_margin", "kl",
+                        "rewards_desirable", "eval_rewards_undesirable"):
+                if key in theirs:
+                    assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours, theirs)
+        moved = "rewards_desirable" if recipe == "tiny_cpu_kto" else "reward_margin"  # the policy left the reference
+        assert any(record.get(moved, 0.0) != 0.0 for record in runs["adapter_off"])
 
     other = tmp_path / "other.jsonl"
     other.write_text("".join(list((REPO / "data" / "tiny_preferences.jsonl").open())[100:1100]))
-    resumed = run_cli([*common, "train.max_steps=6", f"train.output_dir={tmp_path / 'precomputed'}",
+    resumed = run_cli(["--recipe", "tiny_cpu_dpo", *common, "train.max_steps=6",
+                       f"train.output_dir={tmp_path / 'tiny_cpu_dpo_precomputed'}",
                        "preference.reference=precomputed", f"data.path={other}", "--resume"], 2, tmp_path)
     assert resumed[0].returncode != 0
     assert {r.returncode for r in resumed} == {2}  # a user error: one line, exit 2

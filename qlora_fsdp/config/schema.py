@@ -138,23 +138,29 @@ class LossConfig:
     chunk_tokens: int = 256  # tokens per chunk of the output projection and loss
 
 
-Objective = Literal["sft", "dpo", "orpo", "simpo", "grpo"]
-PAIR_OBJECTIVES = ("dpo", "orpo", "simpo")  # the objectives trained on preference pairs
+Objective = Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"]
+# the objectives trained on preference pairs; kto's records are unpaired, each read as a pair of its own sequence and
+# its KL sequence (its prompt with another record's completion)
+PAIR_OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
+REFERENCE_OBJECTIVES = ("dpo", "kto")  # compared against the reference (the base with the adapter off)
 DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]
 
 
 @dataclass
 class PreferenceConfig:
     """Preference tuning (train.objective dpo, orpo or simpo) on pairs of a prompt, a chosen and a rejected
-    completion (qlora_fsdp/data/pairs.py reads them; qlora_fsdp/losses/preference.py has the formulas)."""
+    completion (qlora_fsdp/data/pairs.py reads them; qlora_fsdp/losses/preference.py has the formulas); kto on
+    unpaired records of a prompt, a completion and a desirable/undesirable label (qlora_fsdp/data/kto.py)."""
 
-    beta: float | None = None  # None: the objective's usual value (dpo 0.1, simpo 2.0)
+    beta: float | None = None  # None: the objective's usual value (dpo and kto 0.1, simpo 2.0)
     loss_type: DpoLossType = "sigmoid"  # dpo: sigmoid (the paper's), robust (label noise), hinge (SLiC), ipo
     label_smoothing: float = 0.0  # dpo sigmoid and robust, simpo: the share of pairs taken as mislabelled
     gamma: float = 1.0  # simpo: the target margin between the rewards (the SimPO paper's gamma/beta of 0.5)
     odds_ratio_weight: float = 0.1  # orpo: lambda, the weight of the odds-ratio term beside the chosen NLL
     bad_pairs: Literal["error", "drop"] = "error"  # an empty or identical completion, prompts that disagree
-    # dpo: adapter_off runs the base with the adapter off on every micro-batch (one more forward a step);
+    desirable_weight: float = 1.0  # kto: the weight of a desirable record's loss (TRL's desirable_weight)
+    undesirable_weight: float = 1.0  # kto: and of an undesirable one's
+    # dpo, kto: adapter_off runs the base with the adapter off on every micro-batch (one more forward a step);
     # precomputed runs it once per pair before training and keeps the result with the run; auto: precomputed when
     # the run sees every pair at least once (then it is never dearer), else adapter_off (docs/benchmarks/preference.md)
     reference: Literal["auto", "adapter_off", "precomputed"] = "auto"
@@ -293,7 +299,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 100  # optimizer steps to train for
-    # sft: next-token loss on the targets; dpo, orpo, simpo: preference pairs (the `preference` section)
+    # sft: next-token loss on the targets; dpo, orpo, simpo: preference pairs, kto: records labelled desirable or
+    # not (the `preference` section); grpo: rewards of generated completions (the `grpo` section)
     objective: Objective = "sft"
     eval_every: int = 0  # 0: evaluate only at start and end
     # steps a metrics.jsonl record (and a TensorBoard/W&B point) covers: their mean loss, summed tokens; eval steps,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qlora_fsdp.config.schema import Config
+from qlora_fsdp.config.schema import REFERENCE_OBJECTIVES, Config
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
@@ -121,10 +121,16 @@ def _validate_preference(config: Config) -> None:
     if objective != "sft" and config.data.overlong == "split":
         raise ConfigError("'data.overlong: split' cuts samples into pieces, which a preference pair cannot be; use "
                           "truncate or drop")
-    if objective == "dpo" and config.model.adapter and preference.reference == "adapter_off":
+    if objective == "kto" and min(preference.desirable_weight, preference.undesirable_weight) < 0:
+        raise ConfigError(f"'preference.desirable_weight' and 'preference.undesirable_weight' must be 0 or more, got "
+                          f"{preference.desirable_weight} and {preference.undesirable_weight}")
+    if objective == "kto" and config.data.format != "chat":
+        raise ConfigError(f"'train.objective: kto' reads records of a prompt, a completion and a label "
+                          f"('data.format: chat'), got format {config.data.format}")
+    if objective in REFERENCE_OBJECTIVES and config.model.adapter and preference.reference == "adapter_off":
         raise ConfigError("'preference.reference: adapter_off' would compare against the base without "
                           "model.adapter's weights; use precomputed (or auto, which then precomputes)")
-    if objective == "dpo" and config.lora.train_router and preference.reference == "adapter_off":
+    if objective in REFERENCE_OBJECTIVES and config.lora.train_router and preference.reference == "adapter_off":
         raise ConfigError("'preference.reference: adapter_off' would compare against the trained routers, which "
                           "the adapter switch leaves on; use precomputed (or auto, which then precomputes)")
     if objective != "sft" and config.data.train_on_inputs:

@@ -48,6 +48,7 @@ class Batch:
     vision: dict[str, torch.Tensor] | None = None  # the rows' images, in the order their image tokens come
     # preference pairs whose reference log-probabilities were computed before training: per sequence, in order
     reference_logps: torch.Tensor | None = None
+    desirable: torch.Tensor | None = None  # kto: each pair's (record's) label, bool, in order
     # flat indices of the target tokens, the only positions the output layer and the loss need; found when the
     # batch is made (on the host, with real values: the planner runs the step on fake tensors)
     target_positions: torch.Tensor = field(init=False, repr=False)

@@ -41,11 +41,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def prompt_length(chosen: Sample, rejected: Sample) -> int:
-    """Where the completions start: the shared tokens, less the trailing run of targets they share."""
+def prompt_length(chosen: Sample, rejected: Sample, same_allowed: bool = False) -> int:
+    """Where the completions start: the shared tokens, less the trailing run of targets they share. `same_allowed`:
+    two equal sequences are no error (a KTO record whose KL completion happens to be its own)."""
     start = common_prefix(chosen.input_ids, rejected.input_ids)
     if start == len(chosen.input_ids) == len(rejected.input_ids):
-        raise BadPair("chosen and rejected render to the same tokens")
+        if not same_allowed:
+            raise BadPair("chosen and rejected render to the same tokens")
+        while start and chosen.labels[start - 1] == IGNORE_INDEX:  # the template's tail after the last target
+            start -= 1
     while start and chosen.labels[start - 1] != IGNORE_INDEX:
         start -= 1
     return start
@@ -56,11 +60,11 @@ def completion_only(sample: Sample, start: int) -> Sample:
 
 
 def encode_pair(prompt: list[Message], chosen: list[Message], rejected: list[Message], tools: str,
-                tokenizer: PreTrainedTokenizerBase, template: Template) -> EncodedPair:
+                tokenizer: PreTrainedTokenizerBase, template: Template, same_allowed: bool = False) -> EncodedPair:
     """The pair's two sequences; BadPair where a completion has no target token."""
     encoded = [Sample(*encode(prompt + completion, tokenizer, template, False, tools))
                for completion in (chosen, rejected)]
-    start = prompt_length(*encoded)
+    start = prompt_length(encoded[0], encoded[1], same_allowed=same_allowed)
     pair = EncodedPair(completion_only(encoded[0], start), completion_only(encoded[1], start), prompt_tokens=start)
     for name, sample in (("chosen", pair.chosen), ("rejected", pair.rejected)):
         if all(label == IGNORE_INDEX for label in sample.labels):

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, OverlongPolicy, SourceConfig, Template
 from qlora_fsdp.data.fingerprint import map_fingerprint
+from qlora_fsdp.data.kto import as_kto_pairs
 from qlora_fsdp.data.pair_encoding import EncodedPair, encode_pair, fit_pair
 from qlora_fsdp.data.pairs import BadPair, as_pairs, good_pairs
 from qlora_fsdp.data.pipeline import Dataset, assembled
@@ -30,10 +31,13 @@ class TokenizePair:
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list[Any]] = {name: [] for name in (*PAIR_COLUMNS, "overlong", "problem", "origin", "record")}
         out["origin"], out["record"] = batch["origin"], batch["record"]
+        kto = "desirable" in batch  # a record and its KL sequence, which may be the same
+        if kto:
+            out["desirable"] = batch["desirable"]
         for prompt, chosen, rejected, tools in zip(batch["prompt"], batch["chosen"], batch["rejected"],
                                                    batch["tools"], strict=True):
             try:
-                encoded = encode_pair(prompt, chosen, rejected, tools, self.tokenizer, self.template)
+                encoded = encode_pair(prompt, chosen, rejected, tools, self.tokenizer, self.template, kto)
             except BadPair as err:
                 out["problem"].append(str(err))
                 encoded = None
@@ -57,13 +61,14 @@ class TokenizePair:
                 f"data.context_length {self.context_length}; raise data.context_length")
 
 
-def read_pairs(sources: list[SourceConfig], seed: int, cache_dir: str | None, drop_bad: bool) -> tuple[
-        datasets.Dataset, int, int]:
-    """(good pairs of every source, mixed by weight; records read; bad records dropped)."""
+def read_pairs(sources: list[SourceConfig], seed: int, cache_dir: str | None, drop_bad: bool,
+               kto: bool = False) -> tuple[datasets.Dataset, int, int]:
+    """(good pairs of every source, mixed by weight; records read; bad records dropped). `kto`: unpaired records,
+    each a pair of its own sequence and its KL sequence."""
     parts, n_records, n_bad = [], 0, 0
     for source in sources:
         records = read_source(source, cache_dir)
-        pairs, dropped = good_pairs(as_pairs(records, source), drop_bad)
+        pairs, dropped = good_pairs((as_kto_pairs if kto else as_pairs)(records, source), drop_bad)
         parts.append(weighted(pairs, source.weight, seed))
         n_records, n_bad = n_records + len(records), n_bad + dropped
     return (datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]), n_records, n_bad
@@ -74,7 +79,8 @@ def tokenized_pairs(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerB
     """(pairs that fit the context, records read, pairs longer than the context, pairs dropped)."""
     data = cfg.data
     drop_bad = cfg.preference.bad_pairs == "drop"
-    pairs, n_records, n_bad = read_pairs(sources, cfg.train.seed, data.cache_dir, drop_bad)
+    pairs, n_records, n_bad = read_pairs(sources, cfg.train.seed, data.cache_dir, drop_bad,
+                                         cfg.train.objective == "kto")
     encoded = pairs.map(TokenizePair(tokenizer, template, data.context_length, data.overlong), batched=True,
                         remove_columns=pairs.column_names, num_proc=data.num_proc if data.num_proc > 1 else None,
                         desc="tokenizing pairs",

@@ -51,6 +51,11 @@ class Dataset:
         rows = split[indices] if indices else {"input_ids": [], "labels": []}
         return [Sample(ids, labels) for ids, labels in zip(rows["input_ids"], rows["labels"], strict=True)]
 
+    @staticmethod
+    def desirable(split: datasets.Dataset) -> list[bool] | None:
+        """KTO's labels, a record's each (its pair: its own sequence, then its KL sequence); None for other data."""
+        return [bool(label) for label in split["desirable"]] if "desirable" in split.column_names else None
+
     @property
     def n_units(self) -> int:
         return len(self.packs) if self.packs is not None else len(self.train)

@@ -9,6 +9,7 @@ graph get noise: held-out evaluation, a reference forward and generation run wit
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -27,6 +28,6 @@ def add_embedding_noise(model: nn.Module, alpha: float) -> None:
             return embedding_noise(output, alpha)
         return output
 
-    embeddings = model.get_input_embeddings()
+    embeddings = cast(Any, model).get_input_embeddings()
     assert isinstance(embeddings, nn.Module), "every causal LM transformers builds has input embeddings"
     embeddings.register_forward_hook(hook)

@@ -4,6 +4,7 @@ reference: the same 4-bit base with the adapter turned off, so no second model i
 A batch holds its pairs' sequences in order, chosen then rejected (qlora_fsdp/data/pair_encoding.py). The step's
 loss is the mean over the pairs of the whole effective batch (all micro-batches, all ranks), so the micro-batch's
 share is its summed pair losses over that count; ORPO adds the chosen completions' NLL over their target tokens.
+KTO's records are pairs too: a record's own sequence, then its KL sequence (qlora_fsdp/losses/kto.py).
 """
 
 from __future__ import annotations
@@ -11,17 +12,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from qlora_fsdp.config import Config, Objective, PreferenceConfig
+from qlora_fsdp.config import REFERENCE_OBJECTIVES, Config, Objective, PreferenceConfig
 from qlora_fsdp.layers.expert_lora import expert_lora_off
 from qlora_fsdp.losses.forward import ForwardLoss, LossBatch
+from qlora_fsdp.losses.kto import kl_reference_point, kto_losses
 from qlora_fsdp.losses.preference import PairLogps, PairRewards, dpo_losses, orpo_odds_ratio_losses, simpo_losses
 
 # the sums a micro-batch adds to the step's metrics (each then divided by the step's pairs)
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+# KTO's: the mean reward of the desirable records and of the undesirable ones, and the step's z0
+KTO_METRICS = ("rewards_desirable", "rewards_undesirable", "kl")
 
 
 @dataclass(frozen=True)
@@ -30,11 +35,21 @@ class PairCounts:
 
     pairs: float
     chosen_targets: float
+    desirable: float = 0.0  # kto: the records labelled desirable
+    kl: float = 0.0  # kto: the step's reference point z0
+
+    def denominator(self, metric: str) -> float:
+        """What a metric's step sum is divided by."""
+        counts = {"chosen_nll": self.chosen_targets, "rewards_desirable": self.desirable,
+                  "rewards_undesirable": self.pairs - self.desirable}
+        return max(counts.get(metric, self.pairs), 1.0)
 
 
-def pair_counts(batch: LossBatch) -> tuple[int, int]:
-    """(pairs, target tokens of the chosen completions) of a batch of pair sequences."""
-    return batch.n_samples // 2, int(batch.targets_per_sample()[0::2].sum())
+def pair_counts(batch: LossBatch) -> tuple[int, int, int]:
+    """(pairs, target tokens of the chosen completions, kto's desirable records) of a batch of pair sequences."""
+    desirable = getattr(batch, "desirable", None)
+    return (batch.n_samples // 2, int(batch.targets_per_sample()[0::2].sum()),
+            int(desirable.sum()) if desirable is not None else 0)
 
 
 def as_pairs(sequence_logps: torch.Tensor, batch: LossBatch) -> PairLogps:
@@ -67,11 +82,13 @@ class PairLoss:
         return cls(cfg.train.objective, cfg.preference, ForwardLoss.for_config(cfg, device))
 
     def metric_names(self) -> tuple[str, ...]:
+        if self.objective == "kto":
+            return KTO_METRICS
         return (*METRICS, "chosen_nll") if self.objective == "orpo" else METRICS
 
     @property
     def needs_reference(self) -> bool:
-        return self.objective == "dpo"
+        return self.objective in REFERENCE_OBJECTIVES
 
     def sequence_logps(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
         return -self.forward.per_sample(model, batch, device)
@@ -96,16 +113,44 @@ class PairLoss:
         assert self.objective == "orpo", self.objective
         return orpo_odds_ratio_losses(policy, self.settings.odds_ratio_weight)
 
+    def batch_reference(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
+        """The batch's reference log-probabilities: its own where they were computed before (before training, or
+        by KTO's first pass over the step), else a forward with the adapter off."""
+        reference = getattr(batch, "reference_logps", None)
+        return self.reference_logps(model, batch, device) if reference is None else reference.to(device)
+
+    @torch.no_grad()
+    def kl_sums(self, model: nn.Module, batch: LossBatch, device: torch.device) -> tuple[float, int]:
+        """KTO's first pass over a micro-batch: the summed log-ratios of its KL sequences and their count. The
+        reference it computes stays with the batch for the loss's pass."""
+        reference = self.batch_reference(model, batch, device)
+        cast(Any, batch).reference_logps = reference
+        total, count = kl_reference_point(self.sequence_logps(model, batch, device)[1::2], reference[1::2])
+        return float(total), count
+
+    def kto_loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
+                          totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        desirable = getattr(batch, "desirable", None)
+        assert desirable is not None, "KTO's batches carry their records' labels"
+        desirable = desirable.to(device)
+        reference = self.batch_reference(model, batch, device)[0::2]
+        policy = self.sequence_logps(model, batch, device)[0::2]
+        losses, rewards = kto_losses(policy, reference, totals.kl, desirable, self.settings.resolved_beta("kto"),
+                                     self.settings.desirable_weight, self.settings.undesirable_weight)
+        sums = {"rewards_desirable": rewards[desirable].sum(), "rewards_undesirable": rewards[~desirable].sum(),
+                "kl": torch.tensor(totals.kl * len(losses))}
+        return losses.sum() / max(totals.pairs, 1.0), sums
+
     def loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
                       totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's share of the step's loss, and its sums for the step's metrics (tensors: the planner
         runs this on fake ones). The reference log-probabilities: the batch's own where they were computed before
         training, else (DPO) a forward with the adapter off."""
-        reference = getattr(batch, "reference_logps", None) if self.needs_reference else None
-        if self.needs_reference and reference is None:
-            reference = self.reference_logps(model, batch, device)
+        if self.objective == "kto":
+            return self.kto_loss_and_sums(model, batch, device, totals)
+        reference = self.batch_reference(model, batch, device) if self.needs_reference else None
         policy = as_pairs(self.sequence_logps(model, batch, device), batch)
-        reference_pairs = as_pairs(reference.to(device), batch) if reference is not None else None
+        reference_pairs = as_pairs(reference, batch) if reference is not None else None
         losses, rewards = self.pair_losses(policy, reference_pairs)
         loss = losses.sum() / max(totals.pairs, 1.0)
         sums = {"rewards_chosen": rewards.chosen.sum(), "rewards_rejected": rewards.rejected.sum(),

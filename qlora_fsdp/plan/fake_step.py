@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
-from qlora_fsdp.config import PAIR_OBJECTIVES, CheckpointedLayers, Config
+from qlora_fsdp.config import PAIR_OBJECTIVES, REFERENCE_OBJECTIVES, CheckpointedLayers, Config
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
 from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row
 from qlora_fsdp.dtypes import TORCH_DTYPES
@@ -98,8 +98,10 @@ def synthetic_batches(cfg: Config) -> list[Batch]:
         pair = [Sample(sample.input_ids[:half], sample.labels[:half]), Sample(sample.input_ids[half:],
                                                                                sample.labels[half:])]
         batch = collate_packed([pair] * rows, pad_id=0)
-        if cfg.train.objective == "dpo" and not plans_reference_forward(cfg):  # computed before training
+        if cfg.train.objective in REFERENCE_OBJECTIVES and not plans_reference_forward(cfg):  # computed ahead
             batch.reference_logps = torch.zeros(batch.n_samples)
+        if cfg.train.objective == "kto":  # each record's label
+            batch.desirable = torch.arange(rows) % 2 == 0
     else:
         shorter = Sample(sample.input_ids[:-1], sample.labels[:-1])
         batch = collate([sample] * (rows - 1) + [shorter if rows > 1 else sample], pad_id=0)
@@ -125,10 +127,10 @@ def step_loss(cfg: Config, forward_loss: ForwardLoss) -> ForwardLoss | PairLoss:
 
 
 def plans_reference_forward(cfg: Config) -> bool:
-    """DPO whose reference may be a forward each micro-batch: adapter_off, and auto (which chooses by the data's
-    size, unknown to a plan: the plan takes the larger)."""
-    return (cfg.train.objective == "dpo" and cfg.preference.reference != "precomputed" and not cfg.model.adapter
-            and not cfg.lora.train_router)
+    """DPO or KTO whose reference may be a forward each micro-batch: adapter_off, and auto (which chooses by the
+    data's size, unknown to a plan: the plan takes the larger)."""
+    return (cfg.train.objective in REFERENCE_OBJECTIVES and cfg.preference.reference != "precomputed"
+            and not cfg.model.adapter and not cfg.lora.train_router)
 
 
 def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh) -> StepMemory:

@@ -140,6 +140,9 @@ class Trainer:
         self.pair_loss = PairLoss.for_config(cfg, info.device) if cfg.train.objective in PAIR_OBJECTIVES else None
         self.grpo: GrpoSteps | None = None  # train.objective grpo: api.make_trainer sets it (it needs the tokenizer)
         self.references: dict[str, torch.Tensor] | None = None  # DPO's, when computed before training
+        paired = isinstance(data, Dataset) and data.pairs  # kto's records carry their labels
+        self.desirable = {name: Dataset.desirable(split) if paired else None
+                          for name, split in (("train", data.train), ("eval", data.eval))}
         self.scaler = LossScaler(uses_loss_scaling(cfg), cfg.optim.loss_scale_init,
                                  cfg.optim.loss_scale_growth_interval)
         if self.pair_loss is not None and self.pair_loss.needs_reference and not self.precomputes_reference():
@@ -198,7 +201,7 @@ class Trainer:
         if self.pair_loss is not None:
             references = self.references["eval"] if self.references is not None else None
             return evaluate_pairs(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
-                                  self.info, self.pair_loss, references)
+                                  self.info, self.pair_loss, references, self.desirable["eval"])
         return eval_record(evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
                                     self.info, self.forward_loss, self.split))
 
@@ -224,6 +227,9 @@ class Trainer:
         batch = collate_packed(rows, self.pad_id, length)
         if self.references is not None:  # each pair's chosen, then its rejected sequence, as the rows hold them
             batch.reference_logps = self.references["train"][pair_ids].flatten()
+        labels = self.desirable["train"]
+        if labels is not None:  # kto: each record's label
+            batch.desirable = torch.tensor([labels[p] for p in pair_ids])
         return batch
 
     def micro_batches(self) -> list[Batch]:
@@ -323,8 +329,9 @@ class Trainer:
             evaluated = "eval_loss" in record or "eval_reward" in record
             if save or stats.skipped or evaluated or self.step % cfg.log_every == 0:
                 self.logger.log(self.window.take())
-            shown = ("loss", "reward", "reward_accuracy", "reward_margin", "eval_loss", "eval_ppl", "eval_reward",
-                     "eval_reward_accuracy", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu", "peak_memory_gib")
+            shown = ("loss", "reward", "reward_accuracy", "reward_margin", "kl", "eval_loss", "eval_ppl",
+                     "eval_reward", "eval_reward_accuracy", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu",
+                     "peak_memory_gib")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
             self.check_bad_steps(stats)
             if save:

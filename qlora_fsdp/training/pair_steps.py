@@ -7,6 +7,7 @@ k micro-batches then give one batch's gradient, and sharded runs the unsharded o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -17,8 +18,6 @@ from qlora_fsdp.distributed import DistInfo, all_reduce_sums
 from qlora_fsdp.losses.pairs import PairCounts, PairLoss, adapter_off, pair_counts
 from qlora_fsdp.training.grad_sync import set_gradient_sync
 
-PER_TOKEN_METRICS = ("chosen_nll",)  # divided by the chosen completions' target tokens; the rest by pairs
-
 
 def pair_rows(sequences: list[Sample]) -> list[list[Sample]]:
     """Each pair's two sequences (chosen, then rejected) as one row."""
@@ -26,18 +25,35 @@ def pair_rows(sequences: list[Sample]) -> list[list[Sample]]:
 
 
 def step_totals(micro_batches: list[Batch], device: torch.device, extra: list[float]) -> tuple[PairCounts, list[float]]:
-    """The pairs and chosen targets of the whole step (all micro-batches, all ranks), and `extra` summed alike."""
+    """The pairs, chosen targets and desirable records of the whole step (all micro-batches, all ranks), and `extra`
+    summed alike."""
     counts = [pair_counts(b) for b in micro_batches]
-    reduced = all_reduce_sums([sum(c[0] for c in counts), sum(c[1] for c in counts), *extra], device)
-    return PairCounts(reduced[0], reduced[1]), reduced[2:]
+    reduced = all_reduce_sums([sum(c[i] for c in counts) for i in range(3)] + extra, device)
+    return PairCounts(reduced[0], reduced[1], reduced[2]), reduced[3:]
+
+
+def with_kl(totals: PairCounts, model: nn.Module, batches: list[Batch], n_forwards: int, pair_loss: PairLoss,
+            pad_id: int, device: torch.device) -> PairCounts:
+    """KTO's totals with the step's z0: a first pass over the micro-batches (`n_forwards` of them on the busiest
+    rank; a rank with fewer runs idle forwards), every rank's mismatched sequences averaged, clamped at 0."""
+    if pair_loss.objective != "kto":
+        return totals
+    summed, count = 0.0, 0.0
+    for index in range(n_forwards):
+        if index < len(batches):
+            part, n = pair_loss.kl_sums(model, batches[index], device)
+            summed, count = summed + part, count + n
+        else:
+            idle_forwards(model, pair_loss, pad_id, device)
+    summed, count = all_reduce_sums([summed, count], device)
+    return dataclasses.replace(totals, kl=max(summed / max(count, 1.0), 0.0))
 
 
 def averaged(sums: dict[str, float], totals: PairCounts, device: torch.device) -> dict[str, float]:
     """Metric sums over all ranks, each divided by what it is counted in."""
     keys = sorted(sums)
     reduced = all_reduce_sums([sums[k] for k in keys], device)
-    return {k: v / max(totals.chosen_targets if k in PER_TOKEN_METRICS else totals.pairs, 1.0)
-            for k, v in zip(keys, reduced, strict=True)}
+    return {k: v / totals.denominator(k) for k, v in zip(keys, reduced, strict=True)}
 
 
 def accumulate_pair_gradients(model: nn.Module, micro_batches: list[Batch], device: torch.device, pair_loss: PairLoss,
@@ -47,6 +63,7 @@ def accumulate_pair_gradients(model: nn.Module, micro_batches: list[Batch], devi
     totals, (n_tokens, n_targets, n_positions) = step_totals(
         micro_batches, device, [sum(b.n_tokens for b in micro_batches), sum(b.n_targets for b in micro_batches),
                                 sum(b.input_ids.numel() for b in micro_batches)])
+    totals = with_kl(totals, model, micro_batches, len(micro_batches), pair_loss, 0, device)
     local_loss, sums = 0.0, dict.fromkeys(pair_loss.metric_names(), 0.0)
     for index, batch in enumerate(micro_batches):
         set_gradient_sync(model, index == len(micro_batches) - 1)
@@ -84,9 +101,11 @@ def held_out_batches(sequences: list[Sample], batch_size: int, info: DistInfo) -
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")  # held-out batches vary in shape
 def evaluate_pairs(model: nn.Module, sequences: list[Sample], batch_size: int, pad_id: int, info: DistInfo,
-                   pair_loss: PairLoss, references: torch.Tensor | None = None) -> dict[str, float]:
+                   pair_loss: PairLoss, references: torch.Tensor | None = None,
+                   desirable: list[bool] | None = None) -> dict[str, float]:
     """Held-out loss (the mean over pairs, as in training) and reward metrics, over all ranks. `references`: the
-    pairs' reference log-probabilities (pairs, 2) where they were computed before training."""
+    pairs' reference log-probabilities (pairs, 2) where they were computed before training; `desirable`: KTO's
+    labels, a pair's each."""
     pairs = pair_rows(sequences)
     chunks, n_batches = held_out_batches(sequences, batch_size, info)
     batches = []
@@ -94,10 +113,13 @@ def evaluate_pairs(model: nn.Module, sequences: list[Sample], batch_size: int, p
         batch = collate_packed([pairs[p] for p in ids], pad_id)
         if references is not None:
             batch.reference_logps = references[ids].flatten()
+        if desirable is not None:
+            batch.desirable = torch.tensor([desirable[p] for p in ids])
         batches.append(batch)
     totals, _ = step_totals(batches, info.device, [])
     was_training = model.training
     model.eval()
+    totals = with_kl(totals, model, batches, n_batches, pair_loss, pad_id, info.device)
     loss, sums = 0.0, dict.fromkeys(pair_loss.metric_names(), 0.0)
     for index in range(n_batches):
         if index < len(batches):

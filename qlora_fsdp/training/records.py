@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # kept in the summary: a preference run's held-out accuracy and margin, a GRPO run's held-out reward
-REWARD_SUMMARY = ("eval_reward_accuracy", "eval_reward_margin", "eval_reward")
+# the held-out metrics a run's summary gives at the start and the end (KTO's: each label's mean reward)
+REWARD_SUMMARY = ("eval_reward_accuracy", "eval_reward_margin", "eval_reward", "eval_rewards_desirable",
+                  "eval_rewards_undesirable")
 
 
 @dataclass(frozen=True)
