@@ -37,6 +37,7 @@ from qlora_fsdp.training.metrics import MetricsLogger, format_summary
 from qlora_fsdp.training.optimizer import build_optimizer, build_scheduler
 from qlora_fsdp.training.plots import plot_loss_curves
 from qlora_fsdp.training.records import MfuReference, RunSummary
+from qlora_fsdp.training.reward_model_scores import reward_model_function
 from qlora_fsdp.training.run_dir import prepare_run_dir
 from qlora_fsdp.training.shared_dir import check_output_dir_shared
 from qlora_fsdp.training.tracking import check_available as check_trackers_available
@@ -56,7 +57,9 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     """
     cfg = load_config(config, overrides) if isinstance(config, str) else validate(config)
     check_trackers_available(cfg.logging)  # every rank, before anything is read
-    rewards = resolve_rewards(cfg.grpo) if cfg.train.objective == "grpo" else []  # an unknown one: before loading
+    # an unknown one, or a reward model's folder that is none: before loading
+    grpo = cfg.train.objective == "grpo"
+    rewards = resolve_rewards(cfg.grpo, {"reward_model": reward_model_function}) if grpo else []
     info = info or init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes,
                                     first_collective_timeout_s=cfg.train.first_collective_timeout_s)
     row_split(cfg.fsdp.context_parallel)  # context parallel's groups, or one line now (too few ranks)

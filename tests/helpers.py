@@ -30,10 +30,12 @@ def build_tiny_checkpoint(out: Path, layers: int = 2, max_shard_size: str = "50G
     return out
 
 
-def transformers_nf4(model_dir: Path, model_class: Any = None, unquantized: list[str] | None = None) -> torch.nn.Module:
+def transformers_nf4(model_dir: Path, model_class: Any = None, unquantized: list[str] | None = None,
+                     **settings: Any) -> torch.nn.Module:
     """transformers + bitsandbytes' own NF4 load (double quantization, fp32 compute), none of our loading code: the
     reference our loaded model is held to. Eager attention where transformers' sdpa cannot run the family.
-    `unquantized`: bitsandbytes' skip list (llm_int8_skip_modules) instead of transformers' own choice."""
+    `unquantized`: bitsandbytes' skip list (llm_int8_skip_modules) instead of transformers' own choice; `settings`:
+    more of from_pretrained's arguments (num_labels)."""
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -42,10 +44,10 @@ def transformers_nf4(model_dir: Path, model_class: Any = None, unquantized: list
                                llm_int8_skip_modules=unquantized)
     model_class = model_class or AutoModelForCausalLM
     try:
-        model = model_class.from_pretrained(model_dir, quantization_config=quant, dtype=torch.float32)
+        model = model_class.from_pretrained(model_dir, quantization_config=quant, dtype=torch.float32, **settings)
     except ValueError:  # Gemma 2 (soft-capping), gpt-oss (sinks): sdpa is refused
         model = model_class.from_pretrained(model_dir, quantization_config=quant, dtype=torch.float32,
-                                            attn_implementation="eager")
+                                            attn_implementation="eager", **settings)
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False  # the kernel training uses (DESIGN.md, CPU eval trap)

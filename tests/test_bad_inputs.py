@@ -324,6 +324,53 @@ def grpo_without_rewards(d: Path, model: Path) -> list[str]:
     return ["--recipe", "tiny_cpu_grpo", "grpo.rewards=[]"]
 
 
+@bad_input(r"reward function reward_model: .*sft_adapter is not a reward model's adapter \(its task_type is not "
+           r"SEQ_CLS\); train one with train\.objective: reward")
+def grpo_reward_model_that_is_an_sft_adapter(d: Path, model: Path) -> list[str]:
+    """A GRPO reward model option pointing at an SFT run's adapter instead of a reward model's."""
+    folder = d / "sft_adapter"
+    write(folder / "adapter_config.json", json.dumps({"task_type": "CAUSAL_LM"}))
+    write(folder / "training_config.yaml", "model:\n  path: models/tiny-llama\n")
+    return ["--recipe", "tiny_cpu_grpo", f"grpo.rewards=[{{function: reward_model, options: {{adapter: {folder}}}}}]"]
+
+
+# --- the options peers offer: LoRA+, NEFTune, KTO, reward models --------------------------------------------------
+@bad_input(r"'lora\.plus_ratio' must be positive \(LoRA\+ suggests 16\), or null for one learning rate, got -16")
+def loraplus_ratio_negative(d: Path, model: Path) -> list[str]:
+    """LoRA+ with a negative ratio (a sign typed by mistake)."""
+    return ["lora.plus_ratio=-16"]
+
+
+@bad_input(r"'train\.neftune_alpha' with train\.objective grpo: .*; remove train\.neftune_alpha")
+def neftune_with_grpo(d: Path, model: Path) -> list[str]:
+    """NEFTune's noise asked for in a GRPO run."""
+    return ["--recipe", "tiny_cpu_grpo", "train.neftune_alpha=5"]
+
+
+@bad_input(r"kto\.jsonl: record 2: its label is 'yes'; KTO's label is true \(desirable\) or false \(undesirable\)")
+def kto_record_with_a_word_for_its_label(d: Path, model: Path) -> list[str]:
+    """A KTO record whose label is the word "yes" instead of true."""
+    good = {"prompt": "Say one.", "completion": "One.", "label": True}
+    lines = [json.dumps(good), json.dumps({**good, "label": "yes"})] + [json.dumps(good)] * 6
+    return ["--recipe", "tiny_cpu_kto", data_file(d, lines, "kto.jsonl")]
+
+
+@bad_input(r"'train\.objective: kto' reads records of a prompt, a completion and a label \('data\.format: chat'\), "
+           r"got format alpaca")
+def kto_with_alpaca_records(d: Path, model: Path) -> list[str]:
+    """KTO asked for on alpaca-format records."""
+    return ["train.objective=kto"]
+
+
+@bad_input(r"pairs\.jsonl: record 1: its margin is 'large'; a margin is a number \(or set preference\.bad_pairs: "
+           r"drop\)")
+def reward_pair_with_a_word_for_its_margin(d: Path, model: Path) -> list[str]:
+    """A reward model's preference pair whose margin is a word."""
+    pair = json.loads((REPO / "data" / "tiny_preferences.jsonl").read_text().splitlines()[0])
+    return ["--recipe", "tiny_cpu_dpo", "train.objective=reward",
+            data_file(d, [json.dumps({**pair, "margin": "large"})] * 8, "pairs.jsonl")]
+
+
 # --- records with images --------------------------------------------------------------------------------------
 @bad_input(r"the data's records show images, but .* is a llama checkpoint without a vision tower; use a "
            r"vision-language checkpoint, or text-only records")

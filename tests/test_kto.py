@@ -55,7 +55,7 @@ def kto_records(cfg):
     """The first training records as pairs (own sequence, KL sequence) and their labels."""
     data = load_pairs(load_tokenizer(cfg), cfg)
     ids = list(range(N_RECORDS))
-    return pair_rows(data.samples(data.train, ids)), [Dataset.desirable(data.train)[i] for i in ids]
+    return pair_rows(data.samples(data.train, ids)), [Dataset.pair_extras(data.train)["desirable"][i] for i in ids]
 
 
 def kto_step(info, cfg, per_batch: int):
@@ -166,7 +166,7 @@ def test_kto_records_pair_each_prompt_with_the_previous_completion(tiny_model_di
     kl = {t.split("Say ")[1].split(".")[0]: t for t in texts[1::2]}
     assert "One." in own["one"] and "Three." in own["three"]
     assert "Three." in kl["one"] and "One." in kl["three"]
-    assert sorted(Dataset.desirable(data.train)) == [True, True]
+    assert sorted(Dataset.pair_extras(data.train)["desirable"]) == [True, True]
     path.write_text(json.dumps(records[0]) + "\n" + json.dumps({**records[1], "label": "yes"}) + "\n")
     with pytest.raises(DataError, match=r"kto.jsonl: record 2: its label is 'yes'"):
         load_pairs(tokenizer, cfg)

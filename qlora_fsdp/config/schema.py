@@ -138,18 +138,19 @@ class LossConfig:
     chunk_tokens: int = 256  # tokens per chunk of the output projection and loss
 
 
-Objective = Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"]
+Objective = Literal["sft", "dpo", "orpo", "simpo", "kto", "reward", "grpo"]
 # the objectives trained on preference pairs; kto's records are unpaired, each read as a pair of its own sequence and
-# its KL sequence (its prompt with another record's completion)
-PAIR_OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
+# its KL sequence (its prompt with another record's completion); reward trains a scalar head (a reward model)
+PAIR_OBJECTIVES = ("dpo", "orpo", "simpo", "kto", "reward")
 REFERENCE_OBJECTIVES = ("dpo", "kto")  # compared against the reference (the base with the adapter off)
 DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]
 
 
 @dataclass
 class PreferenceConfig:
-    """Preference tuning (train.objective dpo, orpo or simpo) on pairs of a prompt, a chosen and a rejected
-    completion (qlora_fsdp/data/pairs.py reads them; qlora_fsdp/losses/preference.py has the formulas); kto on
+    """Preference tuning (train.objective dpo, orpo, simpo; reward: a reward model) on pairs of a prompt, a chosen
+    and a rejected completion (qlora_fsdp/data/pairs.py reads them; qlora_fsdp/losses/preference.py has the
+    formulas); kto on
     unpaired records of a prompt, a completion and a desirable/undesirable label (qlora_fsdp/data/kto.py)."""
 
     beta: float | None = None  # None: the objective's usual value (dpo and kto 0.1, simpo 2.0)
@@ -158,6 +159,10 @@ class PreferenceConfig:
     gamma: float = 1.0  # simpo: the target margin between the rewards (the SimPO paper's gamma/beta of 0.5)
     odds_ratio_weight: float = 0.1  # orpo: lambda, the weight of the odds-ratio term beside the chosen NLL
     bad_pairs: Literal["error", "drop"] = "error"  # an empty or identical completion, prompts that disagree
+    # reward: the Bradley-Terry loss plus this times the mean squared sum of a pair's two rewards, which keeps the
+    # rewards centred on 0 (TRL's center_rewards_coefficient; it suggests 0.01); None: off. A pair's own margin
+    # (a `margin` field in its record) is subtracted from its reward gap, as TRL does
+    center_rewards_coefficient: float | None = None
     desirable_weight: float = 1.0  # kto: the weight of a desirable record's loss (TRL's desirable_weight)
     undesirable_weight: float = 1.0  # kto: and of an undesirable one's
     # dpo, kto: adapter_off runs the base with the adapter off on every micro-batch (one more forward a step);
@@ -300,7 +305,8 @@ class DataConfig:
 class TrainConfig:
     max_steps: int = 100  # optimizer steps to train for
     # sft: next-token loss on the targets; dpo, orpo, simpo: preference pairs, kto: records labelled desirable or
-    # not (the `preference` section); grpo: rewards of generated completions (the `grpo` section)
+    # not (the `preference` section); reward: a reward model (a scalar head beside LoRA) on preference pairs; grpo:
+    # rewards of generated completions (the `grpo` section)
     objective: Objective = "sft"
     eval_every: int = 0  # 0: evaluate only at start and end
     # steps a metrics.jsonl record (and a TensorBoard/W&B point) covers: their mean loss, summed tokens; eval steps,

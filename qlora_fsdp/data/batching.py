@@ -49,6 +49,7 @@ class Batch:
     # preference pairs whose reference log-probabilities were computed before training: per sequence, in order
     reference_logps: torch.Tensor | None = None
     desirable: torch.Tensor | None = None  # kto: each pair's (record's) label, bool, in order
+    margin: torch.Tensor | None = None  # reward: each pair's margin (its record's `margin`), in order
     # flat indices of the target tokens, the only positions the output layer and the loss need; found when the
     # batch is made (on the host, with real values: the planner runs the step on fake tensors)
     target_positions: torch.Tensor = field(init=False, repr=False)
@@ -108,6 +109,17 @@ class Batch:
         for row, (lengths, n) in enumerate(zip(self.segments, self.row_samples, strict=True)):
             mask[row, : sum(lengths[:n])] = 1
         return mask
+
+    def last_tokens(self) -> torch.Tensor:
+        """The flat position of each sample's last token (target_samples()' numbering): where a reward model scores
+        it."""
+        rows, width = self.input_ids.shape
+        if self.segments is None or self.row_samples is None:
+            return torch.arange(rows) * width + self.real_tokens().sum(1) - 1
+        ends = [row * width + end - 1 for row, (lengths, n) in enumerate(zip(self.segments, self.row_samples,
+                                                                             strict=True))
+                for end in accumulate(lengths[:n])]
+        return torch.tensor(ends, dtype=torch.long)
 
     def sample_bounds(self, one_row: bool = False) -> list[list[tuple[int, int]]]:
         """[start, end) of every sample (and padding tail) of each packed row, or of the one long row; from the

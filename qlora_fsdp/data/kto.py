@@ -55,7 +55,7 @@ class KtoMaker:
         if isinstance(system, str) and system and not (prompt and prompt[0]["role"] == "system"):
             prompt = [message("system", system), *prompt]
         completion = as_turns(self.turns, record.get(f["completion"]), "assistant", index)
-        where = {"tools": self.turns.tools(record, index), "origin": self.origin, "record": index + 1}
+        where = {"tools": self.turns.tools(record, index), "origin": self.origin, "record": index + 1, "margin": 0.0}
         try:
             desirable = record_label(record.get(f["label"]))
             check_record(prompt, completion)

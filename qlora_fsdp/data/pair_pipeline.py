@@ -13,7 +13,7 @@ from qlora_fsdp.data.fingerprint import map_fingerprint
 from qlora_fsdp.data.kto import as_kto_pairs
 from qlora_fsdp.data.pair_encoding import EncodedPair, encode_pair, fit_pair
 from qlora_fsdp.data.pairs import BadPair, as_pairs, good_pairs
-from qlora_fsdp.data.pipeline import Dataset, assembled
+from qlora_fsdp.data.pipeline import PAIR_EXTRAS, Dataset, assembled
 from qlora_fsdp.data.sources import read_source, weighted
 from qlora_fsdp.distributed import DistInfo
 
@@ -32,8 +32,9 @@ class TokenizePair:
         out: dict[str, list[Any]] = {name: [] for name in (*PAIR_COLUMNS, "overlong", "problem", "origin", "record")}
         out["origin"], out["record"] = batch["origin"], batch["record"]
         kto = "desirable" in batch  # a record and its KL sequence, which may be the same
-        if kto:
-            out["desirable"] = batch["desirable"]
+        for column in PAIR_EXTRAS:
+            if column in batch:
+                out[column] = batch[column]
         for prompt, chosen, rejected, tools in zip(batch["prompt"], batch["chosen"], batch["rejected"],
                                                    batch["tools"], strict=True):
             try:

@@ -23,15 +23,16 @@ from qlora_fsdp.errors import DataError
 
 PAIR_FIELDS = {
     "chat": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system", "role": "role",
-             "content": "content", "tools": "tools"},
+             "content": "content", "tools": "tools", "margin": "margin"},
     "sharegpt": {"prompt": "conversations", "chosen": "chosen", "rejected": "rejected", "system": "system",
-                 "role": "from", "content": "value", "tools": "tools"},
+                 "role": "from", "content": "value", "tools": "tools", "margin": "margin"},
 }
 TURNS = CONVERSATION["messages"]
-# origin and record (1-based) name the record in the messages about a pair that later steps find unusable
+# origin and record (1-based) name the record in the messages about a pair that later steps find unusable; margin:
+# a reward model's per-pair margin (TRL's `margin` column; 0 where a record has none)
 PAIR = datasets.Features({"prompt": TURNS, "chosen": TURNS, "rejected": TURNS, "tools": datasets.Value("string"),
                           "problem": datasets.Value("string"), "origin": datasets.Value("string"),
-                          "record": datasets.Value("int64")})
+                          "record": datasets.Value("int64"), "margin": datasets.Value("float64")})
 
 
 class BadPair(ValueError):
@@ -86,6 +87,15 @@ def split_pair(prompt: list[Message], chosen: list[Message], rejected: list[Mess
     return prompt, chosen, rejected
 
 
+def pair_margin(value: Any) -> float:
+    """A record's margin (a number; none: 0)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadPair(f"its margin is {value!r}; a margin is a number")
+    return float(value)
+
+
 class PairMaker:
     """One preference record -> {prompt, chosen, rejected, tools, problem}; `problem` is empty for a good pair."""
 
@@ -110,8 +120,9 @@ class PairMaker:
             prompt = [message("system", system), *prompt]
         chosen, rejected = (as_turns(self.turns, record.get(f[name]), "assistant", index)
                             for name in ("chosen", "rejected"))
-        where = {"tools": self.turns.tools(record, index), "origin": self.origin, "record": index + 1}
+        where = {"tools": self.turns.tools(record, index), "origin": self.origin, "record": index + 1, "margin": 0.0}
         try:
+            where["margin"] = pair_margin(record.get(f["margin"]))
             prompt, chosen, rejected = split_pair(prompt, chosen, rejected)
         except BadPair as err:
             return {"prompt": [], "chosen": [], "rejected": [], "problem": str(err), **where}

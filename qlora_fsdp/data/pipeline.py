@@ -24,6 +24,8 @@ from qlora_fsdp.data.templates import IGNORE_INDEX, choose_template, encode
 from qlora_fsdp.distributed import DistInfo, barrier
 from qlora_fsdp.errors import DataError
 
+PAIR_EXTRAS = ("desirable", "margin")  # a pair's columns beside its sequences, carried to its batch
+
 
 @dataclass
 class Dataset:
@@ -52,9 +54,10 @@ class Dataset:
         return [Sample(ids, labels) for ids, labels in zip(rows["input_ids"], rows["labels"], strict=True)]
 
     @staticmethod
-    def desirable(split: datasets.Dataset) -> list[bool] | None:
-        """KTO's labels, a record's each (its pair: its own sequence, then its KL sequence); None for other data."""
-        return [bool(label) for label in split["desirable"]] if "desirable" in split.column_names else None
+    def pair_extras(split: datasets.Dataset) -> dict[str, list]:
+        """What a pair carries besides its sequences, by column (PAIR_EXTRAS): KTO's label, a reward model's
+        margin."""
+        return {column: split[column] for column in PAIR_EXTRAS if column in split.column_names}
 
     @property
     def n_units(self) -> int:

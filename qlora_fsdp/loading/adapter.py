@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.layers.expert_lora import ExpertLora, peft_expert_key
+from qlora_fsdp.layers.reward_head import REWARD_HEAD, reward_head
 from qlora_fsdp.loading.fill import copy_full_into, model_layout
 from qlora_fsdp.loading.image_side_training import IMAGE_SIDE, peft_settings
 from qlora_fsdp.loading.layout import CheckpointLayout, lora_target_regex
@@ -23,6 +24,17 @@ from qlora_fsdp.loading.names import PEFT_PREFIX, clean_name
 
 ADAPTER_NAME = "default"
 TRAINING_CONFIG = "training_config.yaml"  # the resolved recipe, next to the PEFT files
+REWARD_TASK = "SEQ_CLS"  # PEFT's task type of a reward model's adapter
+
+
+def refuse_reward_adapter(adapter_dir: Path) -> None:
+    """Merge, generation and GGUF export make or run a causal LM; a reward model's adapter scores sequences."""
+    config_file = adapter_dir / "adapter_config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()).get("task_type") == REWARD_TASK:
+        raise ModelLoadError(f"{adapter_dir} is a reward model's adapter (task_type {REWARD_TASK}): it scores "
+                             "sequences and makes no text to merge, sample or export; use it as a GRPO reward "
+                             "(grpo.rewards: function reward_model) or with PEFT's "
+                             "AutoPeftModelForSequenceClassification")
 
 
 def peft_adapter_key(name: str, adapter: str) -> str:
@@ -74,6 +86,8 @@ def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, ou
         config.target_modules = decoder_only
     for key, value in peft_settings(model, layout.prefix + ".", config.target_modules, lora_modules).items():
         setattr(config, key, value)  # a trained image side: its projector (modules_to_save), its tower's LoRA
+    if reward_head(model) is not None:  # a reward model: PEFT's sequence-classification adapter, its head trained
+        config.task_type, config.modules_to_save = REWARD_TASK, [REWARD_HEAD]
     config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(out_dir)
     (out_dir / TRAINING_CONFIG).write_text(config_yaml)
@@ -123,7 +137,9 @@ def load_adapter_into(model: peft.PeftModel, adapter_dir: Path) -> None:
 
 
 def config_for_adapter(adapter_dir: Path, recipe: str | None, overrides: list[str]) -> Config:
-    """The run's resolved config saved with the adapter, or the given recipe (with overrides either way)."""
+    """The run's resolved config saved with the adapter, or the given recipe (with overrides either way); for
+    merge, generation and export, which refuse a reward model's adapter."""
+    refuse_reward_adapter(adapter_dir)
     saved = adapter_dir / TRAINING_CONFIG
     if recipe is None and not saved.is_file():
         raise ConfigError(f"{adapter_dir} has no {TRAINING_CONFIG} (not written by train.py?): pass --recipe with "

@@ -28,6 +28,7 @@ from qlora_fsdp.layers.attention import transformers_name
 from qlora_fsdp.layers.decoder import decoder_layers, run_mixers_per_sample
 from qlora_fsdp.layers.experts4bit import Experts4bit, quantize_experts
 from qlora_fsdp.layers.fused_lora import fuse_lora_projections
+from qlora_fsdp.layers.reward_head import attach_reward_head
 from qlora_fsdp.loading.checkpoint import checkpoint_folder
 from qlora_fsdp.loading.layout import CheckpointLayout, checkpoint_layout
 from qlora_fsdp.loading.names import is_lora_tensor
@@ -62,6 +63,9 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
     model.requires_grad_(False)
     model.config.use_cache = False  # no KV cache while training
     peft_model = attach_lora(model, cfg.lora)
+    if cfg.train.objective == "reward":  # a reward model: the scalar head beside the language model's
+        attach_reward_head(peft_model.get_base_model(), hf_config.get_text_config().hidden_size,
+                           TORCH_DTYPES[cfg.lora.dtype])
     vars(peft_model)["checkpoint_layout"] = layout  # a plain attribute: read by loading, the adapter and merge
     return peft_model
 

@@ -34,7 +34,7 @@ from qlora_fsdp.layers.lora_math import dora_magnitude
 from qlora_fsdp.loading.build import QUANT_STORAGE
 from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.layout import CheckpointLayout
-from qlora_fsdp.loading.names import clean_name, is_lora_tensor, weight_key
+from qlora_fsdp.loading.names import REWARD_HEAD_KEY, clean_name, is_lora_tensor, weight_key
 from qlora_fsdp.loading.reader import CheckpointReader, Experts, FourBit, ModelShapes, Piece, Plain
 from qlora_fsdp.loading.weight_files import InMemoryTensor, StoredTensor
 
@@ -343,7 +343,8 @@ def quantize(weight: torch.Tensor, quant: QuantConfig, storage: torch.dtype = QU
 
 @torch.no_grad()
 def init_lora(model: nn.Module, seed: int) -> None:
-    """A ~ U(+-1/sqrt(fan_in)) as nn.Linear (and PEFT) do, B = 0, from a generator seeded per name.
+    """A ~ U(+-1/sqrt(fan_in)) as nn.Linear (and PEFT) do, B = 0, a reward head ~ N(0, initializer_range), from a
+    generator seeded per name.
 
     Generated whole and then sharded, so every world size starts from the very same adapter.
     """
@@ -352,8 +353,10 @@ def init_lora(model: nn.Module, seed: int) -> None:
             continue
         key = clean_name(name)
         full = torch.zeros(param.shape, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
         if ".lora_A." in key or key.endswith(".lora_A"):  # PEFT's, or an ExpertLora's [r * experts, in]
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
             bound = 1.0 / param.shape[1] ** 0.5
             full.uniform_(-bound, bound, generator=generator)
+        elif key == REWARD_HEAD_KEY:  # as transformers initializes a classifier: N(0, initializer_range)
+            full.normal_(0.0, getattr(model.config, "initializer_range", 0.02), generator=generator)
         copy_full_into(param, full.to(device=param.device, dtype=param.dtype))

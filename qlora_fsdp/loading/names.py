@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from qlora_fsdp.layers.reward_head import REWARD_HEAD
+
 AC_WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 
@@ -17,6 +19,10 @@ def weight_key(param_name: str) -> str:
     return name.removeprefix(PEFT_PREFIX)
 
 
+REWARD_HEAD_KEY = f"{PEFT_PREFIX}{REWARD_HEAD}.weight"  # a reward model's head, as PEFT's SEQ_CLS adapters name it
+
+
 def is_lora_tensor(name: str) -> bool:
-    """A LoRA/DoRA tensor (initialized by us), not a base tensor that trains (a router, loaded from the checkpoint)."""
-    return ".lora_" in name
+    """A tensor the adapter initializes (LoRA/DoRA, a reward model's head), not a base tensor that trains (a router,
+    loaded from the checkpoint)."""
+    return ".lora_" in name or clean_name(name) == REWARD_HEAD_KEY

@@ -14,8 +14,9 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.layers.attention import attach_sample_bounds, flattens_packed_rows
 from qlora_fsdp.layers.image_embeddings import images_in_embeddings
+from qlora_fsdp.layers.reward_head import reward_head, sequence_scores
 from qlora_fsdp.losses.router import RouterLoss, router_loss_coefficient
-from qlora_fsdp.losses.tokens import per_sample_loss, summed_loss, target_logps
+from qlora_fsdp.losses.tokens import per_sample_loss, summed_loss, target_hidden_states, target_logps
 
 
 class LossBatch(Protocol):
@@ -31,6 +32,8 @@ class LossBatch(Protocol):
     def sample_bounds(self, one_row: bool) -> Any: ...
 
     def real_tokens(self) -> torch.Tensor: ...
+
+    def last_tokens(self) -> torch.Tensor: ...
 
     def target_samples(self) -> torch.Tensor: ...
 
@@ -83,6 +86,15 @@ class ForwardLoss:
         with self.offloading(), images_in_embeddings(model, getattr(batch, "vision", None), device):
             return per_sample_loss(model, inputs, labels, self.chunk_tokens, targets,
                                    batch.target_samples().to(device), batch.n_samples)
+
+    def sequence_rewards(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
+        """A reward model's score of each sample (its reward head on the last token's final hidden state)."""
+        head = reward_head(model)
+        assert head is not None, "train.objective reward builds the model with its reward head"
+        inputs, labels, _ = model_inputs(model, batch, device)
+        with self.offloading(), images_in_embeddings(model, getattr(batch, "vision", None), device):
+            _, hidden, _ = target_hidden_states(model, inputs, labels, batch.last_tokens().to(device))
+        return sequence_scores(head, hidden)
 
     def token_logps(self, model: nn.Module, batch: LossBatch, device: torch.device, temperature: float = 1.0,
                     router_aux: bool = False) -> PolicyTokens:

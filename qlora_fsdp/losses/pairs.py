@@ -21,7 +21,14 @@ from qlora_fsdp.config import REFERENCE_OBJECTIVES, Config, Objective, Preferenc
 from qlora_fsdp.layers.expert_lora import expert_lora_off
 from qlora_fsdp.losses.forward import ForwardLoss, LossBatch
 from qlora_fsdp.losses.kto import kl_reference_point, kto_losses
-from qlora_fsdp.losses.preference import PairLogps, PairRewards, dpo_losses, orpo_odds_ratio_losses, simpo_losses
+from qlora_fsdp.losses.preference import (
+    PairLogps,
+    PairRewards,
+    bradley_terry_losses,
+    dpo_losses,
+    orpo_odds_ratio_losses,
+    simpo_losses,
+)
 
 # the sums a micro-batch adds to the step's metrics (each then divided by the step's pairs)
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
@@ -55,6 +62,12 @@ def pair_counts(batch: LossBatch) -> tuple[int, int, int]:
 def as_pairs(sequence_logps: torch.Tensor, batch: LossBatch) -> PairLogps:
     tokens = batch.targets_per_sample().to(sequence_logps)
     return PairLogps(sequence_logps[0::2], sequence_logps[1::2], tokens[0::2], tokens[1::2])
+
+
+def reward_sums(rewards: PairRewards) -> dict[str, torch.Tensor]:
+    """A micro-batch's sums for the step's reward metrics."""
+    return {"rewards_chosen": rewards.chosen.sum(), "rewards_rejected": rewards.rejected.sum(),
+            "reward_margin": rewards.margin.sum(), "reward_accuracy": rewards.correct.sum()}
 
 
 @contextmanager
@@ -141,6 +154,15 @@ class PairLoss:
                 "kl": torch.tensor(totals.kl * len(losses))}
         return losses.sum() / max(totals.pairs, 1.0), sums
 
+    def reward_loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
+                             totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A reward model's pairs: each sequence scored, the Bradley-Terry loss on each pair's two scores."""
+        scores = self.forward.sequence_rewards(model, batch, device)
+        margin = getattr(batch, "margin", None)
+        losses, rewards = bradley_terry_losses(scores[0::2], scores[1::2], None if margin is None else margin.to(
+            scores), self.settings.center_rewards_coefficient)
+        return losses.sum() / max(totals.pairs, 1.0), reward_sums(rewards)
+
     def loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
                       totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's share of the step's loss, and its sums for the step's metrics (tensors: the planner
@@ -148,13 +170,14 @@ class PairLoss:
         training, else (DPO) a forward with the adapter off."""
         if self.objective == "kto":
             return self.kto_loss_and_sums(model, batch, device, totals)
+        if self.objective == "reward":
+            return self.reward_loss_and_sums(model, batch, device, totals)
         reference = self.batch_reference(model, batch, device) if self.needs_reference else None
         policy = as_pairs(self.sequence_logps(model, batch, device), batch)
         reference_pairs = as_pairs(reference, batch) if reference is not None else None
         losses, rewards = self.pair_losses(policy, reference_pairs)
         loss = losses.sum() / max(totals.pairs, 1.0)
-        sums = {"rewards_chosen": rewards.chosen.sum(), "rewards_rejected": rewards.rejected.sum(),
-                "reward_margin": rewards.margin.sum(), "reward_accuracy": rewards.correct.sum()}
+        sums = reward_sums(rewards)
         if self.objective == "orpo":  # the SFT term on the chosen completions, per target token
             nll = -policy.chosen.sum()
             loss = loss + nll / max(totals.chosen_targets, 1.0)

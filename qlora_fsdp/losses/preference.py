@@ -1,4 +1,5 @@
-"""Preference losses on the log-probabilities of each pair's two completions: DPO (and its variants), SimPO, ORPO.
+"""Preference losses on the log-probabilities of each pair's two completions: DPO (and its variants), SimPO, ORPO;
+and a reward model's Bradley-Terry loss on each pair's two scores.
 
 Every function takes per-pair tensors and returns per-pair losses, so the training step can sum them over a
 micro-batch and divide by the pairs of the whole effective batch (the mean over the global batch, exact under
@@ -105,3 +106,14 @@ def orpo_odds_ratio_losses(policy: PairLogps, weight: float) -> tuple[torch.Tens
     average = policy.averaged()
     ratio = F.logsigmoid(log_odds(average.chosen) - log_odds(average.rejected))
     return -weight * ratio, PairRewards(weight * average.chosen.detach(), weight * average.rejected.detach())
+
+
+def bradley_terry_losses(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None,
+                         center_coefficient: float | None) -> tuple[torch.Tensor, PairRewards]:
+    """Per-pair reward-model losses, as TRL's RewardTrainer computes them: -log sigmoid(r_chosen - r_rejected -
+    margin), plus center_coefficient * (r_chosen + r_rejected)^2 (its mean over pairs keeps the rewards centred)."""
+    gap = chosen - rejected - (margin if margin is not None else 0.0)
+    losses = -F.logsigmoid(gap)
+    if center_coefficient is not None:
+        losses = losses + center_coefficient * (chosen + rejected) ** 2
+    return losses, PairRewards(chosen.detach(), rejected.detach())

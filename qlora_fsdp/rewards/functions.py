@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -69,23 +70,30 @@ def import_function(spec: str) -> RewardFunction:
     return function
 
 
-def resolve(config: RewardConfig, grpo: GrpoConfig) -> Reward:
+# a built-in that needs the model code (a reward model): made from its options by a layer that may load models
+BuiltinFactory = Callable[[dict[str, Any]], RewardFunction]
+
+
+def resolve(config: RewardConfig, grpo: GrpoConfig, factories: dict[str, BuiltinFactory]) -> Reward:
+    if config.function in factories:
+        return Reward(config.function, factories[config.function](config.options), config.weight)
     if ":" not in config.function:
         found = builtin(config.function, config.options, grpo.max_completion_length)
         if found is None:
-            raise ConfigError(f"unknown reward function {config.function!r}: a built-in ({', '.join(BUILTINS)}) or "
-                              "module:function")
+            raise ConfigError(f"unknown reward function {config.function!r}: a built-in "
+                              f"({', '.join([*BUILTINS, *factories])}) or module:function")
         return Reward(config.function, found, config.weight)
     if config.options:
         raise ConfigError(f"reward function {config.function!r}: options are for built-ins; give yours defaults")
     return Reward(config.function, import_function(config.function), config.weight)
 
 
-def resolve_rewards(grpo: GrpoConfig) -> list[Reward]:
-    """Every reward function of the recipe, or a ConfigError naming the first that cannot be had."""
+def resolve_rewards(grpo: GrpoConfig, factories: dict[str, BuiltinFactory] | None = None) -> list[Reward]:
+    """Every reward function of the recipe, or a ConfigError naming the first that cannot be had. `factories`: the
+    built-ins made elsewhere (api.py gives `reward_model`)."""
     if not grpo.rewards:
         raise ConfigError("train.objective grpo needs at least one reward function in grpo.rewards")
-    return [resolve(config, grpo) for config in grpo.rewards]
+    return [resolve(config, grpo, factories or {}) for config in grpo.rewards]
 
 
 @dataclass(frozen=True)

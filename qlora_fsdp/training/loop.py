@@ -35,7 +35,7 @@ from qlora_fsdp.training.grpo_steps import GrpoSteps
 from qlora_fsdp.training.loss_scale import LossScaler
 from qlora_fsdp.training.metrics import MetricsLogger, StepWindow, memory_peaks_gib, reset_memory_peaks
 from qlora_fsdp.training.optimizer import ShardedOptimizer, clip_grad_norm
-from qlora_fsdp.training.pair_steps import accumulate_pair_gradients, evaluate_pairs, pair_rows
+from qlora_fsdp.training.pair_steps import accumulate_pair_gradients, evaluate_pairs, pair_rows, with_pair_extras
 from qlora_fsdp.training.profiling import StepProfiler
 from qlora_fsdp.training.records import REWARD_SUMMARY, MfuReference, RunSummary, StepResult, StepStats
 from qlora_fsdp.training.reference_logps import reference_logps
@@ -140,9 +140,9 @@ class Trainer:
         self.pair_loss = PairLoss.for_config(cfg, info.device) if cfg.train.objective in PAIR_OBJECTIVES else None
         self.grpo: GrpoSteps | None = None  # train.objective grpo: api.make_trainer sets it (it needs the tokenizer)
         self.references: dict[str, torch.Tensor] | None = None  # DPO's, when computed before training
-        paired = isinstance(data, Dataset) and data.pairs  # kto's records carry their labels
-        self.desirable = {name: Dataset.desirable(split) if paired else None
-                          for name, split in (("train", data.train), ("eval", data.eval))}
+        paired = isinstance(data, Dataset) and data.pairs  # KTO's labels, a reward model's margins
+        self.pair_extras = {name: Dataset.pair_extras(split) if paired else {}
+                            for name, split in (("train", data.train), ("eval", data.eval))}
         self.scaler = LossScaler(uses_loss_scaling(cfg), cfg.optim.loss_scale_init,
                                  cfg.optim.loss_scale_growth_interval)
         if self.pair_loss is not None and self.pair_loss.needs_reference and not self.precomputes_reference():
@@ -201,7 +201,7 @@ class Trainer:
         if self.pair_loss is not None:
             references = self.references["eval"] if self.references is not None else None
             return evaluate_pairs(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
-                                  self.info, self.pair_loss, references, self.desirable["eval"])
+                                  self.info, self.pair_loss, references, self.pair_extras["eval"])
         return eval_record(evaluate(self.model, self.eval_samples, self.cfg.data.eval_batch_size, self.pad_id,
                                     self.info, self.forward_loss, self.split))
 
@@ -227,10 +227,7 @@ class Trainer:
         batch = collate_packed(rows, self.pad_id, length)
         if self.references is not None:  # each pair's chosen, then its rejected sequence, as the rows hold them
             batch.reference_logps = self.references["train"][pair_ids].flatten()
-        labels = self.desirable["train"]
-        if labels is not None:  # kto: each record's label
-            batch.desirable = torch.tensor([labels[p] for p in pair_ids])
-        return batch
+        return with_pair_extras(batch, self.pair_extras["train"], pair_ids)
 
     def micro_batches(self) -> list[Batch]:
         """This rank's micro-batches for the next step: padded samples, or packed rows; under context parallel,

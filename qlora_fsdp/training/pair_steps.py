@@ -19,6 +19,13 @@ from qlora_fsdp.losses.pairs import PairCounts, PairLoss, adapter_off, pair_coun
 from qlora_fsdp.training.grad_sync import set_gradient_sync
 
 
+def with_pair_extras(batch: Batch, extras: dict[str, list], pair_ids: list[int]) -> Batch:
+    """The batch with its pairs' extra columns (KTO's labels, a reward model's margins) as tensors, in pair order."""
+    for column, values in extras.items():
+        setattr(batch, column, torch.tensor([values[p] for p in pair_ids]))
+    return batch
+
+
 def pair_rows(sequences: list[Sample]) -> list[list[Sample]]:
     """Each pair's two sequences (chosen, then rejected) as one row."""
     return [sequences[i : i + 2] for i in range(0, len(sequences), 2)]
@@ -102,10 +109,10 @@ def held_out_batches(sequences: list[Sample], batch_size: int, info: DistInfo) -
 @torch.compiler.set_stance("force_eager")  # held-out batches vary in shape
 def evaluate_pairs(model: nn.Module, sequences: list[Sample], batch_size: int, pad_id: int, info: DistInfo,
                    pair_loss: PairLoss, references: torch.Tensor | None = None,
-                   desirable: list[bool] | None = None) -> dict[str, float]:
+                   extras: dict[str, list] | None = None) -> dict[str, float]:
     """Held-out loss (the mean over pairs, as in training) and reward metrics, over all ranks. `references`: the
-    pairs' reference log-probabilities (pairs, 2) where they were computed before training; `desirable`: KTO's
-    labels, a pair's each."""
+    pairs' reference log-probabilities (pairs, 2) where they were computed before training; `extras`: the pairs'
+    other columns (Dataset.pair_extras)."""
     pairs = pair_rows(sequences)
     chunks, n_batches = held_out_batches(sequences, batch_size, info)
     batches = []
@@ -113,9 +120,7 @@ def evaluate_pairs(model: nn.Module, sequences: list[Sample], batch_size: int, p
         batch = collate_packed([pairs[p] for p in ids], pad_id)
         if references is not None:
             batch.reference_logps = references[ids].flatten()
-        if desirable is not None:
-            batch.desirable = torch.tensor([desirable[p] for p in ids])
-        batches.append(batch)
+        batches.append(with_pair_extras(batch, extras or {}, ids))
     totals, _ = step_totals(batches, info.device, [])
     was_training = model.training
     model.eval()
