@@ -3,6 +3,8 @@ size runs every check (LoRA+'s groups and step, NEFTune's noise)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -11,7 +13,12 @@ from peft.optimizers import create_loraplus_optimizer
 from transformers import AutoModelForCausalLM
 from transformers.integrations.neftune import neftune_post_forward_hook
 
-from qlora_fsdp.loading.adapter import gather_trainable_state
+from qlora_fsdp.config import to_yaml
+from qlora_fsdp.data.batching import Sample
+from qlora_fsdp.labels import IGNORE_INDEX
+from qlora_fsdp.layers.trained_embeddings import embedding_parameters
+from qlora_fsdp.loading.adapter import export_adapter, gather_trainable_state
+from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.names import clean_name
 from qlora_fsdp.losses.forward import ForwardLoss
@@ -19,18 +26,29 @@ from qlora_fsdp.training.loop import accumulate_gradients
 from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm, parameter_groups
 from tests.helpers import (
     batches,
+    command_here,
     full_grads,
     relative_difference,
     run_ranks_sequence,
     tiny_config,
+    transformers_nf4,
     variable_length_samples,
 )
+from tests.test_kto import set_adapter
 
 pytestmark = pytest.mark.slow  # gloo ranks
 
 PAD = 2
 PLUS_RATIO, LR, WEIGHT_DECAY = 16.0, 1e-3, 0.1
 NEFTUNE_ALPHA = 5.0
+NEW_TOKENS, EMBEDDINGS_LR = ["<think>", "</think>"], 1e-4
+
+
+def with_new_tokens(samples, new_ids):
+    """Each sample with the new tokens inside it, the second as a target (so both rows of the embeddings and the
+    head's row of the second get gradients)."""
+    return [Sample(s.input_ids[:3] + new_ids + s.input_ids[3:], s.labels[:3] + [IGNORE_INDEX, new_ids[1]]
+                   + s.labels[3:]) for s in samples]
 
 
 # ---- inside the ranks -----------------------------------------------------------------------------------------
@@ -82,6 +100,29 @@ def seeded_loss(model, batch, device, seed):
     return ForwardLoss()(model, batch, device)
 
 
+def embeddings_step(info, cfg, per_rank, adapter_dir):
+    """The embeddings and head trained beside LoRA, with two new tokens: their rows at the start, every gradient,
+    one 8-bit AdamW step (32-bit state for them), the adapter saved, and the live model's logits after the step."""
+    model = build_model(cfg, info)
+    set_adapter(model)
+    before = gather_trainable_state(model)
+    accumulate_gradients(model, per_rank[info.rank], info.device)
+    grads = full_grads(model)
+    optimizer = build_optimizer(model, cfg.optim, cfg.lora)
+    clip_grad_norm(model, None)
+    optimizer.step()
+    after = gather_trainable_state(model)
+    embedding_ids = {id(p) for p in embedding_parameters(model)}
+    state_dtypes = {str(optimizer.inner.state[local]["state1"].dtype)
+                    for param, local in zip(optimizer.params, optimizer.locals, strict=True)
+                    if id(param) in embedding_ids}
+    export_adapter(model, load_tokenizer(cfg), adapter_dir, cfg.model.path, info.is_main, to_yaml(cfg))
+    with torch.no_grad():
+        logits = model(input_ids=per_rank[0][0].input_ids.to(info.device)).logits.float().cpu()
+    return {"before": before, "grads": grads, "delta": {k: after[k] - before[k] for k in before},
+            "state_dtypes": state_dtypes, "lrs": [g["lr"] for g in optimizer.inner.param_groups], "logits": logits}
+
+
 def peer_option_checks(info, calls):
     return {name: fn(info, *args) for name, (fn, args) in calls.items()}
 
@@ -98,10 +139,20 @@ def option_runs(tiny_model_dir, tmp_path_factory):
     loraplus = tiny_config(tiny_model_dir, lora={"plus_ratio": PLUS_RATIO, "use_dora": True},
                            optim={"lr": LR, "weight_decay": WEIGHT_DECAY})
     neftune = tiny_config(tiny_model_dir, train={"neftune_alpha": NEFTUNE_ALPHA})
-    runs = {}
+    embeddings = tiny_config(tiny_model_dir, model={"add_tokens": NEW_TOKENS},
+                             lora={"train_embeddings": True, "embeddings_lr": EMBEDDINGS_LR, "dropout": 0.0},
+                             optim={"lr": LR})
+    tokenizer = load_tokenizer(embeddings)
+    new_ids = tokenizer.convert_tokens_to_ids(NEW_TOKENS)
+    with_new = [batches(with_new_tokens(samples[:4], new_ids), 4, PAD), batches(with_new_tokens(samples[4:8], new_ids),
+                                                                                 4, PAD)]
+    runs = {"new_ids": new_ids, "new_token_samples": with_new_tokens(samples[:8], new_ids),
+            "adapter": tmp_path_factory.mktemp("embeddings") / "adapter"}
     for world_size, data in ((1, whole), (2, per_rank)):
+        embedding_data = [with_new[0] + with_new[1]] if world_size == 1 else with_new
         calls = {"loraplus": (loraplus_step, (loraplus, data)), "neftune": (neftune_against_transformers,
-                                                                             (neftune, per_rank))}
+                                                                             (neftune, per_rank)),
+                 "embeddings": (embeddings_step, (embeddings, embedding_data, runs["adapter"]))}
         runs[world_size] = run_ranks_sequence([(peer_option_checks, (calls,))], world_size,
                                               tmp_path_factory.mktemp(f"ws{world_size}"))[0]
     return runs
@@ -160,3 +211,69 @@ def test_neftune_noise_is_transformers(option_runs, world_size):
     assert relative_difference(run["ours"]["grads"], run["none"]["grads"]) > 1e-3
     assert run["no_grad_losses"][0] == run["no_grad_losses"][1]
     assert run["grad_losses"][0] != run["grad_losses"][1]
+
+
+def peft_modules_to_save_grads(model_dir, run, samples) -> dict[str, torch.Tensor]:
+    """PEFT's gradients with the embeddings and the head in modules_to_save, on transformers + bitsandbytes NF4 grown
+    to the new vocabulary, their rows and the LoRA matrices set as ours started: the summed loss over the samples'
+    targets divided by their count, as our step normalizes it."""
+    model = transformers_nf4(model_dir)
+    rows = run["before"]["base_model.model.model.embed_tokens.weight"]
+    model.resize_token_embeddings(rows.shape[0])
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(rows)
+        model.get_output_embeddings().weight.copy_(run["before"]["base_model.model.lm_head.weight"])
+    model = get_peft_model(model, PeftLoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
+                                                 modules_to_save=["embed_tokens", "lm_head"]))
+    set_adapter(model)
+    model.train()
+    n_targets = sum(sum(label != IGNORE_INDEX for label in s.labels[1:]) for s in samples)
+    for sample in samples:
+        logits = model(input_ids=torch.tensor([sample.input_ids])).logits[0, :-1]
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(sample.labels[1:]), ignore_index=IGNORE_INDEX,
+                                                 reduction="sum")
+        (loss / n_targets).backward()
+    return {name.replace("modules_to_save.default.", ""): p.grad for name, p in model.named_parameters()
+            if p.grad is not None}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_embeddings_trained_beside_lora_equal_peft_modules_to_save(option_runs, tiny_model_dir, world_size):
+    """Two new tokens grow the embeddings and the head by two rows, each the mean of the stored ones; every gradient
+    (LoRA, embeddings, head) equals PEFT's with modules_to_save; one step moves them at lora.embeddings_lr with
+    32-bit state (LoRA at optim.lr, 8-bit AdamW's first step by hand)."""
+    run = option_runs[world_size]["embeddings"]
+    embed = run["before"]["base_model.model.model.embed_tokens.weight"]
+    assert embed.shape[0] == 514 and option_runs["new_ids"] == [512, 513]
+    torch.testing.assert_close(embed[512], embed[:512].mean(0))
+    theirs = peft_modules_to_save_grads(tiny_model_dir, run, option_runs["new_token_samples"])
+    ours = {clean_name(name): grad for name, grad in run["grads"].items()}
+    assert ours.keys() == theirs.keys()
+    assert relative_difference(ours, theirs) <= 1e-5
+    assert ours["base_model.model.model.embed_tokens.weight"][512:].abs().sum() > 0  # the new rows learn
+    assert run["lrs"] == [LR, EMBEDDINGS_LR] and run["state_dtypes"] == {"torch.float32"}
+    expected = {name: -(EMBEDDINGS_LR if "embed_tokens" in name or "lm_head" in name else LR)
+                * grad / (grad.abs() + 1e-8) for name, grad in ours.items()}
+    assert relative_difference(run["delta"], expected) <= 1e-5
+    if world_size == 2:
+        assert relative_difference(run["grads"], option_runs[1]["embeddings"]["grads"]) <= 1e-5
+
+
+def test_the_trained_embeddings_adapter_merges_to_the_live_models_logits(option_runs, tmp_path):
+    """The saved adapter (modules_to_save: embed_tokens, lm_head; the tokenizer with its new tokens) merged: a plain
+    transformers checkpoint of 514 tokens whose logits are the live model's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qlora_fsdp.commands.merge import main as merge_main
+
+    adapter = option_runs["adapter"]  # written last by the two ranks
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["embed_tokens", "lm_head"]
+    merged = command_here(merge_main, ["--adapter", adapter, "--out", tmp_path / "merged", "--dtype", "float32"])
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert model.config.vocab_size == 514 and len(AutoTokenizer.from_pretrained(tmp_path / "merged")) == 514
+    probe = option_runs[2]["embeddings"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(option_runs["new_token_samples"][0].input_ids)[None]).logits
+    assert relative_difference({"l": logits[0]}, {"l": probe["logits"][0, : logits.shape[1]]}) <= 1e-4

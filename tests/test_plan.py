@@ -77,10 +77,12 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     return measured, planned
 
 
-# optimizer, LoRA dtype, FSDP2 compute and reduce dtypes: accumulation in fp32 (no policy), upcast from bf16
-# LoRA, and in bf16 (reduce dtype = compute dtype, so FSDP2 keeps the compute dtype)
-PLANNED_SETUPS = [("paged_adamw_8bit", "float32", None, "float32"), ("adamw", "bfloat16", None, "float32"),
-                  ("paged_adamw_8bit", "float32", "bfloat16", "bfloat16")]
+# optimizer, LoRA dtype, FSDP2 compute and reduce dtypes, trained embeddings: accumulation in fp32 (no policy), upcast
+# from bf16 LoRA, and in bf16 (reduce dtype = compute dtype, so FSDP2 keeps the compute dtype); the embeddings and
+# head trained beside LoRA, grown by two tokens, their state 32-bit under the 8-bit optimizer
+PLANNED_SETUPS = [("paged_adamw_8bit", "float32", None, "float32", False), ("adamw", "bfloat16", None, "float32", False),
+                  ("paged_adamw_8bit", "float32", "bfloat16", "bfloat16", False),
+                  ("paged_adamw_8bit", "float32", None, "float32", True)]
 
 
 @pytest.mark.slow
@@ -88,10 +90,11 @@ def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path):
     """Byte for byte, after a step and mid-accumulation (2 micro-batches a rank)."""
     # r=64 makes the LoRA shards large enough for bitsandbytes' 8-bit state (4096+ elements); r=16 stays 32-bit
     calls = []
-    for optimizer, lora_dtype, param_dtype, reduce_dtype in PLANNED_SETUPS:
-        cfg = tiny_config(tiny_model_dir, optim={"name": optimizer}, model={"dtype": "bfloat16"},
-                          lora={"r": 64, "alpha": 128, "dtype": lora_dtype}, data={"grad_accum_steps": 2},
-                          fsdp={"param_dtype": param_dtype, "reduce_dtype": reduce_dtype})
+    for optimizer, lora_dtype, param_dtype, reduce_dtype, embeddings in PLANNED_SETUPS:
+        cfg = tiny_config(tiny_model_dir, optim={"name": optimizer},
+                          model={"dtype": "bfloat16", "add_tokens": ["<new1>", "<new2>"] if embeddings else []},
+                          lora={"r": 64, "alpha": 128, "dtype": lora_dtype, "train_embeddings": embeddings},
+                          data={"grad_accum_steps": 2}, fsdp={"param_dtype": param_dtype, "reduce_dtype": reduce_dtype})
         samples = variable_length_samples(cfg, 8)
         calls.append((measured_and_planned, (cfg, [batches(samples[:4], 2, PAD), batches(samples[4:], 2, PAD)])))
     run_results = run_ranks_sequence(calls, 2, tmp_path)

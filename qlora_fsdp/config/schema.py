@@ -31,6 +31,10 @@ class ModelConfig:
     # a PEFT adapter folder to start from (an SFT run's `adapter/`), trained further with the recipe's LoRA
     # settings; under DPO the reference is then the base plus this adapter, frozen (computed before training)
     adapter: str | None = None
+    # tokens added to the tokenizer (a new language's, a chat format's markers); the embeddings and the head grow
+    # to hold them where the checkpoint's vocabulary has no room, each new row the mean of the stored ones. Needs
+    # lora.train_embeddings, which trains them
+    add_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -71,6 +75,10 @@ class LoraConfig:
     # the way in, their gradients and the optimizer stay in lora.dtype), or `weights` (PEFT's: the input cast up
     # to lora.dtype). docs/benchmarks/speed.md: base was 1.17x faster for the same held-out loss
     compute_dtype: Literal["weights", "base"] = "base"
+    # the input embeddings and the output head trained in full beside LoRA (unquantized, in lora.dtype; saved as
+    # PEFT's modules_to_save): continued pretraining, a new language, new tokens (model.add_tokens)
+    train_embeddings: bool = False
+    embeddings_lr: float | None = None  # their learning rate (the schedule scales it as optim.lr); None: optim.lr
     # LoRA+: the B matrices (and trained vectors: DoRA's magnitudes, biases) learn at this multiple of optim.lr,
     # as PEFT's create_loraplus_optimizer groups them (the paper suggests 16); None: one learning rate
     plus_ratio: float | None = None

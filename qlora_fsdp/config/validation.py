@@ -70,7 +70,13 @@ def validate(config: Config) -> Config:
 
 
 def _validate_peer_options(config: Config) -> None:
-    """LoRA+ and NEFTune."""
+    """LoRA+, NEFTune, trained embeddings."""
+    if config.model.add_tokens and not config.lora.train_embeddings:
+        raise ConfigError("'model.add_tokens' adds rows to the embeddings and the head that nothing would train; set "
+                          "lora.train_embeddings: true")
+    if config.lora.embeddings_lr is not None and (config.lora.embeddings_lr <= 0 or not config.lora.train_embeddings):
+        raise ConfigError(f"'lora.embeddings_lr' must be positive and goes with lora.train_embeddings: true, got "
+                          f"{config.lora.embeddings_lr}")
     if config.lora.plus_ratio is not None and config.lora.plus_ratio <= 0:
         raise ConfigError(f"'lora.plus_ratio' must be positive (LoRA+ suggests 16), or null for one learning rate, "
                           f"got {config.lora.plus_ratio}")

@@ -53,9 +53,10 @@ def adapter_file_key(param_name: str, layout: CheckpointLayout) -> str:
 
 
 def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) trainable tensors on the CPU; a collective, so every rank must call it."""
+    """Full (unsharded) trainable tensors on the CPU; a collective, so every rank must call it. A tensor under two
+    names (trained embeddings the head is tied to) is given under both, as PEFT saves its modules_to_save."""
     state = {}
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters(remove_duplicate=False):
         if param.requires_grad:
             detached = param.detach()  # a DTensor's detach is a DTensor
             full = detached.full_tensor() if isinstance(detached, DTensor) else detached

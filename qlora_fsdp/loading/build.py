@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import bitsandbytes as bnb
 import peft
@@ -29,6 +30,7 @@ from qlora_fsdp.layers.decoder import decoder_layers, run_mixers_per_sample
 from qlora_fsdp.layers.experts4bit import Experts4bit, quantize_experts
 from qlora_fsdp.layers.fused_lora import fuse_lora_projections
 from qlora_fsdp.layers.reward_head import attach_reward_head
+from qlora_fsdp.layers.trained_embeddings import train_embeddings
 from qlora_fsdp.loading.checkpoint import checkpoint_folder
 from qlora_fsdp.loading.layout import CheckpointLayout, checkpoint_layout
 from qlora_fsdp.loading.names import is_lora_tensor
@@ -63,6 +65,10 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
     model.requires_grad_(False)
     model.config.use_cache = False  # no KV cache while training
     peft_model = attach_lora(model, cfg.lora)
+    if cfg.lora.train_embeddings:  # trained in full, saved as PEFT's modules_to_save
+        trained = train_embeddings(peft_model, TORCH_DTYPES[cfg.lora.dtype], TORCH_DTYPES[cfg.model.dtype])
+        config = cast(peft.LoraConfig, peft_model.peft_config["default"])
+        config.modules_to_save = [*(config.modules_to_save or []), *trained]
     if cfg.train.objective == "reward":  # a reward model: the scalar head beside the language model's
         attach_reward_head(peft_model.get_base_model(), hf_config.get_text_config().hidden_size,
                            TORCH_DTYPES[cfg.lora.dtype])

@@ -57,6 +57,8 @@ def load_hf_config(cfg: Config) -> PretrainedConfig:
         text.quantization_config = config.quantization_config  # how the whole checkpoint is stored
     if text is not config and not hasattr(text, "tie_word_embeddings"):  # Qwen2.5-VL says it on the whole
         text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+    if cfg.model.add_tokens:  # the new tokens' rows, where the stored vocabulary (often padded) has no room
+        text.vocab_size = max(text.vocab_size, len(load_tokenizer(cfg)))
     return text
 
 
@@ -69,6 +71,8 @@ def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
                              "tokenizer.json or the tokenizer files of its model family") from None
     if tokenizer.pad_token is None:  # Llama 3 ships none; padding is masked out of loss and attention
         tokenizer.pad_token = tokenizer.eos_token
+    if cfg.model.add_tokens:
+        tokenizer.add_tokens(list(cfg.model.add_tokens))
     return tokenizer
 
 

@@ -297,6 +297,9 @@ def place_four_bit(piece: FourBit, target: Target, device: torch.device) -> None
 def load_tensor(target: Target, stored: StoredTensor, cfg: Config, device: torch.device) -> None:
     dtype = TORCH_DTYPES[cfg.model.dtype]
     if target.quantized_module is None:
+        if cfg.model.add_tokens and grows_rows(stored, target.param):
+            copy_rows_into(target.param, grown_rows(stored, target.param).to(device=device, dtype=dtype))
+            return
         if tuple(stored.shape) != tuple(target.param.shape):
             raise ModelLoadError(f"checkpoint tensor of shape {tuple(stored.shape)} where the config wants "
                                  f"{tuple(target.param.shape)}: config and weights disagree")
@@ -305,6 +308,20 @@ def load_tensor(target: Target, stored: StoredTensor, cfg: Config, device: torch
         copy_rows_into(target.param, part)
         return
     load_quantized(target, stored.read().to(device=device, dtype=dtype), cfg)
+
+
+def grows_rows(stored: StoredTensor, param: torch.Tensor) -> bool:
+    """The embeddings or the head, grown for model.add_tokens: more rows than stored, the same row width."""
+    return len(stored.shape) == 2 and stored.shape[1] == param.shape[1] and stored.shape[0] < param.shape[0]
+
+
+def grown_rows(stored: StoredTensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of the grown tensor: the stored rows, then new ones that are each the stored rows' mean (a
+    new token starts where the known ones are on average, not at a random point)."""
+    full = stored.read().float()
+    first, last = shard_row_range(param, param.shape[0])
+    grown = torch.cat([full, full.mean(0, keepdim=True).expand(param.shape[0] - full.shape[0], -1)])
+    return grown[first:last]
 
 
 def load_quantized(target: Target, full: torch.Tensor, cfg: Config) -> None:

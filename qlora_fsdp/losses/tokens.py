@@ -34,7 +34,8 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     # a plain Linear head runs as its function: calling the module again after the model's forward would look
     # to module-level memory trackers (torch's MemTracker, the planner's measured step) like a second forward
-    return F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
+    # (a trained head, lora.train_embeddings, holds its weights in lora.dtype: the input is cast up to them)
+    return F.linear(hidden.to(head.weight.dtype), head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
 
 
 def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.families import quant_method
 from qlora_fsdp.layers.decoder import decoder_layers
 from qlora_fsdp.layers.experts4bit import NESTED_BLOCKSIZE, Experts4bit
+from qlora_fsdp.layers.trained_embeddings import embedding_parameters
 from qlora_fsdp.loading.build import base_parameter_count
 from qlora_fsdp.loading.checkpoint import load_hf_config
 from qlora_fsdp.loading.sharding import sharded_meta_model
@@ -103,12 +104,14 @@ def held_bytes(model: nn.Module, cfg: Config) -> Held:
             for name, matrix in module.expert_matrices.items():
                 packed.add(id(getattr(module, name)))
                 held.largest_linear = max(held.largest_linear, matrix.numel)  # read one expert at a time
+    full_state = {id(p) for p in embedding_parameters(model)} if cfg.lora.train_embeddings else set()
     for param in model.parameters():
         shard = local_shard(param)
         if param.requires_grad:
             held.lora += nbytes(shard)
             held.grads += nbytes(shard)  # FSDP2 hands each shard its gradient in the parameter's dtype
-            held.optimizer += OPTIMIZERS[cfg.optim.name].state_bytes(shard.numel(), shard.element_size())
+            held.optimizer += OPTIMIZERS[cfg.optim.name].state_bytes_of(shard.numel(), shard.element_size(),
+                                                                         id(param) in full_state)
             held.lora_elements += param.numel()
         elif id(param) in packed:
             held.base_4bit += nbytes(shard)

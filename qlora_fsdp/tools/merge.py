@@ -23,7 +23,7 @@ from transformers import AutoConfig
 from qlora_fsdp.config import Config, DType
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError
-from qlora_fsdp.families import is_multimodal, quant_method
+from qlora_fsdp.families import is_multimodal, quant_method, text_config
 from qlora_fsdp.layers.expert_lora import expert_loras
 from qlora_fsdp.layers.experts4bit import LORA_SUFFIX, ExpertMatrix
 from qlora_fsdp.layers.lora_math import dora_magnitude, expert_delta, lora_scale
@@ -287,10 +287,12 @@ def merged_tensors(piece: Piece, updates: AdapterUpdates, experts: ExpertRoundin
 
 def write_plain_config(cfg: Config, out_dir: Path, dtype: DType) -> None:
     """The checkpoint's own config (a multimodal one keeps its vision tower, copied as is), in `dtype` and no longer
-    quantized."""
+    quantized; its vocabulary grown where training added tokens (model.add_tokens)."""
     config = AutoConfig.from_pretrained(model_dir(cfg.model.path), trust_remote_code=cfg.model.trust_remote_code)
     config.dtype = dtype
     config.__dict__.pop("quantization_config", None)
+    if cfg.model.add_tokens:
+        text_config(config).vocab_size = load_hf_config(cfg).vocab_size
     config.save_pretrained(out_dir)
 
 

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from qlora_fsdp.config import LoraConfig, OptimConfig
 from qlora_fsdp.distributed import local_shard
+from qlora_fsdp.layers.trained_embeddings import embedding_parameters
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
 
@@ -36,18 +37,21 @@ class ParameterGroup:
 
     lr_ratio: float
     params: list[nn.Parameter] = field(default_factory=list)
+    full_state: bool = False  # 32-bit optimizer state under an 8-bit optimizer (embeddings: bitsandbytes' advice)
 
 
-def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], lora: LoraConfig) -> list[ParameterGroup]:
+def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], lora: LoraConfig,
+                     embeddings: ParameterGroup | None = None) -> list[ParameterGroup]:
     """The trained parameters by learning rate, the base group first (the one the metrics log). With LoRA+
     (lora.plus_ratio), B matrices and vectors (DoRA's magnitudes, biases) take plus_ratio times the rate, as PEFT's
-    create_loraplus_optimizer groups them."""
+    create_loraplus_optimizer groups them. `embeddings`: the trained embeddings and head, their own group."""
     base, faster = ParameterGroup(1.0), ParameterGroup(lora.plus_ratio or 1.0)
+    apart = {id(p) for p in embeddings.params} if embeddings is not None else set()
     for name, param in named:
-        if param.requires_grad:
+        if param.requires_grad and id(param) not in apart:
             is_b_side = lora.plus_ratio is not None and ("lora_B" in name.split(".") or param.ndim == 1)
             (faster if is_b_side else base).params.append(param)
-    return [group for group in (base, faster) if group.params or group is base]
+    return [group for group in (base, faster, embeddings) if group is not None and (group.params or group is base)]
 
 
 class ShardedOptimizer:
@@ -61,7 +65,11 @@ class ShardedOptimizer:
                         for group in groups]
         kwargs: dict[str, Any] = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps,
                                   "weight_decay": optim.weight_decay}
-        self.inner = optimizer_class(optim.name, self.locals)(inner_groups, **kwargs)
+        cls = optimizer_class(optim.name, self.locals)
+        full_state = [local_of[id(p)] for group in groups if group.full_state for p in group.params]
+        if full_state and cls.__module__.startswith("bitsandbytes"):
+            keep_32bit_state(self.locals, full_state)
+        self.inner = cls(inner_groups, **kwargs)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -94,8 +102,21 @@ class ShardedOptimizer:
         self.zero_grad()
 
 
+def keep_32bit_state(everything: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
+    """bitsandbytes' per-parameter override, which its optimizers read when built: 32-bit state for `kept`."""
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.get_instance()
+    manager.register_parameters(everything)
+    manager.override_config(kept, "optim_bits", 32)
+
+
 def build_optimizer(model: nn.Module, optim: OptimConfig, lora: LoraConfig) -> ShardedOptimizer:
-    return ShardedOptimizer(parameter_groups(model.named_parameters(), lora), optim)
+    embeddings = None
+    if lora.train_embeddings:  # their own rate (lora.embeddings_lr) and 32-bit state
+        ratio = (lora.embeddings_lr or optim.lr) / optim.lr
+        embeddings = ParameterGroup(ratio, embedding_parameters(model), full_state=True)
+    return ShardedOptimizer(parameter_groups(model.named_parameters(), lora, embeddings), optim)
 
 
 def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
