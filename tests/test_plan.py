@@ -80,7 +80,8 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
 # optimizer, LoRA dtype, FSDP2 compute and reduce dtypes, trained embeddings: accumulation in fp32 (no policy), upcast
 # from bf16 LoRA, and in bf16 (reduce dtype = compute dtype, so FSDP2 keeps the compute dtype); the embeddings and
 # head trained beside LoRA, grown by two tokens, their state 32-bit under the 8-bit optimizer
-PLANNED_SETUPS = [("paged_adamw_8bit", "float32", None, "float32", False), ("adamw", "bfloat16", None, "float32", False),
+PLANNED_SETUPS = [("paged_adamw_8bit", "float32", None, "float32", False),
+                  ("adamw", "bfloat16", None, "float32", False),
                   ("paged_adamw_8bit", "float32", "bfloat16", "bfloat16", False),
                   ("paged_adamw_8bit", "float32", None, "float32", True)]
 
