@@ -50,6 +50,15 @@ class QuantConfig:
     vision_tower: Literal["auto", "unquantized"] = "auto"
 
 
+PISSA_FAST = "pissa_niter_"  # PEFT's name of PiSSA by randomized SVD with n subspace iterations: pissa_niter_4
+LORA_INITS = ("default", "pissa", "olora", "loftq")  # lora.init's values besides pissa_niter_<n>
+
+
+def changes_base(init: str) -> bool:
+    """Whether lora.init moves part of each weight into the adapter (anything but the default)."""
+    return init != "default"
+
+
 @dataclass
 class LoraConfig:
     r: int = 16  # the rank of each LoRA update (A is r x in, B is out x r)
@@ -79,6 +88,13 @@ class LoraConfig:
     # PEFT's modules_to_save): continued pretraining, a new language, new tokens (model.add_tokens)
     train_embeddings: bool = False
     embeddings_lr: float | None = None  # their learning rate (the schedule scales it as optim.lr); None: optim.lr
+    # how A and B start: default (A random, B zero: the base unchanged), or an init that moves part of each weight
+    # into the adapter and quantizes the rest, computed from the full-precision weights while they load: pissa (its
+    # principal singular directions), pissa_niter_<n> (the same by randomized SVD, n iterations: much faster),
+    # olora (QR), loftq (alternating 4-bit quantization and SVD of its error). Saved as PEFT saves them: a plain
+    # LoRA of rank 2r that applies to the original checkpoint
+    init: str = "default"
+    loftq_iter: int = 1  # loftq: the alternations (PEFT's loftq_iter)
     # LoRA+: the B matrices (and trained vectors: DoRA's magnitudes, biases) learn at this multiple of optim.lr,
     # as PEFT's create_loraplus_optimizer groups them (the paper suggests 16); None: one learning rate
     plus_ratio: float | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qlora_fsdp.config.schema import REFERENCE_OBJECTIVES, Config
+from qlora_fsdp.config.schema import LORA_INITS, PISSA_FAST, REFERENCE_OBJECTIVES, Config, changes_base
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
@@ -69,8 +69,31 @@ def validate(config: Config) -> Config:
     return config
 
 
+def _validate_init(config: Config) -> None:
+    """lora.init: a known one, with settings it can start."""
+    init, lora = config.lora.init, config.lora
+    fast = init.startswith(PISSA_FAST) and init.removeprefix(PISSA_FAST).isdigit() and int(
+        init.removeprefix(PISSA_FAST)) > 0
+    if init not in LORA_INITS and not fast:
+        raise ConfigError(f"'lora.init' must be one of {', '.join(LORA_INITS)} or {PISSA_FAST}<iterations> (e.g. "
+                          f"{PISSA_FAST}4), got {init!r}")
+    if lora.loftq_iter < 1:
+        raise ConfigError(f"'lora.loftq_iter' must be at least 1, got {lora.loftq_iter}")
+    if not changes_base(init):
+        return
+    clashes = {"lora.use_dora": lora.use_dora, "lora.target_experts": lora.target_experts,
+               "lora.target_vision_tower": lora.target_vision_tower, "model.adapter": bool(config.model.adapter)}
+    for key, clashing in clashes.items():
+        if clashing:
+            raise ConfigError(f"'lora.init: {init}' with {key}: that start is not built for it yet; use lora.init: "
+                              "default, or leave out " + key)
+    if init == "loftq" and config.quant.quant_type != "nf4":
+        raise ConfigError("'lora.init: loftq' alternates with NF4 quantization (as PEFT's); set quant.quant_type: nf4")
+
+
 def _validate_peer_options(config: Config) -> None:
-    """LoRA+, NEFTune, trained embeddings."""
+    """LoRA+, NEFTune, trained embeddings, lora.init."""
+    _validate_init(config)
     if config.model.add_tokens and not config.lora.train_embeddings:
         raise ConfigError("'model.add_tokens' adds rows to the embeddings and the head that nothing would train; set "
                           "lora.train_embeddings: true")

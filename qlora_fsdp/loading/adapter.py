@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from qlora_fsdp.layers.expert_lora import ExpertLora, peft_expert_key
 from qlora_fsdp.layers.reward_head import REWARD_HEAD, reward_head
 from qlora_fsdp.loading.fill import copy_full_into, model_layout
 from qlora_fsdp.loading.image_side_training import IMAGE_SIDE, peft_settings
+from qlora_fsdp.loading.initial_adapter import alpha_factor, converted_for_saving, initialized_layers, trained_half
 from qlora_fsdp.loading.layout import CheckpointLayout, lora_target_regex
 from qlora_fsdp.loading.names import PEFT_PREFIX, clean_name
 
@@ -74,8 +76,6 @@ def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, ou
     out_dir.mkdir(parents=True, exist_ok=True)
     layout = model_layout(model)
     adapter_state = {adapter_file_key(name, layout): tensor for name, tensor in state.items()}
-    save_file({k: v.contiguous() for k, v in adapter_state.items()}, out_dir / "adapter_model.safetensors",
-              metadata={"format": "pt"})
     config = model.peft_config[ADAPTER_NAME]
     assert isinstance(config, peft.LoraConfig), "build.attach_lora makes every adapter from a peft.LoraConfig"
     config.base_model_name_or_path = base_model_path
@@ -89,6 +89,12 @@ def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, ou
         setattr(config, key, value)  # a trained image side: its projector (modules_to_save), its tower's LoRA
     if reward_head(model) is not None:  # a reward model: PEFT's sequence-classification adapter, its head trained
         config.task_type, config.modules_to_save = REWARD_TASK, [REWARD_HEAD]
+    if initialized_layers(model):  # PiSSA/OLoRA/LoftQ: PEFT's conversion to rank 2r on the original base
+        config = copy.deepcopy(config)
+        converted_for_saving(adapter_state, model, lambda name: adapter_file_key(name, layout), config)
+        config.init_lora_weights = True
+    save_file({k: v.contiguous() for k, v in adapter_state.items()}, out_dir / "adapter_model.safetensors",
+              metadata={"format": "pt"})
     config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(out_dir)
     (out_dir / TRAINING_CONFIG).write_text(config_yaml)
@@ -108,10 +114,14 @@ SCALING_KEYS = {"lora_alpha": "lora.alpha", "use_rslora": "lora.use_rslora"}
 
 
 def check_scaling(saved: dict[str, Any], model: peft.PeftModel, adapter_dir: Path) -> None:
-    """The saved adapter scales its update as the model will (alpha/r, or alpha/sqrt(r) with rsLoRA)."""
+    """The saved adapter scales its update as the model will (alpha/r, or alpha/sqrt(r) with rsLoRA); one saved from
+    a PiSSA/OLoRA/LoftQ start is rank 2r with alpha grown to keep that scale."""
     ours = model.peft_config[ADAPTER_NAME]
+    grown = alpha_factor(bool(getattr(ours, "use_rslora", False))) if initialized_layers(model) else 1
     for key, recipe_key in SCALING_KEYS.items():
         theirs, mine = saved.get(key, False), getattr(ours, key)  # PEFT before rsLoRA wrote no use_rslora
+        if key == "lora_alpha":
+            theirs = theirs / grown
         if theirs != mine:
             raise ModelLoadError(f"adapter in {adapter_dir} was trained with {recipe_key}={theirs}, the recipe "
                                  f"says {mine}: pass the settings it was trained with")
@@ -123,12 +133,15 @@ def load_adapter_into(model: peft.PeftModel, adapter_dir: Path) -> None:
     keeps its FSDP2 dim-0 chunk of every tensor, as the base loader does (the inverse of export_adapter)."""
     saved_config, tensors = read_adapter(adapter_dir)
     check_scaling(saved_config, model, adapter_dir)
+    initialized = bool(initialized_layers(model))
     layout = model_layout(model)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         key = adapter_file_key(name, layout)
         saved = tensors.pop(key, None)
+        if saved is not None and initialized:  # a converted start's adapter: its trained half
+            saved = trained_half(saved, param, key)
         if saved is None or saved.shape != param.shape:  # a DTensor's shape is the whole tensor's
             raise ModelLoadError(f"adapter in {adapter_dir} does not fit the model at '{key}': trained with other "
                                  "lora.r / target_modules settings, or on another base?")

@@ -18,6 +18,7 @@ import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
@@ -33,6 +34,7 @@ from qlora_fsdp.layers.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts
 from qlora_fsdp.layers.lora_math import dora_magnitude
 from qlora_fsdp.loading.build import QUANT_STORAGE
 from qlora_fsdp.loading.checkpoint import model_dir
+from qlora_fsdp.loading.initial_adapter import initialized, lora_layer_of, start_of
 from qlora_fsdp.loading.layout import CheckpointLayout
 from qlora_fsdp.loading.names import REWARD_HEAD_KEY, clean_name, is_lora_tensor, weight_key
 from qlora_fsdp.loading.reader import CheckpointReader, Experts, FourBit, ModelShapes, Piece, Plain
@@ -49,6 +51,8 @@ class Target:
     quantized_module: bnb.nn.Linear4bit | None = None
     dora_magnitude: nn.Parameter | None = None  # filled from the dequantized weight's row norms
     experts: ExpertMatrix | None = None  # a fused experts parameter: one row of 4-bit bytes an expert
+    lora_layer: nn.Module | None = None  # the LoRA layer around a 4-bit linear (lora.init computes its start)
+    key: str = ""  # the checkpoint key (seeds a randomized init)
 
 
 def materialize(model: nn.Module, device: torch.device, param_device: torch.device) -> None:
@@ -151,10 +155,11 @@ def base_targets(model: nn.Module) -> dict[str, Target]:
         module_name, _, attr = name.rpartition(".")
         module = modules[module_name]
         key = weight_key(name)
-        target = Target(param)
+        target = Target(param, key=key)
         if isinstance(module, bnb.nn.Linear4bit) and attr == "weight":
             target.quantized_module = module
             target.dora_magnitude = dora_magnitude_of(modules, module_name)
+            target.lora_layer = lora_layer_of(modules, module_name)
         if isinstance(module, Experts4bit) and attr in EXPERT_MATRICES:
             target.experts = module.expert_matrices[attr]
         targets[key] = target
@@ -252,7 +257,7 @@ def load_weights(model: nn.Module, cfg: Config, device: torch.device) -> None:
         if isinstance(piece, Experts):
             place_experts(piece, target)
         elif isinstance(piece, FourBit):
-            place_four_bit(piece, target, device)
+            place_four_bit(piece, target, device, cfg)
         else:
             load_tensor(target, piece.tensor, cfg, device)
         placed.setdefault(id(target.param), set()).update(piece.experts if isinstance(piece, Experts) else {0})
@@ -280,10 +285,13 @@ def place_experts(piece: Experts, target: Target) -> None:
             local[expert - first].copy_(target.experts.to_row(weight))
 
 
-def place_four_bit(piece: FourBit, target: Target, device: torch.device) -> None:
+def place_four_bit(piece: FourBit, target: Target, device: torch.device, cfg: Config) -> None:
     """A pre-quantized weight as stored: this rank's rows of the packed bytes, and the whole weight's quantization
     state (replicated, as after quantizing at load)."""
     module = target.quantized_module
+    if target.lora_layer is not None and initialized(cfg):
+        raise ModelLoadError(f"lora.init {cfg.lora.init} computes from the full-precision weights, and the checkpoint "
+                             f"stores '{piece.key}' in 4-bit; use its original checkpoint, or lora.init: default")
     if module is None:
         raise ModelLoadError(f"the checkpoint stores '{piece.key}' in 4-bit, where this model has no 4-bit linear: "
                              "config and weights disagree")
@@ -307,7 +315,10 @@ def load_tensor(target: Target, stored: StoredTensor, cfg: Config, device: torch
         part = stored.read(rows).to(device=device, dtype=dtype)  # only this rank's rows are read
         copy_rows_into(target.param, part)
         return
-    load_quantized(target, stored.read().to(device=device, dtype=dtype), cfg)
+    full = stored.read().to(device=device)
+    if target.lora_layer is not None and initialized(cfg):  # the adapter takes its part; the residual is quantized
+        full = start_of(target.lora_layer, target.key, full, cfg)
+    load_quantized(target, full.to(dtype), cfg)
 
 
 def grows_rows(stored: StoredTensor, param: torch.Tensor) -> bool:
@@ -365,8 +376,12 @@ def init_lora(model: nn.Module, seed: int) -> None:
 
     Generated whole and then sharded, so every world size starts from the very same adapter.
     """
+    started = {id(factors.weight) for module in model.modules() if "_start" in vars(module)
+               for factors in (cast(Any, module).lora_A["default"], cast(Any, module).lora_B["default"])}
     for name, param in model.named_parameters():
         if not param.requires_grad or not is_lora_tensor(name) or "lora_magnitude_vector" in name:
+            continue
+        if id(param) in started:  # filled from its weight (lora.init)
             continue
         key = clean_name(name)
         full = torch.zeros(param.shape, dtype=torch.float32)

@@ -26,11 +26,13 @@ from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.families import is_multimodal, quant_method, text_config
 from qlora_fsdp.layers.expert_lora import expert_loras
 from qlora_fsdp.layers.experts4bit import LORA_SUFFIX, ExpertMatrix
+from qlora_fsdp.layers.lora_inits import initial_adapter
 from qlora_fsdp.layers.lora_math import dora_magnitude, expert_delta, lora_scale
 from qlora_fsdp.loading.adapter import adapter_file_key, read_adapter
 from qlora_fsdp.loading.build import build_meta_model
 from qlora_fsdp.loading.checkpoint import load_hf_config, model_dir
 from qlora_fsdp.loading.fill import base_targets, model_layout, model_shapes, quantize
+from qlora_fsdp.loading.initial_adapter import initialized, round_trip
 from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.names import PEFT_PREFIX, is_lora_tensor, weight_key
 from qlora_fsdp.loading.reader import CheckpointReader, Experts, FourBit, Piece
@@ -279,10 +281,29 @@ def merged_tensors(piece: Piece, updates: AdapterUpdates, experts: ExpertRoundin
         return experts.written(piece)
     if isinstance(piece, FourBit):  # as trained: the stored 4-bit values, dequantized
         return [(piece.stored_key, updated_linear(updates, piece.full_key, piece.dequantized()))]
-    weight = piece.tensor.read().to(device=device, dtype=TORCH_DTYPES[cfg.model.dtype])
+    stored = piece.tensor.read().to(device=device)
+    weight = stored.to(TORCH_DTYPES[cfg.model.dtype])
     if experts.rounding and (piece.key in quantized or piece.full_key in quantized):
+        if initialized(cfg) and piece.full_key in updates.linear:  # the residual the loader quantized instead
+            delta = updates.linear.pop(piece.full_key)
+            residual, trained = initialized_base(stored, delta, cfg)
+            return [(piece.stored_key, trained.merged(as_trained(residual.to(weight.dtype), cfg)))]
         weight = as_trained(weight, cfg)
     return [(piece.stored_key, updated_linear(updates, piece.full_key, weight))]
+
+
+def initialized_base(stored: torch.Tensor, delta: LoraDelta, cfg: Config) -> tuple[torch.Tensor, LoraDelta]:
+    """A PiSSA/OLoRA/LoftQ run's base as its loader made it, from the original weight, and the trained update. The
+    saved rank-2r adapter holds the trained A, B and then the start's A0, -B0: the residual is W - s B0 A0, exactly
+    as the loader took it; LoftQ's (a quantized residual of its earlier alternations) is computed again."""
+    r = delta.a.shape[0] // 2
+    trained = LoraDelta(delta.a[:r], delta.b[:, :r], delta.scale, None)
+    if cfg.lora.init == "loftq":
+        start = initial_adapter("loftq", stored, r, delta.scale, TORCH_DTYPES[cfg.lora.dtype], 0, cfg.lora.loftq_iter,
+                                round_trip(cfg.quant, TORCH_DTYPES[cfg.model.dtype]))
+        return start.base, trained
+    a0, b0 = delta.a[r:].to(stored.device).float(), -delta.b[:, r:].to(stored.device).float()
+    return stored.float() - delta.scale * (b0 @ a0), trained
 
 
 def write_plain_config(cfg: Config, out_dir: Path, dtype: DType) -> None:
