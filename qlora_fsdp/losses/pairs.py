@@ -150,7 +150,8 @@ class PairLoss:
         policy = self.sequence_logps(model, batch, device)[0::2]
         losses, rewards = kto_losses(policy, reference, totals.kl, desirable, self.settings.resolved_beta("kto"),
                                      self.settings.desirable_weight, self.settings.undesirable_weight)
-        sums = {"rewards_desirable": rewards[desirable].sum(), "rewards_undesirable": rewards[~desirable].sum(),
+        # masks by multiplication: the planner runs this on fake tensors, where boolean indexing has no shape
+        sums = {"rewards_desirable": (rewards * desirable).sum(), "rewards_undesirable": (rewards * ~desirable).sum(),
                 "kl": torch.tensor(totals.kl * len(losses))}
         return losses.sum() / max(totals.pairs, 1.0), sums
 
