@@ -26,6 +26,7 @@ from qlora_fsdp.training.loop import accumulate_gradients
 from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm, parameter_groups
 from tests.helpers import (
     batches,
+    build_tiny_checkpoint,
     command_here,
     full_grads,
     relative_difference,
@@ -123,6 +124,20 @@ def embeddings_step(info, cfg, per_rank, adapter_dir):
             "state_dtypes": state_dtypes, "lrs": [g["lr"] for g in optimizer.inner.param_groups], "logits": logits}
 
 
+def tied_embeddings_saved(info, cfg, adapter_dir):
+    """A head tied to the embeddings (Qwen2's small models), trained with them: its one tensor moved and saved; the
+    live model's logits."""
+    model = build_model(cfg, info)
+    with torch.no_grad():
+        for param in embedding_parameters(model):
+            param.add_(0.01)  # as a step would move it
+    export_adapter(model, load_tokenizer(cfg), adapter_dir, cfg.model.path, info.is_main, to_yaml(cfg))
+    ids = torch.tensor([[1, 5, 9, 512, 40]])
+    with torch.no_grad():
+        return {"ids": ids, "logits": model(input_ids=ids).logits[0].float(), "tensors": len(embedding_parameters(
+            model))}
+
+
 def peer_option_checks(info, calls):
     return {name: fn(info, *args) for name, (fn, args) in calls.items()}
 
@@ -147,12 +162,17 @@ def option_runs(tiny_model_dir, tmp_path_factory):
     with_new = [batches(with_new_tokens(samples[:4], new_ids), 4, PAD), batches(with_new_tokens(samples[4:8], new_ids),
                                                                                  4, PAD)]
     runs = {"new_ids": new_ids, "new_token_samples": with_new_tokens(samples[:8], new_ids),
-            "adapter": tmp_path_factory.mktemp("embeddings") / "adapter"}
+            "adapter": tmp_path_factory.mktemp("embeddings") / "adapter",
+            "tied_adapter": tmp_path_factory.mktemp("tied") / "adapter"}
+    qwen = build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2") / "tiny-qwen2", family="qwen2")
+    tied = tiny_config(qwen, model={"add_tokens": NEW_TOKENS[:1]}, lora={"train_embeddings": True})
     for world_size, data in ((1, whole), (2, per_rank)):
         embedding_data = [with_new[0] + with_new[1]] if world_size == 1 else with_new
         calls = {"loraplus": (loraplus_step, (loraplus, data)), "neftune": (neftune_against_transformers,
                                                                              (neftune, per_rank)),
                  "embeddings": (embeddings_step, (embeddings, embedding_data, runs["adapter"]))}
+        if world_size == 1:
+            calls["tied"] = (tied_embeddings_saved, (tied, runs["tied_adapter"]))
         runs[world_size] = run_ranks_sequence([(peer_option_checks, (calls,))], world_size,
                                               tmp_path_factory.mktemp(f"ws{world_size}"))[0]
     return runs
@@ -277,3 +297,24 @@ def test_the_trained_embeddings_adapter_merges_to_the_live_models_logits(option_
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(option_runs["new_token_samples"][0].input_ids)[None]).logits
     assert relative_difference({"l": logits[0]}, {"l": probe["logits"][0, : logits.shape[1]]}) <= 1e-4
+
+
+def test_a_tied_head_trains_as_one_tensor_saved_under_both_names_and_merges(option_runs, tmp_path):
+    """Qwen2's tied head and embeddings: one trained tensor, saved as both modules_to_save; the merge writes it once
+    (the checkpoint stores the tied head under the embeddings' name) and gives the live logits."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from qlora_fsdp.commands.merge import main as merge_main
+
+    run, adapter = option_runs[1]["tied"], option_runs["tied_adapter"]
+    assert run["tensors"] == 1
+    saved = load_file(adapter / "adapter_model.safetensors")
+    embed, head = saved["base_model.model.model.embed_tokens.weight"], saved["base_model.model.lm_head.weight"]
+    assert embed.shape[0] == 513 and torch.equal(embed, head)
+    merged = command_here(merge_main, ["--adapter", adapter, "--out", tmp_path / "merged", "--dtype", "float32"])
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=run["ids"]).logits[0]
+    assert relative_difference({"l": logits}, {"l": run["logits"]}) <= 1e-4

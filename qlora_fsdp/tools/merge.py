@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,9 +81,12 @@ class AdapterUpdates:
     linear: dict[str, LoraDelta]
     experts: dict[str, ExpertDelta]
     replaced: dict[str, torch.Tensor]
+    tied: dict[str, str] = field(default_factory=dict)  # a trained tensor's second name -> its first (a tied head)
 
     def unused(self) -> str | None:
-        return next(iter([*self.linear, *self.experts, *self.replaced]), None)
+        # a tied head's name that the checkpoint does not store was written under its twin's
+        written_twice = {key for key, twin in self.tied.items() if twin not in self.replaced}
+        return next(iter([*self.linear, *self.experts, *(set(self.replaced) - written_twice)]), None)
 
 
 def adapter_updates(adapter_dir: Path, meta: nn.Module) -> AdapterUpdates:
@@ -107,8 +110,12 @@ def adapter_updates(adapter_dir: Path, meta: nn.Module) -> AdapterUpdates:
     experts = {base_key(name): ExpertDelta(take(f"{name}{LORA_SUFFIX}.lora_A"), take(f"{name}{LORA_SUFFIX}.lora_B"),
                                            scale, lora.n_experts, lora.transposed)
                for name, lora in expert_loras(meta).items() if saved(f"{name}{LORA_SUFFIX}.lora_A")}
-    replaced = {base_key(name): take(name) for name, param in meta.named_parameters()
-                if param.requires_grad and not is_lora_tensor(name) and saved(name)}
+    trained = [(name, param) for name, param in meta.named_parameters(remove_duplicate=False)
+               if param.requires_grad and not is_lora_tensor(name) and saved(name)]
+    replaced = {base_key(name): take(name) for name, _ in trained}
+    first_name: dict[int, str] = {}
+    tied = {base_key(name): first_name[id(param)] for name, param in trained
+            if first_name.setdefault(id(param), base_key(name)) != base_key(name)}
     replaced.update(image_side_replaced(config, tensors))
     linear = {}
     for key in tensors:
@@ -123,7 +130,7 @@ def adapter_updates(adapter_dir: Path, meta: nn.Module) -> AdapterUpdates:
                              "names in modules_to_save; the merge does not know where it goes")
     if not (linear or experts or replaced):
         raise ModelLoadError(f"{adapter_dir} holds no LoRA weights")
-    return AdapterUpdates(linear, experts, replaced)
+    return AdapterUpdates(linear, experts, replaced, tied)
 
 
 def rounded_tower(cfg: Config, updates: AdapterUpdates) -> set[str]:
