@@ -219,3 +219,18 @@ def test_a_pissa_adapter_of_a_real_model_exports_to_gguf(real_model_dir, tmp_pat
     with torch.no_grad():
         logits = model.eval()(input_ids=ids).logits[0]
     assert relative_difference({"l": logits}, {"l": live}) <= 5e-3
+
+
+def test_loftq_starts_at_the_weight_at_any_alpha():
+    """LoftQ's factors divided by sqrt(alpha/r): the start scale * B A is PEFT's L R whatever alpha, so 4-bit base plus
+    start is closer to the weight than the 4-bit base alone (PEFT's unscaled factors would double it at alpha = 2r)."""
+    from qlora_fsdp.config import QuantConfig
+    from qlora_fsdp.layers.lora_inits import initial_adapter
+    from qlora_fsdp.loading.initial_adapter import round_trip
+
+    weight = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    rounding = round_trip(QuantConfig(double_quant=False), torch.float32)
+    at_one, at_two = (initial_adapter("loftq", weight, R, scale, torch.float32, 0, 2, rounding) for scale in (1.0, 2.0))
+    torch.testing.assert_close(2.0 * (at_two.b @ at_two.a), at_one.b @ at_one.a)
+    base = rounding(at_two.base)
+    assert (weight - base - 2.0 * at_two.b @ at_two.a).norm() < 0.8 * (weight - base).norm()
