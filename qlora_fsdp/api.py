@@ -31,6 +31,7 @@ from qlora_fsdp.plan.run_batch import resolve_run_batch
 from qlora_fsdp.precision import describe_device, describe_dtypes, resolve_dtypes
 from qlora_fsdp.rewards.functions import resolve_rewards
 from qlora_fsdp.training.checkpoints import Checkpointer, check_world_size
+from qlora_fsdp.training.eva_start import EvaBatches, eva_start
 from qlora_fsdp.training.grpo_steps import GrpoSteps
 from qlora_fsdp.training.loop import Trainer
 from qlora_fsdp.training.metrics import MetricsLogger, format_summary
@@ -92,6 +93,12 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     trainer.logger.write(describe_batch(recipe, cfg, info.world_size))
     if checkpoint is not None:
         trainer.resume(checkpoint)
+    elif cfg.lora.init == "eva":  # A from the first micro-batches (a resumed run has its own in the checkpoint)
+        if isinstance(data, ImageData):
+            raise ConfigError("'lora.init: eva' with images: the image features' layer inputs are not built yet; use "
+                              "lora.init: default")
+        filled = eva_start(model, EvaBatches(model, trainer.micro_batches, trainer.sampler, info.device))
+        trainer.logger.write(f"EVA: {filled} LoRA layers' A from the first micro-batches' layer inputs")
     return finish(trainer, trainer.train(), tokenizer)
 
 

@@ -234,3 +234,45 @@ def test_loftq_starts_at_the_weight_at_any_alpha():
     torch.testing.assert_close(2.0 * (at_two.b @ at_two.a), at_one.b @ at_one.a)
     base = rounding(at_two.base)
     assert (weight - base - 2.0 * at_two.b @ at_two.a).norm() < 0.8 * (weight - base).norm()
+
+
+def eva_on_our_model(info, model_dir, per_rank):
+    """EVA's start on the sharded 4-bit model from this rank's micro-batches (every rank's gathered)."""
+    from qlora_fsdp.training.eva_start import eva_inputs, eva_start
+
+    cfg = tiny_config(model_dir, lora={"init": "eva", "r": R, "alpha": 2 * R, "dropout": 0.0})
+    model = build_model(cfg, info)
+    filled = eva_start(model, [eva_inputs(model, batch, info.device) for batch in per_rank[info.rank]])
+    return filled, gather_trainable_state(model)
+
+
+def test_eva_starts_as_peft_eva_on_the_same_micro_batches(tiny_model_dir, tmp_path):
+    """Every A is PEFT's initialize_lora_eva_weights' (rho 1) on transformers + bitsandbytes NF4 fed the same
+    micro-batches, one rank or two (their inputs gathered); every B stays zero."""
+    from peft import EvaConfig, LoraConfig, get_peft_model
+    from peft.tuners.lora.eva import initialize_lora_eva_weights
+
+    from qlora_fsdp.data.batching import collate
+    from qlora_fsdp.labels import IGNORE_INDEX
+    from tests.helpers import transformers_nf4, variable_length_samples
+
+    cfg = tiny_config(tiny_model_dir)
+    samples = variable_length_samples(cfg, 16)
+    pad = load_tokenizer(cfg).pad_token_id
+    # micro-batch i: rank 0 takes samples 8i..8i+3, rank 1 8i+4..8i+7 (gathered in that order); one rank takes all 8
+    per_rank = [[collate(samples[8 * i + 4 * rank : 8 * i + 4 * rank + 4], pad) for i in range(2)] for rank in (0, 1)]
+    whole = [collate(samples[8 * i : 8 * i + 8], pad) for i in range(2)]
+    one = run_ranks_sequence([(eva_on_our_model, (tiny_model_dir, [whole]))], 1, tmp_path)[0]
+    two = run_ranks_sequence([(eva_on_our_model, (tiny_model_dir, per_rank))], 2, tmp_path)[0]
+
+    model = get_peft_model(transformers_nf4(tiny_model_dir), LoraConfig(
+        r=R, lora_alpha=2 * R, target_modules="all-linear", init_lora_weights="eva", eva_config=EvaConfig(rho=1.0)))
+    loader = [{"input_ids": b.input_ids, "attention_mask": b.attention_mask,  # PEFT masks by unshifted labels
+               "labels": torch.tensor([[IGNORE_INDEX] + row[:-1] for row in b.labels.tolist()])} for b in whole]
+    initialize_lora_eva_weights(model, loader, show_progress_bar=False)
+    theirs = {name: p.detach() for name, p in model.named_parameters() if "lora_A" in name}
+    for filled, ours in (two,):
+        assert filled == len(theirs)
+        assert relative_difference({k: ours[k] for k in theirs}, theirs) <= 1e-5
+        assert all(not ours[k].any() for k in ours if "lora_B" in k)
+    assert relative_difference(one[1], two[1]) <= 1e-5

@@ -51,12 +51,13 @@ class QuantConfig:
 
 
 PISSA_FAST = "pissa_niter_"  # PEFT's name of PiSSA by randomized SVD with n subspace iterations: pissa_niter_4
-LORA_INITS = ("default", "pissa", "olora", "loftq")  # lora.init's values besides pissa_niter_<n>
+LORA_INITS = ("default", "pissa", "olora", "loftq", "eva")  # lora.init's values besides pissa_niter_<n>
 
 
 def changes_base(init: str) -> bool:
-    """Whether lora.init moves part of each weight into the adapter (anything but the default)."""
-    return init != "default"
+    """Whether lora.init moves part of each weight into the adapter (PiSSA, OLoRA, LoftQ; not EVA, which starts A
+    from the data and leaves the base alone)."""
+    return init not in ("default", "eva")
 
 
 @dataclass
@@ -91,8 +92,9 @@ class LoraConfig:
     # how A and B start: default (A random, B zero: the base unchanged), or an init that moves part of each weight
     # into the adapter and quantizes the rest, computed from the full-precision weights while they load: pissa (its
     # principal singular directions), pissa_niter_<n> (the same by randomized SVD, n iterations: much faster),
-    # olora (QR), loftq (alternating 4-bit quantization and SVD of its error). Saved as PEFT saves them: a plain
-    # LoRA of rank 2r that applies to the original checkpoint
+    # olora (QR), loftq (alternating 4-bit quantization and SVD of its error), saved as PEFT saves them: a plain
+    # LoRA of rank 2r that applies to the original checkpoint. eva: A from the first micro-batches' layer inputs
+    # (their top right-singular vectors, every rank's gathered; PEFT's EVA with rho 1), B zero, the base unchanged
     init: str = "default"
     loftq_iter: int = 1  # loftq: the alternations (PEFT's loftq_iter)
     # LoRA+: the B matrices (and trained vectors: DoRA's magnitudes, biases) learn at this multiple of optim.lr,

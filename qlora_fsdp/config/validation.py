@@ -79,6 +79,9 @@ def _validate_init(config: Config) -> None:
                           f"{PISSA_FAST}4), got {init!r}")
     if lora.loftq_iter < 1:
         raise ConfigError(f"'lora.loftq_iter' must be at least 1, got {lora.loftq_iter}")
+    if init == "eva" and (config.train.objective == "grpo" or lora.target_experts or lora.target_vision_tower):
+        raise ConfigError("'lora.init: eva' starts A from the training rows' layer inputs: not built for GRPO's "
+                          "prompts, LoRA on experts or on a vision tower; use lora.init: default")
     if not changes_base(init):
         return
     clashes = {"lora.use_dora": lora.use_dora, "lora.target_experts": lora.target_experts,
