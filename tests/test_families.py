@@ -27,8 +27,9 @@ from qlora_fsdp.distributed import all_reduce_sums
 from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, peft_adapter_key
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
-from qlora_fsdp.loading.fill import copy_full_into, model_layout
+from qlora_fsdp.loading.fill import model_layout
 from qlora_fsdp.loading.names import clean_name
+from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.losses.pairs import adapter_off
 from qlora_fsdp.tools.generate import Sampling, load_generator

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.loading.fill import chunk_rows
+from qlora_fsdp.loading.placement import chunk_rows
 from qlora_fsdp.loading.weight_files import stored_weight_tensors
 
 BACKENDS = ["mmap", "pread"]  # mmap: the loader's; pread: the benchmark's comparison

@@ -1,5 +1,6 @@
 """docs/config-reference.md, made from the schema: every key's type and default from the dataclasses, its words
-from the comments beside and above it in schema.py (read from the source, so the page cannot disagree with it).
+from the comments beside and above it in schema.py and objectives.py (read from the source, so the page cannot
+disagree with it).
 scripts/config_reference.py writes or checks the page; tests/test_config_reference.py holds them equal."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from qlora_fsdp.config import schema
+from qlora_fsdp.config import objectives, schema
 from qlora_fsdp.config.schema import FSDP_CONFIGS_DIR, REPO_ROOT, Config
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
@@ -179,14 +180,20 @@ def list_sections(cls: type, prefix: str, comments: dict[tuple[str, str], str]) 
     return blocks
 
 
+def schema_comments() -> dict[tuple[str, str], str]:
+    """Every field's words, from schema.py and the section modules it re-exports (objectives.py)."""
+    return {key: text for module in (schema, objectives)
+            for key, text in field_comments(Path(str(module.__file__)).read_text()).items()}
+
+
 def render() -> str:
     """The whole page."""
-    comments = field_comments(Path(schema.__file__).read_text())
+    comments = schema_comments()
     return "\n\n".join([HEADER.rstrip(), *sections(comments)]) + "\n"
 
 
 def missing_comments() -> list[str]:
     """Keys with no words in schema.py (the page would leave their description empty)."""
-    comments = field_comments(Path(schema.__file__).read_text())
+    comments = schema_comments()
     return [line.split("|")[1].strip(" `") for block in sections(comments) for line in block.splitlines()
             if line.startswith("| `") and line.rstrip().endswith("|  |")]

@@ -6,6 +6,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+# the objective sections live in objectives.py; re-exported here, the schema's one import point
+from qlora_fsdp.config.objectives import (
+    PAIR_OBJECTIVES as PAIR_OBJECTIVES,
+)
+from qlora_fsdp.config.objectives import (
+    REFERENCE_OBJECTIVES as REFERENCE_OBJECTIVES,
+)
+from qlora_fsdp.config.objectives import (
+    DpoLossType as DpoLossType,
+)
+from qlora_fsdp.config.objectives import (
+    GrpoConfig as GrpoConfig,
+)
+from qlora_fsdp.config.objectives import (
+    GrpoLossType as GrpoLossType,
+)
+from qlora_fsdp.config.objectives import (
+    Objective as Objective,
+)
+from qlora_fsdp.config.objectives import (
+    PreferenceConfig as PreferenceConfig,
+)
+from qlora_fsdp.config.objectives import (
+    RewardConfig as RewardConfig,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
 FSDP_CONFIGS_DIR = REPO_ROOT / "fsdp_configs"
@@ -162,90 +188,6 @@ class LossConfig:
 
     chunked: bool = True  # false: the full fp32 logits (tokens x vocabulary) at once
     chunk_tokens: int = 256  # tokens per chunk of the output projection and loss
-
-
-Objective = Literal["sft", "dpo", "orpo", "simpo", "kto", "reward", "grpo"]
-# the objectives trained on preference pairs; kto's records are unpaired, each read as a pair of its own sequence and
-# its KL sequence (its prompt with another record's completion); reward trains a scalar head (a reward model)
-PAIR_OBJECTIVES = ("dpo", "orpo", "simpo", "kto", "reward")
-REFERENCE_OBJECTIVES = ("dpo", "kto")  # compared against the reference (the base with the adapter off)
-DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]
-
-
-@dataclass
-class PreferenceConfig:
-    """Preference tuning (train.objective dpo, orpo, simpo; reward: a reward model) on pairs of a prompt, a chosen
-    and a rejected completion (qlora_fsdp/data/pairs.py reads them; qlora_fsdp/losses/preference.py has the
-    formulas); kto on
-    unpaired records of a prompt, a completion and a desirable/undesirable label (qlora_fsdp/data/kto.py)."""
-
-    beta: float | None = None  # None: the objective's usual value (dpo and kto 0.1, simpo 2.0)
-    loss_type: DpoLossType = "sigmoid"  # dpo: sigmoid (the paper's), robust (label noise), hinge (SLiC), ipo
-    label_smoothing: float = 0.0  # dpo sigmoid and robust, simpo: the share of pairs taken as mislabelled
-    gamma: float = 1.0  # simpo: the target margin between the rewards (the SimPO paper's gamma/beta of 0.5)
-    odds_ratio_weight: float = 0.1  # orpo: lambda, the weight of the odds-ratio term beside the chosen NLL
-    bad_pairs: Literal["error", "drop"] = "error"  # an empty or identical completion, prompts that disagree
-    # reward: the Bradley-Terry loss plus this times the mean squared sum of a pair's two rewards, which keeps the
-    # rewards centred on 0 (TRL's center_rewards_coefficient; it suggests 0.01); None: off. A pair's own margin
-    # (a `margin` field in its record) is subtracted from its reward gap, as TRL does
-    center_rewards_coefficient: float | None = None
-    desirable_weight: float = 1.0  # kto: the weight of a desirable record's loss (TRL's desirable_weight)
-    undesirable_weight: float = 1.0  # kto: and of an undesirable one's
-    # dpo, kto: adapter_off runs the base with the adapter off on every micro-batch (one more forward a step);
-    # precomputed runs it once per pair before training and keeps the result with the run; auto: precomputed when
-    # the run sees every pair at least once (then it is never dearer), else adapter_off (docs/benchmarks/preference.md)
-    reference: Literal["auto", "adapter_off", "precomputed"] = "auto"
-
-    def resolved_beta(self, objective: Objective) -> float:
-        if self.beta is not None:
-            return self.beta
-        return 2.0 if objective == "simpo" else 0.1
-
-
-@dataclass
-class RewardConfig:
-    """One reward function: a built-in's name (qlora_fsdp/rewards/builtin.py) or `module:function`, importable
-    where training runs; called as TRL calls one (prompts=, completions=, completion_ids=, and every other column
-    of the dataset as a keyword argument), returning a float or None per completion."""
-
-    function: str = ""  # required: e.g. math_answer, or my_rewards:correctness
-    weight: float = 1.0  # its share of the reward: the weighted sum over the functions (None scores left out)
-    options: dict[str, Any] = field(default_factory=dict)  # a built-in's settings, e.g. {tags: [think, answer]}
-
-
-GrpoLossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
-
-
-@dataclass
-class GrpoConfig:
-    """train.objective grpo: the policy generates `num_generations` completions per prompt, rewards score them,
-    and the update follows TRL 1.16's GRPOTrainer (qlora_fsdp/losses/policy.py has the formulas; the defaults
-    are TRL's, but max_completion_length)."""
-
-    num_generations: int = 8  # completions per prompt: a group, whose rewards are compared with each other
-    max_completion_length: int = 256  # new tokens at most; dr_grpo's constant normalizer too
-    temperature: float = 1.0  # sampling, and the log-probabilities the update computes (logits / temperature)
-    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens whose probability reaches it; 1.0: off
-    top_k: int = 0  # sampling among the k likeliest tokens; 0: off
-    stop: list[str] = field(default_factory=list)  # strings that end a completion besides EOS
-    # completions generated together (the KV cache holds this many rows); None: all of a rank's step in one call
-    generation_rows: int | None = None
-    rewards: list[RewardConfig] = field(default_factory=list)  # one at least; their weighted sum is the reward
-    scale_rewards: Literal["group", "batch", "none"] = "group"  # the standard deviation advantages divide by
-    # how the step's token losses are averaged: dapo, bnpo over every token; grpo per completion, then over them;
-    # dr_grpo over completions x max_completion_length (TRL's default: dapo)
-    loss_type: GrpoLossType = "dapo"
-    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
-    epsilon: float = 0.2  # the ratio's clip below 1
-    epsilon_high: float | None = None  # and above 1; None: epsilon (DAPO's clip-higher uses 0.28)
-    delta: float | None = None  # an upper cap on the unclipped ratio (two-sided clipping); None: none
-    beta: float = 0.0  # the KL penalty's weight; the reference is the base with the adapter off; 0: no reference
-    num_iterations: int = 1  # updates per generated batch; above 1 the log-probabilities at generation are kept
-    mask_truncated_completions: bool = False  # completions cut at max_completion_length count in no loss
-
-    @property
-    def resolved_epsilon_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 @dataclass

@@ -18,11 +18,12 @@ from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.layers.expert_lora import ExpertLora, peft_expert_key
 from qlora_fsdp.layers.reward_head import REWARD_HEAD, reward_head
-from qlora_fsdp.loading.fill import copy_full_into, model_layout
+from qlora_fsdp.loading.fill import model_layout
 from qlora_fsdp.loading.image_side_training import IMAGE_SIDE, peft_settings
 from qlora_fsdp.loading.initial_adapter import alpha_factor, converted_for_saving, initialized_layers, trained_half
 from qlora_fsdp.loading.layout import CheckpointLayout, lora_target_regex
 from qlora_fsdp.loading.names import PEFT_PREFIX, clean_name
+from qlora_fsdp.loading.placement import copy_full_into
 
 ADAPTER_NAME = "default"
 TRAINING_CONFIG = "training_config.yaml"  # the resolved recipe, next to the PEFT files

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import sys
 import zlib
 from collections.abc import Iterator
@@ -24,7 +23,6 @@ import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from qlora_fsdp.config import Config, QuantConfig
 from qlora_fsdp.distributed import local_shard
@@ -37,6 +35,7 @@ from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.initial_adapter import initialized, lora_layer_of, start_of
 from qlora_fsdp.loading.layout import CheckpointLayout
 from qlora_fsdp.loading.names import REWARD_HEAD_KEY, clean_name, is_lora_tensor, weight_key
+from qlora_fsdp.loading.placement import copy_full_into, copy_rows_into, shard_row_range
 from qlora_fsdp.loading.reader import CheckpointReader, Experts, FourBit, ModelShapes, Piece, Plain
 from qlora_fsdp.loading.weight_files import InMemoryTensor, StoredTensor
 
@@ -111,38 +110,6 @@ def retie(groups: list[list[ParamSlot]]) -> None:
         shared = getattr(first_module, first_attr)
         for module, attr in others:
             setattr(module, attr, shared)
-
-
-def shard_row_range(param: torch.Tensor, n_rows: int) -> tuple[int, int]:
-    """The rows of a full tensor this rank keeps for `param`: all, or FSDP2's `torch.chunk` dim-0 chunk over
-    the mesh dimension that shards (HSDP replicates over the other)."""
-    if not isinstance(param, DTensor):
-        return 0, n_rows
-    placements = tuple(param.placements)
-    if placements not in ((Shard(0),), (Replicate(), Shard(0))):
-        raise ModelLoadError(f"unsupported placement {placements}; expected FSDP2's Shard(0) or HSDP's")
-    mesh, shard_dim = param.device_mesh, len(placements) - 1
-    return chunk_rows(n_rows, mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
-
-
-def chunk_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Row range of `torch.chunk(t, world_size)[rank]` (empty where torch.chunk makes fewer chunks)."""
-    chunk = math.ceil(n_rows / world_size)
-    return min(rank * chunk, n_rows), min((rank + 1) * chunk, n_rows)
-
-
-@torch.no_grad()
-def copy_rows_into(param: torch.Tensor, part: torch.Tensor) -> None:
-    """Copy this rank's rows (already cut with `shard_row_range`) into the local shard."""
-    local = local_shard(param)
-    if local.shape != part.shape:
-        raise ModelLoadError(f"shard shape {tuple(local.shape)} does not match checkpoint part {tuple(part.shape)}")
-    local.copy_(part)
-
-
-def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    first, last = shard_row_range(param, full.shape[0])
-    copy_rows_into(param, full[first:last])
 
 
 def base_targets(model: nn.Module) -> dict[str, Target]:

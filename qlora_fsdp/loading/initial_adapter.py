@@ -24,6 +24,7 @@ from qlora_fsdp.config.schema import changes_base
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.layers.lora_inits import initial_adapter
 from qlora_fsdp.loading.names import clean_name
+from qlora_fsdp.loading.placement import copy_full_into
 
 ADAPTER = "default"
 STARTS = "initial_adapter"  # the model attribute holding each layer's (A0, B0), on the host
@@ -47,8 +48,6 @@ def round_trip(quant: QuantConfig, dtype: torch.dtype) -> Any:
 
 def start_of(layer: nn.Module, key: str, weight: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Fill `layer`'s A and B from the full-precision `weight` as lora.init says; the base to quantize (fp32)."""
-    from qlora_fsdp.loading.fill import copy_full_into  # fill calls this module: imported at use
-
     lora = cast(Any, layer)
     a_param, b_param = lora.lora_A[ADAPTER].weight, lora.lora_B[ADAPTER].weight
     seed = cfg.train.seed * 1_000_003 + zlib.crc32(key.encode())

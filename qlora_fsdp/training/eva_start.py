@@ -24,8 +24,8 @@ from torch import nn
 
 from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.labels import IGNORE_INDEX
-from qlora_fsdp.loading.fill import copy_full_into
 from qlora_fsdp.loading.names import clean_name
+from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.forward import model_inputs
 
 EVA_POSITIONS = "eva_positions"  # the layer-input positions the SVD reads, beside the model's own inputs
