@@ -341,6 +341,27 @@ def loraplus_ratio_negative(d: Path, model: Path) -> list[str]:
     return ["lora.plus_ratio=-16"]
 
 
+@bad_input(r"'lora\.init' must be one of default, pissa, olora, loftq, eva or pissa_niter_<iterations> \(e\.g\. "
+           r"pissa_niter_4\), got 'svd'")
+def lora_init_unknown(d: Path, model: Path) -> list[str]:
+    """An init name PEFT does not have (svd instead of pissa)."""
+    return ["lora.init=svd"]
+
+
+@bad_input(r"'lora\.init: pissa' with lora\.use_dora: that start is not built for it yet; use lora\.init: default, or "
+           r"leave out lora\.use_dora")
+def lora_init_pissa_with_dora(d: Path, model: Path) -> list[str]:
+    """PiSSA's start asked for together with DoRA."""
+    return ["lora.init=pissa", "lora.use_dora=true"]
+
+
+@bad_input(r"'model\.add_tokens' adds rows to the embeddings and the head that nothing would train; set "
+           r"lora\.train_embeddings: true")
+def new_tokens_without_training_the_embeddings(d: Path, model: Path) -> list[str]:
+    """New tokens added to the tokenizer while the embeddings stay frozen."""
+    return ["model.add_tokens=[<think>]"]
+
+
 @bad_input(r"'train\.neftune_alpha' with train\.objective grpo: .*; remove train\.neftune_alpha")
 def neftune_with_grpo(d: Path, model: Path) -> list[str]:
     """NEFTune's noise asked for in a GRPO run."""
