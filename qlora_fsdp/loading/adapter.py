@@ -89,7 +89,8 @@ def export_adapter(model: peft.PeftModel, tokenizer: PreTrainedTokenizerBase, ou
     for key, value in peft_settings(model, layout.prefix + ".", config.target_modules, lora_modules).items():
         setattr(config, key, value)  # a trained image side: its projector (modules_to_save), its tower's LoRA
     if reward_head(model) is not None:  # a reward model: PEFT's sequence-classification adapter, its head trained
-        config.task_type, config.modules_to_save = REWARD_TASK, [REWARD_HEAD]
+        saved_whole = [name for name in config.modules_to_save or [] if name != REWARD_HEAD]
+        config.task_type, config.modules_to_save = REWARD_TASK, [*saved_whole, REWARD_HEAD]
     if initialized_layers(model):  # PiSSA/OLoRA/LoftQ: PEFT's conversion to rank 2r on the original base
         config = copy.deepcopy(config)
         converted_for_saving(adapter_state, model, lambda name: adapter_file_key(name, layout), config)
