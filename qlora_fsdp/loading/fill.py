@@ -282,9 +282,10 @@ def load_tensor(target: Target, stored: StoredTensor, cfg: Config, device: torch
         part = stored.read(rows).to(device=device, dtype=dtype)  # only this rank's rows are read
         copy_rows_into(target.param, part)
         return
-    full = stored.read().to(device=device)
     if target.lora_layer is not None and initialized(cfg):  # the adapter takes its part; the residual is quantized
-        full = start_of(target.lora_layer, target.key, full, cfg)
+        full = start_of(target.lora_layer, target.key, stored.read().to(device=device), cfg)  # as stored
+    else:
+        full = stored.read().to(device=device, dtype=dtype)
     load_quantized(target, full.to(dtype), cfg)
 
 
