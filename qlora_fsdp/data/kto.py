@@ -16,8 +16,8 @@ from typing import Any
 import datasets
 
 from qlora_fsdp.config import SourceConfig
-from qlora_fsdp.data.pairs import PAIR, BadPair, as_turns
-from qlora_fsdp.data.sources import ConversationMaker, message
+from qlora_fsdp.data.pairs import PAIR, BadPair, as_turns, prompt_turns
+from qlora_fsdp.data.sources import ConversationMaker
 from qlora_fsdp.errors import DataError
 
 KTO_FIELDS = {"prompt": "prompt", "completion": "completion", "label": "label", "system": "system", "role": "role",
@@ -50,10 +50,7 @@ class KtoMaker:
 
     def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
         f = self.fields
-        prompt = as_turns(self.turns, record.get(f["prompt"]), "user", index)
-        system = record.get(f["system"])
-        if isinstance(system, str) and system and not (prompt and prompt[0]["role"] == "system"):
-            prompt = [message("system", system), *prompt]
+        prompt = prompt_turns(self.turns, f, record, index)
         completion = as_turns(self.turns, record.get(f["completion"]), "assistant", index)
         where = {"tools": self.turns.tools(record, index), "origin": self.origin, "record": index + 1, "margin": 0.0}
         try:

@@ -96,6 +96,15 @@ def pair_margin(value: Any) -> float:
     return float(value)
 
 
+def prompt_turns(maker: ConversationMaker, fields: dict[str, str], record: dict[str, Any], index: int) -> list[Message]:
+    """A record's prompt as messages, its `system` field (where the prompt has no system turn) first."""
+    prompt = as_turns(maker, record.get(fields["prompt"]), "user", index)
+    system = record.get(fields["system"])
+    if isinstance(system, str) and system and not (prompt and prompt[0]["role"] == "system"):
+        prompt = [message("system", system), *prompt]
+    return prompt
+
+
 class PairMaker:
     """One preference record -> {prompt, chosen, rejected, tools, problem}; `problem` is empty for a good pair."""
 
@@ -114,10 +123,7 @@ class PairMaker:
 
     def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
         f = self.fields
-        prompt = as_turns(self.turns, record.get(f["prompt"]), "user", index)
-        system = record.get(f["system"])
-        if isinstance(system, str) and system and not (prompt and prompt[0]["role"] == "system"):
-            prompt = [message("system", system), *prompt]
+        prompt = prompt_turns(self.turns, f, record, index)
         chosen, rejected = (as_turns(self.turns, record.get(f[name]), "assistant", index)
                             for name in ("chosen", "rejected"))
         where = {"tools": self.turns.tools(record, index), "origin": self.origin, "record": index + 1, "margin": 0.0}
