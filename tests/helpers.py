@@ -84,6 +84,16 @@ def batches(samples: list[Sample], size: int, pad_id: int):
     return [collate(samples[i : i + size], pad_id) for i in range(0, len(samples), size)]
 
 
+@torch.no_grad()
+def add_whole(param: torch.Tensor, step: torch.Tensor) -> None:
+    """Add a whole tensor to a parameter, sharded or not: each rank adds its rows (the loader's placement)."""
+    from qlora_fsdp.distributed import local_shard
+    from qlora_fsdp.loading.placement import shard_row_range
+
+    first, last = shard_row_range(param, step.shape[0])
+    local_shard(param).add_(step[first:last].to(param.dtype))
+
+
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded LoRA gradients by clean name (a collective under FSDP: every rank calls it)."""
     from qlora_fsdp.loading.names import clean_name

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.data.pair_pipeline import load_pairs
@@ -17,6 +16,7 @@ from qlora_fsdp.errors import DataError
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.pairs import PairLoss
 from qlora_fsdp.training.loop import accumulate_pairs
 from qlora_fsdp.training.pair_steps import pair_rows
@@ -27,15 +27,10 @@ from tests.test_preference_training import nudge_adapter
 def set_adapter(model) -> None:
     """Every LoRA matrix set to a fixed pattern (A as well as B: PEFT draws its A matrices otherwise than we do)."""
     nudge_adapter(model)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_A" in name:
-                full = -0.1 * torch.cos(torch.arange(parameter.numel(), dtype=torch.float32)).view(parameter.shape)
-                if isinstance(parameter, DTensor):
-                    full = distribute_tensor(full, parameter.device_mesh, parameter.placements)
-                    parameter.to_local().copy_(full.to_local())
-                else:
-                    parameter.copy_(full)
+    for name, parameter in model.named_parameters():
+        if "lora_A" in name:
+            copy_full_into(parameter, -0.1 * torch.cos(torch.arange(parameter.numel(), dtype=torch.float32)).view(
+                parameter.shape))
 
 pytestmark = pytest.mark.slow  # gloo ranks
 

@@ -19,7 +19,7 @@ from qlora_fsdp.loading.adapter import export_adapter, gather_trainable_state
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.names import clean_name, weight_key
-from tests.helpers import command_here, relative_difference, run_ranks_sequence, tiny_config
+from tests.helpers import add_whole, command_here, relative_difference, run_ranks_sequence, tiny_config
 
 pytestmark = pytest.mark.slow  # gloo ranks
 
@@ -51,16 +51,9 @@ def dequantized_bases(model) -> dict[str, torch.Tensor]:
 
 def nudge(model) -> None:
     """Move A and B off their start (as training would), the same whatever the sharding."""
-    from torch.distributed.tensor import distribute_tensor
-
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                step = 0.01 * torch.cos(torch.arange(param.numel(), dtype=torch.float32)).view(param.shape)
-                if isinstance(param, DTensor):
-                    param.to_local().add_(distribute_tensor(step, param.device_mesh, param.placements).to_local())
-                else:
-                    param.add_(step)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            add_whole(param, 0.01 * torch.cos(torch.arange(param.numel(), dtype=torch.float32)).view(param.shape))
 
 
 def loaded_inits(info, model_dir, adapter_root):

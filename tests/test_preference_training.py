@@ -11,7 +11,6 @@ import random
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from qlora_fsdp.commands.generate import main as generate_main
 from qlora_fsdp.commands.merge import main as merge_main
@@ -20,6 +19,7 @@ from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.pairs import PairLoss, as_pairs
 from qlora_fsdp.training.loop import accumulate_pairs
 from qlora_fsdp.training.pair_steps import pair_rows
@@ -60,15 +60,10 @@ def pair_micro_batches(cfg, n_pairs: int, pairs_per_batch: int, rank: int, world
 
 def nudge_adapter(model) -> None:
     """Set the adapter's B matrices (zero at the start) to a fixed pattern, the same whatever the sharding."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                full = 0.05 * torch.sin(torch.arange(parameter.numel(), dtype=torch.float32)).view(parameter.shape)
-                if isinstance(parameter, DTensor):
-                    full = distribute_tensor(full, parameter.device_mesh, parameter.placements)
-                    parameter.to_local().copy_(full.to_local())
-                else:
-                    parameter.copy_(full)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            copy_full_into(parameter, 0.05 * torch.sin(torch.arange(parameter.numel(), dtype=torch.float32)).view(
+                parameter.shape))
 
 
 def step(info, cfg, n_pairs: int, pairs_per_batch: int, perturb: bool = False):

@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from qlora_fsdp.commands.merge import main as merge_main
 from qlora_fsdp.config import to_yaml
@@ -19,6 +18,7 @@ from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.loading.adapter import export_adapter
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.pairs import PairLoss
 from qlora_fsdp.training.loop import accumulate_pairs
 from qlora_fsdp.training.pair_steps import pair_rows, with_pair_extras
@@ -61,15 +61,10 @@ def reward_config(model_dir, data_path):
 def set_reward_model(model) -> None:
     """LoRA (set_adapter's pattern) and the head set to fixed values, the same whatever the sharding."""
     set_adapter(model)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".score." in name and parameter.requires_grad:  # ours, or PEFT's modules_to_save copy
-                full = 0.3 * torch.sin(torch.arange(parameter.numel(), dtype=torch.float32) + 1).view(parameter.shape)
-                if isinstance(parameter, DTensor):
-                    full = distribute_tensor(full, parameter.device_mesh, parameter.placements)
-                    parameter.to_local().copy_(full.to_local())
-                else:
-                    parameter.copy_(full)
+    for name, parameter in model.named_parameters():
+        if ".score." in name and parameter.requires_grad:  # ours, or PEFT's modules_to_save copy
+            copy_full_into(parameter, 0.3 * torch.sin(torch.arange(parameter.numel(), dtype=torch.float32) + 1).view(
+                parameter.shape))
 
 
 def training_pairs(cfg):

@@ -22,7 +22,8 @@ from qlora_fsdp.loading.adapter import check_scaling, config_for_adapter, load_a
 from qlora_fsdp.loading.build import build_meta_model
 from qlora_fsdp.loading.checkpoint import load_hf_config
 from qlora_fsdp.loading.factory import build_model
-from qlora_fsdp.tools.merge import as_trained, merge_adapter
+from qlora_fsdp.loading.nf4 import as_trained
+from qlora_fsdp.tools.merge import merge_adapter
 from tests.helpers import tiny_config
 from tests.test_merge_generate import PROMPT, adapter_and_logits
 
@@ -47,7 +48,7 @@ def peft_on_dequantized_base(cfg: Config, adapter: Path) -> PeftModel:
     with torch.no_grad():
         for name, module in base.named_modules():
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in cfg.quant.skip_modules:
-                module.weight.copy_(as_trained(module.weight, cfg))
+                module.weight.copy_(as_trained(module.weight, cfg.quant))
     return PeftModel.from_pretrained(base, adapter).eval()
 
 

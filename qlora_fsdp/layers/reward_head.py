@@ -7,8 +7,7 @@ adapter's modules_to_save), so the decoder, its LoRA and its sharding are the ca
 
 from __future__ import annotations
 
-from typing import Any, cast
-
+import peft
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,13 +25,9 @@ def attach_reward_head(model: nn.Module, hidden_size: int, dtype: torch.dtype) -
 
 def reward_head(model: nn.Module) -> nn.Linear | None:
     """The reward head of a built model (a PEFT model or the model it wraps), or None for a causal LM."""
-    inner = cast(Any, model)
-    for candidate in (inner, getattr(inner, "base_model", None), getattr(getattr(inner, "base_model", None),
-                                                                        "model", None)):
-        head = getattr(candidate, REWARD_HEAD, None) if candidate is not None else None
-        if isinstance(head, nn.Linear):
-            return head
-    return None
+    inner = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    head = getattr(inner, REWARD_HEAD, None)
+    return head if isinstance(head, nn.Linear) else None
 
 
 def sequence_scores(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:

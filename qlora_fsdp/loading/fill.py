@@ -24,17 +24,17 @@ import bitsandbytes.functional as bnbf
 import torch
 from torch import nn
 
-from qlora_fsdp.config import Config, QuantConfig
+from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.layers.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts4bit
 from qlora_fsdp.layers.lora_math import dora_magnitude
-from qlora_fsdp.loading.build import QUANT_STORAGE
 from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.initial_adapter import initialized, lora_layer_of, start_of
 from qlora_fsdp.loading.layout import CheckpointLayout
 from qlora_fsdp.loading.names import REWARD_HEAD_KEY, clean_name, is_lora_tensor, weight_key
+from qlora_fsdp.loading.nf4 import quantize
 from qlora_fsdp.loading.placement import copy_full_into, copy_rows_into, shard_row_range
 from qlora_fsdp.loading.reader import CheckpointReader, Experts, FourBit, ModelShapes, Piece, Plain
 from qlora_fsdp.loading.weight_files import InMemoryTensor, StoredTensor
@@ -323,18 +323,6 @@ def set_quant_state(module: bnb.nn.Linear4bit, state: bnbf.QuantState) -> None:
     module.quant_state = state
     if isinstance(module.weight, bnb.nn.Params4bit):
         module.weight.quant_state = state
-
-
-def quantize(weight: torch.Tensor, quant: QuantConfig, storage: torch.dtype = QUANT_STORAGE
-             ) -> tuple[torch.Tensor, bnbf.QuantState]:
-    """NF4/FP4 as the config says, packed into `storage` (the dtype the model's 4-bit parameters were built with)."""
-    return bnbf.quantize_4bit(
-        weight,
-        blocksize=quant.blocksize,
-        compress_statistics=quant.double_quant,
-        quant_type=quant.quant_type,
-        quant_storage=storage,
-    )
 
 
 @torch.no_grad()

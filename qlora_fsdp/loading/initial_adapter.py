@@ -14,7 +14,6 @@ from __future__ import annotations
 import zlib
 from typing import Any, cast
 
-import bitsandbytes.functional as bnbf
 import peft
 import torch
 from torch import nn
@@ -24,6 +23,7 @@ from qlora_fsdp.config.schema import changes_base
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.layers.lora_inits import initial_adapter
 from qlora_fsdp.loading.names import clean_name
+from qlora_fsdp.loading.nf4 import as_trained
 from qlora_fsdp.loading.placement import copy_full_into
 
 ADAPTER = "default"
@@ -37,13 +37,9 @@ def lora_layer_of(modules: dict[str, nn.Module], linear_name: str) -> nn.Module 
 
 
 def round_trip(quant: QuantConfig, dtype: torch.dtype) -> Any:
-    """The loader's 4-bit quantization (of the weight in the model's dtype), then its dequantization: LoftQ's
+    """The weight in the model's dtype as the 4-bit model computes with it (nf4.as_trained), in fp32: LoftQ's
     alternation quantizes exactly as the loader then does."""
-    def quantized(weight: torch.Tensor) -> torch.Tensor:
-        packed, state = bnbf.quantize_4bit(weight.to(dtype).contiguous(), blocksize=quant.blocksize,
-                                           compress_statistics=quant.double_quant, quant_type=quant.quant_type)
-        return bnbf.dequantize_4bit(packed, state).float()
-    return quantized
+    return lambda weight: as_trained(weight.to(dtype).contiguous(), quant).float()
 
 
 def start_of(layer: nn.Module, key: str, weight: torch.Tensor, cfg: Config) -> torch.Tensor:

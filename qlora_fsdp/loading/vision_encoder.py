@@ -25,7 +25,7 @@ from qlora_fsdp.families import IMAGE_FAMILIES, check_images_supported, full_mod
 from qlora_fsdp.layers.image_embeddings import VisionEncoder, attach_vision_encoder
 from qlora_fsdp.loading.build import make_meta_linear4bit
 from qlora_fsdp.loading.checkpoint import model_dir
-from qlora_fsdp.loading.fill import quantize, set_quant_state
+from qlora_fsdp.loading.fill import set_quant_state
 from qlora_fsdp.loading.image_side_training import (
     attach_trained,
     make_trainable,
@@ -34,6 +34,7 @@ from qlora_fsdp.loading.image_side_training import (
     under,
 )
 from qlora_fsdp.loading.layout import CheckpointLayout, layout_from_transforms, meta_full_model
+from qlora_fsdp.loading.nf4 import quantize
 from qlora_fsdp.loading.weight_files import stored_weight_tensors
 
 

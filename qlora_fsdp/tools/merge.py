@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import bitsandbytes.functional as bnbf
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -31,10 +30,11 @@ from qlora_fsdp.layers.lora_math import dora_magnitude, expert_delta, lora_scale
 from qlora_fsdp.loading.adapter import adapter_file_key, read_adapter
 from qlora_fsdp.loading.build import build_meta_model
 from qlora_fsdp.loading.checkpoint import load_hf_config, model_dir
-from qlora_fsdp.loading.fill import base_targets, model_layout, model_shapes, quantize
+from qlora_fsdp.loading.fill import base_targets, model_layout, model_shapes
 from qlora_fsdp.loading.initial_adapter import initialized, round_trip
 from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.names import PEFT_PREFIX, is_lora_tensor, weight_key
+from qlora_fsdp.loading.nf4 import as_trained
 from qlora_fsdp.loading.reader import CheckpointReader, Experts, FourBit, Piece
 from qlora_fsdp.precision import describe_device, resolve_dtypes
 
@@ -160,12 +160,6 @@ def updated_linear(updates: AdapterUpdates, full_key: str, weight: torch.Tensor)
     if full_key in updates.replaced:
         weight = updates.replaced.pop(full_key)
     return weight
-
-
-def as_trained(weight: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """The weight the 4-bit model computed with: quantized as the loader does, then dequantized."""
-    packed, state = quantize(weight, cfg.quant)
-    return bnbf.dequantize_4bit(packed, state)
 
 
 class ExpertRounding:
@@ -294,8 +288,8 @@ def merged_tensors(piece: Piece, updates: AdapterUpdates, experts: ExpertRoundin
         if initialized(cfg) and piece.full_key in updates.linear:  # the residual the loader quantized instead
             delta = updates.linear.pop(piece.full_key)
             residual, trained = initialized_base(stored, delta, cfg)
-            return [(piece.stored_key, trained.merged(as_trained(residual.to(weight.dtype), cfg)))]
-        weight = as_trained(weight, cfg)
+            return [(piece.stored_key, trained.merged(as_trained(residual.to(weight.dtype), cfg.quant)))]
+        weight = as_trained(weight, cfg.quant)
     return [(piece.stored_key, updated_linear(updates, piece.full_key, weight))]
 
 
