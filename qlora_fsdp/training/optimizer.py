@@ -65,11 +65,10 @@ class ShardedOptimizer:
                         for group in groups]
         kwargs: dict[str, Any] = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps,
                                   "weight_decay": optim.weight_decay}
-        cls = optimizer_class(optim.name, self.locals)
+        self.inner = optimizer_class(optim.name, self.locals)(inner_groups, **kwargs)
         full_state = [local_of[id(p)] for group in groups if group.full_state for p in group.params]
-        if full_state and cls.__module__.startswith("bitsandbytes"):
-            keep_32bit_state(self.locals, full_state)
-        self.inner = cls(inner_groups, **kwargs)
+        if full_state and hasattr(self.inner, "mng"):  # a bitsandbytes optimizer
+            keep_32bit_state(self.inner, full_state)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -102,13 +101,17 @@ class ShardedOptimizer:
         self.zero_grad()
 
 
-def keep_32bit_state(everything: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
-    """bitsandbytes' per-parameter override, which its optimizers read when built: 32-bit state for `kept`."""
+def keep_32bit_state(inner: torch.optim.Optimizer, kept: list[torch.Tensor]) -> None:
+    """32-bit state for `kept` under a bitsandbytes optimizer: its per-parameter override, read when a parameter's
+    state is made. Given to this optimizer alone: bitsandbytes' own manager is one per process, keyed by tensor ids
+    and group positions, so another optimizer's overrides (the planner's fake step's) would reach whichever tensor
+    later takes the same id or place."""
     from bitsandbytes.optim import GlobalOptimManager
 
-    manager = GlobalOptimManager.get_instance()
-    manager.register_parameters(everything)
+    manager = GlobalOptimManager.__new__(GlobalOptimManager)  # its constructor refuses: get_instance's singleton
+    manager.initialize()
     manager.override_config(kept, "optim_bits", 32)
+    cast(Any, inner).mng = manager
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, lora: LoraConfig) -> ShardedOptimizer:
