@@ -1,4 +1,4 @@
-"""GRPO's generation: tokens/s of the policy's own sampling (qlora_fsdp/training/rollouts.py: our 4-bit model with
+"""GRPO's generation: tokens/s of the policy's own sampling (qlora_fsdp/objectives/rollouts.py: our 4-bit model with
 its LoRA, held as training holds it, one process) against transformers' `generate` on transformers + bitsandbytes +
 PEFT's 4-bit model of the same checkpoint, the same rows, lengths and sampling, measured in the same run.
 
@@ -83,7 +83,7 @@ def ours(folder: Path, prompts: list[list[int]], args: argparse.Namespace, devic
     from qlora_fsdp.config import GrpoConfig, load_config
     from qlora_fsdp.distributed import init_distributed
     from qlora_fsdp.loading.factory import build_model
-    from qlora_fsdp.training.rollouts import generate
+    from qlora_fsdp.objectives.rollouts import generate
 
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     cfg = load_config("tiny_cpu", [f"model.path={folder}", f"model.dtype={dtype}", f"quant.compute_dtype={dtype}",
@@ -128,7 +128,7 @@ def transformers_side(folder: Path, prompts: list[list[int]], args: argparse.Nam
 def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gpu: str) -> str:
     """What --plan predicts for this call on `gpu` (plan/generation.py), before any process group exists."""
     from qlora_fsdp.config import load_config
-    from qlora_fsdp.plan.fake_world import leave_fake_world
+    from qlora_fsdp.measure.fake_world import leave_fake_world
     from qlora_fsdp.plan.report import plan_recipe
     from qlora_fsdp.plan.time_report import recipe_generation
 

@@ -20,8 +20,8 @@ import qlora_fsdp  # noqa: F401, I001  (first: it quiets a bitsandbytes CPU noti
 from qlora_fsdp.config import load_config
 from qlora_fsdp.distributed import cleanup, init_fake_distributed, local_shard
 from qlora_fsdp.loading.factory import build_model
-from qlora_fsdp.plan.measure import held_quant_state_bytes
-from qlora_fsdp.training.metrics import proc_status_bytes
+from qlora_fsdp.measure.real_step import held_quant_state_bytes
+from qlora_fsdp.run_files.metrics import proc_status_bytes
 
 GB = 2**30
 

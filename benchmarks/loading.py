@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from benchmarks.memory_sampler import AnonPeak, reset_peak_rss
 from qlora_fsdp.loading.weight_files import Backend
-from qlora_fsdp.training.metrics import proc_status_bytes
+from qlora_fsdp.run_files.metrics import proc_status_bytes
 
 GB, MB = 2**30, 2**20
 Loader = Literal["mmap", "pread", "peer"]  # our loader with each safetensors reader, then the peer

@@ -29,8 +29,8 @@ from transformers import LlamaConfig
 
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.distributed import DistInfo, cleanup, init_fake_distributed
-from qlora_fsdp.plan.fake_world import recipe_step
-from qlora_fsdp.plan.measure import measured_step
+from qlora_fsdp.measure.fake_world import recipe_step
+from qlora_fsdp.measure.real_step import measured_step
 
 MIB = 2**20
 

@@ -10,11 +10,11 @@ import peft
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.config import PAIR_OBJECTIVES, Config, load_config, to_dict, to_yaml, validate
-from qlora_fsdp.data.images import ImageData, load_image_data, records_have_images
-from qlora_fsdp.data.pair_pipeline import load_pairs
-from qlora_fsdp.data.pipeline import Dataset, load_dataset
-from qlora_fsdp.data.prompts import PromptData, load_prompt_data
+from qlora_fsdp.auto_batch import resolve_run_batch
+from qlora_fsdp.config import Config, load_config, to_dict, to_yaml, validate
+from qlora_fsdp.data.images import ImageData
+from qlora_fsdp.data.kinds import TrainingData
+from qlora_fsdp.data.loading import load_training_data
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
 from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.errors import ConfigError
@@ -25,24 +25,21 @@ from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.image_side_training import trains_image_side
 from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
-from qlora_fsdp.plan.batch_size import describe_batch
-from qlora_fsdp.plan.hardware import peak_flops
-from qlora_fsdp.plan.run_batch import resolve_run_batch
+from qlora_fsdp.objectives import objective_class
+from qlora_fsdp.optimizer import build_optimizer, build_scheduler
 from qlora_fsdp.precision import describe_device, describe_dtypes, resolve_dtypes
-from qlora_fsdp.rewards.functions import resolve_rewards
-from qlora_fsdp.training.checkpoints import Checkpointer, check_world_size
+from qlora_fsdp.run.batch_size import describe_batch
+from qlora_fsdp.run.hardware import peak_flops
+from qlora_fsdp.run_files.checkpoints import Checkpointer, check_world_size
+from qlora_fsdp.run_files.metrics import MetricsLogger, format_summary
+from qlora_fsdp.run_files.plots import plot_loss_curves
+from qlora_fsdp.run_files.run_dir import prepare_run_dir
+from qlora_fsdp.run_files.shared_dir import check_output_dir_shared
+from qlora_fsdp.run_files.tracking import check_available as check_trackers_available
+from qlora_fsdp.run_files.tracking import open_trackers
 from qlora_fsdp.training.eva_start import EvaBatches, eva_start
-from qlora_fsdp.training.grpo_steps import GrpoSteps
 from qlora_fsdp.training.loop import Trainer
-from qlora_fsdp.training.metrics import MetricsLogger, format_summary
-from qlora_fsdp.training.optimizer import build_optimizer, build_scheduler
-from qlora_fsdp.training.plots import plot_loss_curves
 from qlora_fsdp.training.records import MfuReference, RunSummary
-from qlora_fsdp.training.reward_model_scores import reward_model_function
-from qlora_fsdp.training.run_dir import prepare_run_dir
-from qlora_fsdp.training.shared_dir import check_output_dir_shared
-from qlora_fsdp.training.tracking import check_available as check_trackers_available
-from qlora_fsdp.training.tracking import open_trackers
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -58,9 +55,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     """
     cfg = load_config(config, overrides) if isinstance(config, str) else validate(config)
     check_trackers_available(cfg.logging)  # every rank, before anything is read
-    # an unknown one, or a reward model's folder that is none: before loading
-    grpo = cfg.train.objective == "grpo"
-    rewards = resolve_rewards(cfg.grpo, {"reward_model": reward_model_function}) if grpo else []
+    objective_class(cfg).check_before_loading(cfg)  # GRPO: an unknown reward function, before any loading
     info = info or init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes,
                                     first_collective_timeout_s=cfg.train.first_collective_timeout_s)
     row_split(cfg.fsdp.context_parallel)  # context parallel's groups, or one line now (too few ranks)
@@ -73,48 +68,40 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
         check_world_size(checkpoint, info.world_size)  # before minutes of loading, not after
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg)
-    data = load_data(tokenizer, cfg, info)
-    if trains_image_side(cfg) and not isinstance(data, ImageData):
-        raise ConfigError("lora.train_projector / lora.target_vision_tower train a vision-language checkpoint's "
-                          "image side: the data's records show no images (image parts, or an `images` column)")
-    if isinstance(data, ImageData) and cfg.fsdp.context_parallel > 1:
-        raise ConfigError(f"'fsdp.context_parallel: {cfg.fsdp.context_parallel}' with images: an image's tokens "
-                          "split over ranks are not built yet; use fsdp.context_parallel: 1")
+    data = load_training_data(tokenizer, cfg, info, lambda: load_processor(cfg))
+    images = isinstance(data, ImageData)
+    check_image_levers(cfg, images)
     model = build_model(cfg, info)
-    if isinstance(data, ImageData):  # the image side, frozen, beside the sharded decoder on every rank
+    if images:  # the image side, frozen, beside the sharded decoder on every rank
         load_vision_encoder(model, cfg, info.device)
     recipe = cfg  # as written (auto micro-batch, unscaled lr); cfg from here on is what this run uses
     cfg = decide_on_main(lambda: resolve_run_batch(recipe, model, info))
     trainer = make_trainer(cfg, info, model, data, tokenizer)
-    if isinstance(data, PromptData):
-        trainer.grpo = GrpoSteps(cfg, info, model, tokenizer, data, trainer.forward_loss, rewards)
     trainer.logger.write(describe_dtypes(written, cfg, device))
     trainer.logger.write(describe_attention(model))
     trainer.logger.write(describe_batch(recipe, cfg, info.world_size))
     if checkpoint is not None:
         trainer.resume(checkpoint)
     elif cfg.lora.init == "eva":  # A from the first micro-batches (a resumed run has its own in the checkpoint)
-        if isinstance(data, ImageData):
-            raise ConfigError("'lora.init: eva' with images: the image features' layer inputs are not built yet; use "
-                              "lora.init: default")
         filled = eva_start(model, EvaBatches(model, trainer.micro_batches, trainer.sampler, info.device))
         trainer.logger.write(f"EVA: {filled} LoRA layers' A from the first micro-batches' layer inputs")
     return finish(trainer, trainer.train(), tokenizer)
 
 
-def load_data(tokenizer: PreTrainedTokenizerBase, cfg: Config, info: DistInfo) -> Dataset | PromptData | ImageData:
-    """SFT samples (with images, where the records show some), preference pairs, or GRPO's prompts, as the
-    objective reads them."""
-    if cfg.train.objective == "grpo":
-        return load_prompt_data(tokenizer, cfg)
-    if cfg.train.objective in PAIR_OBJECTIVES:
-        return load_pairs(tokenizer, cfg, info)
-    if records_have_images(cfg):
-        return load_image_data(load_processor(cfg), cfg)
-    return load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
+def check_image_levers(cfg: Config, images: bool) -> None:
+    """What the data's images rule out, once the records are read."""
+    if trains_image_side(cfg) and not images:
+        raise ConfigError("lora.train_projector / lora.target_vision_tower train a vision-language checkpoint's "
+                          "image side: the data's records show no images (image parts, or an `images` column)")
+    if images and cfg.fsdp.context_parallel > 1:
+        raise ConfigError(f"'fsdp.context_parallel: {cfg.fsdp.context_parallel}' with images: an image's tokens "
+                          "split over ranks are not built yet; use fsdp.context_parallel: 1")
+    if images and cfg.lora.init == "eva":
+        raise ConfigError("'lora.init: eva' with images: the image features' layer inputs are not built yet; use "
+                          "lora.init: default")
 
 
-def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Dataset | PromptData | ImageData,
+def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: TrainingData,
                  tokenizer: PreTrainedTokenizerBase) -> Trainer:
     out_dir = Path(cfg.train.output_dir)
     optimizer = build_optimizer(model, cfg.optim, cfg.lora)
@@ -129,7 +116,7 @@ def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Datas
     checkpointer = Checkpointer(out_dir, info, cfg.train.keep_last, to_yaml(cfg), tokenizer, cfg.model.path)
     mfu_reference = MfuReference.for_run(base, peak_flops(info.device), info.world_size)
     trainer = Trainer(cfg, info, model, data, tokenizer.pad_token_id, optimizer, scheduler, logger, checkpointer,
-                      mfu_reference)
+                      mfu_reference, tokenizer=tokenizer)
     for note in trainer.profiler.notes():
         logger.write(note)
     return trainer

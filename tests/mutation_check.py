@@ -56,16 +56,20 @@ PREQUANTIZED_TINY = ("tests/test_prequantized.py::"
 
 MUTATIONS = [
     # ---- the training step, optimizer, sharding, precision -------------------------------------------------
-    Mutation("optimizer steps once per micro-batch", "qlora_fsdp/training/loop.py",
-             "            result = accumulate_gradients(self.model, micro_batches, self.info.device, "
-             "self.forward_loss, scale)\n",
-             "            for batch in micro_batches[:-1]:\n"
-             "                accumulate_gradients(self.model, [batch], self.info.device, self.forward_loss, scale)\n"
-             "                self.optimizer.step()\n"
-             "            result = accumulate_gradients(self.model, micro_batches[-1:], self.info.device,\n"
-             "                                          self.forward_loss, scale)\n",
+    Mutation("each micro-batch's gradients dropped before the next", "qlora_fsdp/objectives/supervised.py",
+             "        return accumulate_gradients(self.parts.model, self.micro_batches(), self.parts.info.device,\n"
+             "                                    self.forward_loss, loss_factor)\n",
+             "        batches, model, device = self.micro_batches(), self.parts.model, self.parts.info.device\n"
+             "        for batch in batches[:-1]:\n"
+             "            accumulate_gradients(model, [batch], device, self.forward_loss, loss_factor)\n"
+             "            model.zero_grad()\n"
+             "        return accumulate_gradients(model, batches[-1:], device, self.forward_loss, loss_factor)\n",
              "tests/test_numerics.py::test_train_step_is_one_optimizer_update"),
-    Mutation("gradient norm over the local shard only", "qlora_fsdp/training/optimizer.py",
+    Mutation("the optimizer steps twice a step", "qlora_fsdp/training/loop.py",
+             "        result = self.objective.step(scale)\n",
+             "        result = self.objective.step(scale)\n        self.optimizer.step()\n",
+             "tests/test_numerics.py::test_train_step_is_one_optimizer_update"),
+    Mutation("gradient norm over the local shard only", "qlora_fsdp/optimizer.py",
              "    params = [p for p in model.parameters() if p.grad is not None]\n",
              "    with_grad = [p for p in model.parameters() if p.grad is not None]\n"
              "    params = [local_shard(p) for p in with_grad]\n"
@@ -106,7 +110,7 @@ MUTATIONS = [
     Mutation("a skipped step averaged into its record", "qlora_fsdp/training/loop.py",
              "            if stats.skipped and self.window.records:", "            if False:",
              "tests/test_resume.py::test_non_finite_steps_are_skipped_then_stop_the_run"),
-    Mutation("a record's rate averaged over its steps, not over its time", "qlora_fsdp/training/metrics.py",
+    Mutation("a record's rate averaged over its steps, not over its time", "qlora_fsdp/run_files/metrics.py",
              "            elif key in RATES:", "            elif False:",
              "tests/test_metrics.py::test_a_window_of_steps_reads_as_one_long_step", quick=True),
     # ---- fused LoRA ------------------------------------------------------------------------------------------
@@ -143,7 +147,7 @@ MUTATIONS = [
              "    keep_chosen = min(chosen, budget // 2)\n",
              "tests/test_preference_data.py::test_fitting_keeps_the_prompt_and_shortens_the_longer_completion_first",
              quick=True),
-    Mutation("precomputed reference read as all chosen, then all rejected", "qlora_fsdp/training/reference_logps.py",
+    Mutation("precomputed reference read as all chosen, then all rejected", "qlora_fsdp/objectives/pair_reference.py",
              "        table[ids] = logps.view(-1, 2).float()\n", "        table[ids] = logps.view(2, -1).t().float()\n",
              "tests/test_preference_training.py::"
              "test_precomputed_reference_trains_as_the_adapter_off_one_and_a_stale_one_is_refused"),
@@ -166,7 +170,7 @@ MUTATIONS = [
              "    total = weighted.sum(dim=1)\n",
              "tests/test_grpo.py::test_rewards_built_in_and_errors_in_one_line", quick=True),
     Mutation("a mixture of experts' load-balancing loss counted once a rank, not once a micro-batch",
-             "qlora_fsdp/training/grpo_steps.py",
+             "qlora_fsdp/objectives/grpo.py",
              "            micro_batches = len(generation.micro_batches) * self.info.world_size\n",
              "            micro_batches = self.info.world_size\n",
              "tests/test_grpo.py::test_a_mixture_of_experts_update_equals_trls_with_its_load_balancing_loss"),
@@ -222,7 +226,7 @@ MUTATIONS = [
              "            allowed[start:end, 0] = False\n", "            allowed[start:end, 0] = True\n",
              "tests/test_vision.py::test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2[mllama]"),
     Mutation("a trained image side's gradients not summed over the ranks (each rank steps on its own)",
-             "qlora_fsdp/training/grad_sync.py", "    if not params:\n        return\n",
+             "qlora_fsdp/distributed/grad_sync.py", "    if not params:\n        return\n",
              "    if True:\n        return\n",
              "tests/test_vision.py::test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2[llava]"),
     Mutation("merge adds the tower's LoRA to its stored weights, not the 4-bit ones it trained on",
@@ -248,7 +252,7 @@ MUTATIONS = [
              "info.world_size, info.rank, cfg.train.seed,",
              "tests/test_resume.py::test_elastic_restart_then_sigterm_then_kill_9_then_resume_equals_the_uninterrupted_"
              "run"),
-    Mutation("LoRA+ speeds up the A matrices instead of the B ones", "qlora_fsdp/training/optimizer.py",
+    Mutation("LoRA+ speeds up the A matrices instead of the B ones", "qlora_fsdp/optimizer.py",
              '("lora_B" in name.split(".") or param.ndim == 1)', '("lora_A" in name.split(".") or param.ndim == 1)',
              "tests/test_peer_options.py::test_loraplus_groups_and_step"),
     Mutation("NEFTune's noise scaled by the hidden size alone", "qlora_fsdp/layers/embedding_noise.py",
@@ -257,7 +261,7 @@ MUTATIONS = [
     Mutation("KTO's undesirable loss pushes the wrong way", "qlora_fsdp/losses/kto.py",
              "(1 - F.sigmoid(beta * (z0 - ratio)))", "(1 - F.sigmoid(beta * (ratio - z0)))",
              "tests/test_kto.py::test_kto_equals_trls_kto_trainer_and_accumulates_and_shards_exactly"),
-    Mutation("KTO's z0 taken over the rank's records only", "qlora_fsdp/training/pair_steps.py",
+    Mutation("KTO's z0 taken over the rank's records only", "qlora_fsdp/objectives/pair_steps.py",
              "    summed, count = all_reduce_sums([summed, count], device)\n", "",
              "tests/test_kto.py::test_kto_equals_trls_kto_trainer_and_accumulates_and_shards_exactly"),
     Mutation("KTO's KL completion is the record's own", "qlora_fsdp/data/kto.py",
@@ -274,10 +278,10 @@ MUTATIONS = [
     Mutation("new tokens' rows start at zero instead of the stored rows' mean", "qlora_fsdp/loading/fill.py",
              "full.mean(0, keepdim=True).expand(", "0 * full.mean(0, keepdim=True).expand(",
              "tests/test_peer_options.py::test_embeddings_trained_beside_lora_equal_peft_modules_to_save"),
-    Mutation("trained embeddings learn at optim.lr", "qlora_fsdp/training/optimizer.py",
+    Mutation("trained embeddings learn at optim.lr", "qlora_fsdp/optimizer.py",
              "ratio = (lora.embeddings_lr or optim.lr) / optim.lr", "ratio = 1.0",
              "tests/test_peer_options.py::test_embeddings_trained_beside_lora_equal_peft_modules_to_save"),
-    Mutation("the plan counts trained embeddings' optimizer state as 8-bit", "qlora_fsdp/plan/held.py",
+    Mutation("the plan counts trained embeddings' optimizer state as 8-bit", "qlora_fsdp/measure/held.py",
              "id(param) in full_state)", "False)", "tests/test_plan.py::test_planned_sizes_equal_measured"),
     Mutation("PiSSA's base keeps the whole weight", "qlora_fsdp/layers/lora_inits.py",
              "return InitialAdapter(a, b, weight - scale * (b.float() @ a.float()))",
@@ -299,10 +303,10 @@ MUTATIONS = [
              "    out = [IGNORE_INDEX] * len(expanded)\n", "    out = list(expanded)\n",
              "tests/test_vision.py::test_records_become_replies_only_labels_with_each_images_tokens", quick=True),
     # ---- the planner: memory, step time ----------------------------------------------------------------------
-    Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/plan/held.py",
+    Mutation("plan counts the gradient shard while accumulating", "qlora_fsdp/measure/held.py",
              "    return held.lora_elements * accumulated_grad_itemsize(cfg)\n",
              "    return held.grads\n", "tests/test_plan.py::test_planned_sizes_equal_measured"),
-    Mutation("an all-gather counts the whole gathered tensor as received", "qlora_fsdp/plan/op_work.py",
+    Mutation("an all-gather counts the whole gathered tensor as received", "qlora_fsdp/measure/op_work.py",
              "gather_bytes=nbytes(output) - nbytes(shard),", "gather_bytes=nbytes(output),",
              "tests/test_step_time.py::test_the_fake_step_counts_the_models_work"),
     Mutation("transfers hide wholly behind compute", "qlora_fsdp/plan/step_time.py",

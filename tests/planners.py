@@ -62,8 +62,8 @@ def plans_70b(work: Path) -> None:
     from transformers import LlamaConfig
 
     from qlora_fsdp.config import load_config
-    from qlora_fsdp.plan.fake_world import planning_mesh
-    from qlora_fsdp.plan.held import meta_held
+    from qlora_fsdp.measure.fake_world import planning_mesh
+    from qlora_fsdp.measure.held import meta_held
     from qlora_fsdp.plan.levers import variants
     from qlora_fsdp.plan.memory import GIB, activations_peak_line, plan
     from qlora_fsdp.plan.report import report
@@ -113,7 +113,7 @@ def part(fixture: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from qlora_fsdp.plan.fake_world import leave_fake_world
+    from qlora_fsdp.measure.fake_world import leave_fake_world
 
     parts, work = argv[0].split(","), Path(argv[1])
     no_fetch()

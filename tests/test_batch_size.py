@@ -6,7 +6,7 @@ import pytest
 
 from qlora_fsdp.config import load_config, to_yaml
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.plan.batch_size import describe_batch, resolve_batch
+from qlora_fsdp.run.batch_size import describe_batch, resolve_batch
 from tests.helpers import run_ranks, tiny_config
 
 TARGET = ["data.grad_accum_steps=1", "data.effective_batch=32"]
@@ -92,7 +92,7 @@ def test_batch_settings_errors(overrides, message):
 
 def planned_micro_batches(info, cfg):
     """On a fake rank: the auto choice, and the planned totals of every candidate."""
-    from qlora_fsdp.plan.held import meta_held
+    from qlora_fsdp.measure.held import meta_held
     from qlora_fsdp.plan.memory import micro_batch_fits, plan, with_micro_batch
 
     held = meta_held(cfg, info.mesh)
@@ -122,7 +122,7 @@ def test_auto_at_launch_sizes_for_the_memory_this_process_can_have(monkeypatch, 
 
     from qlora_fsdp.distributed import DistInfo
     from qlora_fsdp.plan.memory import CUDA_CONTEXT_GIB
-    from qlora_fsdp.plan.run_batch import this_run_hardware
+    from qlora_fsdp.auto_batch import this_run_hardware
 
     gib, reserved = 2**30, 5 * 2**30
     cfg = load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=auto"])

@@ -21,8 +21,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from qlora_fsdp.config import LoraConfig, QuantConfig
 from qlora_fsdp.layers.expert_lora import ExpertLora, attach_expert_lora, train_routers
 from qlora_fsdp.layers.experts4bit import DequantizedMatmul, ExpertMatrix, Experts4bit, Routes, make_4bit
-from qlora_fsdp.plan.fake_experts import planned_forward
-from qlora_fsdp.plan.op_work import Work, op_work
+from qlora_fsdp.measure.fake_experts import planned_forward
+from qlora_fsdp.measure.op_work import Work, op_work
 
 
 @pytest.mark.parametrize("double_quant", [True, False])

@@ -374,7 +374,7 @@ def load_file_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def router_loss_side(info, model_dir: Path, out: Path, samples: list[Sample]) -> dict:
-    from qlora_fsdp.training.loop import accumulate_gradients
+    from qlora_fsdp.objectives.supervised import accumulate_gradients
 
     cfg = family_config(model_dir, out)
     model = build_model(cfg, info)

@@ -72,7 +72,9 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.losses.forward import ForwardLoss
     from qlora_fsdp.losses.policy import StepCounts
-    from qlora_fsdp.training.grpo_steps import Generation, GrpoSteps, completion_sample
+    from qlora_fsdp.distributed.row_groups import RowSplit
+    from qlora_fsdp.objectives.base import RunParts
+    from qlora_fsdp.objectives.grpo import Generation, Grpo, completion_sample
 
     cfg = tiny_config(model_dir, data={"packing": packed, "context_length": context, "format": "prompt"},
                       train={"objective": "grpo"}, lora=lora or {})
@@ -97,7 +99,9 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
         grpo = grpo_settings(name)
         masked = [grpo.mask_truncated_completions and truncated[i] for i in rows]
         samples = [completion_sample(prompts[i // GENERATIONS], ids[i], m) for i, m in zip(rows, masked, strict=True)]
-        steps = GrpoSteps(dataclasses.replace(cfg, grpo=grpo), info, model, tokenizer, None, ForwardLoss(), [])
+        steps = Grpo(dataclasses.replace(cfg, grpo=grpo), ForwardLoss(), rewards=[])
+        steps.attach(RunParts(info, model, None, tokenizer.pad_token_id, None, RowSplit(1, 0, info.rank,
+                                                                                       info.world_size), tokenizer))
         if old_ref is None:  # our own log-probabilities, moved: both sides' old and reference
             noise = torch.Generator().manual_seed(1)
             current = steps.logps_by_completion(samples, list(range(len(samples))), adapter=True)
@@ -112,7 +116,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
         steps.current = Generation(samples, [list(range(s, s + per)) for s in range(0, len(rows), per)],
                                    advantages[rows], kept, ref if grpo.beta else None,
                                    StepCounts(len(ids), tokens), {})
-        result = steps.step(lambda: [])
+        result = steps.step(1.0)
         grads = {adapter_file_key(key, model_layout(model)): grad for key, grad in full_grads(model).items()}
         out["settings"][name] = {"loss": result.loss, "grads": grads, "entropy": result.metrics["entropy"],
                                  "router_aux_loss": result.metrics.get("router_aux_loss")}
@@ -325,7 +329,7 @@ def generate_with_stops(info, model_dir: Path) -> dict:
     the sharded model's all-gathers stay in step (synced_gpus) and every rank returns."""
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_model
-    from qlora_fsdp.training.rollouts import generate
+    from qlora_fsdp.objectives.rollouts import generate
 
     cfg = tiny_config(model_dir)
     tokenizer = load_tokenizer(cfg)

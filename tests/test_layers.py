@@ -20,11 +20,19 @@ ALLOWED = {
     "losses": BASE | {"layers"},
     "loading": BASE | {"layers"},  # checkpoints -> the built, sharded, filled model
     "rewards": BASE,  # GRPO's reward functions: the recipe's, found and called (user code, never the model)
-    "training": BASE | {"data", "rewards", *MODEL},
-    "plan": BASE | {"data", *MODEL, "training"},  # the planner runs training's own step on fake tensors
-    "tools": BASE | {"data", *MODEL},  # never api.py: the tools do not start training
-    "api": BASE | {"data", *MODEL, "rewards", "training", "plan"},
-    "commands": BASE | {"api", "plan", "data", *MODEL, "tools"},  # the command lines: the top
+    "run": BASE | {"loading"},  # the run described once: the model's folder, batch sizes, known GPUs
+    "optimizer": BASE | {"layers"},  # local-shard optimizers, their groups and schedules
+    "run_files": BASE | {"loading", "optimizer"},  # checkpoints, metrics, plots, tracking, the output folder
+    # one module per kind of training objective, one table (config/objectives.py) naming them
+    "objectives": BASE | {"data", "rewards", *MODEL, "run", "run_files"},
+    "training": BASE | {"data", *MODEL, "objectives", "optimizer", "run", "run_files"},  # the loop
+    # the step measured: the objective's own micro-step on fake tensors, or on a real model
+    "measure": BASE | {"data", *MODEL, "objectives", "optimizer", "run"},
+    "plan": BASE | {"data", *MODEL, "measure", "objectives", "run"},  # memory and time, read off the measured step
+    "auto_batch": BASE | {"measure", "plan", "run"},  # a launched run's micro-batch, from the plan
+    "tools": BASE | {"data", *MODEL, "run"},  # never api.py: the tools do not start training
+    "api": BASE | {"data", *MODEL, "rewards", "objectives", "optimizer", "run", "run_files", "training", "auto_batch"},
+    "commands": BASE | {"api", "plan", "measure", "run", "data", *MODEL, "tools"},  # the command lines: the top
     "__init__": {"api", "config"},
 }
 

@@ -8,7 +8,7 @@ import pytest
 from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.training.loop import accumulate_gradients
+from qlora_fsdp.objectives.supervised import accumulate_gradients
 from tests.helpers import (
     batches,
     full_grads,

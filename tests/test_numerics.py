@@ -20,7 +20,8 @@ from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.names import weight_key
 from qlora_fsdp.loading.weight_files import weight_files
 from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
-from qlora_fsdp.training.loop import accumulate_gradients, set_gradient_sync
+from qlora_fsdp.distributed.grad_sync import set_gradient_sync
+from qlora_fsdp.objectives.supervised import accumulate_gradients
 from tests.helpers import (
     batches,
     fsdp_params,
@@ -54,7 +55,7 @@ def clipped_update(info, cfg, micro_batches_per_rank, shard=True, sgd=True):
     """One step as training takes it: accumulate, clip to a norm small enough to clip, update (plain SGD, whose
     update is the clipped gradient itself, or the recipe's optimizer over the local shards). Loss, gradients,
     global norm and the change of every LoRA weight, gathered."""
-    from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm
+    from qlora_fsdp.optimizer import build_optimizer, clip_grad_norm
 
     model = build_model(cfg, info, shard=shard)
     before = gather_trainable_state(model)
@@ -75,7 +76,7 @@ def trainer_step_and_reference(info, cfg):
     from qlora_fsdp.api import make_trainer
     from qlora_fsdp.data.pipeline import load_dataset
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm
+    from qlora_fsdp.optimizer import build_optimizer, build_scheduler, clip_grad_norm
 
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
@@ -119,7 +120,7 @@ def hsdp_and_fsdp_steps(info, cfg, micro_batches_per_rank, shard_size):
     import dataclasses
 
     from qlora_fsdp.distributed import data_parallel_mesh, local_shard
-    from qlora_fsdp.training.optimizer import clip_grad_norm
+    from qlora_fsdp.optimizer import clip_grad_norm
 
     results = []
     for size in (shard_size, None):

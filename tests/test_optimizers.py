@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
-from qlora_fsdp.training.optimizer import optimizer_class
+from qlora_fsdp.optimizer import optimizer_class
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -22,8 +22,8 @@ from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.names import clean_name
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.training.loop import accumulate_gradients
-from qlora_fsdp.training.optimizer import build_optimizer, clip_grad_norm, parameter_groups
+from qlora_fsdp.objectives.supervised import accumulate_gradients
+from qlora_fsdp.optimizer import build_optimizer, clip_grad_norm, parameter_groups
 from tests.helpers import (
     batches,
     build_tiny_checkpoint,

@@ -11,9 +11,8 @@ import torch
 
 from qlora_fsdp.config import load_config
 from qlora_fsdp.loading.factory import build_model
-from qlora_fsdp.plan.fake_step import plans_reference_forward
 from qlora_fsdp.plan.recipe_table import HEADER, readme_table, recipe_names
-from qlora_fsdp.training.loop import accumulate_gradients
+from qlora_fsdp.objectives.supervised import accumulate_gradients
 from tests import planners
 from tests.helpers import REPO, batches, fsdp_params, run_ranks_sequence, tiny_config, variable_length_samples
 
@@ -38,27 +37,27 @@ def unsharded_grad_bytes(model) -> int:
 def measured_and_planned(info, cfg, micro_batches_per_rank):
     """Bytes rank 0 holds, by kind, next to the planner's figures: the gradients FSDP2 keeps unsharded just before
     the last micro-batch (sync off until then), the rest after one real optimizer step."""
-    import qlora_fsdp.training.loop
+    import qlora_fsdp.objectives.supervised as supervised
     from qlora_fsdp.distributed import local_shard
-    from qlora_fsdp.plan.held import accumulating_gradient_bytes, meta_held, quant_state_bytes
-    from qlora_fsdp.plan.measure import held_quant_state_bytes
-    from qlora_fsdp.training.optimizer import build_optimizer
+    from qlora_fsdp.measure.held import accumulating_gradient_bytes, meta_held, quant_state_bytes
+    from qlora_fsdp.measure.real_step import held_quant_state_bytes
+    from qlora_fsdp.optimizer import build_optimizer
 
     model = build_model(cfg, info)
     optimizer = build_optimizer(model, cfg.optim, cfg.lora)
     measured = {"lora": 0, "grads": 0, "base": 0, "optimizer": 0, "quant_state": 0, "accumulating": 0}
-    original_sync = qlora_fsdp.training.loop.set_gradient_sync
+    original_sync = supervised.set_gradient_sync
 
     def measuring_sync(model, enabled):
         if enabled:  # the last micro-batch is next: every earlier one ran with sync off
             measured["accumulating"] = unsharded_grad_bytes(model)
         original_sync(model, enabled)
 
-    qlora_fsdp.training.loop.set_gradient_sync = measuring_sync
+    supervised.set_gradient_sync = measuring_sync
     try:
         accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
     finally:
-        qlora_fsdp.training.loop.set_gradient_sync = original_sync
+        supervised.set_gradient_sync = original_sync
     optimizer.step()  # state exists after the first step
     for param in model.parameters():
         if param.requires_grad:
@@ -178,7 +177,7 @@ def test_mfu_counts_6n_flops_a_token_and_8n_with_dpos_reference_forward():
     assert reference.mfu(477.0) == pytest.approx(477.0 * 6 * 70_553_706_496 / (2 * 165.2e12))
     assert 0.60 < reference.mfu(477.0) < 0.62
     # DPO with the reference as a forward each micro-batch (adapter off): 8N a token
-    with_reference = reference.with_reference_forward()
+    with_reference = reference.with_forwards(1)
     assert with_reference.mfu(477.0) == pytest.approx(477.0 * 8 * 70_553_706_496 / (2 * 165.2e12))
 
 
@@ -243,7 +242,10 @@ def test_every_shipped_recipe_plans_its_time(recipe_plans):
         assert float(hours) == pytest.approx(int(max_steps) * step / per_unit, abs=printed), name
         assert f"| {rate} |" in got["row"]  # the README's table shows it
         assert re.search(rf"^one epoch of [\d,]+ {'prompts' if grpo else 'records'}: ", report, re.M), name
-        flops = 8 if plans_reference_forward(cfg) else 6  # DPO's reference forward each micro-batch: 2N more
+        # DPO's and KTO's reference forward each micro-batch where it may run: 2N more
+        reference_forward = (cfg.train.objective in ("dpo", "kto") and cfg.preference.reference != "precomputed"
+                             and not cfg.model.adapter and not cfg.lora.train_router)
+        flops = 8 if reference_forward else 6
         moe = re.search(r"\(([\d.]+B) active a token\)", report.splitlines()[0])  # MFU counts active parameters
         generated = ", 2N a generated one" if grpo else ""
         assert f"({flops}N FLOP a token{generated}{', N the active parameters' if moe else ''})" in report, name
@@ -255,7 +257,7 @@ def test_the_plan_names_where_its_peak_is_and_where_activations_are_largest():
     """The table's rows are one instant of the step; a line under it says where activations peak when that is
     another instant (a shortened model's block positions read as the first or last layers)."""
     from qlora_fsdp.plan.memory import activations_peak_line, instant_words
-    from qlora_fsdp.plan.step_tracker import Moment, StepMemory
+    from qlora_fsdp.measure.step_tracker import Moment, StepMemory
 
     gib = 2**30
     start = (1, "forward", ("block", "from start", 0, 0))

@@ -6,7 +6,7 @@ import json
 import struct
 from pathlib import Path
 
-from qlora_fsdp.training.plots import plot_loss_curves, read_series
+from qlora_fsdp.run_files.plots import plot_loss_curves, read_series
 
 
 def png_size(path: Path) -> tuple[int, int]:

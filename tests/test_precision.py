@@ -15,10 +15,11 @@ import torch
 from qlora_fsdp.commands.train import main
 from qlora_fsdp.config import Config, HardwareConfig
 from qlora_fsdp.distributed import cleanup
-from qlora_fsdp.plan.fake_world import planning_mesh
-from qlora_fsdp.plan.hardware import planned_device
-from qlora_fsdp.plan.held import meta_held
+from qlora_fsdp.measure.fake_world import planning_mesh
+from qlora_fsdp.run.hardware import planned_device
+from qlora_fsdp.measure.held import meta_held
 from qlora_fsdp.precision import DeviceDescription, cpu_has_bf16, resolve_dtypes, uses_loss_scaling
+from qlora_fsdp.objectives import supervised
 from qlora_fsdp.training import loop
 from qlora_fsdp.training.loss_scale import LossScaler
 from tests.helpers import tiny_config
@@ -92,7 +93,7 @@ def overflow_injected(monkeypatch):
     """The trainers of the runs, with step OVERFLOW_STEP's backward pushed past float16's range: the loss factor
     times 1e30 stays finite in float32, and overflows to inf where it meets the float16 activations."""
     trainers, armed = [], [False]
-    original_step, original_backward = loop.Trainer.train_step, loop.backward_micro_batch
+    original_step, original_backward = loop.Trainer.train_step, supervised.backward_micro_batch
 
     def train_step(self):
         if self not in trainers:
@@ -105,7 +106,7 @@ def overflow_injected(monkeypatch):
                                  loss_factor * (1e30 if armed[0] else 1.0))
 
     monkeypatch.setattr(loop.Trainer, "train_step", train_step)
-    monkeypatch.setattr(loop, "backward_micro_batch", backward)
+    monkeypatch.setattr(supervised, "backward_micro_batch", backward)
     return trainers
 
 

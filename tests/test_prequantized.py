@@ -29,7 +29,7 @@ from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.fill import model_layout
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.plan.held import meta_held, planning_config
+from qlora_fsdp.measure.held import meta_held, planning_config
 from qlora_fsdp.tools.generate import load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import train_tokenizer

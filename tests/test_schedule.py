@@ -8,7 +8,7 @@ from torch import nn
 
 from qlora_fsdp.config import OptimConfig, load_config
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.training.optimizer import ParameterGroup, ShardedOptimizer, build_scheduler, lr_factor, warmup_steps
+from qlora_fsdp.optimizer import ParameterGroup, ShardedOptimizer, build_scheduler, lr_factor, warmup_steps
 
 
 def scheduler_lrs(optim: OptimConfig, total_steps: int) -> list[float]:

@@ -9,7 +9,7 @@ import pytest
 from transformers import LlamaConfig
 
 from qlora_fsdp.config import Config, load_config
-from qlora_fsdp.plan.fake_step import find_repeats, position
+from qlora_fsdp.measure.fake_step import find_repeats, position
 from tests.helpers import run_ranks
 
 
@@ -58,8 +58,8 @@ def test_layers_split_into_head_repeated_block_and_tail():
 
 def planned_and_measured(info, configs):
     """On a fake rank of 2: per config, the plan's peak (fake step) and the same step's, run for real."""
-    from qlora_fsdp.plan.fake_world import recipe_step
-    from qlora_fsdp.plan.measure import measured_step
+    from qlora_fsdp.measure.fake_world import recipe_step
+    from qlora_fsdp.measure.real_step import measured_step
 
     return [(recipe_step(cfg).peak, measured_step(cfg, info).peak) for cfg in configs]
 
@@ -93,8 +93,8 @@ def test_planned_peak_is_the_real_steps(tmp_path):
 
 
 def planned_in_a_fake_world_and_measured(info, cfg):
-    from qlora_fsdp.plan.fake_world import in_real_world, recipe_step
-    from qlora_fsdp.plan.measure import measured_step
+    from qlora_fsdp.measure.fake_world import in_real_world, recipe_step
+    from qlora_fsdp.measure.real_step import measured_step
 
     assert in_real_world()
     return recipe_step(cfg).peak, measured_step(cfg, info).peak
@@ -116,8 +116,9 @@ def test_a_launched_run_plans_in_a_fake_world_of_its_own(tmp_path):
 def whole_and_shortened(info, configs, accumulating):
     """Per config: the step's figures from the whole model and from the shortened runs; then a step with three
     micro-batches (a middle one, sync off, with gradients already accumulated) against the planner's two."""
-    from qlora_fsdp.plan import fake_step
-    from qlora_fsdp.plan.held import planning_config
+    from qlora_fsdp.measure import fake_step
+    from qlora_fsdp.measure.held import planning_config
+    from qlora_fsdp.objectives.base import Objective
 
     def figures(step):
         return step.model, step.loss, step.optimizer, step.own_loss_bytes, step.offloaded, step.peak
@@ -130,11 +131,11 @@ def whole_and_shortened(info, configs, accumulating):
         shortened = fake_step.planned_step(cfg, hf_config, info.mesh, whole_model_layers=0)
         out.append((figures(whole), figures(shortened)))
     two = fake_step.measure_fake_step(accumulating, planning_config(accumulating), info.mesh)
-    planned_micro_batches, fake_step.MICRO_BATCHES = fake_step.MICRO_BATCHES, 3
+    planned_micro_batches, Objective.PLANNED_MICRO_BATCHES = Objective.PLANNED_MICRO_BATCHES, 3
     try:
         three = fake_step.measure_fake_step(accumulating, planning_config(accumulating), info.mesh)
     finally:
-        fake_step.MICRO_BATCHES = planned_micro_batches  # the pool's worker serves other tests next
+        Objective.PLANNED_MICRO_BATCHES = planned_micro_batches  # the pool's worker serves other tests next
     return out, (figures(two), figures(three))
 
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from qlora_fsdp.plan.hardware import GPU
-from qlora_fsdp.plan.op_work import Work
+from qlora_fsdp.run.hardware import GPU
+from qlora_fsdp.measure.op_work import Work
 from qlora_fsdp.plan.step_time import (
     GPU_MATMUL_EFFICIENCY,
     MATMUL_EFFICIENCY,
@@ -36,7 +36,7 @@ LAYERS, HIDDEN, KV, INTERMEDIATE, RANK, TOKENS = 2, 256, 128, 672, 16, 256
 
 
 def counted_work(info, configs):
-    from qlora_fsdp.plan.fake_world import recipe_step
+    from qlora_fsdp.measure.fake_world import recipe_step
 
     return [{f"{micro} {part}": vars(work) for (micro, part), work in recipe_step(cfg).work.items()}
             for cfg in configs]

@@ -22,7 +22,7 @@ from qlora_fsdp.loading.checkpoint import load_hf_config
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.sharding import sharded_meta_model
 from qlora_fsdp.losses.forward import loss_sum
-from qlora_fsdp.plan.held import held_bytes, nbytes
+from qlora_fsdp.measure.held import held_bytes, nbytes
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from tests.helpers import (

@@ -55,7 +55,7 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None,
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.loading.vision_encoder import load_vision_encoder
     from qlora_fsdp.losses.forward import ForwardLoss
-    from qlora_fsdp.training.grad_sync import sum_replicated_gradients
+    from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
     from tests.helpers import full_grads
     from tests.test_families import nonzero_lora_b
 

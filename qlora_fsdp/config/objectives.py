@@ -7,10 +7,52 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Objective = Literal["sft", "dpo", "orpo", "simpo", "kto", "reward", "grpo"]
-# the objectives trained on preference pairs; kto's records are unpaired, each read as a pair of its own sequence and
-# its KL sequence (its prompt with another record's completion); reward trains a scalar head (a reward model)
-PAIR_OBJECTIVES = ("dpo", "orpo", "simpo", "kto", "reward")
-REFERENCE_OBJECTIVES = ("dpo", "kto")  # compared against the reference (the base with the adapter off)
+DataKind = Literal["samples", "pairs", "prompts"]
+
+
+@dataclass(frozen=True)
+class ObjectiveKind:
+    """What a training objective is and needs. The run, the planner and validation read these fields; no other
+    module compares objective names."""
+
+    step: str  # its class in qlora_fsdp.objectives ("module:Class"): batches, micro-step, evaluation, state
+    # what it reads: samples (SFT; with images where the records show some), pairs (a chosen and a rejected
+    # sequence side by side in a row; KTO's unpaired records as pairs of their own and their KL sequence), prompts
+    data: DataKind
+    pair_loss: str | None = None  # its loss over a micro-batch of pairs: a class in qlora_fsdp.losses.pairs
+    reference: bool = False  # compared against the base with the adapter off (or that computed before training)
+    default_beta: float | None = None  # preference.beta when the recipe leaves it null
+    unpaired: bool = False  # KTO: one completion and a label a record
+    reward_head: bool = False  # a scalar head beside the language model (a reward model)
+    generates: bool = False  # the policy generates its completions (generation's memory and time are planned)
+    # the row is the objective's own: context parallel may split it, data.overlong may split a sample, and
+    # data.train_on_inputs may train on prompts (SFT's; a pair's or a group's sums across a split are not built)
+    whole_samples: bool = True
+
+    @property
+    def pairs(self) -> bool:
+        """Two sequences of a pair share a row (several samples a row, as packing puts them)."""
+        return self.data == "pairs"
+
+
+# the one table from train.objective to its kind
+OBJECTIVES: dict[str, ObjectiveKind] = {
+    "sft": ObjectiveKind("supervised:Supervised", "samples", whole_samples=False),
+    "dpo": ObjectiveKind("pairs:Pairs", "pairs", "DpoLoss", reference=True, default_beta=0.1),
+    "orpo": ObjectiveKind("pairs:Pairs", "pairs", "OrpoLoss"),
+    "simpo": ObjectiveKind("pairs:Pairs", "pairs", "SimpoLoss", default_beta=2.0),
+    "kto": ObjectiveKind("pairs:Pairs", "pairs", "KtoLoss", reference=True, default_beta=0.1, unpaired=True),
+    "reward": ObjectiveKind("pairs:Pairs", "pairs", "BradleyTerryLoss", reward_head=True),
+    "grpo": ObjectiveKind("grpo:Grpo", "prompts", generates=True),
+}
+PAIR_OBJECTIVES = tuple(name for name, kind in OBJECTIVES.items() if kind.pairs)
+REFERENCE_OBJECTIVES = tuple(name for name, kind in OBJECTIVES.items() if kind.reference)
+
+
+def objective_kind(objective: str) -> ObjectiveKind:
+    return OBJECTIVES[objective]
+
+
 DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]
 
 
@@ -41,7 +83,7 @@ class PreferenceConfig:
     def resolved_beta(self, objective: Objective) -> float:
         if self.beta is not None:
             return self.beta
-        return 2.0 if objective == "simpo" else 0.1
+        return OBJECTIVES[objective].default_beta or 0.1
 
 
 @dataclass

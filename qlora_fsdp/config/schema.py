@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from qlora_fsdp.config.objectives import (
+    OBJECTIVES as OBJECTIVES,
+)
+
 # the objective sections live in objectives.py; re-exported here, the schema's one import point
 from qlora_fsdp.config.objectives import (
     PAIR_OBJECTIVES as PAIR_OBJECTIVES,
@@ -24,6 +28,9 @@ from qlora_fsdp.config.objectives import (
 )
 from qlora_fsdp.config.objectives import (
     Objective as Objective,
+)
+from qlora_fsdp.config.objectives import (
+    ObjectiveKind as ObjectiveKind,
 )
 from qlora_fsdp.config.objectives import (
     PreferenceConfig as PreferenceConfig,
@@ -297,6 +304,11 @@ class TrainConfig:
     # NEFTune: uniform noise of +-alpha/sqrt(tokens x hidden) on the input embeddings in training forwards, as
     # transformers' Trainer adds it (the paper tried 5 to 15); None: off
     neftune_alpha: float | None = None
+
+    @property
+    def kind(self) -> ObjectiveKind:
+        """What the objective is and needs (config/objectives.py's table)."""
+        return OBJECTIVES[self.objective]
 
     def resume_target(self) -> Literal["never", "auto"] | Path:
         """`resume` as what it names: a mode, or a checkpoint folder."""

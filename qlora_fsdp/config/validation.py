@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qlora_fsdp.config.schema import LORA_INITS, PISSA_FAST, REFERENCE_OBJECTIVES, Config, changes_base
+from qlora_fsdp.config.schema import LORA_INITS, PISSA_FAST, Config, changes_base
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
@@ -79,7 +79,7 @@ def _validate_init(config: Config) -> None:
                           f"{PISSA_FAST}4), got {init!r}")
     if lora.loftq_iter < 1:
         raise ConfigError(f"'lora.loftq_iter' must be at least 1, got {lora.loftq_iter}")
-    if init == "eva" and (config.train.objective == "grpo" or lora.target_experts or lora.target_vision_tower):
+    if init == "eva" and (config.train.kind.generates or lora.target_experts or lora.target_vision_tower):
         raise ConfigError("'lora.init: eva' starts A from the training rows' layer inputs: not built for GRPO's "
                           "prompts, LoRA on experts or on a vision tower; use lora.init: default")
     if not changes_base(init):
@@ -112,9 +112,9 @@ def _validate_peer_options(config: Config) -> None:
     if alpha <= 0:
         raise ConfigError(f"'train.neftune_alpha' must be positive (NEFTune tried 5 to 15), or null for no noise, "
                           f"got {alpha}")
-    if config.train.objective == "grpo":
-        raise ConfigError("'train.neftune_alpha' with train.objective grpo: the update's log-probabilities would be "
-                          "noised and generation's not; remove train.neftune_alpha")
+    if config.train.kind.generates:
+        raise ConfigError(f"'train.neftune_alpha' with train.objective {config.train.objective}: the update's "
+                          "log-probabilities would be noised and generation's not; remove train.neftune_alpha")
     if config.fsdp.context_parallel > 1:
         raise ConfigError("'train.neftune_alpha' with fsdp.context_parallel: the noise's scale needs the whole "
                           "row's length, which a rank of a split does not see; use fsdp.context_parallel: 1")
@@ -134,7 +134,7 @@ def _validate_context_parallel(config: Config) -> None:
     degree = config.fsdp.context_parallel
     if degree == 1:
         return
-    if config.train.objective != "sft":
+    if config.train.kind.whole_samples:
         raise ConfigError(f"'fsdp.context_parallel: {degree}' trains train.objective sft only (a pair's or a "
                           f"group's per-sample sums across the split are not built yet), got "
                           f"{config.train.objective!r}; use fsdp.context_parallel: 1")
@@ -144,34 +144,34 @@ def _validate_context_parallel(config: Config) -> None:
 
 
 def _validate_preference(config: Config) -> None:
-    preference, objective = config.preference, config.train.objective
+    preference, objective, kind = config.preference, config.train.objective, config.train.kind
     if preference.resolved_beta(objective) <= 0:
         raise ConfigError(f"'preference.beta' must be positive, got {preference.beta}")
     if not 0 <= preference.label_smoothing < 0.5:
         raise ConfigError(f"'preference.label_smoothing' must be at least 0 and below 0.5, got "
                           f"{preference.label_smoothing}")
-    if objective != "sft" and config.data.overlong == "split":
+    if kind.whole_samples and config.data.overlong == "split":
         raise ConfigError("'data.overlong: split' cuts samples into pieces, which a preference pair cannot be; use "
                           "truncate or drop")
-    if objective == "kto" and min(preference.desirable_weight, preference.undesirable_weight) < 0:
+    if kind.unpaired and min(preference.desirable_weight, preference.undesirable_weight) < 0:
         raise ConfigError(f"'preference.desirable_weight' and 'preference.undesirable_weight' must be 0 or more, got "
                           f"{preference.desirable_weight} and {preference.undesirable_weight}")
-    if objective == "kto" and config.data.format != "chat":
+    if kind.unpaired and config.data.format != "chat":
         raise ConfigError(f"'train.objective: kto' reads records of a prompt, a completion and a label "
                           f"('data.format: chat'), got format {config.data.format}")
-    if objective in REFERENCE_OBJECTIVES and config.model.adapter and preference.reference == "adapter_off":
+    if kind.reference and config.model.adapter and preference.reference == "adapter_off":
         raise ConfigError("'preference.reference: adapter_off' would compare against the base without "
                           "model.adapter's weights; use precomputed (or auto, which then precomputes)")
-    if objective in REFERENCE_OBJECTIVES and config.lora.train_router and preference.reference == "adapter_off":
+    if kind.reference and config.lora.train_router and preference.reference == "adapter_off":
         raise ConfigError("'preference.reference: adapter_off' would compare against the trained routers, which "
                           "the adapter switch leaves on; use precomputed (or auto, which then precomputes)")
-    if objective != "sft" and config.data.train_on_inputs:
+    if kind.whole_samples and config.data.train_on_inputs:
         raise ConfigError("'data.train_on_inputs: true' trains on prompts, which a preference objective never "
                           "does; remove it")
 
 
 def _validate_grpo(config: Config) -> None:
-    grpo, grpo_run = config.grpo, config.train.objective == "grpo"
+    grpo, grpo_run = config.grpo, config.train.kind.data == "prompts"
     if grpo_run != (config.data.format == "prompt"):
         raise ConfigError("'train.objective: grpo' reads prompts ('data.format: prompt'), and prompts are for grpo "
                           f"only; got objective {config.train.objective} with format {config.data.format}")

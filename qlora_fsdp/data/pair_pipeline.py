@@ -81,7 +81,7 @@ def tokenized_pairs(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerB
     data = cfg.data
     drop_bad = cfg.preference.bad_pairs == "drop"
     pairs, n_records, n_bad = read_pairs(sources, cfg.train.seed, data.cache_dir, drop_bad,
-                                         cfg.train.objective == "kto")
+                                         cfg.train.kind.unpaired)
     encoded = pairs.map(TokenizePair(tokenizer, template, data.context_length, data.overlong), batched=True,
                         remove_columns=pairs.column_names, num_proc=data.num_proc if data.num_proc > 1 else None,
                         desc="tokenizing pairs",

@@ -6,8 +6,6 @@ tokenizer and the settings; the first process of each node tokenizes, the others
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from qlora_fsdp.config import DataConfig, OverlongPolicy, SourceConfig, Template
 from qlora_fsdp.data.batching import Sample, pack
 from qlora_fsdp.data.fingerprint import map_fingerprint
+from qlora_fsdp.data.kinds import check_trainable, held_out_split
 from qlora_fsdp.data.sources import mixed_conversations, sources_of
 from qlora_fsdp.data.templates import IGNORE_INDEX, choose_template, encode
 from qlora_fsdp.distributed import DistInfo, barrier
@@ -170,18 +169,12 @@ def assembled(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, i
         raise DataError(f"no trainable {unit} in {', '.join(s.path for s in sources)} after fitting to "
                         f"{data.context_length} tokens ({n_overlong} longer, overlong={data.overlong})")
     train, eval_set = split_held_out(samples, held_out, data.eval_samples, seed)
-    if not len(train):
-        raise DataError(f"every {unit[:-1]} went to the held-out set; lower data.eval_samples or add data")
+    check_trainable(len(train), unit[:-1])
     packs = pack(train["length"], data.context_length) if data.packing else None
     return Dataset(train, eval_set, template, n_records, n_overlong, n_dropped, packs)
 
 
 def split_held_out(samples: datasets.Dataset, held_out: datasets.Dataset | None, eval_samples: int,
                    seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    order = list(range(len(samples)))
-    random.Random(seed).shuffle(order)
-    if held_out is not None:
-        picked = sorted(random.Random(seed).sample(range(len(held_out)), min(eval_samples, len(held_out))))
-        return samples.select(order), held_out.select(picked)
-    n_eval = min(eval_samples, math.ceil(len(samples) / 10)) if len(samples) > 1 else 0
-    return samples.select(order[n_eval:]), samples.select(order[:n_eval])
+    train, picked = held_out_split(len(samples), eval_samples, seed, None if held_out is None else len(held_out))
+    return samples.select(train), (samples if held_out is None else held_out).select(picked)

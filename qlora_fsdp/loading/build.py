@@ -69,7 +69,7 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
         trained = train_embeddings(peft_model, TORCH_DTYPES[cfg.lora.dtype], TORCH_DTYPES[cfg.model.dtype])
         config = cast(peft.LoraConfig, peft_model.peft_config["default"])
         config.modules_to_save = [*(config.modules_to_save or []), *trained]
-    if cfg.train.objective == "reward":  # a reward model: the scalar head beside the language model's
+    if cfg.train.kind.reward_head:  # a reward model: the scalar head beside the language model's
         attach_reward_head(peft_model.get_base_model(), hf_config.get_text_config().hidden_size,
                            TORCH_DTYPES[cfg.lora.dtype])
     vars(peft_model)["checkpoint_layout"] = layout  # a plain attribute: read by loading, the adapter and merge

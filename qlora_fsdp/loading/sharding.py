@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import PretrainedConfig
 
-from qlora_fsdp.config import PAIR_OBJECTIVES, Config, FSDPConfig
+from qlora_fsdp.config import Config, FSDPConfig
 from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ModelLoadError
@@ -75,7 +75,7 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
     before a byte is allocated. Training then allocates and loads it; the planner only measures it."""
     device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     # a preference pair's two sequences share a row: several samples a row, as packing puts them
-    several_a_row = cfg.data.packing or cfg.train.objective in PAIR_OBJECTIVES
+    several_a_row = cfg.data.packing or cfg.train.kind.pairs
     attention = resolve_attention(cfg.model.attn_implementation, several_a_row, device_type, attention_needs(hf_config))
     split = row_split(cfg.fsdp.context_parallel)
     if split.splits:  # the per-sample kernel is the one that trades the row's parts for heads around it
@@ -86,7 +86,7 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
         split_attention(decoder_layers(model), hf_config, HeadTrade(split.group, split.degree, split.index))
     if cfg.activation_checkpointing.mlp_tile_tokens:
         tile_mlps(decoder_layers(model), cfg.activation_checkpointing.mlp_tile_tokens, cfg.lora.dropout,
-                  router_loss_coefficient(hf_config, cfg.train.objective == "grpo") is not None)
+                  router_loss_coefficient(hf_config, cfg.train.kind.generates) is not None)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if shard and uses_fsdp(cfg.fsdp, mesh.size()):
         shard_model(model, cfg.fsdp, mesh)

@@ -9,7 +9,8 @@ KTO's records are pairs too: a record's own sequence, then its KL sequence (qlor
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -17,7 +18,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from qlora_fsdp.config import REFERENCE_OBJECTIVES, Config, Objective, PreferenceConfig
+from qlora_fsdp.config import Config, PreferenceConfig
 from qlora_fsdp.layers.expert_lora import expert_lora_off
 from qlora_fsdp.losses.forward import ForwardLoss, LossBatch
 from qlora_fsdp.losses.kto import kl_reference_point, kto_losses
@@ -82,26 +83,41 @@ def adapter_off(model: nn.Module) -> Iterator[None]:
         yield
 
 
+def no_hook() -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class PairLoss:
-    """The recipe's preference objective over a micro-batch of pairs."""
+    """A preference objective's loss over a micro-batch of pairs; each objective's is a subclass below, named by
+    its row of the objectives table (config/objectives.py)."""
 
-    objective: Objective
     settings: PreferenceConfig
     forward: ForwardLoss
+    beta: float
+    needs_reference: bool = False
+    after_reference: Callable[[], None] = no_hook  # the planner's tracker: the policy's forward comes next
+    metrics: tuple[str, ...] = METRICS
+    kl_pass: bool = False  # KTO: a first pass over the step's micro-batches finds z0
 
     @classmethod
     def for_config(cls, cfg: Config, device: torch.device) -> PairLoss:
-        return cls(cfg.train.objective, cfg.preference, ForwardLoss.for_config(cfg, device))
+        return cls.with_forward(cfg, ForwardLoss.for_config(cfg, device))
+
+    @classmethod
+    def with_forward(cls, cfg: Config, forward: ForwardLoss) -> PairLoss:
+        """The recipe's pair loss (its objective's row of the table names it) over `forward`."""
+        kind = cfg.train.kind
+        assert kind.pair_loss is not None, f"train.objective {cfg.train.objective} trains on no pairs"
+        return PAIR_LOSSES[kind.pair_loss](cfg.preference, forward, cfg.preference.resolved_beta(cfg.train.objective),
+                                           kind.reference)
+
+    def tracked(self, after_reference: Callable[[], None]) -> PairLoss:
+        """The same loss, calling `after_reference` once a reference forward is done."""
+        return dataclasses.replace(self, after_reference=after_reference)
 
     def metric_names(self) -> tuple[str, ...]:
-        if self.objective == "kto":
-            return KTO_METRICS
-        return (*METRICS, "chosen_nll") if self.objective == "orpo" else METRICS
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.objective in REFERENCE_OBJECTIVES
+        return self.metrics
 
     def sequence_logps(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
         return -self.forward.per_sample(model, batch, device)
@@ -112,25 +128,74 @@ class PairLoss:
         """The base's log-probabilities (the adapter off); `adapter_is_reference`: the model's as it is (before
         the first step of a run that starts from a saved adapter, that adapter is the reference)."""
         if adapter_is_reference:
-            return self.sequence_logps(model, batch, device)
-        with adapter_off(model):
-            return self.sequence_logps(model, batch, device)
-
-    def pair_losses(self, policy: PairLogps, reference: PairLogps | None) -> tuple[torch.Tensor, PairRewards]:
-        beta = self.settings.resolved_beta(self.objective)
-        if self.objective == "dpo":
-            assert reference is not None, "DPO compares against the reference"
-            return dpo_losses(policy, reference, beta, self.settings.loss_type, self.settings.label_smoothing)
-        if self.objective == "simpo":
-            return simpo_losses(policy, beta, self.settings.gamma, self.settings.label_smoothing)
-        assert self.objective == "orpo", self.objective
-        return orpo_odds_ratio_losses(policy, self.settings.odds_ratio_weight)
+            logps = self.sequence_logps(model, batch, device)
+        else:
+            with adapter_off(model):
+                logps = self.sequence_logps(model, batch, device)
+        self.after_reference()
+        return logps
 
     def batch_reference(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
         """The batch's reference log-probabilities: its own where they were computed before (before training, or
         by KTO's first pass over the step), else a forward with the adapter off."""
         reference = getattr(batch, "reference_logps", None)
         return self.reference_logps(model, batch, device) if reference is None else reference.to(device)
+
+    def pair_losses(self, policy: PairLogps, reference: PairLogps | None) -> tuple[torch.Tensor, PairRewards]:
+        raise NotImplementedError
+
+    def loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
+                      totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch's share of the step's loss, and its sums for the step's metrics (tensors: the planner
+        runs this on fake ones). The reference log-probabilities: the batch's own where they were computed before
+        training, else (DPO) a forward with the adapter off."""
+        reference = self.batch_reference(model, batch, device) if self.needs_reference else None
+        policy = as_pairs(self.sequence_logps(model, batch, device), batch)
+        losses, rewards = self.pair_losses(policy, as_pairs(reference, batch) if reference is not None else None)
+        return losses.sum() / max(totals.pairs, 1.0), reward_sums(rewards)
+
+    def __call__(self, model: nn.Module, batch: LossBatch,
+                 device: torch.device, totals: PairCounts) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, sums = self.loss_and_sums(model, batch, device, totals)
+        return loss, {key: float(value) for key, value in sums.items()}
+
+
+@dataclass(frozen=True)
+class DpoLoss(PairLoss):
+    def pair_losses(self, policy: PairLogps, reference: PairLogps | None) -> tuple[torch.Tensor, PairRewards]:
+        assert reference is not None, "DPO compares against the reference"
+        return dpo_losses(policy, reference, self.beta, self.settings.loss_type, self.settings.label_smoothing)
+
+
+@dataclass(frozen=True)
+class SimpoLoss(PairLoss):
+    def pair_losses(self, policy: PairLogps, reference: PairLogps | None) -> tuple[torch.Tensor, PairRewards]:
+        return simpo_losses(policy, self.beta, self.settings.gamma, self.settings.label_smoothing)
+
+
+@dataclass(frozen=True)
+class OrpoLoss(PairLoss):
+    metrics: tuple[str, ...] = (*METRICS, "chosen_nll")
+
+    def pair_losses(self, policy: PairLogps, reference: PairLogps | None) -> tuple[torch.Tensor, PairRewards]:
+        return orpo_odds_ratio_losses(policy, self.settings.odds_ratio_weight)
+
+    def loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
+                      totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The odds-ratio term, plus the SFT term on the chosen completions, per target token."""
+        policy = as_pairs(self.sequence_logps(model, batch, device), batch)
+        losses, rewards = self.pair_losses(policy, None)
+        nll = -policy.chosen.sum()
+        loss = losses.sum() / max(totals.pairs, 1.0) + nll / max(totals.chosen_targets, 1.0)
+        return loss, {**reward_sums(rewards), "chosen_nll": nll.detach()}
+
+
+@dataclass(frozen=True)
+class KtoLoss(PairLoss):
+    """A record's own sequence, then its KL sequence; z0 from a first pass over the step (kl_sums)."""
+
+    metrics: tuple[str, ...] = KTO_METRICS
+    kl_pass: bool = True
 
     @torch.no_grad()
     def kl_sums(self, model: nn.Module, batch: LossBatch, device: torch.device) -> tuple[float, int]:
@@ -141,51 +206,33 @@ class PairLoss:
         total, count = kl_reference_point(self.sequence_logps(model, batch, device)[1::2], reference[1::2])
         return float(total), count
 
-    def kto_loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
-                          totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
+                      totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         desirable = getattr(batch, "desirable", None)
         assert desirable is not None, "KTO's batches carry their records' labels"
         desirable = desirable.to(device)
         reference = self.batch_reference(model, batch, device)[0::2]
         policy = self.sequence_logps(model, batch, device)[0::2]
-        losses, rewards = kto_losses(policy, reference, totals.kl, desirable, self.settings.resolved_beta("kto"),
+        losses, rewards = kto_losses(policy, reference, totals.kl, desirable, self.beta,
                                      self.settings.desirable_weight, self.settings.undesirable_weight)
         # masks by multiplication: the planner runs this on fake tensors, where boolean indexing has no shape
         sums = {"rewards_desirable": (rewards * desirable).sum(), "rewards_undesirable": (rewards * ~desirable).sum(),
                 "kl": torch.tensor(totals.kl * len(losses))}
         return losses.sum() / max(totals.pairs, 1.0), sums
 
-    def reward_loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
-                             totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A reward model's pairs: each sequence scored, the Bradley-Terry loss on each pair's two scores."""
+
+@dataclass(frozen=True)
+class BradleyTerryLoss(PairLoss):
+    """A reward model's pairs: each sequence scored, the Bradley-Terry loss on each pair's two scores."""
+
+    def loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
+                      totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         scores = self.forward.sequence_rewards(model, batch, device)
         margin = getattr(batch, "margin", None)
         losses, rewards = bradley_terry_losses(scores[0::2], scores[1::2], None if margin is None else margin.to(
             scores), self.settings.center_rewards_coefficient)
         return losses.sum() / max(totals.pairs, 1.0), reward_sums(rewards)
 
-    def loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
-                      totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The micro-batch's share of the step's loss, and its sums for the step's metrics (tensors: the planner
-        runs this on fake ones). The reference log-probabilities: the batch's own where they were computed before
-        training, else (DPO) a forward with the adapter off."""
-        if self.objective == "kto":
-            return self.kto_loss_and_sums(model, batch, device, totals)
-        if self.objective == "reward":
-            return self.reward_loss_and_sums(model, batch, device, totals)
-        reference = self.batch_reference(model, batch, device) if self.needs_reference else None
-        policy = as_pairs(self.sequence_logps(model, batch, device), batch)
-        reference_pairs = as_pairs(reference, batch) if reference is not None else None
-        losses, rewards = self.pair_losses(policy, reference_pairs)
-        loss = losses.sum() / max(totals.pairs, 1.0)
-        sums = reward_sums(rewards)
-        if self.objective == "orpo":  # the SFT term on the chosen completions, per target token
-            nll = -policy.chosen.sum()
-            loss = loss + nll / max(totals.chosen_targets, 1.0)
-            sums["chosen_nll"] = nll.detach()
-        return loss, sums
 
-    def __call__(self, model: nn.Module, batch: LossBatch,
-                 device: torch.device, totals: PairCounts) -> tuple[torch.Tensor, dict[str, float]]:
-        loss, sums = self.loss_and_sums(model, batch, device, totals)
-        return loss, {key: float(value) for key, value in sums.items()}
+PAIR_LOSSES: dict[str, type[PairLoss]] = {
+    loss.__name__: loss for loss in (DpoLoss, SimpoLoss, OrpoLoss, KtoLoss, BradleyTerryLoss)}

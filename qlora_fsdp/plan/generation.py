@@ -27,10 +27,10 @@ from transformers import PretrainedConfig
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.plan.fake_step import update_rows
-from qlora_fsdp.plan.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
+from qlora_fsdp.measure.fake_step import update_rows
+from qlora_fsdp.measure.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
+from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.plan.step_time import Rates, link_seconds
-from qlora_fsdp.plan.step_tracker import StepMemory
 
 # A decoding step's time a layer that neither bytes nor FLOPs explain: the host issuing the layer's kernels (FSDP2's
 # hooks, bitsandbytes' and PEFT's Python, HF's cache), plus a part that grows with the rows (small-batch kernels,

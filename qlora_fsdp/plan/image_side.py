@@ -29,8 +29,8 @@ from qlora_fsdp.families import IMAGE_FAMILIES, check_images_supported
 from qlora_fsdp.loading.image_side_training import under
 from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.vision_encoder import quantized_names
+from qlora_fsdp.measure.held import planning_model, quant_state_bytes
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
-from qlora_fsdp.plan.held import planning_model, quant_state_bytes
 
 ACTIVATIONS_PER_PATCH = 6  # hidden-sized tensors a vision layer keeps alive at once (norm, q, k, v, out, residual)
 

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
-from qlora_fsdp.plan.held import Held, meta_held
+from qlora_fsdp.measure.held import Held, meta_held
 from qlora_fsdp.plan.memory import GIB, Plan, gpu_spec, plan
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 
@@ -50,7 +50,7 @@ def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
 
 def splits_rows_further(cfg: Config) -> bool:
     """Long rows of an objective context parallel trains, on a node whose GPUs do not all share each row yet."""
-    return (cfg.data.context_length > LONG_ROW and cfg.train.objective == "sft"
+    return (cfg.data.context_length > LONG_ROW and not cfg.train.kind.whole_samples
             and cfg.model.attn_implementation in ("auto", "sdpa_varlen")
             and cfg.hardware.gpus_per_node > cfg.fsdp.context_parallel
             and cfg.hardware.gpus_per_node % cfg.fsdp.context_parallel == 0)

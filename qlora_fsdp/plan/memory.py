@@ -18,13 +18,13 @@ from typing import Literal
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.plan.fake_step import update_rows
-from qlora_fsdp.plan.fake_world import recipe_step
+from qlora_fsdp.measure.fake_step import update_rows
+from qlora_fsdp.measure.fake_world import recipe_step
+from qlora_fsdp.measure.held import Held, planned_dtypes, planning_config
+from qlora_fsdp.measure.step_tracker import Segment, StepMemory
 from qlora_fsdp.plan.generation import generation_memory
-from qlora_fsdp.plan.hardware import GPU, GPUS
-from qlora_fsdp.plan.held import Held, planned_dtypes, planning_config
 from qlora_fsdp.plan.image_side import image_side
-from qlora_fsdp.plan.step_tracker import Segment, StepMemory
+from qlora_fsdp.run.hardware import GPU, GPUS
 
 GIB = 2**30
 
@@ -217,7 +217,7 @@ def image_forward_total(held: Held, cfg: Config) -> float:
 
 def generating_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
     """GRPO: the device while the policy generates (plan/generation.py), empty for other objectives."""
-    if cfg.train.objective != "grpo":
+    if not cfg.train.kind.generates:
         return []
     made = generation_memory(cfg, planning_config(cfg), step, held.largest_linear)
     tokens = f"{made.rows} rows x ({made.prompt_tokens} prompt + {made.new_tokens} new) tokens"

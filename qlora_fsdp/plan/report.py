@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.plan.batch_size import describe_batch, effective_rows, resolve_batch
-from qlora_fsdp.plan.fake_world import planning_mesh
-from qlora_fsdp.plan.held import Held, meta_held, planned_dtypes
+from qlora_fsdp.measure.fake_world import planning_mesh
+from qlora_fsdp.measure.held import Held, meta_held, planned_dtypes
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.levers import suggestions
 from qlora_fsdp.plan.memory import GIB, Plan, activations_peak_line, format_rows, gpu_spec, micro_batch_fits, plan
 from qlora_fsdp.plan.time_report import time_lines
+from qlora_fsdp.run.batch_size import describe_batch, effective_rows, resolve_batch
 
 
 @dataclass

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from qlora_fsdp.plan.fake_step import MICRO_BATCHES
-from qlora_fsdp.plan.hardware import GPU
-from qlora_fsdp.plan.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
-from qlora_fsdp.plan.step_tracker import StepMemory
+from qlora_fsdp.measure.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
+from qlora_fsdp.measure.step_tracker import StepMemory
+from qlora_fsdp.objectives.base import Objective
+from qlora_fsdp.run.hardware import GPU
 
 PIPELINED_PARTS = ("forward", "backward")
 # Not physical, so named (docs/benchmarks/step-time.md says where each comes from):
@@ -121,7 +121,7 @@ def step_time(step: StepMemory, accumulation: int, gpu: GPU, offload: bool,
     """One optimizer step: the measured micro-batches (the first stands for every one but the last, which syncs
     gradients), then the update (on offloaded shards: at `host_memory_gbps`, hardware.host_memory_gbps)."""
     rates = Rates.of(gpu, matmul_efficiency, host_memory_gbps)
-    measured = min(accumulation, MICRO_BATCHES)  # micro-batch `measured` is the update
+    measured = min(accumulation, Objective.PLANNED_MICRO_BATCHES)  # micro-batch `measured` is the update
     times = {0: accumulation - 1, 1: 1} if measured > 1 else {0: 1}
     times[measured] = 1
     total = StepTime()

@@ -6,22 +6,22 @@ import math
 from pathlib import Path
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.plan.batch_size import row_takers
-from qlora_fsdp.plan.fake_step import plans_reference_forward, update_rows
+from qlora_fsdp.measure.fake_step import planned_flops_per_token, update_rows
+from qlora_fsdp.measure.held import Held, planning_config
+from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time
-from qlora_fsdp.plan.hardware import GPU
-from qlora_fsdp.plan.held import Held, planning_config
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import Rates, StepTime, matmul_efficiency, part_time, step_time
-from qlora_fsdp.plan.step_tracker import StepMemory
+from qlora_fsdp.run.batch_size import row_takers
+from qlora_fsdp.run.hardware import GPU
 
 
 def recipe_time(cfg: Config, step: StepMemory) -> StepTime:
     """The step's time on the recipe's GPUs; GRPO's includes generating (plan/generation.py)."""
     time = step_time(step, cfg.data.grad_accum_steps, gpu_spec(cfg), cfg.fsdp.cpu_offload,
                      matmul_efficiency(cfg.hardware.gpu), cfg.hardware.host_memory_gbps)
-    if cfg.train.objective == "grpo":
+    if cfg.train.kind.generates:
         time.generation = recipe_generation(cfg, step).total / cfg.grpo.num_iterations
         time.generation += kept_logps_seconds(cfg, step) / cfg.grpo.num_iterations
         time.total += time.generation
@@ -77,7 +77,7 @@ def epoch_line(cfg: Config, step_seconds: float) -> str:
     if records is None:
         return "one epoch: set data.records (and, with packing, data.mean_record_tokens) to see its time"
     rows_per_step = cfg.data.micro_batch * cfg.data.grad_accum_steps * row_takers(cfg, cfg.hardware.world_size)
-    if cfg.train.objective == "grpo":  # a record is a prompt; a generation serves num_iterations steps
+    if cfg.train.kind.generates:  # a record is a prompt; a generation serves num_iterations steps
         steps = math.ceil(records / rows_per_step) * cfg.grpo.num_iterations
         return f"one epoch of {records:,} prompts: {steps:,} steps, {hours(steps * step_seconds)}"
     if cfg.data.packing and not cfg.data.mean_record_tokens:
@@ -118,7 +118,7 @@ def mfu_words(cfg: Config, held: Held, flops_per_token: int) -> tuple[float, str
     """FLOPs of a step (trained tokens at 6N or 8N; GRPO's generated tokens at 2N, priced to their limit)."""
     trained = step_tokens(cfg) * flops_per_token * held.active_parameters
     active = ", N the active parameters" if held.active_parameters < held.base_parameters else ""
-    if cfg.train.objective != "grpo":
+    if not cfg.train.kind.generates:
         return trained, f"{flops_per_token}N FLOP a token{active}"
     generated = (cfg.data.micro_batch * cfg.data.grad_accum_steps * row_takers(cfg, cfg.hardware.world_size)
                  * cfg.grpo.num_generations * cfg.grpo.max_completion_length)
@@ -134,10 +134,10 @@ def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
     time = recipe_time(cfg, step)
     tokens = step_tokens(cfg)
     rate = tokens / time.total
-    flops_per_token = 8 if plans_reference_forward(cfg) else 6  # DPO's reference forward: 2N more, as training counts
+    flops_per_token = planned_flops_per_token(cfg)  # DPO's reference forward: 2N more, as training counts
     flops, flop_words = mfu_words(cfg, held, flops_per_token)
     mfu = flops / time.total / (gpu.bf16_tflops * 1e12 * cfg.hardware.world_size)
-    grpo = cfg.train.objective == "grpo"
+    grpo = cfg.train.kind.generates
     rows = [("matmuls (each on the roofline: FLOPs or bytes, whichever is slower)", time.matmul),
             ("attention", time.attention), ("element-wise ops (bytes read and written)", time.elementwise),
             ("4-bit dequantization", time.dequant),

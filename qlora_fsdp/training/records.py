@@ -31,9 +31,9 @@ class MfuReference:
     def mfu(self, tokens_per_s: float) -> float | None:
         return tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
 
-    def with_reference_forward(self) -> MfuReference:
-        """DPO's reference forward each micro-batch (the adapter off, no grad): 2N more, 8N a token."""
-        return dataclasses.replace(self, flops_per_token=self.flops_per_token * 8.0 / 6.0)
+    def with_forwards(self, extra: int) -> MfuReference:
+        """`extra` forwards more each micro-batch without gradients (DPO's reference, the adapter off): 2N each."""
+        return dataclasses.replace(self, flops_per_token=self.flops_per_token * (6.0 + 2.0 * extra) / 6.0)
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,3 @@ class RunSummary:
                 out[key] = getattr(self, key)
         return out
 
-
-@dataclass
-class StepResult:
-    loss: float
-    n_targets: float
-    n_tokens: float
-    n_samples: float
-    n_positions: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)

@@ -10,10 +10,10 @@ from torch import nn
 
 from qlora_fsdp.config import Config, HardwareConfig
 from qlora_fsdp.distributed import DistInfo
-from qlora_fsdp.plan.batch_size import resolve_batch
-from qlora_fsdp.plan.fake_world import in_fake_world, in_real_world
-from qlora_fsdp.plan.held import Held, held_bytes
+from qlora_fsdp.measure.fake_world import in_fake_world, in_real_world
+from qlora_fsdp.measure.held import Held, held_bytes
 from qlora_fsdp.plan.memory import CUDA_CONTEXT_GIB, GIB, micro_batch_fits
+from qlora_fsdp.run.batch_size import resolve_batch
 
 
 def this_run_hardware(cfg: Config, info: DistInfo) -> HardwareConfig:

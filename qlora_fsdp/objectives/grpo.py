@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed, pack
 from qlora_fsdp.data.prompts import PromptData, Prompts, is_chat
-from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sums
+from qlora_fsdp.distributed import all_reduce_maxes, all_reduce_sums
+from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.losses.forward import ForwardLoss, PolicyTokens
 from qlora_fsdp.losses.pairs import adapter_off
@@ -41,10 +40,10 @@ from qlora_fsdp.losses.policy import (
     step_share,
 )
 from qlora_fsdp.losses.router import grpo_router_coefficient
-from qlora_fsdp.rewards.functions import Reward, Rollouts, combined, score
-from qlora_fsdp.training.grad_sync import set_gradient_sync
-from qlora_fsdp.training.records import StepResult
-from qlora_fsdp.training.rollouts import Completions, generate
+from qlora_fsdp.objectives.base import Objective, RunParts, StepResult, full_length_batches
+from qlora_fsdp.objectives.reward_model_scores import reward_model_function
+from qlora_fsdp.objectives.rollouts import Completions, generate
+from qlora_fsdp.rewards.functions import Reward, Rollouts, combined, resolve_rewards, score
 
 
 @dataclass
@@ -67,16 +66,36 @@ def completion_sample(prompt: list[int], completion: list[int], masked: bool) ->
                                                                          else list(completion)))
 
 
-class GrpoSteps:
-    def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, tokenizer: PreTrainedTokenizerBase,
-                 data: PromptData, forward_loss: ForwardLoss, rewards: list[Reward]) -> None:
-        self.cfg, self.grpo, self.info, self.model, self.tokenizer = cfg, cfg.grpo, info, model, tokenizer
-        self.data, self.forward_loss, self.rewards = data, forward_loss, rewards
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+class Grpo(Objective):
+    """GRPO (train.objective grpo): the policy generates its completions from the sampler's prompts."""
+
+    def __init__(self, cfg: Config, forward_loss: ForwardLoss, rewards: list[Reward] | None = None) -> None:
+        super().__init__(cfg, forward_loss)
+        self.grpo = cfg.grpo
+        self.rewards = rewards or []  # given (tests), or the recipe's, found when a run attaches
+        self.given_rewards = rewards is not None
         self.current: Generation | None = None
         self.current_sample: dict[str, Any] | None = None
         self.uses = 0  # optimizer steps the current generation has served
-        self.router_coefficient = grpo_router_coefficient(model)
+
+    @classmethod
+    def check_before_loading(cls, cfg: Config) -> None:
+        resolve_rewards(cfg.grpo, {"reward_model": reward_model_function})
+
+    def attach(self, run: RunParts) -> None:
+        super().attach(run)
+        self.info, self.model, self.tokenizer = run.info, run.model, run.tokenizer
+        tokenizer = run.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.router_coefficient = grpo_router_coefficient(run.model)
+        if not self.given_rewards:
+            self.rewards = resolve_rewards(self.cfg.grpo, {"reward_model": reward_model_function})
+
+    @property
+    def data(self) -> PromptData:
+        data = self.parts.data
+        assert isinstance(data, PromptData), "GRPO reads prompts"
+        return data
 
     # ---- the batches ------------------------------------------------------------------------------------------
 
@@ -174,6 +193,9 @@ class GrpoSteps:
         texts = self.tokenizer.batch_decode(made.ids[:g], skip_special_tokens=True)
         return {"prompt": prompts.prompts[0], "completions": texts, "rewards": rewards[:g].tolist()}
 
+    def has_eval(self) -> bool:
+        return len(self.data.eval) > 0
+
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out prompts' rewards: each rank generates for an equal share of them (a collective: every rank
         steps as often), num_generations completions each, sampled as in training from a generator seeded by the
@@ -197,9 +219,11 @@ class GrpoSteps:
 
     # ---- the update -------------------------------------------------------------------------------------------
 
-    def next_generation(self, next_units: Callable[[], list[list[int]]]) -> Generation:
+    def next_generation(self) -> Generation:
         if self.current is None or self.uses >= self.grpo.num_iterations:
-            self.current, self.uses = self.generate(next_units()), 0
+            sampler = self.parts.sampler
+            assert sampler is not None, "a training run's objective draws from the loop's sampler"
+            self.current, self.uses = self.generate(sampler.next_step()), 0
             self.current_sample = self.current.sample
         self.uses += 1
         return self.current
@@ -227,9 +251,9 @@ class GrpoSteps:
             share = share + self.router_coefficient * forward.router_aux / micro_batches
         return share, terms, forward
 
-    def step(self, next_units: Callable[[], list[list[int]]], loss_factor: float = 1.0) -> StepResult:
+    def step(self, loss_factor: float = 1.0) -> StepResult:
         """One optimizer step's gradients (generating first where the last generation is used up)."""
-        generation = self.next_generation(next_units)
+        generation = self.next_generation()
         local, low, high, kl, entropy, aux, n_tokens = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0
         for index, indices in enumerate(generation.micro_batches):
             set_gradient_sync(self.model, index == len(generation.micro_batches) - 1)
@@ -274,3 +298,28 @@ class GrpoSteps:
         """The current generation's completions record, once (rank 0 writes it)."""
         sample, self.current_sample = self.current_sample, None
         return sample
+
+    # ---- a plan ------------------------------------------------------------------------------------------------
+
+    def planned_rows(self) -> int:
+        """A micro-batch's forward holds num_generations completions of each of its prompts, each up to the whole
+        context (packing puts shorter ones together; the plan takes the longest)."""
+        return self.cfg.data.micro_batch * self.grpo.num_generations
+
+    def planned_batches(self) -> list[Batch]:
+        return full_length_batches(self.cfg, self.planned_rows(), self.cfg.data.packing)
+
+    def planned_micro_step(self, model: nn.Module, batch: Batch, device: torch.device) -> None:
+        """The update's micro-step: the policy's log-probabilities at the temperature, TRL's loss over them (the
+        kept and reference log-probabilities where the recipe keeps them, advantages of zero) and its backward."""
+        coefficient = grpo_router_coefficient(model)
+        forward = self.forward_loss.token_logps(model, batch, device, self.grpo.temperature,
+                                                router_aux=coefficient is not None)
+        kept = forward.logps.detach() if self.grpo.num_iterations > 1 else None
+        reference = forward.logps.detach() if self.grpo.beta != 0.0 else None
+        terms = TokenTerms(forward.logps, kept, reference, torch.zeros(batch.n_samples, device=device),
+                           batch.target_samples().to(device), batch.n_samples)
+        share = step_share(terms, self.grpo, StepCounts(batch.n_samples, max(batch.n_targets, 1)))
+        if forward.router_aux is not None and coefficient is not None:
+            share = share + coefficient * forward.router_aux
+        share.backward()

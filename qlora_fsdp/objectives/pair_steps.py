@@ -1,4 +1,5 @@
-"""Preference tuning's step and evaluation: the pairs' counterparts of loop.accumulate_gradients and evaluate.
+"""Preference tuning (train.objective dpo, orpo, simpo, kto, reward): its step and evaluation, the pairs'
+counterparts of supervised.accumulate_gradients and evaluate.
 
 The step's loss is the mean over the pairs of the whole effective batch: the pairs (and, for ORPO, the chosen
 completions' target tokens) are counted over every micro-batch and rank first, then each micro-batch adds its share.
@@ -15,8 +16,9 @@ from torch import nn
 
 from qlora_fsdp.data.batching import Batch, Sample, collate_packed
 from qlora_fsdp.distributed import DistInfo, all_reduce_sums
-from qlora_fsdp.losses.pairs import PairCounts, PairLoss, adapter_off, pair_counts
-from qlora_fsdp.training.grad_sync import set_gradient_sync
+from qlora_fsdp.distributed.grad_sync import set_gradient_sync
+from qlora_fsdp.losses.pairs import KtoLoss, PairCounts, PairLoss, adapter_off, pair_counts
+from qlora_fsdp.objectives.base import StepResult
 
 
 def with_pair_extras(batch: Batch, extras: dict[str, list], pair_ids: list[int]) -> Batch:
@@ -43,7 +45,7 @@ def with_kl(totals: PairCounts, model: nn.Module, batches: list[Batch], n_forwar
             pad_id: int, device: torch.device) -> PairCounts:
     """KTO's totals with the step's z0: a first pass over the micro-batches (`n_forwards` of them on the busiest
     rank; a rank with fewer runs idle forwards), every rank's mismatched sequences averaged, clamped at 0."""
-    if pair_loss.objective != "kto":
+    if not isinstance(pair_loss, KtoLoss):
         return totals
     summed, count = 0.0, 0.0
     for index in range(n_forwards):
@@ -82,6 +84,14 @@ def accumulate_pair_gradients(model: nn.Module, micro_batches: list[Batch], devi
     metrics = averaged(sums, totals, device)
     (loss_sum,) = all_reduce_sums([local_loss], device)
     return loss_sum, totals, [n_tokens, n_targets, n_positions], metrics
+
+
+def accumulate_pairs(model: nn.Module, micro_batches: list[Batch], device: torch.device, pair_loss: PairLoss,
+                     loss_factor: float = 1.0) -> StepResult:
+    """accumulate_gradients for a preference objective: samples count pairs, the loss is the mean over pairs."""
+    loss, totals, (n_tokens, n_targets, n_positions), metrics = accumulate_pair_gradients(
+        model, micro_batches, device, pair_loss, loss_factor)
+    return StepResult(loss, n_targets, n_tokens, totals.pairs, n_positions, metrics)
 
 
 def idle_forwards(model: nn.Module, pair_loss: PairLoss, pad_id: int, device: torch.device) -> None:

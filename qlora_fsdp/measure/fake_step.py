@@ -32,19 +32,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
-from qlora_fsdp.config import PAIR_OBJECTIVES, REFERENCE_OBJECTIVES, CheckpointedLayers, Config
-from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
-from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row
+from qlora_fsdp.config import CheckpointedLayers, Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.layers.experts4bit import shaped_quant_state
 from qlora_fsdp.loading.fill import materialize
 from qlora_fsdp.loading.sharding import sharded_meta_model
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.losses.pairs import PairLoss
-from qlora_fsdp.plan.fake_experts import plan_experts
-from qlora_fsdp.plan.step_tracker import Moment, Segment, StepMemory, run_step
-from qlora_fsdp.training.optimizer import build_optimizer
+from qlora_fsdp.measure.fake_experts import plan_experts
+from qlora_fsdp.measure.step_tracker import Moment, Segment, StepMemory, run_step
+from qlora_fsdp.objectives import build_objective
+from qlora_fsdp.objectives.base import Objective
+from qlora_fsdp.optimizer import build_optimizer
 
 DEVICE = torch.device("cpu")
 HOST_STAND_IN = torch.device("meta")  # activation offload's host copies: counted apart, never on the device
@@ -56,7 +55,6 @@ WHOLE_MODEL_LAYERS = 12  # up to this many decoder layers, the whole model runs 
 EDGE, OFFLOAD_EDGE = 1, 2
 # layer types that differ only in which keys a query attends to (sliding windows): the same tensors, the same bytes
 ATTENTION_SPANS = {"sliding_attention", "full_attention", None}
-MICRO_BATCHES = 2  # the first (no gradients yet, sync off), the last (sync on); a middle one adds nothing (tested)
 
 
 def fake_quant_state(linear: bnb.nn.Linear4bit, cfg: Config) -> bnbf.QuantState:
@@ -80,35 +78,20 @@ def give_quant_states(model: nn.Module, cfg: Config) -> None:
             module.register_forward_pre_hook(attach_quant_state)
 
 
+def planned_objective(cfg: Config, forward_loss: ForwardLoss | None = None) -> Objective:
+    """The recipe's objective as training builds it, over `forward_loss` (a plan's questions need none)."""
+    return build_objective(cfg, forward_loss or ForwardLoss())
+
+
 def update_rows(cfg: Config) -> int:
-    """Rows of a micro-batch's forward: GRPO's micro-batch holds num_generations completions of each of its
-    prompts, each up to the whole context (packing puts shorter ones together; the plan takes the longest)."""
-    return cfg.data.micro_batch * (cfg.grpo.num_generations if cfg.train.objective == "grpo" else 1)
+    """Rows of a micro-batch's forward (GRPO's: num_generations completions of each of its prompts)."""
+    return planned_objective(cfg).planned_rows()
 
 
-def synthetic_batches(cfg: Config) -> list[Batch]:
-    """The step's micro-batches at full length, laid out as training lays them out (real tensors: transformers
-    looks at their values to choose its attention mask). Packed rows hold two samples (as a preference pair's row
-    holds its two sequences) and padded micro-batches have a shorter last row, so the mask is built whenever real
-    batches can need one."""
-    rows, length = update_rows(cfg), cfg.data.context_length
-    sample = Sample(input_ids=[0] * length, labels=[0] * length)
-    if cfg.data.packing or cfg.train.objective in PAIR_OBJECTIVES:  # a preference pair's two sequences share a row
-        half = length // 2
-        pair = [Sample(sample.input_ids[:half], sample.labels[:half]), Sample(sample.input_ids[half:],
-                                                                               sample.labels[half:])]
-        batch = collate_packed([pair] * rows, pad_id=0)
-        if cfg.train.objective in REFERENCE_OBJECTIVES and not plans_reference_forward(cfg):  # computed ahead
-            batch.reference_logps = torch.zeros(batch.n_samples)
-        if cfg.train.objective == "kto":  # each record's label
-            batch.desirable = torch.arange(rows) % 2 == 0
-    else:
-        shorter = Sample(sample.input_ids[:-1], sample.labels[:-1])
-        batch = collate([sample] * (rows - 1) + [shorter if rows > 1 else sample], pad_id=0)
-    if cfg.fsdp.context_parallel > 1:  # the first part of each row, as rank 0 of a split holds it
-        whole = batch if batch.position_ids is not None else one_row_per_sample([sample] * rows, pad_id=0)
-        batch = shard_row(whole, cfg.fsdp.context_parallel, 0, pad_id=0)
-    return [batch] * min(cfg.data.grad_accum_steps, MICRO_BATCHES)
+def planned_flops_per_token(cfg: Config) -> int:
+    """6N a token (forward, its recompute, input gradients), 2N more for each forward without gradients the
+    objective adds (DPO's reference), as training counts them."""
+    return 6 + 2 * planned_objective(cfg).planned_extra_forwards()
 
 
 def planning_forward_loss(cfg: Config) -> ForwardLoss:
@@ -117,20 +100,6 @@ def planning_forward_loss(cfg: Config) -> ForwardLoss:
     if forward_loss.offloader is None:
         return forward_loss
     return dataclasses.replace(forward_loss, offloader=ActivationOffloader(DEVICE, host_device=HOST_STAND_IN))
-
-
-def step_loss(cfg: Config, forward_loss: ForwardLoss) -> ForwardLoss | PairLoss:
-    """What training's step computes its loss with: the forward's, or the preference objective's over pairs."""
-    if cfg.train.objective not in PAIR_OBJECTIVES:  # grpo's update is a forward over packed completions
-        return forward_loss
-    return PairLoss(cfg.train.objective, cfg.preference, forward_loss)
-
-
-def plans_reference_forward(cfg: Config) -> bool:
-    """DPO or KTO whose reference may be a forward each micro-batch: adapter_off, and auto (which chooses by the
-    data's size, unknown to a plan: the plan takes the larger)."""
-    return (cfg.train.objective in REFERENCE_OBJECTIVES and cfg.preference.reference != "precomputed"
-            and not cfg.model.adapter and not cfg.lora.train_router)
 
 
 def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh) -> StepMemory:
@@ -145,12 +114,13 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
         give_quant_states(model, cfg)
         plan_experts(model)  # routing has no values here: every expert takes its share
         # real: bitsandbytes builds its 8-bit code tables from Python numbers, collate counts the targets
+        objective = planned_objective(cfg, planning_forward_loss(cfg))
         with unset_fake_temporarily():
             optimizer = build_optimizer(model, cfg.optim, cfg.lora)
-            batches = synthetic_batches(cfg)
+            batches = objective.planned_batches()
         optimizer.materialize_state()  # as from the 2nd step on: the state exists before the step starts
-        return run_step(model, optimizer, batches, DEVICE, step_loss(cfg, planning_forward_loss(cfg)),
-                        offload_to_host=cfg.fsdp.cpu_offload, host_device=HOST_STAND_IN)
+        return run_step(model, optimizer, batches, DEVICE, objective, offload_to_host=cfg.fsdp.cpu_offload,
+                        host_device=HOST_STAND_IN)
 
 
 # ---- a long model, measured shorter ---------------------------------------------------------------------------
@@ -289,8 +259,8 @@ def step_setting(cfg: Config, hf_config: PretrainedConfig) -> str:
     data = cfg.data
     return repr((hf_config.to_json_string(use_diff=False), cfg.model, cfg.quant, cfg.lora, cfg.fsdp,
                  cfg.activation_checkpointing, cfg.loss, cfg.optim.name, update_rows(cfg), data.context_length,
-                 data.packing, min(data.grad_accum_steps, MICRO_BATCHES), cfg.hardware.world_size,
-                 plans_reference_forward(cfg)))
+                 data.packing, min(data.grad_accum_steps, Objective.PLANNED_MICRO_BATCHES), cfg.hardware.world_size,
+                 cfg.train.objective, planned_objective(cfg).planned_extra_forwards()))
 
 
 _MEASURED: dict[str, StepMemory] = {}

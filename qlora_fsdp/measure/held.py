@@ -26,8 +26,8 @@ from qlora_fsdp.loading.build import base_parameter_count
 from qlora_fsdp.loading.checkpoint import load_hf_config
 from qlora_fsdp.loading.sharding import sharded_meta_model
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
-from qlora_fsdp.plan.hardware import planned_device
 from qlora_fsdp.precision import resolve_dtypes
+from qlora_fsdp.run.hardware import planned_device
 
 
 def nbytes(tensor: torch.Tensor) -> int:

@@ -1,7 +1,7 @@
 """One training step's device memory, measured by torch's FSDP2 memory tracker while the step really runs.
 
-The step is training's own code: `backward_micro_batch` with the recipe's `ForwardLoss` (chunked or full loss,
-activation offload), gradient sync only on the last micro-batch, then the optimizer update. The planner runs it on
+The step is training's own code: the recipe's objective's micro-step with its `ForwardLoss` (chunked or full
+loss, activation offload), gradient sync only on the last micro-batch, then the optimizer update. The planner runs it on
 fake tensors (plan/fake_step.py: no weights, no GPU); plan/measure.py runs it on a real model to hold the planner
 to it. Both count with the tracker below, so a plan and a measurement differ only by what fake tensors change.
 
@@ -25,12 +25,11 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.data.batching import Batch
+from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.layers.decoder import decoder_layers
-from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.losses.pairs import PairCounts, PairLoss
-from qlora_fsdp.plan.op_work import GEMM_4BIT, Work, op_work
-from qlora_fsdp.training.loop import backward_micro_batch, set_gradient_sync
-from qlora_fsdp.training.optimizer import ShardedOptimizer
+from qlora_fsdp.measure.op_work import GEMM_4BIT, Work, op_work
+from qlora_fsdp.objectives.base import Objective
+from qlora_fsdp.optimizer import ShardedOptimizer
 
 TOTAL = "Total"
 GATHERED = frozenset({"Unsharded Param", "All Gather"})  # FSDP2's gathered layers and their all-gather buffers
@@ -296,61 +295,33 @@ def track_existing(tracker: FSDPStepTracker | StepTracker, tensors: Iterable[tor
         tracker._update_and_maybe_create_winfos(tensor, category)
 
 
-@dataclass(frozen=True)
-class TrackedPairLoss(PairLoss):
-    """Training's pair loss, telling the tracker when DPO's reference forward is done: the policy's forward is
-    then a second forward of the root in the micro-batch."""
-
-    after_reference: Callable[[], None] = lambda: None
-
-    @classmethod
-    def around(cls, pair_loss: PairLoss, after_reference: Callable[[], None]) -> TrackedPairLoss:
-        return cls(pair_loss.objective, pair_loss.settings, pair_loss.forward, after_reference)
-
-    def reference_logps(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        logps = super().reference_logps(*args, **kwargs)
-        self.after_reference()
-        return logps
-
-
-def micro_batch_backward(model: nn.Module, batch: Batch, device: torch.device, loss: ForwardLoss | PairLoss) -> None:
-    """One micro-batch's forward, loss and backward, by the functions training calls (the normalizers do not
-    change memory: the tokens, or pairs, of this micro-batch alone)."""
-    if isinstance(loss, PairLoss):
-        pairs = PairCounts(pairs=float(max(batch.n_samples // 2, 1)), chosen_targets=float(max(batch.n_targets, 1)))
-        loss.loss_and_sums(model, batch, device, pairs)[0].backward()
-    else:
-        backward_micro_batch(model, batch, device, float(max(batch.n_targets, 1)), loss)
-
-
 def run_step(model: nn.Module, optimizer: ShardedOptimizer, micro_batches: list[Batch], device: torch.device,
-             loss: ForwardLoss | PairLoss, offload_to_host: bool, host_bytes: Callable[[], int] = lambda: 0,
+             objective: Objective, offload_to_host: bool, host_bytes: Callable[[], int] = lambda: 0,
              host_device: torch.device | None = None) -> StepMemory:
-    """Training's step (accumulate_gradients' or accumulate_pair_gradients' loop, then the update) under the
-    tracker.
+    """Training's step (the objective's micro-step on each micro-batch, gradients synced on the last, then the
+    update) under the tracker.
 
     Not run: the gradient clip (per-parameter norms, scalars) and the loss bookkeeping (`.item()`, all-reduces of
-    counts): they read values, which fake tensors do not have. `loss`: the recipe's (a PairLoss for preference
-    objectives: DPO's reference forward runs where the batches carry no reference log-probabilities).
+    counts): they read values, which fake tensors do not have. `objective`: the recipe's (DPO's reference forward
+    runs where the batches carry no reference log-probabilities).
     `offload_to_host`: FSDP2's shards, gradients and optimizer state are host memory (fsdp.cpu_offload);
     `host_bytes` says how many bytes of what the tracker sees on `device` are really host copies now (activation
     offload on a CPU mesh); `host_device` is where the planner sends activation offload's copies instead."""
     tracker = make_tracker(model, optimizer, device, HOST_UNDER_OFFLOAD if offload_to_host else (), host_bytes,
                            host_device)
     track_existing(tracker, quant_state_tensors(model) + [t for b in micro_batches for t in batch_tensors(b)])
-    if isinstance(loss, PairLoss):
-        def policy_forward_next() -> None:
-            tracker.reset_mod_stats()
-            tracker.new_forward()
+    def another_forward_next() -> None:
+        tracker.reset_mod_stats()
+        tracker.new_forward()
 
-        loss = TrackedPairLoss.around(loss, policy_forward_next)
+    objective.watch_forwards(another_forward_next)
     with tracker:
         for index, batch in enumerate(micro_batches):
             tracker.reset_mod_stats()  # the tracker refuses a second forward of the root without this
             tracker.new_micro_batch(index)
             tracker.unpadded = batch.segments is None and batch.n_tokens == batch.input_ids.numel()
             set_gradient_sync(model, index == len(micro_batches) - 1)
-            micro_batch_backward(model, batch, device, loss)
+            objective.planned_micro_step(model, batch, device)
         tracker.new_micro_batch(len(micro_batches))
         optimizer.step()
         optimizer.zero_grad()

@@ -13,9 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import data_parallel_mesh, init_fake_distributed
-from qlora_fsdp.plan.fake_step import cached_step
-from qlora_fsdp.plan.held import planned_dtypes, planning_config, planning_model
-from qlora_fsdp.plan.step_tracker import StepMemory
+from qlora_fsdp.measure.fake_step import cached_step
+from qlora_fsdp.measure.held import planned_dtypes, planning_config, planning_model
+from qlora_fsdp.measure.step_tracker import StepMemory
 
 T = TypeVar("T")
 

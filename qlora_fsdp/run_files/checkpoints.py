@@ -32,7 +32,7 @@ from qlora_fsdp.distributed import DistInfo, barrier
 from qlora_fsdp.errors import CheckpointError, first_line
 from qlora_fsdp.loading.adapter import export_adapter
 from qlora_fsdp.loading.names import clean_name
-from qlora_fsdp.training.optimizer import ShardedOptimizer
+from qlora_fsdp.optimizer import ShardedOptimizer
 
 CHECKPOINTS_DIR = "checkpoints"
 TMP_PREFIX = ".tmp-"

@@ -103,7 +103,7 @@ def describe_batch(before: Config, after: Config, world_size: int) -> str:
         ranks = f"{takers} group{'s' if takers > 1 else ''} of {degree} ranks splitting each row"
     line = (f"batch: micro-batch {data.micro_batch_size}{how} x {data.grad_accum_steps} accumulation steps x {ranks} "
             f"= {rows} rows a step (at most {rows * data.context_length:,} tokens)")
-    if after.train.objective == "grpo":  # a row is a prompt; its completions are the update's rows
+    if after.train.kind.generates:  # a row is a prompt; its completions are the update's rows
         completions = rows * after.grpo.num_generations
         prompts = f"prompt{'s' if data.micro_batch > 1 else ''}"
         line = (f"batch: micro-batch {data.micro_batch_size}{how} {prompts} x {data.grad_accum_steps} accumulation "

@@ -19,9 +19,9 @@ from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.plan.fake_step import step_loss, synthetic_batches
-from qlora_fsdp.plan.step_tracker import StepMemory, run_step, stored_quant_state
-from qlora_fsdp.training.optimizer import build_optimizer
+from qlora_fsdp.measure.fake_step import planned_objective
+from qlora_fsdp.measure.step_tracker import StepMemory, run_step, stored_quant_state
+from qlora_fsdp.optimizer import build_optimizer
 
 
 def held_quant_state_bytes(state: bnbf.QuantState) -> int:
@@ -41,7 +41,8 @@ def measured_step(cfg: Config, info: DistInfo, batches: list[Batch] | None = Non
     offloader = forward_loss.offloader
     host_bytes = host_copy_bytes(offloader) if offloader is not None and offloader.host_device == info.device \
         else (lambda: 0)
-    return run_step(model, optimizer, batches or synthetic_batches(cfg), info.device, step_loss(cfg, forward_loss),
+    objective = planned_objective(cfg, forward_loss)
+    return run_step(model, optimizer, batches or objective.planned_batches(), info.device, objective,
                     offload_to_host=cfg.fsdp.cpu_offload, host_bytes=host_bytes)
 
 

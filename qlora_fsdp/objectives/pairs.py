@@ -1,0 +1,127 @@
+"""The preference objectives (train.objective dpo, orpo, simpo, kto, reward): one class, its loss named by the
+objective's row of the table (config/objectives.py; the losses are in qlora_fsdp/losses/pairs.py).
+
+A unit is a pair (KTO: a record, read as a pair of its own and its KL sequence), laid out a pair a row (its two
+sequences side by side) or packed rows of pairs. The reference log-probabilities (DPO, KTO) are a forward with
+the adapter off each micro-batch, or computed once before training (preference.reference) and carried by the
+batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qlora_fsdp.config import Config
+from qlora_fsdp.data.batching import Batch, Sample, collate_packed
+from qlora_fsdp.data.pipeline import Dataset
+from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.losses.pairs import PairCounts, PairLoss
+from qlora_fsdp.objectives.base import Objective, RunParts, StepResult, full_length_batches
+from qlora_fsdp.objectives.pair_reference import reference_logps
+from qlora_fsdp.objectives.pair_steps import accumulate_pairs, evaluate_pairs, pair_rows, with_pair_extras
+
+
+class Pairs(Objective):
+    def __init__(self, cfg: Config, forward_loss: ForwardLoss) -> None:
+        super().__init__(cfg, forward_loss)
+        self.loss = PairLoss.with_forward(cfg, forward_loss)
+        self.references: dict[str, torch.Tensor] | None = None  # computed before training (preference.reference)
+        self.extras: dict[str, dict[str, list]] = {"train": {}, "eval": {}}
+
+    def attach(self, run: RunParts) -> None:
+        super().attach(run)
+        assert isinstance(run.data, Dataset), "a preference objective reads pairs"
+        # KTO's labels, a reward model's margins
+        self.extras = {name: Dataset.pair_extras(split) for name, split in (("train", run.data.train),
+                                                                              ("eval", run.data.eval))}
+
+    @property
+    def data(self) -> Dataset:
+        data = self.parts.data
+        assert isinstance(data, Dataset), "a preference objective reads pairs"
+        return data
+
+    # ---- the reference -----------------------------------------------------------------------------------------
+
+    def precomputes_reference(self) -> bool:
+        """DPO with preference.reference precomputed, or auto and a run that sees every training pair."""
+        setting = self.cfg.preference.reference
+        if not self.loss.needs_reference or setting == "adapter_off":
+            return False
+        # the saved adapter, or trained routers (which no switch turns off): the reference is the start's model
+        if setting == "precomputed" or self.cfg.model.adapter or self.cfg.lora.train_router:
+            return True
+        sampler = self.parts.sampler
+        assert sampler is not None, "a training run's objective draws from the loop's sampler"
+        pairs_per_step = sampler.units_per_step * len(self.data.train) / self.data.n_units
+        return self.cfg.train.max_steps * pairs_per_step >= len(self.data.train)
+
+    def planned_extra_forwards(self) -> int:
+        """A reference forward each micro-batch where it may run: adapter_off, or auto (which chooses by the data's
+        size, unknown to a plan: the plan takes the larger)."""
+        return int(self.loss.needs_reference and self.cfg.preference.reference != "precomputed"
+                   and not self.cfg.model.adapter and not self.cfg.lora.train_router)
+
+    def watch_forwards(self, hook: Any) -> None:
+        self.loss = self.loss.tracked(hook)
+
+    def extra_forwards(self) -> int:
+        return int(self.loss.needs_reference and not self.precomputes_reference())
+
+    def prepare(self, step: int) -> None:
+        if self.precomputes_reference() and self.references is None:
+            run = self.parts
+            run.write("reference log-probabilities: computed once before training (preference.reference)")
+            self.references = reference_logps(self.cfg, run.model, self.data, self.loss, run.pad_id, run.info,
+                                              Path(self.cfg.train.output_dir), step)
+
+    # ---- the steps ---------------------------------------------------------------------------------------------
+
+    def pair_batch(self, pair_ids: list[int], rows: list[list[Sample]], length: int | None = None) -> Batch:
+        batch = collate_packed(rows, self.parts.pad_id, length)
+        if self.references is not None:  # each pair's chosen, then its rejected sequence, as the rows hold them
+            batch.reference_logps = self.references["train"][pair_ids].flatten()
+        return with_pair_extras(batch, self.extras["train"], pair_ids)
+
+    def micro_batches(self) -> list[Batch]:
+        """A pair a row, its two sequences side by side, or packed rows of pairs."""
+        data, sampler = self.data, self.parts.sampler
+        assert sampler is not None, "a training run's objective draws from the loop's sampler"
+        if data.packs is None:
+            return [self.pair_batch(units, pair_rows(data.samples(data.train, units)))
+                    for units in sampler.next_step()]
+        packs = data.packs
+        return [self.pair_batch([p for u in units for p in packs[u]],
+                                [data.samples(data.train, packs[u]) for u in units], self.cfg.data.context_length)
+                for units in sampler.next_step()]
+
+    def step(self, loss_factor: float) -> StepResult:
+        return accumulate_pairs(self.parts.model, self.micro_batches(), self.parts.info.device, self.loss,
+                                loss_factor)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        run, data = self.parts, self.data
+        references = self.references["eval"] if self.references is not None else None
+        return evaluate_pairs(run.model, data.samples(data.eval, list(range(len(data.eval)))),
+                              self.cfg.data.eval_batch_size, run.pad_id, run.info, self.loss, references,
+                              self.extras["eval"])
+
+    # ---- a plan ------------------------------------------------------------------------------------------------
+
+    def planned_batches(self) -> list[Batch]:
+        rows = self.planned_rows()
+        batches = full_length_batches(self.cfg, rows, two_a_row=True)  # a pair's two sequences share a row
+        for batch in batches[:1]:  # one batch object, repeated
+            if self.loss.needs_reference and not self.planned_extra_forwards():  # computed ahead
+                batch.reference_logps = torch.zeros(batch.n_samples)
+            if self.cfg.train.kind.unpaired:  # each record's label
+                batch.desirable = torch.arange(rows) % 2 == 0
+        return batches
+
+    def planned_micro_step(self, model: nn.Module, batch: Batch, device: torch.device) -> None:
+        pairs = PairCounts(pairs=float(max(batch.n_samples // 2, 1)), chosen_targets=float(max(batch.n_targets, 1)))
+        self.loss.loss_and_sums(model, batch, device, pairs)[0].backward()
