@@ -444,7 +444,7 @@ MUTATIONS = [
              '"f16": "float16", "bf16": "bfloat16"', '"f16": "bfloat16", "bf16": "bfloat16"',
              "tests/test_gguf_export.py::test_f16_export_of_an_adapter_computes_peft_on_the_base"),
     Mutation("a GGUF of an adapter converted from its base", "qlora_fsdp/commands/export.py",
-             '    return work / "merged", arch\n', "    return model_dir(cfg.model.path), arch\n",
+             '    return work / "merged", arch\n', "    return model_dir(cfg), arch\n",
              "tests/test_gguf_export.py::test_f16_export_of_an_adapter_computes_peft_on_the_base"),
     Mutation("the Modelfile leaves out the template's default system prompt", "qlora_fsdp/tools/ollama.py",
              "        if translation.system:\n", "        if False:\n",

@@ -103,7 +103,7 @@ def merged_source(args: argparse.Namespace, work: Path, outtype: str) -> tuple[P
     from qlora_fsdp.tools.merge import merge_adapter
 
     cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
-    arch = check_exportable(model_dir(cfg.model.path))
+    arch = check_exportable(model_dir(cfg))
     merge_adapter(cfg, args.adapter, work / "merged", MERGE_DTYPES[outtype], base_weights=args.base_weights,
                   device=args.device)
     return work / "merged", arch

@@ -373,3 +373,13 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
+    @property
+    def several_samples_a_row(self) -> bool:
+        """Rows hold several samples: packed ones, or a preference pair's two sequences side by side."""
+        return self.data.packing or self.train.kind.pairs
+
+    @property
+    def prompt_room(self) -> int:
+        """GRPO: the tokens a prompt may take; the rest of the context is its completion's."""
+        return self.data.context_length - self.grpo.max_completion_length
+

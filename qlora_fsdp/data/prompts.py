@@ -108,7 +108,7 @@ def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config) -> Prompts:
     """Every record's prompt, tokenized, in the data's order."""
     records = read_prompts(cfg.data, cfg.train.seed)
     template = run_template(cfg.data, tokenizer)
-    room = cfg.data.context_length - cfg.grpo.max_completion_length
+    room = cfg.prompt_room
     ids, prompts = [], []
     for index, record in enumerate(records):
         where = f"{cfg.data.path} record {index + 1}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -14,8 +15,10 @@ from qlora_fsdp.layers.text_decoder_lm import register_text_decoders
 from qlora_fsdp.loading import stored_forms
 
 
-def model_dir(model_path: str) -> Path:
-    """A local checkpoint folder as is; otherwise a hub id, fetched (config, tokenizer and safetensors only)."""
+@functools.cache
+def fetched_folder(model_path: str) -> Path:
+    """A local checkpoint folder as is; otherwise a hub id, fetched (config, tokenizer and safetensors only), once a
+    process."""
     path = Path(model_path)
     if path.is_dir():
         return path
@@ -30,9 +33,15 @@ def model_dir(model_path: str) -> Path:
                              f"({type(err).__name__}); for the tiny default run `make tiny-model`") from None
 
 
+def model_dir(cfg: Config) -> Path:
+    """The checkpoint folder model.path names: the one place model.path becomes a folder (everything that reads the
+    checkpoint asks here; messages and the adapter's base_model_name_or_path keep the name as written)."""
+    return fetched_folder(cfg.model.path)
+
+
 def base_model_dir(cfg: Config) -> Path:
     """model.path as a folder with a config.json (asked first: without one, a tokenizer load fails obscurely)."""
-    path = model_dir(cfg.model.path)
+    path = model_dir(cfg)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face checkpoint folder (point model.path "
                              "at the folder holding config.json, the tokenizer and the *.safetensors)")
@@ -78,7 +87,6 @@ def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
 
 def checkpoint_folder(cfg: Config) -> Path | None:
     """The folder whose weights will be read; None for random weights (a hub id is then not fetched)."""
-    path = Path(cfg.model.path)
-    if path.is_dir():
-        return path
-    return None if cfg.model.init == "random" else model_dir(cfg.model.path)
+    if cfg.model.init == "random" and not Path(cfg.model.path).is_dir():
+        return None
+    return model_dir(cfg)

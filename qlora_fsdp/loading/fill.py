@@ -189,7 +189,7 @@ def pieces(cfg: Config, targets: dict[str, Target], model: nn.Module, device: to
         std = getattr(model.config, "initializer_range", 0.02)
         yield from random_pieces(targets, std, cfg.train.seed, device)
         return
-    reader = CheckpointReader(model_dir(cfg.model.path), model_layout(model), model_shapes(targets, cfg), device,
+    reader = CheckpointReader(model_dir(cfg), model_layout(model), model_shapes(targets, cfg), device,
                               cfg.model.allow_pickle)
     yield from reader.pieces()
 

@@ -74,9 +74,8 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
     """Meta build -> checkpointing -> fully_shard (where FSDP is used): the model as this rank will hold it,
     before a byte is allocated. Training then allocates and loads it; the planner only measures it."""
     device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    # a preference pair's two sequences share a row: several samples a row, as packing puts them
-    several_a_row = cfg.data.packing or cfg.train.kind.pairs
-    attention = resolve_attention(cfg.model.attn_implementation, several_a_row, device_type, attention_needs(hf_config))
+    attention = resolve_attention(cfg.model.attn_implementation, cfg.several_samples_a_row, device_type,
+                                  attention_needs(hf_config))
     split = row_split(cfg.fsdp.context_parallel)
     if split.splits:  # the per-sample kernel is the one that trades the row's parts for heads around it
         attention = VARLEN_SDPA

@@ -51,7 +51,7 @@ def load_processor(cfg: Config) -> ProcessorMixin:
     check_images_supported(config)
 
     try:
-        processor = AutoProcessor.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        processor = AutoProcessor.from_pretrained(model_dir(cfg), trust_remote_code=cfg.model.trust_remote_code)
     except ImportError as err:
         if "VideoProcessor" not in str(err):
             raise
@@ -85,7 +85,7 @@ def processor_without_videos(cfg: Config) -> ProcessorMixin:
     from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
 
-    path, remote = cfg.model.path, cfg.model.trust_remote_code
+    path, remote = model_dir(cfg), cfg.model.trust_remote_code
     images = AutoImageProcessor.from_pretrained(path, trust_remote_code=remote)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
     family_class = processor_class_from_name(PROCESSOR_MAPPING_NAMES.get(checkpoint_config(cfg).model_type, ""))
@@ -99,7 +99,7 @@ def processor_without_videos(cfg: Config) -> ProcessorMixin:
             return super().check_argument_for_proper_class(argument_name, argument)
 
     return ImagesOnly(image_processor=images, tokenizer=tokenizer, video_processor=None,
-                      chat_template=processor_chat_template(model_dir(path)) or tokenizer.chat_template)
+                      chat_template=processor_chat_template(path) or tokenizer.chat_template)
 
 
 def processor_chat_template(folder: Path) -> str | None:
@@ -112,7 +112,7 @@ def processor_chat_template(folder: Path) -> str | None:
 
 
 def checkpoint_config(cfg: Config) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    return AutoConfig.from_pretrained(model_dir(cfg), trust_remote_code=cfg.model.trust_remote_code)
 
 
 def image_token_id(config: PretrainedConfig) -> int:
@@ -217,7 +217,7 @@ def build_vision_encoder(cfg: Config, device: torch.device) -> VisionEncoder:
     base, prefix = build_base(config, dtype)
     layout = layout_from_transforms(meta_full_model(config))
     text_prefix = prefix + "language_model."
-    read_image_side(base, prefix, Path(cfg.model.path), layout, text_prefix)
+    read_image_side(base, prefix, model_dir(cfg), layout, text_prefix)
     family = IMAGE_FAMILIES[config.model_type]
     if cfg.quant.vision_tower == "auto":
         trained = [prefix + name for name in projector_modules(base, family)] if cfg.lora.train_projector else []

@@ -139,14 +139,14 @@ def eval_record(loss: float) -> dict[str, float]:
     return {"eval_loss": loss, "eval_ppl": math.exp(loss) if math.isfinite(loss) else math.nan}
 
 
-def full_length_batches(cfg: Config, rows: int, two_a_row: bool) -> list[Batch]:
+def full_length_batches(cfg: Config, rows: int) -> list[Batch]:
     """The step's micro-batches at full length (real tensors: transformers looks at their values to choose its
-    attention mask). With `two_a_row` (packing, a preference pair's two sequences) each row holds two samples;
+    attention mask). Where rows hold several samples (packing, a preference pair's two sequences) each holds two;
     padded micro-batches have a shorter last row, so the mask is built whenever real batches can need one. Under
     context parallel: the first part of each row, as rank 0 of a split holds it."""
     length = cfg.data.context_length
     sample = Sample(input_ids=[0] * length, labels=[0] * length)
-    if two_a_row:
+    if cfg.several_samples_a_row:
         half = length // 2
         pair = [Sample(sample.input_ids[:half], sample.labels[:half]), Sample(sample.input_ids[half:],
                                                                                sample.labels[half:])]

@@ -307,7 +307,7 @@ class Grpo(Objective):
         return self.cfg.data.micro_batch * self.grpo.num_generations
 
     def planned_batches(self) -> list[Batch]:
-        return full_length_batches(self.cfg, self.planned_rows(), self.cfg.data.packing)
+        return full_length_batches(self.cfg, self.planned_rows())
 
     def planned_micro_step(self, model: nn.Module, batch: Batch, device: torch.device) -> None:
         """The update's micro-step: the policy's log-probabilities at the temperature, TRL's loss over them (the

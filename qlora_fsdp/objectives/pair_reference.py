@@ -28,6 +28,7 @@ from qlora_fsdp.data.batching import collate_packed, pack
 from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.errors import DataError
+from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.weight_files import weight_files
 from qlora_fsdp.losses.pairs import PairLoss
 from qlora_fsdp.objectives.pair_steps import held_out_batches, idle_forwards
@@ -38,10 +39,10 @@ REFERENCE_FILE = "reference_logps.safetensors"
 
 def fingerprint(cfg: Config, data: Dataset) -> str:
     """What the reference log-probabilities depend on: the tokenized pairs (datasets' fingerprints of both splits),
-    the base model (its folder, config.json, its weight files' names and sizes), how it is quantized and run."""
-    model_dir = Path(cfg.model.path)
-    weights = [(f.name, f.stat().st_size) for f in weight_files(model_dir)] if model_dir.is_dir() else []
-    config_text = (model_dir / "config.json").read_text() if (model_dir / "config.json").is_file() else ""
+    the base model (its name, config.json, its weight files' names and sizes), how it is quantized and run."""
+    folder = model_dir(cfg)  # a hub id's too: its fetched files are what the log-probabilities came from
+    weights = [(f.name, f.stat().st_size) for f in weight_files(folder)] if cfg.model.init != "random" else []
+    config_text = (folder / "config.json").read_text()
     adapter = Path(cfg.model.adapter) if cfg.model.adapter else None
     adapter_parts = [str(adapter), (adapter / "adapter_config.json").read_text(),
                      (adapter / "adapter_model.safetensors").stat().st_size] if adapter else []

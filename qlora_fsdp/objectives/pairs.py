@@ -114,7 +114,7 @@ class Pairs(Objective):
 
     def planned_batches(self) -> list[Batch]:
         rows = self.planned_rows()
-        batches = full_length_batches(self.cfg, rows, two_a_row=True)  # a pair's two sequences share a row
+        batches = full_length_batches(self.cfg, rows)  # a pair's two sequences share a row
         for batch in batches[:1]:  # one batch object, repeated
             if self.loss.needs_reference and not self.planned_extra_forwards():  # computed ahead
                 batch.reference_logps = torch.zeros(batch.n_samples)

@@ -120,7 +120,7 @@ class Supervised(Objective):
                                     self.forward_loss, run.split))
 
     def planned_batches(self) -> list[Batch]:
-        return full_length_batches(self.cfg, self.planned_rows(), self.cfg.data.packing)
+        return full_length_batches(self.cfg, self.planned_rows())
 
     def planned_micro_step(self, model: nn.Module, batch: Batch, device: torch.device) -> None:
         backward_micro_batch(model, batch, device, float(max(batch.n_targets, 1)), self.forward_loss)

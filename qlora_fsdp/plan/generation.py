@@ -109,7 +109,7 @@ def generation_memory(cfg: Config, hf: PretrainedConfig, step: StepMemory, large
     grpo, itemsize = cfg.grpo, TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     total_rows = rank_completions(cfg)
     rows = min(grpo.generation_rows or total_rows, total_rows)
-    prompt, new = cfg.data.context_length - grpo.max_completion_length, grpo.max_completion_length
+    prompt, new = cfg.prompt_room, grpo.max_completion_length
     intermediate = getattr(hf, "intermediate_size", None) or 4 * hf.hidden_size
     prefill = rows * prompt * intermediate * itemsize * MLP_TEMPORARIES + largest_linear * itemsize
     sampling = rows * hf.vocab_size * SAMPLING_BYTES_PER_LOGIT

@@ -26,6 +26,7 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.families import IMAGE_FAMILIES, check_images_supported
+from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.image_side_training import under
 from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.vision_encoder import quantized_names
@@ -47,8 +48,7 @@ class ImageSide:
 
 
 def full_config(cfg: Config) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(planning_model(cfg).model.path,
-                                      trust_remote_code=cfg.model.trust_remote_code)
+    return AutoConfig.from_pretrained(model_dir(planning_model(cfg)), trust_remote_code=cfg.model.trust_remote_code)
 
 
 def image_side_modules(full: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -257,7 +257,7 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
     writer = ShardWriter(tmp, max_shard_bytes)
     shapes = model_shapes(targets, cfg)
     tower = rounded_tower(cfg, updates)
-    reader = CheckpointReader(model_dir(cfg.model.path), model_layout(meta), shapes, torch.device(device),
+    reader = CheckpointReader(model_dir(cfg), model_layout(meta), shapes, torch.device(device),
                               cfg.model.allow_pickle)
     for piece in reader.pieces():
         for key, tensor in merged_tensors(piece, updates, experts, set(shapes.four_bit) | tower, cfg, device):
@@ -268,7 +268,7 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
         raise ModelLoadError(f"the adapter has '{updates.unused()}', which the base checkpoint lacks: another base?")
     shards = writer.finish()
     write_plain_config(cfg, tmp, dtype)
-    copy_tokenizer(adapter_dir, model_dir(cfg.model.path), tmp)
+    copy_tokenizer(adapter_dir, model_dir(cfg), tmp)
     if out_dir.exists():  # the caller allowed replacing it; removed only now that the new one is complete
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
@@ -310,7 +310,7 @@ def initialized_base(stored: torch.Tensor, delta: LoraDelta, cfg: Config) -> tup
 def write_plain_config(cfg: Config, out_dir: Path, dtype: DType) -> None:
     """The checkpoint's own config (a multimodal one keeps its vision tower, copied as is), in `dtype` and no longer
     quantized; its vocabulary grown where training added tokens (model.add_tokens)."""
-    config = AutoConfig.from_pretrained(model_dir(cfg.model.path), trust_remote_code=cfg.model.trust_remote_code)
+    config = AutoConfig.from_pretrained(model_dir(cfg), trust_remote_code=cfg.model.trust_remote_code)
     config.dtype = dtype
     config.__dict__.pop("quantization_config", None)
     if cfg.model.add_tokens:
