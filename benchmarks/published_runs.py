@@ -18,9 +18,9 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.config.loader import load_config
 from qlora_fsdp.measure.fake_world import leave_fake_world, recipe_step
 from qlora_fsdp.measure.held import planned_dtypes
+from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import MATMUL_EFFICIENCY, matmul_efficiency, step_time
-from qlora_fsdp.measure.step_tracker import StepMemory
 
 RUNS = Path(__file__).with_name("data") / "published_runs.json"
 ANSWERAI_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]

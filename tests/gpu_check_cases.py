@@ -48,15 +48,15 @@ from qlora_fsdp.layers.attention import (
 from qlora_fsdp.loading.adapter import config_for_adapter
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.run.hardware import GPUS, detect_gpu
 from qlora_fsdp.measure.held import held_bytes
+from qlora_fsdp.objectives.supervised import accumulate_gradients
+from qlora_fsdp.optimizer import build_optimizer, clip_grad_norm
 from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, plan
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
+from qlora_fsdp.run.hardware import GPUS, detect_gpu
+from qlora_fsdp.run_files.metrics import proc_status_bytes, reset_memory_peaks
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
-from qlora_fsdp.objectives.supervised import accumulate_gradients
-from qlora_fsdp.run_files.metrics import proc_status_bytes, reset_memory_peaks
-from qlora_fsdp.optimizer import build_optimizer, clip_grad_norm
 from tests.gpu_check import Row
 
 REPO = Path(__file__).resolve().parent.parent

@@ -237,6 +237,15 @@ def data_unknown_role(d: Path, model: Path) -> list[str]:
     return [data_file(d, [json.dumps({"messages": turns})], "chat.jsonl"), "data.format=chat"]
 
 
+@bad_input(r"chat\.jsonl: record 2 lacks the list of turns 'messages' \(got str: 'Hello, who are you\?'\)",
+           fix="give `messages` a list of {role, content} turns; a plain string is not a conversation.")
+def data_messages_a_string(d: Path, model: Path) -> list[str]:
+    """A chat record whose `messages` is a string, not a list of turns."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    return [data_file(d, [json.dumps({"messages": turns}), json.dumps({"messages": "Hello, who are you?"})],
+                      "chat.jsonl"), "data.format=chat"]
+
+
 @bad_input(r"chat\.jsonl: record 1 has no assistant turn to learn from",
            fix="add the assistant's reply or drop the record: the loss is taken on assistant turns.")
 def data_no_assistant_turn(d: Path, model: Path) -> list[str]:

@@ -120,9 +120,9 @@ def test_auto_at_launch_sizes_for_the_memory_this_process_can_have(monkeypatch, 
 
     import torch
 
+    from qlora_fsdp.auto_batch import this_run_hardware
     from qlora_fsdp.distributed import DistInfo
     from qlora_fsdp.plan.memory import CUDA_CONTEXT_GIB
-    from qlora_fsdp.auto_batch import this_run_hardware
 
     gib, reserved = 2**30, 5 * 2**30
     cfg = load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=auto"])

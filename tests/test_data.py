@@ -18,7 +18,7 @@ from qlora_fsdp.data.templates import IGNORE_INDEX, encode
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.layers.attention import VARLEN_SDPA, flattens_packed_rows
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from tests.helpers import run_ranks, tiny_config
+from tests.helpers import REPO, run_ranks, tiny_config
 
 CHATML_JINJA = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -142,6 +142,42 @@ def test_eval_path_is_a_separate_held_out_set(tokenizer, tmp_path):
     held = write_jsonl(tmp_path / "eval.jsonl", [{"instruction": f"c{i}", "output": "d"} for i in range(7)])
     data = load_dataset(tokenizer, data_config(tmp_path, path=str(train), eval_path=str(held), eval_samples=5), 0)
     assert len(data.train) == 30 and len(data.eval) == 5
+
+
+KINDS = {  # a kind of data: its records (from the shipped files) and the keys that make a recipe read them
+    "samples": ("tiny_instruct.jsonl", {}, {}),
+    "pairs": ("tiny_preferences.jsonl", {"format": "chat", "context_length": 320}, {"objective": "dpo"}),
+    "unpaired": ("tiny_kto.jsonl", {"format": "chat", "context_length": 320}, {"objective": "kto"}),
+    "prompts": ("tiny_prompts.jsonl", {"format": "prompt", "context_length": 32}, {"objective": "grpo"}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_kind_of_data_holds_out_a_tenth_at_most_or_the_eval_files_records(tiny_model_dir, tokenizer, tmp_path,
+                                                                                 kind):
+    """One rule for the held-out set, whatever the data: without data.eval_path at most a tenth of the records
+    (eval_samples 200 of 30 records holds out 3, not 29), with it every record trains and eval_samples of the
+    file's are held out. Read through the one loading entry the run uses."""
+    from qlora_fsdp.data.loading import load_training_data
+
+    name, data_keys, train_keys = KINDS[kind]
+    lines = (REPO / "data" / name).read_text().splitlines()
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(lines[:30]) + "\n")
+    held = tmp_path / "held.jsonl"
+    held.write_text("\n".join(lines[30:42]) + "\n")
+
+    def loaded(**keys):
+        cfg = tiny_config(tiny_model_dir, data={"path": str(train), "cache_dir": str(tmp_path / "cache"),
+                                                **data_keys, **keys}, train=train_keys,
+                          grpo={"max_completion_length": 8})
+        data = load_training_data(tokenizer, cfg, None, lambda: pytest.fail("text records need no processor"))
+        return len(data.train), len(data.eval)
+
+    assert loaded(eval_samples=200) == (27, 3)
+    assert loaded(eval_samples=2) == (28, 2)
+    assert loaded(eval_samples=200, eval_path=str(held)) == (30, 12)
+    assert loaded(eval_samples=5, eval_path=str(held)) == (30, 5)
 
 
 def test_sampler_shards_over_ranks_and_resumes_exactly():

@@ -66,13 +66,13 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
     """Each setting's step loss and LoRA gradients on our model; world size 1 also writes the adapter (LoRA B
     seeded away from zero, so every LoRA tensor has a gradient) and returns the old and reference log-probabilities
     both sides then use (its own, moved by seeded noise so that ratios reach past the clip)."""
+    from qlora_fsdp.distributed.row_groups import RowSplit
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, load_adapter_into
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.losses.forward import ForwardLoss
     from qlora_fsdp.losses.policy import StepCounts
-    from qlora_fsdp.distributed.row_groups import RowSplit
     from qlora_fsdp.objectives.base import RunParts
     from qlora_fsdp.objectives.grpo import Generation, Grpo, completion_sample
 

@@ -18,8 +18,7 @@ from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.pairs import PairLoss
-from qlora_fsdp.objectives.pair_steps import accumulate_pairs
-from qlora_fsdp.objectives.pair_steps import pair_rows
+from qlora_fsdp.objectives.pair_steps import accumulate_pairs, pair_rows
 from tests.helpers import REPO, full_grads, relative_difference, run_ranks_sequence, tiny_config, transformers_nf4
 from tests.test_preference_training import nudge_adapter
 

@@ -13,15 +13,15 @@ from safetensors import safe_open
 from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.data.pipeline import IGNORE_INDEX
+from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.loading.adapter import gather_trainable_state
 from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.names import weight_key
 from qlora_fsdp.loading.weight_files import weight_files
-from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
-from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.objectives.supervised import accumulate_gradients
+from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
 from tests.helpers import (
     batches,
     fsdp_params,

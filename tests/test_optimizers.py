@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qlora_fsdp.optimizer_registry import OPTIMIZERS
 from qlora_fsdp.optimizer import optimizer_class
+from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

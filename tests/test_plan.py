@@ -11,8 +11,8 @@ import torch
 
 from qlora_fsdp.config import load_config
 from qlora_fsdp.loading.factory import build_model
-from qlora_fsdp.plan.recipe_table import HEADER, readme_table, recipe_names
 from qlora_fsdp.objectives.supervised import accumulate_gradients
+from qlora_fsdp.plan.recipe_table import HEADER, readme_table, recipe_names
 from tests import planners
 from tests.helpers import REPO, batches, fsdp_params, run_ranks_sequence, tiny_config, variable_length_samples
 
@@ -256,8 +256,8 @@ def test_every_shipped_recipe_plans_its_time(recipe_plans):
 def test_the_plan_names_where_its_peak_is_and_where_activations_are_largest():
     """The table's rows are one instant of the step; a line under it says where activations peak when that is
     another instant (a shortened model's block positions read as the first or last layers)."""
-    from qlora_fsdp.plan.memory import activations_peak_line, instant_words
     from qlora_fsdp.measure.step_tracker import Moment, StepMemory
+    from qlora_fsdp.plan.memory import activations_peak_line, instant_words
 
     gib = 2**30
     start = (1, "forward", ("block", "from start", 0, 0))

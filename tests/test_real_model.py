@@ -21,9 +21,9 @@ from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.objectives.supervised import evaluate
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
-from qlora_fsdp.training.loop import evaluate
 from tests.helpers import REPO, reference_loss, run_ranks_sequence, tiny_config, transformers_nf4
 
 pytestmark = pytest.mark.slow  # ranks on gloo

@@ -20,8 +20,7 @@ from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.pairs import PairLoss
-from qlora_fsdp.objectives.pair_steps import accumulate_pairs
-from qlora_fsdp.objectives.pair_steps import pair_rows, with_pair_extras
+from qlora_fsdp.objectives.pair_steps import accumulate_pairs, pair_rows, with_pair_extras
 from tests.helpers import (
     REPO,
     command_here,
@@ -193,8 +192,8 @@ def test_grpo_scores_completions_with_the_trained_reward_model(tiny_model_dir, r
     from qlora_fsdp.data.pipeline import run_template
     from qlora_fsdp.data.templates import encode
     from qlora_fsdp.errors import ConfigError
-    from qlora_fsdp.rewards.functions import resolve_rewards
     from qlora_fsdp.objectives.reward_model_scores import as_messages, reward_model_function
+    from qlora_fsdp.rewards.functions import resolve_rewards
 
     adapter, cfg = reward_runs["adapter"], reward_runs["cfg"]
     grpo = GrpoConfig(rewards=[RewardConfig(function="reward_model", options={"adapter": str(adapter)})])

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from qlora_fsdp.run.hardware import GPU
 from qlora_fsdp.measure.op_work import Work
 from qlora_fsdp.plan.step_time import (
     GPU_MATMUL_EFFICIENCY,
@@ -19,6 +18,7 @@ from qlora_fsdp.plan.step_time import (
     link_seconds,
     part_time,
 )
+from qlora_fsdp.run.hardware import GPU
 from tests import planners
 from tests.helpers import run_ranks
 from tests.test_step_memory import architecture, step_config

@@ -49,13 +49,13 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None,
     from qlora_fsdp.config.loader import to_yaml
     from qlora_fsdp.data.batching import collate, collate_packed
     from qlora_fsdp.distributed import all_reduce_sums
+    from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.loading.vision_encoder import load_vision_encoder
     from qlora_fsdp.losses.forward import ForwardLoss
-    from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
     from tests.helpers import full_grads
     from tests.test_families import nonzero_lora_b
 
@@ -206,6 +206,17 @@ def test_records_become_replies_only_labels_with_each_images_tokens(llava, tmp_p
         shown = 0 if sample.vision is None else sample.vision["pixel_values"].shape[0]
         assert images == 16 * shown
     assert sorted(got) == sorted(reply + eos for reply in replies)
+    # held out as text data is: at most a tenth of the records, or data.eval_path's
+    capped = load_image_data(processor, vision_config(model_dir, data, tmp_path / "out", eval_samples=200))
+    assert (len(capped.train), len(capped.eval)) == (len(replies) - 1, 1)
+    held = tmp_path / "held" / "held.jsonl"
+    held.parent.mkdir()
+    for image in data.parent.glob("*.png"):
+        (held.parent / image.name).write_bytes(image.read_bytes())
+    held.write_text("\n".join(data.read_text().splitlines()[:3]) + "\n")
+    separate = load_image_data(processor, vision_config(model_dir, data, tmp_path / "out", eval_samples=200,
+                                                        eval_path=str(held)))
+    assert (len(separate.train), len(separate.eval)) == (len(replies), 3)
 
     def refused(record: dict, name: str) -> str:
         path = tmp_path / name

@@ -27,9 +27,10 @@ import torch
 from PIL import Image
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
-from qlora_fsdp.config import Config
+from qlora_fsdp.config import Config, SourceConfig
 from qlora_fsdp.data.batching import Sample, pack
-from qlora_fsdp.data.sources import read_source, sources_of
+from qlora_fsdp.data.kinds import check_trainable, held_out_split
+from qlora_fsdp.data.sources import eval_source, read_source, sources_of
 from qlora_fsdp.errors import DataError, first_line
 from qlora_fsdp.labels import IGNORE_INDEX
 
@@ -222,28 +223,36 @@ def vision_inputs(out: Any) -> dict[str, torch.Tensor]:
     return vision
 
 
+def encoded_source(source: SourceConfig, processor: ProcessorMixin, cfg: Config) -> list[Sample]:
+    """A source's records through the processor, each within data.context_length."""
+    records = read_source(source, cfg.data.cache_dir)
+    path = Path(source.path)
+    folder = path if path.is_dir() else path.parent
+    samples = []
+    for index, record in enumerate(records):
+        where = f"{source.path} record {index + 1}"
+        sample = encode_record(record, processor, folder, where)
+        if len(sample.input_ids) > cfg.data.context_length:
+            raise DataError(f"{where}: {len(sample.input_ids)} tokens with its images, more than "
+                            f"data.context_length {cfg.data.context_length}; raise it or lower the images' pixel "
+                            "budget")
+        samples.append(sample)
+    return samples
+
+
 def load_image_data(processor: ProcessorMixin, cfg: Config) -> ImageData:
-    """Every source's records encoded, data.eval_samples held out (by the seed), packed where the recipe packs."""
+    """Every source's records encoded; held out as text data is (data/kinds.py): data.eval_path's records where
+    given, else data.eval_samples of the records, at most a tenth (by the seed); packed where the recipe packs."""
     data = cfg.data
-    samples: list[Sample] = []
-    for source in sources_of(data):
-        records = read_source(source, data.cache_dir)
-        path = Path(source.path)
-        folder = path if path.is_dir() else path.parent
-        for index, record in enumerate(records):
-            where = f"{source.path} record {index + 1}"
-            sample = encode_record(record, processor, folder, where)
-            if len(sample.input_ids) > data.context_length:
-                raise DataError(f"{where}: {len(sample.input_ids)} tokens with its images, more than "
-                                f"data.context_length {data.context_length}; raise it or lower the images' pixel "
-                                "budget")
-            samples.append(sample)
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.train.seed)).tolist()
-    held = min(data.eval_samples, len(samples) - 1)
-    train = [samples[i] for i in sorted(order[held:])]
-    held_out = [samples[i] for i in sorted(order[:held])]
+    samples = [sample for source in sources_of(data) for sample in encoded_source(source, processor, cfg)]
+    held_out_source = eval_source(data)
+    held_out = encoded_source(held_out_source, processor, cfg) if held_out_source is not None else samples
+    train_ids, eval_ids = held_out_split(len(samples), data.eval_samples, cfg.train.seed,
+                                         None if held_out_source is None else len(held_out))
+    check_trainable(len(train_ids), "sample")
+    train = [samples[i] for i in sorted(train_ids)]
     packs = pack([len(s.input_ids) for s in train], data.context_length) if data.packing else None
-    return ImageData(train, held_out, "processor", len(samples), packs)
+    return ImageData(train, [held_out[i] for i in sorted(eval_ids)], "processor", len(samples), packs)
 
 
 def records_have_images(cfg: Config) -> bool:

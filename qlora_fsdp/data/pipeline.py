@@ -18,7 +18,7 @@ from qlora_fsdp.config import DataConfig, OverlongPolicy, SourceConfig, Template
 from qlora_fsdp.data.batching import Sample, pack
 from qlora_fsdp.data.fingerprint import map_fingerprint
 from qlora_fsdp.data.kinds import check_trainable, held_out_split
-from qlora_fsdp.data.sources import mixed_conversations, sources_of
+from qlora_fsdp.data.sources import eval_source, mixed_conversations, sources_of
 from qlora_fsdp.data.templates import IGNORE_INDEX, choose_template, encode
 from qlora_fsdp.distributed import DistInfo, barrier
 from qlora_fsdp.errors import DataError
@@ -161,10 +161,8 @@ def assembled(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, i
     template = run_template(data, tokenizer)
     with main_process_first(info):
         samples, n_records, n_overlong, n_dropped = tokenize(sources, template)
-        held_out = None
-        if data.eval_path:
-            eval_source = SourceConfig(path=data.eval_path, format=sources[0].format, fields=sources[0].fields)
-            held_out = tokenize([eval_source], template)[0]
+        held_out_source = eval_source(data)
+        held_out = tokenize([held_out_source], template)[0] if held_out_source is not None else None
     if not len(samples):
         raise DataError(f"no trainable {unit} in {', '.join(s.path for s in sources)} after fitting to "
                         f"{data.context_length} tokens ({n_overlong} longer, overlong={data.overlong})")

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import datasets
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, DataConfig, SourceConfig
+from qlora_fsdp.data.kinds import check_trainable, held_out_split
 from qlora_fsdp.data.pipeline import run_template
-from qlora_fsdp.data.sources import read_source, sources_of, weighted
+from qlora_fsdp.data.sources import eval_source, read_source, sources_of, weighted
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.errors import DataError
 
@@ -93,25 +93,26 @@ def with_prompt_column(records: datasets.Dataset, source: SourceConfig) -> datas
     return records.rename_column(column, "prompt")
 
 
-def read_prompts(data: DataConfig, seed: int) -> datasets.Dataset:
+def read_prompts(sources: list[SourceConfig], data: DataConfig, seed: int) -> datasets.Dataset:
     """Every source's records, each repeated or subsampled by its weight, as SFT data is mixed."""
     parts = [weighted(with_prompt_column(read_source(source, data.cache_dir), source), source.weight, seed)
-             for source in sources_of(data)]
+             for source in sources]
     records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if "prompt" not in records.column_names:
-        raise DataError(f"{data.path}: GRPO reads a 'prompt' column (or data.fields: {{prompt: <column>}}); the "
-                        f"records have {records.column_names}")
+        raise DataError(f"{sources[0].path}: GRPO reads a 'prompt' column (or data.fields: {{prompt: <column>}}); "
+                        f"the records have {records.column_names}")
     return records
 
 
-def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config) -> Prompts:
-    """Every record's prompt, tokenized, in the data's order."""
-    records = read_prompts(cfg.data, cfg.train.seed)
+def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config, sources: list[SourceConfig] | None = None) -> Prompts:
+    """Every record's prompt (of the recipe's sources, or `sources`), tokenized, in the data's order."""
+    sources = sources or sources_of(cfg.data)
+    records = read_prompts(sources, cfg.data, cfg.train.seed)
     template = run_template(cfg.data, tokenizer)
     room = cfg.prompt_room
     ids, prompts = [], []
     for index, record in enumerate(records):
-        where = f"{cfg.data.path} record {index + 1}"
+        where = f"{sources[0].path} record {index + 1}"
         encoded = encode_prompt(record["prompt"], tokenizer, template, where)
         if len(encoded) > room:
             raise DataError(f"{where}: the prompt has {len(encoded)} tokens, more than data.context_length - "
@@ -123,9 +124,12 @@ def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config) -> Prompts:
 
 
 def load_prompt_data(tokenizer: PreTrainedTokenizerBase, cfg: Config) -> PromptData:
-    """The prompts, with data.eval_samples of them held out (chosen by the seed)."""
+    """The prompts; held out as text data is (data/kinds.py): data.eval_path's prompts where given, else
+    data.eval_samples of them, at most a tenth (by the seed)."""
     prompts = load_prompts(tokenizer, cfg)
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.train.seed)).tolist()
-    held = min(cfg.data.eval_samples, len(prompts) - 1)
-    return PromptData(prompts.subset(sorted(order[held:])), prompts.subset(sorted(order[:held])),
-                      run_template(cfg.data, tokenizer))
+    held_out_source = eval_source(cfg.data)
+    held_out = load_prompts(tokenizer, cfg, [held_out_source]) if held_out_source is not None else prompts
+    train, held = held_out_split(len(prompts), cfg.data.eval_samples, cfg.train.seed,
+                                 None if held_out_source is None else len(held_out))
+    check_trainable(len(train), "prompt")
+    return PromptData(prompts.subset(sorted(train)), held_out.subset(sorted(held)), run_template(cfg.data, tokenizer))

@@ -60,6 +60,37 @@ def mixed_conversations(sources: list[SourceConfig], seed: int, cache_dir: str |
 
 
 def read_source(source: SourceConfig, cache_dir: str | None) -> datasets.Dataset:
+    """The source's records, their turn lists checked (before any kind of data looks into them)."""
+    records = read_records(source, cache_dir)
+    check_turn_lists(records, source)
+    return records
+
+
+def check_turn_lists(records: datasets.Dataset, source: SourceConfig) -> None:
+    """A chat or ShareGPT source's turns are lists of messages, or one line names the first record whose are not
+    (a string there would otherwise be read character by character)."""
+    defaults = DEFAULT_FIELDS.get(source.format, {})
+    if "messages" not in defaults:
+        return
+    name = source.fields.get("messages", defaults["messages"])
+    feature = records.features.get(name) if records.features is not None else None
+    if feature is None or isinstance(feature, (datasets.List, datasets.LargeList, list)):
+        return  # absent (the conversation maker names the record), or a list in every record
+    for index, turns in enumerate(records[name]):
+        if not isinstance(turns, list) or not all(isinstance(turn, dict) for turn in turns):
+            raise DataError(f"{source.path}: record {index + 1} lacks the list of turns '{name}' (got "
+                            f"{type(turns).__name__}: {turns!r:.40})")
+
+
+def eval_source(data: DataConfig) -> SourceConfig | None:
+    """data.eval_path as a source in the first source's format and fields: the held-out records, where given."""
+    if not data.eval_path:
+        return None
+    first = sources_of(data)[0]
+    return SourceConfig(path=data.eval_path, format=first.format, fields=first.fields)
+
+
+def read_records(source: SourceConfig, cache_dir: str | None) -> datasets.Dataset:
     path = Path(source.path)
     if path.is_dir() and any((path / name).is_file() for name in ("dataset_dict.json", "state.json")):
         return split_of(datasets.load_from_disk(str(path)), source)
