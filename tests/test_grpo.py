@@ -261,6 +261,24 @@ def test_a_mixture_of_experts_update_equals_trls_with_its_load_balancing_loss(tm
 
 # ---- advantages and rewards (in process) --------------------------------------------------------------------------
 
+def test_a_completion_ends_at_its_first_eos_and_only_a_cut_one_is_truncated():
+    """A completion keeps its tokens through its first EOS and is not truncated; one with no EOS ran to
+    max_completion_length and is, unless a stop string ended it (then padded to the longest row)."""
+    from qlora_fsdp.objectives.rollouts import cut
+
+    class Words:
+        @staticmethod
+        def decode(ids):
+            return " ".join(str(i) for i in ids)
+
+    eos, pad = 2, 0
+    assert cut([5, 6, eos, 9, eos], {eos}, pad, [], Words()) == ([5, 6, eos], False)
+    assert cut([eos, 6, 7], {eos}, pad, [], Words()) == ([eos], False)
+    assert cut([5, 6, 7], {eos}, pad, [], Words()) == ([5, 6, 7], True)
+    assert cut([5, 6, pad, pad], {eos}, pad, ["6"], Words()) == ([5, 6], False)  # a stop string ended it
+    assert cut([5, 6, 7], {eos}, pad, ["6"], Words()) == ([5, 6, 7], True)
+
+
 def test_advantages_are_trls_group_and_batch_normalization():
     from trl.trainer.utils import nanstd
 

@@ -36,9 +36,13 @@ POLICIES = [
 
 
 def loss_and_grads(info, cfg, micro_batches_per_rank, chunk_tokens):
+    """The step's loss and gradients, and how often the first layer's MLP ran its down projection (once a tile)."""
     model = build_model(cfg, info)
+    down = next(m for name, m in model.named_modules() if name.endswith("layers.0.mlp.down_proj"))
+    calls = [0]
+    down.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device, ForwardLoss(chunk_tokens))
-    return {"loss": result.loss, "grads": full_grads(model)}
+    return {"loss": result.loss, "grads": full_grads(model), "mlp_runs": calls[0]}
 
 
 def activation_bytes(info, cfg, batch):
@@ -105,6 +109,8 @@ def test_every_checkpointing_policy_equals_none(tiny_model_dir, samples, tmp_pat
     for name, _ in POLICIES:
         assert results[name]["loss"] == pytest.approx(results["none"]["loss"], rel=1e-6), name
         assert relative_difference(results[name]["grads"], results["none"]["grads"]) <= 1e-6, name
+        if "tiles" in name:  # the tiles ran: each runs the MLP in forward and again in backward
+            assert results[name]["mlp_runs"] > 4 * results["none"]["mlp_runs"], (name, results[name]["mlp_runs"])
 
 
 @pytest.mark.slow  # gloo ranks

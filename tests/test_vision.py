@@ -45,7 +45,7 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None,
     gradients; at world size 2 rank 0 takes the text-only records and rank 1 the ones with images, so the ranks'
     forwards differ in images every step (no collective may depend on them). World size 1 runs the recipe without
     packing (transformers' sdpa kernel), 2 with it (the per-sample kernel, packed rows as one)."""
-    from qlora_fsdp.api import load_data
+    from qlora_fsdp.data.loading import load_training_data
     from qlora_fsdp.config.loader import to_yaml
     from qlora_fsdp.data.batching import collate, collate_packed
     from qlora_fsdp.distributed import all_reduce_sums
@@ -54,14 +54,14 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None,
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_model
     from qlora_fsdp.loading.fill import model_layout
-    from qlora_fsdp.loading.vision_encoder import load_vision_encoder
+    from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
     from qlora_fsdp.losses.forward import ForwardLoss
     from tests.helpers import full_grads
     from tests.test_families import nonzero_lora_b
 
     cfg = vision_config(model_dir, data, out, lora, packing=info.world_size > 1)
     tokenizer = load_tokenizer(cfg)
-    loaded = load_data(tokenizer, cfg, info)
+    loaded = load_training_data(tokenizer, cfg, info, lambda: load_processor(cfg))
     model = build_model(cfg, info)
     load_vision_encoder(model, cfg, info.device)
     samples = loaded.train + loaded.eval
@@ -75,8 +75,11 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None,
     packed = collate_packed([mine[: len(mine) // 2], mine[len(mine) // 2 :]], pad)
     padded = collate(mine, pad)
     nonzero_lora_b(model)
+    # the same records with black pictures: the images must move the loss (the image side really ran)
+    black = collate_packed([[blacked(s) for s in row] for row in (mine[: len(mine) // 2], mine[len(mine) // 2 :])],
+                           pad)
     with torch.no_grad():
-        sums = [ForwardLoss()(model, batch, info.device).item() for batch in (padded, packed)]
+        sums = [ForwardLoss()(model, batch, info.device).item() for batch in (padded, packed, black)]
     losses = all_reduce_sums(sums, info.device)
     for _ in range(2):  # two more steps' forwards and backwards: ranks whose images differ stay in step
         (ForwardLoss.for_config(cfg, info.device)(model, packed, info.device) / n_targets).backward()
@@ -87,8 +90,19 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None,
     grads = {adapter_file_key(name, layout): grad for name, grad in full_grads(model).items()}
     if adapter is not None:
         export_adapter(model, tokenizer, adapter, str(model_dir), info.is_main, to_yaml(cfg))
-    return {"padded": losses[0] / n_targets, "packed": losses[1] / n_targets, "grads": grads,
+    return {"padded": losses[0] / n_targets, "packed": losses[1] / n_targets, "black": losses[2] / n_targets,
+            "grads": grads,
             "images": sum(s.vision is not None for s in samples), "samples": samples}
+
+
+def blacked(sample):
+    """The sample with every picture black (its pixels at the processor's value for black)."""
+    import dataclasses
+
+    if sample.vision is None:
+        return sample
+    pixels = sample.vision["pixel_values"]
+    return dataclasses.replace(sample, vision={**sample.vision, "pixel_values": torch.full_like(pixels, pixels.min())})
 
 
 def reference_side(model_dir: Path, adapter: Path, samples: list, unquantized: list[str] | None = None) -> dict:
@@ -170,6 +184,7 @@ def test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(family, llav
     for run in (one, two):
         for key in ("padded", "packed"):
             assert run[key] == pytest.approx(reference["loss"], rel=1e-5), key
+        assert abs(run["black"] - run["packed"]) > 1e-4, "black pictures left the loss as it was"
         assert reference["grads"].keys() >= reference["expected"] and len(reference["expected"]) >= 8
         assert run["grads"].keys() == reference["grads"].keys()
         for key, grad in reference["grads"].items():
