@@ -45,9 +45,9 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None,
     gradients; at world size 2 rank 0 takes the text-only records and rank 1 the ones with images, so the ranks'
     forwards differ in images every step (no collective may depend on them). World size 1 runs the recipe without
     packing (transformers' sdpa kernel), 2 with it (the per-sample kernel, packed rows as one)."""
-    from qlora_fsdp.data.loading import load_training_data
     from qlora_fsdp.config.loader import to_yaml
     from qlora_fsdp.data.batching import collate, collate_packed
+    from qlora_fsdp.data.loading import load_training_data
     from qlora_fsdp.distributed import all_reduce_sums
     from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter
