@@ -4,7 +4,7 @@ plan (`scripts/recipe_table.py --json`, for tests/test_plan.py's `recipe_plans`)
 tests/test_step_time.py's `published_runs`).
 
 Each part prints what its command prints; this process imports torch and the planner once for all of them (three
-processes paid that three times), and a step setting two parts plan is measured once (plan/fake_step.py's cache of
+processes paid that three times), and a step setting two parts plan is measured once (measure/fake_step.py's cache of
 the measured step, keyed by everything the step depends on: the 70B recipe's own plans are among the table's, the
 published runs share settings). Only the parts a selected test needs run.
 

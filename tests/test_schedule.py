@@ -1,4 +1,4 @@
-"""The learning-rate schedule (training/optimizer.py): optim.warmup_ratio against its warmup steps."""
+"""The learning-rate schedule (optimizer.py): optim.warmup_ratio against its warmup steps."""
 
 from __future__ import annotations
 

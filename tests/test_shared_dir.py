@@ -1,4 +1,4 @@
-"""train.output_dir on storage every node sees (training/shared_dir.py), and resuming across new config keys."""
+"""train.output_dir on storage every node sees (run_files/shared_dir.py), and resuming across new config keys."""
 
 from __future__ import annotations
 

@@ -270,9 +270,9 @@ class DataConfig:
 
     @property
     def micro_batch(self) -> int:
-        """micro_batch_size as the number it is once plan.batch_size.resolve_batch has run (every run, plan
+        """micro_batch_size as the number it is once run.batch_size.resolve_batch has run (every run, plan
         and trainer resolves the config before reading it)."""
-        assert self.micro_batch_size != "auto", "micro_batch_size auto is resolved by plan.batch_size.resolve_batch"
+        assert self.micro_batch_size != "auto", "micro_batch_size auto is resolved by run.batch_size.resolve_batch"
         return self.micro_batch_size
 
 
@@ -322,7 +322,7 @@ class TrainConfig:
 @dataclass
 class HardwareConfig:
     """What the recipe is planned for (`--plan`); training itself uses whatever torchrun gives it."""
-    gpu: str = "cpu"  # a name in plan.GPUS (rtx4090, rtx3090, a100-80gb, h100, ...), or cpu
+    gpu: str = "cpu"  # a name in run.hardware.GPUS (rtx4090, rtx3090, a100-80gb, h100, ...), or cpu
     gpus_per_node: int = 1  # ranks per node
     nodes: int = 1  # nodes (HSDP with fsdp.shard_size)
     gpu_memory_gib: float | None = None  # None: the table's figure for `gpu`

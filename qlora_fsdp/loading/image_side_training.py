@@ -5,7 +5,7 @@ projector in full (kept unquantized, in lora.dtype) and LoRA on the vision tower
 The image side stays whole on every rank (loading/vision_encoder.py), so ranks whose micro-batches differ in images
 still never wait on each other in its forward. Trained, it is registered under the causal LM as `image_side`, after
 FSDP2 sharded the decoder (so FSDP2 leaves it alone): the optimizer, the checkpoint, the adapter's export and import
-see its trainable tensors as they see the decoder's, and training/grad_sync.py sums their gradients over the ranks
+see its trainable tensors as they see the decoder's, and distributed/grad_sync.py sums their gradients over the ranks
 on the step's last micro-batch (a rank without images adds zeros).
 """
 

@@ -1,6 +1,6 @@
 """What a loaded model really holds, counted from its tensors: the measured side of the planner's figures.
 
-The planner (plan.held, plan.memory) predicts bytes from shapes on the meta device; these count the real tensors, so
+The planner (measure.held, plan.memory) predicts bytes from shapes on the meta device; these count the real tensors, so
 benchmarks/load_as_rank.py can report one rank's memory and the tests can hold the planner to it byte for byte;
 `measured_step` runs the training step for real under the tracker the planner's fake step uses.
 """
@@ -26,7 +26,7 @@ from qlora_fsdp.optimizer import build_optimizer
 
 def held_quant_state_bytes(state: bnbf.QuantState) -> int:
     """Bytes of a Linear4bit's stored quantization state; the planner's counterpart, from shapes alone, is
-    plan.held.quant_state_bytes."""
+    measure.held.quant_state_bytes."""
     return sum(t.numel() * t.element_size() for t in stored_quant_state(state))
 
 

@@ -2,7 +2,7 @@
 
 The step is training's own code: the recipe's objective's micro-step with its `ForwardLoss` (chunked or full
 loss, activation offload), gradient sync only on the last micro-batch, then the optimizer update. The planner runs it on
-fake tensors (plan/fake_step.py: no weights, no GPU); plan/measure.py runs it on a real model to hold the planner
+fake tensors (measure/fake_step.py: no weights, no GPU); measure/real_step.py runs it on a real model to hold the planner
 to it. Both count with the tracker below, so a plan and a measurement differ only by what fake tensors change.
 
 Counted: every tensor storage alive on the compute device, op by op (parameters, gradients, optimizer state,
@@ -57,7 +57,7 @@ MODEL_PARTS = ("pre", "forward", "post", "backward", "end")
 @dataclass(frozen=True)
 class StepMemory:
     """One rank's step: the peak instant (device bytes) of each part, what the loss itself takes, what offload
-    keeps on the host. Kept per part so that a long model can be measured shorter (plan/fake_step.py)."""
+    keeps on the host. Kept per part so that a long model can be measured shorter (measure/fake_step.py)."""
 
     segments: dict[Segment, Moment]
     loss_own: dict[int, int]  # per micro-batch: the loss's own peak (its largest rise while it runs)

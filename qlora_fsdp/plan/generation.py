@@ -1,5 +1,5 @@
 """GRPO's generation in the plan: what a rank holds while the policy samples its completions, and how long that
-takes on the recipe's GPUs (training/rollouts.py generates; the update is the measured step).
+takes on the recipe's GPUs (objectives/rollouts.py generates; the update is the measured step).
 
 Memory while generating, above what the rank holds all step (its shards, LoRA, optimizer state, quantization
 state; the gradients are freed by the last update):

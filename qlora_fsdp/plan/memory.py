@@ -4,7 +4,7 @@ The parameter side is exact: the model is built on the meta device and sharded b
 group of the recipe's world size, so each local shard has the shape rank 0 will allocate; gradients and
 optimizer state follow from those shapes by the optimizers' own rules. The step itself (gathered layers,
 gradients while accumulating, activations, logits and loss, the optimizer update) is measured: training's own
-step runs on fake tensors under torch's FSDP2 memory tracker (plan/fake_step.py), and the GPU total is that
+step runs on fake tensors under torch's FSDP2 memory tracker (measure/fake_step.py), and the GPU total is that
 step's peak. Only the CUDA context and the allocator's slack stay estimates.
 """
 
@@ -116,7 +116,7 @@ def loss_words(cfg: Config) -> str:
 
 
 def layer_words(layer: object) -> str:
-    """A step segment's layer: an index, or a place in a shortened model's repeated block (plan/fake_step.py)."""
+    """A step segment's layer: an index, or a place in a shortened model's repeated block (measure/fake_step.py)."""
     if isinstance(layer, int):
         return f"layer {layer + 1}"
     return "the first layers" if isinstance(layer, tuple) and layer[1:2] == ("from start",) else "the last layers"
