@@ -169,7 +169,7 @@ def run_ours(plan: Plan, out: Path, settings: list[str]) -> dict[str, Any]:
     # the peers' dtype (auto would pick float32 on a CPU without bf16 units)
     overrides = [*settings, f"model.dtype={plan.dtype}", f"quant.compute_dtype={plan.dtype}",
                  f"model.path={plan.model}", f"data.path={plan.train}",
-                 f"data.eval_path={measure.held_out}", "data.eval_samples=100000", "data.packing=true",
+                 f"data.eval_path={plan.held_out}", "data.eval_samples=100000", "data.packing=true",
                  f"data.context_length={CONTEXT}", f"data.micro_batch_size={plan.rows_per_micro_batch}",
                  f"data.grad_accum_steps={plan.accum_steps}", f"optim.lr={SETTINGS['lr']}",
                  f"optim.warmup_steps={plan.warmup_steps}", "optim.min_lr_ratio=0.0",  # the peer's cosine
@@ -214,7 +214,7 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool, compiled: bool = Fals
 
     torch.manual_seed(SETTINGS["seed"])
     cfg = load_config("tiny_cpu", [f"model.path={plan.model}", f"data.path={plan.train}",
-                                   f"data.eval_path={measure.held_out}", "data.eval_samples=100000",
+                                   f"data.eval_path={plan.held_out}", "data.eval_samples=100000",
                                    f"data.context_length={CONTEXT}"])
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, SETTINGS["seed"])

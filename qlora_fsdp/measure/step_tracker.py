@@ -1,9 +1,10 @@
 """One training step's device memory, measured by torch's FSDP2 memory tracker while the step really runs.
 
 The step is training's own code: the recipe's objective's micro-step with its `ForwardLoss` (chunked or full
-loss, activation offload), gradient sync only on the last micro-batch, then the optimizer update. The planner runs it on
-fake tensors (measure/fake_step.py: no weights, no GPU); measure/real_step.py runs it on a real model to hold the planner
-to it. Both count with the tracker below, so a plan and a measurement differ only by what fake tensors change.
+loss, activation offload), gradient sync only on the last micro-batch, then the optimizer update. The planner runs
+it on fake tensors (measure/fake_step.py: no weights, no GPU); measure/real_step.py runs it on a real model to hold
+the planner to it. Both count with the tracker below, so a plan and a measurement differ only by what fake tensors
+change.
 
 Counted: every tensor storage alive on the compute device, op by op (parameters, gradients, optimizer state,
 activations, temporaries, FSDP2's all-gather and reduce-scatter buffers), minus what lives in host memory: FSDP2's
