@@ -112,3 +112,22 @@ def test_modules_and_functions_stay_short():
                     long_functions.append(f"{path.relative_to(PACKAGE)}:{node.name} ({length} lines)")
     assert not long_modules, f"modules over 400 lines: {long_modules}"
     assert not long_functions, f"functions over 60 lines: {long_functions}"
+
+
+def test_objective_names_are_compared_in_the_table_and_validation_only():
+    """`train.objective` is read through its row of config/objectives.py's table: no other module compares it,
+    and the table has a row for every name the schema accepts."""
+    from typing import get_args
+
+    from qlora_fsdp.config.objectives import OBJECTIVES, Objective
+
+    assert set(OBJECTIVES) == set(get_args(Objective))
+    allowed = {PACKAGE / "config" / "objectives.py", PACKAGE / "config" / "validation.py"}
+    comparing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(side, ast.Attribute) and side.attr == "objective"
+                    for side in (node.left, *node.comparators)) and path not in allowed:
+                comparing.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert comparing == [], "ask the objective's row (cfg.train.kind) instead"

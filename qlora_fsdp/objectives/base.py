@@ -9,6 +9,7 @@ which objective it runs.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,12 @@ class Objective:
 
     def has_eval(self) -> bool:
         return len(self.parts.data.eval) > 0
+
+    @functools.cached_property
+    def held_out(self) -> list[Sample]:
+        """The held-out samples (a pair's two sequences in a row), read once."""
+        data = self.parts.data
+        return data.samples(data.eval, list(range(len(data.eval))))
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out record over every rank (a collective: every rank calls it)."""

@@ -104,11 +104,10 @@ class Pairs(Objective):
                                 loss_factor)
 
     def evaluate(self, step: int) -> dict[str, float]:
-        run, data = self.parts, self.data
+        run = self.parts
         references = self.references["eval"] if self.references is not None else None
-        return evaluate_pairs(run.model, data.samples(data.eval, list(range(len(data.eval)))),
-                              self.cfg.data.eval_batch_size, run.pad_id, run.info, self.loss, references,
-                              self.extras["eval"])
+        return evaluate_pairs(run.model, self.held_out, self.cfg.data.eval_batch_size, run.pad_id, run.info,
+                              self.loss, references, self.extras["eval"])
 
     # ---- a plan ------------------------------------------------------------------------------------------------
 

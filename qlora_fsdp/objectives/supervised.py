@@ -115,8 +115,7 @@ class Supervised(Objective):
 
     def evaluate(self, step: int) -> dict[str, float]:
         run = self.parts
-        samples = run.data.samples(run.data.eval, list(range(len(run.data.eval))))
-        return eval_record(evaluate(run.model, samples, self.cfg.data.eval_batch_size, run.pad_id, run.info,
+        return eval_record(evaluate(run.model, self.held_out, self.cfg.data.eval_batch_size, run.pad_id, run.info,
                                     self.forward_loss, run.split))
 
     def planned_batches(self) -> list[Batch]:
