@@ -101,7 +101,8 @@ def test_fused_projections_give_peft_s_loss_and_gradients(tiny_model_dir, per_ra
         fused, unfused = results[2 * index], results[2 * index + 1]
         assert fused["loss"] == pytest.approx(unfused["loss"], rel=1e-6), name
         assert fused["grads"].keys() == unfused["grads"].keys() >= lora_keys(sections), name
-        assert relative_difference(fused["grads"], unfused["grads"]) <= 1e-6, name
+        # per tensor: the fused and unfused matmuls sum in different orders (1.5e-6 seen for rsLoRA's smallest)
+        assert relative_difference(fused["grads"], unfused["grads"]) <= 1e-5, name
         assert unfused["groups"] == 0, name  # PEFT's own forward: the reference
     # 2 layers: q/k/v and gate/up a layer, and o and down on their own; q and v only: one group a layer
     assert results[0]["groups"] == 2 * 4 and results[-2]["groups"] == 2

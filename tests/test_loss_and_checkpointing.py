@@ -3,6 +3,8 @@ and the activation bytes each policy keeps."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from qlora_fsdp.data.batching import collate_packed
@@ -38,7 +40,8 @@ POLICIES = [
 def loss_and_grads(info, cfg, micro_batches_per_rank, chunk_tokens):
     """The step's loss and gradients, and how often the first layer's MLP ran its down projection (once a tile)."""
     model = build_model(cfg, info)
-    down = next(m for name, m in model.named_modules() if name.endswith("layers.0.mlp.down_proj"))
+    # the LoRA layer, under whatever wrappers checkpointing and FSDP2 put around the layer or its MLP
+    down = next(m for name, m in model.named_modules() if re.search(r"layers\.0\.(.+\.)?down_proj$", name))
     calls = [0]
     down.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device, ForwardLoss(chunk_tokens))

@@ -191,7 +191,7 @@ def packed_weights_match(info, cfg, literal):
     and the state's blocksize, quant type and nesting."""
     model = build_model(cfg, info)
     originals = {}
-    for file in weight_files(model_dir(cfg.model.path)):
+    for file in weight_files(model_dir(cfg)):
         with safe_open(file, framework="pt") as reader:
             originals.update({k: reader.get_tensor(k) for k in reader.keys()})
     layers = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]

@@ -198,7 +198,9 @@ def test_loraplus_groups_and_step(option_runs, tiny_model_dir, world_size):
                    for p in group["params"]}
     assert peft_faster and run["faster"] == peft_faster
     expected = hand_computed_adamw(run, lambda name: LR * (PLUS_RATIO if name in peft_faster else 1.0))
-    assert relative_difference(run["delta"], expected) <= 1e-5
+    # per tensor, bitsandbytes' step differs from the hand-computed one by its 8-bit state's rounding (tensors
+    # of 4,096 elements or more) and where it adds eps (1.6e-4 seen); a wrong rate is 0.5 away
+    assert relative_difference(run["delta"], expected) <= 1e-3
     one_rate = hand_computed_adamw(run, lambda name: LR)
     assert relative_difference(run["delta"], one_rate) > 0.5  # without LoRA+ the step differs
     assert relative_difference(run["delta"], option_runs[1]["loraplus"]["delta"]) <= 1e-5
@@ -274,7 +276,8 @@ def test_embeddings_trained_beside_lora_equal_peft_modules_to_save(option_runs, 
     assert run["lrs"] == [LR, EMBEDDINGS_LR] and run["state_dtypes"] == {"torch.float32"}
     expected = {name: -(EMBEDDINGS_LR if "embed_tokens" in name or "lm_head" in name else LR)
                 * grad / (grad.abs() + 1e-8) for name, grad in ours.items()}
-    assert relative_difference(run["delta"], expected) <= 1e-5
+    # per tensor: where bitsandbytes adds eps moves the smallest gradients' steps (2.6e-5 seen)
+    assert relative_difference(run["delta"], expected) <= 1e-3
     if world_size == 2:
         assert relative_difference(run["grads"], option_runs[1]["embeddings"]["grads"]) <= 1e-5
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Batch, Sample, StepSampler, collate, collate_packed
@@ -48,8 +50,8 @@ class RunParts:
     pad_id: int
     sampler: StepSampler | None  # the loop's: which units each step takes (its state is the loop's checkpoint's)
     split: RowSplit
-    tokenizer: Any = None  # the objectives that generate or score text decode with it
-    write: Any = print  # a line for the run's log (rank 0 shows it)
+    tokenizer: PreTrainedTokenizerBase | None = None  # the objectives that generate text decode with it
+    write: Callable[[str], None] = print  # a line for the run's log (rank 0 shows it)
 
 
 class Objective:
@@ -76,10 +78,6 @@ class Objective:
         return self.run
 
     # ---- a run -------------------------------------------------------------------------------------------------
-
-    def watch_forwards(self, hook: Any) -> None:
-        """The planner's tracker: `hook()` after a forward that another forward of the model follows within the
-        micro-batch (DPO's reference forward)."""
 
     def prepare(self, step: int) -> None:
         """Before the first step of this process (a resumed run too): what the steps need computed once."""
@@ -134,6 +132,10 @@ class Objective:
     def planned_batches(self) -> list[Batch]:
         """The step's micro-batches at full length, laid out as training lays them out."""
         raise NotImplementedError
+
+    def watch_forwards(self, hook: Callable[[], None]) -> None:
+        """The planner's tracker: `hook()` after a forward that another forward of the model follows within the
+        micro-batch (DPO's reference forward)."""
 
     def planned_micro_step(self, model: nn.Module, batch: Batch, device: torch.device) -> None:
         """One micro-batch's forward, loss and backward by the functions the step calls; the normalizers are this

@@ -84,6 +84,7 @@ class Grpo(Objective):
 
     def attach(self, run: RunParts) -> None:
         super().attach(run)
+        assert run.tokenizer is not None, "GRPO decodes its completions"
         self.info, self.model, self.tokenizer = run.info, run.model, run.tokenizer
         tokenizer = run.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

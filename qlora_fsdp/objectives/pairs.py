@@ -9,8 +9,8 @@ batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +66,7 @@ class Pairs(Objective):
         return int(self.loss.needs_reference and self.cfg.preference.reference != "precomputed"
                    and not self.cfg.model.adapter and not self.cfg.lora.train_router)
 
-    def watch_forwards(self, hook: Any) -> None:
+    def watch_forwards(self, hook: Callable[[], None]) -> None:
         self.loss = self.loss.tracked(hook)
 
     def extra_forwards(self) -> int:
