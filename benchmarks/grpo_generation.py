@@ -94,7 +94,7 @@ def ours(folder: Path, prompts: list[list[int]], args: argparse.Namespace, devic
     def run(new_tokens: int | None) -> int:
         grpo = GrpoConfig(num_generations=args.rows // len(prompts),
                           max_completion_length=new_tokens or args.new_tokens)
-        made = generate(model, tokenizer, prompts, grpo, device, synced=False)
+        made = generate(model, tokenizer, prompts, grpo, device, 1)
         return len(made.ids) * max(len(ids) for ids in made.ids)
 
     return timed(run, device)

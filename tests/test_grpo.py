@@ -355,7 +355,7 @@ def generate_with_stops(info, model_dir: Path) -> dict:
     torch.manual_seed(info.rank)
     prompt = tokenizer(["Reverse the letters of the word.", "How many words are in the text?"][info.rank])
     grpo = GrpoConfig(num_generations=4, max_completion_length=12, stop=["e"], generation_rows=3)  # calls of 3, 1
-    made = generate(model, tokenizer, [prompt["input_ids"]], grpo, info.device, synced=info.world_size > 1)
+    made = generate(model, tokenizer, [prompt["input_ids"]], grpo, info.device, info.world_size)
     texts = [tokenizer.decode(ids) for ids in made.ids]
     return {"lengths": [len(ids) for ids in made.ids], "texts": texts, "truncated": made.truncated,
             "eos": tokenizer.eos_token_id, "ids": made.ids, "training": model.training}

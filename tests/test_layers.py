@@ -24,7 +24,8 @@ ALLOWED = {
     "optimizer": BASE | {"layers"},  # local-shard optimizers, their groups and schedules
     "run_files": BASE | {"loading", "optimizer"},  # checkpoints, metrics, plots, tracking, the output folder
     # one module per kind of training objective, one table (config/objectives.py) naming them
-    "objectives": BASE | {"data", "rewards", *MODEL, "run", "run_files"},
+    "generation": BASE | MODEL,  # where the policy's weights are while it generates, and what that holds
+    "objectives": BASE | {"data", "rewards", *MODEL, "generation", "run", "run_files"},
     "training": BASE | {"data", *MODEL, "objectives", "optimizer", "run", "run_files"},  # the loop
     # the step measured: the objective's own micro-step on fake tensors, or on a real model
     "measure": BASE | {"data", *MODEL, "objectives", "optimizer", "run"},

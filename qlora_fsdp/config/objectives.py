@@ -114,6 +114,13 @@ class GrpoConfig:
     stop: list[str] = field(default_factory=list)  # strings that end a completion besides EOS
     # completions generated together (the KV cache holds this many rows); None: all of a rank's step in one call
     generation_rows: int | None = None
+    # where the weights are while generating (qlora_fsdp/generation/layouts.py): gathered once a call, split by
+    # layers between the ranks, or gathered layer by layer every token (per_token); auto: the plan's choice
+    # rule at run time (gathered where the whole model and the KV cache fit the free memory, else split)
+    generation_layout: Literal["auto", "gathered", "split", "per_token"] = "auto"
+    # a preallocated KV cache and a decoding step replayed as one CUDA graph (transformers' static cache with
+    # torch.compile's reduce-overhead mode); auto: on CUDA; eager on a CPU either way
+    generation_graphs: Literal["auto", "on", "off"] = "auto"
     rewards: list[RewardConfig] = field(default_factory=list)  # one at least; their weighted sum is the reward
     scale_rewards: Literal["group", "batch", "none"] = "group"  # the standard deviation advantages divide by
     # how the step's token losses are averaged: dapo, bnpo over every token; grpo per completion, then over them;

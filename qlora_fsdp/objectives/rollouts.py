@@ -17,16 +17,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import CompileConfig, PretrainedConfig, PreTrainedTokenizerBase, StaticCache
 
 from qlora_fsdp.config import GrpoConfig
 from qlora_fsdp.config.schema import AttnImplementation
+from qlora_fsdp.distributed import all_reduce_max
 from qlora_fsdp.families import attention_needs
+from qlora_fsdp.generation.layouts import Layout, generation_layout, resolved_layout, steps_together
 from qlora_fsdp.layers.attention import generation_attention
 
 
@@ -57,15 +59,16 @@ def generate_is_a_forward(model: nn.Module) -> None:
 
 
 @contextmanager
-def generating(model: nn.Module) -> Iterator[None]:
-    """For one generate call: the generation kernel, eager layers, eval mode; then training's again."""
+def generating(model: nn.Module, eager: bool = True) -> Iterator[None]:
+    """For one generate call: the generation kernel, eager layers (unless the decoding step is compiled), eval
+    mode; then training's again."""
     config = cast(PretrainedConfig, model.config)
     kernel = cast(AttnImplementation, config._attn_implementation)
     was_training = model.training
     config._attn_implementation = generation_attention(kernel, attention_needs(config))
     model.eval()
     try:
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        with torch.no_grad(), torch.compiler.set_stance("force_eager" if eager else "default"):
             yield
     finally:
         config._attn_implementation = kernel
@@ -74,8 +77,8 @@ def generating(model: nn.Module) -> Iterator[None]:
             model.reshard()  # the root's gathered embeddings and head are not needed until the update's forward
 
 
-def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids in prompts)
+def left_padded(prompts: list[list[int]], pad_id: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(width, *(len(ids) for ids in prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     return ids, mask
@@ -96,10 +99,43 @@ def cut(row: list[int], ends: set[int], pad_id: int, stops: list[str],
     return row, not ended
 
 
+def common_width(prompts: list[list[int]], layout: Layout, world_size: int, device: torch.device) -> int:
+    """The prompts' padded width: the longest here, or in the split layout the longest on any rank plus a column
+    of padding (every rank's rows meet in each layer, so they share one width, and a padded column makes every
+    rank's mask a tensor; a masked column changes nothing)."""
+    width = max(len(ids) for ids in prompts)
+    if layout != "split" or world_size == 1:
+        return width
+    return int(all_reduce_max(float(width), device)) + 1
+
+
+def uses_graphs(grpo: GrpoConfig, device: torch.device) -> bool:
+    return grpo.generation_graphs == "on" or (grpo.generation_graphs == "auto" and device.type == "cuda")
+
+
+def decoding_options(model: nn.Module, grpo: GrpoConfig, device: torch.device, width: int) -> dict[str, Any]:
+    """A preallocated (static) KV cache of the call's own, freed with it (transformers would keep its own between
+    calls), and with graphs the decoding step compiled in reduce-overhead mode: a CUDA graph replayed each token."""
+    config = cast(PretrainedConfig, model.config)
+    cache = StaticCache(config=config, max_cache_len=width + grpo.max_completion_length)
+    if not uses_graphs(grpo, device):
+        return {"past_key_values": cache, "disable_compile": True}
+    compile_config = CompileConfig(fullgraph=False, mode="reduce-overhead")
+    setattr(compile_config, "_compile_all_devices", device.type != "cuda")  # noqa: B010 (a CPU run of the path: tests)
+    return {"past_key_values": cache, "compile_config": compile_config}
+
+
+def sampling(grpo: GrpoConfig, greedy: bool) -> dict[str, Any]:
+    if greedy:
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    return {"do_sample": True, "temperature": grpo.temperature, "top_p": grpo.top_p, "top_k": grpo.top_k or None}
+
+
 def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], grpo: GrpoConfig,
-             device: torch.device, synced: bool) -> Completions:
-    """num_generations completions of each prompt, in order, `grpo.generation_rows` rows a call. A collective
-    under FSDP2 when `synced`."""
+             device: torch.device, world_size: int, layout: Layout | None = None, greedy: bool = False) -> Completions:
+    """num_generations completions of each prompt, in order, `grpo.generation_rows` rows a call, in the layout
+    the recipe names (or the one that fits here); `greedy`: the likeliest token each step instead (exactness checks).
+    A collective under FSDP2 with several ranks."""
     rows = [ids for ids in prompts for _ in range(grpo.num_generations)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ends = eos_ids(model, tokenizer)
@@ -107,15 +143,17 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list
     generate_is_a_forward(model)
     sample = cast(Callable[..., torch.Tensor], model.generate)
     chunk = grpo.generation_rows or len(rows)  # every rank has as many rows, so as many calls
+    layout = layout or resolved_layout(model, grpo, min(chunk, len(rows)), max(len(p) for p in prompts), device)
+    width = common_width(prompts, layout, world_size, device)
     new: list[list[int]] = []
-    with generating(model):
+    with generating(model, eager=not uses_graphs(grpo, device)), generation_layout(model, layout):
         for first in range(0, len(rows), chunk):
-            input_ids, attention_mask = left_padded(rows[first : first + chunk], pad_id)
+            input_ids, attention_mask = left_padded(rows[first : first + chunk], pad_id, width)
+            options = decoding_options(model, grpo, device, input_ids.shape[1])
             out = sample(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                max_new_tokens=grpo.max_completion_length, do_sample=True, temperature=grpo.temperature,
-                top_p=grpo.top_p, top_k=grpo.top_k or None, eos_token_id=ends, pad_token_id=pad_id,
-                use_cache=True, synced_gpus=synced, **stops)
+                max_new_tokens=grpo.max_completion_length, eos_token_id=ends, pad_token_id=pad_id, use_cache=True,
+                synced_gpus=steps_together(layout, world_size), **sampling(grpo, greedy), **options, **stops)
             new += [row + [pad_id] * (grpo.max_completion_length - len(row))
                     for row in out[:, input_ids.shape[1]:].tolist()]
     completions = [cut(row, set(ends), pad_id, grpo.stop, tokenizer) for row in new]
