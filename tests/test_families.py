@@ -48,6 +48,7 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.slow  # ranks on gloo
 N_SAMPLES = 6
+GENERATED = 6  # new tokens of GRPO's generation, compared with transformers' generate
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: P
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([samples[0].input_ids], device=info.device)).logits.cpu()
     result = {"packed": losses[0] / n_targets, "padded": losses[1] / n_targets, "grads": grads, "logits": logits,
-              "adapter_off": off / n_targets}
+              "adapter_off": off / n_targets, **completions_by_layout(model, cfg, info, samples)}
     if adapter is not None:  # saved, then sampled from on these ranks
         export_adapter(model, load_tokenizer(cfg), adapter, str(model_dir), info.is_main, to_yaml(cfg))
         generator = load_generator(cfg, adapter)
@@ -106,6 +107,32 @@ def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: P
         with torch.no_grad():
             result["generator_logits"] = generator.model(input_ids=torch.tensor([samples[0].input_ids])).logits
     return result
+
+
+def generation_prompts(samples: list[Sample]) -> list[list[int]]:
+    """Two prompts of different lengths (left padding where they share a call), one a rank at world size 2."""
+    return [samples[0].input_ids[:11], samples[1].input_ids[:7]]
+
+
+def completions_by_layout(model, cfg, info, samples: list[Sample]) -> dict:
+    """GRPO's generation of both prompts in each layout the world size has: greedy, and sampled from one seed."""
+    from qlora_fsdp.config import GrpoConfig
+    from qlora_fsdp.generation.layouts import LAYOUTS
+    from qlora_fsdp.objectives.rollouts import generate
+
+    tokenizer = load_tokenizer(cfg)
+    mine = generation_prompts(samples)[info.rank :: info.world_size]
+    grpo = GrpoConfig(num_generations=2, max_completion_length=GENERATED, temperature=0.9, top_k=50, top_p=0.95)
+    out: dict = {"greedy": {}, "sampled": {}}
+    for layout in LAYOUTS if info.world_size > 1 else ("gathered",):
+        for kind in ("greedy", "sampled"):
+            torch.manual_seed(7 + info.rank)
+            made = generate(model, tokenizer, mine, grpo, info.device, info.world_size, layout, kind == "greedy")
+            every_rank: list = [None] * info.world_size
+            torch.distributed.all_gather_object(every_rank, made.ids) if info.world_size > 1 else None
+            out[kind][layout] = [ids for ranks in (every_rank if info.world_size > 1 else [made.ids])
+                                 for ids in ranks]
+    return out
 
 
 def reference_model(model_dir: Path) -> torch.nn.Module:
@@ -173,7 +200,13 @@ def reference_side(model_dir: Path, adapter: Path, samples: list[Sample]) -> dic
              if param.requires_grad}
     with torch.no_grad():
         logits = peft_model(input_ids=torch.tensor([samples[0].input_ids])).logits
-    return {"loss": base_loss, "grads": grads, "logits": logits, "expected_keys": expected_keys}
+        peft_model.eval()
+        eos = peft_model.config.get_text_config().eos_token_id
+        greedy = [peft_model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                                      max_new_tokens=GENERATED, do_sample=False, pad_token_id=0,
+                                      eos_token_id=eos)[0, len(prompt):].tolist()
+                  for prompt in generation_prompts(samples)]  # the mask: these prompts hold the pad id
+    return {"loss": base_loss, "grads": grads, "logits": logits, "expected_keys": expected_keys, "greedy": greedy}
 
 
 def stored_keys(folder: Path) -> set[str]:
@@ -227,6 +260,13 @@ def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, toke
     assert relative(two["logits"], reference["logits"]) < 1e-4
     assert relative(two["generator_logits"], reference["logits"]) < 1e-4
     assert len(two["reply"]) > 0
+    # GRPO's generation: greedy, each layout's completions are transformers' generate of the unsharded 4-bit model
+    # with the adapter (each prompt alone); sampled from one seed, the layouts agree with each other
+    expected = [ids for ids in reference["greedy"] for _ in range(2)]  # num_generations 2
+    for run in (one, two):
+        for layout, made in run["greedy"].items():
+            assert made == expected, layout
+    assert two["sampled"]["gathered"] == two["sampled"]["split"] == two["sampled"]["per_token"]
 
     # the merge, loaded by transformers as the checkpoint's own class, gives the live logits
     merged_dir = tmp_path / "merged"
