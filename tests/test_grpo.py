@@ -358,7 +358,37 @@ def generate_with_stops(info, model_dir: Path) -> dict:
     made = generate(model, tokenizer, [prompt["input_ids"]], grpo, info.device, info.world_size)
     texts = [tokenizer.decode(ids) for ids in made.ids]
     return {"lengths": [len(ids) for ids in made.ids], "texts": texts, "truncated": made.truncated,
-            "eos": tokenizer.eos_token_id, "ids": made.ids, "training": model.training}
+            "eos": tokenizer.eos_token_id, "ids": made.ids, "training": model.training,
+            "gathered": bytes_gathered_by_layout(model, tokenizer, [prompt["input_ids"]], info)}
+
+
+def bytes_gathered_by_layout(model, tokenizer, prompts: list[list[int]], info) -> dict:
+    """Bytes FSDP2 all-gathers in a call of 2 and of 10 new tokens (no EOS or stop: rows run to the limit), per
+    layout, and the model's sharded bytes: what a whole gather of it moves."""
+    import torch.distributed as dist
+
+    from qlora_fsdp.generation.layouts import LAYOUTS
+    from qlora_fsdp.objectives.rollouts import generate
+
+    counted = [0]
+    all_gather_single = dist.all_gather_single
+
+    def counting(output, *args, **kwargs):
+        counted[0] += output.numel() * output.element_size()
+        return all_gather_single(output, *args, **kwargs)
+
+    out: dict = {"model": sum(p.numel() * p.element_size() for p in model.parameters())}
+    dist.all_gather_single = counting
+    try:
+        for layout in LAYOUTS:
+            for new in (2, 10):
+                counted[0] = 0
+                grpo = GrpoConfig(num_generations=2, max_completion_length=new, generation_rows=1)  # calls of a row
+                generate(model, tokenizer, prompts, grpo, info.device, info.world_size, layout)
+                out[layout, new] = counted[0]
+    finally:
+        dist.all_gather_single = all_gather_single
+    return out
 
 
 @pytest.mark.slow
@@ -370,6 +400,12 @@ def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(
             # cut only at 12 tokens without EOS or the stop string; a row that stopped before 12 was not cut
             assert cut == (len(ids) == 12 and made["eos"] not in ids and not text.endswith("e")), (text, ids)
     assert {tuple(r["lengths"]) for r in ranks} != {(12,) * 4}  # the stop string ended rows early
+    # gathered and split move the model once a step (its two calls of a row share the layout), whatever the
+    # tokens; per token, once a decoding step
+    for gathered in (r["gathered"] for r in ranks):
+        for layout in ("gathered", "split"):
+            assert gathered[layout, 2] == gathered[layout, 10] == gathered["model"], layout
+        assert gathered["per_token", 10] > 3 * gathered["per_token", 2] > 6 * gathered["model"]
 
     out = tmp_path / "run"
     # seed 1: with the held-out rule text data has (a tenth at most; 8 of these 500 prompts), seed 42's order of
