@@ -180,7 +180,7 @@ MUTATIONS = [
     Mutation("the logged entropy from the logits before the temperature", "qlora_fsdp/losses/tokens.py",
              "        log_probs = scaled.log_softmax(-1)\n", "        log_probs = logits.float().log_softmax(-1)\n",
              "tests/test_grpo.py::test_the_update_equals_trls_at_world_sizes_1_and_2"),
-    Mutation("the plan's KV cache keeps keys only", "qlora_fsdp/plan/generation.py",
+    Mutation("the plan's KV cache keeps keys only", "qlora_fsdp/generation/room.py",
              "    per_token = 2 * kv_heads * head_dim(hf) * itemsize\n",
              "    per_token = kv_heads * head_dim(hf) * itemsize\n",
              "tests/test_plan.py::test_generations_kv_cache_is_what_transformers_generate_keeps", quick=True),

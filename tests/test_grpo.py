@@ -359,7 +359,24 @@ def generate_with_stops(info, model_dir: Path) -> dict:
     texts = [tokenizer.decode(ids) for ids in made.ids]
     return {"lengths": [len(ids) for ids in made.ids], "texts": texts, "truncated": made.truncated,
             "eos": tokenizer.eos_token_id, "ids": made.ids, "training": model.training,
-            "gathered": bytes_gathered_by_layout(model, tokenizer, [prompt["input_ids"]], info)}
+            "gathered": bytes_gathered_by_layout(model, tokenizer, [prompt["input_ids"]], info),
+            "graphs": greedy_with_and_without_graphs(model, tokenizer, [prompt["input_ids"]], info)}
+
+
+def greedy_with_and_without_graphs(model, tokenizer, prompts: list[list[int]], info) -> dict:
+    """The decoding step compiled (the path a GPU replays as a CUDA graph; compiled for the CPU here) against eager:
+    the same greedy completions, and graphs were compiled."""
+    from torch._dynamo.utils import counters
+
+    from qlora_fsdp.objectives.rollouts import generate
+
+    out: dict = {}
+    for graphs in ("off", "on"):
+        before = counters["stats"]["unique_graphs"]
+        grpo = GrpoConfig(num_generations=2, max_completion_length=6, generation_graphs=graphs)
+        out[graphs] = generate(model, tokenizer, prompts, grpo, info.device, info.world_size, greedy=True).ids
+        out[f"{graphs}_graphs"] = counters["stats"]["unique_graphs"] - before
+    return out
 
 
 def bytes_gathered_by_layout(model, tokenizer, prompts: list[list[int]], info) -> dict:
@@ -400,6 +417,8 @@ def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(
             # cut only at 12 tokens without EOS or the stop string; a row that stopped before 12 was not cut
             assert cut == (len(ids) == 12 and made["eos"] not in ids and not text.endswith("e")), (text, ids)
     assert {tuple(r["lengths"]) for r in ranks} != {(12,) * 4}  # the stop string ended rows early
+    for graphs in (r["graphs"] for r in ranks):
+        assert graphs["on"] == graphs["off"] and graphs["on_graphs"] > 0 and graphs["off_graphs"] == 0, graphs
     # gathered and split move the model once a step (its two calls of a row share the layout), whatever the
     # tokens; per token, once a decoding step
     for gathered in (r["gathered"] for r in ranks):

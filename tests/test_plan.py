@@ -284,7 +284,7 @@ def test_generations_kv_cache_is_what_transformers_generate_keeps():
     the larger)."""
     import transformers
 
-    from qlora_fsdp.plan.generation import kv_cache_bytes
+    from qlora_fsdp.generation.room import kv_cache_bytes
 
     torch.manual_seed(0)
     llama = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -1,21 +1,30 @@
 """GRPO's generation in the plan: what a rank holds while the policy samples its completions, and how long that
-takes on the recipe's GPUs (objectives/rollouts.py generates; the update is the measured step).
+takes on the recipe's GPUs, in each layout of the weights (qlora_fsdp/generation/layouts.py); the plan takes the
+fastest that fits (objectives/rollouts.py generates; the update is the measured step).
 
 Memory while generating, above what the rank holds all step (its shards, LoRA, optimizer state, quantization
 state; the gradients are freed by the last update):
 - the KV cache, from the architecture: a call's rows x (prompt + completion) tokens x, per layer, keys and values
-  of its KV heads in the compute dtype (a sliding-window layer keeps its window);
-- the gathered parameters: each decoding step runs the update's forward gathers (the root for the whole call, the
-  layers one after another), so the measured forward's peak of gathered bytes;
+  of its KV heads in the compute dtype (a sliding-window layer keeps its window). In `split` a rank caches every
+  rank's rows for its share of the layers: the same bytes;
+- the weights the layout gathers: `per_token`, the update's forward gathers (the root for the call, the layers one
+  after another: the measured forward's peak); `gathered`, the whole model; `split`, the rank's share of the
+  layers whole and the root;
 - temporaries: the larger of the prompt's forward (one layer's MLP over the call's prompt tokens and a dequantized
-  weight) and a decoding step's logits and sampling buffers (an estimate).
+  weight; in `split` every rank's rows at once) and a decoding step's logits and sampling buffers (an estimate).
 
-Time: a call is one forward over the prompts, then a decoding step per new token. Each step is a forward of every
-layer for one token a row: every rank gathers every layer (the forward's all-gather bytes), dequantizes every
-4-bit weight and reads it, and reads the KV cache. That is bound by the link, the memory bandwidth, or the host
-issuing each layer's kernels (at a few rows a step the GPU waits on Python: measured on an H100, see
-DECODE_HOST_SECONDS_PER_LAYER), whichever is slowest. Every row is priced to max_completion_length: ranks step
-together until the last row ends, and a plan cannot know the lengths.
+Time: a call is one forward over the prompts, then a decoding step per new token. A step reads every 4-bit weight
+(dequantized, then read) and the KV cache, bound by the memory bandwidth or by the host issuing each layer's
+kernels (at a few rows a step the GPU waits on Python: measured on an H100, see DECODE_HOST_SECONDS_PER_LAYER),
+whichever is slower, plus what the layout puts on the link:
+- `per_token`: every layer gathered every step (the forward's all-gather bytes), overlapping the compute;
+- `gathered`: the model once a step; the ranks decode their own rows at once; with CUDA graphs (the recipe's
+  `grpo.generation_graphs`, on a GPU) a step's host time is one graph replay and the sampling between
+  (GRAPH_HOST_SECONDS_PER_STEP, an estimate until a GPU measures it);
+- `split`: the model once a step; each decoding step passes every rank's rows through the ranks in turn, so the
+  ranks' shares of the weights are read one after another, every layer's hidden states cross the link twice, and
+  the step runs eagerly (the relay is a collective between layers).
+Every row is priced to max_completion_length: a plan cannot know the lengths.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from transformers import PretrainedConfig
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
+from qlora_fsdp.generation.layouts import Layout
+from qlora_fsdp.generation.room import kv_cache_bytes
 from qlora_fsdp.measure.fake_step import update_rows
 from qlora_fsdp.measure.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
 from qlora_fsdp.measure.step_tracker import StepMemory
@@ -38,14 +49,41 @@ from qlora_fsdp.plan.step_time import Rates, link_seconds
 # 128 rows took 140 and 217 ms a step (28 layers); docs/benchmarks/grpo.md has the measured and planned figures
 DECODE_HOST_SECONDS_PER_LAYER = 0.0041
 DECODE_SECONDS_PER_ROW_LAYER = 0.0000286
+# A decoding step replayed as a CUDA graph: the replay's launch plus transformers' sampling and stopping checks between
+# replays (a few dozen small kernels). An estimate, not yet measured: docs/benchmarks/grpo.md
+GRAPH_HOST_SECONDS_PER_STEP = 0.002
+RELAY_LATENCY_SECONDS = 0.00005  # one gather or scatter of a layer's hidden states between two ranks (PCIe)
 SAMPLING_BYTES_PER_LOGIT = 32  # the logits upcast to fp32, temperature, top-k/top-p's sort (values, int64 indices)
 MLP_TEMPORARIES = 3  # the gate's and up projection's outputs and their product, a prompt token at a time
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The model's weights as a rank holds them, for what a layout gathers: its shards (packed 4-bit, the rest,
+    LoRA) and the root's whole bytes (embeddings, head)."""
+
+    local: int
+    root: int
+    world: int
+    offloaded: bool  # the shards live in host memory: the GPU holds none of them between forwards
+
+    def gathered(self, layout: Layout, measured_forward_peak: int) -> int:
+        """Bytes a layout adds on the GPU while generating."""
+        whole = self.local * self.world
+        if layout == "per_token":
+            return measured_forward_peak
+        if layout == "gathered":
+            kept = whole
+        else:  # split: its share of the layers, and the root
+            kept = (whole - self.root) // self.world + self.root
+        return kept if self.offloaded else kept - kept // self.world  # the rank's own shards of them are resident
 
 
 @dataclass(frozen=True)
 class GenerationMemory:
     """One rank's generation calls in a step, and what a call holds above the step's resident bytes."""
 
+    layout: Layout
     rows: int  # completions a call generates together
     calls: int
     prompt_tokens: int  # the longest prompt a recipe allows (the context less max_completion_length)
@@ -59,36 +97,39 @@ class GenerationMemory:
 class GenerationTime:
     """A step's generation on one rank, in seconds."""
 
+    layout: Layout
     calls: int
     new_tokens: int
+    setup: float  # the layout entered: the model gathered once a step (gathered, split)
     prefill: float  # a call's forward over its prompts
-    decode_step: float  # one decoding step: the slowest of the three below, and the first gather
+    decode_step: float  # one decoding step
     decode_link: float
     decode_gpu: float
     decode_host: float
 
     @property
     def total(self) -> float:
-        return self.calls * (self.prefill + self.new_tokens * self.decode_step)
+        return self.setup + self.calls * (self.prefill + self.new_tokens * self.decode_step)
+
+
+def candidate_layouts(cfg: Config) -> tuple[Layout, ...]:
+    """The layouts a recipe's hardware has: one rank without offload holds the whole model anyway."""
+    if cfg.grpo.generation_layout != "auto":
+        return (cfg.grpo.generation_layout,)
+    if cfg.hardware.world_size == 1:
+        return ("gathered", "per_token") if cfg.fsdp.cpu_offload else ("gathered",)
+    return ("gathered", "split", "per_token")
+
+
+def root_bytes(cfg: Config, hf: PretrainedConfig) -> int:
+    """The embeddings and the head, whole, in the weights' dtype (the final norm is a rounding error)."""
+    tied = bool(getattr(hf, "tie_word_embeddings", False))
+    return hf.vocab_size * hf.hidden_size * TORCH_DTYPES[cfg.model.dtype].itemsize * (1 if tied else 2)
 
 
 def rank_completions(cfg: Config) -> int:
     """Completions a rank generates in a step: num_generations for each of its step's prompts."""
     return cfg.data.micro_batch * cfg.data.grad_accum_steps * cfg.grpo.num_generations
-
-
-def head_dim(hf: PretrainedConfig) -> int:
-    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-
-
-def kv_cache_bytes(hf: PretrainedConfig, rows: int, tokens: int, itemsize: int) -> int:
-    """Keys and values of every layer for `rows` rows of `tokens` tokens; a sliding-window layer keeps its window."""
-    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    per_token = 2 * kv_heads * head_dim(hf) * itemsize
-    types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
-    window = getattr(hf, "sliding_window", None) or tokens
-    kept = [min(tokens, window) if kind == "sliding_attention" else tokens for kind in types]
-    return rows * per_token * sum(kept)
 
 
 def forward_work(step: StepMemory) -> Work:
@@ -105,32 +146,56 @@ def gathered_while_forward(step: StepMemory) -> int:
                 ("pre", "forward", "post")), default=0)
 
 
-def generation_memory(cfg: Config, hf: PretrainedConfig, step: StepMemory, largest_linear: int) -> GenerationMemory:
+def generation_memory(cfg: Config, hf: PretrainedConfig, step: StepMemory, largest_linear: int, layout: Layout,
+                      weights: Weights | None = None) -> GenerationMemory:
+    """`weights`: the rank's, for what `gathered` and `split` hold (None: time only, the memory's bytes unused)."""
     grpo, itemsize = cfg.grpo, TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     total_rows = rank_completions(cfg)
     rows = min(grpo.generation_rows or total_rows, total_rows)
     prompt, new = cfg.prompt_room, grpo.max_completion_length
     intermediate = getattr(hf, "intermediate_size", None) or 4 * hf.hidden_size
-    prefill = rows * prompt * intermediate * itemsize * MLP_TEMPORARIES + largest_linear * itemsize
+    layer_rows = rows * (cfg.hardware.world_size if layout == "split" else 1)  # split: every rank's rows at once
+    prefill = layer_rows * prompt * intermediate * itemsize * MLP_TEMPORARIES + largest_linear * itemsize
     sampling = rows * hf.vocab_size * SAMPLING_BYTES_PER_LOGIT
-    return GenerationMemory(rows, math.ceil(total_rows / rows), prompt, new,
-                            kv_cache_bytes(hf, rows, prompt + new, itemsize), gathered_while_forward(step),
-                            max(prefill, sampling))
+    gathered = weights.gathered(layout, gathered_while_forward(step)) if weights is not None else 0
+    return GenerationMemory(layout, rows, math.ceil(total_rows / rows), prompt, new,
+                            kv_cache_bytes(hf, rows, prompt + new, itemsize), gathered, max(prefill, sampling))
+
+
+def uses_graphs(cfg: Config, layout: Layout) -> bool:
+    """A decoding step replayed as a CUDA graph: the gathered layout on a GPU, unless the recipe turns it off
+    (split and per_token run collectives inside the step)."""
+    return layout == "gathered" and cfg.grpo.generation_graphs != "off"
 
 
 def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory: GenerationMemory,
                     rates: Rates) -> GenerationTime:
     itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
+    layout, world = memory.layout, cfg.hardware.world_size
     rows, prompt, new, layers = memory.rows, memory.prompt_tokens, memory.new_tokens, hf.num_hidden_layers
     forward = forward_work(step)
     flops_per_token = forward.matmul_flops / (update_rows(cfg) * cfg.data.context_length)  # as the update's forward
-    _, _, link = link_seconds(Work(gather_bytes=forward.gather_bytes, to_gpu_bytes=forward.to_gpu_bytes), rates)
+    _, _, gather = link_seconds(Work(gather_bytes=forward.gather_bytes, to_gpu_bytes=forward.to_gpu_bytes), rates)
     head = hf.vocab_size * hf.hidden_size * itemsize
     mean_cache = memory.kv_cache_bytes * (prompt + new / 2) / (prompt + new)  # the cache read grows a token a step
     weights = forward.dequant_elements * (DEQUANT_BYTES_PER_ELEMENT + itemsize) + head  # dequantized, then read
-    gpu = (weights + mean_cache) / rates.memory + flops_per_token * rows / rates.flops
-    host = layers * (DECODE_HOST_SECONDS_PER_LAYER + rows * DECODE_SECONDS_PER_ROW_LAYER)
-    decode = max(gpu, link, host) + min(gpu, link) / max(layers, 1)  # the first gather hides behind nothing
-    prefill = (flops_per_token * rows * prompt / rates.flops + link
-               + forward.dequant_elements * DEQUANT_BYTES_PER_ELEMENT / rates.memory)
-    return GenerationTime(memory.calls, new, prefill, decode, link, gpu, host)
+    dequant = forward.dequant_elements * DEQUANT_BYTES_PER_ELEMENT / rates.memory
+    # split runs every rank's rows through each share of the layers in turn: the shares' reads add up to the whole
+    # model's, the rows' cache reads and FLOPs to every rank's
+    turns = world if layout == "split" else 1
+    gpu = (weights + turns * mean_cache) / rates.memory + turns * flops_per_token * rows / rates.flops
+    host = layers * (DECODE_HOST_SECONDS_PER_LAYER + turns * rows * DECODE_SECONDS_PER_ROW_LAYER)
+    if uses_graphs(cfg, layout):
+        host = GRAPH_HOST_SECONDS_PER_STEP
+    prompt_flops = turns * flops_per_token * rows * prompt / rates.flops
+    if layout == "per_token":
+        decode = max(gpu, gather, host) + min(gpu, gather) / max(layers, 1)  # the first gather hides behind nothing
+        return GenerationTime(layout, memory.calls, new, 0.0, prompt_flops + gather + dequant, decode, gather, gpu,
+                              host)
+    relay = hop = 0.0
+    if layout == "split":  # each layer's hidden states to its owner and back, between the layers
+        hop = (world - 1) * rows * hf.hidden_size * itemsize / (rates.nvlink or rates.pcie)
+        relay = 2 * layers * (RELAY_LATENCY_SECONDS + hop)
+    prompt_relay = 2 * layers * (RELAY_LATENCY_SECONDS + hop * prompt) if layout == "split" else 0.0
+    prefill = prompt_flops + dequant + prompt_relay
+    return GenerationTime(layout, memory.calls, new, gather, prefill, max(gpu, host) + relay, relay, gpu, host)

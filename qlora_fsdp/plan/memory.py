@@ -18,12 +18,14 @@ from typing import Literal
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.generation.layouts import Layout
 from qlora_fsdp.measure.fake_step import update_rows
 from qlora_fsdp.measure.fake_world import recipe_step
 from qlora_fsdp.measure.held import Held, planned_dtypes, planning_config
 from qlora_fsdp.measure.step_tracker import Segment, StepMemory
-from qlora_fsdp.plan.generation import generation_memory
+from qlora_fsdp.plan.generation import Weights, candidate_layouts, generation_memory, generation_time, root_bytes
 from qlora_fsdp.plan.image_side import image_side
+from qlora_fsdp.plan.step_time import Rates, matmul_efficiency
 from qlora_fsdp.run.hardware import GPU, GPUS
 
 GIB = 2**30
@@ -215,20 +217,56 @@ def image_forward_total(held: Held, cfg: Config) -> float:
     return sum(r.bytes for r in with_context(rows))
 
 
-def generating_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
-    """GRPO: the device while the policy generates (plan/generation.py), empty for other objectives."""
-    if not cfg.train.kind.generates:
-        return []
-    made = generation_memory(cfg, planning_config(cfg), step, held.largest_linear)
+def rank_weights(held: Held, cfg: Config) -> Weights:
+    return Weights(held.base_4bit + held.other_base + held.lora, root_bytes(cfg, planning_config(cfg)),
+                   cfg.hardware.world_size, cfg.fsdp.cpu_offload)
+
+
+GATHERED_WORDS = {"per_token": "the root for the call, layers in turn: the update's forward gathers",
+                  "gathered": "the whole model, once a step", "split": "this rank's share of the layers and the root"}
+
+
+def layout_rows(held: Held, cfg: Config, step: StepMemory, layout: Layout) -> list[Row]:
+    """The device while the policy generates in `layout`."""
+    made = generation_memory(cfg, planning_config(cfg), step, held.largest_linear, layout, rank_weights(held, cfg))
     tokens = f"{made.rows} rows x ({made.prompt_tokens} prompt + {made.new_tokens} new) tokens"
     rows = [*gpu_resident_rows(held, cfg),
             Row(f"KV cache ({tokens}; {made.calls} call{'s' if made.calls > 1 else ''} a step)", made.kv_cache_bytes,
                 "exact"),
-            Row("gathered parameters while decoding (the root for the call, layers in turn: the update's forward "
-                "gathers)", made.gathered_bytes, "measured"),
+            Row(f"weights gathered while generating, {layout} ({GATHERED_WORDS[layout]})", made.gathered_bytes,
+                "measured" if layout == "per_token" else "exact"),
             Row("temporaries: the prompts' forward (one layer's MLP, a dequantized weight) or sampling's logits",
                 made.temporaries_bytes, "estimate")]
-    return with_context(rows + offload_copy_rows(held, cfg))
+    return with_context(rows + (offload_copy_rows(held, cfg) if layout == "per_token" else []))
+
+
+def planned_layout(held: Held, cfg: Config, step: StepMemory) -> Layout:
+    """The recipe's layout, or the fastest that fits the GPU (none fitting: the one that holds least)."""
+    candidates = candidate_layouts(cfg)
+    totals = {layout: sum(r.bytes for r in layout_rows(held, cfg, step, layout)) for layout in candidates}
+    fitting = [layout for layout in candidates if totals[layout] <= gpu_spec(cfg).memory_gib * GIB]
+    if not fitting:
+        return min(candidates, key=lambda layout: totals[layout])
+    hf, gpu = planning_config(cfg), gpu_spec(cfg)
+    rates = Rates.of(gpu, matmul_efficiency(cfg.hardware.gpu), cfg.hardware.host_memory_gbps)
+    return min(fitting, key=lambda layout: generation_time(
+        cfg, hf, step, generation_memory(cfg, hf, step, 0, layout), rates).total)
+
+
+def with_generation_layout(cfg: Config, held: Held, step: StepMemory) -> Config:
+    """GRPO with `grpo.generation_layout: auto`: the layout the plan takes, written into the planned config."""
+    if not cfg.train.kind.generates or cfg.grpo.generation_layout != "auto":
+        return cfg
+    grpo = dataclasses.replace(cfg.grpo, generation_layout=planned_layout(held, cfg, step))
+    return dataclasses.replace(cfg, grpo=grpo)
+
+
+def generating_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
+    """GRPO: the device while the policy generates (plan/generation.py), empty for other objectives."""
+    if not cfg.train.kind.generates:
+        return []
+    layout = planned_layout(held, cfg, step)
+    return layout_rows(held, cfg, step, layout)
 
 
 def loading_bytes(held: Held, cfg: Config) -> int:

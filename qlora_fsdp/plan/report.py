@@ -11,7 +11,16 @@ from qlora_fsdp.measure.fake_world import planning_mesh
 from qlora_fsdp.measure.held import Held, meta_held, planned_dtypes
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.levers import suggestions
-from qlora_fsdp.plan.memory import GIB, Plan, activations_peak_line, format_rows, gpu_spec, micro_batch_fits, plan
+from qlora_fsdp.plan.memory import (
+    GIB,
+    Plan,
+    activations_peak_line,
+    format_rows,
+    gpu_spec,
+    micro_batch_fits,
+    plan,
+    with_generation_layout,
+)
 from qlora_fsdp.plan.time_report import time_lines
 from qlora_fsdp.run.batch_size import describe_batch, effective_rows, resolve_batch
 
@@ -33,7 +42,10 @@ def plan_recipe(cfg: Config) -> RecipePlan:
     held = meta_held(cfg, mesh)
     fits = micro_batch_fits(cfg, held)  # an auto micro-batch where none fits plans 1, to show the misfit
     planned = resolve_batch(cfg, cfg.hardware.world_size, lambda micro: micro == 1 or fits(micro))
-    return RecipePlan(cfg, planned, held, mesh, plan(planned, held))
+    result = plan(planned, held)
+    if result.step is not None:  # GRPO's generation layout, where the recipe leaves it to the plan
+        planned = with_generation_layout(planned, held, result.step)
+    return RecipePlan(cfg, planned, held, mesh, result)
 
 
 def report(cfg: Config) -> tuple[str, bool]:

@@ -37,8 +37,10 @@ def rates(cfg: Config) -> Rates:
 
 
 def recipe_generation(cfg: Config, step: StepMemory) -> GenerationTime:
+    """In the planned layout (plan/report.py writes it into the planned config; `auto` left: gathered)."""
     hf = planning_config(cfg)
-    memory = generation_memory(cfg, hf, step, largest_linear=0)  # its calls and cache; temporaries are not timed
+    layout = "gathered" if cfg.grpo.generation_layout == "auto" else cfg.grpo.generation_layout
+    memory = generation_memory(cfg, hf, step, 0, layout)  # its calls and cache; temporaries are not timed
     return generation_time(cfg, hf, step, memory, rates(cfg))
 
 
@@ -102,16 +104,25 @@ def link_description(gpu: GPU) -> str:
     return pcie if gpu.peer_to_peer else f"{pcie}, no peer-to-peer: collectives through host memory"
 
 
+LAYOUT_WORDS = {"per_token": "the weights gathered layer by layer every token",
+                "gathered": "the whole model gathered once a step, each rank decoding its own rows",
+                "split": "each rank holding its share of the layers, every rank's rows passed through them in turn"}
+
+
 def generation_lines(cfg: Config, step: StepMemory) -> list[str]:
-    """GRPO: what generating costs a rank, per call and per decoding step, and what bounds a step."""
+    """GRPO: the layout, what generating costs a rank per call and per decoding step, and what bounds a step."""
     made = recipe_generation(cfg, step)
-    bound = max((made.decode_link, "the link: every layer all-gathered each step"),
+    link = {"per_token": "the link: every layer all-gathered each step",
+            "split": "the link: hidden states to each layer's owner and back"}.get(made.layout, "the link")
+    bound = max((made.decode_link, link),
                 (made.decode_gpu, "memory bandwidth: every weight dequantized and read each step"),
-                (made.decode_host, "the host issuing each layer's kernels"))[1]
+                (made.decode_host, "the host issuing the step's kernels"))[1]
     calls = f"{made.calls} call{'s' if made.calls > 1 else ''}"
-    return [f"generation: {calls} a rank x ({made.prefill:.2f} s over the prompts + {made.new_tokens} decoding steps "
-            f"x {made.decode_step:.3f} s), every row to max_completion_length; a decoding step takes link "
-            f"{made.decode_link:.3f} s, GPU {made.decode_gpu:.3f} s, host {made.decode_host:.3f} s: bound by {bound}"]
+    setup = f"{made.setup:.2f} s to gather the model + " if made.setup else ""
+    return [f"generation, {made.layout} ({LAYOUT_WORDS[made.layout]}): {setup}{calls} a rank x ({made.prefill:.2f} "
+            f"s over the prompts + {made.new_tokens} decoding steps x {made.decode_step:.3f} s), every row to "
+            f"max_completion_length; a decoding step takes link {made.decode_link:.3f} s, GPU {made.decode_gpu:.3f} "
+            f"s, host {made.decode_host:.3f} s: bound by {bound}"]
 
 
 def mfu_words(cfg: Config, held: Held, flops_per_token: int) -> tuple[float, str]:
