@@ -1,33 +1,47 @@
 """GRPO's generation: tokens/s of the policy's own sampling (qlora_fsdp/objectives/rollouts.py: our 4-bit model with
-its LoRA, held as training holds it, one process) against transformers' `generate` on transformers + bitsandbytes +
-PEFT's 4-bit model of the same checkpoint, the same rows, lengths and sampling, measured in the same run.
+its LoRA, held as training holds it, in each generation layout) against transformers' `generate` on transformers +
+bitsandbytes + PEFT's unsharded 4-bit model of the same checkpoint, the same rows, lengths and sampling, measured in
+the same run.
 
-    python -m benchmarks.grpo_generation                       # CPU: a tiny Llama, fp32
-    python -m benchmarks.grpo_generation --arch llama-1b --device cuda --rows 32 --new-tokens 128
+    python -m benchmarks.grpo_generation --model models/smollm2-135m-instruct            # CPU, one process
+    torchrun --nproc_per_node 2 -m benchmarks.grpo_generation --model models/smollm2-135m-instruct   # 2 gloo ranks
+    python -m benchmarks.grpo_generation --arch llama-1b --device cuda --rows 32 --new-tokens 128 --plan-on h100
 
-The checkpoint is random weights in a Llama shape (`--arch`), written once to --work. Both sides sample every row to
-the same length (a random model rarely samples EOS; a row that does is still counted to the batch's end, on both).
+`--model`: a real checkpoint folder (`make real-model`); `--arch`: random weights in a Llama shape, written once to
+--work. Every rank generates rows / world_size of the rows (its share, as a GRPO step splits them) in each layout;
+transformers generates all of them in one process. No row stops early: the end-of-text id is one the model never
+samples here (the vocabulary's last), on both sides, so both decode every row to --new-tokens.
+
+On a GPU the table also has a decoding step's time, measured as the difference between calls of N and N/2 new
+tokens (so the prompts' forward drops out), beside the plan's (plan/generation.py, for --plan-on) and the step's
+memory-bandwidth bound: every 4-bit weight, the head and the mean KV cache read once.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 ARCHES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary
     "tiny": (128, 344, 4, 4, 2, 512),
     "llama-1b": (2048, 8192, 16, 32, 8, 128256),  # Llama 3.2 1B's shapes
     "llama-3b": (3072, 8192, 28, 24, 8, 128256),  # Llama 3.2 3B's shapes
 }
+QUESTIONS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
+             "clips did Natalia sell altogether in April and May?", "What is 17 times 23?",
+             "A train travels 60 km in 45 minutes. What is its speed in km per hour?", "Name three primary colours."]
 
 
 class IdsOnly:
-    """What generation asks of a tokenizer, for a model without one: ids (prompts are random ids here)."""
+    """What generation asks of a tokenizer: ids, and an end-of-text id the model does not sample."""
 
     def __init__(self, vocab: int) -> None:
         self.pad_token_id, self.eos_token_id = 0, vocab - 1
@@ -55,52 +69,95 @@ def write_checkpoint(arch: str, folder: Path, weights: bool = True) -> Path:
     return folder
 
 
+def prompt_ids(folder: Path, arch: str | None, count: int, length: int) -> list[list[int]]:
+    """A real model's chat prompts (GSM8K-like questions), or random ids for random weights."""
+    if arch is not None:
+        generator = torch.Generator().manual_seed(1)
+        return [torch.randint(2, ARCHES[arch][5] - 1, (length,), generator=generator).tolist() for _ in range(count)]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = [str(tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                                               add_generation_prompt=True, tokenize=False)) for i in range(count)]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
 @dataclass
 class Timed:
     tokens: int
     seconds: float
     peak_gib: float
+    step_ms: float = float("nan")  # a decoding step (GPU: from two lengths)
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds
 
 
-def timed(run, device: torch.device) -> Timed:  # noqa: ANN001 (a callable returning the new tokens' tensor width)
-    run(4)  # warm-up: kernels, allocator
+def synchronize(device: torch.device, every_rank: bool = True) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if every_rank and dist.is_initialized():
+        dist.barrier()
+
+
+def timed(run: Callable[[int], int], device: torch.device, new_tokens: int, every_rank: bool = True) -> Timed:
+    """A warm-up call (compilation, the allocator), then the call timed; on a GPU a half-length call too."""
+    run(min(4, new_tokens))
+    synchronize(device, every_rank)
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    tokens = run(None)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    tokens = run(new_tokens)
+    synchronize(device, every_rank)
+    seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    return Timed(tokens, time.perf_counter() - started, peak)
+    step_ms = float("nan")
+    if device.type == "cuda" and new_tokens >= 8:
+        started = time.perf_counter()
+        run(new_tokens // 2)
+        synchronize(device, every_rank)
+        step_ms = (seconds - (time.perf_counter() - started)) / (new_tokens - new_tokens // 2) * 1e3
+    return Timed(tokens, seconds, peak, step_ms)
 
 
-def ours(folder: Path, prompts: list[list[int]], args: argparse.Namespace, device: torch.device) -> Timed:
+def world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def ours(folder: Path, prompts: list[list[int]], layouts: list[str], args: argparse.Namespace, device: torch.device,
+         info: Any) -> dict[str, Timed]:
+    """Our model as training holds it (FSDP2 over the ranks), each layout timed on this rank's share of the rows."""
     from qlora_fsdp.config import GrpoConfig, load_config
-    from qlora_fsdp.distributed import init_distributed
     from qlora_fsdp.loading.factory import build_model
     from qlora_fsdp.objectives.rollouts import generate
 
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     cfg = load_config("tiny_cpu", [f"model.path={folder}", f"model.dtype={dtype}", f"quant.compute_dtype={dtype}",
                                    "data.packing=false", "activation_checkpointing.mode=off"])
-    model = build_model(cfg, init_distributed())
-    tokenizer: Any = IdsOnly(ARCHES[args.arch][5])  # generate reads its ids only
+    model = build_model(cfg, info)
+    model.generation_config.eos_token_id = None  # the tokenizer's (never sampled) ends a row, on both sides
+    tokenizer: Any = IdsOnly(model.config.vocab_size)
+    rank, size = world()
+    mine = prompts[rank * len(prompts) // size : (rank + 1) * len(prompts) // size]
+    out = {}
+    for layout in layouts:
+        def run(new_tokens: int, layout: str = layout) -> int:
+            grpo = GrpoConfig(num_generations=args.rows // len(prompts), max_completion_length=new_tokens,
+                              generation_layout=layout, generation_graphs=args.graphs)  # type: ignore[arg-type]
+            made = generate(model, tokenizer, mine, grpo, device, size)
+            counted = torch.tensor(float(sum(len(ids) for ids in made.ids)))
+            if dist.is_initialized():
+                dist.all_reduce(counted)
+            return int(counted)
 
-    def run(new_tokens: int | None) -> int:
-        grpo = GrpoConfig(num_generations=args.rows // len(prompts),
-                          max_completion_length=new_tokens or args.new_tokens)
-        made = generate(model, tokenizer, prompts, grpo, device, 1)
-        return len(made.ids) * max(len(ids) for ids in made.ids)
-
-    return timed(run, device)
+        torch.manual_seed(0)
+        out[layout] = timed(run, device, args.new_tokens)
+    return out
 
 
-def transformers_side(folder: Path, prompts: list[list[int]], args: argparse.Namespace, device: torch.device) -> Timed:
+def transformers_side(folder: Path, prompts: list[list[int]], args: argparse.Namespace,
+                      device: torch.device) -> Timed:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -113,73 +170,150 @@ def transformers_side(folder: Path, prompts: list[list[int]], args: argparse.Nam
             setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear")).eval()
     rows = [ids for ids in prompts for _ in range(args.rows // len(prompts))]
-    input_ids = torch.tensor(rows, device=device)
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device)
+    eos = base.config.vocab_size - 1
 
-    def run(new_tokens: int | None) -> int:
+    def run(new_tokens: int) -> int:
         with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 max_new_tokens=new_tokens or args.new_tokens, do_sample=True, temperature=1.0,
-                                 top_k=None, pad_token_id=0, eos_token_id=ARCHES[args.arch][5] - 1, use_cache=True)
-        return len(rows) * (out.shape[1] - input_ids.shape[1])
+            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 do_sample=True, temperature=1.0, top_k=None, pad_token_id=0, eos_token_id=eos,
+                                 use_cache=True)
+        return int((out[:, width:] != 0).sum())
 
-    return timed(run, device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads * world()[1])  # one process: the cores every rank had (the others wait)
+    try:
+        return timed(run, device, args.new_tokens, every_rank=False)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gpu: str) -> str:
-    """What --plan predicts for this call on `gpu` (plan/generation.py), before any process group exists."""
+def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gpu: str, layout: str,
+            size: int) -> tuple[float, str]:
+    """What --plan predicts for this call on `gpu` (plan/generation.py), before any process group exists: the
+    decoding step in seconds, and the sentence."""
     from qlora_fsdp.config import load_config
     from qlora_fsdp.measure.fake_world import leave_fake_world
     from qlora_fsdp.plan.report import plan_recipe
     from qlora_fsdp.plan.time_report import recipe_generation
 
+    width = max(len(ids) for ids in prompts)
     cfg = load_config("tiny_cpu_grpo", [
         f"model.path={folder}", "model.dtype=bfloat16", "quant.compute_dtype=bfloat16", f"hardware.gpu={gpu}",
-        "activation_checkpointing.mode=off", f"data.micro_batch_size={len(prompts)}", "data.grad_accum_steps=1",
-        f"data.context_length={args.prompt_tokens + args.new_tokens}", f"grpo.max_completion_length={args.new_tokens}",
-        f"grpo.num_generations={args.rows // len(prompts)}"])
+        f"hardware.gpus_per_node={size}", "activation_checkpointing.mode=off",
+        f"data.micro_batch_size={max(len(prompts) // size, 1)}", "data.grad_accum_steps=1",
+        f"data.context_length={width + args.new_tokens}", f"grpo.max_completion_length={args.new_tokens}",
+        f"grpo.num_generations={args.rows // len(prompts)}", f"grpo.generation_layout={layout}",
+        f"grpo.generation_graphs={args.graphs}"])
     recipe = plan_recipe(cfg)
     leave_fake_world()
     assert recipe.result.step is not None
     made = recipe_generation(recipe.planned, recipe.result.step)
-    return (f"planned on {gpu} (plan/generation.py): {made.total:.2f} s = {made.prefill:.2f} s over the prompts + "
-            f"{made.new_tokens} decoding steps x {made.decode_step * 1e3:.1f} ms (link {made.decode_link * 1e3:.1f}, "
-            f"GPU {made.decode_gpu * 1e3:.1f}, host {made.decode_host * 1e3:.1f})")
+    return made.decode_step, (
+        f"planned on {gpu}, {layout}: {made.total:.2f} s = {made.prefill:.2f} s over the prompts + {made.new_tokens} "
+        f"decoding steps x {made.decode_step * 1e3:.1f} ms (link {made.decode_link * 1e3:.1f}, GPU "
+        f"{made.decode_gpu * 1e3:.1f}, host {made.decode_host * 1e3:.1f})")
+
+
+def bandwidth_bound_ms(folder: Path, rows: int, tokens: int, gpu: str) -> float:
+    """A decoding step reading every 4-bit weight (half a byte an element, and its statistics), the head and
+    embeddings in bf16, and the mean KV cache once, at the GPU's memory bandwidth."""
+    from transformers import AutoConfig
+
+    from qlora_fsdp.generation.room import kv_cache_bytes
+    from qlora_fsdp.run.hardware import GPUS
+
+    hf = AutoConfig.from_pretrained(folder)
+    inter = hf.intermediate_size
+    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    attention = hf.hidden_size * head * (2 * hf.num_attention_heads + 2 * hf.num_key_value_heads)
+    linear = hf.num_hidden_layers * (attention + 3 * hf.hidden_size * inter)
+    four_bit = linear * (0.5 + 1 / 64 / 4)  # packed values, 8-bit absmax a block of 64 (double quantization)
+    head_bytes = hf.vocab_size * hf.hidden_size * 2
+    cache = kv_cache_bytes(hf, rows, tokens, 2) / 2  # the mean over the call: it grows a token a step
+    return (four_bit + head_bytes + cache) / (GPUS[gpu].memory_gbps * 1e9) * 1e3
+
+
+def idle_until_rank0_is_done(rank: int, size: int) -> None:
+    """The other ranks wait without spinning (a gloo barrier polls a core), so transformers' one process has the
+    cores to itself."""
+    if size == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set("grpo_generation_done", "1")
+        return
+    while not store.check(["grpo_generation_done"]):
+        time.sleep(0.5)
+
+
+def init_world(device: torch.device) -> Any:
+    from qlora_fsdp.distributed import init_distributed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    return init_distributed()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=sorted(ARCHES), default="tiny")
+    parser.add_argument("--model", type=Path, help="a checkpoint folder (e.g. models/smollm2-135m-instruct)")
+    parser.add_argument("--arch", choices=sorted(ARCHES), help="random weights in this shape instead")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--rows", type=int, default=16, help="completions generated together (prompts x 8)")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=16, help="completions generated in all (prompts x 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="random prompts' length (--arch)")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--layouts", default="all", help="comma-separated layouts, or all the world size has")
+    parser.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
+                        help="grpo.generation_graphs: the decoding step as a CUDA graph (auto: on a GPU)")
     parser.add_argument("--work", type=Path, default=Path("outputs/bench-grpo-generation"))
-    parser.add_argument("--plan-on", metavar="GPU", help="also print what --plan predicts for this call on GPU (a "
-                        "hardware.gpu name, e.g. h100); planned on the CPU, with torch 2.13's fake tensors")
-    parser.add_argument("--plan-only", action="store_true", help="print the prediction, measure nothing")
+    parser.add_argument("--plan-on", metavar="GPU", help="also print what --plan predicts on GPU (a hardware.gpu "
+                        "name, e.g. h100), and the bandwidth bound there")
+    parser.add_argument("--skip-transformers", action="store_true", help="ours only")
     args = parser.parse_args()
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    folder = write_checkpoint(args.arch, args.work / args.arch, weights=not args.plan_only)
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, ARCHES[args.arch][5] - 1, (args.prompt_tokens,), generator=generator).tolist()
-               for _ in range(max(args.rows // 8, 1))]
-    prediction = planned(folder, prompts, args, args.plan_on) if args.plan_on else None
-    if args.plan_only:
-        print(prediction)
+    if (args.model is None) == (args.arch is None):
+        parser.error("give --model or --arch")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else \
+        torch.device("cpu")
+    folder = args.model or write_checkpoint(args.arch, args.work / args.arch)
+    prompts = prompt_ids(folder, args.arch, max(args.rows // 8, 1), args.prompt_tokens)
+    size = int(os.environ.get("WORLD_SIZE", 1))
+    layouts = ["gathered", "split", "per_token"] if size > 1 else ["gathered"]
+    layouts = layouts if args.layouts == "all" else args.layouts.split(",")
+    # planned before any process group exists (the planner builds its own fake one)
+    predictions = {layout: planned(folder, prompts, args, args.plan_on, layout, size) for layout in layouts} \
+        if args.plan_on and os.environ.get("RANK", "0") == "0" else {}
+    info = init_world(device)
+    rank, size = world()
+    mine = ours(folder, prompts, layouts, args, device, info)
+    theirs = None
+    if rank == 0 and not args.skip_transformers:
+        theirs = transformers_side(folder, prompts, args, device)
+    idle_until_rank0_is_done(rank, size)
+    if rank != 0:
         return
-    torch.manual_seed(0)
-    mine = ours(folder, prompts, args, device)
-    theirs = transformers_side(folder, prompts, args, device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"GRPO generation, {args.arch} (random weights, NF4 + LoRA r16), {args.rows} rows x {args.prompt_tokens} "
-          f"prompt tokens, {args.new_tokens} new tokens, on {name}\n")
-    print("| generator | new tokens | seconds | tokens/s | peak GPU GiB |\n| --- | ---: | ---: | ---: | ---: |")
-    for label, t in (("ours (rollouts.generate, training's model)", mine),
-                     ("transformers generate (bitsandbytes + PEFT)", theirs)):
-        print(f"| {label} | {t.tokens} | {t.seconds:.2f} | {t.rate:,.0f} | {t.peak_gib:.2f} |")
-    print(f"\nours / transformers: {mine.rate / theirs.rate:.2f}x")
-    if prediction:
-        print(f"{prediction}; measured {mine.seconds:.2f} s ({mine.seconds / args.new_tokens * 1e3:.1f} ms a token)")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    width = max(len(ids) for ids in prompts)
+    print(f"GRPO generation, {folder.name} (NF4 + LoRA r16), {args.rows} rows x {width} prompt tokens at most, "
+          f"{args.new_tokens} new tokens, {size} rank{'s' if size > 1 else ''} on {name}, graphs {args.graphs}\n")
+    print("| generator | new tokens | seconds | tokens/s | vs transformers | decoding step ms | peak GPU GiB |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows: list[tuple[str, Timed]] = [(f"ours, {layout}", t) for layout, t in mine.items()]
+    if theirs is not None:
+        rows.append(("transformers generate (bitsandbytes + PEFT, one process)", theirs))
+    for label, t in rows:
+        versus = f"{t.rate / theirs.rate:.2f}x" if theirs is not None else ""
+        print(f"| {label} | {t.tokens} | {t.seconds:.2f} | {t.rate:,.0f} | {versus} | {t.step_ms:.1f} | "
+              f"{t.peak_gib:.2f} |")
+    if args.plan_on:
+        print(f"\nbandwidth bound of a decoding step on {args.plan_on}: "
+              f"{bandwidth_bound_ms(folder, args.rows // size, width + args.new_tokens, args.plan_on):.2f} ms")
+        for layout, t in mine.items():
+            planned_step, words = predictions[layout]
+            ratio = planned_step * 1e3 / t.step_ms
+            print(f"{words}; measured {t.step_ms:.1f} ms a decoding step (plan / measured {ratio:.2f})")
 
 
 if __name__ == "__main__":

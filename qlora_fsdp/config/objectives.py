@@ -114,9 +114,10 @@ class GrpoConfig:
     stop: list[str] = field(default_factory=list)  # strings that end a completion besides EOS
     # completions generated together (the KV cache holds this many rows); None: all of a rank's step in one call
     generation_rows: int | None = None
-    # where the weights are while generating (qlora_fsdp/generation/layouts.py): gathered once a call, split by
-    # layers between the ranks, or gathered layer by layer every token (per_token); auto: the plan's choice
-    # rule at run time (gathered where the whole model and the KV cache fit the free memory, else split)
+    # where the weights are while generating (qlora_fsdp/generation/layouts.py): gathered (the whole model, once a
+    # step), split (each rank holds its share of the layers) or per_token (gathered layer by layer every token, as
+    # training holds them); auto: the fastest that fits (--plan names it; a run takes gathered where the whole
+    # model and the KV cache fit every GPU's free memory, else split)
     generation_layout: Literal["auto", "gathered", "split", "per_token"] = "auto"
     # a preallocated KV cache and a decoding step replayed as one CUDA graph (transformers' static cache with
     # torch.compile's reduce-overhead mode); auto: on CUDA; eager on a CPU either way
