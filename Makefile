@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-dpo demo-grpo test test-fast test-slow lint gpu-check gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
+.PHONY: demo demo-dpo demo-grpo test test-fast test-slow lint gpu-check gpu-check-quick gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
 $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyproject.toml
@@ -79,9 +79,13 @@ test-fast: $(BIN)/activate
 test-slow: $(BIN)/activate tiny-model
 	$(BIN)/python -m pytest -q --durations=20 -m slow tests
 
-# on a GPU: ten device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
+# on a GPU: eleven device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
 gpu-check: $(BIN)/activate
 	$(BIN)/python -m tests.gpu_check
+
+# on a GPU: GRPO's generation speed alone, at most 5 minutes (what a short lease must still measure)
+gpu-check-quick: $(BIN)/activate
+	$(BIN)/python -m tests.gpu_check --only grpo_generation --total-seconds 290
 
 # ruff, then the type checker (mypy, pinned in requirements-dev.txt; settings in pyproject.toml's [tool.mypy])
 lint: $(BIN)/activate

@@ -141,18 +141,21 @@ def ours(folder: Path, prompts: list[list[int]], layouts: list[str], args: argpa
     rank, size = world()
     mine = prompts[rank * len(prompts) // size : (rank + 1) * len(prompts) // size]
     out = {}
-    for layout in layouts:
-        def run(new_tokens: int, layout: str = layout) -> int:
+    for name in layouts:
+        layout, _, graphs = name.partition(":")
+
+        def run(new_tokens: int, layout: str = layout, graphs: str = graphs or args.graphs) -> int:
             grpo = GrpoConfig(num_generations=args.rows // len(prompts), max_completion_length=new_tokens,
-                              generation_layout=layout, generation_graphs=args.graphs)  # type: ignore[arg-type]
-            made = generate(model, tokenizer, mine, grpo, device, size)
+                              generation_layout=layout, generation_graphs=graphs)  # type: ignore[arg-type]
+            width = max(len(ids) for ids in prompts)  # one cache length for every call: one compiled step
+            made = generate(model, tokenizer, mine, grpo, device, size, cache_tokens=width + 1 + args.new_tokens)
             counted = torch.tensor(float(sum(len(ids) for ids in made.ids)))
             if dist.is_initialized():
                 dist.all_reduce(counted)
             return int(counted)
 
         torch.manual_seed(0)
-        out[layout] = timed(run, device, args.new_tokens)
+        out[name] = timed(run, device, args.new_tokens)
     return out
 
 
@@ -190,10 +193,11 @@ def transformers_side(folder: Path, prompts: list[list[int]], args: argparse.Nam
         torch.set_num_threads(threads)
 
 
-def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gpu: str, layout: str,
+def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gpu: str, name: str,
             size: int) -> tuple[float, str]:
     """What --plan predicts for this call on `gpu` (plan/generation.py), before any process group exists: the
     decoding step in seconds, and the sentence."""
+    layout, _, graphs = name.partition(":")
     from qlora_fsdp.config import load_config
     from qlora_fsdp.measure.fake_world import leave_fake_world
     from qlora_fsdp.plan.report import plan_recipe
@@ -206,13 +210,13 @@ def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gp
         f"data.micro_batch_size={max(len(prompts) // size, 1)}", "data.grad_accum_steps=1",
         f"data.context_length={width + args.new_tokens}", f"grpo.max_completion_length={args.new_tokens}",
         f"grpo.num_generations={args.rows // len(prompts)}", f"grpo.generation_layout={layout}",
-        f"grpo.generation_graphs={args.graphs}"])
+        f"grpo.generation_graphs={graphs or args.graphs}"])
     recipe = plan_recipe(cfg)
     leave_fake_world()
     assert recipe.result.step is not None
     made = recipe_generation(recipe.planned, recipe.result.step)
     return made.decode_step, (
-        f"planned on {gpu}, {layout}: {made.total:.2f} s = {made.prefill:.2f} s over the prompts + {made.new_tokens} "
+        f"planned on {gpu}, {name}: {made.total:.2f} s = {made.prefill:.2f} s over the prompts + {made.new_tokens} "
         f"decoding steps x {made.decode_step * 1e3:.1f} ms (link {made.decode_link * 1e3:.1f}, GPU "
         f"{made.decode_gpu * 1e3:.1f}, host {made.decode_host * 1e3:.1f})")
 
@@ -257,7 +261,18 @@ def init_world(device: torch.device) -> Any:
     return init_distributed()
 
 
-def main() -> None:
+@dataclass
+class Measured:
+    """One run's figures (rank 0's)."""
+
+    title: str
+    mine: dict[str, Timed]
+    theirs: Timed | None
+    bound_ms: float | None  # the bandwidth bound of a decoding step on --plan-on
+    predictions: dict[str, tuple[float, str]]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="a checkpoint folder (e.g. models/smollm2-135m-instruct)")
     parser.add_argument("--arch", choices=sorted(ARCHES), help="random weights in this shape instead")
@@ -266,54 +281,82 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="random prompts' length (--arch)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--layouts", default="all", help="comma-separated layouts, or all the world size has")
-    parser.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
-                        help="grpo.generation_graphs: the decoding step as a CUDA graph (auto: on a GPU)")
+    parser.add_argument("--graphs", choices=["auto", "on", "off", "both"], default="auto",
+                        help="grpo.generation_graphs: the decoding step as a CUDA graph (auto: on a GPU; both: the "
+                        "gathered layout measured with and without)")
     parser.add_argument("--work", type=Path, default=Path("outputs/bench-grpo-generation"))
     parser.add_argument("--plan-on", metavar="GPU", help="also print what --plan predicts on GPU (a hardware.gpu "
                         "name, e.g. h100), and the bandwidth bound there")
     parser.add_argument("--skip-transformers", action="store_true", help="ours only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if (args.model is None) == (args.arch is None):
         parser.error("give --model or --arch")
+    return args
+
+
+def variants(args: argparse.Namespace, size: int) -> list[str]:
+    """The generators of ours to time: a layout, or `layout:graphs` where --graphs both."""
+    layouts = (["gathered", "split", "per_token"] if size > 1 else ["gathered"]) if args.layouts == "all" \
+        else args.layouts.split(",")
+    if args.graphs != "both":
+        return layouts
+    return [f"{layout}:{graphs}" for layout in layouts for graphs in (("on", "off") if layout == "gathered"
+                                                                      else ("off",))]
+
+
+def measure(args: argparse.Namespace) -> Measured | None:
+    """Ours on every rank, then transformers' on rank 0 alone; rank 0's figures (None on the others)."""
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else \
         torch.device("cpu")
     folder = args.model or write_checkpoint(args.arch, args.work / args.arch)
     prompts = prompt_ids(folder, args.arch, max(args.rows // 8, 1), args.prompt_tokens)
     size = int(os.environ.get("WORLD_SIZE", 1))
-    layouts = ["gathered", "split", "per_token"] if size > 1 else ["gathered"]
-    layouts = layouts if args.layouts == "all" else args.layouts.split(",")
+    names = variants(args, size)
     # planned before any process group exists (the planner builds its own fake one)
-    predictions = {layout: planned(folder, prompts, args, args.plan_on, layout, size) for layout in layouts} \
+    predictions = {name: planned(folder, prompts, args, args.plan_on, name, size) for name in names} \
         if args.plan_on and os.environ.get("RANK", "0") == "0" else {}
     info = init_world(device)
     rank, size = world()
-    mine = ours(folder, prompts, layouts, args, device, info)
-    theirs = None
-    if rank == 0 and not args.skip_transformers:
-        theirs = transformers_side(folder, prompts, args, device)
+    mine = ours(folder, prompts, names, args, device, info)
+    theirs = transformers_side(folder, prompts, args, device) if rank == 0 and not args.skip_transformers else None
     idle_until_rank0_is_done(rank, size)
     if rank != 0:
-        return
+        return None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     width = max(len(ids) for ids in prompts)
-    print(f"GRPO generation, {folder.name} (NF4 + LoRA r16), {args.rows} rows x {width} prompt tokens at most, "
-          f"{args.new_tokens} new tokens, {size} rank{'s' if size > 1 else ''} on {name}, graphs {args.graphs}\n")
-    print("| generator | new tokens | seconds | tokens/s | vs transformers | decoding step ms | peak GPU GiB |\n"
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    rows: list[tuple[str, Timed]] = [(f"ours, {layout}", t) for layout, t in mine.items()]
+    title = (f"GRPO generation, {folder.name} (NF4 + LoRA r16), {args.rows} rows x {width} prompt tokens at most, "
+             f"{args.new_tokens} new tokens, {size} rank{'s' if size > 1 else ''} on {name}, graphs {args.graphs}")
+    bound = bandwidth_bound_ms(folder, args.rows // size, width + args.new_tokens, args.plan_on) \
+        if args.plan_on else None
+    return Measured(title, mine, theirs, bound, predictions)
+
+
+def report(measured: Measured) -> str:
+    lines = [measured.title, "",
+             "| generator | new tokens | seconds | tokens/s | vs transformers | decoding step ms | peak GPU GiB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    theirs = measured.theirs
+    rows: list[tuple[str, Timed]] = [(f"ours, {name}", t) for name, t in measured.mine.items()]
     if theirs is not None:
         rows.append(("transformers generate (bitsandbytes + PEFT, one process)", theirs))
     for label, t in rows:
         versus = f"{t.rate / theirs.rate:.2f}x" if theirs is not None else ""
-        print(f"| {label} | {t.tokens} | {t.seconds:.2f} | {t.rate:,.0f} | {versus} | {t.step_ms:.1f} | "
-              f"{t.peak_gib:.2f} |")
-    if args.plan_on:
-        print(f"\nbandwidth bound of a decoding step on {args.plan_on}: "
-              f"{bandwidth_bound_ms(folder, args.rows // size, width + args.new_tokens, args.plan_on):.2f} ms")
-        for layout, t in mine.items():
-            planned_step, words = predictions[layout]
+        lines.append(f"| {label} | {t.tokens} | {t.seconds:.2f} | {t.rate:,.0f} | {versus} | {t.step_ms:.1f} | "
+                     f"{t.peak_gib:.2f} |")
+    if measured.bound_ms is not None:
+        lines += ["", f"bandwidth bound of a decoding step: {measured.bound_ms:.2f} ms"]
+        for name, t in measured.mine.items():
+            planned_step, words = measured.predictions[name]
             ratio = planned_step * 1e3 / t.step_ms
-            print(f"{words}; measured {t.step_ms:.1f} ms a decoding step (plan / measured {ratio:.2f})")
+            lines.append(f"{words}; measured {t.step_ms:.1f} ms a decoding step (plan / measured {ratio:.2f}, "
+                         f"measured / bound {t.step_ms / measured.bound_ms:.2f})")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    measured = measure(parse_args())
+    if measured is not None:
+        print(report(measured))
 
 
 if __name__ == "__main__":

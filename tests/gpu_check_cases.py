@@ -744,12 +744,46 @@ def long_rows(ctx: Context) -> list[Row]:
                 f"{best['plan_allocated_gib']:.2f}), {best['tokens_per_s']:,.0f} tokens/s", {"rows": results})]
 
 
+# ---- grpo_generation: GRPO's decoding speed against transformers' generate, first (gpu-check-quick) -----------
+
+def grpo_generation(ctx: Context) -> list[Row]:
+    """benchmarks/grpo_generation.py at Llama 3.2 1B's shapes: 32 rows (the gathered layout with and without CUDA
+    graphs) and 128 rows, each against transformers' generate and beside the plan and the bandwidth bound; on a CPU
+    the tiny shapes, a few tokens."""
+    from benchmarks.grpo_generation import measure, parse_args, report
+    from qlora_fsdp.run.hardware import detect_gpu
+
+    gpu = detect_gpu(ctx.device) if ctx.device.type == "cuda" else None
+    common = ["--work", str(ctx.work / "grpo-generation"), "--device", ctx.device.type]
+    runs = [["--arch", "llama-1b", "--rows", "32", "--new-tokens", "128", "--prompt-tokens", "128", "--graphs", "both"],
+            ["--arch", "llama-1b", "--rows", "128", "--new-tokens", "128", "--prompt-tokens", "128"]] if gpu else \
+        [["--arch", "tiny", "--rows", "8", "--new-tokens", "8", "--graphs", "both"]]
+    rows = []
+    for argv in runs:
+        measured = measure(parse_args([*common, *argv, *(["--plan-on", gpu] if gpu else [])]))
+        cleanup()
+        assert measured is not None and measured.theirs is not None
+        print(report(measured), flush=True)
+        for name, timed in measured.mine.items():
+            ratio = timed.rate / measured.theirs.rate
+            planned = measured.predictions.get(name, (float("nan"), ""))[0] * 1e3
+            figures = {"tokens_per_s": timed.rate, "transformers_tokens_per_s": measured.theirs.rate,
+                       "ratio": ratio, "step_ms": timed.step_ms, "planned_step_ms": planned,
+                       "bound_ms": measured.bound_ms, "peak_gib": timed.peak_gib, "argv": argv}
+            rows.append(Row(f"grpo_generation ({argv[3]} rows, {name})", "info",
+                            f"{timed.rate:,.0f} tokens/s, {ratio:.2f}x transformers' generate "
+                            f"({measured.theirs.rate:,.0f}); a decoding step {timed.step_ms:.1f} ms, planned "
+                            f"{planned:.1f}, bandwidth bound {measured.bound_ms or float('nan'):.2f}", figures))
+    return rows
+
+
 # ---- entry --------------------------------------------------------------------------------------------------
 
 CASES: dict[str, Callable[[Context], list[Row]]] = {
     "nan_canary": nan_canary, "fsdp_real_path": fsdp_real_path, "plan_vs_measured_70b": plan_vs_measured_70b,
     "one_gpu_70b_offload": one_gpu_70b_offload, "memory_levers": memory_levers, "merge_device": merge_device,
-    "generate": generate, "packed_attention": packed_attention, "moe_experts": moe_experts, "long_rows": long_rows}
+    "generate": generate, "packed_attention": packed_attention, "moe_experts": moe_experts, "long_rows": long_rows,
+    "grpo_generation": grpo_generation}
 
 
 def environment(device: torch.device) -> dict[str, Any]:

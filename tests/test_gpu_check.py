@@ -55,7 +55,8 @@ def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
         "packed_attention (speed)": "info", "plan_vs_measured_70b": "skipped", "one_gpu_70b_offload": "skipped",
         "moe_experts (unquantized)": "info", "moe_experts (4-bit, gather per expert)": "info",
         "moe_experts (4-bit, grouped (ours))": "info", "moe_experts (4-bit, grouped matmul)": "info",
-        "long_rows": "passed"}
+        "long_rows": "passed", "grpo_generation (8 rows, gathered:on)": "info",
+        "grpo_generation (8 rows, gathered:off)": "info"}
     for check in gpu_check.CHECKS:  # a check added later is in this run too, and runs unless it needs CUDA
         assert check.cuda_only == ("needs a CUDA device" in rows.get(check.name, ("", ""))[0]), check.name
     figures = {c["check"]: c["figures"] for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
@@ -71,6 +72,7 @@ def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
     assert figures["merge_device (cpu)"]["tensors"] > 0 and figures["generate"]["characters"] > 0
     assert [row["tokens"] for row in figures["long_rows"]["rows"] if row["trained"]] == [256, 512]
     assert figures["moe_experts (4-bit, grouped (ours))"]["tokens_per_s"] > 0
+    assert all(figures[f"grpo_generation (8 rows, gathered:{graphs})"]["ratio"] > 0 for graphs in ("on", "off"))
     # the positive control: the watch does see CUDA's rewrite of the old bf16 storage
     assert figures["fsdp_real_path (old bf16 storage)"]["emulated_cuda_copy_elements_changed"] > 0
 

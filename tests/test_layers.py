@@ -29,7 +29,8 @@ ALLOWED = {
     "training": BASE | {"data", *MODEL, "objectives", "optimizer", "run", "run_files"},  # the loop
     # the step measured: the objective's own micro-step on fake tensors, or on a real model
     "measure": BASE | {"data", *MODEL, "objectives", "optimizer", "run"},
-    "plan": BASE | {"data", *MODEL, "generation", "measure", "objectives", "run"},  # memory and time, read off the measured step
+    # memory and time, read off the measured step
+    "plan": BASE | {"data", *MODEL, "generation", "measure", "objectives", "run"},
     "auto_batch": BASE | {"measure", "plan", "run"},  # a launched run's micro-batch, from the plan
     "tools": BASE | {"data", *MODEL, "run"},  # never api.py: the tools do not start training
     "api": BASE | {"data", *MODEL, "rewards", "objectives", "optimizer", "run", "run_files", "training", "auto_batch"},

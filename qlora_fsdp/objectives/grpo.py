@@ -145,7 +145,7 @@ class Grpo(Objective):
         prompts = self.data.train.subset(flat_units)
         started = time.perf_counter()
         made = generate(self.model, self.tokenizer, prompts.ids, self.grpo, self.info.device,
-                        self.info.world_size)
+                        self.info.world_size, cache_tokens=self.cfg.prompt_room + self.grpo.max_completion_length)
         seconds = time.perf_counter() - started
         mask = self.grpo.mask_truncated_completions
         samples = [completion_sample(prompts.ids[i // g], ids, mask and cut)
@@ -210,7 +210,7 @@ class Grpo(Objective):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.cfg.train.seed + 7919 * step + self.info.rank)
             made = generate(self.model, self.tokenizer, prompts.ids, self.grpo, self.info.device,
-                            self.info.world_size)
+                            self.info.world_size, cache_tokens=self.cfg.prompt_room + self.grpo.max_completion_length)
         scores = score(self.rewards, self.rollouts(prompts, made.ids))
         metrics = self.reward_metrics(scores, combined(scores, [r.weight for r in self.rewards]), made.ids,
                                       made.truncated, 0.0)

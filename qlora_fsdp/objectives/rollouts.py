@@ -14,6 +14,7 @@ string ends with the string's last token; one that did neither was cut at max_co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -109,16 +110,23 @@ def common_width(prompts: list[list[int]], layout: Layout, world_size: int, devi
     return int(all_reduce_max(float(width), device)) + 1
 
 
-def uses_graphs(grpo: GrpoConfig, device: torch.device) -> bool:
-    return grpo.generation_graphs == "on" or (grpo.generation_graphs == "auto" and device.type == "cuda")
+def uses_graphs(grpo: GrpoConfig, device: torch.device, layout: Layout) -> bool:
+    """Graphs for the gathered layout only: split and per_token run collectives inside the decoding step."""
+    wanted = grpo.generation_graphs == "on" or (grpo.generation_graphs == "auto" and device.type == "cuda")
+    return wanted and layout == "gathered"
 
 
-def decoding_options(model: nn.Module, grpo: GrpoConfig, device: torch.device, width: int) -> dict[str, Any]:
-    """A preallocated (static) KV cache of the call's own, freed with it (transformers would keep its own between
-    calls), and with graphs the decoding step compiled in reduce-overhead mode: a CUDA graph replayed each token."""
+CACHE_BUCKET = 64  # tokens: a cache sized to the next multiple keeps one compiled decoding step across calls
+
+
+def decoding_options(model: nn.Module, grpo: GrpoConfig, device: torch.device, tokens: int,
+                     layout: Layout) -> dict[str, Any]:
+    """A preallocated (static) KV cache of `tokens` tokens a row, the call's own and freed with it (transformers
+    would keep its own between calls), and with graphs the decoding step compiled in reduce-overhead mode: a CUDA
+    graph replayed each token."""
     config = cast(PretrainedConfig, model.config)
-    cache = StaticCache(config=config, max_cache_len=width + grpo.max_completion_length)
-    if not uses_graphs(grpo, device):
+    cache = StaticCache(config=config, max_cache_len=math.ceil(tokens / CACHE_BUCKET) * CACHE_BUCKET)
+    if not uses_graphs(grpo, device, layout):
         return {"past_key_values": cache, "disable_compile": True}
     compile_config = CompileConfig(fullgraph=False, mode="reduce-overhead")
     setattr(compile_config, "_compile_all_devices", device.type != "cuda")  # noqa: B010 (a CPU run of the path: tests)
@@ -132,10 +140,12 @@ def sampling(grpo: GrpoConfig, greedy: bool) -> dict[str, Any]:
 
 
 def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], grpo: GrpoConfig,
-             device: torch.device, world_size: int, layout: Layout | None = None, greedy: bool = False) -> Completions:
+             device: torch.device, world_size: int, layout: Layout | None = None, greedy: bool = False,
+             cache_tokens: int = 0) -> Completions:
     """num_generations completions of each prompt, in order, `grpo.generation_rows` rows a call, in the layout
     the recipe names (or the one that fits here); `greedy`: the likeliest token each step instead (exactness checks).
-    A collective under FSDP2 with several ranks."""
+    `cache_tokens`: the KV cache's length a row at least (a run's longest prompt and completion: every call then
+    shares one compiled decoding step). A collective under FSDP2 with several ranks."""
     rows = [ids for ids in prompts for _ in range(grpo.num_generations)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ends = eos_ids(model, tokenizer)
@@ -146,10 +156,11 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list
     layout = layout or resolved_layout(model, grpo, min(chunk, len(rows)), max(len(p) for p in prompts), device)
     width = common_width(prompts, layout, world_size, device)
     new: list[list[int]] = []
-    with generating(model, eager=not uses_graphs(grpo, device)), generation_layout(model, layout):
+    with generating(model, eager=not uses_graphs(grpo, device, layout)), generation_layout(model, layout):
         for first in range(0, len(rows), chunk):
             input_ids, attention_mask = left_padded(rows[first : first + chunk], pad_id, width)
-            options = decoding_options(model, grpo, device, input_ids.shape[1])
+            tokens = max(cache_tokens, input_ids.shape[1] + grpo.max_completion_length)
+            options = decoding_options(model, grpo, device, tokens, layout)
             out = sample(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                 max_new_tokens=grpo.max_completion_length, eos_token_id=ends, pad_token_id=pad_id, use_cache=True,
