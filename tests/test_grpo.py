@@ -3,10 +3,11 @@ rewards, advantages, and a run that generates, scores and updates at world sizes
 
 The update: fixed completions of fixed prompts (some ending in EOS, some cut at max_completion_length), the same
 advantages, old and reference log-probabilities on both sides; TRL's `compute_loss` on its own 4-bit model with
-the adapter loaded by PEFT (one process, the whole batch: TRL's one big batch) against ours at world size 1 (two
-micro-batches, padded rows) and 2 (two micro-batches a rank, packed rows): the loss and every LoRA gradient, for the
-four loss types at both importance-sampling levels (token, and GSPO's sequence), with clip-higher, delta, the KL
-term and truncated completions masked among them.
+the adapter loaded by PEFT (one process, the whole batch: TRL's one big batch; for bnpo, which TRL normalizes per
+micro-batch, the same micro-batches accumulated) against ours at world size 1 (two micro-batches, padded rows) and
+2 (two micro-batches a rank, packed rows): the loss and every LoRA gradient, for the four loss types at both
+importance-sampling levels (token, and GSPO's sequence), with clip-higher, delta, the KL term and truncated
+completions masked among them.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
         ref = [old_ref["ref"][i] if not m else old_ref["ref"][i][:0] for i, m in zip(rows, masked, strict=True)]
         steps.current = Generation(samples, [list(range(s, s + per)) for s in range(0, len(rows), per)],
                                    advantages[rows], kept, ref if grpo.beta else None,
-                                   StepCounts(len(ids), tokens), {})
+                                   StepCounts(len(ids), tokens, micro * info.world_size), {})
         result = steps.step(1.0)
         grads = {adapter_file_key(key, model_layout(model)): grad for key, grad in full_grads(model).items()}
         out["settings"][name] = {"loss": result.loss, "grads": grads, "entropy": result.metrics["entropy"],
@@ -210,14 +211,19 @@ def test_the_update_equals_trls_at_world_sizes_1_and_2(tmp_path):
     one = run_ranks(our_update, 1, model_dir, None, None, False, tmp_dir=tmp_path)[0]
     two = run_ranks(our_update, 2, model_dir, one["adapter"], one["old_ref"], True, tmp_dir=tmp_path)[0]
     trl = trl_update(model_dir, one["adapter"], one["old_ref"])
+    # bnpo is TRL's one loss normalized per micro-batch: against TRL accumulating the same micro-batches (2 at world
+    # size 1; 2 a rank at 2, in rank order)
+    bnpo = tuple(name for name in SETTINGS if name.startswith("bnpo"))
+    by_micro_batches = {1: trl_update(model_dir, one["adapter"], one["old_ref"], bnpo, splits=2),
+                        2: trl_update(model_dir, one["adapter"], one["old_ref"], bnpo, splits=4)}
     assert len(trl["expected_keys"]) >= 8
     for name in SETTINGS:
-        reference = trl["settings"][name]
-        print(f"{name}: TRL {reference['loss']:.7f}, ours {one['settings'][name]['loss']:.7f} (ws1) "
-              f"{two['settings'][name]['loss']:.7f} (ws2)")
-        assert reference["grads"].keys() >= trl["expected_keys"]
-        for run in (one, two):
-            ours = run["settings"][name]
+        references = {size: (by_micro_batches[size] if name in bnpo else trl)["settings"][name] for size in (1, 2)}
+        print(f"{name}: TRL {references[1]['loss']:.7f} {references[2]['loss']:.7f}, ours "
+              f"{one['settings'][name]['loss']:.7f} (ws1) {two['settings'][name]['loss']:.7f} (ws2)")
+        assert references[1]["grads"].keys() >= trl["expected_keys"]
+        for size, run in ((1, one), (2, two)):
+            reference, ours = references[size], run["settings"][name]
             # abs 1e-6: a loss is a sum of token terms of both signs (grpo_token's, -0.0233, agrees to 3e-7: 1.2e-5
             # relative); the two 4-bit forwards (ours, bitsandbytes') differ at float rounding
             assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-6), name

@@ -9,8 +9,10 @@ Per token t of completion i: the ratio r = exp(logp - old_logp), or GSPO's seque
 completion's log-ratios, exponentiated, the same for all its tokens); the policy term -min(r A, clip(r) A) with
 clip to [1 - epsilon, 1 + epsilon_high] (and r capped at `delta` where set); plus beta times the k3 estimate of
 the KL to the reference, exp(ref - logp) - (ref - logp) - 1, times r (TRL's bias correction). Normalized by
-loss type over the whole step: grpo, each completion's token mean, then the mean over completions; dapo and bnpo,
-the sum over every token of the step over their count; dr_grpo, the sum over completions x max_completion_length.
+loss type over the whole step: grpo, each completion's token mean, then the mean over completions; dapo, the sum over
+every token of the step over their count; bnpo, each micro-batch's token mean, then the mean over the micro-batches
+of every rank (TRL normalizes bnpo per micro-batch, so it depends on the split); dr_grpo, the sum over completions x
+max_completion_length.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class StepCounts:
 
     completions: float
     tokens: float
+    micro_batches: float = 1.0  # bnpo: each micro-batch's token mean is one of this many (all ranks')
 
 
 def per_sample_mean(values: torch.Tensor, sample_ids: torch.Tensor, n_samples: int) -> torch.Tensor:
@@ -113,7 +116,9 @@ def step_share(terms: TokenTerms, grpo: GrpoConfig, counts: StepCounts) -> torch
         return per_sample_mean(losses, terms.sample_ids, terms.n_samples).sum() / max(counts.completions, 1.0)
     if grpo.loss_type == "dr_grpo":
         return losses.sum() / (counts.completions * grpo.max_completion_length)
-    return losses.sum() / max(counts.tokens, 1.0)  # dapo, bnpo: one token count over the whole step
+    if grpo.loss_type == "bnpo":  # TRL's: the micro-batch's own token mean, averaged over micro-batches and ranks
+        return losses.sum() / max(losses.numel(), 1) / counts.micro_batches
+    return losses.sum() / max(counts.tokens, 1.0)  # dapo: one token count over the whole step
 
 
 def clip_fractions(terms: TokenTerms, grpo: GrpoConfig) -> tuple[float, float]:

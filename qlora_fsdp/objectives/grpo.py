@@ -165,7 +165,8 @@ class Grpo(Objective):
         completions, n_tokens = all_reduce_sums([len(samples), tokens], self.info.device)
         metrics = self.reward_metrics(scores, rewards, made.ids, made.truncated, seconds)
         return Generation(samples, micro_batches, self.advantages(rewards), old, ref,
-                          StepCounts(completions, n_tokens), metrics, self.sample_record(prompts, made, rewards))
+                          StepCounts(completions, n_tokens, len(micro_batches) * self.info.world_size), metrics,
+                          self.sample_record(prompts, made, rewards))
 
     def reward_metrics(self, scores: torch.Tensor, rewards: torch.Tensor, ids: list[list[int]],
                        truncated: list[bool], seconds: float) -> dict[str, float]:
@@ -285,7 +286,8 @@ class Grpo(Objective):
             return {"uses": 0}
         return {"uses": self.uses, "ids": [s.input_ids for s in g.samples], "labels": [s.labels for s in g.samples],
                 "micro_batches": g.micro_batches, "advantages": g.advantages, "old_logps": g.old_logps,
-                "ref_logps": g.ref_logps, "counts": [g.counts.completions, g.counts.tokens], "metrics": g.metrics}
+                "ref_logps": g.ref_logps, "counts": [g.counts.completions, g.counts.tokens, g.counts.micro_batches],
+                "metrics": g.metrics}
 
     def load_state(self, state: dict[str, Any] | None) -> None:
         if not state or not state["uses"]:
