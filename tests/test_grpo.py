@@ -540,3 +540,203 @@ def test_prompt_data_errors_name_the_file_and_record(tiny_model_dir, tmp_path):
     assert mapped.train.columns.keys() == {"answer"}
     with pytest.raises(DataError, match=r"data fields \['output'\] do not apply to prompt data; its one field is "):
         load_prompt_data(tokenizer, config(gsm8k, fields={"output": "answer"}))
+
+
+# ---- the whole step against TRL: from generated ids to gradients ---------------------------------------------------
+
+E2E_PROMPTS, E2E_GENERATIONS, E2E_MAX, E2E_LR = 4, 4, 7, 0.5
+E2E_SETTINGS = {  # TRL's GRPOConfig keys, each ours too
+    "group_dapo": dict(scale_rewards="group", loss_type="dapo"),
+    "batch_bnpo_masked": dict(scale_rewards="batch", loss_type="bnpo", mask_truncated_completions=True),
+    "none_grpo_two_iterations": dict(scale_rewards="none", loss_type="grpo", num_iterations=2),
+}
+
+
+def parity_reward(completion_ids, **kwargs) -> list[float]:
+    """A reward read off the ids (the same on both sides): groups with different rewards, some ties."""
+    return [float(len(ids) % 3) + 0.5 * (ids[0] % 2) for ids in completion_ids]
+
+
+def e2e_rollouts(eos: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Prompts of different lengths and, per prompt, the rows a generator returns (max_completion_length tokens, as
+    HF pads them): some end in EOS (padded after it), some run to the limit without (truncated), one ends in EOS at
+    the limit (not truncated)."""
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(10, 500, (5 + 2 * p,), generator=generator).tolist() for p in range(E2E_PROMPTS)]
+    rows = []
+    for p in range(E2E_PROMPTS):
+        mine = []
+        for g in range(E2E_GENERATIONS):
+            length = 1 + (3 * p + 5 * g) % E2E_MAX
+            tokens = torch.randint(10, 500, (length,), generator=generator).tolist()
+            ends = (p + g) % 3 != 0 or length < 3
+            if ends:
+                tokens[-1] = eos
+            elif length < E2E_MAX:  # no EOS: the generator ran on to the limit
+                tokens += torch.randint(10, 500, (E2E_MAX - length,), generator=generator).tolist()
+            mine.append(tokens)
+        rows.append(mine)
+    return prompts, rows
+
+
+def trl_cut(row: list[int], eos: int) -> list[int]:
+    """A completion as TRL keeps one: through its first EOS."""
+    return row[: row.index(eos) + 1] if eos in row else row
+
+
+class ReplayedGenerate:
+    """transformers' generate replaced by the rows fixed above: each prompt's next row, padded to the call's width
+    (our whole rollout code runs around it: left padding, the EOS cut, the truncated flag)."""
+
+    def __init__(self, prompts: list[list[int]], rows: list[list[list[int]]], pad: int) -> None:
+        self.queue = {tuple(p): list(r) for p, r in zip(prompts, rows, strict=True)}
+        self.pad = pad
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 **kwargs: object) -> torch.Tensor:
+        new = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            row = self.queue[tuple(i for i, m in zip(ids, mask, strict=True) if m)].pop(0)
+            new.append(row + [self.pad] * (max_new_tokens - len(row)))
+        return torch.cat([input_ids, torch.tensor(new, device=input_ids.device)], dim=1)
+
+
+def our_whole_step(info, model_dir: Path, adapter: Path, packed: bool) -> dict:
+    """Each setting: our GRPO objective's generation (generate replaced), rewards, advantages and update, one
+    prompt a micro-batch; with num_iterations 2, a second update on the same generation after an SGD step."""
+    from qlora_fsdp.data.prompts import PromptData, Prompts
+    from qlora_fsdp.distributed.row_groups import RowSplit
+    from qlora_fsdp.loading.adapter import adapter_file_key, load_adapter_into
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
+    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.fill import model_layout
+    from qlora_fsdp.losses.forward import ForwardLoss
+    from qlora_fsdp.objectives.base import RunParts
+    from qlora_fsdp.objectives.grpo import Grpo
+    from qlora_fsdp.rewards.functions import Reward
+
+    out: dict = {}
+    for name, setting in E2E_SETTINGS.items():
+        cfg = tiny_config(model_dir, data={"packing": packed, "context_length": 64, "format": "prompt",
+                                           "micro_batch_size": 1},
+                          train={"objective": "grpo"})
+        cfg = dataclasses.replace(cfg, grpo=GrpoConfig(num_generations=E2E_GENERATIONS, max_completion_length=E2E_MAX,
+                                                       temperature=TEMPERATURE, **setting))
+        tokenizer = load_tokenizer(cfg)
+        model = build_model(cfg, info)
+        load_adapter_into(model, adapter)
+        model.train()
+        prompts, rows = e2e_rollouts(tokenizer.eos_token_id)
+        model.generate = ReplayedGenerate(prompts, rows, tokenizer.pad_token_id)
+        texts = [f"prompt {p}" for p in range(E2E_PROMPTS)]
+        data = PromptData(Prompts(prompts, texts, {}, list(range(E2E_PROMPTS))), Prompts([], [], {}, []), "")
+        steps = Grpo(cfg, ForwardLoss(), rewards=[Reward("parity", parity_reward, 1.0)])
+        steps.attach(RunParts(info, model, data, tokenizer.pad_token_id, None,
+                              RowSplit(1, 0, info.rank, info.world_size), tokenizer))
+        mine = range(info.rank * E2E_PROMPTS // info.world_size, (info.rank + 1) * E2E_PROMPTS // info.world_size)
+        steps.current, steps.uses = steps.generate([[p] for p in mine]), 0
+        layout = model_layout(model)
+        results = []
+        for _ in range(steps.grpo.num_iterations):
+            result = steps.step(1.0)
+            grads = {adapter_file_key(key, layout): grad for key, grad in full_grads(model).items()}
+            results.append({"loss": result.loss, "grads": grads})
+            with torch.no_grad():  # plain SGD on every rank's shard, the same step TRL's side takes
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.add_(param.grad, alpha=-E2E_LR)
+            model.zero_grad(set_to_none=True)
+        out[name] = {"steps": results, "advantages": steps.current.advantages.tolist()}
+    return out
+
+
+def trl_whole_step(model_dir: Path, adapter: Path, tmp_path: Path) -> dict:
+    """TRL 1.16's own _generate_and_score_completions (its generation replaced by rollout_func returning the same
+    ids, cut as TRL cuts them) and compute_loss over the same micro-batches (TRL shuffles rows before splitting a
+    generation into micro-batches; here they are taken in order, one prompt's completions each), accumulated."""
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from qlora_fsdp.loading.adapter import peft_adapter_key
+    from tests.helpers import transformers_nf4
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = tokenizer.eos_token_id
+    prompts, rows = e2e_rollouts(eos)
+    texts = [f"prompt {p}" for p in range(E2E_PROMPTS)]
+    by_text = dict(zip(texts, range(E2E_PROMPTS), strict=True))
+    out: dict = {}
+
+    def replay(queue: dict[int, list[list[int]]]):  # noqa: ANN202 (TRL's rollout_func)
+        def rollout(batch: list[str], trainer: object) -> dict:
+            picked = [by_text[text] for text in batch]
+            made = [trl_cut(queue[p].pop(0), eos) for p in picked]
+            return {"prompt_ids": [prompts[p] for p in picked], "completion_ids": made,
+                    "logprobs": [[0.0] * len(ids) for ids in made]}
+        return rollout
+
+    for name, setting in E2E_SETTINGS.items():
+        model = PeftModel.from_pretrained(transformers_nf4(model_dir), adapter, is_trainable=True)
+        adapter_weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=E2E_GENERATIONS,
+                          gradient_accumulation_steps=E2E_PROMPTS, num_generations=E2E_GENERATIONS,
+                          max_completion_length=E2E_MAX, temperature=TEMPERATURE, beta=0.0, use_cpu=True,
+                          bf16=False, report_to="none", gradient_checkpointing=False, **setting)
+        trainer = GRPOTrainer(model=model, reward_funcs=[parity_reward], args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_list([{"prompt": t} for t in texts]),
+                              rollout_func=replay({p: list(r) for p, r in enumerate(rows)}))
+        for n, param in model.named_parameters():  # TRL casts a QLoRA adapter to bf16: fp32 here, as ours
+            if n in adapter_weights:
+                param.data = adapter_weights[n]
+        trainer.current_gradient_accumulation_steps = E2E_PROMPTS
+        model.train()
+        batch = trainer._generate_and_score_completions([{"prompt": t} for t in texts for _ in range(E2E_GENERATIONS)])
+        size = E2E_PROMPTS * E2E_GENERATIONS
+        results = []
+        for _ in range(args.num_iterations):
+            loss = 0.0
+            for part in torch.arange(size).chunk(E2E_PROMPTS):
+                micro = {k: v[part] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v
+                         for k, v in batch.items()}
+                micro_loss = trainer.compute_loss(model, micro)
+                micro_loss.backward()
+                loss += micro_loss.item()
+            grads = {peft_adapter_key(n, "default"): p.grad.detach().clone() for n, p in model.named_parameters()
+                     if p.requires_grad}
+            results.append({"loss": loss, "grads": grads})
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.add_(param.grad, alpha=-E2E_LR)
+            model.zero_grad(set_to_none=True)
+        out[name] = {"steps": results, "advantages": batch["advantages"].tolist()}
+    return out
+
+
+@pytest.mark.slow
+def test_the_whole_step_from_generated_ids_equals_trls(tmp_path):
+    """From the ids a generator returned to the LoRA gradients: TRL's _generate_and_score_completions and
+    compute_loss against our objective's generation, rewards, advantages and update, at world sizes 1 (padded rows)
+    and 2 (packed rows): scale_rewards group, batch and none, truncated completions masked, num_iterations 2 (the
+    second update on the kept generation after an SGD step), bnpo per micro-batch."""
+    model_dir = build_tiny_checkpoint(tmp_path / "model")
+    adapter = run_ranks(our_update, 1, model_dir, None, None, False, ("dapo_token",), tmp_dir=tmp_path)[0]["adapter"]
+    one = run_ranks(our_whole_step, 1, model_dir, adapter, False, tmp_dir=tmp_path)[0]
+    two = run_ranks(our_whole_step, 2, model_dir, adapter, True, tmp_dir=tmp_path)[0]
+    trl = trl_whole_step(model_dir, adapter, tmp_path)
+    for name in E2E_SETTINGS:
+        reference = trl[name]
+        assert len(set(reference["advantages"])) > 3  # rewards that differ within groups
+        for size, run in ((1, one), (2, two)):
+            ours = run[name]
+            local = len(ours["advantages"])  # rank 0's completions: the first of TRL's
+            assert ours["advantages"] == pytest.approx(reference["advantages"][:local], abs=1e-6), (name, size)
+            assert len(ours["steps"]) == len(reference["steps"]) == E2E_SETTINGS[name].get("num_iterations", 1)
+            for step, (mine, theirs) in enumerate(zip(ours["steps"], reference["steps"], strict=True)):
+                print(f"{name} ws{size} update {step + 1}: TRL {theirs['loss']:.7f}, ours {mine['loss']:.7f}")
+                assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-6), (name, size, step)
+                assert mine["grads"].keys() == theirs["grads"].keys()
+                for key, grad in theirs["grads"].items():
+                    assert relative(mine["grads"][key], grad) < 1e-5, (name, size, step, key)
