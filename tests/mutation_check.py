@@ -207,9 +207,9 @@ MUTATIONS = [
              "        dist.scatter(mine, parts, src=self.owner, group=self.group)\n",
              "        dist.scatter(mine, parts[::-1], src=self.owner, group=self.group)\n",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[llama]"),
-    Mutation("the gathered layout gathers every layer again each token", "qlora_fsdp/generation/layouts.py",
-             "        module.set_reshard_after_forward(False, recurse=False)\n",
-             "        module.set_reshard_after_forward(True, recurse=False)\n",
+    Mutation("a generation layout keeps the gathered model after the call", "qlora_fsdp/generation/layouts.py",
+             "        for module, reshard in zip(modules, before, strict=True):\n            module.reshard()\n",
+             "        for module, reshard in zip(modules, before, strict=True):\n            pass\n",
              "tests/test_grpo.py::test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart"),
     # ---- vision-language: images into the embeddings, the image side as the reference holds it --------------------
     Mutation("a packed row's pixels land on the wrong sample", "qlora_fsdp/data/batching.py",
