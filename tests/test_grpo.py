@@ -366,7 +366,29 @@ def generate_with_stops(info, model_dir: Path) -> dict:
     return {"lengths": [len(ids) for ids in made.ids], "texts": texts, "truncated": made.truncated,
             "eos": tokenizer.eos_token_id, "ids": made.ids, "training": model.training,
             "gathered": bytes_gathered_by_layout(model, tokenizer, [prompt["input_ids"]], info),
-            "graphs": greedy_with_and_without_graphs(model, tokenizer, [prompt["input_ids"]], info)}
+            "graphs": greedy_with_and_without_graphs(model, tokenizer, [prompt["input_ids"]], info),
+            "logps": generated_and_recomputed_logps(model, tokenizer, [prompt["input_ids"]], info)}
+
+
+def generated_and_recomputed_logps(model, tokenizer, prompts: list[list[int]], info) -> dict:
+    """Each sampled token's log-probability as generation saw it (KV cache, left padding, the generation kernel)
+    and as the update recomputes it (the completion after its prompt, the training kernel), at the temperature."""
+    from qlora_fsdp.data.batching import collate
+    from qlora_fsdp.losses.forward import ForwardLoss
+    from qlora_fsdp.objectives.grpo import completion_sample
+    from qlora_fsdp.objectives.rollouts import generate
+
+    grpo = GrpoConfig(num_generations=3, max_completion_length=8, temperature=0.7)
+    torch.manual_seed(3 + info.rank)
+    made = generate(model, tokenizer, prompts, grpo, info.device, info.world_size, logps=True)
+    samples = [completion_sample(prompts[0], ids, False) for ids in made.ids]
+    batch = collate(samples, tokenizer.pad_token_id)
+    model.eval()  # no LoRA dropout, as in generation
+    with torch.no_grad():
+        flat = ForwardLoss().token_logps(model, batch, info.device, grpo.temperature).logps
+    model.train()
+    pieces = flat.split(batch.targets_per_sample().tolist())
+    return {"generated": made.logps, "recomputed": [piece.tolist() for piece in pieces]}
 
 
 def greedy_with_and_without_graphs(model, tokenizer, prompts: list[list[int]], info) -> dict:
@@ -423,6 +445,10 @@ def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(
             # cut only at 12 tokens without EOS or the stop string; a row that stopped before 12 was not cut
             assert cut == (len(ids) == 12 and made["eos"] not in ids and not text.endswith("e")), (text, ids)
     assert {tuple(r["lengths"]) for r in ranks} != {(12,) * 4}  # the stop string ended rows early
+    for logps in (r["logps"] for r in ranks):  # what the update recomputes is what generation sampled from
+        assert [len(g) for g in logps["generated"]] == [len(r) for r in logps["recomputed"]]
+        for generated, recomputed in zip(logps["generated"], logps["recomputed"], strict=True):
+            assert torch.tensor(generated) == pytest.approx(torch.tensor(recomputed), abs=1e-5)
     for graphs in (r["graphs"] for r in ranks):
         assert graphs["on"] == graphs["off"] and graphs["on_graphs"] > 0 and graphs["off_graphs"] == 0, graphs
     # gathered and split move the model once a step (its two calls of a row share the layout), whatever the

@@ -23,7 +23,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-from transformers import CompileConfig, PretrainedConfig, PreTrainedTokenizerBase, StaticCache
+from transformers import (
+    CompileConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    StaticCache,
+)
 
 from qlora_fsdp.config import GrpoConfig
 from qlora_fsdp.config.schema import AttnImplementation
@@ -39,6 +46,34 @@ class Completions:
 
     ids: list[list[int]]
     truncated: list[bool]
+    logps: list[list[float]] | None = None  # each token's log-probability at generation (when asked for)
+
+
+class SampledLogps(LogitsProcessor):
+    """Records each sampled token's log-probability under the raw logits at the temperature, as generation saw
+    them: a custom processor sees the logits before transformers' warpers (temperature, top-k, top-p), and the
+    token a step sampled arrives with the next step's call (the last one in `finish`)."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.last: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.gather(input_ids[:, -1:])
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def gather(self, tokens: torch.Tensor) -> None:
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, tokens).squeeze(1))
+            self.last = None
+
+    def finish(self, sequences: torch.Tensor) -> list[list[float]]:
+        self.gather(sequences[:, -1:])
+        rows = torch.stack(self.steps, dim=1).tolist() if self.steps else [[] for _ in range(len(sequences))]
+        self.steps = []
+        return rows
 
 
 def eos_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -134,18 +169,23 @@ def decoding_options(model: nn.Module, grpo: GrpoConfig, device: torch.device, t
 
 
 def sampling(grpo: GrpoConfig, greedy: bool) -> dict[str, Any]:
+    """The sampling TRL asks for, every setting explicit (a checkpoint's generation_config.json, a repetition
+    penalty say, would otherwise apply to generation and not to the update's log-probabilities)."""
+    neutral = {"repetition_penalty": 1.0, "min_p": None}
     if greedy:
-        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    return {"do_sample": True, "temperature": grpo.temperature, "top_p": grpo.top_p, "top_k": grpo.top_k or None}
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None, **neutral}
+    return {"do_sample": True, "temperature": grpo.temperature, "top_p": grpo.top_p, "top_k": grpo.top_k or None,
+            **neutral}
 
 
 def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], grpo: GrpoConfig,
              device: torch.device, world_size: int, layout: Layout | None = None, greedy: bool = False,
-             cache_tokens: int = 0) -> Completions:
+             cache_tokens: int = 0, logps: bool = False) -> Completions:
     """num_generations completions of each prompt, in order, `grpo.generation_rows` rows a call, in the layout
     the recipe names (or the one that fits here); `greedy`: the likeliest token each step instead (exactness checks).
     `cache_tokens`: the KV cache's length a row at least (a run's longest prompt and completion: every call then
-    shares one compiled decoding step). A collective under FSDP2 with several ranks."""
+    shares one compiled decoding step); `logps`: each token's log-probability at generation too. A collective under
+    FSDP2 with several ranks."""
     rows = [ids for ids in prompts for _ in range(grpo.num_generations)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ends = eos_ids(model, tokenizer)
@@ -156,16 +196,24 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list
     layout = layout or resolved_layout(model, grpo, min(chunk, len(rows)), max(len(p) for p in prompts), device)
     width = common_width(prompts, layout, world_size, device)
     new: list[list[int]] = []
+    recorded: list[list[float]] = []
+    recorder = SampledLogps(1.0 if greedy else grpo.temperature) if logps else None
     with generating(model, eager=not uses_graphs(grpo, device, layout)), generation_layout(model, layout):
         for first in range(0, len(rows), chunk):
             input_ids, attention_mask = left_padded(rows[first : first + chunk], pad_id, width)
             tokens = max(cache_tokens, input_ids.shape[1] + grpo.max_completion_length)
             options = decoding_options(model, grpo, device, tokens, layout)
+            if recorder is not None:
+                options["logits_processor"] = LogitsProcessorList([recorder])
             out = sample(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                 max_new_tokens=grpo.max_completion_length, eos_token_id=ends, pad_token_id=pad_id, use_cache=True,
                 synced_gpus=steps_together(layout, world_size), **sampling(grpo, greedy), **options, **stops)
             new += [row + [pad_id] * (grpo.max_completion_length - len(row))
                     for row in out[:, input_ids.shape[1]:].tolist()]
+            if recorder is not None:
+                recorded += recorder.finish(out)
     completions = [cut(row, set(ends), pad_id, grpo.stop, tokenizer) for row in new]
-    return Completions([ids for ids, _ in completions], [truncated for _, truncated in completions])
+    made = [ids for ids, _ in completions]
+    kept = [values[: len(ids)] for values, ids in zip(recorded, made, strict=True)] if recorder is not None else None
+    return Completions(made, [truncated for _, truncated in completions], kept)
