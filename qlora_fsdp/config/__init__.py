@@ -11,9 +11,7 @@ from qlora_fsdp.config.loader import (
 from qlora_fsdp.config.schema import (
     FSDP_CONFIGS_DIR,
     OBJECTIVES,
-    PAIR_OBJECTIVES,
     RECIPES_DIR,
-    REFERENCE_OBJECTIVES,
     REPO_ROOT,
     ActivationCheckpointingConfig,
     CheckpointedLayers,
@@ -51,8 +49,8 @@ __all__ = [
     "ActivationCheckpointingConfig", "CheckpointScope", "CheckpointedLayers", "Config", "DType", "DTypeChoice",
     "DataConfig", "DataFormat", "DpoLossType", "FSDPConfig", "FSDP_CONFIGS_DIR", "GrpoConfig", "GrpoLossType",
     "HardwareConfig", "LoggingConfig", "LoraConfig", "LossConfig", "ModelConfig", "OBJECTIVES", "Objective",
-    "ObjectiveKind", "OptimConfig", "OverlongPolicy", "PAIR_OBJECTIVES", "PreferenceConfig", "ProfileConfig",
-    "QuantConfig", "RECIPES_DIR", "REFERENCE_OBJECTIVES", "REPO_ROOT", "RUN_CONTROL_KEYS", "RewardConfig",
+    "ObjectiveKind", "OptimConfig", "OverlongPolicy", "PreferenceConfig", "ProfileConfig",
+    "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "RewardConfig",
     "SourceConfig", "Template", "TemplateChoice", "TrainConfig", "changed_settings", "load_config",
     "resolve_recipe_path", "to_dict", "to_yaml", "validate",
 ]

@@ -45,12 +45,6 @@ OBJECTIVES: dict[str, ObjectiveKind] = {
     "reward": ObjectiveKind("pairs:Pairs", "pairs", "BradleyTerryLoss", reward_head=True),
     "grpo": ObjectiveKind("grpo:Grpo", "prompts", generates=True),
 }
-PAIR_OBJECTIVES = tuple(name for name, kind in OBJECTIVES.items() if kind.pairs)
-REFERENCE_OBJECTIVES = tuple(name for name, kind in OBJECTIVES.items() if kind.reference)
-
-
-def objective_kind(objective: str) -> ObjectiveKind:
-    return OBJECTIVES[objective]
 
 
 DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]

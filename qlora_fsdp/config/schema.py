@@ -12,12 +12,6 @@ from qlora_fsdp.config.objectives import (
 
 # the objective sections live in objectives.py; re-exported here, the schema's one import point
 from qlora_fsdp.config.objectives import (
-    PAIR_OBJECTIVES as PAIR_OBJECTIVES,
-)
-from qlora_fsdp.config.objectives import (
-    REFERENCE_OBJECTIVES as REFERENCE_OBJECTIVES,
-)
-from qlora_fsdp.config.objectives import (
     DpoLossType as DpoLossType,
 )
 from qlora_fsdp.config.objectives import (
