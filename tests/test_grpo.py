@@ -396,6 +396,7 @@ def greedy_with_and_without_graphs(model, tokenizer, prompts: list[list[int]], i
     the same greedy completions, and graphs were compiled."""
     from torch._dynamo.utils import counters
 
+    from qlora_fsdp.objectives import rollouts
     from qlora_fsdp.objectives.rollouts import generate
 
     out: dict = {}
@@ -404,6 +405,20 @@ def greedy_with_and_without_graphs(model, tokenizer, prompts: list[list[int]], i
         grpo = GrpoConfig(num_generations=2, max_completion_length=6, generation_graphs=graphs)
         out[graphs] = generate(model, tokenizer, prompts, grpo, info.device, info.world_size, greedy=True).ids
         out[f"{graphs}_graphs"] = counters["stats"]["unique_graphs"] - before
+
+    def failing_backend(graph, example_inputs, **settings):  # a compiler that cannot compile this step
+        raise RuntimeError("no kernel for this op")
+
+    rollouts.GRAPHS_BACKEND, backend = failing_backend, rollouts.GRAPHS_BACKEND
+    torch._dynamo.reset()
+    try:  # the run goes on eagerly, says why once, and later calls do not try again
+        grpo = GrpoConfig(num_generations=2, max_completion_length=6, generation_graphs="on")
+        out["fallback"] = generate(model, tokenizer, prompts, grpo, info.device, info.world_size, greedy=True).ids
+        out["failure"] = list(rollouts.GRAPHS_FAILED)
+        out["later"] = generate(model, tokenizer, prompts, grpo, info.device, info.world_size, greedy=True).ids
+    finally:
+        rollouts.GRAPHS_BACKEND = backend
+        rollouts.GRAPHS_FAILED.clear()
     return out
 
 
@@ -451,6 +466,8 @@ def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(
             assert torch.tensor(generated) == pytest.approx(torch.tensor(recomputed), abs=1e-5)
     for graphs in (r["graphs"] for r in ranks):
         assert graphs["on"] == graphs["off"] and graphs["on_graphs"] > 0 and graphs["off_graphs"] == 0, graphs
+        assert graphs["fallback"] == graphs["later"] == graphs["off"]
+        assert len(graphs["failure"]) == 1 and "no kernel for this op" in graphs["failure"][0]
     # gathered and split move the model once a step (its two calls of a row share the layout), whatever the
     # tokens; per token, once a decoding step
     for gathered in (r["gathered"] for r in ranks):

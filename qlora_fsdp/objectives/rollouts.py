@@ -64,6 +64,9 @@ class SampledLogps(LogitsProcessor):
         self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         return scores
 
+    def reset(self) -> None:
+        self.last, self.steps = None, []
+
     def gather(self, tokens: torch.Tensor) -> None:
         if self.last is not None:
             self.steps.append(self.last.gather(1, tokens).squeeze(1))
@@ -72,7 +75,7 @@ class SampledLogps(LogitsProcessor):
     def finish(self, sequences: torch.Tensor) -> list[list[float]]:
         self.gather(sequences[:, -1:])
         rows = torch.stack(self.steps, dim=1).tolist() if self.steps else [[] for _ in range(len(sequences))]
-        self.steps = []
+        self.reset()
         return rows
 
 
@@ -145,10 +148,14 @@ def common_width(prompts: list[list[int]], layout: Layout, world_size: int, devi
     return int(all_reduce_max(float(width), device)) + 1
 
 
+GRAPHS_BACKEND: Any = "inductor"  # torch.compile's backend for the decoding step (a test plants a failing one)
+GRAPHS_FAILED: list[str] = []  # the first compile failure of this process: later calls decode eagerly
+
+
 def uses_graphs(grpo: GrpoConfig, device: torch.device, layout: Layout) -> bool:
     """Graphs for the gathered layout only: split and per_token run collectives inside the decoding step."""
     wanted = grpo.generation_graphs == "on" or (grpo.generation_graphs == "auto" and device.type == "cuda")
-    return wanted and layout == "gathered"
+    return wanted and layout == "gathered" and not GRAPHS_FAILED
 
 
 CACHE_BUCKET = 64  # tokens: a cache sized to the next multiple keeps one compiled decoding step across calls
@@ -163,9 +170,34 @@ def decoding_options(model: nn.Module, grpo: GrpoConfig, device: torch.device, t
     cache = StaticCache(config=config, max_cache_len=math.ceil(tokens / CACHE_BUCKET) * CACHE_BUCKET)
     if not uses_graphs(grpo, device, layout):
         return {"past_key_values": cache, "disable_compile": True}
-    compile_config = CompileConfig(fullgraph=False, mode="reduce-overhead")
+    compile_config = CompileConfig(fullgraph=False, mode="reduce-overhead", backend=GRAPHS_BACKEND)
     setattr(compile_config, "_compile_all_devices", device.type != "cuda")  # noqa: B010 (a CPU run of the path: tests)
     return {"past_key_values": cache, "compile_config": compile_config}
+
+
+def sample_with_graphs_or_eagerly(sample: Callable[..., torch.Tensor], call: dict[str, Any], options: dict[str, Any],
+                                  model: nn.Module, grpo: GrpoConfig, device: torch.device, tokens: int,
+                                  layout: Layout) -> torch.Tensor:
+    """The call, with the compiled decoding step where asked; a step that fails to compile is a speed lost, not a
+    run: it says so once and decodes eagerly from then on (the gathered layout has no collective inside a call, so
+    a rank may fall back alone). Out of memory is not a compile failure."""
+    if "compile_config" not in options:
+        return sample(**call, **options)
+    try:
+        return sample(**call, **options)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 (any compiler failure: dynamo's, inductor's, a CUDA graph's)
+        cause = getattr(error, "inner_exception", None) or error  # dynamo wraps the compiler's own error
+        first = (str(cause).strip().splitlines() or [""])[0][:200]
+        GRAPHS_FAILED.append(f"{type(cause).__name__}: {first}")
+        print(f"GRPO generation: the decoding step did not compile ({GRAPHS_FAILED[0]}); generating eagerly from "
+              "now on (grpo.generation_graphs: off skips the attempt)", flush=True)
+    for processor in call.get("logits_processor", []):  # what the failed attempt recorded is void
+        processor.reset()
+    eager = decoding_options(model, grpo, device, tokens, layout)  # a fresh cache; no compile_config now
+    with torch.compiler.set_stance("force_eager"):
+        return sample(**call, **eager)
 
 
 def sampling(grpo: GrpoConfig, greedy: bool) -> dict[str, Any]:
@@ -203,12 +235,13 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list
             input_ids, attention_mask = left_padded(rows[first : first + chunk], pad_id, width)
             tokens = max(cache_tokens, input_ids.shape[1] + grpo.max_completion_length)
             options = decoding_options(model, grpo, device, tokens, layout)
+            call = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                        max_new_tokens=grpo.max_completion_length, eos_token_id=ends, pad_token_id=pad_id,
+                        use_cache=True, synced_gpus=steps_together(layout, world_size), **sampling(grpo, greedy),
+                        **stops)
             if recorder is not None:
-                options["logits_processor"] = LogitsProcessorList([recorder])
-            out = sample(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                max_new_tokens=grpo.max_completion_length, eos_token_id=ends, pad_token_id=pad_id, use_cache=True,
-                synced_gpus=steps_together(layout, world_size), **sampling(grpo, greedy), **options, **stops)
+                call["logits_processor"] = LogitsProcessorList([recorder])
+            out = sample_with_graphs_or_eagerly(sample, call, options, model, grpo, device, tokens, layout)
             new += [row + [pad_id] * (grpo.max_completion_length - len(row))
                     for row in out[:, input_ids.shape[1]:].tolist()]
             if recorder is not None:
