@@ -195,6 +195,12 @@ def generation_layout(model: nn.Module, layout: Layout) -> Iterator[None]:
             yield
 
 
+def graphs_for(setting: str, on_gpu: bool, layout: Layout) -> bool:
+    """Whether the decoding step is replayed as a CUDA graph (`grpo.generation_graphs`; auto: on a GPU): for the
+    gathered layout only, since split and per_token run collectives inside the step."""
+    return layout == "gathered" and (setting == "on" or (setting == "auto" and on_gpu))
+
+
 def steps_together(layout: Layout, world_size: int) -> bool:
     """Whether ranks must run the same number of forwards (a collective inside every forward)."""
     return world_size > 1 and layout != "gathered"

@@ -93,6 +93,11 @@ class Grpo(Objective):
             self.rewards = resolve_rewards(self.cfg.grpo, {"reward_model": reward_model_function})
 
     @property
+    def cache_tokens(self) -> int:
+        """A row's longest prompt and completion: one KV cache length for every generation call of the run."""
+        return self.cfg.prompt_room + self.grpo.max_completion_length
+
+    @property
     def data(self) -> PromptData:
         data = self.parts.data
         assert isinstance(data, PromptData), "GRPO reads prompts"
@@ -145,7 +150,7 @@ class Grpo(Objective):
         prompts = self.data.train.subset(flat_units)
         started = time.perf_counter()
         made = generate(self.model, self.tokenizer, prompts.ids, self.grpo, self.info.device,
-                        self.info.world_size, cache_tokens=self.cfg.prompt_room + self.grpo.max_completion_length)
+                        self.info.world_size, cache_tokens=self.cache_tokens)
         seconds = time.perf_counter() - started
         mask = self.grpo.mask_truncated_completions
         samples = [completion_sample(prompts.ids[i // g], ids, mask and cut)
@@ -211,7 +216,7 @@ class Grpo(Objective):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.cfg.train.seed + 7919 * step + self.info.rank)
             made = generate(self.model, self.tokenizer, prompts.ids, self.grpo, self.info.device,
-                            self.info.world_size, cache_tokens=self.cfg.prompt_room + self.grpo.max_completion_length)
+                            self.info.world_size, cache_tokens=self.cache_tokens)
         scores = score(self.rewards, self.rollouts(prompts, made.ids))
         metrics = self.reward_metrics(scores, combined(scores, [r.weight for r in self.rewards]), made.ids,
                                       made.truncated, 0.0)

@@ -36,7 +36,13 @@ from qlora_fsdp.config import GrpoConfig
 from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.distributed import all_reduce_max
 from qlora_fsdp.families import attention_needs
-from qlora_fsdp.generation.layouts import Layout, generation_layout, resolved_layout, steps_together
+from qlora_fsdp.generation.layouts import (
+    Layout,
+    generation_layout,
+    graphs_for,
+    resolved_layout,
+    steps_together,
+)
 from qlora_fsdp.layers.attention import generation_attention
 
 
@@ -153,9 +159,7 @@ GRAPHS_FAILED: list[str] = []  # the first compile failure of this process: late
 
 
 def uses_graphs(grpo: GrpoConfig, device: torch.device, layout: Layout) -> bool:
-    """Graphs for the gathered layout only: split and per_token run collectives inside the decoding step."""
-    wanted = grpo.generation_graphs == "on" or (grpo.generation_graphs == "auto" and device.type == "cuda")
-    return wanted and layout == "gathered" and not GRAPHS_FAILED
+    return graphs_for(grpo.generation_graphs, device.type == "cuda", layout) and not GRAPHS_FAILED
 
 
 CACHE_BUCKET = 64  # tokens: a cache sized to the next multiple keeps one compiled decoding step across calls

@@ -36,7 +36,7 @@ from transformers import PretrainedConfig
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.generation.layouts import Layout
+from qlora_fsdp.generation.layouts import Layout, graphs_for
 from qlora_fsdp.generation.room import kv_cache_bytes
 from qlora_fsdp.measure.fake_step import update_rows
 from qlora_fsdp.measure.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
@@ -162,12 +162,6 @@ def generation_memory(cfg: Config, hf: PretrainedConfig, step: StepMemory, large
                             kv_cache_bytes(hf, rows, prompt + new, itemsize), gathered, max(prefill, sampling))
 
 
-def uses_graphs(cfg: Config, layout: Layout) -> bool:
-    """A decoding step replayed as a CUDA graph: the gathered layout on a GPU, unless the recipe turns it off
-    (split and per_token run collectives inside the step)."""
-    return layout == "gathered" and cfg.grpo.generation_graphs != "off"
-
-
 def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory: GenerationMemory,
                     rates: Rates) -> GenerationTime:
     itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
@@ -185,7 +179,7 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     turns = world if layout == "split" else 1
     gpu = (weights + turns * mean_cache) / rates.memory + turns * flops_per_token * rows / rates.flops
     host = layers * (DECODE_HOST_SECONDS_PER_LAYER + turns * rows * DECODE_SECONDS_PER_ROW_LAYER)
-    if uses_graphs(cfg, layout):
+    if graphs_for(cfg.grpo.generation_graphs, True, layout):  # a plan is of GPUs
         host = GRAPH_HOST_SECONDS_PER_STEP
     prompt_flops = turns * flops_per_token * rows * prompt / rates.flops
     if layout == "per_token":
