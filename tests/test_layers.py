@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qlora_fsdp"
-BASE = {"errors", "labels", "dtypes", "optimizer_registry", "distributed", "config", "precision", "families"}
+BASE = {"errors", "labels", "dtypes", "optimizer_registry", "distributed", "config", "precision", "families", "agents"}
 MODEL = {"layers", "losses", "loading"}
 # what each part of the package may import (besides itself)
 ALLOWED = {
@@ -15,6 +15,7 @@ ALLOWED = {
     "config": {"errors", "optimizer_registry"},
     "precision": {"config", "dtypes", "errors", "optimizer_registry"},
     "families": {"errors"},  # what differs between model families, asked by everything above
+    "agents": {"errors", "config"},  # GRPO's tools and environments: user code, found, run and read back
     "data": BASE,  # never the model's packages: data and model do not know each other
     "layers": BASE,  # modules that compute, knowing nothing of files or losses
     "losses": BASE | {"layers"},

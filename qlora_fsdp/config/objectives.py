@@ -128,6 +128,17 @@ class GrpoConfig:
     beta: float = 0.0  # the KL penalty's weight; the reference is the base with the adapter off; 0: no reference
     num_iterations: int = 1  # updates per generated batch; above 1 the log-probabilities at generation are kept
     mask_truncated_completions: bool = False  # completions cut at max_completion_length count in no loss
+    # multi-turn rollouts (docs/grpo.md, "Tools and environments"): the model's calls are run, their results appended
+    # as tool messages (context, never trained on), and it goes on until a reply without a call
+    tools: list[str] = field(default_factory=list)  # module:function or path/file.py:function, typed and documented
+    environment: str = ""  # module:factory: an environment per rollout, its public methods the tools (TRL's)
+    environments: dict[str, str] = field(default_factory=dict)  # several by name; each record's `environment` picks
+    max_tool_calling_iterations: int | None = None  # TRL's: rounds of calls a rollout may take; None: no limit
+    tool_timeout_s: float = 30.0  # a call that runs longer fails (its message says so); the rollout goes on
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools or self.environment or self.environments)
 
     @property
     def resolved_epsilon_high(self) -> float:

@@ -177,7 +177,8 @@ def _validate_grpo(config: Config) -> None:
                           f"only; got objective {config.train.objective} with format {config.data.format}")
     if not grpo_run:
         return
-    if not grpo.rewards or not all(reward.function for reward in grpo.rewards):
+    environment_rewards = bool(grpo.environment or grpo.environments)  # get_reward(), checked when it is found
+    if (not grpo.rewards and not environment_rewards) or not all(reward.function for reward in grpo.rewards):
         raise ConfigError("'train.objective: grpo' needs reward functions: grpo.rewards: [{function: math_answer}] "
                           "(a built-in: math_answer, format, length_penalty) or [{function: my_module:my_function}]")
     if grpo.num_generations < 2:
@@ -194,6 +195,13 @@ def _validate_grpo(config: Config) -> None:
             raise ConfigError(f"'{key}' must be positive, got {value}")
     if grpo.generation_rows is not None and grpo.generation_rows < 1:
         raise ConfigError(f"'grpo.generation_rows' must be at least 1 or null, got {grpo.generation_rows}")
+    if grpo.environment and grpo.environments:
+        raise ConfigError("'grpo.environment' names one environment for every record, 'grpo.environments' several "
+                          "chosen by each record's `environment` column: set one of them")
+    if (grpo.max_tool_calling_iterations or 0) < 0 or grpo.tool_timeout_s <= 0:
+        raise ConfigError("'grpo.max_tool_calling_iterations' must be 0 or more (or null: no limit) and "
+                          f"'grpo.tool_timeout_s' positive; got {grpo.max_tool_calling_iterations}, "
+                          f"{grpo.tool_timeout_s}")
     if grpo.beta < 0 or grpo.top_k < 0 or (grpo.delta is not None and grpo.delta <= 1):
         raise ConfigError("'grpo.beta' and 'grpo.top_k' must be 0 or more, 'grpo.delta' null or above 1; got "
                           f"{grpo.beta}, {grpo.top_k}, {grpo.delta}")

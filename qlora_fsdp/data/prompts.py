@@ -14,11 +14,13 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from qlora_fsdp.agents.environments import environment_of
+from qlora_fsdp.agents.recipe import rollout_tools
 from qlora_fsdp.config import Config, DataConfig, SourceConfig
 from qlora_fsdp.data.kinds import check_trainable, held_out_split
 from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.sources import eval_source, read_source, sources_of, weighted
-from qlora_fsdp.data.templates import prompt_ids
+from qlora_fsdp.data.templates import prompt_ids, tool_call_format
 from qlora_fsdp.errors import DataError
 
 RESERVED = ("prompt", "completion", "completion_ids")  # TRL passes every other column to the reward functions
@@ -71,9 +73,14 @@ def is_chat(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def encode_prompt(prompt: Any, tokenizer: PreTrainedTokenizerBase, template: str, where: str) -> list[int]:
+def encode_prompt(prompt: Any, tokenizer: PreTrainedTokenizerBase, template: str, where: str,
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's tokens; `tools`: the schemas it shows (a rollout that calls tools: chat prompts only)."""
     if is_chat(prompt):
-        return prompt_ids(list(prompt), tokenizer, template)  # type: ignore[arg-type]
+        return prompt_ids(list(prompt), tokenizer, template, tools)  # type: ignore[arg-type]
+    if tools is not None:
+        raise DataError(f"{where}: GRPO with tools reads chat prompts (a list of messages) so the template can show "
+                        "the tools; this prompt is plain text")
     if isinstance(prompt, str) and prompt:
         return list(tokenizer(prompt)["input_ids"])
     raise DataError(f"{where}: 'prompt' must be text or a list of chat messages, got {type(prompt).__name__}")
@@ -110,10 +117,14 @@ def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config, sources: list[
     records = read_prompts(sources, cfg.data, cfg.train.seed)
     template = run_template(cfg.data, tokenizer)
     room = cfg.prompt_room
+    tooling = rollout_tools(cfg.grpo) if cfg.grpo.calls_tools else None
+    if tooling is not None:
+        tool_call_format(tokenizer, template)  # a template that cannot show tools: one line now
     ids, prompts = [], []
     for index, record in enumerate(records):
         where = f"{sources[0].path} record {index + 1}"
-        encoded = encode_prompt(record["prompt"], tokenizer, template, where)
+        tools = tooling.schemas(environment_of(record, tooling.environments, where)) if tooling else None
+        encoded = encode_prompt(record["prompt"], tokenizer, template, where, tools)
         if len(encoded) > room:
             raise DataError(f"{where}: the prompt has {len(encoded)} tokens, more than data.context_length - "
                             f"grpo.max_completion_length = {room}; raise data.context_length or shorten it")

@@ -17,16 +17,19 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from qlora_fsdp.config import Config
+from qlora_fsdp.agents.environments import reward_functions
+from qlora_fsdp.agents.recipe import rollout_tools
+from qlora_fsdp.config import Config, Template
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed, pack
 from qlora_fsdp.data.prompts import PromptData, Prompts, is_chat
 from qlora_fsdp.distributed import all_reduce_maxes, all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
+from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.losses.forward import ForwardLoss, PolicyTokens
 from qlora_fsdp.losses.pairs import adapter_off
@@ -42,7 +45,8 @@ from qlora_fsdp.losses.policy import (
 from qlora_fsdp.losses.router import grpo_router_coefficient
 from qlora_fsdp.objectives.base import Objective, RunParts, StepResult, full_length_batches
 from qlora_fsdp.objectives.reward_model_scores import reward_model_function
-from qlora_fsdp.objectives.rollouts import Completions, generate
+from qlora_fsdp.objectives.rollouts import decoding
+from qlora_fsdp.objectives.turns import Made, ToolRollouts
 from qlora_fsdp.rewards.functions import Reward, Rollouts, combined, resolve_rewards, score
 
 
@@ -60,10 +64,13 @@ class Generation:
     sample: dict[str, Any] | None = None  # a few completions with their rewards, for completions.jsonl
 
 
-def completion_sample(prompt: list[int], completion: list[int], masked: bool) -> Sample:
-    """Prompt + completion; the completion's tokens are the targets (none where its loss is masked)."""
-    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + ([IGNORE_INDEX] * len(completion) if masked
-                                                                         else list(completion)))
+def completion_sample(prompt: list[int], completion: list[int], masked: bool,
+                      policy: list[int] | None = None) -> Sample:
+    """Prompt + completion; the completion's tokens are the targets (none where its loss is masked; only the
+    policy's own where a rollout called tools: `policy` marks them)."""
+    keep = policy if policy is not None else [1] * len(completion)
+    targets = [token if kept and not masked else IGNORE_INDEX for token, kept in zip(completion, keep, strict=True)]
+    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets)
 
 
 class Grpo(Objective):
@@ -80,7 +87,13 @@ class Grpo(Objective):
 
     @classmethod
     def check_before_loading(cls, cfg: Config) -> None:
-        resolve_rewards(cfg.grpo, {"reward_model": reward_model_function})
+        """Unknown reward functions, tools or environments, a tool without type hints: one line, before loading."""
+        if cfg.grpo.calls_tools:
+            tooling = rollout_tools(cfg.grpo)
+            if not cfg.grpo.rewards and not reward_functions(tooling.environments):
+                raise ConfigError("GRPO needs a reward: grpo.rewards, or an environment with a get_reward() method")
+        if cfg.grpo.rewards:
+            resolve_rewards(cfg.grpo, {"reward_model": reward_model_function})
 
     def attach(self, run: RunParts) -> None:
         super().attach(run)
@@ -90,7 +103,16 @@ class Grpo(Objective):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.router_coefficient = grpo_router_coefficient(run.model)
         if not self.given_rewards:
-            self.rewards = resolve_rewards(self.cfg.grpo, {"reward_model": reward_model_function})
+            self.rewards = (resolve_rewards(self.cfg.grpo, {"reward_model": reward_model_function})
+                            if self.cfg.grpo.rewards else [])
+        self.tool_rollouts: ToolRollouts | None = None
+        if self.grpo.calls_tools:
+            config = getattr(run.model.config, "text_config", run.model.config)
+            positions = getattr(config, "max_position_embeddings", None) or 1 << 30
+            self.tool_rollouts = ToolRollouts(self.grpo, tokenizer, cast(Template, self.data.template), positions,
+                                              self.cfg.prompt_room, run.info.device)
+            self.rewards += [Reward(name, function, 1.0)
+                             for name, function in reward_functions(self.tool_rollouts.tooling.environments)]
 
     @property
     def cache_tokens(self) -> int:
@@ -125,14 +147,31 @@ class Grpo(Objective):
 
     # ---- generation and rewards -------------------------------------------------------------------------------
 
-    def rollouts(self, prompts: Prompts, ids: list[list[int]]) -> Rollouts:
+    def rollouts(self, prompts: Prompts, made: Made) -> Rollouts:
+        """What the reward functions get, as TRL calls them: for a multi-turn rollout its messages (replies and
+        tool results) as the completion, and the environments' instances as `environments`."""
         g = self.grpo.num_generations
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(made.ids, skip_special_tokens=True)
         chat = [is_chat(p) for p in prompts.prompts for _ in range(g)]
-        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat, strict=True)]
-        return Rollouts([p for p in prompts.prompts for _ in range(g)], completions, ids,
-                        [r for r in prompts.records for _ in range(g)],
-                        {name: [v for v in values for _ in range(g)] for name, values in prompts.columns.items()})
+        completions = made.messages or [[{"role": "assistant", "content": t}] if c else t
+                                        for t, c in zip(texts, chat, strict=True)]
+        columns = {name: [v for v in values for _ in range(g)] for name, values in prompts.columns.items()}
+        if made.environments is not None:
+            columns["environments"] = made.environments
+        return Rollouts(made.reward_prompts or [p for p in prompts.prompts for _ in range(g)], completions, made.ids,
+                        [r for r in prompts.records for _ in range(g)], columns)
+
+    def make(self, prompts: Prompts) -> Made:
+        """The step's completions of `prompts`: single replies, or multi-turn rollouts with the recipe's tools,
+        the weights placed for generating once for all their turns."""
+        g = self.grpo.num_generations
+        with decoding(self.model, self.tokenizer, self.grpo, self.info.device, self.info.world_size,
+                      len(prompts) * g, max(len(ids) for ids in prompts.ids), cache_tokens=self.cache_tokens) as decode:
+            if self.tool_rollouts is not None:
+                return self.tool_rollouts.make(decode, prompts, g)
+            rows = [ids for ids in prompts.ids for _ in range(g)]
+            made = decode(rows)
+        return Made(rows, made.ids, made.truncated)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         scale = self.grpo.scale_rewards
@@ -149,13 +188,13 @@ class Grpo(Objective):
         flat_units = [u for micro in units for u in micro]
         prompts = self.data.train.subset(flat_units)
         started = time.perf_counter()
-        made = generate(self.model, self.tokenizer, prompts.ids, self.grpo, self.info.device,
-                        self.info.world_size, cache_tokens=self.cache_tokens)
+        made = self.make(prompts)
         seconds = time.perf_counter() - started
         mask = self.grpo.mask_truncated_completions
-        samples = [completion_sample(prompts.ids[i // g], ids, mask and cut)
-                   for i, (ids, cut) in enumerate(zip(made.ids, made.truncated, strict=True))]
-        scores = score(self.rewards, self.rollouts(prompts, made.ids))
+        policy = made.policy or [None] * len(made.ids)
+        samples = [completion_sample(prompt, ids, mask and cut, kept) for prompt, ids, cut, kept
+                   in zip(made.prompts, made.ids, made.truncated, policy, strict=True)]
+        scores = score(self.rewards, self.rollouts(prompts, made))
         rewards = combined(scores, [r.weight for r in self.rewards])
         micro_batches, start = [], 0
         for micro in units:
@@ -168,22 +207,24 @@ class Grpo(Objective):
             ref = [lp for m in micro_batches for lp in self.logps_by_completion(samples, m, adapter=False)]
         tokens = sum(sum(label != IGNORE_INDEX for label in s.labels) for s in samples)
         completions, n_tokens = all_reduce_sums([len(samples), tokens], self.info.device)
-        metrics = self.reward_metrics(scores, rewards, made.ids, made.truncated, seconds)
+        metrics = self.reward_metrics(scores, rewards, made, seconds)
         return Generation(samples, micro_batches, self.advantages(rewards), old, ref,
                           StepCounts(completions, n_tokens, len(micro_batches) * self.info.world_size), metrics,
                           self.sample_record(prompts, made, rewards))
 
-    def reward_metrics(self, scores: torch.Tensor, rewards: torch.Tensor, ids: list[list[int]],
-                       truncated: list[bool], seconds: float) -> dict[str, float]:
+    def reward_metrics(self, scores: torch.Tensor, rewards: torch.Tensor, made: Made,
+                       seconds: float) -> dict[str, float]:
         """Over every rank's completions: the reward's and each function's mean and standard deviation, the
-        completions' mean and longest length, the truncated share, and generated tokens a second."""
+        completions' mean and longest length (the policy's tokens), the truncated share, generated tokens a
+        second, and with tools TRL's call and failure frequencies."""
         columns = [("reward", rewards)] + [(f"rewards/{r.name}", scores[:, i]) for i, r in enumerate(self.rewards)]
-        sums: list[float] = [sum(len(i) for i in ids), sum(truncated), len(ids), seconds]
+        lengths = made.lengths
+        sums: list[float] = [sum(lengths), sum(made.truncated), len(lengths), seconds]
         for _, values in columns:
             present = values[~torch.isnan(values)].double()
             sums += [present.numel(), present.sum().item(), (present**2).sum().item()]
         totals = all_reduce_sums(sums, self.info.device)
-        longest = all_reduce_maxes([float(max((len(i) for i in ids), default=0))], self.info.device)[0]
+        longest = all_reduce_maxes([float(max(lengths, default=0))], self.info.device)[0]
         n = totals[2]
         metrics = {"completion_length": totals[0] / n, "completion_length_max": longest,
                    "truncated_ratio": totals[1] / n,
@@ -192,13 +233,19 @@ class Grpo(Objective):
             count, total, squares = totals[4 + 3 * index : 7 + 3 * index]
             metrics[name] = total / count if count else math.nan
             metrics[f"{name}_std" if name == "reward" else f"{name}/std"] = std_from_sums(count, total, squares)
+        if made.counts is not None:
+            calls, failures, malformed = all_reduce_sums(
+                [made.counts.calls, made.counts.failures, made.counts.malformed], self.info.device)
+            metrics.update({"tools/call_frequency": calls / n, "tools/failure_frequency": failures / max(calls, 1.0),
+                            "tools/malformed_frequency": malformed / n})
         return metrics
 
-    def sample_record(self, prompts: Prompts, made: Completions, rewards: torch.Tensor) -> dict[str, Any]:
+    def sample_record(self, prompts: Prompts, made: Made, rewards: torch.Tensor) -> dict[str, Any]:
         """The first prompt's completions and rewards (rank 0's), for completions.jsonl."""
         g = self.grpo.num_generations
         texts = self.tokenizer.batch_decode(made.ids[:g], skip_special_tokens=True)
-        return {"prompt": prompts.prompts[0], "completions": texts, "rewards": rewards[:g].tolist()}
+        shown = made.messages[:g] if made.messages is not None else texts  # a multi-turn rollout: its messages
+        return {"prompt": prompts.prompts[0], "completions": shown, "rewards": rewards[:g].tolist()}
 
     def has_eval(self) -> bool:
         return len(self.data.eval) > 0
@@ -215,11 +262,9 @@ class Grpo(Objective):
         devices = [self.info.device] if self.info.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.cfg.train.seed + 7919 * step + self.info.rank)
-            made = generate(self.model, self.tokenizer, prompts.ids, self.grpo, self.info.device,
-                            self.info.world_size, cache_tokens=self.cache_tokens)
-        scores = score(self.rewards, self.rollouts(prompts, made.ids))
-        metrics = self.reward_metrics(scores, combined(scores, [r.weight for r in self.rewards]), made.ids,
-                                      made.truncated, 0.0)
+            made = self.make(prompts)
+        scores = score(self.rewards, self.rollouts(prompts, made))
+        metrics = self.reward_metrics(scores, combined(scores, [r.weight for r in self.rewards]), made, 0.0)
         kept = ["reward", "reward_std", "completion_length", "truncated_ratio"]
         kept += [f"rewards/{r.name}" for r in self.rewards]
         return {f"eval_{key}": metrics[key] for key in kept}

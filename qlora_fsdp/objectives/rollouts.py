@@ -214,43 +214,74 @@ def sampling(grpo: GrpoConfig, greedy: bool) -> dict[str, Any]:
             **neutral}
 
 
+class Decoder:
+    """Decoding calls inside one generation layout: a step enters it once for all its rollouts' turns."""
+
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, grpo: GrpoConfig, device: torch.device,
+                 world_size: int, layout: Layout, greedy: bool, cache_tokens: int, logps: bool) -> None:
+        self.model, self.tokenizer, self.grpo, self.device = model, tokenizer, grpo, device
+        self.world_size, self.layout, self.greedy, self.cache_tokens = world_size, layout, greedy, cache_tokens
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.ends = eos_ids(model, tokenizer)
+        self.recorder = SampledLogps(1.0 if greedy else grpo.temperature) if logps else None
+
+    def __call__(self, rows: list[list[int]], budgets: list[int] | None = None) -> Completions:
+        """Each row's completion, at most its budget of new tokens (max_completion_length where none is given),
+        `grpo.generation_rows` rows a call. A collective where the layout steps ranks together: every rank calls
+        as often."""
+        grpo, pad_id = self.grpo, self.pad_id
+        budgets = budgets or [grpo.max_completion_length] * len(rows)
+        stops = {"stop_strings": grpo.stop, "tokenizer": self.tokenizer} if grpo.stop else {}
+        sample = cast(Callable[..., torch.Tensor], self.model.generate)
+        chunk = grpo.generation_rows or len(rows)
+        width = common_width(rows, self.layout, self.world_size, self.device)
+        new: list[list[int]] = []
+        recorded: list[list[float]] = []
+        for first in range(0, len(rows), chunk):
+            input_ids, attention_mask = left_padded(rows[first : first + chunk], pad_id, width)
+            longest = max(budgets[first : first + chunk])
+            tokens = max(self.cache_tokens, input_ids.shape[1] + longest)
+            options = decoding_options(self.model, grpo, self.device, tokens, self.layout)
+            call = dict(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                        max_new_tokens=longest, eos_token_id=self.ends, pad_token_id=pad_id, use_cache=True,
+                        synced_gpus=steps_together(self.layout, self.world_size), **sampling(grpo, self.greedy),
+                        **stops)
+            if self.recorder is not None:
+                call["logits_processor"] = LogitsProcessorList([self.recorder])
+            out = sample_with_graphs_or_eagerly(sample, call, options, self.model, grpo, self.device, tokens,
+                                                self.layout)
+            new += [row + [pad_id] * (longest - len(row)) for row in out[:, input_ids.shape[1]:].tolist()]
+            if self.recorder is not None:
+                recorded += self.recorder.finish(out)
+        completions = [cut(row[:budget], set(self.ends), pad_id, grpo.stop, self.tokenizer)
+                       for row, budget in zip(new, budgets, strict=True)]
+        made = [ids for ids, _ in completions]
+        kept = ([values[: len(ids)] for values, ids in zip(recorded, made, strict=True)]
+                if self.recorder is not None else None)
+        return Completions(made, [truncated for _, truncated in completions], kept)
+
+
+@contextmanager
+def decoding(model: nn.Module, tokenizer: PreTrainedTokenizerBase, grpo: GrpoConfig, device: torch.device,
+             world_size: int, rows: int, width: int, layout: Layout | None = None, greedy: bool = False,
+             cache_tokens: int = 0, logps: bool = False) -> Iterator[Decoder]:
+    """The weights placed for generating (the recipe's layout, or for `rows` rows of `width` prompt tokens a call
+    the one that fits here) and left so after the last call; `greedy`: the likeliest token each step instead
+    (exactness checks); `cache_tokens`: the KV cache's length a row at least (a run's longest prompt and
+    completion: every call then shares one compiled decoding step); `logps`: each token's log-probability at
+    generation too."""
+    generate_is_a_forward(model)
+    layout = layout or resolved_layout(model, grpo, min(grpo.generation_rows or rows, rows), width, device)
+    with generating(model, eager=not uses_graphs(grpo, device, layout)), generation_layout(model, layout):
+        yield Decoder(model, tokenizer, grpo, device, world_size, layout, greedy, cache_tokens, logps)
+
+
 def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], grpo: GrpoConfig,
              device: torch.device, world_size: int, layout: Layout | None = None, greedy: bool = False,
              cache_tokens: int = 0, logps: bool = False) -> Completions:
-    """num_generations completions of each prompt, in order, `grpo.generation_rows` rows a call, in the layout
-    the recipe names (or the one that fits here); `greedy`: the likeliest token each step instead (exactness checks).
-    `cache_tokens`: the KV cache's length a row at least (a run's longest prompt and completion: every call then
-    shares one compiled decoding step); `logps`: each token's log-probability at generation too. A collective under
-    FSDP2 with several ranks."""
+    """num_generations completions of each prompt, in order (decoding's arguments). A collective under FSDP2 with
+    several ranks."""
     rows = [ids for ids in prompts for _ in range(grpo.num_generations)]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ends = eos_ids(model, tokenizer)
-    stops = {"stop_strings": grpo.stop, "tokenizer": tokenizer} if grpo.stop else {}
-    generate_is_a_forward(model)
-    sample = cast(Callable[..., torch.Tensor], model.generate)
-    chunk = grpo.generation_rows or len(rows)  # every rank has as many rows, so as many calls
-    layout = layout or resolved_layout(model, grpo, min(chunk, len(rows)), max(len(p) for p in prompts), device)
-    width = common_width(prompts, layout, world_size, device)
-    new: list[list[int]] = []
-    recorded: list[list[float]] = []
-    recorder = SampledLogps(1.0 if greedy else grpo.temperature) if logps else None
-    with generating(model, eager=not uses_graphs(grpo, device, layout)), generation_layout(model, layout):
-        for first in range(0, len(rows), chunk):
-            input_ids, attention_mask = left_padded(rows[first : first + chunk], pad_id, width)
-            tokens = max(cache_tokens, input_ids.shape[1] + grpo.max_completion_length)
-            options = decoding_options(model, grpo, device, tokens, layout)
-            call = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                        max_new_tokens=grpo.max_completion_length, eos_token_id=ends, pad_token_id=pad_id,
-                        use_cache=True, synced_gpus=steps_together(layout, world_size), **sampling(grpo, greedy),
-                        **stops)
-            if recorder is not None:
-                call["logits_processor"] = LogitsProcessorList([recorder])
-            out = sample_with_graphs_or_eagerly(sample, call, options, model, grpo, device, tokens, layout)
-            new += [row + [pad_id] * (grpo.max_completion_length - len(row))
-                    for row in out[:, input_ids.shape[1]:].tolist()]
-            if recorder is not None:
-                recorded += recorder.finish(out)
-    completions = [cut(row, set(ends), pad_id, grpo.stop, tokenizer) for row in new]
-    made = [ids for ids, _ in completions]
-    kept = [values[: len(ids)] for values, ids in zip(recorded, made, strict=True)] if recorder is not None else None
-    return Completions(made, [truncated for _, truncated in completions], kept)
+    with decoding(model, tokenizer, grpo, device, world_size, len(rows), max(len(p) for p in prompts), layout,
+                  greedy, cache_tokens, logps) as decode:
+        return decode(rows)

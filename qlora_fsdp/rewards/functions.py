@@ -9,17 +9,14 @@ run in one line naming it and the prompt's index in the dataset.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
+from qlora_fsdp.agents.user_code import import_function
 from qlora_fsdp.config import GrpoConfig, RewardConfig
 from qlora_fsdp.errors import ConfigError, UserError
 from qlora_fsdp.rewards.builtin import BUILTINS, RewardFunction, builtin
@@ -34,40 +31,6 @@ class Reward:
     name: str
     function: RewardFunction
     weight: float
-
-
-def import_module(spec: str, name: str) -> ModuleType:
-    """An installed module, one beside train.py, or one under the working directory (the user's own file)."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as error:
-        beside = Path.cwd() / (name.replace(".", "/") + ".py")
-        if not beside.is_file():
-            raise ConfigError(f"reward function {spec!r}: cannot import {name} ({error})") from None
-    return load_file(beside)
-
-
-def load_file(path: Path) -> ModuleType:
-    found = importlib.util.spec_from_file_location(path.stem, path)
-    assert found is not None and found.loader is not None
-    module = importlib.util.module_from_spec(found)
-    found.loader.exec_module(module)
-    return module
-
-
-def import_function(spec: str) -> RewardFunction:
-    module_name, _, attribute = spec.rpartition(":")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise ConfigError(f"reward function {spec!r}: no file {path}")
-        module = load_file(path)
-    else:
-        module = import_module(spec, module_name)
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ConfigError(f"reward function {spec!r}: {module_name} has no function {attribute!r}")
-    return function
 
 
 # a built-in that needs the model code (a reward model): made from its options by a layer that may load models
@@ -85,7 +48,7 @@ def resolve(config: RewardConfig, grpo: GrpoConfig, factories: dict[str, Builtin
         return Reward(config.function, found, config.weight)
     if config.options:
         raise ConfigError(f"reward function {config.function!r}: options are for built-ins; give yours defaults")
-    return Reward(config.function, import_function(config.function), config.weight)
+    return Reward(config.function, import_function(config.function, "reward function"), config.weight)
 
 
 def resolve_rewards(grpo: GrpoConfig, factories: dict[str, BuiltinFactory] | None = None) -> list[Reward]:
