@@ -354,3 +354,175 @@ def tool_turns(row: tuple[list[int], list[bool]]) -> int:
     trained = row[1]
     first = trained.index(True) if True in trained else len(trained)
     return sum(1 for a, b in zip(trained[first:], trained[first + 1:], strict=False) if a and not b)
+
+
+TOOL_FAMILIES = {"llama-3.1": "llama3", "qwen2.5": "hermes", "qwen3": "hermes", "mistral-nemo": "mistral",
+                 "gpt-oss": "harmony"}
+
+
+def test_each_familys_published_template_has_its_calls_read_back():
+    """The format learnt from each published template; the calling turn it renders (two calls where the family
+    writes several) read back to the same calls; templates without tools refused in one line."""
+    from qlora_fsdp.agents.call_formats import parse_reply
+    from qlora_fsdp.data.templates import conversation_ids, tool_call_format
+    from qlora_fsdp.errors import DataError
+    from tests.test_chat_templates import family_tokenizer
+
+    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}},
+             {"type": "function", "function": {"name": "lookup", "arguments": {"key": "x"}}}]
+    schemas = [get_json_schema(add), get_json_schema(lookup)]
+    user = [{"role": "user", "content": "What is 3 plus 4?"}]
+    for family, expected in TOOL_FAMILIES.items():
+        tokenizer = family_tokenizer(family)
+        form = tool_call_format(tokenizer, "tokenizer")
+        assert form == expected, family
+        several = calls if family in ("qwen2.5", "qwen3", "mistral-nemo") else calls[:1]
+        before = tokenizer.decode(conversation_ids(user, tokenizer, "tokenizer", schemas, True))
+        after = tokenizer.decode(conversation_ids([*user, {"role": "assistant", "content": "", "tool_calls": several}],
+                                                  tokenizer, "tokenizer", schemas, False))
+        assert after.startswith(before), family
+        reply = parse_reply(after[len(before):], form, [tokenizer.eos_token])
+        assert reply.tool_calls == several and not reply.malformed, (family, after[len(before):])
+    for family in ("gemma-2", "phi-3.5"):
+        with pytest.raises(DataError, match="shows no tool calls.*set data.template: chatml"):
+            tool_call_format(family_tokenizer(family), "tokenizer")
+    assert tool_call_format(family_tokenizer("chatml"), "chatml") == "hermes"
+
+
+def get_json_schema(function: Any) -> dict[str, Any]:
+    from transformers.utils import get_json_schema as schema
+
+    return schema(function)
+
+
+def slow(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: How long.
+    """
+    import time
+
+    time.sleep(seconds)
+    return "woke"
+
+
+def test_bad_tools_environments_and_calls_fail_in_one_line_or_as_the_tools_message(tmp_path, monkeypatch):
+    """At load: a tool without type hints or docstring, an environment without reset or whose factory raises, both
+    environment keys. At run time nothing ends the run: a tool that hangs (in the main thread and in another), an
+    environment method that raises and an unknown tool become failed calls with TRL's error message; a malformed
+    call is not run and is counted."""
+    import threading
+    import time
+
+    from qlora_fsdp.agents.call_formats import parse_reply
+    from qlora_fsdp.agents.environments import load_environments
+    from qlora_fsdp.agents.toolbox import load_tools, run_call
+    from qlora_fsdp.config import Config
+    from qlora_fsdp.config.validation import validate
+    from qlora_fsdp.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "user_tools.py").write_text(
+        "def untyped(a):\n    \"\"\"Add.\n\n    Args:\n        a: x\n    \"\"\"\n    return a\n"
+        "def undocumented(a: int) -> int:\n    return a\n"
+        "class NoReset:\n    def act(self, a: int) -> int:\n        \"\"\"Act.\n\n        Args:\n            a: x\n"
+        "        \"\"\"\n        return a\n"
+        "def no_reset():\n    return NoReset()\n"
+        "def broken():\n    raise RuntimeError('no sandbox')\n")
+    for spec, message in (("user_tools:untyped", "tool 'user_tools:untyped': Argument a is missing a type hint"),
+                          ("user_tools.py:undocumented", "has no docstring"),
+                          ("user_tools:absent", "has no function 'absent'")):
+        with pytest.raises(ConfigError, match=message):
+            load_tools([spec])
+    for spec, message in (("user_tools:no_reset", "needs a reset"), ("user_tools:broken", "RuntimeError: no sandbox")):
+        with pytest.raises(ConfigError, match=message):
+            load_environments(GrpoConfig(environment=spec))
+    cfg = Config()
+    cfg.train.objective, cfg.data.format = "grpo", "prompt"
+    cfg.grpo.environment, cfg.grpo.environments, cfg.grpo.max_completion_length = "a:b", {"x": "a:b"}, 64
+    with pytest.raises(ConfigError, match="set one of them"):
+        validate(cfg)
+
+    def call(name: str, **arguments: Any) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+    counter = Counter_()
+    tools = {"slow": slow, "step": counter.step, "add": add}
+    started = time.perf_counter()
+    hung = run_call(tools, call("slow", seconds=30), 0.3)
+    assert hung.failed and "ran past its 0.3 s" in hung.content and time.perf_counter() - started < 5
+    box: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: box.update(result=run_call(tools, call("slow", seconds=30), 0.3)))
+    worker.start()
+    worker.join(10)
+    assert box["result"].failed and "ran past" in box["result"].content
+    raised = run_call(tools, call("step", by=9), 5)
+    assert raised.failed and raised.content == str({"error": "too far"})
+    assert run_call(tools, call("nowhere"), 5).content == str({"error": "Tool nowhere not found."})
+    assert run_call(tools, call("add", a=2, b=5), 5) == type(raised)("add", "7", False)
+    from examples.agent_tools import calculate
+
+    shipped = load_tools([str(Path(__file__).parent.parent / "examples" / "agent_tools.py") + ":calculate"])
+    assert shipped[0].name == "calculate" and calculate("(3 + 4) * 2") == "14"
+    assert "only numbers" in run_call({"calculate": calculate}, call("calculate", expression="__import__('os')"),
+                                      5).content
+    bad = parse_reply('<tool_call>\n{"name": "add", "arguments": {"a": 3,\n</tool_call><|im_end|>', "hermes",
+                      ["<|im_end|>"])
+    assert bad.malformed == 1 and not bad.tool_calls and "<tool_call>" in bad.content
+
+
+def test_prompts_are_read_with_their_environments_tools(tmp_path, monkeypatch):
+    """A prompt file read as a run reads it: each record rendered with the tools of the environment its
+    `environment` column names (and grpo.tools), plain-text prompts and unknown environments refused in one line."""
+    import json
+
+    from qlora_fsdp.agents.environments import EnvironmentError_
+    from qlora_fsdp.config import Config
+    from qlora_fsdp.data.prompts import load_prompt_data
+    from qlora_fsdp.data.templates import prompt_ids
+    from qlora_fsdp.errors import DataError
+    from tests.test_chat_templates import family_tokenizer
+
+    tokenizer = family_tokenizer("qwen2.5")
+    path = tmp_path / "prompts.jsonl"
+
+    def config(records: list[dict[str, Any]]) -> Config:
+        path.write_text("".join(json.dumps(record) + "\n" for record in records))
+        cfg = Config()
+        cfg.train.objective, cfg.data.format, cfg.data.path = "grpo", "prompt", str(path)
+        cfg.data.context_length, cfg.data.eval_samples, cfg.data.template = 4096, 0, "tokenizer"
+        cfg.grpo.max_completion_length, cfg.grpo.tools = 64, [f"{__name__}:add"]
+        cfg.grpo.environments = {"counter": f"{__name__}:make_counter", "plain": f"{__name__}:make_plain"}
+        return cfg
+
+    records = [{"prompt": prompt_messages(p), "environment": ["counter", "plain"][p % 2]} for p in range(4)]
+    data = load_prompt_data(tokenizer, config(records))
+    schemas = {"counter": [get_json_schema(add), get_json_schema(Counter_().step)],
+               "plain": [get_json_schema(add), get_json_schema(Plain().echo)]}
+    assert data.train.ids == [prompt_ids(r["prompt"], tokenizer, "tokenizer", schemas[r["environment"]])
+                              for r in records]
+    assert all('"name": "echo"' in tokenizer.decode(ids) for ids in data.train.ids[1::2])
+    with pytest.raises(DataError, match="record 1: GRPO with tools reads chat prompts"):
+        load_prompt_data(tokenizer, config([{"prompt": "plain text", "environment": "counter"}]))
+    with pytest.raises(EnvironmentError_, match="record 1: environment 'maze' is not among grpo.environments"):
+        load_prompt_data(tokenizer, config([{"prompt": prompt_messages(0), "environment": "maze"}]))
+
+
+class Plain:
+    """A second environment: its one tool echoes."""
+
+    def reset(self, **record: Any) -> None:
+        return None
+
+    def echo(self, text: str) -> str:
+        """Echo.
+
+        Args:
+            text: What to say.
+        """
+        return text
+
+
+def make_plain() -> Plain:
+    return Plain()

@@ -22,8 +22,8 @@ PROBE_NAME = "probe_tool_5179"
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 THINKING = re.compile(r"^\s*<think>(.*?)</think>\s*", re.S)
-HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>(.*?)"
-                          r"(?:<\|call\|>|<\|end\|>|$)", re.S)
+HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)(?:(?!<\|message\|>).)*<\|message\|>(.*?)"
+                          r"(?:<\|call\|>|<\|end\|>|$)", re.S)  # the channel before or after the recipient
 HARMONY_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|return\|>|<\|end\|>|$)", re.S)
 HARMONY_ANALYSIS = re.compile(r"<\|channel\|>analysis<\|message\|>(.*?)(?:<\|end\|>|$)", re.S)
 MISTRAL_NAMED = re.compile(r"([\w.-]+)\[ARGS\](\{.*?\})(?=\[TOOL_CALLS\]|$)", re.S)
@@ -145,7 +145,7 @@ PARSERS = {"hermes": parse_hermes, "llama3": parse_llama3, "harmony": parse_harm
 
 def parse_reply(text: str, form: CallFormat, ends: list[str]) -> Reply:
     """The turn's text (special tokens kept) -> its content and calls; `ends`: end-of-turn strings to drop."""
-    for end in ends:
-        while end and text.endswith(end):
-            text = text[: -len(end)]
+    text = text.rstrip()
+    while any(end and text.endswith(end) for end in ends):
+        text = next(text[: -len(end)].rstrip() for end in ends if end and text.endswith(end))
     return PARSERS[form](text)
