@@ -461,6 +461,20 @@ def test_bad_tools_environments_and_calls_fail_in_one_line_or_as_the_tools_messa
     assert raised.failed and raised.content == str({"error": "too far"})
     assert run_call(tools, call("nowhere"), 5).content == str({"error": "Tool nowhere not found."})
     assert run_call(tools, call("add", a=2, b=5), 5) == type(raised)("add", "7", False)
+
+    async def later(a: int) -> int:
+        """Awaited.
+
+        Args:
+            a: A value.
+        """
+        import asyncio
+
+        await asyncio.sleep(0.01 if a < 10 else 30)
+        return a * 2
+
+    assert run_call({"later": later}, call("later", a=4), 5).content == "8"  # an async tool, awaited
+    assert run_call({"later": later}, call("later", a=40), 0.3).failed  # and under the limit
     from examples.agent_tools import calculate
 
     shipped = load_tools([str(Path(__file__).parent.parent / "examples" / "agent_tools.py") + ":calculate"])

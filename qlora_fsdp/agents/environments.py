@@ -10,6 +10,7 @@ reused from step to step (constructed once, reset often), as TRL does.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -121,7 +122,8 @@ def reward_functions(kinds: dict[str | None, EnvironmentKind]) -> list[tuple[str
             continue
 
         def scores(environments: list[Any], _kind: type = kind, **_: Any) -> list[Any]:
-            return [e.get_reward() if type(e) is _kind else None for e in environments]
+            found = [e.get_reward() if type(e) is _kind else None for e in environments]
+            return [asyncio.run(value) if inspect.isawaitable(value) else value for value in found]  # TRL awaits
 
         out.append((kind.__name__, scores))
     return out

@@ -5,6 +5,8 @@ tool's message (`{'error': ...}`, TRL's shape) and counts as a failed call."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -85,6 +87,11 @@ def in_a_thread(function: Callable[..., Any], arguments: dict[str, Any], seconds
 
 
 def call_with_time_limit(function: Callable[..., Any], arguments: dict[str, Any], seconds: float) -> Any:
+    """The call's result within `seconds`; an async tool (TRL takes them) is run to its end on an event loop of
+    its own, under the same limit."""
+    if inspect.iscoroutinefunction(function):
+        coroutine = function
+        function = lambda **kw: asyncio.run(coroutine(**kw))  # noqa: E731 (the same call, awaited)
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         with time_limit(seconds):
             return function(**arguments)
