@@ -481,6 +481,11 @@ def test_bad_tools_environments_and_calls_fail_in_one_line_or_as_the_tools_messa
     assert shipped[0].name == "calculate" and calculate("(3 + 4) * 2") == "14"
     assert "only numbers" in run_call({"calculate": calculate}, call("calculate", expression="__import__('os')"),
                                       5).content
+    from qlora_fsdp.rewards.builtin import math_answer
+
+    conversation = [{"role": "assistant", "content": "Let me add."}, {"role": "tool", "content": "15"},
+                    {"role": "assistant", "content": "It is 14."}]
+    assert math_answer([conversation, conversation], ["#### 14", "#### 15"]) == [1.0, 0.0]  # a tool's result is no answer
     bad = parse_reply('<tool_call>\n{"name": "add", "arguments": {"a": 3,\n</tool_call><|im_end|>', "hermes",
                       ["<|im_end|>"])
     assert bad.malformed == 1 and not bad.tool_calls and "<tool_call>" in bad.content
@@ -488,7 +493,8 @@ def test_bad_tools_environments_and_calls_fail_in_one_line_or_as_the_tools_messa
 
 def test_prompts_are_read_with_their_environments_tools(tmp_path, monkeypatch):
     """A prompt file read as a run reads it: each record rendered with the tools of the environment its
-    `environment` column names (and grpo.tools), plain-text prompts and unknown environments refused in one line."""
+    `environment` column names (and grpo.tools), plain text taken as the user's message, a prompt that is neither
+    and unknown environments refused in one line."""
     import json
 
     from qlora_fsdp.agents.environments import EnvironmentError_
@@ -517,8 +523,11 @@ def test_prompts_are_read_with_their_environments_tools(tmp_path, monkeypatch):
     assert data.train.ids == [prompt_ids(r["prompt"], tokenizer, "tokenizer", schemas[r["environment"]])
                               for r in records]
     assert all('"name": "echo"' in tokenizer.decode(ids) for ids in data.train.ids[1::2])
-    with pytest.raises(DataError, match="record 1: GRPO with tools reads chat prompts"):
-        load_prompt_data(tokenizer, config([{"prompt": "plain text", "environment": "counter"}]))
+    text = load_prompt_data(tokenizer, config([{"prompt": "What is 2 + 2?", "environment": "counter"}])).train
+    assert text.prompts == [[{"role": "user", "content": "What is 2 + 2?"}]]  # plain text: the user's message
+    assert text.ids == [prompt_ids(text.prompts[0], tokenizer, "tokenizer", schemas["counter"])]
+    with pytest.raises(DataError, match="record 1: 'prompt' must be text or a list of chat messages"):
+        load_prompt_data(tokenizer, config([{"prompt": 3, "environment": "counter"}]))
     with pytest.raises(EnvironmentError_, match="record 1: environment 'maze' is not among grpo.environments"):
         load_prompt_data(tokenizer, config([{"prompt": prompt_messages(0), "environment": "maze"}]))
 

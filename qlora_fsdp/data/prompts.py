@@ -73,14 +73,17 @@ def is_chat(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
+def as_user_message(prompt: Any) -> Any:
+    """A plain-text prompt as the user's message: a run that calls tools renders its prompts with the chat template
+    (which shows the tools), so GSM8K's `question` text works as it is."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) and prompt else prompt
+
+
 def encode_prompt(prompt: Any, tokenizer: PreTrainedTokenizerBase, template: str, where: str,
                   tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The prompt's tokens; `tools`: the schemas it shows (a rollout that calls tools: chat prompts only)."""
     if is_chat(prompt):
         return prompt_ids(list(prompt), tokenizer, template, tools)  # type: ignore[arg-type]
-    if tools is not None:
-        raise DataError(f"{where}: GRPO with tools reads chat prompts (a list of messages) so the template can show "
-                        "the tools; this prompt is plain text")
     if isinstance(prompt, str) and prompt:
         return list(tokenizer(prompt)["input_ids"])
     raise DataError(f"{where}: 'prompt' must be text or a list of chat messages, got {type(prompt).__name__}")
@@ -124,12 +127,13 @@ def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config, sources: list[
     for index, record in enumerate(records):
         where = f"{sources[0].path} record {index + 1}"
         tools = tooling.schemas(environment_of(record, tooling.environments, where)) if tooling else None
-        encoded = encode_prompt(record["prompt"], tokenizer, template, where, tools)
+        prompt = as_user_message(record["prompt"]) if tooling else record["prompt"]
+        encoded = encode_prompt(prompt, tokenizer, template, where, tools)
         if len(encoded) > room:
             raise DataError(f"{where}: the prompt has {len(encoded)} tokens, more than data.context_length - "
                             f"grpo.max_completion_length = {room}; raise data.context_length or shorten it")
         ids.append(encoded)
-        prompts.append(record["prompt"])
+        prompts.append(prompt)
     columns = {name: list(records[name]) for name in records.column_names if name not in RESERVED}
     return Prompts(ids, prompts, columns, list(range(len(ids))))
 

@@ -24,7 +24,9 @@ whichever is slower, plus what the layout puts on the link:
 - `split`: the model once a step; each decoding step passes every rank's rows through the ranks in turn, so the
   ranks' shares of the weights are read one after another, every layer's hidden states cross the link twice, and
   the step runs eagerly (the relay is a collective between layers).
-Every row is priced to max_completion_length: a plan cannot know the lengths.
+Every row is priced to max_completion_length: a plan cannot know the lengths. With tools, a rollout's replies and
+tool turns share that length (the decoding steps stay as many), and each round of tool results adds a call whose
+prompts are the contexts so far (grpo.max_tool_calling_iterations rounds; the tools' own time is not counted).
 """
 
 from __future__ import annotations
@@ -106,10 +108,23 @@ class GenerationTime:
     decode_link: float
     decode_gpu: float
     decode_host: float
+    rounds: int = 0  # rounds of tool results a rollout may take (grpo.max_tool_calling_iterations)
+    round_prefill: float = 0.0  # a round's forward over the context so far (prompt and completion: re-read)
 
     @property
     def total(self) -> float:
-        return self.setup + self.calls * (self.prefill + self.new_tokens * self.decode_step)
+        return self.setup + self.calls * (self.prefill + self.rounds * self.round_prefill
+                                          + self.new_tokens * self.decode_step)
+
+
+def tool_rounds(cfg: Config) -> int:
+    """The rounds of tool results a plan prices: grpo.max_tool_calling_iterations (1 where it sets none). The
+    replies and tool turns share max_completion_length, so the decoding steps stay that many (the rows moving
+    together); each round adds a call whose prompt is the context so far."""
+    if not cfg.grpo.calls_tools:
+        return 0
+    limit = cfg.grpo.max_tool_calling_iterations
+    return 1 if limit is None else limit
 
 
 def candidate_layouts(cfg: Config) -> tuple[Layout, ...]:
@@ -184,12 +199,15 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     prompt_flops = turns * flops_per_token * rows * prompt / rates.flops
     if layout == "per_token":
         decode = max(gpu, gather, host) + min(gpu, gather) / max(layers, 1)  # the first gather hides behind nothing
-        return GenerationTime(layout, memory.calls, new, 0.0, prompt_flops + gather + dequant, decode, gather, gpu,
-                              host)
+        prefill = prompt_flops + gather + dequant
+        return GenerationTime(layout, memory.calls, new, 0.0, prefill, decode, gather, gpu, host, tool_rounds(cfg),
+                              prefill + prompt_flops * new / prompt)
     relay = hop = 0.0
     if layout == "split":  # each layer's hidden states to its owner and back, between the layers
         hop = (world - 1) * rows * hf.hidden_size * itemsize / (rates.nvlink or rates.pcie)
         relay = 2 * layers * (RELAY_LATENCY_SECONDS + hop)
     prompt_relay = 2 * layers * (RELAY_LATENCY_SECONDS + hop * prompt) if layout == "split" else 0.0
     prefill = prompt_flops + dequant + prompt_relay
-    return GenerationTime(layout, memory.calls, new, gather, prefill, max(gpu, host) + relay, relay, gpu, host)
+    longer = (prompt + new) / prompt  # a round re-reads the prompt and the completion so far
+    return GenerationTime(layout, memory.calls, new, gather, prefill, max(gpu, host) + relay, relay, gpu, host,
+                          tool_rounds(cfg), dequant + (prompt_flops + prompt_relay) * longer)

@@ -119,8 +119,10 @@ def generation_lines(cfg: Config, step: StepMemory) -> list[str]:
                 (made.decode_host, "the host issuing the step's kernels"))[1]
     calls = f"{made.calls} call{'s' if made.calls > 1 else ''}"
     setup = f"{made.setup:.2f} s to gather the model + " if made.setup else ""
+    rounds = (f" + {made.rounds} round{'s' if made.rounds > 1 else ''} of tool results x {made.round_prefill:.2f} s "
+              "re-reading the context" if made.rounds else "")
     return [f"generation, {made.layout} ({LAYOUT_WORDS[made.layout]}): {setup}{calls} a rank x ({made.prefill:.2f} "
-            f"s over the prompts + {made.new_tokens} decoding steps x {made.decode_step:.3f} s), every row to "
+            f"s over the prompts{rounds} + {made.new_tokens} decoding steps x {made.decode_step:.3f} s), every row to "
             f"max_completion_length; a decoding step takes link {made.decode_link:.3f} s, GPU {made.decode_gpu:.3f} "
             f"s, host {made.decode_host:.3f} s: bound by {bound}"]
 

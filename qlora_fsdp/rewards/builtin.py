@@ -23,7 +23,8 @@ NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 def completion_text(completion: Any) -> str:
     """A plain completion, or a conversational one (a list holding the assistant's message)."""
     if isinstance(completion, list):
-        return "".join(str(message.get("content", "")) for message in completion if isinstance(message, dict))
+        return "".join(str(message.get("content", "")) for message in completion  # a tool's result is not an answer
+                       if isinstance(message, dict) and message.get("role", "assistant") == "assistant")
     return str(completion)
 
 
