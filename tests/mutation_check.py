@@ -51,6 +51,7 @@ class Mutation:
     quick: bool = False  # its guarding test runs in one process (no ranks, torchrun) in seconds: the set CI runs
 
 
+BAD_TOOLS = "tests/test_grpo_tools.py::test_bad_tools_environments_and_calls_fail_in_one_line_or_as_the_tools_message"
 PREQUANTIZED_TINY = ("tests/test_prequantized.py::"
                      "test_tiny_tied_prequantized_trains_at_world_sizes_1_and_2_equal_to_transformers")
 
@@ -475,6 +476,20 @@ MUTATIONS = [
              "piece.dequantized())[1])]", PREQUANTIZED_TINY),
     Mutation("pre-quantized weights dequantize to their stored dtype", "qlora_fsdp/loading/stored_forms.py",
              "        state.dtype = self.dtype\n", "", PREQUANTIZED_TINY),
+    # ---- multi-turn GRPO: tools and environments ------------------------------------------------------------
+    Mutation("tool turns trained on", "qlora_fsdp/objectives/turns.py",
+             "        rollout.policy += [0] * len(suffix)\n", "        rollout.policy += [1] * len(suffix)\n",
+             "tests/test_grpo_tools.py::test_multi_turn_rollouts_with_tools_and_an_environment_equal_trls"),
+    Mutation("the tool turn cut before the call's EOS", "qlora_fsdp/data/templates.py",
+             "    before = before[: ends[-1] + 1] if ends else before\n",
+             "    before = before[: ends[-1]] if ends else before\n",
+             "tests/test_grpo_tools.py::test_multi_turn_rollouts_with_tools_and_an_environment_equal_trls"),
+    Mutation("a malformed call run with what could be read", "qlora_fsdp/agents/call_formats.py",
+             "    if malformed:\n        return Reply(text.strip(), [], reasoning, malformed)\n", "",
+             BAD_TOOLS, quick=True),
+    Mutation("a tool's result read as the final answer", "qlora_fsdp/rewards/builtin.py",
+             'message.get("role", "assistant") == "assistant"', "True",
+             BAD_TOOLS, quick=True),
     # ---- GGUF export and its Modelfile (tests/test_gguf_export.py: the converter runs, so none is quick) ---------
     Mutation("a GGUF asked for as bf16 written as f16", "qlora_fsdp/tools/gguf_export.py",
              '"--outtype", outtype, "--outfile"', '"--outtype", {"bf16": "f16"}.get(outtype, outtype), "--outfile"',

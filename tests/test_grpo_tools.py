@@ -485,7 +485,7 @@ def test_bad_tools_environments_and_calls_fail_in_one_line_or_as_the_tools_messa
 
     conversation = [{"role": "assistant", "content": "Let me add."}, {"role": "tool", "content": "15"},
                     {"role": "assistant", "content": "It is 14."}]
-    assert math_answer([conversation, conversation], ["#### 14", "#### 15"]) == [1.0, 0.0]  # a tool's result is no answer
+    assert math_answer([conversation] * 2, ["#### 14", "#### 15"]) == [1.0, 0.0]  # a tool result is no answer
     bad = parse_reply('<tool_call>\n{"name": "add", "arguments": {"a": 3,\n</tool_call><|im_end|>', "hermes",
                       ["<|im_end|>"])
     assert bad.malformed == 1 and not bad.tool_calls and "<tool_call>" in bad.content
