@@ -483,8 +483,8 @@ def test_bad_tools_environments_and_calls_fail_in_one_line_or_as_the_tools_messa
                                       5).content
     from qlora_fsdp.rewards.builtin import math_answer
 
-    conversation = [{"role": "assistant", "content": "Let me add."}, {"role": "tool", "content": "15"},
-                    {"role": "assistant", "content": "It is 14."}]
+    # a rollout whose room ran out after a round ends on the tool's message
+    conversation = [{"role": "assistant", "content": "It is 14; let me check."}, {"role": "tool", "content": "15"}]
     assert math_answer([conversation] * 2, ["#### 14", "#### 15"]) == [1.0, 0.0]  # a tool result is no answer
     bad = parse_reply('<tool_call>\n{"name": "add", "arguments": {"a": 3,\n</tool_call><|im_end|>', "hermes",
                       ["<|im_end|>"])
