@@ -10,6 +10,7 @@ tokenizer carries Qwen 2.5's published chat template as TRL ships it (so TRL's r
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -549,3 +550,29 @@ class Plain:
 
 def make_plain() -> Plain:
     return Plain()
+
+
+@pytest.mark.slow
+def test_a_tool_run_from_the_command_line_on_two_ranks(tiny_model_dir, tmp_path):
+    """train.py with a tool and an environment, as a user runs it: plain-text prompts rendered with the tools
+    (chatml), the environment's reset text in each rollout's prompt, its get_reward the only reward,
+    TRL's tool metrics logged, the conversations in completions.jsonl."""
+    from tests.helpers import run_cli
+
+    out = tmp_path / "run"
+    argv = ["--recipe", "tiny_cpu_grpo", f"model.path={tiny_model_dir}", f"train.output_dir={out}",
+            "train.max_steps=2", "logging.plot=false", "data.template=chatml", "data.context_length=1024",
+            "data.eval_samples=0", "grpo.max_completion_length=12", "grpo.tools=[examples/agent_tools.py:calculate]",
+            "grpo.environment=examples.agent_tools:make_counter", "grpo.max_tool_calling_iterations=2",
+            "grpo.rewards=[]"]  # the environment's get_reward is the reward (the recipe's reads plain-text completions)
+    results = run_cli(argv, 2, tmp_path)
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in ("tools/call_frequency", "tools/failure_frequency", "tools/malformed_frequency", "rewards/Counter"):
+        assert all(key in r for r in steps), key
+    assert all(0 < r["rewards/Counter"] <= 1 for r in steps)  # 1 / (1 + distance): the counter never reached 10
+    sample = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
+    assert sample["prompt"][0]["role"] == "user"  # plain text taken as the user's message
+    assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in sample["completions"])
