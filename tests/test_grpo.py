@@ -17,6 +17,7 @@ import json
 import math
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -702,7 +703,6 @@ def trl_whole_step(model_dir: Path, adapter: Path, tmp_path: Path) -> dict:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from qlora_fsdp.loading.adapter import peft_adapter_key
     from tests.helpers import transformers_nf4
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -739,15 +739,7 @@ def trl_whole_step(model_dir: Path, adapter: Path, tmp_path: Path) -> dict:
         size = E2E_PROMPTS * E2E_GENERATIONS
         results = []
         for _ in range(args.num_iterations):
-            loss = 0.0
-            for part in torch.arange(size).chunk(E2E_PROMPTS):
-                micro = {k: v[part] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v
-                         for k, v in batch.items()}
-                micro_loss = trainer.compute_loss(model, micro)
-                micro_loss.backward()
-                loss += micro_loss.item()
-            grads = {peft_adapter_key(n, "default"): p.grad.detach().clone() for n, p in model.named_parameters()
-                     if p.requires_grad}
+            loss, grads = trl_accumulated(trainer, model, batch, size, E2E_PROMPTS)
             results.append({"loss": loss, "grads": grads})
             with torch.no_grad():
                 for param in model.parameters():
@@ -756,6 +748,22 @@ def trl_whole_step(model_dir: Path, adapter: Path, tmp_path: Path) -> dict:
             model.zero_grad(set_to_none=True)
         out[name] = {"steps": results, "advantages": batch["advantages"].tolist()}
     return out
+
+
+def trl_accumulated(trainer: Any, model: Any, batch: dict, size: int, micro_batches: int) -> tuple[float, dict]:
+    """TRL's compute_loss over a generation's rows in `micro_batches` equal parts, in order, backpropagated one by
+    one: the summed loss and each LoRA gradient by PEFT's adapter-file key."""
+    from qlora_fsdp.loading.adapter import peft_adapter_key
+
+    loss = 0.0
+    for part in torch.arange(size).chunk(micro_batches):
+        micro = {k: v[part] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v
+                 for k, v in batch.items()}
+        micro_loss = trainer.compute_loss(model, micro)
+        micro_loss.backward()
+        loss += micro_loss.item()
+    return loss, {peft_adapter_key(n, "default"): p.grad.detach().clone() for n, p in model.named_parameters()
+                  if p.requires_grad}
 
 
 @pytest.mark.slow

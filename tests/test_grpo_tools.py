@@ -249,8 +249,8 @@ def trl_rollouts_and_step(model_dir: Path, adapter: Path, tmp_path: Path) -> dic
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from qlora_fsdp.loading.adapter import peft_adapter_key
     from tests.helpers import transformers_nf4
+    from tests.test_grpo import trl_accumulated
 
     out: dict = {}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -286,15 +286,7 @@ def trl_rollouts_and_step(model_dir: Path, adapter: Path, tmp_path: Path) -> dic
         inputs = [{"prompt": prompt_messages(p)} for p in range(PROMPTS) for _ in range(GENERATIONS)]
         batch = trainer._generate_and_score_completions(inputs)
         size = PROMPTS * GENERATIONS
-        loss = 0.0
-        for part in torch.arange(size).chunk(PROMPTS):
-            micro = {k: v[part] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v
-                     for k, v in batch.items()}
-            micro_loss = trainer.compute_loss(model, micro)
-            micro_loss.backward()
-            loss += micro_loss.item()
-        grads = {peft_adapter_key(n, "default"): p.grad.detach().clone() for n, p in model.named_parameters()
-                 if p.requires_grad}
+        loss, grads = trl_accumulated(trainer, model, batch, size, PROMPTS)
         rows = []
         tool_mask = batch.get("tool_mask", torch.ones_like(batch["completion_mask"]))
         for i in range(size):
