@@ -128,10 +128,12 @@ def test_every_shipped_recipe_loads():
             assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_prompts.jsonl", "prompt",
                                                                              "grpo")
             assert [r.function for r in cfg.grpo.rewards] == ["examples.rewards:category_words"]
-        elif name.endswith("_grpo"):  # GSM8K's questions as prompts; its `answer` column reaches math_answer
+        elif name.endswith(("_grpo", "_grpo_tools")):  # GSM8K's questions as prompts, `answer` reaches math_answer
             assert [(s.path, s.subset, s.format, s.fields) for s in cfg.data.sources] == [
                 ("openai/gsm8k", "main", "prompt", {"prompt": "question"})] and cfg.train.objective == "grpo"
             assert [r.function for r in cfg.grpo.rewards] == ["math_answer"]
+            tools = ["examples/agent_tools.py:calculate"] if name.endswith("_tools") else []
+            assert cfg.grpo.tools == tools, name
         elif name.endswith("_images"):  # TRL's LLaVA-Instruct mix: image parts in the messages, an `images` column
             assert [(s.path, s.format) for s in cfg.data.sources] == [("HuggingFaceH4/llava-instruct-mix-vsft", "chat")]
             assert cfg.data.images_per_row >= 1
