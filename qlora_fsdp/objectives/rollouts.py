@@ -226,39 +226,66 @@ class Decoder:
         self.recorder = SampledLogps(1.0 if greedy else grpo.temperature) if logps else None
 
     def __call__(self, rows: list[list[int]], budgets: list[int] | None = None) -> Completions:
-        """Each row's completion, at most its budget of new tokens (max_completion_length where none is given),
-        `grpo.generation_rows` rows a call. A collective where the layout steps ranks together: every rank calls
-        as often."""
-        grpo, pad_id = self.grpo, self.pad_id
+        """Each row's completion, at most its budget of new tokens (max_completion_length where none is given).
+        A collective where the layout steps ranks together: every rank calls as often, and makes as many generate
+        calls (a rank with fewer runs a throw-away row)."""
+        grpo = self.grpo
         budgets = budgets or [grpo.max_completion_length] * len(rows)
+        calls = self.calls_of(rows, budgets)
+        count = len(calls)
+        if steps_together(self.layout, self.world_size):
+            count = int(all_reduce_max(float(count), self.device))
+        made: dict[int, tuple[list[int], list[float]]] = {}
+        for index in range(count):
+            picked = calls[index] if index < len(calls) else [0]
+            out = self.one_call([rows[i] for i in picked], [budgets[i] for i in picked])
+            if index < len(calls):
+                made.update(zip(picked, out, strict=True))
+        completions = [cut(made[i][0][:budget], set(self.ends), self.pad_id, grpo.stop, self.tokenizer)
+                       for i, budget in enumerate(budgets)]
+        ids = [done for done, _ in completions]
+        kept = ([made[i][1][: len(done)] for i, done in enumerate(ids)] if self.recorder is not None else None)
+        return Completions(ids, [truncated for _, truncated in completions], kept)
+
+    def calls_of(self, rows: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        """The rows of each generate call, in order: `grpo.generation_rows` at most, and no more than the run's KV
+        cache holds (a later round's rows differ in context and room left: the longest context and the largest room
+        of one call must fit together; each row alone does)."""
+        limit = self.grpo.generation_rows or len(rows)
+        capacity = max(self.cache_tokens, *(len(row) + budget for row, budget in zip(rows, budgets, strict=True)))
+        calls: list[list[int]] = []
+        for index in range(len(rows)):
+            current = calls[-1] if calls else []
+            together = [*current, index]
+            if current and len(current) < limit and (max(len(rows[i]) for i in together)
+                                                     + max(budgets[i] for i in together) <= capacity):
+                current.append(index)
+            else:
+                calls.append([index])
+        return calls
+
+    def one_call(self, rows: list[list[int]], budgets: list[int]) -> list[tuple[list[int], list[float]]]:
+        """One generate call: each row's new tokens (padded to the call's longest) and, when recorded, their
+        log-probabilities."""
+        grpo, pad_id = self.grpo, self.pad_id
         stops = {"stop_strings": grpo.stop, "tokenizer": self.tokenizer} if grpo.stop else {}
         sample = cast(Callable[..., torch.Tensor], self.model.generate)
-        chunk = grpo.generation_rows or len(rows)
         width = common_width(rows, self.layout, self.world_size, self.device)
-        new: list[list[int]] = []
-        recorded: list[list[float]] = []
-        for first in range(0, len(rows), chunk):
-            input_ids, attention_mask = left_padded(rows[first : first + chunk], pad_id, width)
-            longest = max(budgets[first : first + chunk])
-            tokens = max(self.cache_tokens, input_ids.shape[1] + longest)
-            options = decoding_options(self.model, grpo, self.device, tokens, self.layout)
-            call = dict(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                        max_new_tokens=longest, eos_token_id=self.ends, pad_token_id=pad_id, use_cache=True,
-                        synced_gpus=steps_together(self.layout, self.world_size), **sampling(grpo, self.greedy),
-                        **stops)
-            if self.recorder is not None:
-                call["logits_processor"] = LogitsProcessorList([self.recorder])
-            out = sample_with_graphs_or_eagerly(sample, call, options, self.model, grpo, self.device, tokens,
-                                                self.layout)
-            new += [row + [pad_id] * (longest - len(row)) for row in out[:, input_ids.shape[1]:].tolist()]
-            if self.recorder is not None:
-                recorded += self.recorder.finish(out)
-        completions = [cut(row[:budget], set(self.ends), pad_id, grpo.stop, self.tokenizer)
-                       for row, budget in zip(new, budgets, strict=True)]
-        made = [ids for ids, _ in completions]
-        kept = ([values[: len(ids)] for values, ids in zip(recorded, made, strict=True)]
-                if self.recorder is not None else None)
-        return Completions(made, [truncated for _, truncated in completions], kept)
+        input_ids, attention_mask = left_padded(rows, pad_id, width)
+        longest = max(budgets)
+        if steps_together(self.layout, self.world_size):  # a finished rank keeps stepping: its cache must hold it
+            longest = int(all_reduce_max(float(longest), self.device))
+        tokens = max(self.cache_tokens, input_ids.shape[1] + longest)
+        options = decoding_options(self.model, grpo, self.device, tokens, self.layout)
+        call = dict(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                    max_new_tokens=longest, eos_token_id=self.ends, pad_token_id=pad_id, use_cache=True,
+                    synced_gpus=steps_together(self.layout, self.world_size), **sampling(grpo, self.greedy), **stops)
+        if self.recorder is not None:
+            call["logits_processor"] = LogitsProcessorList([self.recorder])
+        out = sample_with_graphs_or_eagerly(sample, call, options, self.model, grpo, self.device, tokens, self.layout)
+        new = [row + [pad_id] * (longest - len(row)) for row in out[:, input_ids.shape[1]:].tolist()]
+        recorded = self.recorder.finish(out) if self.recorder is not None else [[] for _ in new]
+        return list(zip(new, recorded, strict=True))
 
 
 @contextmanager
