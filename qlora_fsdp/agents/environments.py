@@ -113,6 +113,11 @@ def tools_of(environment: Any, standalone: list[Tool]) -> dict[str, Callable[...
     return found
 
 
+async def awaited(value: Any) -> Any:
+    """An awaitable's result (TRL awaits an async get_reward); asyncio.run takes coroutines only."""
+    return await value
+
+
 def reward_functions(kinds: dict[str | None, EnvironmentKind]) -> list[tuple[str, Callable[..., list[Any]]]]:
     """(class name, reward function) for each environment class with get_reward: called as TRL calls a reward
     function (`environments=` holds the rollouts' instances), None for rollouts of other environments."""
@@ -121,9 +126,9 @@ def reward_functions(kinds: dict[str | None, EnvironmentKind]) -> list[tuple[str
         if not callable(getattr(kind, "get_reward", None)):
             continue
 
-        def scores(environments: list[Any], _kind: type = kind, **_: Any) -> list[Any]:
+        def scores(environments: list[Any], _kind: Any = kind, **_: Any) -> list[Any]:
             found = [e.get_reward() if type(e) is _kind else None for e in environments]
-            return [asyncio.run(value) if inspect.isawaitable(value) else value for value in found]  # TRL awaits
+            return [asyncio.run(awaited(value)) if inspect.isawaitable(value) else value for value in found]
 
         out.append((kind.__name__, scores))
     return out

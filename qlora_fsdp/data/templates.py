@@ -87,7 +87,8 @@ def tool_turn_ids(tool_messages: list[Message], tokenizer: PreTrainedTokenizerBa
     first: the tool results and the headers, as the template renders them. Learnt as TRL learns them: a one-call
     conversation rendered without and with the results, the first cut after its last EOS."""
     call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
-    calling = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    calling: list[Message] = [{"role": "user", "content": "dummy"},
+                              {"role": "assistant", "content": "", "tool_calls": [call]}]
     before = conversation_ids(calling, tokenizer, template, [], add_generation_prompt=False)
     after = conversation_ids(calling + tool_messages, tokenizer, template, [], add_generation_prompt=True)
     ends = [index for index, token in enumerate(before) if token == tokenizer.eos_token_id]
@@ -106,10 +107,11 @@ def tool_call_format(tokenizer: PreTrainedTokenizerBase, template: Template) -> 
     call = {"type": "function", "function": {"name": PROBE_NAME, "arguments": {"x": 1}}}
     tool = {"type": "function", "function": {"name": PROBE_NAME, "description": "A probe.", "parameters": {
         "type": "object", "properties": {"x": {"type": "integer", "description": "A value."}}}}}
-    messages = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+    messages: list[Message] = [{"role": "user", "content": "probe"},
+                               {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "content": "1"}]
     try:
-        text = tokenizer.decode(conversation_ids(messages, tokenizer, template, [tool], False)) \
+        text = str(tokenizer.decode(conversation_ids(messages, tokenizer, template, [tool], False))) \
             if template == "tokenizer" else ""
     except DataError:
         text = ""

@@ -153,8 +153,8 @@ class Grpo(Objective):
         g = self.grpo.num_generations
         texts = self.tokenizer.batch_decode(made.ids, skip_special_tokens=True)
         chat = [is_chat(p) for p in prompts.prompts for _ in range(g)]
-        completions = made.messages or [[{"role": "assistant", "content": t}] if c else t
-                                        for t, c in zip(texts, chat, strict=True)]
+        plain: list[Any] = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat, strict=True)]
+        completions: list[Any] = list(made.messages) if made.messages else plain
         columns = {name: [v for v in values for _ in range(g)] for name, values in prompts.columns.items()}
         if made.environments is not None:
             columns["environments"] = made.environments
@@ -191,7 +191,7 @@ class Grpo(Objective):
         made = self.make(prompts)
         seconds = time.perf_counter() - started
         mask = self.grpo.mask_truncated_completions
-        policy = made.policy or [None] * len(made.ids)
+        policy: list[list[int] | None] = list(made.policy) if made.policy else [None] * len(made.ids)
         samples = [completion_sample(prompt, ids, mask and cut, kept) for prompt, ids, cut, kept
                    in zip(made.prompts, made.ids, made.truncated, policy, strict=True)]
         scores = score(self.rewards, self.rollouts(prompts, made))

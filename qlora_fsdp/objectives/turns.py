@@ -77,7 +77,7 @@ class Turns:
     device: torch.device
 
     def read(self, ids: list[int], counts: ToolCounts) -> dict[str, Any]:
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = str(self.tokenizer.decode(ids, skip_special_tokens=False))
         ends = [t for t in {self.tokenizer.eos_token, self.tokenizer.pad_token} if t]
         reply = parse_reply(text, self.form, ends)
         counts.malformed += reply.malformed
