@@ -120,13 +120,12 @@ def run_rollouts(decode: Decoder, turns: Turns, prompts: list[list[int]],
             rollouts[i].calls = []
         if not turns.any_rank(len(kept)):
             break
-        budgets = [turns.grpo.max_completion_length - rollouts[i].room for i in kept]
-        going = [i for i, budget in zip(kept, budgets, strict=True) if budget > 0]
+        budgets = {i: turns.grpo.max_completion_length - rollouts[i].room for i in kept}
+        going = [i for i in kept if budgets[i] > 0]
         for i in set(kept) - set(going):  # no room left for a reply: it ends on the tool turn, cut
             rollouts[i].reply([], True, None)
         rows = [rollouts[i].prompt + rollouts[i].ids for i in going]
-        made = decode(rows or [prompts[0]], [turns.grpo.max_completion_length - rollouts[i].room for i in going]
-                      or [1])
+        made = decode(rows or [prompts[0]], [budgets[i] for i in going] or [1])  # an idle rank decodes a dummy row
         for i, ids, cut in zip(going, made.ids, made.truncated, strict=False):
             rollouts[i].reply(ids, cut, turns.read(ids, counts) if ids else None)
         rounds += 1
