@@ -12,7 +12,6 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.auto_batch import resolve_run_batch
 from qlora_fsdp.config import Config, load_config, to_dict, to_yaml, validate
-from qlora_fsdp.data.images import ImageData
 from qlora_fsdp.data.kinds import TrainingData
 from qlora_fsdp.data.loading import load_training_data
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
@@ -69,7 +68,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg)
     data = load_training_data(tokenizer, cfg, info, lambda: load_processor(cfg))
-    images = isinstance(data, ImageData)
+    images = data.has_images
     check_image_levers(cfg, images)
     model = build_model(cfg, info)
     if images:  # the image side, frozen, beside the sharded decoder on every rank

@@ -28,7 +28,12 @@ class Sample:
 
 def joined_vision(samples: list[Sample]) -> dict[str, torch.Tensor] | None:
     """The image inputs of these samples in the order their image tokens come in the batch; None without images."""
-    parts = [s.vision for s in samples if s.vision is not None]
+    return joined_images([s.vision for s in samples])
+
+
+def joined_images(inputs: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
+    """Rows' image inputs (None: a row without) as one batch's, in the rows' order; None without images."""
+    parts = [part for part in inputs if part is not None]
     if not parts:
         return None
     return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}

@@ -52,6 +52,10 @@ class ImageData:
     def n_units(self) -> int:
         return len(self.packs) if self.packs is not None else len(self.train)
 
+    @property
+    def has_images(self) -> bool:
+        return True
+
     def unit_lengths(self) -> list[int]:
         lengths = [len(s.input_ids) for s in self.train]
         return [sum(lengths[i] for i in row) for row in self.packs] if self.packs is not None else lengths

@@ -25,6 +25,10 @@ class TrainingData(Protocol):
     @property
     def n_units(self) -> int: ...
 
+    @property
+    def has_images(self) -> bool:
+        """Whether any unit shows images (the image side is then loaded beside the decoder)."""
+
     def unit_lengths(self) -> list[int]: ...
 
     def samples(self, split: Any, indices: list[int]) -> list[Any]: ...

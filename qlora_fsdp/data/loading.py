@@ -22,7 +22,7 @@ def load_training_data(tokenizer: PreTrainedTokenizerBase, cfg: Config, info: Di
     preference pairs, or GRPO's prompts, as the objective's row of the table says it reads them."""
     kind = cfg.train.kind.data
     if kind == "prompts":
-        return load_prompt_data(tokenizer, cfg)
+        return load_prompt_data(tokenizer, cfg, processor)
     if kind == "pairs":
         return load_pairs(tokenizer, cfg, info)
     if records_have_images(cfg):

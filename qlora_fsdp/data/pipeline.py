@@ -37,6 +37,10 @@ class Dataset:
     packs: list[list[int]] | None = None  # with packing: the sample indices of each row
 
     @property
+    def has_images(self) -> bool:
+        return False  # records with images load as data/images.py's ImageData
+
+    @property
     def pairs(self) -> bool:
         """Preference pairs (qlora_fsdp/data/pair_pipeline.py) rather than SFT samples."""
         return "chosen_ids" in self.train.column_names

@@ -8,17 +8,21 @@ room for a completion and are refused in one line naming the record.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import datasets
-from transformers import PreTrainedTokenizerBase
+import torch
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from qlora_fsdp.agents.environments import environment_of
 from qlora_fsdp.agents.recipe import rollout_tools
 from qlora_fsdp.config import Config, DataConfig, SourceConfig
 from qlora_fsdp.data.kinds import check_trainable, held_out_split
 from qlora_fsdp.data.pipeline import run_template
+from qlora_fsdp.data.prompt_images import encode_image_prompt, prompts_have_images
 from qlora_fsdp.data.sources import eval_source, read_source, sources_of, weighted
 from qlora_fsdp.data.templates import prompt_ids, tool_call_format
 from qlora_fsdp.errors import DataError
@@ -34,6 +38,7 @@ class Prompts:
     prompts: list[Any]  # as the reward functions get them: the text, or the messages
     columns: dict[str, list[Any]]  # every other column of the records
     records: list[int]  # each prompt's index in the data (error messages name it)
+    vision: list[dict[str, torch.Tensor] | None] | None = None  # each prompt's image inputs (a checkpoint's images)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -41,7 +46,11 @@ class Prompts:
     def subset(self, indices: list[int]) -> Prompts:
         return Prompts([self.ids[i] for i in indices], [self.prompts[i] for i in indices],
                        {name: [values[i] for i in indices] for name, values in self.columns.items()},
-                       [self.records[i] for i in indices])
+                       [self.records[i] for i in indices],
+                       None if self.vision is None else [self.vision[i] for i in indices])
+
+    def images_of(self, index: int) -> dict[str, torch.Tensor] | None:
+        return None if self.vision is None else self.vision[index]
 
 
 @dataclass
@@ -52,6 +61,10 @@ class PromptData:
     eval: Prompts
     template: str
     packs: None = None
+
+    @property
+    def has_images(self) -> bool:
+        return any(v is not None for split in (self.train, self.eval) for v in split.vision or [])
 
     @property
     def n_units(self) -> int:
@@ -65,8 +78,10 @@ class PromptData:
         return []
 
     def describe(self, context_length: int, overlong: str) -> str:
-        return (f"{len(self.train) + len(self.eval)} prompts, {len(self.train)} train / {len(self.eval)} held out "
-                f"(template {self.template})")
+        images = sum(v is not None for split in (self.train, self.eval) for v in split.vision or [])
+        shown = f" ({images} with images)" if images else ""
+        return (f"{len(self.train) + len(self.eval)} prompts{shown}, {len(self.train)} train / {len(self.eval)} held "
+                f"out (template {self.template})")
 
 
 def is_chat(prompt: Any) -> bool:
@@ -114,10 +129,14 @@ def read_prompts(sources: list[SourceConfig], data: DataConfig, seed: int) -> da
     return records
 
 
-def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config, sources: list[SourceConfig] | None = None) -> Prompts:
-    """Every record's prompt (of the recipe's sources, or `sources`), tokenized, in the data's order."""
+def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config, sources: list[SourceConfig] | None = None,
+                 processor: Callable[[], ProcessorMixin] | None = None) -> Prompts:
+    """Every record's prompt (of the recipe's sources, or `sources`), tokenized, in the data's order; records with
+    images through `processor()`, the checkpoint's (data/prompt_images.py)."""
     sources = sources or sources_of(cfg.data)
     records = read_prompts(sources, cfg.data, cfg.train.seed)
+    if processor is not None and prompts_have_images(records):
+        return image_prompts(records, processor(), sources[0].path, cfg)
     template = run_template(cfg.data, tokenizer)
     room = cfg.prompt_room
     tooling = rollout_tools(cfg.grpo) if cfg.grpo.calls_tools else None
@@ -129,22 +148,47 @@ def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config, sources: list[
         tools = tooling.schemas(environment_of(record, tooling.environments, where)) if tooling else None
         prompt = as_user_message(record["prompt"]) if tooling else record["prompt"]
         encoded = encode_prompt(prompt, tokenizer, template, where, tools)
-        if len(encoded) > room:
-            raise DataError(f"{where}: the prompt has {len(encoded)} tokens, more than data.context_length - "
-                            f"grpo.max_completion_length = {room}; raise data.context_length or shorten it")
+        check_room(encoded, room, where)
         ids.append(encoded)
         prompts.append(prompt)
     columns = {name: list(records[name]) for name in records.column_names if name not in RESERVED}
     return Prompts(ids, prompts, columns, list(range(len(ids))))
 
 
-def load_prompt_data(tokenizer: PreTrainedTokenizerBase, cfg: Config) -> PromptData:
-    """The prompts; held out as text data is (data/kinds.py): data.eval_path's prompts where given, else
-    data.eval_samples of them, at most a tenth (by the seed)."""
-    prompts = load_prompts(tokenizer, cfg)
+def check_room(ids: list[int], room: int, where: str) -> None:
+    if len(ids) > room:
+        raise DataError(f"{where}: the prompt has {len(ids)} tokens, more than data.context_length - "
+                        f"grpo.max_completion_length = {room}; raise data.context_length or shorten it")
+
+
+def image_prompts(records: datasets.Dataset, processor: ProcessorMixin, path: str, cfg: Config) -> Prompts:
+    """Prompts with images, each rendered and encoded by the checkpoint's processor (its chat template)."""
+    if cfg.grpo.calls_tools:
+        raise DataError(f"{path}: prompts with images and grpo.tools / environments together are not built yet; "
+                        "give text prompts, or leave out the tools")
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    ids, prompts, vision = [], [], []
+    for index, record in enumerate(records):
+        where = f"{path} record {index + 1}"
+        encoded, inputs, messages = encode_image_prompt(record, processor, folder, where)
+        check_room(encoded, cfg.prompt_room, where)
+        ids.append(encoded)
+        prompts.append(messages)
+        vision.append(inputs)
+    columns = {name: list(records[name]) for name in records.column_names if name not in RESERVED}
+    return Prompts(ids, prompts, columns, list(range(len(ids))), vision)
+
+
+def load_prompt_data(tokenizer: PreTrainedTokenizerBase, cfg: Config,
+                     processor: Callable[[], ProcessorMixin] | None = None) -> PromptData:
+    """The prompts (with images through `processor()`); held out as text data is (data/kinds.py): data.eval_path's
+    prompts where given, else data.eval_samples of them, at most a tenth (by the seed)."""
+    prompts = load_prompts(tokenizer, cfg, processor=processor)
     held_out_source = eval_source(cfg.data)
-    held_out = load_prompts(tokenizer, cfg, [held_out_source]) if held_out_source is not None else prompts
+    held_out = (load_prompts(tokenizer, cfg, [held_out_source], processor) if held_out_source is not None
+                else prompts)
     train, held = held_out_split(len(prompts), cfg.data.eval_samples, cfg.train.seed,
                                  None if held_out_source is None else len(held_out))
     check_trainable(len(train), "prompt")
-    return PromptData(prompts.subset(sorted(train)), held_out.subset(sorted(held)), run_template(cfg.data, tokenizer))
+    template = "processor" if prompts.vision is not None else run_template(cfg.data, tokenizer)
+    return PromptData(prompts.subset(sorted(train)), held_out.subset(sorted(held)), template)

@@ -99,6 +99,12 @@ def vision_encoder(model: nn.Module) -> VisionEncoder:
     return found
 
 
+def image_token_of(model: nn.Module) -> int | None:
+    """The image token of a model with an image side beside it; None for a text-only one."""
+    attached = _ENCODERS.get(model)
+    return None if attached is None else attached.image_token_id
+
+
 @contextmanager
 def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | None,
                          device: torch.device) -> Iterator[None]:
@@ -161,8 +167,11 @@ def image_blocks(encoder: VisionEncoder, module: nn.Module, args: tuple[Any, ...
     if ids is None or not bool((ids == encoder.image_token_id).any()):
         return None
     positions, padding = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    cache = kwargs.get("past_key_values")
+    if isinstance(padding, dict):  # generation's prompt forward with a static cache: masks as wide as the cache
+        padding = padding_of(padding, ids)
     if positions is None or padding is not None:  # one sample a row
-        return args, {**kwargs, "attention_mask": family_masks(encoder, module, ids, padding, positions)}
+        return args, {**kwargs, "attention_mask": family_masks(encoder, module, ids, padding, positions, cache)}
     rows = []
     for row in range(ids.shape[0]):
         bounds = sample_bounds(positions[row])
@@ -173,17 +182,27 @@ def image_blocks(encoder: VisionEncoder, module: nn.Module, args: tuple[Any, ...
     return args, {**kwargs, "attention_mask": masks}
 
 
+def padding_of(masks: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
+    """The [rows, tokens] padding mask behind the masks transformers' generate built for a static cache's prompt
+    forward: what a row's last token (a real one: rows are left-padded) may attend to among the prompt's tokens."""
+    full = masks.get("full_attention")
+    if full is None:
+        return torch.ones_like(ids)
+    last = full[:, 0, -1, : ids.shape[1]]
+    return (last if last.dtype == torch.bool else last == 0).long()
+
+
 def family_masks(encoder: VisionEncoder, module: nn.Module, ids: torch.Tensor, padding: torch.Tensor | None,
-                 positions: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
-    """transformers' own masks of the family for these rows, as boolean [rows, 1, tokens, tokens] (None: plain
-    causal)."""
+                 positions: torch.Tensor | None, cache: Any = None) -> dict[str, torch.Tensor | None]:
+    """transformers' own masks of the family for these rows, as boolean [rows, 1, tokens, keys] (None: plain
+    causal); keys: the tokens, or a generation cache's length."""
     family = importlib.import_module(cast(str, encoder.both_ways_masks))
     config = copy.copy(cast(Any, module).config)
     config._attn_implementation = "sdpa"  # boolean masks, which every kernel here reads
     blocks = family.get_block_sequence_ids_for_mask((ids == encoder.image_token_id).long(), device=ids.device)
     return cast(dict[str, torch.Tensor | None], family.create_masks_for_vision_model(
         config=config, inputs_embeds=torch.empty(*ids.shape, 1, dtype=encoder.dtype, device=ids.device),
-        attention_mask=padding, past_key_values=None, position_ids=positions, block_sequence_ids=blocks))
+        attention_mask=padding, past_key_values=cache, position_ids=positions, block_sequence_ids=blocks))
 
 
 def block_diagonal(per_sample: list[dict[str, torch.Tensor | None]], bounds: list[tuple[int, int]], width: int,

@@ -64,13 +64,13 @@ class Generation:
     sample: dict[str, Any] | None = None  # a few completions with their rewards, for completions.jsonl
 
 
-def completion_sample(prompt: list[int], completion: list[int], masked: bool,
-                      policy: list[int] | None = None) -> Sample:
+def completion_sample(prompt: list[int], completion: list[int], masked: bool, policy: list[int] | None = None,
+                      vision: dict[str, torch.Tensor] | None = None) -> Sample:
     """Prompt + completion; the completion's tokens are the targets (none where its loss is masked; only the
-    policy's own where a rollout called tools: `policy` marks them)."""
+    policy's own where a rollout called tools: `policy` marks them); `vision`: the prompt's images."""
     keep = policy if policy is not None else [1] * len(completion)
     targets = [token if kept and not masked else IGNORE_INDEX for token, kept in zip(completion, keep, strict=True)]
-    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets)
+    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets, vision)
 
 
 class Grpo(Objective):
@@ -170,8 +170,14 @@ class Grpo(Objective):
             if self.tool_rollouts is not None:
                 return self.tool_rollouts.make(decode, prompts, g)
             rows = [ids for ids in prompts.ids for _ in range(g)]
-            made = decode(rows)
+            made = decode(rows, images=self.row_images(prompts))
         return Made(rows, made.ids, made.truncated)
+
+    def row_images(self, prompts: Prompts) -> list[dict[str, torch.Tensor] | None] | None:
+        """Each completion's prompt images (num_generations rows a prompt), or None for text prompts."""
+        if prompts.vision is None:
+            return None
+        return [prompts.images_of(p) for p in range(len(prompts)) for _ in range(self.grpo.num_generations)]
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         scale = self.grpo.scale_rewards
@@ -192,8 +198,9 @@ class Grpo(Objective):
         seconds = time.perf_counter() - started
         mask = self.grpo.mask_truncated_completions
         policy: list[list[int] | None] = list(made.policy) if made.policy else [None] * len(made.ids)
-        samples = [completion_sample(prompt, ids, mask and cut, kept) for prompt, ids, cut, kept
-                   in zip(made.prompts, made.ids, made.truncated, policy, strict=True)]
+        images = self.row_images(prompts) or [None] * len(made.ids)
+        samples = [completion_sample(prompt, ids, mask and cut, kept, vision) for prompt, ids, cut, kept, vision
+                   in zip(made.prompts, made.ids, made.truncated, policy, images, strict=True)]
         scores = score(self.rewards, self.rollouts(prompts, made))
         rewards = combined(scores, [r.weight for r in self.rewards])
         micro_batches, start = [], 0
@@ -335,6 +342,7 @@ class Grpo(Objective):
         if g is None or self.uses >= self.grpo.num_iterations:
             return {"uses": 0}
         return {"uses": self.uses, "ids": [s.input_ids for s in g.samples], "labels": [s.labels for s in g.samples],
+                "vision": [s.vision for s in g.samples],
                 "micro_batches": g.micro_batches, "advantages": g.advantages, "old_logps": g.old_logps,
                 "ref_logps": g.ref_logps, "counts": [g.counts.completions, g.counts.tokens, g.counts.micro_batches],
                 "metrics": g.metrics}
@@ -342,7 +350,9 @@ class Grpo(Objective):
     def load_state(self, state: dict[str, Any] | None) -> None:
         if not state or not state["uses"]:
             return
-        samples = [Sample(ids, labels) for ids, labels in zip(state["ids"], state["labels"], strict=True)]
+        vision = state.get("vision") or [None] * len(state["ids"])  # a checkpoint from before images
+        samples = [Sample(ids, labels, images) for ids, labels, images
+                   in zip(state["ids"], state["labels"], vision, strict=True)]
         self.current = Generation(samples, state["micro_batches"], state["advantages"], state["old_logps"],
                                   state["ref_logps"], StepCounts(*state["counts"]), state["metrics"])
         self.uses = state["uses"]

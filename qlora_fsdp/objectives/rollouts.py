@@ -34,6 +34,7 @@ from transformers import (
 
 from qlora_fsdp.config import GrpoConfig
 from qlora_fsdp.config.schema import AttnImplementation
+from qlora_fsdp.data.batching import joined_images
 from qlora_fsdp.distributed import all_reduce_max
 from qlora_fsdp.families import attention_needs
 from qlora_fsdp.generation.layouts import (
@@ -44,6 +45,7 @@ from qlora_fsdp.generation.layouts import (
     steps_together,
 )
 from qlora_fsdp.layers.attention import generation_attention
+from qlora_fsdp.layers.image_embeddings import image_token_of, images_in_embeddings
 
 
 @dataclass(frozen=True)
@@ -158,8 +160,11 @@ GRAPHS_BACKEND: Any = "inductor"  # torch.compile's backend for the decoding ste
 GRAPHS_FAILED: list[str] = []  # the first compile failure of this process: later calls decode eagerly
 
 
-def uses_graphs(grpo: GrpoConfig, device: torch.device, layout: Layout) -> bool:
-    return graphs_for(grpo.generation_graphs, device.type == "cuda", layout) and not GRAPHS_FAILED
+def uses_graphs(model: nn.Module, grpo: GrpoConfig, device: torch.device, layout: Layout) -> bool:
+    """Graphs where asked, and not for a policy that sees images (its decoding steps' positions come from a hook
+    that holds each row's offset in Python: a graph would replay the first call's)."""
+    return (graphs_for(grpo.generation_graphs, device.type == "cuda", layout) and not GRAPHS_FAILED
+            and image_token_of(model) is None)
 
 
 CACHE_BUCKET = 64  # tokens: a cache sized to the next multiple keeps one compiled decoding step across calls
@@ -172,7 +177,7 @@ def decoding_options(model: nn.Module, grpo: GrpoConfig, device: torch.device, t
     graph replayed each token."""
     config = cast(PretrainedConfig, model.config)
     cache = StaticCache(config=config, max_cache_len=math.ceil(tokens / CACHE_BUCKET) * CACHE_BUCKET)
-    if not uses_graphs(grpo, device, layout):
+    if not uses_graphs(model, grpo, device, layout):
         return {"past_key_values": cache, "disable_compile": True}
     compile_config = CompileConfig(fullgraph=False, mode="reduce-overhead", backend=GRAPHS_BACKEND)
     setattr(compile_config, "_compile_all_devices", device.type != "cuda")  # noqa: B010 (a CPU run of the path: tests)
@@ -225,12 +230,15 @@ class Decoder:
         self.ends = eos_ids(model, tokenizer)
         self.recorder = SampledLogps(1.0 if greedy else grpo.temperature) if logps else None
 
-    def __call__(self, rows: list[list[int]], budgets: list[int] | None = None) -> Completions:
-        """Each row's completion, at most its budget of new tokens (max_completion_length where none is given).
-        A collective where the layout steps ranks together: every rank calls as often, and makes as many generate
-        calls (a rank with fewer runs a throw-away row)."""
+    def __call__(self, rows: list[list[int]], budgets: list[int] | None = None,
+                 images: list[dict[str, torch.Tensor] | None] | None = None) -> Completions:
+        """Each row's completion, at most its budget of new tokens (max_completion_length where none is given);
+        `images`: each row's image inputs (a vision-language policy's prompts). A collective where the layout steps
+        ranks together: every rank calls as often, and makes as many generate calls (a rank with fewer runs a
+        throw-away row)."""
         grpo = self.grpo
         budgets = budgets or [grpo.max_completion_length] * len(rows)
+        images = images or [None] * len(rows)
         calls = self.calls_of(rows, budgets)
         count = len(calls)
         if steps_together(self.layout, self.world_size):
@@ -238,7 +246,8 @@ class Decoder:
         made: dict[int, tuple[list[int], list[float]]] = {}
         for index in range(count):
             picked = calls[index] if index < len(calls) else [0]
-            out = self.one_call([rows[i] for i in picked], [budgets[i] for i in picked])
+            out = self.one_call([rows[i] for i in picked], [budgets[i] for i in picked],
+                                joined_images([images[i] for i in picked]))
             if index < len(calls):
                 made.update(zip(picked, out, strict=True))
         completions = [cut(made[i][0][:budget], set(self.ends), self.pad_id, grpo.stop, self.tokenizer)
@@ -264,9 +273,10 @@ class Decoder:
                 calls.append([index])
         return calls
 
-    def one_call(self, rows: list[list[int]], budgets: list[int]) -> list[tuple[list[int], list[float]]]:
+    def one_call(self, rows: list[list[int]], budgets: list[int],
+                 images: dict[str, torch.Tensor] | None = None) -> list[tuple[list[int], list[float]]]:
         """One generate call: each row's new tokens (padded to the call's longest) and, when recorded, their
-        log-probabilities."""
+        log-probabilities; `images`: the rows' image inputs, embedded at their tokens in the prompts' forward."""
         grpo, pad_id = self.grpo, self.pad_id
         stops = {"stop_strings": grpo.stop, "tokenizer": self.tokenizer} if grpo.stop else {}
         sample = cast(Callable[..., torch.Tensor], self.model.generate)
@@ -282,7 +292,12 @@ class Decoder:
                     synced_gpus=steps_together(self.layout, self.world_size), **sampling(grpo, self.greedy), **stops)
         if self.recorder is not None:
             call["logits_processor"] = LogitsProcessorList([self.recorder])
-        out = sample_with_graphs_or_eagerly(sample, call, options, self.model, grpo, self.device, tokens, self.layout)
+        image_token = image_token_of(self.model)
+        if image_token is not None:  # a vision-language policy never writes an image token (TRL's suppression)
+            call["suppress_tokens"] = [image_token]
+        with images_in_embeddings(self.model, images, self.device):
+            out = sample_with_graphs_or_eagerly(sample, call, options, self.model, grpo, self.device, tokens,
+                                                self.layout)
         new = [row + [pad_id] * (longest - len(row)) for row in out[:, input_ids.shape[1]:].tolist()]
         recorded = self.recorder.finish(out) if self.recorder is not None else [[] for _ in new]
         return list(zip(new, recorded, strict=True))
@@ -299,7 +314,7 @@ def decoding(model: nn.Module, tokenizer: PreTrainedTokenizerBase, grpo: GrpoCon
     generation too."""
     generate_is_a_forward(model)
     layout = layout or resolved_layout(model, grpo, min(grpo.generation_rows or rows, rows), width, device)
-    with generating(model, eager=not uses_graphs(grpo, device, layout)), generation_layout(model, layout):
+    with generating(model, eager=not uses_graphs(model, grpo, device, layout)), generation_layout(model, layout):
         yield Decoder(model, tokenizer, grpo, device, world_size, layout, greedy, cache_tokens, logps)
 
 
