@@ -53,7 +53,7 @@ def prompt_messages(prompt: Any, pictures: list[Any], where: str) -> list[dict[s
     """The prompt as chat messages (plain text: the user's message). Where no message marks the columns' pictures,
     they go before the first user message's text, as TRL's `prepare_multimodal_messages` places them."""
     if isinstance(prompt, str) and prompt:
-        messages = [{"role": "user", "content": prompt}]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
         messages = [dict(m) for m in prompt]
     else:
