@@ -351,7 +351,9 @@ def test_rewards_built_in_and_errors_in_one_line(tmp_path, monkeypatch):
 
 def generate_with_stops(info, model_dir: Path) -> dict:
     """The ranks generate for different prompts with a stop string, so rows and ranks stop at different tokens:
-    the sharded model's all-gathers stay in step (synced_gpus) and every rank returns."""
+    the sharded model's all-gathers stay in step (synced_gpus) and every rank returns. The first forward the model
+    ever runs is the split layout's (as a run's first step generates first): the update's backward after it must
+    find the ranks' gathers in step."""
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_model
     from qlora_fsdp.objectives.rollouts import generate
@@ -362,13 +364,27 @@ def generate_with_stops(info, model_dir: Path) -> dict:
     torch.manual_seed(info.rank)
     prompt = tokenizer(["Reverse the letters of the word.", "How many words are in the text?"][info.rank])
     grpo = GrpoConfig(num_generations=4, max_completion_length=12, stop=["e"], generation_rows=3)  # calls of 3, 1
-    made = generate(model, tokenizer, [prompt["input_ids"]], grpo, info.device, info.world_size)
+    made = generate(model, tokenizer, [prompt["input_ids"]], grpo, info.device, info.world_size, layout="split")
     texts = [tokenizer.decode(ids) for ids in made.ids]
-    return {"lengths": [len(ids) for ids in made.ids], "texts": texts, "truncated": made.truncated,
+    return {"update_grads": backward_of(model, prompt["input_ids"], made.ids, tokenizer.pad_token_id, info),
+            "lengths": [len(ids) for ids in made.ids], "texts": texts, "truncated": made.truncated,
             "eos": tokenizer.eos_token_id, "ids": made.ids, "training": model.training,
             "gathered": bytes_gathered_by_layout(model, tokenizer, [prompt["input_ids"]], info),
             "graphs": greedy_with_and_without_graphs(model, tokenizer, [prompt["input_ids"]], info),
             "logps": generated_and_recomputed_logps(model, tokenizer, [prompt["input_ids"]], info)}
+
+
+def backward_of(model, prompt: list[int], completions: list[list[int]], pad: int, info) -> int:
+    """The update's forward and backward over the completions: how many LoRA parameters got a gradient."""
+    from qlora_fsdp.data.batching import collate
+    from qlora_fsdp.losses.forward import ForwardLoss
+    from qlora_fsdp.objectives.grpo import completion_sample
+
+    batch = collate([completion_sample(prompt, ids, False) for ids in completions], pad)
+    ForwardLoss()(model, batch, info.device).backward()
+    graded = sum(p.grad is not None for name, p in model.named_parameters() if "lora_" in name)
+    model.zero_grad(set_to_none=True)
+    return graded
 
 
 def generated_and_recomputed_logps(model, tokenizer, prompts: list[list[int]], info) -> dict:
@@ -456,7 +472,7 @@ def bytes_gathered_by_layout(model, tokenizer, prompts: list[list[int]], info) -
 def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(tiny_model_dir, tmp_path):
     ranks = run_ranks(generate_with_stops, 2, tiny_model_dir, tmp_dir=tmp_path)
     for made in ranks:
-        assert len(made["lengths"]) == 4 and made["training"]
+        assert len(made["lengths"]) == 4 and made["training"] and made["update_grads"] >= 8
         for text, ids, cut in zip(made["texts"], made["ids"], made["truncated"], strict=True):
             # cut only at 12 tokens without EOS or the stop string; a row that stopped before 12 was not cut
             assert cut == (len(ids) == 12 and made["eos"] not in ids and not text.endswith("e")), (text, ids)

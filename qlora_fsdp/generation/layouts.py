@@ -159,6 +159,11 @@ def count_cached_tokens(cache: Any, index: int, hidden: torch.Tensor) -> None:
 def split_by_layers(model: nn.Module, group: Any = None) -> Iterator[None]:
     """Each rank holds its share of the decoder layers whole for the call, and the root gathered."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if isinstance(model, FSDPModule):
+        # FSDP2 learns its module tree at the first forward: taken inside this layout (a step that generates
+        # first), each rank would see only its own layers, and later backwards would prefetch differently per
+        # rank and hang (found by a backward after a split generation at world size 2)
+        model._get_fsdp_state()._lazy_init()
     slots = layer_slots(model)
     owned = [m for i, (parent, name) in enumerate(slots)
              if layer_owner(i, len(slots), world) == rank and isinstance(m := getattr(parent, name), FSDPModule)]

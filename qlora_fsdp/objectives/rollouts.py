@@ -122,6 +122,22 @@ def generating(model: nn.Module, eager: bool = True) -> Iterator[None]:
         model.train(was_training)
         if isinstance(model, FSDPModule):
             model.reshard()  # the root's gathered embeddings and head are not needed until the update's forward
+            forget_forward_order(model)
+
+
+def forget_forward_order(root: FSDPModule) -> None:
+    """FSDP2 records every forward's module order, no-grad ones included, and the next backward prefetches by it.
+    Generation's forwards differ by rank in the split layout (a layer runs on its owner only), so a backward after
+    it prefetched a different layer on each rank and the ranks' gathers hung; cleared (torch's reset_iter_state
+    where it has one; nothing is in flight between steps)."""
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+        return
+    state = root._get_fsdp_state()
+    state._comm_ctx.post_forward_order.clear()
+    for other in state._state_ctx.all_states:
+        for group in other._fsdp_param_groups:
+            group._post_forward_indices.clear()
 
 
 def left_padded(prompts: list[list[int]], pad_id: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
