@@ -123,11 +123,7 @@ def reference_side(model_dir: Path, adapter: Path, samples: list, unquantized: l
     total = torch.zeros(())
     for sample in samples:
         ids = torch.tensor([sample.input_ids])
-        extra = dict(sample.vision) if sample.vision is not None else {}
-        if config.model_type == "gemma3":
-            extra["token_type_ids"] = (ids == config.image_token_id).long()
-        if config.model_type.startswith("qwen"):  # where the images are, for its 3-axis positions
-            extra["mm_token_type_ids"] = (ids == config.image_token_id).int()
+        extra = {**(dict(sample.vision) if sample.vision is not None else {}), **reference_extras(config, ids)}
         if config.model_type == "mllama" and sample.vision is not None:  # as its processor gives one sample
             extra = {**{key: value[None] for key, value in extra.items()},
                      "cross_attention_mask": mllama_cross_mask(sample.input_ids, extra, config)}
@@ -138,6 +134,16 @@ def reference_side(model_dir: Path, adapter: Path, samples: list, unquantized: l
     loss.backward()
     grads = {peft_adapter_key(name, "default"): p.grad for name, p in model.named_parameters() if p.requires_grad}
     return {"loss": loss.item(), "grads": grads, "expected": expected}
+
+
+def reference_extras(config, ids: torch.Tensor) -> dict:
+    """What transformers' VLM forward reads beside the pixels: where the image tokens are (Gemma 3's token types,
+    which let an image's tokens see each other; Qwen-VL's, for its 3-axis positions)."""
+    if config.model_type == "gemma3":
+        return {"token_type_ids": (ids == config.image_token_id).long()}
+    if config.model_type.startswith("qwen"):
+        return {"mm_token_type_ids": (ids == config.image_token_id).int()}
+    return {}
 
 
 def mllama_cross_mask(ids: list[int], vision: dict, config) -> torch.Tensor:
