@@ -598,8 +598,11 @@ def test_prompt_data_errors_name_the_file_and_record(tiny_model_dir, tmp_path):
     mapped = load_prompt_data(tokenizer, config(gsm8k, fields={"prompt": "question"}))
     assert sorted(mapped.train.prompts + mapped.eval.prompts) == [f"What is {i} + 1?" for i in range(3)]
     assert mapped.train.columns.keys() == {"answer"}
-    with pytest.raises(DataError, match=r"data fields \['output'\] do not apply to prompt data; its one field is "):
-        load_prompt_data(tokenizer, config(gsm8k, fields={"output": "answer"}))
+    renamed = load_prompt_data(tokenizer, config(gsm8k, fields={"prompt": "question", "gold": "answer"}))
+    assert renamed.train.columns.keys() == {"gold"}  # the rewards read it under the name the recipe gives
+    with pytest.raises(DataError, match=r"gsm8k.jsonl: data.fields maps answer to a column 'solution' the records "
+                                        r"lack; they have \['prompt', 'answer'\]"):
+        load_prompt_data(tokenizer, config(gsm8k, fields={"prompt": "question", "answer": "solution"}))
 
 
 # ---- the whole step against TRL: from generated ids to gradients ---------------------------------------------------

@@ -253,3 +253,52 @@ def test_grpo_with_images_generates_and_updates_as_transformers_and_trl(family, 
         assert run["grads"].keys() == trl["grads"].keys()
         for key, grad in trl["grads"].items():
             assert relative(run["grads"][key], grad) < 1e-5, key
+
+
+def test_image_prompt_forms_and_bad_input_in_one_line(tiny_model_dir, tmp_path):
+    """Every way a record gives its pictures (TRL's `image` column under another name through data.fields, `<image>`
+    markers, a part holding its path) becomes the image's tokens and pixels; what cannot work is one line naming
+    the file and record (or the checkpoint) before any weight is read."""
+    from qlora_fsdp.data.loading import load_training_data
+    from qlora_fsdp.errors import ConfigError, DataError, ModelLoadError
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
+    from qlora_fsdp.loading.vision_encoder import load_processor
+
+    model_dir = write_tiny_qwen2_5_vl(tmp_path / "model", train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512))
+    write_image_records(tmp_path / "data")
+
+    def load(records: list[dict], model: Path = model_dir, grpo: dict | None = None, **data):
+        path = tmp_path / "data" / "p.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        cfg = tiny_config(model, data={"path": str(path), "context_length": 512, "eval_samples": 0, **data},
+                          train={"objective": "grpo"})
+        cfg = dataclasses.replace(cfg, grpo=GrpoConfig(num_generations=2, max_completion_length=8, **(grpo or {})))
+        return load_training_data(load_tokenizer(cfg), cfg, None, lambda: load_processor(cfg))
+
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    forms = load([{"question": "Colour?", "picture": "red.png"},
+                  {"question": "<image>What is this?", "picture": None, "images": ["blue.png"]},
+                  {"question": [{"role": "user", "content": [{"type": "image", "image": "green.png"},
+                                                            {"type": "text", "text": "And this?"}]}]}],
+                 fields={"prompt": "question", "image": "picture"})
+    prompts = forms.train
+    assert all(vision is not None for vision in prompts.vision)
+    for ids, vision in zip(prompts.ids, prompts.vision, strict=True):
+        tokens = sum(token == image_token for token in ids)
+        assert tokens and tokens * 4 == int(vision["image_grid_thw"].prod(-1).sum())  # 2x2 patches a token
+    assert prompts.prompts[0][0]["content"][0] == {"type": "image"}  # the picture before the text, as TRL puts it
+    assert forms.describe(512, "truncate").startswith("3 prompts (3 with images)")
+
+    def refused(error: type, match: str, records: list[dict], **keys) -> None:
+        with pytest.raises(error, match=match):
+            load(records, **keys)
+
+    refused(DataError, r"p.jsonl record 1: image missing.png cannot be read", [{"prompt": "?", "image": "missing.png"}])
+    refused(DataError, r"p.jsonl record 2: an image part without an image, and no `images` left for it",
+            [{"prompt": "?", "images": ["red.png"]},
+             {"prompt": [{"role": "user", "content": [{"type": "image"}]}], "images": []}])
+    refused(ModelLoadError, r"the data's records show images, but .* is a llama checkpoint without a vision tower",
+            [{"prompt": "?", "image": "red.png"}], model=tiny_model_dir)
+    tools = {"tools": ["examples/agent_tools.py:calculate"]}
+    refused((DataError, ConfigError), r"prompts with images and grpo.tools / environments together are not built",
+            [{"prompt": "?", "image": "red.png"}], grpo=tools)

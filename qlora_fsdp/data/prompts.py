@@ -105,17 +105,20 @@ def encode_prompt(prompt: Any, tokenizer: PreTrainedTokenizerBase, template: str
 
 
 def with_prompt_column(records: datasets.Dataset, source: SourceConfig) -> datasets.Dataset:
-    """The source's prompt column named `prompt` (data.fields: {prompt: question} reads GSM8K's questions)."""
-    unknown = set(source.fields) - {"prompt"}
-    if unknown:
-        raise DataError(f"data fields {sorted(unknown)} do not apply to prompt data; its one field is prompt "
-                        "(the other columns reach the reward functions under their own names)")
-    column = source.fields.get("prompt", "prompt")
-    if column == "prompt" or column not in records.column_names:
-        return records
-    if "prompt" in records.column_names:
-        records = records.remove_columns("prompt")
-    return records.rename_column(column, "prompt")
+    """The source's columns under the names GRPO reads (data.fields: {prompt: question} reads GSM8K's questions;
+    {answer: solution, image: decoded_image} names the columns a reward function or the images are read from)."""
+    for name, column in source.fields.items():
+        if column == name:
+            continue
+        if column not in records.column_names:
+            if name == "prompt":  # the missing prompt column is named below, with the records' columns
+                continue
+            raise DataError(f"{source.path}: data.fields maps {name} to a column '{column}' the records lack; they "
+                            f"have {records.column_names}")
+        if name in records.column_names:
+            records = records.remove_columns(name)
+        records = records.rename_column(column, name)
+    return records
 
 
 def read_prompts(sources: list[SourceConfig], data: DataConfig, seed: int) -> datasets.Dataset:

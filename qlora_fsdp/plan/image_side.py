@@ -30,6 +30,7 @@ from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.image_side_training import under
 from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.vision_encoder import quantized_names
+from qlora_fsdp.measure.fake_step import update_rows
 from qlora_fsdp.measure.held import planning_model, quant_state_bytes
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
@@ -137,7 +138,7 @@ def image_side(cfg: Config) -> ImageSide | None:
     if not cfg.data.images_per_row:
         return None
     data, quant = cfg.data, cfg.quant
-    key = (planning_model(cfg).model.path, data.images_per_row, data.micro_batch, data.context_length,
+    key = (planning_model(cfg).model.path, data.images_per_row, rows_with_images(cfg), data.context_length,
            data.image_max_pixels, quant.compute_dtype, quant.blocksize, quant.double_quant, quant.vision_tower,
            cfg.lora.train_projector, cfg.lora.target_vision_tower, cfg.lora.r, cfg.lora.dtype, cfg.optim.name)
     if key not in _SIDES:
@@ -151,7 +152,8 @@ def side_of(cfg: Config) -> ImageSide:
     check_images_supported(config)
     vision = config.vision_config
     itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
-    images = cfg.data.micro_batch * per_row
+    rows = rows_with_images(cfg)
+    images = rows * per_row
     patches = patches_per_image(config, cfg)
     layer = patches * (ACTIVATIONS_PER_PATCH * vision.hidden_size + 2 * vision.intermediate_size) * itemsize
     scores = patches * patches * 4  # one head's fp32 scores at a time (sdpa's math path on the widest GPUs)
@@ -160,11 +162,21 @@ def side_of(cfg: Config) -> ImageSide:
     features = images * kept * config.get_text_config().hidden_size * itemsize
     forward = images * (layer + scores) + features
     both_ways = IMAGE_FAMILIES[config.model_type].both_ways_masks is not None
-    rows, length = cfg.data.micro_batch, cfg.data.context_length
-    masks = 2 * rows * length * length if both_ways else 0
+    length = cfg.data.context_length
+    masks = 2 * update_rows(cfg) * length * length if both_ways else 0
     full = meta_full_model(config)
     return ImageSide(weight_bytes(config, cfg, full), forward, masks, images, per_token,
                      images * image_flops(full, config, patches), trained_bytes(full, config, cfg))
+
+
+def rows_with_images(cfg: Config) -> int:
+    """Rows whose images pass the tower at once: a micro-batch's forward (GRPO's: every completion carries its
+    prompt's images), or GRPO's largest generate call (each row's prompt re-read with its images)."""
+    rows = update_rows(cfg)
+    if cfg.train.kind.generates:
+        rows = max(rows, cfg.grpo.generation_rows or cfg.data.micro_batch * cfg.data.grad_accum_steps
+                   * cfg.grpo.num_generations)
+    return rows
 
 
 def image_flops(full: nn.Module, config: PretrainedConfig, patches: int) -> float:

@@ -9,7 +9,7 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.measure.fake_step import planned_flops_per_token, update_rows
 from qlora_fsdp.measure.held import Held, planning_config
 from qlora_fsdp.measure.step_tracker import StepMemory
-from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time
+from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time, rank_completions
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import Rates, StepTime, matmul_efficiency, part_time, step_time
@@ -26,10 +26,21 @@ def recipe_time(cfg: Config, step: StepMemory) -> StepTime:
         time.generation += kept_logps_seconds(cfg, step) / cfg.grpo.num_iterations
         time.total += time.generation
     side = image_side(cfg)
-    if side is not None:  # every micro-batch's images, before its decoder forward
-        time.vision = cfg.data.grad_accum_steps * side.forward_flops / rates(cfg).flops
+    if side is not None:  # every forward's images, before its decoder forward
+        time.vision = images_a_step(cfg) * side.forward_flops / max(side.images, 1) / rates(cfg).flops
         time.total += time.vision
     return time
+
+
+def images_a_step(cfg: Config) -> float:
+    """Images through the tower in a step: each micro-batch's forward; GRPO's completions each carry their prompt's
+    images, through generation's prompt forward and the kept log-probabilities' forwards too (once a generation)."""
+    forwards: float = update_rows(cfg) * cfg.data.grad_accum_steps
+    if cfg.train.kind.generates:
+        grpo = cfg.grpo
+        kept = (grpo.num_iterations > 1) + (grpo.beta != 0.0)
+        forwards += (rank_completions(cfg) + kept * update_rows(cfg) * cfg.data.grad_accum_steps) / grpo.num_iterations
+    return forwards * cfg.data.images_per_row
 
 
 def rates(cfg: Config) -> Rates:
