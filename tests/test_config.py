@@ -128,6 +128,10 @@ def test_every_shipped_recipe_loads():
             assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_prompts.jsonl", "prompt",
                                                                              "grpo")
             assert [r.function for r in cfg.grpo.rewards] == ["examples.rewards:category_words"]
+        elif name == "qwen2.5_vl_7b_1x24gb_grpo":  # TRL's vision GRPO set: a picture a problem, its solution
+            assert [(s.path, s.format, s.fields) for s in cfg.data.sources] == [
+                ("lmms-lab/multimodal-open-r1-8k-verified", "prompt", {"prompt": "problem", "answer": "solution"})]
+            assert cfg.data.images_per_row == 1 and [r.function for r in cfg.grpo.rewards] == ["math_answer"]
         elif name.endswith(("_grpo", "_grpo_tools")):  # GSM8K's questions as prompts, `answer` reaches math_answer
             assert [(s.path, s.subset, s.format, s.fields) for s in cfg.data.sources] == [
                 ("openai/gsm8k", "main", "prompt", {"prompt": "question"})] and cfg.train.objective == "grpo"

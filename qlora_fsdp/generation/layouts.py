@@ -200,10 +200,12 @@ def generation_layout(model: nn.Module, layout: Layout) -> Iterator[None]:
             yield
 
 
-def graphs_for(setting: str, on_gpu: bool, layout: Layout) -> bool:
+def graphs_for(setting: str, on_gpu: bool, layout: Layout, images: bool = False) -> bool:
     """Whether the decoding step is replayed as a CUDA graph (`grpo.generation_graphs`; auto: on a GPU): for the
-    gathered layout only, since split and per_token run collectives inside the step."""
-    return layout == "gathered" and (setting == "on" or (setting == "auto" and on_gpu))
+    gathered layout only, since split and per_token run collectives inside the step; not for a policy that sees
+    images (its decoding steps' positions come from a hook that holds each row's offset in Python: a graph would
+    replay the first call's)."""
+    return layout == "gathered" and not images and (setting == "on" or (setting == "auto" and on_gpu))
 
 
 def steps_together(layout: Layout, world_size: int) -> bool:

@@ -177,10 +177,8 @@ GRAPHS_FAILED: list[str] = []  # the first compile failure of this process: late
 
 
 def uses_graphs(model: nn.Module, grpo: GrpoConfig, device: torch.device, layout: Layout) -> bool:
-    """Graphs where asked, and not for a policy that sees images (its decoding steps' positions come from a hook
-    that holds each row's offset in Python: a graph would replay the first call's)."""
-    return (graphs_for(grpo.generation_graphs, device.type == "cuda", layout) and not GRAPHS_FAILED
-            and image_token_of(model) is None)
+    images = image_token_of(model) is not None
+    return graphs_for(grpo.generation_graphs, device.type == "cuda", layout, images) and not GRAPHS_FAILED
 
 
 CACHE_BUCKET = 64  # tokens: a cache sized to the next multiple keeps one compiled decoding step across calls

@@ -194,7 +194,7 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     turns = world if layout == "split" else 1
     gpu = (weights + turns * mean_cache) / rates.memory + turns * flops_per_token * rows / rates.flops
     host = layers * (DECODE_HOST_SECONDS_PER_LAYER + turns * rows * DECODE_SECONDS_PER_ROW_LAYER)
-    if graphs_for(cfg.grpo.generation_graphs, True, layout):  # a plan is of GPUs
+    if graphs_for(cfg.grpo.generation_graphs, True, layout, cfg.data.images_per_row > 0):  # a plan is of GPUs
         host = GRAPH_HOST_SECONDS_PER_STEP
     prompt_flops = turns * flops_per_token * rows * prompt / rates.flops
     if layout == "per_token":

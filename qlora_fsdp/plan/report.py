@@ -70,9 +70,10 @@ def image_lines(cfg: Config, result: Plan) -> list[str]:
     if side is None:
         return []
     where = "below the peak" if result.image_forward_total <= result.update_total else "the step's peak"
-    return [f"images: {side.images} a micro-batch of {side.tokens_per_image} tokens each; the vision tower's forward "
-            f"adds {side.forward / GIB:.2f} GiB (estimate) before the decoder's, {result.image_forward_total / GIB:.2f}"
-            f" GiB in all: {where}", ""]
+    at_once = "a generate call's or a micro-batch's, the more" if cfg.train.kind.generates else "a micro-batch's"
+    return [f"images: {side.images} at once ({at_once}) of {side.tokens_per_image} tokens each; the vision tower's "
+            f"forward adds {side.forward / GIB:.2f} GiB (estimate) before the decoder's, "
+            f"{result.image_forward_total / GIB:.2f} GiB in all: {where}", ""]
 
 
 def report_text(planned: RecipePlan) -> str:
