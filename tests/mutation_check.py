@@ -52,6 +52,7 @@ class Mutation:
 
 
 BAD_TOOLS = "tests/test_grpo_tools.py::test_bad_tools_environments_and_calls_fail_in_one_line_or_as_the_tools_message"
+VISION_GRPO = "tests/test_grpo_images.py::test_grpo_with_images_generates_and_updates_as_transformers_and_trl[{}]"
 PREQUANTIZED_TINY = ("tests/test_prequantized.py::"
                      "test_tiny_tied_prequantized_trains_at_world_sizes_1_and_2_equal_to_transformers")
 
@@ -490,6 +491,17 @@ MUTATIONS = [
     Mutation("a tool's result read as the final answer", "qlora_fsdp/rewards/builtin.py",
              'message.get("role", "assistant") == "assistant"', "True",
              BAD_TOOLS, quick=True),
+    # ---- vision GRPO: images in the prompts ----------------------------------------------------------------
+    Mutation("the update's completions without their prompt's images", "qlora_fsdp/objectives/grpo.py",
+             "    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets, vision)\n",
+             "    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets)\n",
+             VISION_GRPO.format("qwen2_5_vl")),
+    Mutation("Gemma 3's generation masks as wide as the prompt, not the cache", "qlora_fsdp/layers/image_embeddings.py",
+             "past_key_values=cache, position_ids=positions", "past_key_values=None, position_ids=positions",
+             VISION_GRPO.format("gemma3")),
+    Mutation("a prompt's pictures put after its text", "qlora_fsdp/data/prompt_images.py",
+             '[{"type": "image"} for _ in pictures] + text', 'text + [{"type": "image"} for _ in pictures]',
+             "tests/test_grpo_images.py::test_image_prompt_forms_and_bad_input_in_one_line", quick=True),
     # ---- GGUF export and its Modelfile (tests/test_gguf_export.py: the converter runs, so none is quick) ---------
     Mutation("a GGUF asked for as bf16 written as f16", "qlora_fsdp/tools/gguf_export.py",
              '"--outtype", outtype, "--outfile"', '"--outtype", {"bf16": "f16"}.get(outtype, outtype), "--outfile"',
