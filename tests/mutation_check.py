@@ -215,8 +215,8 @@ MUTATIONS = [
              "tests/test_grpo.py::test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart"),
     # ---- vision-language: images into the embeddings, the image side as the reference holds it --------------------
     Mutation("a packed row's pixels land on the wrong sample", "qlora_fsdp/data/batching.py",
-             "    parts = [s.vision for s in samples if s.vision is not None]\n",
-             "    parts = [s.vision for s in reversed(samples) if s.vision is not None]\n",
+             "    parts = [part for part in inputs if part is not None]\n",
+             "    parts = [part for part in reversed(inputs) if part is not None]\n",
              "tests/test_vision.py::test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2[llava]"),
     Mutation("image features never reach the embeddings", "qlora_fsdp/layers/image_embeddings.py",
              "        return output.masked_scatter(mask.unsqueeze(-1), features.to(output.dtype))\n",
