@@ -286,6 +286,41 @@ def test_a_completion_ends_at_its_first_eos_and_only_a_cut_one_is_truncated():
     assert cut([5, 6, 7], {eos}, pad, ["6"], Words()) == ([5, 6, 7], True)
 
 
+def test_a_run_continuing_an_adapter_keeps_it_frozen_as_the_reference_and_the_plan_counts_it():
+    """model.adapter with beta > 0: the reference's forward runs on the adapter as it was when the objective
+    attached (TRL's "ref" copy), the trained values come back after it, and the plan holds the copy's bytes; with a
+    fresh adapter or no KL term, nothing is kept."""
+    from qlora_fsdp.config import Config
+    from qlora_fsdp.measure.held import Held
+    from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter, keeps_frozen_adapter
+    from qlora_fsdp.plan.memory import resident_rows
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    model[1].weight.requires_grad_(False)  # the frozen base: never copied
+    frozen = frozen_adapter(model)
+    assert frozen.keys() == {"0.weight", "0.bias", "1.bias"}
+    started = {name: value.clone() for name, value in frozen.items()}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)  # training moved them
+    trained = {name: param.detach().clone() for name, param in model.named_parameters()}
+    with adapter_weights(model, frozen):
+        assert all(torch.equal(model.get_parameter(name), value) for name, value in started.items())
+        assert torch.equal(model[1].weight, trained["1.weight"])
+    assert all(torch.equal(param, trained[name]) for name, param in model.named_parameters())
+
+    def config(adapter: str | None, beta: float) -> Config:
+        cfg = Config()
+        cfg.train.objective, cfg.model.adapter, cfg.grpo.beta = "grpo", adapter, beta
+        return cfg
+
+    held = Held(lora=12345)
+    for adapter, beta, kept in ((None, 0.04, False), ("sft/adapter", 0.0, False), ("sft/adapter", 0.04, True)):
+        cfg = config(adapter, beta)
+        copies = [row.bytes for row in resident_rows(held, cfg) if "reference" in row.name]
+        assert keeps_frozen_adapter(cfg) == kept and copies == ([12345] if kept else []), (adapter, beta)
+
+
 def test_advantages_are_trls_group_and_batch_normalization():
     from trl.trainer.utils import nanstd
 

@@ -7,7 +7,8 @@
   and at 2 in the split layout, the ranks' prompts differing in images and lengths;
 - the update sees the images: from the same completions, TRL's `_generate_and_score_completions` and `compute_loss`
   (its processor's pixels, its forward of the VLM class) give our loss and every LoRA gradient, with the KL term
-  (the reference: the adapter off, over the images too), at world sizes 1 (padded rows) and 2 (packed rows).
+  (the reference: the adapter the run started from, frozen, as TRL's "ref" copy; over the images too), at world
+  sizes 1 (padded rows) and 2 (packed rows).
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def our_side(info, model_dir: Path, data: Path, adapter: Path) -> dict:
     model.train()
     replayed = fixed_rows(tokenizer.eos_token_id, n)
     model.generate = ReplayedGenerate(prompts.ids, replayed, tokenizer.pad_token_id)
+    # the run continues this adapter (model.adapter): the KL term's reference is it, frozen, as TRL's "ref" copy
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, adapter=str(adapter)))
     steps = Grpo(cfg, ForwardLoss(), rewards=[Reward("parity", parity_reward, 1.0)])
     steps.attach(RunParts(info, model, data, tokenizer.pad_token_id, None,
                           RowSplit(1, 0, info.rank, info.world_size), tokenizer))
@@ -215,9 +218,6 @@ def trl_side(model_dir: Path, adapter: Path, inputs: list[dict], rows: list, tmp
     for name, param in model.named_parameters():  # TRL casts a QLoRA adapter to bf16: fp32 here, as ours
         if name in weights:
             param.data = weights[name]
-    # TRL's reference for a model that comes with an adapter is a frozen copy of it ("ref"); ours is the adapter
-    # off, which TRL takes where the adapter starts at zero: the copy is dropped so TRL's reference is the base's
-    model.delete_adapter("ref")
     trainer.current_gradient_accumulation_steps = n
     model.train()
     batch = trainer._generate_and_score_completions([r for r in inputs for _ in range(GENERATIONS)])

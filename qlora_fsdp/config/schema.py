@@ -56,7 +56,7 @@ class ModelConfig:
     attn_implementation: AttnImplementation = "auto"
     allow_pickle: bool = False  # .bin/.pt weights can run code when unpickled; refused unless this is true
     # a PEFT adapter folder to start from (an SFT run's `adapter/`), trained further with the recipe's LoRA
-    # settings; under DPO the reference is then the base plus this adapter, frozen (computed before training)
+    # settings; under DPO, and GRPO with beta > 0, the reference is then the base plus this adapter, frozen
     adapter: str | None = None
     # tokens added to the tokenizer (a new language's, a chat format's markers); the embeddings and the head grow
     # to hold them where the checkpoint's vocabulary has no room, each new row the mean of the stored ones. Needs

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -44,6 +44,7 @@ from qlora_fsdp.losses.policy import (
 )
 from qlora_fsdp.losses.router import grpo_router_coefficient
 from qlora_fsdp.objectives.base import Objective, RunParts, StepResult, full_length_batches
+from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter, keeps_frozen_adapter
 from qlora_fsdp.objectives.reward_model_scores import reward_model_function
 from qlora_fsdp.objectives.rollouts import decoding
 from qlora_fsdp.objectives.turns import Made, ToolRollouts
@@ -105,6 +106,8 @@ class Grpo(Objective):
         if not self.given_rewards:
             self.rewards = (resolve_rewards(self.cfg.grpo, {"reward_model": reward_model_function})
                             if self.cfg.grpo.rewards else [])
+        # starting from an adapter, the KL term's reference is that adapter, frozen (TRL's); else the adapter off
+        self.reference = frozen_adapter(run.model) if keeps_frozen_adapter(self.cfg) else None
         self.tool_rollouts: ToolRollouts | None = None
         if self.grpo.calls_tools:
             config = getattr(run.model.config, "text_config", run.model.config)
@@ -139,11 +142,15 @@ class Grpo(Objective):
                             adapter: bool) -> list[torch.Tensor]:
         """Each completion's target log-probabilities (no gradients), under the policy or the reference."""
         batch, order = self.batch([generation_samples[i] for i in indices])
-        with torch.no_grad(), (adapter_off(self.model) if not adapter else nullcontext()):
+        with torch.no_grad(), (nullcontext() if adapter else self.reference_model()):
             flat = self.forward_loss.token_logps(self.model, batch, self.info.device, self.grpo.temperature).logps
         pieces = torch.split(flat.detach(), batch.targets_per_sample().tolist())
         by_position = dict(zip(order, pieces, strict=True))
         return [by_position[i] for i in range(len(indices))]
+
+    def reference_model(self) -> AbstractContextManager[Any]:
+        """The KL term's reference: the adapter the run started from, frozen, or the adapter off."""
+        return adapter_weights(self.model, self.reference) if self.reference is not None else adapter_off(self.model)
 
     # ---- generation and rewards -------------------------------------------------------------------------------
 

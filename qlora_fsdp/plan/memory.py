@@ -23,6 +23,7 @@ from qlora_fsdp.measure.fake_step import update_rows
 from qlora_fsdp.measure.fake_world import recipe_step
 from qlora_fsdp.measure.held import Held, planned_dtypes, planning_config
 from qlora_fsdp.measure.step_tracker import Segment, StepMemory
+from qlora_fsdp.objectives.reference_adapter import keeps_frozen_adapter
 from qlora_fsdp.plan.generation import Weights, candidate_layouts, generation_memory, generation_time, root_bytes
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.step_time import Rates, matmul_efficiency
@@ -102,7 +103,9 @@ def resident_rows(held: Held, cfg: Config) -> list[Row]:
     return [Row("4-bit base weights (this rank's shard)", held.base_4bit, "exact"),
             Row("other base weights: embeddings, norms, head (shard)", held.other_base, "exact"),
             Row(f"LoRA weights (shard, {cfg.lora.dtype})", held.lora, "exact"),
-            Row(f"optimizer state ({cfg.optim.name})", held.optimizer, "exact")]
+            Row(f"optimizer state ({cfg.optim.name})", held.optimizer, "exact"),
+            *([Row("GRPO's reference: the starting adapter, frozen (shard)", held.lora, "exact")]
+              if keeps_frozen_adapter(cfg) else [])]
 
 
 def checkpointing_words(cfg: Config) -> str:
