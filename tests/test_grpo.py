@@ -661,20 +661,27 @@ def e2e_rollouts(eos: int) -> tuple[list[list[int]], list[list[list[int]]]]:
     the limit (not truncated)."""
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(10, 500, (5 + 2 * p,), generator=generator).tolist() for p in range(E2E_PROMPTS)]
+    return prompts, fixed_completions(eos, E2E_PROMPTS, E2E_GENERATIONS, E2E_MAX, generator)
+
+
+def fixed_completions(eos: int, n_prompts: int, generations: int, max_new: int,
+                      generator: torch.Generator) -> list[list[list[int]]]:
+    """Per prompt, the rows a generator returns: some end in EOS, some run to max_new without (truncated), one may
+    end in EOS at the limit (not truncated)."""
     rows = []
-    for p in range(E2E_PROMPTS):
+    for p in range(n_prompts):
         mine = []
-        for g in range(E2E_GENERATIONS):
-            length = 1 + (3 * p + 5 * g) % E2E_MAX
+        for g in range(generations):
+            length = 1 + (3 * p + 5 * g) % max_new
             tokens = torch.randint(10, 500, (length,), generator=generator).tolist()
             ends = (p + g) % 3 != 0 or length < 3
             if ends:
                 tokens[-1] = eos
-            elif length < E2E_MAX:  # no EOS: the generator ran on to the limit
-                tokens += torch.randint(10, 500, (E2E_MAX - length,), generator=generator).tolist()
+            elif length < max_new:  # no EOS: the generator ran on to the limit
+                tokens += torch.randint(10, 500, (max_new - length,), generator=generator).tolist()
             mine.append(tokens)
         rows.append(mine)
-    return prompts, rows
+    return rows
 
 
 def trl_cut(row: list[int], eos: int) -> list[int]:

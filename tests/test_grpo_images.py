@@ -23,11 +23,11 @@ import torch
 from qlora_fsdp.config import GrpoConfig
 from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.helpers import REPO, full_grads, run_ranks, tiny_config, transformers_nf4
-from tests.test_grpo import ReplayedGenerate, parity_reward, relative, trl_cut
+from tests.test_grpo import ReplayedGenerate, fixed_completions, parity_reward, relative, trl_cut
 from tests.vision_models import write_image_records, write_tiny_gemma3, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
 
 WRITERS = {"qwen2_5_vl": write_tiny_qwen2_5_vl, "qwen3_vl": write_tiny_qwen3_vl, "gemma3": write_tiny_gemma3}
-GENERATIONS, MAX_NEW, TEMPERATURE, BETA = 2, 5, 0.8, 0.04
+GENERATIONS, MAX_NEW, TEMPERATURE, BETA = 2, 6, 0.8, 0.04  # 6: completions of different lengths in a group
 GREEDY_TOKENS = 4
 
 
@@ -48,24 +48,6 @@ def prompt_records(folder: Path) -> tuple[Path, list[dict]]:
     path = folder / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path, records
-
-
-def fixed_rows(eos: int, n_prompts: int) -> list[list[list[int]]]:
-    """Per prompt, the rows a generator returns: some end in EOS, some run to the limit (truncated)."""
-    generator = torch.Generator().manual_seed(5)
-    rows = []
-    for p in range(n_prompts):
-        mine = []
-        for g in range(GENERATIONS):
-            length = 1 + (2 * p + 3 * g) % MAX_NEW
-            tokens = torch.randint(10, 400, (length,), generator=generator).tolist()
-            if (p + g) % 3:
-                tokens[-1] = eos
-            else:
-                tokens += torch.randint(10, 400, (MAX_NEW - length,), generator=generator).tolist()
-            mine.append(tokens)
-        rows.append(mine)
-    return rows
 
 
 def our_side(info, model_dir: Path, data: Path, adapter: Path) -> dict:
@@ -111,7 +93,7 @@ def our_side(info, model_dir: Path, data: Path, adapter: Path) -> dict:
                   layout=layout, greedy=True) as decode:
         greedy = decode(rows, images=[prompts.images_of(p) for p in mine]).ids
     model.train()
-    replayed = fixed_rows(tokenizer.eos_token_id, n)
+    replayed = fixed_completions(tokenizer.eos_token_id, n, GENERATIONS, MAX_NEW, torch.Generator().manual_seed(5))
     model.generate = ReplayedGenerate(prompts.ids, replayed, tokenizer.pad_token_id)
     # the run continues this adapter (model.adapter): the KL term's reference is it, frozen, as TRL's "ref" copy
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, adapter=str(adapter)))
