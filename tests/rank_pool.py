@@ -18,12 +18,14 @@ has just imported, as a spawned worker was.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import os
 import socket
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -44,6 +46,7 @@ class TaskReport:
     error: str = ""  # the task's traceback when it failed
     reusable: bool = True  # False: the worker leaves (its process group may be half-broken)
     assertion: bool = False  # it failed an assertion (tests/mutation_check.py counts only those as a catch)
+    died: bool = False  # a signal ended the worker before it reported (a segfault in native code)
 
 
 class RanksFailed(AssertionError):
@@ -114,6 +117,7 @@ def patched_names(before: dict[tuple[str, str], int]) -> list[str]:
 def _serve(conn: Connection) -> None:
     """A worker's life: import, then run tasks until told to stop or until a task leaves it unusable."""
     os.environ["HF_HUB_OFFLINE"] = "1"
+    faulthandler.enable()  # a segfault prints every thread's Python stack to the session's stderr
     torch.set_num_threads(1)
     _warm_imports()
     # what the imports made lives as long as the worker: out of the collector's sight (a full collection walked half
@@ -213,19 +217,31 @@ class RankPool:
     def run(self, fn: Callable, world_size: int, args: tuple, out_dir: Path, fake: bool,
             timeout: float) -> list[Any]:
         key = (world_size, fake)
-        workers = self._ready_set(key, 1 if fake else world_size)
-        port = free_port()
-        for rank, (_, conn) in enumerate(workers):
-            conn.send(Task(fn, args, rank, world_size, port, str(out_dir), fake))
-        reports = self._collect(workers, timeout)
-        if not all(report.reusable for report in reports):
-            self._discard(key)
+        reports = self._attempt(fn, key, args, out_dir, timeout)
+        if any(report.died for report in reports):
+            # A worker killed by a signal (seen once in CI: SIGSEGV on one rank after its backward, never on this
+            # machine) says nothing about the code under test unless it happens again: rerun the
+            # task once on fresh workers, and say so. A deterministic crash fails the second time too.
+            first = "; ".join(report.error for report in reports if report.died)
+            warnings.warn(f"{fn.__name__}: {first}; rerun once on fresh workers", RuntimeWarning, stacklevel=2)
+            reports = self._attempt(fn, key, args, out_dir, timeout)
         failed = [f"rank {rank}: {report.error or 'no report'}" for rank, report in enumerate(reports)
                   if not report.ok]
         if failed:
-            raise RanksFailed(f"{fn.__name__} failed on {len(failed)} of {len(workers)} ranks:\n" + "\n".join(failed),
+            raise RanksFailed(f"{fn.__name__} failed on {len(failed)} of {len(reports)} ranks:\n" + "\n".join(failed),
                               [report.assertion for report in reports if not report.ok])
-        return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(len(workers))]
+        return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(len(reports))]
+
+    def _attempt(self, fn: Callable, key: tuple[int, bool], args: tuple, out_dir: Path,
+                 timeout: float) -> list[TaskReport]:
+        workers = self._ready_set(key, 1 if key[1] else key[0])
+        port = free_port()
+        for rank, (_, conn) in enumerate(workers):
+            conn.send(Task(fn, args, rank, key[0], port, str(out_dir), key[1]))
+        reports = self._collect(workers, timeout)
+        if not all(report.reusable for report in reports):
+            self._discard(key)
+        return reports
 
     def _ready_set(self, key: tuple[int, bool], n: int) -> list[tuple[mp.Process, Connection]]:
         if key not in self._sets:
@@ -246,8 +262,9 @@ class RankPool:
                 reports.append(conn.recv() if ready else
                                TaskReport(ok=False, error=f"no result after {timeout:.0f} s", reusable=False))
             except (EOFError, OSError):
+                process.join(10)  # reaped, so its exit code (the signal that killed it) is known
                 reports.append(TaskReport(ok=False, error=f"worker died (exit code {process.exitcode})",
-                                          reusable=False))
+                                          reusable=False, died=(process.exitcode or 0) < 0))
         return reports
 
     def _discard(self, key: tuple[int, bool]) -> None:

@@ -4,6 +4,8 @@ failing task reports its traceback and its workers are replaced, and the ranks o
 from __future__ import annotations
 
 import os
+import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +31,24 @@ def leave_marks(info) -> tuple[int, str | None, float, float]:
 def fail_on_rank_1(info) -> None:
     if info.rank == 1:
         raise ValueError("planted failure on rank 1")
+
+
+def segfault_on_rank_1(info, marker: Path | None) -> int:
+    """Rank 1 dies of SIGSEGV (as native code does) the first time, or every time when `marker` is None."""
+    if info.rank == 1 and (marker is None or not marker.exists()):
+        if marker is not None:
+            marker.touch()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def test_a_worker_killed_by_a_signal_is_rerun_once_and_a_crash_that_repeats_fails(tmp_path):
+    with pytest.warns(RuntimeWarning, match=r"segfault_on_rank_1: worker died \(exit code -11\); rerun once"):
+        assert run_ranks(segfault_on_rank_1, 2, tmp_path / "once", tmp_dir=tmp_path) == [2, 2]
+    with pytest.raises(AssertionError, match=r"rank 1: worker died \(exit code -11\)"), pytest.warns(RuntimeWarning):
+        run_ranks(segfault_on_rank_1, 2, None, tmp_dir=tmp_path)
 
 
 def test_each_task_starts_from_a_fresh_process_state_in_the_same_processes(tmp_path):
