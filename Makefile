@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-dpo demo-grpo test test-fast test-slow lint gpu-check gpu-check-quick gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
+.PHONY: demo demo-dpo demo-grpo demo-tools test test-fast test-slow lint gpu-check gpu-check-quick gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
 $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyproject.toml
@@ -38,6 +38,12 @@ data/tiny_preferences.jsonl: scripts/make_dataset.py
 data/tiny_prompts.jsonl: scripts/make_dataset.py
 	$(BIN)/python scripts/make_dataset.py --kind prompts --out $@
 
+data/tool_calls.jsonl: scripts/make_dataset.py
+	$(BIN)/python scripts/make_dataset.py --kind tool_calls
+
+data/tool_prompts.jsonl: scripts/make_dataset.py
+	$(BIN)/python scripts/make_dataset.py --kind tool_prompts
+
 data/tiny_kto.jsonl: scripts/make_dataset.py
 	$(BIN)/python scripts/make_dataset.py --kind kto --out $@
 
@@ -66,6 +72,13 @@ demo-dpo: $(BIN)/activate tiny-model data/tiny_preferences.jsonl
 demo-grpo: $(BIN)/activate tiny-model data/tiny_prompts.jsonl
 	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu_grpo train.output_dir=outputs/demo-grpo \
 		train.overwrite=true
+
+# a real small model learns to call a tool: SFT warm start on calls of the calculator, then GRPO with it (CPU, 2 ranks)
+demo-tools: $(BIN)/activate real-model data/tool_calls.jsonl data/tool_prompts.jsonl
+	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu_tools_sft train.overwrite=true
+	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu_tools_grpo \
+		model.adapter=outputs/tiny_cpu_tools_sft/adapter train.overwrite=true
+	$(BIN)/python scripts/tool_demo_summary.py outputs/tiny_cpu_tools_grpo
 
 # all tests, both lanes; the 20 slowest are listed at the end (tests/README.md: where the time goes), and each
 # skipped test's reason (-rs), so a real-model test that skipped shows in CI's log

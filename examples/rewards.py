@@ -1,6 +1,5 @@
-"""A reward function as a user writes one, for the tiny GRPO demo (recipes/tiny_cpu_grpo.yaml names it as
-`examples.rewards:category_words`): called as TRL calls reward functions, with the dataset's `category` column as a
-keyword argument, one float per completion."""
+"""Reward functions as a user writes them, for the GRPO demos (recipes name them as `examples.rewards:NAME`):
+called as TRL calls reward functions, with the dataset's columns as keyword arguments, one float per completion."""
 
 from __future__ import annotations
 
@@ -17,3 +16,11 @@ def category_words(completions: list[str], category: list[str], **kwargs: Any) -
         words = completion.split()
         scores.append(sum(word in WORDS[wanted] for word in words) / max(len(words), 1))
     return scores
+
+
+def correct_tool_call(completions: list[list[dict[str, Any]]], answer: list[str], **kwargs: Any) -> list[float]:
+    """1 when a tool's result in the conversation is the record's answer: the model called the calculator on the
+    right expression (make demo-tools); multi-turn completions are conversations, as TRL passes them."""
+    return [float(any(message.get("role") == "tool" and str(message.get("content", "")).strip() == wanted.strip()
+                      for message in conversation))
+            for conversation, wanted in zip(completions, answer, strict=True)]

@@ -135,12 +135,53 @@ def generate_prompts(n_records: int, seed: int) -> list[dict[str, Any]]:
     return records
 
 
+def calculator_schema() -> dict[str, Any]:
+    """examples/agent_tools.py's calculate as GRPO shows it (transformers' get_json_schema): the SFT data's tool."""
+    import sys
+
+    from transformers.utils import get_json_schema
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from examples.agent_tools import calculate
+
+    return get_json_schema(calculate)
+
+
+def product_question(rng: random.Random) -> tuple[str, str, str]:
+    """(question, expression, answer): a product of a two- and a three-digit number, beyond a small model's head."""
+    a, b = rng.randint(12, 99), rng.randint(101, 999)
+    expression = f"{a} * {b}"
+    return rng.choice(("What is {}?", "Compute {}.", "How much is {}?")).format(expression), expression, str(a * b)
+
+
+def generate_tool_calls(n_records: int, seed: int) -> list[dict[str, Any]]:
+    """Conversations that call the calculator for a product and answer with its result (OpenAI's chat shape)."""
+    rng, schema = random.Random(seed), calculator_schema()
+    records = []
+    for _ in range(n_records):
+        question, expression, answer = product_question(rng)
+        call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}
+        records.append({"messages": [
+            {"role": "user", "content": question}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": answer}, {"role": "assistant", "content": f"{expression} = {answer}"}],
+            "tools": [schema]})
+    return records
+
+
+def generate_tool_prompts(n_records: int, seed: int) -> list[dict[str, Any]]:
+    """Products to compute (GRPO with the calculator): `answer` reaches math_answer."""
+    rng = random.Random(seed)
+    return [dict(zip(("prompt", "answer"), product_question(rng)[::2], strict=True)) for _ in range(n_records)]
+
+
 # kind -> (generator, default file, default records, default seed)
 KINDS: dict[str, tuple[Callable[[int, int], list[Any]], str, int, int]] = {
     "instruct": (generate, "data/tiny_instruct.jsonl", 4000, 1234),
     "preferences": (generate_preferences, "data/tiny_preferences.jsonl", 2000, 4321),
     "prompts": (generate_prompts, "data/tiny_prompts.jsonl", 500, 2468),
     "kto": (generate_kto, "data/tiny_kto.jsonl", 2000, 8642),
+    "tool_calls": (generate_tool_calls, "data/tool_calls.jsonl", 400, 1357),
+    "tool_prompts": (generate_tool_prompts, "data/tool_prompts.jsonl", 300, 9753),
 }
 
 

@@ -128,6 +128,12 @@ def test_every_shipped_recipe_loads():
             assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tiny_prompts.jsonl", "prompt",
                                                                              "grpo")
             assert [r.function for r in cfg.grpo.rewards] == ["examples.rewards:category_words"]
+        elif name == "tiny_cpu_tools_sft":  # make demo-tools' warm start: conversations calling the calculator
+            assert (cfg.data.path, cfg.data.format, cfg.data.template) == ("data/tool_calls.jsonl", "chat", "chatml")
+        elif name == "tiny_cpu_tools_grpo":  # make demo-tools: products to compute with the calculator
+            assert (cfg.data.path, cfg.data.format, cfg.train.objective) == ("data/tool_prompts.jsonl", "prompt",
+                                                                             "grpo")
+            assert cfg.grpo.tools == ["examples/agent_tools.py:calculate"]
         elif name == "qwen2.5_vl_7b_1x24gb_grpo":  # TRL's vision GRPO set: a picture a problem, its solution
             assert [(s.path, s.format, s.fields) for s in cfg.data.sources] == [
                 ("lmms-lab/multimodal-open-r1-8k-verified", "prompt", {"prompt": "problem", "answer": "solution"})]

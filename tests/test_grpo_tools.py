@@ -585,3 +585,35 @@ def test_a_rounds_rows_are_split_into_calls_the_cache_holds():
     assert decoder.calls_of([[1] * 90, [1] * 30, [1] * 85, [1] * 80], [10, 70, 15, 15]) == [[0], [1], [2, 3]]
     decoder.grpo = SimpleNamespace(generation_rows=2)
     assert decoder.calls_of([[1] * 10] * 5, [4] * 5) == [[0, 1], [2, 3], [4]]
+
+
+def test_the_tool_demos_warm_start_teaches_the_call_its_rollouts_read_and_reward(real_model_dir):
+    """make demo-tools: a conversation of its SFT data, rendered as training renders it on SmolLM2's tokenizer,
+    trains a first reply that GRPO's parser reads back as a call of the calculator on the question's product; the
+    call runs to the record's result, and the demo's reward pays for that call and not for a wrong one."""
+    from transformers import AutoTokenizer
+
+    from examples.agent_tools import calculate
+    from examples.rewards import correct_tool_call
+    from qlora_fsdp.agents.call_formats import parse_reply
+    from qlora_fsdp.agents.toolbox import run_call
+    from qlora_fsdp.data.pipeline import IGNORE_INDEX
+    from qlora_fsdp.data.templates import encode, tool_call_format
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    assert tool_call_format(tokenizer, "chatml") == "hermes"
+    lines = Path("data/tool_calls.jsonl").read_text().splitlines()
+    for record in map(json.loads, lines[:3]):
+        ids, labels = encode(record["messages"], tokenizer, "chatml", False, record["tools"])
+        first = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
+        end = next(i for i in range(first, len(labels)) if labels[i] == IGNORE_INDEX)
+        reply = parse_reply(tokenizer.decode(ids[first:end]), "hermes", ["<|im_end|>"])
+        expression = record["messages"][1]["tool_calls"][0]["function"]["arguments"]["expression"]
+        assert [call["function"] for call in reply.tool_calls] == [
+            {"name": "calculate", "arguments": {"expression": expression}}] and reply.malformed == 0
+        result = run_call({"calculate": calculate}, reply.tool_calls[0], 5.0)
+        answer = record["messages"][2]["content"]
+        assert (result.content, result.failed) == (answer, False)
+        right = [reply.message, {"role": "tool", "name": "calculate", "content": result.content}]
+        wrong = [reply.message, {"role": "tool", "name": "calculate", "content": str(int(answer) + 1)}]
+        assert correct_tool_call([right, wrong, [reply.message]], [answer] * 3) == [1.0, 0.0, 0.0]

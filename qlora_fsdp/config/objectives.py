@@ -125,7 +125,7 @@ class GrpoConfig:
     epsilon: float = 0.2  # the ratio's clip below 1
     epsilon_high: float | None = None  # and above 1; None: epsilon (DAPO's clip-higher uses 0.28)
     delta: float | None = None  # an upper cap on the unclipped ratio (two-sided clipping); None: none
-    beta: float = 0.0  # the KL penalty's weight; the reference is the base with the adapter off; 0: no reference
+    beta: float = 0.0  # the KL penalty's weight; reference: the base, or a continued adapter frozen; 0: none
     num_iterations: int = 1  # updates per generated batch; above 1 the log-probabilities at generation are kept
     mask_truncated_completions: bool = False  # completions cut at max_completion_length count in no loss
     # multi-turn rollouts (docs/grpo.md, "Tools and environments"): the model's calls are run, their results appended
