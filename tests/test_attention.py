@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from qlora_fsdp.data.batching import Sample, collate, collate_packed
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.families import AttentionNeeds
 from qlora_fsdp.layers import attention as attention_module
+from qlora_fsdp.layers import blockwise_attention as blockwise
 from qlora_fsdp.layers.attention import (
     VARLEN_SDPA,
     generation_attention,
@@ -73,12 +75,32 @@ class FamilyAttention(torch.nn.Module):
         self.training = False
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])
-def test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_family_defines_them(family):
-    """Packed rows (samples longer and shorter than the window) against transformers' own eager kernel of the
-    family on each sample alone: gpt-oss's sinks, Gemma 2's soft-capping and scaling, both with a window."""
+class LargestTensor(TorchDispatchMode):
+    """The most elements any op's output held while the mode was on (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.numel = max([self.numel, *sizes])
+        return out
+
+
+# what each family's layer adds: gpt-oss sinks, Gemma 2 soft-capping, the rest a sliding window alone
+FAMILY_OPTIONS = {"gpt_oss": "sinks", "gemma2": "softcap", "gemma3": None, "mistral": None, "qwen3": None}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_OPTIONS))
+def test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_family_defines_them(family,
+                                                                                                  monkeypatch):
+    """Packed rows (samples longer and shorter than the window, and than the kernel's block of 4 tokens) against
+    transformers' own eager kernel of the family on each sample alone, values and gradients."""
     import importlib
 
+    monkeypatch.setattr(blockwise, "BLOCK_TOKENS", 4)
     eager = importlib.import_module(f"transformers.models.{family}.modeling_{family}").eager_attention_forward
     torch.manual_seed(0)
     window, scaling = 6, 24**-0.5
@@ -87,7 +109,7 @@ def test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_fam
     positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in rows])
     query = torch.randn(2, 4, 32, 8, requires_grad=True)
     key, value = (torch.randn(2, 2, 32, 8, requires_grad=True) for _ in range(2))
-    options = {"s_aux": module.sinks} if family == "gpt_oss" else {"softcap": 2.0}
+    options = {"sinks": {"s_aux": module.sinks}, "softcap": {"softcap": 2.0}, None: {}}[FAMILY_OPTIONS[family]]
     ours, _ = varlen_sdpa_forward(module, query, key, value, None, scaling=scaling, sliding_window=window,
                                   position_ids=positions, **options)
     parts = []
@@ -102,11 +124,28 @@ def test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_fam
     reference = torch.cat([torch.cat(parts[:3], dim=1), parts[3]])
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
     weights = torch.randn_like(ours)
-    inputs = (query, key, value, module.sinks) if family == "gpt_oss" else (query, key, value)
+    inputs = (query, key, value, module.sinks) if "s_aux" in options else (query, key, value)
     grads = torch.autograd.grad((ours * weights).sum(), inputs)
     expected = torch.autograd.grad((reference * weights).sum(), inputs)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{"sliding_window": 16}, {"softcap": 2.0}, {"s_aux": torch.zeros(4)}])
+def test_windows_soft_capping_and_sinks_never_hold_a_tokens_by_tokens_tensor(options, monkeypatch):
+    """A 256-token sample through the forward and backward: no op's output reaches 256 x 256 elements (the dense
+    kernel's scores were 4 x 256 x 256, its mask 256 x 256)."""
+    monkeypatch.setattr(blockwise, "BLOCK_TOKENS", 16)
+    n = 256
+    query = torch.randn(1, 4, n, 8, requires_grad=True)
+    key, value = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(2))
+    largest = LargestTensor()
+    with largest:
+        out, _ = varlen_sdpa_forward(FamilyAttention(4, 2, 8), query, key, value, None, scaling=0.3,
+                                     position_ids=torch.arange(n)[None], **options)
+        out.sum().backward()
+    assert 0 < largest.numel < n * n
+    assert query.grad is not None and key.grad is not None
 
 
 def test_a_kernel_that_cannot_compute_the_family_is_never_picked_and_refused_when_asked_for(monkeypatch):

@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.families import CAUSAL_ONLY, AttentionNeeds
+from qlora_fsdp.layers.blockwise_attention import blockwise_attention
 from qlora_fsdp.layers.split_rows import own_head_kwargs, trade_of
 
 VARLEN_SDPA = "sdpa_varlen"
@@ -77,38 +78,14 @@ class AttentionOptions:
         return self.softcap is None and self.sinks is None and (self.window is None or n_tokens <= self.window)
 
 
-def causal_window_mask(n_tokens: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[tokens, tokens] booleans: causal, and within the sliding window where there is one."""
-    rows = torch.arange(n_tokens, device=device)[:, None]
-    cols = torch.arange(n_tokens, device=device)[None, :]
-    allowed = cols <= rows
-    return allowed if window is None else allowed & (cols > rows - window)
-
-
 def family_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
                      options: AttentionOptions) -> torch.Tensor:
     """Causal attention of one sample (or rows of one length) as the family defines it, [batch, heads, tokens, dim].
-    Windows alone go to the fused kernel with a mask; soft-capping and sinks change the scores, so they are
-    computed here (the softmax in fp32, as transformers' eager attention does)."""
-    n_tokens = query.shape[2]
-    if options.plain(n_tokens):
+    Plain causal attention goes to the fused kernel; windows, soft-capping and sinks to the blockwise one, which
+    never holds more than a block of scores (the softmax in fp32, as transformers' eager attention has it)."""
+    if options.plain(query.shape[2]):
         return causal_sdpa(query, key, value, scaling)
-    mask = causal_window_mask(n_tokens, options.window, query.device)
-    gqa = query.shape[1] != key.shape[1]
-    if options.softcap is None and options.sinks is None:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = (query @ key.transpose(2, 3)).float() * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    if options.softcap is not None:
-        scores = torch.tanh(scores / options.softcap) * options.softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if options.sinks is not None:  # an extra column per head, dropped after the softmax
-        sink = options.sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, n_tokens, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    return probs.to(value.dtype) @ value
+    return blockwise_attention(query, key, value, scaling, options.window, options.softcap, options.sinks)
 
 
 def attach_sample_bounds(position_ids: torch.Tensor, bounds: list[list[tuple[int, int]]]) -> None:
