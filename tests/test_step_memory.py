@@ -159,3 +159,48 @@ def test_shortened_runs_give_the_whole_models_figures(tmp_path):
     for index, (whole, shortened) in enumerate(results):
         assert whole == shortened, f"policy {index}"
     assert two == three
+
+
+# ---- attention in memory linear in the row -------------------------------------------------------------------
+
+LINEAR_FAMILIES = ("gpt_oss", "gemma2", "gemma3", "mistral", "qwen3")  # sinks, soft-capping, windows
+
+
+def planned_at_lengths_and_measured_at_the_ends(info, configs_by_family):
+    """Per family: the planned peaks at each length, and the real step's at the shortest and the longest; the
+    attention's blocks of 64 tokens (512 by default: a row within one block holds its square)."""
+    from qlora_fsdp.layers import blockwise_attention
+    from qlora_fsdp.measure.fake_world import recipe_step
+    from qlora_fsdp.measure.real_step import measured_step
+
+    default, blockwise_attention.BLOCK_TOKENS = blockwise_attention.BLOCK_TOKENS, 64
+    try:
+        return {family: ([recipe_step(cfg).peak for cfg in configs],
+                         [measured_step(cfg, info).peak for cfg in (configs[0], configs[-1])])
+                for family, configs in configs_by_family.items()}
+    finally:
+        blockwise_attention.BLOCK_TOKENS = default  # the pool's worker serves other tests next
+
+
+@pytest.mark.slow
+def test_every_familys_step_peak_grows_linearly_in_the_row(tmp_path):
+    """Windows (16 tokens), sinks and soft-capping on one 128-, 256- and 512-token packed row, no checkpointing (so
+    every layer's attention is live at once): the planned peak is the real step's at both ends, and it grows by
+    the same bytes per token from 256 to 512 as from 128 to 256 (the dense kernel's scores, 4 heads x 512^2 fp32
+    per layer, more than doubled that step: Gemma 2 +2.4 MB then +6.8 MB)."""
+    from qlora_fsdp.tools.tiny_model import train_tokenizer
+    from tests.families import write_family_model
+
+    tokenizer = train_tokenizer(Path("data/tiny_instruct.jsonl"), 512)
+    lengths = (128, 256, 512)
+    configs = {family: [step_config(write_family_model(tmp_path / family, family, tokenizer), n, 1,
+                                    "model.dtype=float32", "quant.compute_dtype=float32",
+                                    "activation_checkpointing.mode='off'", "loss.chunked=false")
+                        for n in lengths]
+               for family in LINEAR_FAMILIES}
+    results = run_ranks(planned_at_lengths_and_measured_at_the_ends, 2, configs, tmp_dir=tmp_path, fake=True)[0]
+    for family, (planned, measured) in results.items():
+        for at, real in zip((planned[0], planned[-1]), measured, strict=True):
+            assert abs(at / real - 1) <= 0.10, f"{family}: planned {at:,} B, measured {real:,} B"
+        first, second = planned[1] - planned[0], planned[2] - planned[1]  # per 128 tokens, then per 256
+        assert 1.8 <= second / first <= 2.2, f"{family}: +{first:,} B then +{second:,} B ({planned})"
