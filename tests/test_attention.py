@@ -224,3 +224,41 @@ def test_bounds_from_the_batch_lengths_equal_those_read_from_the_position_ids(pa
     for one_row in (False, True):
         positions = packed.position_ids.view(1, -1) if one_row else packed.position_ids
         assert packed.sample_bounds(one_row) == [sample_bounds(row) for row in positions]
+
+
+class CountedWork(TorchDispatchMode):
+    """The FLOPs the planner's op counter gives the ops dispatched while the mode is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from qlora_fsdp.measure.op_work import op_work
+
+        out = func(*args, **(kwargs or {}))
+        work = op_work(func, args, kwargs or {}, out, "step", False, None)
+        self.flops += work.matmul_flops + work.attention_flops
+        return out
+
+
+def test_the_planner_runs_one_block_pair_and_counts_the_work_of_them_all(monkeypatch):
+    """On fake tensors the blockwise kernel runs its first block pair only (a 64k-token row would take thousands):
+    the planner's count of the step's FLOPs is the kernel's, all pairs run, forward and backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(blockwise, "BLOCK_TOKENS", 16)
+
+    def counted(make):
+        query = make(torch.randn(2, 4, 70, 8)).requires_grad_()
+        key, value = (make(torch.randn(2, 2, 70, 8)).requires_grad_() for _ in range(2))
+        counter = CountedWork()
+        with counter:
+            out = blockwise.blockwise_attention(query, key, value, 0.3, window=24, softcap=2.0)
+            out.sum().backward()
+        return counter.flops
+
+    real = counted(lambda t: t)
+    with FakeTensorMode() as fake_mode:
+        planned = counted(fake_mode.from_tensor)
+    assert real > 0 and planned == pytest.approx(real, rel=1e-9)

@@ -18,9 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 # scores of one block: 64 query heads x 512 x 512 x 4 bytes = 64 MiB at most; small rows take one block
 BLOCK_TOKENS = 512
+# matmul FLOPs a score of one query head, per unit of head size: q.k and p.v forward; the backward recomputes q.k,
+# then dp = dO.v, dV, dQ and dK
+FORWARD_FLOPS, BACKWARD_FLOPS = 4, 10
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,34 @@ def query_blocks(n_tokens: int, block: int) -> list[range]:
     return [range(r, min(r + block, n_tokens)) for r in range(0, n_tokens, block)]
 
 
+@torch.library.custom_op("qlora_fsdp::skipped_attention_work", mutates_args=())
+def skipped_attention_work(query: torch.Tensor, scores: int, flops_a_score: int) -> None:
+    """Nothing at run time: under the planner's fake tensors, the scores of the block pairs it skipped, which its op
+    counter (measure/op_work.py) prices as attention FLOPs."""
+
+
+@skipped_attention_work.register_fake
+def _(query: torch.Tensor, scores: int, flops_a_score: int) -> None:
+    return None
+
+
+def block_pairs(rule: ScoreRule, n_tokens: int, block: int, query: torch.Tensor,
+                flops_a_score: int) -> list[tuple[range, list[range]]]:
+    """Each query block with the key blocks it meets. The planner's fake tensors (no values) take the first pair
+    only: every pair allocates and frees the same transients, so one pair reaches the loop's peak, and a 64k-token
+    row plans in a step, not in the 8,000 pairs of a full-attention layer; the others' work is handed to the
+    planner's counter (`flops_a_score` per score of a query head: 4 x head size forward, 10 x backward)."""
+    pairs = [(rows, key_blocks(rule, rows, n_tokens, block)) for rows in query_blocks(n_tokens, block)]
+    if not is_fake(query):
+        return pairs
+    first = (pairs[0][0], pairs[0][1][:1])
+    scores = sum(len(rows) * len(cols) for rows, blocks in pairs for cols in blocks)
+    skipped = scores - len(first[0]) * len(first[1][0])
+    if skipped:
+        skipped_attention_work(query, skipped, flops_a_score * query.shape[-1])
+    return [first]
+
+
 def grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[batch, heads, tokens, dim] -> [batch, kv_heads, group, tokens, dim] in the compute dtype: grouped queries
     share a key head without copies of the keys."""
@@ -86,7 +118,7 @@ class BlockwiseAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
         sink = None if sinks is None else sinks.to(q.dtype).reshape(1, kv_heads, -1, 1)
-        for rows in query_blocks(n_tokens, block):
+        for rows, cols_list in block_pairs(rule, n_tokens, block, query, FORWARD_FLOPS):
             q_block = q[..., rows.start : rows.stop, :]
             if sink is None:
                 peak = torch.full(q_block.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
@@ -95,7 +127,7 @@ class BlockwiseAttention(torch.autograd.Function):
                 peak = sink.expand(*q_block.shape[:-1]).clone()
                 total = torch.ones_like(peak)
             acc = torch.zeros_like(q_block)
-            for cols in key_blocks(rule, rows, n_tokens, block):
+            for cols in cols_list:
                 logits = rule.logits(q_block, k[..., cols.start : cols.stop, :], rows, cols)
                 new_peak = torch.maximum(peak, logits.amax(-1))
                 # a row the window hides from every key so far keeps -inf: shift by 0 there, not by -inf (NaN)
@@ -123,9 +155,9 @@ class BlockwiseAttention(torch.autograd.Function):
         d_q = torch.zeros_like(q)
         d_k = torch.zeros(key.shape, dtype=q.dtype, device=q.device)
         d_v = torch.zeros_like(d_k)
-        for rows in query_blocks(n_tokens, block):
+        for rows, cols_list in block_pairs(rule, n_tokens, block, query, BACKWARD_FLOPS):
             r = slice(rows.start, rows.stop)
-            for cols in key_blocks(rule, rows, n_tokens, block):
+            for cols in cols_list:
                 c = slice(cols.start, cols.stop)
                 raw = (q[..., r, :] @ k[..., c, :].transpose(-1, -2)) * rule.scaling
                 capped = raw if rule.softcap is None else torch.tanh(raw / rule.softcap) * rule.softcap

@@ -20,12 +20,15 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+import qlora_fsdp.layers.blockwise_attention  # noqa: F401  (registers torch.ops.qlora_fsdp.skipped_attention_work)
+
 aten = torch.ops.aten
 GEMM_4BIT = torch.ops.bitsandbytes.gemm_4bit.default
 DEQUANTIZE_4BIT = torch.ops.bitsandbytes.dequantize_4bit.default
 ALL_GATHER = torch.ops.c10d._allgather_base_.default
 REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default
 ALL_GATHER_COPY_IN = torch.ops.fsdp.all_gather_copy_in.default
+SKIPPED_ATTENTION = torch.ops.qlora_fsdp.skipped_attention_work.default
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default  # context parallel's trades around attention
 # a dequantized 4-bit weight: half a byte read and two written an element (bf16/fp16; the absmax is 1/64 of that)
 DEQUANT_BYTES_PER_ELEMENT = 2.5
@@ -161,6 +164,10 @@ def op_work(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, 
     if func is ALL_TO_ALL:  # the part a rank keeps of its own tensor never crosses a link
         ranks = dist.distributed_c10d._resolve_process_group(args[3]).size()
         return Work(trade_bytes=nbytes(args[0]) * (ranks - 1) / ranks)
+    if func is SKIPPED_ATTENTION:  # the blockwise kernel's pairs the fake step did not run (layers/blockwise_...)
+        query, scores, flops_a_score = args[:3]
+        return Work(attention_flops=float(query.numel() // query.shape[-1] // query.shape[-2] * scores
+                                          * flops_a_score))
     if func._overloadpacket in flop_registry and "attention" not in str(func._overloadpacket):
         flops = float(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
         return matmul(flops, memory_traffic(func, args, kwargs, out))
