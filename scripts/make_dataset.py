@@ -137,14 +137,12 @@ def generate_prompts(n_records: int, seed: int) -> list[dict[str, Any]]:
 
 def calculator_schema() -> dict[str, Any]:
     """examples/agent_tools.py's calculate as GRPO shows it (transformers' get_json_schema): the SFT data's tool."""
-    import sys
-
     from transformers.utils import get_json_schema
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from examples.agent_tools import calculate
+    from qlora_fsdp.agents.user_code import load_file
 
-    return get_json_schema(calculate)
+    tools = load_file(Path(__file__).resolve().parent.parent / "examples" / "agent_tools.py")
+    return get_json_schema(tools.calculate)
 
 
 def product_question(rng: random.Random) -> tuple[str, str, str]:

@@ -379,13 +379,12 @@ MUTATIONS = [
              '        return cls(None, kwargs.get("softcap"), kwargs.get("s_aux"))\n',
              "tests/test_attention.py::test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_"
              "family_defines_them[gemma2]", quick=True),
-    Mutation("attention sinks take no softmax mass", "qlora_fsdp/layers/attention.py",
-             "    if options.sinks is not None:  # an extra column per head, dropped after the softmax\n",
-             "    if False:\n",
+    Mutation("attention sinks take no softmax mass", "qlora_fsdp/layers/blockwise_attention.py",
+             "            if sink is None:\n", "            if True:\n",
              "tests/test_attention.py::test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_"
              "family_defines_them[gpt_oss]", quick=True),
-    Mutation("soft-capping skipped", "qlora_fsdp/layers/attention.py",
-             "        scores = torch.tanh(scores / options.softcap) * options.softcap\n", "        pass\n",
+    Mutation("soft-capping skipped", "qlora_fsdp/layers/blockwise_attention.py",
+             "            scores = torch.tanh(scores / self.softcap) * self.softcap\n", "            pass\n",
              "tests/test_attention.py::test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_"
              "family_defines_them[gemma2]", quick=True),
     Mutation("sdpa picked for a family whose sinks it cannot compute", "qlora_fsdp/layers/attention.py",
