@@ -75,17 +75,22 @@ class FamilyAttention(torch.nn.Module):
         self.training = False
 
 
-class LargestTensor(TorchDispatchMode):
-    """The most elements any op's output held while the mode was on (forward and backward)."""
+class WatchedOps(TorchDispatchMode):
+    """While on (forward and backward): the most elements any op's output held, and the FLOPs the planner's op
+    counter gives the ops."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.numel = 0
+        self.numel, self.flops = 0, 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from qlora_fsdp.measure.op_work import op_work
+
         out = func(*args, **(kwargs or {}))
         sizes = [t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         self.numel = max([self.numel, *sizes])
+        work = op_work(func, args, kwargs or {}, out, "step", False, None)
+        self.flops += work.matmul_flops + work.attention_flops
         return out
 
 
@@ -139,7 +144,7 @@ def test_windows_soft_capping_and_sinks_never_hold_a_tokens_by_tokens_tensor(opt
     n = 256
     query = torch.randn(1, 4, n, 8, requires_grad=True)
     key, value = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(2))
-    largest = LargestTensor()
+    largest = WatchedOps()
     with largest:
         out, _ = varlen_sdpa_forward(FamilyAttention(4, 2, 8), query, key, value, None, scaling=0.3,
                                      position_ids=torch.arange(n)[None], **options)
@@ -226,22 +231,6 @@ def test_bounds_from_the_batch_lengths_equal_those_read_from_the_position_ids(pa
         assert packed.sample_bounds(one_row) == [sample_bounds(row) for row in positions]
 
 
-class CountedWork(TorchDispatchMode):
-    """The FLOPs the planner's op counter gives the ops dispatched while the mode is on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from qlora_fsdp.measure.op_work import op_work
-
-        out = func(*args, **(kwargs or {}))
-        work = op_work(func, args, kwargs or {}, out, "step", False, None)
-        self.flops += work.matmul_flops + work.attention_flops
-        return out
-
-
 def test_the_planner_runs_one_block_pair_and_counts_the_work_of_them_all(monkeypatch):
     """On fake tensors the blockwise kernel runs its first block pair only (a 64k-token row would take thousands):
     the planner's count of the step's FLOPs is the kernel's, all pairs run, forward and backward."""
@@ -252,7 +241,7 @@ def test_the_planner_runs_one_block_pair_and_counts_the_work_of_them_all(monkeyp
     def counted(make):
         query = make(torch.randn(2, 4, 70, 8)).requires_grad_()
         key, value = (make(torch.randn(2, 2, 70, 8)).requires_grad_() for _ in range(2))
-        counter = CountedWork()
+        counter = WatchedOps()
         with counter:
             out = blockwise.blockwise_attention(query, key, value, 0.3, window=24, softcap=2.0)
             out.sum().backward()

@@ -39,13 +39,15 @@ class ScoreRule:
         """The first key any query from query_start on may see."""
         return 0 if self.window is None else max(0, query_start - self.window + 1)
 
-    def logits(self, query: torch.Tensor, key: torch.Tensor, rows: range, cols: range) -> torch.Tensor:
-        """[..., len(rows), len(cols)] fp32 logits, -inf where the mask hides the pair."""
+    def logits(self, query: torch.Tensor, key: torch.Tensor, rows: range,
+               cols: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., len(rows), len(cols)] scores after soft-capping (the backward's derivative reads them), and the
+        logits: those scores, -inf where the mask hides the pair."""
         scores = (query @ key.transpose(-1, -2)) * self.scaling
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         hidden = self.hidden(rows, cols, query.device)
-        return scores if hidden is None else scores.masked_fill(hidden, float("-inf"))
+        return scores, (scores if hidden is None else scores.masked_fill(hidden, float("-inf")))
 
     def hidden(self, rows: range, cols: range, device: torch.device) -> torch.Tensor | None:
         """The pairs the causal mask and the window hide; None when the block has none."""
@@ -128,7 +130,7 @@ class BlockwiseAttention(torch.autograd.Function):
                 total = torch.ones_like(peak)
             acc = torch.zeros_like(q_block)
             for cols in cols_list:
-                logits = rule.logits(q_block, k[..., cols.start : cols.stop, :], rows, cols)
+                _, logits = rule.logits(q_block, k[..., cols.start : cols.stop, :], rows, cols)
                 new_peak = torch.maximum(peak, logits.amax(-1))
                 # a row the window hides from every key so far keeps -inf: shift by 0 there, not by -inf (NaN)
                 shift = new_peak.masked_fill(new_peak == float("-inf"), 0.0)
@@ -159,10 +161,7 @@ class BlockwiseAttention(torch.autograd.Function):
             r = slice(rows.start, rows.stop)
             for cols in cols_list:
                 c = slice(cols.start, cols.stop)
-                raw = (q[..., r, :] @ k[..., c, :].transpose(-1, -2)) * rule.scaling
-                capped = raw if rule.softcap is None else torch.tanh(raw / rule.softcap) * rule.softcap
-                hidden = rule.hidden(rows, cols, q.device)
-                logits = capped if hidden is None else capped.masked_fill(hidden, float("-inf"))
+                capped, logits = rule.logits(q[..., r, :], k[..., c, :], rows, cols)
                 probs = torch.exp(logits - lse[..., r, None])
                 d_v[..., c, :] += (probs.transpose(-1, -2) @ d_out[..., r, :]).sum(2)
                 d_logits = probs * (d_out[..., r, :] @ v[..., c, :].transpose(-1, -2) - d_sum[..., r, None])
