@@ -76,19 +76,20 @@ class FamilyAttention(torch.nn.Module):
 
 
 class WatchedOps(TorchDispatchMode):
-    """While on (forward and backward): the most elements any op's output held, and the FLOPs the planner's op
-    counter gives the ops."""
+    """While on (forward and backward): the most elements any op's output held (and any fp32 output), and the FLOPs
+    the planner's op counter gives the ops."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.numel, self.flops = 0, 0.0
+        self.numel, self.fp32_numel, self.flops = 0, 0, 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from qlora_fsdp.measure.op_work import op_work
 
         out = func(*args, **(kwargs or {}))
-        sizes = [t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.numel = max([self.numel, *sizes])
+        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.numel = max([self.numel, *(t.numel() for t in tensors)])
+        self.fp32_numel = max([self.fp32_numel, *(t.numel() for t in tensors if t.dtype == torch.float32)])
         work = op_work(func, args, kwargs or {}, out, "step", False, None)
         self.flops += work.matmul_flops + work.attention_flops
         return out
@@ -136,20 +137,23 @@ def test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_fam
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{"sliding_window": 16}, {"softcap": 2.0}, {"s_aux": torch.zeros(4)}])
+@pytest.mark.parametrize("options", [{"sliding_window": 16}, {"softcap": 2.0},
+                                     {"s_aux": torch.zeros(4, dtype=torch.bfloat16)}])
 def test_windows_soft_capping_and_sinks_never_hold_a_tokens_by_tokens_tensor(options, monkeypatch):
-    """A 256-token sample through the forward and backward: no op's output reaches 256 x 256 elements (the dense
-    kernel's scores were 4 x 256 x 256, its mask 256 x 256)."""
+    """A 256-token bf16 sample through the forward and backward: no op's output reaches 256 x 256 elements (the dense
+    kernel's scores were 4 x 256 x 256, its mask 256 x 256), and nothing in fp32 reaches the queries' size (only a
+    block is cast up; the keys' and values' fp32 gradients, half the queries' size here, are the largest)."""
     monkeypatch.setattr(blockwise, "BLOCK_TOKENS", 16)
     n = 256
-    query = torch.randn(1, 4, n, 8, requires_grad=True)
-    key, value = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(2))
+    query = torch.randn(1, 4, n, 8, dtype=torch.bfloat16, requires_grad=True)
+    key, value = (torch.randn(1, 2, n, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     largest = WatchedOps()
     with largest:
         out, _ = varlen_sdpa_forward(FamilyAttention(4, 2, 8), query, key, value, None, scaling=0.3,
                                      position_ids=torch.arange(n)[None], **options)
         out.sum().backward()
     assert 0 < largest.numel < n * n
+    assert 0 < largest.fp32_numel < query.numel(), (largest.fp32_numel, query.numel())
     assert query.grad is not None and key.grad is not None
 
 

@@ -61,11 +61,12 @@ def tokenizer() -> PreTrainedTokenizerFast:
 TRAINS_EXPERTS = ("qwen3_moe", "gpt_oss")
 
 
-def family_config(model_dir: Path, out: Path):
+def family_config(model_dir: Path, out: Path, attention_tiles: int = 0):
     lora = {"r": 4, "dropout": 0.0}
     if AutoConfig.from_pretrained(model_dir).model_type in TRAINS_EXPERTS:
         lora |= {"target_experts": True, "train_router": True}
-    return tiny_config(model_dir, data={"packing": True}, train={"output_dir": str(out)}, lora=lora)
+    return tiny_config(model_dir, data={"packing": True}, train={"output_dir": str(out)}, lora=lora,
+                       activation_checkpointing={"attention_tile_tokens": attention_tiles})
 
 
 def nonzero_lora_b(model: torch.nn.Module) -> None:
@@ -81,9 +82,10 @@ def summed(model, batch, info) -> float:
         return ForwardLoss()(model, batch, info.device).item()
 
 
-def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: Path | None) -> dict:
+def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: Path | None,
+             attention_tiles: int = 0) -> dict:
     """Everything our code computes for one family at one world size (a pool task)."""
-    cfg = family_config(model_dir, out)
+    cfg = family_config(model_dir, out, attention_tiles)
     model = build_model(cfg, info)
     mine = samples[info.rank :: info.world_size]
     packed, padded = collate_packed([mine[: len(mine) // 2], mine[len(mine) // 2 :]], 0), collate(mine, 0)
@@ -92,14 +94,18 @@ def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: P
     nonzero_lora_b(model)
     with adapter_off(model):  # DPO's reference: every LoRA off, the experts' too
         (off,) = all_reduce_sums([summed(model, packed, info)], info.device)
+    q_runs = [0]  # the first attention layer's query projection's 4-bit matmuls in the step: once a tile, tiled
+    query = next(m for name, m in model.named_modules() if re.search(r"layers\.\d+\.(.+\.)?q_proj\.base_layer$", name))
+    handle = query.register_forward_hook(lambda *_: q_runs.__setitem__(0, q_runs[0] + 1))
     train_loss = ForwardLoss.for_config(cfg, info.device)(model, packed, info.device) / n_targets
     train_loss.backward()  # training's loss: chunked, checkpointed, one sample at a time in each packed row
+    handle.remove()
     layout = model_layout(model)
     grads = {adapter_file_key(name, layout): grad for name, grad in full_grads(model).items()}
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([samples[0].input_ids], device=info.device)).logits.cpu()
     result = {"packed": losses[0] / n_targets, "padded": losses[1] / n_targets, "grads": grads, "logits": logits,
-              "adapter_off": off / n_targets, **completions_by_layout(model, cfg, info, samples)}
+              "adapter_off": off / n_targets, "q_runs": q_runs[0], **completions_by_layout(model, cfg, info, samples)}
     if adapter is not None:  # saved, then sampled from on these ranks
         export_adapter(model, load_tokenizer(cfg), adapter, str(model_dir), info.is_main, to_yaml(cfg))
         generator = load_generator(cfg, adapter)
@@ -239,13 +245,15 @@ def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, toke
     assert min(len(s.input_ids) for s in samples) > 16  # longer than every window
     adapter = tmp_path / "adapter"
     one = run_ranks(our_side, 1, model_dir, tmp_path / "one", samples, None, tmp_dir=tmp_path)[0]
-    two = run_ranks(our_side, 2, model_dir, tmp_path / "two", samples, adapter, tmp_dir=tmp_path)[0]
+    # two ranks with the attention side in 8-token tiles (norms, projections, head norms): every number as before
+    two = run_ranks(our_side, 2, model_dir, tmp_path / "two", samples, adapter, 8, tmp_dir=tmp_path)[0]
     if family.endswith("multimodal"):
         assert_adapter_targets_the_decoder_only(model_dir, adapter)
     reference = reference_side(model_dir, adapter, samples)
     print(f"{family}: reference {reference['loss']:.6f}, ours " + ", ".join(
         f"{name} {run[kind]:.6f}" for name, run in (("ws1", one), ("ws2", two)) for kind in ("packed", "padded")))
 
+    assert two["q_runs"] > 3 * one["q_runs"], (one["q_runs"], two["q_runs"])  # the tiles ran
     for run in (one, two):  # held-out loss, packed and alone, equal to transformers + bitsandbytes NF4
         assert run["packed"] == pytest.approx(reference["loss"], rel=1e-4)
         assert run["padded"] == pytest.approx(reference["loss"], rel=1e-4)

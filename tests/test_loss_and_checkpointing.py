@@ -34,18 +34,23 @@ POLICIES = [
     ("MLP in 7-token tiles, every layer checkpointed", {"mode": "every_layer", "mlp_tile_tokens": 7}),
     ("MLP in 7-token tiles, MLP checkpointed", {"mode": "every_layer", "scope": "mlp", "mlp_tile_tokens": 7}),
     ("MLP in 7-token tiles, nothing checkpointed", {"mode": "off", "mlp_tile_tokens": 7}),
+    ("attention side in 7-token tiles, every layer checkpointed", {"mode": "every_layer", "attention_tile_tokens": 7}),
+    ("attention side and MLP in 5-token tiles, nothing checkpointed",
+     {"mode": "off", "attention_tile_tokens": 5, "mlp_tile_tokens": 5}),
 ]
 
 
 def loss_and_grads(info, cfg, micro_batches_per_rank, chunk_tokens):
-    """The step's loss and gradients, and how often the first layer's MLP ran its down projection (once a tile)."""
+    """The step's loss and gradients, and how often the first layer's MLP ran its down projection and its attention
+    the 4-bit matmul of its query projection (once a tile)."""
     model = build_model(cfg, info)
-    # the LoRA layer, under whatever wrappers checkpointing and FSDP2 put around the layer or its MLP
-    down = next(m for name, m in model.named_modules() if re.search(r"layers\.0\.(.+\.)?down_proj$", name))
-    calls = [0]
-    down.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    # the modules under whatever wrappers checkpointing and FSDP2 put around the layer or its sub-layers
+    calls = {"mlp_runs": 0, "q_runs": 0}
+    for key, pattern in (("mlp_runs", r"down_proj$"), ("q_runs", r"q_proj\.base_layer$")):
+        found = next(m for name, m in model.named_modules() if re.search(r"layers\.0\.(.+\.)?" + pattern, name))
+        found.register_forward_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
     result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device, ForwardLoss(chunk_tokens))
-    return {"loss": result.loss, "grads": full_grads(model), "mlp_runs": calls[0]}
+    return {"loss": result.loss, "grads": full_grads(model), **calls}
 
 
 def activation_bytes(info, cfg, batch):
@@ -112,8 +117,12 @@ def test_every_checkpointing_policy_equals_none(tiny_model_dir, samples, tmp_pat
     for name, _ in POLICIES:
         assert results[name]["loss"] == pytest.approx(results["none"]["loss"], rel=1e-6), name
         assert relative_difference(results[name]["grads"], results["none"]["grads"]) <= 1e-6, name
-        if "tiles" in name:  # the tiles ran: each runs the MLP in forward and again in backward
-            assert results[name]["mlp_runs"] > 4 * results["none"]["mlp_runs"], (name, results[name]["mlp_runs"])
+        # the tiles ran: each runs its modules in forward and again in backward
+        for runs, tiled in (("mlp_runs", "MLP"), ("q_runs", "attention side")):
+            if tiled in name and "tiles" in name:
+                assert results[name][runs] > 4 * results["none"][runs], (name, runs, results[name][runs])
+            else:
+                assert results[name][runs] <= 3 * results["none"][runs], (name, runs, results[name][runs])
 
 
 @pytest.mark.slow  # gloo ranks

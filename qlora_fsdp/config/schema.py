@@ -164,6 +164,10 @@ class ActivationCheckpointingConfig:
     # every layer's MLP runs over the row in tiles of this many tokens, in forward and in backward (0: whole rows):
     # its intermediate tensors, a layer's largest, then exist for one tile at a time (long rows)
     mlp_tile_tokens: int = 0
+    # every layer's norms and attention projections (q/k/v/o with their LoRA, head norms) run over the row in tiles
+    # of this many tokens (0: whole rows): their fp32 and LoRA intermediates exist for one tile at a time; the
+    # attention kernel still sees the whole row
+    attention_tile_tokens: int = 0
 
     def wraps(self, index: int, n_layers: int) -> bool:
         """Whether decoder layer `index` (of `n_layers`) is checkpointed."""

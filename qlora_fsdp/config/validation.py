@@ -122,9 +122,10 @@ def _validate_peer_options(config: Config) -> None:
 
 def _validate_checkpointing(config: Config) -> None:
     checkpointing = config.activation_checkpointing
-    if checkpointing.mlp_tile_tokens < 0:
-        raise ConfigError(f"'activation_checkpointing.mlp_tile_tokens' must be 0 (whole rows) or more, got "
-                          f"{checkpointing.mlp_tile_tokens}")
+    for key in ("mlp_tile_tokens", "attention_tile_tokens"):
+        if getattr(checkpointing, key) < 0:
+            raise ConfigError(f"'activation_checkpointing.{key}' must be 0 (whole rows) or more, got "
+                              f"{getattr(checkpointing, key)}")
     if checkpointing.mode == "layers" and (not checkpointing.layers or min(checkpointing.layers) < 0):
         raise ConfigError("'activation_checkpointing.mode: layers' needs 'activation_checkpointing.layers', a list "
                           f"of 0-based layer indices, got {checkpointing.layers}")

@@ -99,83 +99,97 @@ def block_pairs(rule: ScoreRule, n_tokens: int, block: int, query: torch.Tensor,
     return [first]
 
 
-def grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[batch, heads, tokens, dim] -> [batch, kv_heads, group, tokens, dim] in the compute dtype: grouped queries
-    share a key head without copies of the keys."""
-    batch, heads, tokens, dim = query.shape
-    return computed(query).reshape(batch, kv_heads, heads // kv_heads, tokens, dim)
+def grouped(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[batch, heads, tokens, dim] -> [batch, kv_heads, group, tokens, dim], a view: grouped queries share a key head
+    without copies of the keys."""
+    batch, heads, tokens, dim = tensor.shape
+    return tensor.reshape(batch, kv_heads, heads // kv_heads, tokens, dim)
 
 
-def computed(tensor: torch.Tensor) -> torch.Tensor:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16 and fp16 inputs (as eager attention's softmax), float64 kept (the tests' references)."""
-    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+    return torch.promote_types(dtype, torch.float32)
+
+
+def part(tensor: torch.Tensor, span: range, dtype: torch.dtype) -> torch.Tensor:
+    """One block of tokens (dim -2) in the compute dtype: only a block is ever held in fp32, never the row."""
+    return tensor[..., span.start : span.stop, :].to(dtype)
 
 
 class BlockwiseAttention(torch.autograd.Function):
+    """What outlives a call: the inputs, the output and each query's log-sum-exp (fp32), nothing the size of the row
+    in fp32; the backward holds fp32 gradients of the keys and values (the grouped heads') beside one block."""
+
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None,
                 rule: ScoreRule, block: int) -> torch.Tensor:
-        kv_heads, n_tokens = key.shape[1], query.shape[2]
-        q, k, v = grouped(query, kv_heads), computed(key)[:, :, None], computed(value)[:, :, None]
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
-        sink = None if sinks is None else sinks.to(q.dtype).reshape(1, kv_heads, -1, 1)
+        kv_heads, n_tokens, dtype = key.shape[1], query.shape[2], compute_dtype(query.dtype)
+        q, k, v = grouped(query, kv_heads), key[:, :, None], value[:, :, None]
+        out = query.new_empty(query.shape)
+        lse = torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
+        sink = None if sinks is None else sinks.to(dtype).reshape(1, kv_heads, -1, 1)
         for rows, cols_list in block_pairs(rule, n_tokens, block, query, FORWARD_FLOPS):
-            q_block = q[..., rows.start : rows.stop, :]
+            q_block = part(q, rows, dtype)
             if sink is None:
-                peak = torch.full(q_block.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+                peak = torch.full(q_block.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
                 total = torch.zeros_like(peak)
             else:  # the sink's logit is one more term of every softmax: exp(sink - sink) = 1
                 peak = sink.expand(*q_block.shape[:-1]).clone()
                 total = torch.ones_like(peak)
             acc = torch.zeros_like(q_block)
             for cols in cols_list:
-                _, logits = rule.logits(q_block, k[..., cols.start : cols.stop, :], rows, cols)
+                _, logits = rule.logits(q_block, part(k, cols, dtype), rows, cols)
                 new_peak = torch.maximum(peak, logits.amax(-1))
                 # a row the window hides from every key so far keeps -inf: shift by 0 there, not by -inf (NaN)
                 shift = new_peak.masked_fill(new_peak == float("-inf"), 0.0)
                 decay = torch.exp(peak - shift)
                 probs = torch.exp(logits - shift[..., None])
                 total = total * decay + probs.sum(-1)
-                acc = acc * decay[..., None] + probs @ v[..., cols.start : cols.stop, :]
+                acc = acc * decay[..., None] + probs @ part(v, cols, dtype)
                 peak = new_peak
-            out[..., rows.start : rows.stop, :] = acc / total[..., None]
+            grouped(out, kv_heads)[..., rows.start : rows.stop, :] = acc / total[..., None]
             lse[..., rows.start : rows.stop] = peak + torch.log(total)
         ctx.save_for_backward(query, key, value, sinks, out, lse)
         ctx.rule, ctx.block = rule, block
-        return out.reshape(query.shape).to(query.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, sinks, out, lse = ctx.saved_tensors
         rule, block = ctx.rule, ctx.block
-        kv_heads, n_tokens = key.shape[1], query.shape[2]
-        q, k, v = grouped(query, kv_heads), computed(key)[:, :, None], computed(value)[:, :, None]
-        d_out = grouped(grad_out, kv_heads)
-        # D_i = sum_j p_ij dp_ij = dO_i . O_i (the sink's value is zero, so it adds nothing)
-        d_sum = (d_out * out).sum(-1)
-        d_q = torch.zeros_like(q)
-        d_k = torch.zeros(key.shape, dtype=q.dtype, device=q.device)
+        kv_heads, n_tokens, dtype = key.shape[1], query.shape[2], compute_dtype(query.dtype)
+        q, k, v = grouped(query, kv_heads), key[:, :, None], value[:, :, None]
+        o, d_out = grouped(out, kv_heads), grouped(grad_out, kv_heads)
+        d_query = query.new_empty(query.shape)
+        d_k = torch.zeros(key.shape, dtype=dtype, device=q.device)
         d_v = torch.zeros_like(d_k)
+        sink_mass = torch.zeros(lse.shape[1:3], dtype=dtype, device=q.device)  # sum of p_sink * D over queries
         for rows, cols_list in block_pairs(rule, n_tokens, block, query, BACKWARD_FLOPS):
             r = slice(rows.start, rows.stop)
+            q_block, d_out_block = part(q, rows, dtype), part(d_out, rows, dtype)
+            # D_i = sum_j p_ij dp_ij = dO_i . O_i (the sink's value is zero, so it adds nothing)
+            d_sum = (d_out_block * part(o, rows, dtype)).sum(-1)
+            d_q = torch.zeros_like(q_block)
             for cols in cols_list:
                 c = slice(cols.start, cols.stop)
-                capped, logits = rule.logits(q[..., r, :], k[..., c, :], rows, cols)
+                k_block = part(k, cols, dtype)
+                capped, logits = rule.logits(q_block, k_block, rows, cols)
                 probs = torch.exp(logits - lse[..., r, None])
-                d_v[..., c, :] += (probs.transpose(-1, -2) @ d_out[..., r, :]).sum(2)
-                d_logits = probs * (d_out[..., r, :] @ v[..., c, :].transpose(-1, -2) - d_sum[..., r, None])
+                d_v[..., c, :] += (probs.transpose(-1, -2) @ d_out_block).sum(2)
+                d_logits = probs * (d_out_block @ part(v, cols, dtype).transpose(-1, -2) - d_sum[..., None])
                 if rule.softcap is not None:
                     d_logits = d_logits * (1 - (capped / rule.softcap) ** 2)
                 d_logits = d_logits * rule.scaling
-                d_q[..., r, :] += d_logits @ k[..., c, :]
-                d_k[..., c, :] += (d_logits.transpose(-1, -2) @ q[..., r, :]).sum(2)
+                d_q += d_logits @ k_block
+                d_k[..., c, :] += (d_logits.transpose(-1, -2) @ q_block).sum(2)
+            grouped(d_query, kv_heads)[..., r, :] = d_q
+            if sinks is not None:
+                sink_mass += (torch.exp(sinks.to(dtype).reshape(1, kv_heads, -1, 1) - lse[..., r]) * d_sum).sum(
+                    dim=(0, 3))
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
-            sink_probs = torch.exp(sinks.to(q.dtype).reshape(1, kv_heads, -1, 1) - lse)
-            d_sinks = -(sink_probs * d_sum).sum(dim=(0, 3)).reshape(sinks.shape).to(sinks.dtype)
-        return (d_q.reshape(query.shape).to(query.dtype), d_k.to(key.dtype), d_v.to(value.dtype), d_sinks, None,
-                None)
+            d_sinks = (-sink_mass).reshape(sinks.shape).to(sinks.dtype)
+        return d_query, d_k.to(key.dtype), d_v.to(value.dtype), d_sinks, None, None
 
 
 def blockwise_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,

@@ -21,37 +21,40 @@ from qlora_fsdp.errors import ConfigError
 
 
 class TiledForward(torch.autograd.Function):
-    """run(x) of a per-token module in tiles of `tile` tokens along dim -2; `params` the module's trainable tensors."""
+    """run(x) of a per-token module in tiles of `tile` tokens along dim `dim` (the MLP's -2, the attention side's 1:
+    its head norms see [rows, tokens, heads, dim]); `params` the module's trainable tensors."""
 
     @staticmethod
-    def forward(ctx: Any, run: Callable[[torch.Tensor], Any], module: nn.Module, tile: int, x: torch.Tensor,
-                *params: torch.Tensor) -> torch.Tensor:
-        ctx.run, ctx.module, ctx.tile = run, module, tile  # backward finds the weights again on the module, in order
+    def forward(ctx: Any, run: Callable[[torch.Tensor], Any], module: nn.Module, tile: int, dim: int,
+                x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.run, ctx.module, ctx.tile, ctx.dim = run, module, tile, dim  # backward finds the weights on the module
         ctx.save_for_backward(x)
         with torch.no_grad():
-            return torch.cat([hidden_of(run(part)) for part in x.detach().split(tile, dim=-2)], dim=-2)
+            return torch.cat([hidden_of(run(part)) for part in x.detach().split(tile, dim=dim)], dim=dim)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
         params = tuple(p for p in ctx.module.parameters() if p.requires_grad)
-        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[3] else None
+        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[4] else None
         grads: list[torch.Tensor] = []
-        for start in range(0, x.shape[-2], ctx.tile):
-            part = x[..., start : start + ctx.tile, :].detach().requires_grad_(ctx.needs_input_grad[3])
+        for start in range(0, x.shape[ctx.dim], ctx.tile):
+            part = x.narrow(ctx.dim, start, min(ctx.tile, x.shape[ctx.dim] - start))
+            part = part.detach().requires_grad_(grad_x is not None)
             with torch.enable_grad():
                 out = hidden_of(ctx.run(part))
             wanted = [part] if grad_x is not None else []
             # a mixture of experts: an expert no token of this tile chose has no gradient from it
             found = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(
                 [*wanted, *params], torch.autograd.grad(out, [*wanted, *params],
-                                                        grad_out[..., start : start + ctx.tile, :], allow_unused=True),
+                                                        grad_out.narrow(ctx.dim, start, part.shape[ctx.dim]),
+                                                        allow_unused=True),
                 strict=True))
             if grad_x is not None:
-                grad_x[..., start : start + ctx.tile, :] = found[0]
+                grad_x.narrow(ctx.dim, start, part.shape[ctx.dim]).copy_(found[0])
             grads = list(found[len(wanted):]) if not grads else [a + b for a, b in zip(grads, found[len(wanted):],
                                                                                        strict=True)]
-        return (None, None, None, grad_x, *grads)
+        return (None, None, None, None, grad_x, *grads)
 
 
 def hidden_of(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -75,7 +78,7 @@ def tile_mlp(mlp: nn.Module, tile: int) -> None:
         if x.shape[-2] <= tile:
             return plain(x)
         params = tuple(p for p in mlp.parameters() if p.requires_grad)
-        out = TiledForward.apply(run, mlp, tile, x, *params)
+        out = TiledForward.apply(run, mlp, tile, -2, x, *params)
         return (out, None) if returns_scores[0] else out
 
     mlp.forward = forward

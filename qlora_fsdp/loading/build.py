@@ -28,7 +28,7 @@ from qlora_fsdp.layers import expert_lora
 from qlora_fsdp.layers.attention import transformers_name
 from qlora_fsdp.layers.decoder import decoder_layers, run_mixers_per_sample
 from qlora_fsdp.layers.experts4bit import Experts4bit, quantize_experts
-from qlora_fsdp.layers.fused_lora import fuse_lora_projections
+from qlora_fsdp.layers.fused_lora import fuse_lora_projections, shared_input_groups
 from qlora_fsdp.layers.reward_head import attach_reward_head
 from qlora_fsdp.layers.trained_embeddings import train_embeddings
 from qlora_fsdp.loading.checkpoint import checkpoint_folder
@@ -64,7 +64,7 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
     refuse_unsupported(model)
     model.requires_grad_(False)
     model.config.use_cache = False  # no KV cache while training
-    peft_model = attach_lora(model, cfg.lora)
+    peft_model = attach_lora(model, cfg.lora, bool(cfg.activation_checkpointing.attention_tile_tokens))
     if cfg.lora.train_embeddings:  # trained in full, saved as PEFT's modules_to_save
         trained = train_embeddings(peft_model, TORCH_DTYPES[cfg.lora.dtype], TORCH_DTYPES[cfg.model.dtype])
         config = cast(peft.LoraConfig, peft_model.peft_config["default"])
@@ -134,7 +134,7 @@ def make_meta_linear4bit(linear: nn.Linear, quant: QuantConfig) -> bnb.nn.Linear
     return layer
 
 
-def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
+def attach_lora(model: nn.Module, lora: LoraConfig, attention_tiled: bool = False) -> peft.PeftModel:
     targets = lora_targets(model, lora.target_modules)
     config = peft.LoraConfig(
         r=lora.r,
@@ -155,7 +155,7 @@ def attach_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.to(TORCH_DTYPES[lora.dtype])
-    fuse_lora_projections(model, lora)
+    fuse_lora_projections(model, lora, shared_input_groups(attention_tiled))
     return model
 
 

@@ -18,6 +18,7 @@ from qlora_fsdp.layers.attention import VARLEN_SDPA, resolve_attention
 from qlora_fsdp.layers.checkpointing import apply_activation_checkpointing, layer_slots
 from qlora_fsdp.layers.decoder import decoder_layers
 from qlora_fsdp.layers.split_rows import HeadTrade, split_attention
+from qlora_fsdp.layers.tiled_attention import tile_attention_sides
 from qlora_fsdp.layers.tiled_mlp import tile_mlps
 from qlora_fsdp.loading.build import build_meta_model
 
@@ -83,9 +84,12 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
     if split.splits:
         assert split.group is not None, "a split has its group"
         split_attention(decoder_layers(model), hf_config, HeadTrade(split.group, split.degree, split.index))
-    if cfg.activation_checkpointing.mlp_tile_tokens:
-        tile_mlps(decoder_layers(model), cfg.activation_checkpointing.mlp_tile_tokens, cfg.lora.dropout,
+    tiles = cfg.activation_checkpointing
+    if tiles.mlp_tile_tokens:
+        tile_mlps(decoder_layers(model), tiles.mlp_tile_tokens, cfg.lora.dropout,
                   router_loss_coefficient(hf_config, cfg.train.kind.generates) is not None)
+    if tiles.attention_tile_tokens:
+        tile_attention_sides(decoder_layers(model), tiles.attention_tile_tokens, cfg.lora.dropout)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if shard and uses_fsdp(cfg.fsdp, mesh.size()):
         shard_model(model, cfg.fsdp, mesh)

@@ -35,6 +35,11 @@ def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
         changes += [(f"activation_checkpointing.mlp_tile_tokens={tile} (the MLP over the row {tile:,} tokens at a "
                      "time; its forward runs once more)", {"activation_checkpointing.mlp_tile_tokens": tile})
                     for tile in MLP_TILES if tile < cfg.data.context_length]
+    if not policy.attention_tile_tokens and cfg.data.context_length > LONG_ROW and not cfg.lora.dropout:
+        tile = MLP_TILES[0] if MLP_TILES[0] < cfg.data.context_length else MLP_TILES[1]
+        changes.append((f"activation_checkpointing.attention_tile_tokens={tile} (the norms and attention projections "
+                        f"over the row {tile:,} tokens at a time; their forward runs once more)",
+                        {"activation_checkpointing.attention_tile_tokens": tile}))
     if splits_rows_further(cfg):
         node = cfg.hardware.gpus_per_node
         changes.append((f"fsdp.context_parallel={node} (each row split over the {node} GPUs of a node; rows a step "
