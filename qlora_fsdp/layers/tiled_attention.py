@@ -14,6 +14,9 @@ Inside a checkpointed layer the recompute runs the tiled forwards again, which s
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from qlora_fsdp.errors import ConfigError
@@ -37,7 +40,7 @@ def tile_module(module: nn.Module, tile: int) -> None:
     are: generation's single tokens, short rows)."""
     plain = module.forward
 
-    def forward(x, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs or x.dim() < 2 or x.shape[TOKENS_DIM] <= tile:
             return plain(x, *args, **kwargs)
         params = tuple(p for p in module.parameters() if p.requires_grad)
