@@ -183,15 +183,18 @@ def test_mfu_counts_6n_flops_a_token_and_8n_with_dpos_reference_forward():
 
 @pytest.mark.slow
 def test_recipes_no_peer_has_plan_fits_within_their_host_budgets(recipe_plans):
-    """A 70B on one 24 GB GPU in 64 GiB of host RAM; a 70B on two at 48k tokens or more in 128 GiB (each row split
-    over both); an 8B on one at 96k or more (Unsloth publishes 78,475; its MLP tiled, its model offloaded), on two
-    at 192k or more, both in 64 GiB; Qwen3-30B-A3B on one at 64k or more in 64 GiB; a 32B on Kaggle's two 16 GB T4s
-    (15 GiB usable) in 29 GiB, in float16 (no bf16 on a T4)."""
+    """A 70B on one 24 GB GPU in 64 GiB of host RAM; a 70B on two at 64k tokens or more in 128 GiB (each row split
+    over both); an 8B on one at 128k or more in 64 GiB (Unsloth publishes 78,475; its MLP and attention side tiled,
+    its model offloaded), on two at 256k or more in 128 GiB; Qwen3-30B-A3B and gpt-oss-20b on one at 64k or more in
+    64 GiB; Gemma 3 27B on two at 32k or more in 64 GiB; a 32B on Kaggle's two 16 GB T4s (15 GiB usable) in
+    29 GiB, in float16 (no bf16 on a T4)."""
     expected = {"llama70b_1x4090": (1, 2048, 64, 24, "bfloat16"),
-                "llama70b_2x4090_long": (2, 49152, 128, 24, "bfloat16"),  # each row split over both GPUs
-                "llama3_8b_2x4090_long": (2, 196608, 64, 24, "bfloat16"),  # likewise
+                "llama70b_2x4090_long": (2, 65536, 128, 24, "bfloat16"),  # each row split over both GPUs
+                "llama3_8b_2x4090_long": (2, 262144, 128, 24, "bfloat16"),  # likewise
                 "qwen3_30b_a3b_1x24gb_long": (1, 65536, 64, 24, "bfloat16"),  # its experts tiled
-                "llama3_8b_1x4090_long": (1, 98304, 64, 24, "bfloat16"),
+                "gpt_oss_20b_1x24gb_long": (1, 65536, 64, 24, "bfloat16"),  # windows, sinks, experts tiled
+                "gemma3_27b_2x4090_long": (2, 32768, 64, 24, "bfloat16"),  # windows, each row split over both
+                "llama3_8b_1x4090_long": (1, 131072, 64, 24, "bfloat16"),
                 "qwen2.5_32b_2xt4": (2, 2048, 29, 15, "float16")}
     for name, (world, min_context, host_budget, gpu_gib, dtype) in expected.items():
         got = recipe_plans[name]

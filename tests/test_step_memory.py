@@ -57,17 +57,24 @@ def test_layers_split_into_head_repeated_block_and_tail():
 # ---- planned against real ----------------------------------------------------------------------------------------
 
 def planned_and_measured(info, configs):
-    """On a fake rank of 2: per config, the plan's peak (fake step) and the same step's, run for real."""
+    """On a fake rank of 2: per config, the plan's peak (fake step) and the same step's, run for real; and the
+    planned forward's 4-bit elements dequantized, all and each weight once."""
     from qlora_fsdp.measure.fake_world import recipe_step
     from qlora_fsdp.measure.real_step import measured_step
 
-    return [(recipe_step(cfg).peak, measured_step(cfg, info).peak) for cfg in configs]
+    out = []
+    for cfg in configs:
+        planned = recipe_step(cfg)
+        forward = planned.work[(0, "forward")]
+        out.append((planned.peak, measured_step(cfg, info).peak,
+                    (forward.dequant_elements, forward.distinct_dequant_elements)))
+    return out
 
 
 @pytest.mark.slow
 def test_planned_peak_is_the_real_steps(tmp_path):
     """Two scales (benchmarks/planner_memory.py runs larger ones: 36 settings up to 8 layers at 4,096 tokens), the
-    loss, checkpointing, both offloads and DPO's step varied, in bf16 as on a GPU: the planned peak of live tensor
+    loss, checkpointing, both offloads, tiles and DPO's step varied, in bf16 as on a GPU: the planned peak of live tensor
     bytes is within 10% of the real step's (it comes out equal to a few KB: the same code runs, only the values
     differ).
     Rows of 256 and 512 tokens: bf16 has no hardware on our CPUs, and the real step is most of the test's time."""
@@ -85,11 +92,18 @@ def test_planned_peak_is_the_real_steps(tmp_path):
             "activation_checkpointing.scope=attention"),
         "small, DPO: the reference forward (adapter off, no grad) then the policy's, pair losses": step_config(
             small, 256, 2, "train.objective=dpo", "preference.reference=adapter_off", "loss.chunk_tokens=64"),
+        "small, the attention side and the MLP in 64-token tiles": step_config(
+            small, 256, 1, "activation_checkpointing.attention_tile_tokens=64",
+            "activation_checkpointing.mlp_tile_tokens=64"),
     }
     results = run_ranks(planned_and_measured, 2, list(cases.values()), tmp_dir=tmp_path, fake=True)[0]
-    for name, (planned, measured) in zip(cases, results, strict=True):
+    for name, (planned, measured, _) in zip(cases, results, strict=True):
         assert abs(planned / measured - 1) <= 0.10, f"{name}: planned {planned:,} B, measured {measured:,} B"
         assert abs(planned - measured) < 2**16, f"{name}: planned {planned:,} B, measured {measured:,} B"
+    # the tiles dequantize each weight once a tile (4 tiles of 64 tokens); a decoding step, which the generation
+    # plan prices from the forward, dequantizes each once: as the untiled forward of the same model does
+    whole, tiled = results[0][2], results[-1][2]
+    assert whole[0] == whole[1] > 0 and tiled[1] == whole[1] and tiled[0] == 4 * tiled[1], (whole, tiled)
 
 
 def planned_in_a_fake_world_and_measured(info, cfg):

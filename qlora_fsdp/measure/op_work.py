@@ -52,6 +52,9 @@ class Work:
     attention_flops: float = 0.0
     memory_bytes: float = 0.0  # read and written by element-wise and other memory-bound ops
     dequant_elements: float = 0.0  # 4-bit weight elements dequantized
+    # each 4-bit weight's elements once however often the part dequantized it (tiles run a weight once a tile): what
+    # a decoding step, which runs every weight once, dequantizes
+    distinct_dequant_elements: float = 0.0
     gather_bytes: float = 0.0  # all-gather: received (and sent) by this rank
     scatter_bytes: float = 0.0  # reduce-scatter: sent (and received) by this rank
     trade_bytes: float = 0.0  # context parallel's all-to-alls: sent (and received) by this rank; attention waits
@@ -136,6 +139,13 @@ NO_TRAFFIC = {aten.empty.memory_format, aten.empty_strided.default, aten.new_emp
               aten.new_empty_strided.default, aten.empty_like.default, aten._unsafe_view.default,
               aten.lift_fresh.default, aten.set_.source_Storage_storage_offset, aten.resize_.default,
               aten.record_stream.default, aten._local_scalar_dense.default}
+
+
+def dequantized_weight(func: Any, args: tuple[Any, ...]) -> torch.Tensor | None:
+    """The packed 4-bit weight an op dequantizes, the tensor it is a view of (bitsandbytes hands its kernels a new
+    transposed view every call); None: the op dequantizes nothing."""
+    packed = args[1] if func is GEMM_4BIT else args[0] if func is DEQUANTIZE_4BIT else None
+    return packed if packed is None or packed._base is None else packed._base
 
 
 def moves_nothing(func: Any) -> bool:

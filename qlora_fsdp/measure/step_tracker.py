@@ -14,6 +14,7 @@ sees: the scratch bitsandbytes' fused 4-bit matmul allocates inside its kernel (
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.layers.decoder import decoder_layers
-from qlora_fsdp.measure.op_work import GEMM_4BIT, Work, op_work
+from qlora_fsdp.measure.op_work import GEMM_4BIT, Work, dequantized_weight, op_work
 from qlora_fsdp.objectives.base import Objective
 from qlora_fsdp.optimizer import ShardedOptimizer
 
@@ -141,6 +142,9 @@ class _PhasePeaks:
         self.offload = bool(host_kinds)
         self.work: dict[tuple[int, str], Work] = {}
         self.layers_seen: set[Segment] = set()
+        # the 4-bit weights each part has dequantized so far, by id, held weakly: a freed gathered weight's id may
+        # come again for another weight
+        self.dequantized: dict[tuple[int, str], dict[int, weakref.ref[torch.Tensor]]] = {}
         self.unpadded = False  # the micro-batch running has no padding (its attention mask is the causal one)
         self.new_micro_batch(0)
 
@@ -208,7 +212,13 @@ class _PhasePeaks:
     def count_work(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         micro, part, layer = self.segment()
         work = self.work.setdefault((micro, part), Work())
-        work.add(op_work(func, args, kwargs, out, part, self.offload, self.host_device, self.unpadded))
+        done = op_work(func, args, kwargs, out, part, self.offload, self.host_device, self.unpadded)
+        weight = dequantized_weight(func, args)
+        seen = self.dequantized.setdefault((micro, part), {})
+        if weight is not None and (id(weight) not in seen or seen[id(weight)]() is not weight):
+            seen[id(weight)] = weakref.ref(weight)
+            done.distinct_dequant_elements = done.dequant_elements
+        work.add(done)
         if layer >= 0 and (micro, part, layer) not in self.layers_seen:
             self.layers_seen.add((micro, part, layer))
             work.layers += 1

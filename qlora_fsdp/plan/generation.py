@@ -187,8 +187,9 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     _, _, gather = link_seconds(Work(gather_bytes=forward.gather_bytes, to_gpu_bytes=forward.to_gpu_bytes), rates)
     head = hf.vocab_size * hf.hidden_size * itemsize
     mean_cache = memory.kv_cache_bytes * (prompt + new / 2) / (prompt + new)  # the cache read grows a token a step
-    weights = forward.dequant_elements * (DEQUANT_BYTES_PER_ELEMENT + itemsize) + head  # dequantized, then read
-    dequant = forward.dequant_elements * DEQUANT_BYTES_PER_ELEMENT / rates.memory
+    # every weight dequantized, then read, once a decoding step (the update's tiles dequantized it once a tile)
+    weights = forward.distinct_dequant_elements * (DEQUANT_BYTES_PER_ELEMENT + itemsize) + head
+    dequant = forward.distinct_dequant_elements * DEQUANT_BYTES_PER_ELEMENT / rates.memory
     # split runs every rank's rows through each share of the layers in turn: the shares' reads add up to the whole
     # model's, the rows' cache reads and FLOPs to every rank's
     turns = world if layout == "split" else 1
