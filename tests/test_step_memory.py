@@ -74,9 +74,9 @@ def planned_and_measured(info, configs):
 @pytest.mark.slow
 def test_planned_peak_is_the_real_steps(tmp_path):
     """Two scales (benchmarks/planner_memory.py runs larger ones: 36 settings up to 8 layers at 4,096 tokens), the
-    loss, checkpointing, both offloads, tiles and DPO's step varied, in bf16 as on a GPU: the planned peak of live tensor
-    bytes is within 10% of the real step's (it comes out equal to a few KB: the same code runs, only the values
-    differ).
+    loss, checkpointing, both offloads, tiles and DPO's step varied, in bf16 as on a GPU: the planned peak of live
+    tensor bytes is within 10% of the real step's (it comes out equal to a few KB: the same code runs, only the
+    values differ).
     Rows of 256 and 512 tokens: bf16 has no hardware on our CPUs, and the real step is most of the test's time."""
     small = architecture(tmp_path / "small", layers=4, hidden=256, heads=4, kv_heads=2, vocab=8192)
     medium = architecture(tmp_path / "medium", layers=6, hidden=384, heads=6, kv_heads=2, vocab=16384)
