@@ -55,7 +55,8 @@ def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
         "packed_attention (speed)": "info", "plan_vs_measured_70b": "skipped", "one_gpu_70b_offload": "skipped",
         "moe_experts (unquantized)": "info", "moe_experts (4-bit, gather per expert)": "info",
         "moe_experts (4-bit, grouped (ours))": "info", "moe_experts (4-bit, grouped matmul)": "info",
-        "long_rows": "passed", "grpo_generation (8 rows, gathered:on)": "info",
+        "long_rows (llama3_8b_1x4090_long)": "passed", "long_rows (gpt_oss_20b_1x24gb_long)": "passed",
+        "grpo_generation (8 rows, gathered:on)": "info",
         "grpo_generation (8 rows, gathered:off)": "info"}
     for check in gpu_check.CHECKS:  # a check added later is in this run too, and runs unless it needs CUDA
         assert check.cuda_only == ("needs a CUDA device" in rows.get(check.name, ("", ""))[0]), check.name
@@ -70,7 +71,8 @@ def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
     assert figures["fsdp_real_path"]["uint8_offload_on_gathers"] > 0
     assert figures["packed_attention (sdpa_varlen)"]["max_difference"] <= 1e-4
     assert figures["merge_device (cpu)"]["tensors"] > 0 and figures["generate"]["characters"] > 0
-    assert [row["tokens"] for row in figures["long_rows"]["rows"] if row["trained"]] == [256, 512]
+    for recipe in ("llama3_8b_1x4090_long", "gpt_oss_20b_1x24gb_long"):
+        assert [row["tokens"] for row in figures[f"long_rows ({recipe})"]["rows"] if row["trained"]] == [256, 512]
     assert figures["moe_experts (4-bit, grouped (ours))"]["tokens_per_s"] > 0
     assert all(figures[f"grpo_generation (8 rows, gathered:{graphs})"]["ratio"] > 0 for graphs in ("on", "off"))
     # the positive control: the watch does see CUDA's rewrite of the old bf16 storage
