@@ -115,13 +115,13 @@ def planned_peaks(info, configs):
 @pytest.mark.slow
 def test_attention_side_tiles_lower_the_planned_peak(tmp_path):
     """A 2,048-token row (hidden 512, MLP already tiled): the attention side in 256-token tiles plans a lower peak
-    than whole (the norms' fp32 copies and LoRA's intermediates for one tile at a time): measured 80.6 -> 71.0 MiB.
-    A fused q/k/v group kept under tiles held a view of each layer's normed row and planned higher than whole."""
+    than whole (the norms' fp32 copies and LoRA's intermediates for one tile at a time): 84.5 -> 67.0 MB planned.
+    A fused q/k/v group kept under tiles held a view of each layer's normed row: 74.5 MB."""
     model = architecture(tmp_path / "m", layers=4, hidden=512, heads=8, kv_heads=2, vocab=8192)
     whole, tiled = (step_config(model, 2048, 1, "loss.chunk_tokens=64", "activation_checkpointing.mlp_tile_tokens=256",
                                 f"activation_checkpointing.attention_tile_tokens={tile}") for tile in (0, 256))
     whole_peak, tiled_peak = run_ranks(planned_peaks, 2, [whole, tiled], tmp_dir=tmp_path, fake=True)[0]
-    assert tiled_peak < 0.95 * whole_peak, (whole_peak, tiled_peak)
+    assert tiled_peak < 0.85 * whole_peak, (whole_peak, tiled_peak)
 
 
 def planned_in_a_fake_world_and_measured(info, cfg):
