@@ -65,9 +65,9 @@ def test_a_row_split_over_two_ranks_equals_it_whole(tmp_path):
                 split_cfg = tiny_config(model_dir, fsdp={"context_parallel": world_size})
                 calls[world_size].append((loss_and_grads, (split_cfg, samples, packed)))
         if family != "qwen3":  # the long recipes' levers beside the split (offloaded layer inputs, the MLP or the
-            # experts in 7-token tiles) against the whole row without them
-            setups.append((family, True, "offloaded, MLP in 7-token tiles"))
-            levers = {"offload": True, "mlp_tile_tokens": 7}
+            # experts and the attention side in 7-token tiles) against the whole row without them
+            setups.append((family, True, "offloaded, MLP and attention side in 7-token tiles"))
+            levers = {"offload": True, "mlp_tile_tokens": 7, "attention_tile_tokens": 7}
             calls[1].append((loss_and_grads, (tiny_config(model_dir), samples, True)))
             calls[2].append((loss_and_grads, (tiny_config(model_dir, fsdp={"context_parallel": 2},
                                                           activation_checkpointing=levers), samples, True)))
