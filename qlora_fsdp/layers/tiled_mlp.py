@@ -7,6 +7,9 @@ Forward runs the tiles without keeping their graphs and saves only the input; ba
 again and its backward, summing the trainable weights' gradients over the tiles and handing them to autograd as
 the function's own (no gradient is written behind autograd's back, so FSDP2's reduce-scatter sees them as always).
 Inside a checkpointed layer the recompute runs the tiled forward again, which saves only the input.
+
+On the planner's fake tensors only the first two tiles run (each allocates and frees the same transients, and the
+second adds the gradient sums'): the others' work is the planner's op counter's to repeat, between two marker ops.
 """
 
 from __future__ import annotations
@@ -16,8 +19,40 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from qlora_fsdp.errors import ConfigError
+
+PLANNED_TILES = 2  # tiles a fake step runs; the rest are priced as repeats of them
+
+
+@torch.library.custom_op("qlora_fsdp::tile_work_begin", mutates_args=())
+def tile_work_begin(anchor: torch.Tensor) -> None:
+    """Nothing at run time: under fake tensors, where the tiles a fake step runs begin (measure/step_tracker.py)."""
+
+
+@torch.library.custom_op("qlora_fsdp::tile_work_end", mutates_args=())
+def tile_work_end(anchor: torch.Tensor, repeats: float) -> None:
+    """Nothing at run time: the work since the begin marker happens `repeats` times more (the skipped tiles)."""
+
+
+@tile_work_begin.register_fake
+def _(anchor: torch.Tensor) -> None:
+    return None
+
+
+@tile_work_end.register_fake
+def _(anchor: torch.Tensor, repeats: float) -> None:
+    return None
+
+
+def tile_starts(x: torch.Tensor, tile: int, dim: int) -> tuple[list[int], float]:
+    """Where the tiles that run start, and how many times over their work the skipped ones repeat (fake tensors)."""
+    n = x.shape[dim]
+    starts = list(range(0, n, tile))
+    if not is_fake(x) or len(starts) <= PLANNED_TILES:
+        return starts, 0.0
+    return starts[:PLANNED_TILES], (n - PLANNED_TILES * tile) / (PLANNED_TILES * tile)
 
 
 class TiledForward(torch.autograd.Function):
@@ -29,8 +64,21 @@ class TiledForward(torch.autograd.Function):
                 x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.run, ctx.module, ctx.tile, ctx.dim = run, module, tile, dim  # backward finds the weights on the module
         ctx.save_for_backward(x)
+        starts, skipped = tile_starts(x, tile, dim)
+        if skipped:
+            tile_work_begin(x)
+        out: torch.Tensor | None = None
         with torch.no_grad():
-            return torch.cat([hidden_of(run(part)) for part in x.detach().split(tile, dim=dim)], dim=dim)
+            for start in starts:  # each tile's output into the row's (a list of them and a cat would hold two)
+                part = hidden_of(run(x.detach().narrow(dim, start, min(tile, x.shape[dim] - start))))
+                if out is None:
+                    out = part.new_empty([*part.shape[:dim % part.dim()], x.shape[dim],
+                                          *part.shape[dim % part.dim() + 1:]])
+                out.narrow(dim, start, part.shape[dim]).copy_(part)
+        if skipped:
+            tile_work_end(x, skipped)
+        assert out is not None, "a row has a tile"
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
@@ -38,7 +86,10 @@ class TiledForward(torch.autograd.Function):
         params = tuple(p for p in ctx.module.parameters() if p.requires_grad)
         grad_x = torch.zeros_like(x) if ctx.needs_input_grad[4] else None
         grads: list[torch.Tensor] = []
-        for start in range(0, x.shape[ctx.dim], ctx.tile):
+        starts, skipped = tile_starts(x, ctx.tile, ctx.dim)
+        if skipped:
+            tile_work_begin(x)
+        for start in starts:
             part = x.narrow(ctx.dim, start, min(ctx.tile, x.shape[ctx.dim] - start))
             part = part.detach().requires_grad_(grad_x is not None)
             with torch.enable_grad():
@@ -54,6 +105,8 @@ class TiledForward(torch.autograd.Function):
                 grad_x.narrow(ctx.dim, start, part.shape[ctx.dim]).copy_(found[0])
             grads = list(found[len(wanted):]) if not grads else [a + b for a, b in zip(grads, found[len(wanted):],
                                                                                        strict=True)]
+        if skipped:
+            tile_work_end(x, skipped)
         return (None, None, None, None, grad_x, *grads)
 
 

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 import qlora_fsdp.layers.blockwise_attention  # noqa: F401  (registers torch.ops.qlora_fsdp.skipped_attention_work)
+import qlora_fsdp.layers.tiled_mlp  # noqa: F401  (registers torch.ops.qlora_fsdp.tile_work_begin and _end)
 
 aten = torch.ops.aten
 GEMM_4BIT = torch.ops.bitsandbytes.gemm_4bit.default
@@ -29,6 +30,8 @@ ALL_GATHER = torch.ops.c10d._allgather_base_.default
 REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default
 ALL_GATHER_COPY_IN = torch.ops.fsdp.all_gather_copy_in.default
 SKIPPED_ATTENTION = torch.ops.qlora_fsdp.skipped_attention_work.default
+TILE_WORK_BEGIN = torch.ops.qlora_fsdp.tile_work_begin.default
+TILE_WORK_END = torch.ops.qlora_fsdp.tile_work_end.default
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default  # context parallel's trades around attention
 # a dequantized 4-bit weight: half a byte read and two written an element (bf16/fp16; the absmax is 1/64 of that)
 DEQUANT_BYTES_PER_ELEMENT = 2.5
@@ -42,6 +45,9 @@ GPU_ATTENTION_CAUSAL_ARG = {  # where the GPU's attention ops carry is_causal (p
     aten._scaled_dot_product_efficient_attention: 6, aten._scaled_dot_product_efficient_attention_backward: 11,
 }
 ATTENTION_PACKETS = {packet for packet in flop_registry if "attention" in str(packet)}
+
+
+UNREPEATED = ("matmuls", "distinct_dequant_elements", "layers")  # fields a repeat of the same ops does not add to
 
 
 @dataclass
@@ -72,6 +78,18 @@ class Work:
                 setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
         for shape, count in other.matmuls.items():
             self.matmuls[shape] = self.matmuls.get(shape, 0.0) + count
+
+    def copy(self) -> Work:
+        return dataclasses.replace(self, matmuls=dict(self.matmuls))
+
+    def repeat_since(self, before: Work, times: float) -> None:
+        """Add what was done since `before` (a copy of this work then) `times` times more: the tiles a fake step
+        skipped (layers/tiled_mlp.py). Not the distinct weights (each counted once) nor the layer passes."""
+        repeated = Work(**{f.name: (getattr(self, f.name) - getattr(before, f.name)) * times
+                           for f in dataclasses.fields(self) if f.name not in UNREPEATED})
+        repeated.matmuls = {shape: (count - before.matmuls.get(shape, 0.0)) * times
+                            for shape, count in self.matmuls.items()}
+        self.add(repeated)
 
     def scaled_line(self, other: Work, steps: float) -> Work:
         """self + (other - self) * steps: a long model's work from two shortened runs (work adds per layer)."""

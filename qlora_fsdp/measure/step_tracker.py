@@ -29,7 +29,14 @@ from torch.distributed.fsdp import FSDPModule
 from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.layers.decoder import decoder_layers
-from qlora_fsdp.measure.op_work import GEMM_4BIT, Work, dequantized_weight, op_work
+from qlora_fsdp.measure.op_work import (
+    GEMM_4BIT,
+    TILE_WORK_BEGIN,
+    TILE_WORK_END,
+    Work,
+    dequantized_weight,
+    op_work,
+)
 from qlora_fsdp.objectives.base import Objective
 from qlora_fsdp.optimizer import ShardedOptimizer
 
@@ -145,6 +152,7 @@ class _PhasePeaks:
         # the 4-bit weights each part has dequantized so far, by id, held weakly: a freed gathered weight's id may
         # come again for another weight
         self.dequantized: dict[tuple[int, str], dict[int, weakref.ref[torch.Tensor]]] = {}
+        self.tile_marks: list[Work] = []  # the work when the tiles a fake step runs began (innermost last)
         self.unpadded = False  # the micro-batch running has no padding (its attention mask is the causal one)
         self.new_micro_batch(0)
 
@@ -212,6 +220,12 @@ class _PhasePeaks:
     def count_work(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         micro, part, layer = self.segment()
         work = self.work.setdefault((micro, part), Work())
+        if func is TILE_WORK_BEGIN:
+            self.tile_marks.append(work.copy())
+            return
+        if func is TILE_WORK_END:
+            work.repeat_since(self.tile_marks.pop(), args[1])
+            return
         done = op_work(func, args, kwargs, out, part, self.offload, self.host_device, self.unpadded)
         weight = dequantized_weight(func, args)
         seen = self.dequantized.setdefault((micro, part), {})
