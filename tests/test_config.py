@@ -138,7 +138,8 @@ def test_every_shipped_recipe_loads():
             assert [(s.path, s.format, s.fields) for s in cfg.data.sources] == [
                 ("lmms-lab/multimodal-open-r1-8k-verified", "prompt", {"prompt": "problem", "answer": "solution"})]
             assert cfg.data.images_per_row == 1 and [r.function for r in cfg.grpo.rewards] == ["math_answer"]
-        elif name.endswith(("_grpo", "_grpo_tools")):  # GSM8K's questions as prompts, `answer` reaches math_answer
+        elif name.endswith(("_grpo", "_grpo_tools", "_grpo_long")):  # GSM8K's questions as prompts, `answer`
+            # reaches math_answer
             assert [(s.path, s.subset, s.format, s.fields) for s in cfg.data.sources] == [
                 ("openai/gsm8k", "main", "prompt", {"prompt": "question"})] and cfg.train.objective == "grpo"
             assert [r.function for r in cfg.grpo.rewards] == ["math_answer"]

@@ -94,8 +94,9 @@ def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: P
     nonzero_lora_b(model)
     with adapter_off(model):  # DPO's reference: every LoRA off, the experts' too
         (off,) = all_reduce_sums([summed(model, packed, info)], info.device)
-    q_runs = [0]  # the first attention layer's query projection's 4-bit matmuls in the step: once a tile, tiled
-    query = next(m for name, m in model.named_modules() if re.search(r"layers\.\d+\.(.+\.)?q_proj\.base_layer$", name))
+    q_runs = [0]  # the first attention layer's query projection's 4-bit matmuls in the step (Phi-3's fused qkv)
+    query = next(m for name, m in model.named_modules()
+                 if re.search(r"layers\.\d+\.(.+\.)?(q|qkv)_proj\.base_layer$", name))
     handle = query.register_forward_hook(lambda *_: q_runs.__setitem__(0, q_runs[0] + 1))
     train_loss = ForwardLoss.for_config(cfg, info.device)(model, packed, info.device) / n_targets
     train_loss.backward()  # training's loss: chunked, checkpointed, one sample at a time in each packed row
