@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.data.batching import Sample, collate
+from qlora_fsdp.data.batching import Batch, Sample, collate
 from qlora_fsdp.data.pipeline import load_dataset
 from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
 from tests.rank_pool import free_port, retire_this_worker, session_pool
@@ -66,6 +66,21 @@ def tiny_config(model_dir: Path, **sections: dict[str, Any]) -> Config:
         for key, value in values.items():
             setattr(getattr(cfg, section), key, value)
     return cfg
+
+
+def rank_units(n_units: int, cfg: Config, rank: int, world_size: int) -> list[int]:
+    """The units a rank takes of the first `n_units`: its share, or with rows split over the ranks
+    (fsdp.context_parallel) its split's share (each rank then holds its part of every micro-batch: split_parts)."""
+    degree = cfg.fsdp.context_parallel
+    return list(range(n_units))[rank // degree :: world_size // degree]
+
+
+def split_parts(batches: list[Batch], cfg: Config, rank: int, pad_id: int) -> list[Batch]:
+    """This rank's part of each (packed) micro-batch under fsdp.context_parallel; the batches themselves without."""
+    from qlora_fsdp.data.row_shards import shard_row
+
+    degree = cfg.fsdp.context_parallel
+    return [shard_row(b, degree, rank % degree, pad_id) for b in batches] if degree > 1 else batches
 
 
 def variable_length_samples(cfg: Config, n: int) -> list[Sample]:

@@ -432,10 +432,11 @@ def context_parallel_without_the_ranks(d: Path, model: Path) -> list[str]:
     return ["fsdp.context_parallel=2"]
 
 
-@bad_input(r"'fsdp\.context_parallel: 2' trains train\.objective sft only .*got 'dpo'; use fsdp\.context_parallel: 1")
-def context_parallel_with_preference_pairs(d: Path, model: Path) -> list[str]:
-    """Rows split over two GPUs for DPO."""
-    return ["fsdp.context_parallel=2", "train.objective=dpo"]
+@bad_input(r"'fsdp\.context_parallel: 2' with train\.objective grpo: its generation and update across a split are "
+           r"not built yet; use fsdp\.context_parallel: 1")
+def context_parallel_with_grpo(d: Path, model: Path) -> list[str]:
+    """Rows split over two GPUs for GRPO."""
+    return ["fsdp.context_parallel=2", "train.objective=grpo"]
 
 
 # --- model folders ---------------------------------------------------------------------------------------------

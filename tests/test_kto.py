@@ -19,7 +19,16 @@ from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.pairs import PairLoss
 from qlora_fsdp.objectives.pair_steps import accumulate_pairs, pair_rows
-from tests.helpers import REPO, full_grads, relative_difference, run_ranks_sequence, tiny_config, transformers_nf4
+from tests.helpers import (
+    REPO,
+    full_grads,
+    rank_units,
+    relative_difference,
+    run_ranks_sequence,
+    split_parts,
+    tiny_config,
+    transformers_nf4,
+)
 from tests.test_preference_training import nudge_adapter
 
 
@@ -37,10 +46,10 @@ KTO_DATA = str(REPO / "data" / "tiny_kto.jsonl")
 N_RECORDS = 8
 
 
-def kto_config(model_dir, **preference):
+def kto_config(model_dir, fsdp=None, **preference):
     cfg = tiny_config(model_dir, data={"path": KTO_DATA, "format": "chat", "context_length": 128, "eval_samples": 8},
                       train={"objective": "kto"}, preference={"desirable_weight": 1.0, "undesirable_weight": 1.5,
-                                                              **preference})
+                                                              **preference}, fsdp=fsdp or {})
     cfg.lora.dropout = 0.0
     return cfg
 
@@ -58,13 +67,14 @@ def kto_step(info, cfg, per_batch: int):
     model = build_model(cfg, info)
     set_adapter(model)
     rows, labels = kto_records(cfg)
-    mine = list(range(N_RECORDS))[info.rank :: info.world_size]
+    mine, pad_id = rank_units(N_RECORDS, cfg, info.rank, info.world_size), load_tokenizer(cfg).pad_token_id
     batches = []
     for start in range(0, len(mine), per_batch):
         ids = mine[start : start + per_batch]
-        batch = collate_packed([rows[i] for i in ids], load_tokenizer(cfg).pad_token_id)
+        batch = collate_packed([rows[i] for i in ids], pad_id)
         batch.desirable = torch.tensor([labels[i] for i in ids])
         batches.append(batch)
+    batches = split_parts(batches, cfg, info.rank, pad_id)
     result = accumulate_pairs(model, batches, info.device, PairLoss.for_config(cfg, info.device))
     return {"loss": result.loss, "metrics": result.metrics, "grads": full_grads(model)}
 
@@ -119,13 +129,14 @@ def kto_runs(tiny_model_dir, tmp_path_factory):
     cfg = kto_config(tiny_model_dir)
     one, accumulated = run_ranks_sequence([(kto_step, (cfg, N_RECORDS)), (kto_step, (cfg, 2))], 1,
                                           tmp_path_factory.mktemp("kto1"))
-    (sharded,) = run_ranks_sequence([(kto_step, (cfg, 2))], 2, tmp_path_factory.mktemp("kto2"))
-    return {"cfg": cfg, "one": one, "accumulated": accumulated, "sharded": sharded}
+    sharded, split = run_ranks_sequence([(kto_step, (cfg, 2)), (kto_step, (kto_config(tiny_model_dir, fsdp={
+        "context_parallel": 2}), 2))], 2, tmp_path_factory.mktemp("kto2"))
+    return {"cfg": cfg, "one": one, "accumulated": accumulated, "sharded": sharded, "split": split}
 
 
 def test_kto_equals_trls_kto_trainer_and_accumulates_and_shards_exactly(tiny_model_dir, kto_runs):
     """Loss, z0 and every LoRA gradient against TRL's on the same 8 records (one batch, z0 over it); then 4
-    micro-batches of 2 and two ranks against one batch."""
+    micro-batches of 2, two ranks, and rows split over two ranks (context parallel) against one batch."""
     trl = trl_kto_step(tiny_model_dir, kto_runs["cfg"])
     one = kto_runs["one"]
     assert trl["kl"] > 1e-4  # the nudged adapter moved the policy off the reference: z0 is not clamped to 0
@@ -134,7 +145,7 @@ def test_kto_equals_trls_kto_trainer_and_accumulates_and_shards_exactly(tiny_mod
     ours = {name.replace("_checkpoint_wrapped_module.", ""): grad for name, grad in one["grads"].items()}
     assert ours.keys() == trl["grads"].keys()
     assert relative_difference(ours, trl["grads"]) <= 1e-5
-    for other in ("accumulated", "sharded"):
+    for other in ("accumulated", "sharded", "split"):
         run = kto_runs[other]
         assert run["loss"] == pytest.approx(one["loss"], rel=1e-5), other
         assert relative_difference(run["grads"], one["grads"]) <= 1e-5, other

@@ -26,9 +26,11 @@ from tests.helpers import (
     REPO,
     command_here,
     full_grads,
+    rank_units,
     relative_difference,
     run_cli,
     run_ranks_sequence,
+    split_parts,
     tiny_config,
     train_here,
     transformers_nf4,
@@ -40,21 +42,24 @@ pytestmark = pytest.mark.slow  # gloo ranks
 PREFERENCES = str(REPO / "data" / "tiny_preferences.jsonl")
 
 
-def dpo_config(model_dir, objective: str = "dpo", **preference):
+def dpo_config(model_dir, objective: str = "dpo", fsdp=None, **preference):
     cfg = tiny_config(model_dir, data={"path": PREFERENCES, "format": "chat", "context_length": 128,
                                        "eval_samples": 8},
-                      train={"objective": objective}, preference=preference)
+                      train={"objective": objective}, preference=preference, fsdp=fsdp or {})
     cfg.lora.dropout = 0.0
     return cfg
 
 
 def pair_micro_batches(cfg, n_pairs: int, pairs_per_batch: int, rank: int, world_size: int):
+    """This rank's micro-batches of the first pairs: its share of them, or, with the rows split over the ranks
+    (fsdp.context_parallel), its part of every micro-batch (pairs crossing the split)."""
     tokenizer = load_tokenizer(cfg)
     data = load_pairs(tokenizer, cfg)
-    sequences = data.samples(data.train, list(range(n_pairs)))
-    mine = pair_rows(sequences)[rank::world_size]
-    return [collate_packed(mine[i : i + pairs_per_batch], tokenizer.pad_token_id)
-            for i in range(0, len(mine), pairs_per_batch)]
+    rows = pair_rows(data.samples(data.train, list(range(n_pairs))))
+    mine = [rows[i] for i in rank_units(n_pairs, cfg, rank, world_size)]
+    batches = [collate_packed(mine[i : i + pairs_per_batch], tokenizer.pad_token_id)
+               for i in range(0, len(mine), pairs_per_batch)]
+    return split_parts(batches, cfg, rank, tokenizer.pad_token_id)
 
 
 def nudge_adapter(model) -> None:
@@ -103,15 +108,18 @@ def dpo_one_rank(tiny_model_dir, tmp_path_factory) -> dict:
 
 
 def test_dpo_starts_at_log_2_and_accumulation_and_sharding_change_nothing(dpo_one_rank, tmp_path):
+    """...and rows split over the two ranks (context parallel: the pairs cross the split) change nothing either."""
     cfg, start, one_big, accumulated = (dpo_one_rank[k] for k in ("cfg", "start", "one_big", "accumulated"))
-    (sharded,) = run_ranks_sequence([(step, (cfg, 8, 2, True))], 2, tmp_path)
+    split_cfg = dpo_config(cfg.model.path, fsdp={"context_parallel": 2})
+    sharded, split = run_ranks_sequence([(step, (cfg, 8, 2, True)), (step, (split_cfg, 8, 2, True))], 2, tmp_path)
 
     assert start["pairs"] == 8
     assert start["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the adapter starts at zero: policy = reference
     assert start["metrics"]["reward_margin"] == 0.0 and start["metrics"]["reward_accuracy"] == 0.5
 
     assert abs(one_big["loss"] - math.log(2)) > 1e-4  # the perturbed adapter moved it
-    for other in (accumulated, sharded):
+    assert split["pairs"] == 8
+    for other in (accumulated, sharded, split):
         assert other["loss"] == pytest.approx(one_big["loss"], rel=1e-5)
         assert relative_difference(other["grads"], one_big["grads"]) <= 1e-4
         for key, value in one_big["metrics"].items():
@@ -146,15 +154,23 @@ def test_dpo_log_probabilities_equal_transformers_log_softmax(tiny_model_dir, dp
     assert (logps["nudged"][0] - chosen).abs().max() > 1e-2  # the nudged adapter matters: its reference is off
 
 
-@pytest.mark.parametrize("objective", ["orpo", "simpo"])
-def test_reference_free_objectives_accumulate_exactly(tiny_model_dir, tmp_path, objective):
-    cfg = dpo_config(tiny_model_dir, objective)
-    one_big, accumulated = run_ranks_sequence([(step, (cfg, 8, 8, True)), (step, (cfg, 8, 2, True))], 1, tmp_path)
-    assert accumulated["loss"] == pytest.approx(one_big["loss"], rel=1e-5)
-    assert relative_difference(accumulated["grads"], one_big["grads"]) <= 1e-4
-    if objective == "orpo":  # the chosen NLL per target token, averaged over the step's chosen tokens
-        assert accumulated["metrics"]["chosen_nll"] == pytest.approx(one_big["metrics"]["chosen_nll"], rel=1e-5)
-        assert one_big["metrics"]["chosen_nll"] > 0
+def test_reference_free_objectives_accumulate_and_split_rows_exactly(tiny_model_dir, tmp_path):
+    """ORPO and SimPO: 4 micro-batches of 2 pairs, and those split over two ranks (context parallel; SimPO's
+    length normalization and ORPO's chosen tokens count each sequence's targets over the split), against one
+    batch of 8."""
+    objectives = ("orpo", "simpo")
+    whole = run_ranks_sequence([(step, (dpo_config(tiny_model_dir, objective), 8, size, True))
+                                for objective in objectives for size in (8, 2)], 1, tmp_path / "one")
+    split = run_ranks_sequence([(step, (dpo_config(tiny_model_dir, objective, fsdp={"context_parallel": 2}), 8, 2,
+                                        True)) for objective in objectives], 2, tmp_path / "split")
+    for index, objective in enumerate(objectives):
+        one_big = whole[2 * index]
+        for other in (whole[2 * index + 1], split[index]):
+            assert other["loss"] == pytest.approx(one_big["loss"], rel=1e-5), objective
+            assert relative_difference(other["grads"], one_big["grads"]) <= 1e-4, objective
+            for key, value in one_big["metrics"].items():
+                assert other["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (objective, key)
+    assert whole[0]["metrics"]["chosen_nll"] > 0  # ORPO's NLL per chosen target token, over the step's
 
 
 def losses_of(run_dir) -> list[dict]:

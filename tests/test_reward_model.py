@@ -25,9 +25,11 @@ from tests.helpers import (
     REPO,
     command_here,
     full_grads,
+    rank_units,
     relative_difference,
     run_cli,
     run_ranks_sequence,
+    split_parts,
     tiny_config,
     transformers_nf4,
 )
@@ -49,10 +51,11 @@ def pairs_with_margins(path):
     return path
 
 
-def reward_config(model_dir, data_path):
+def reward_config(model_dir, data_path, fsdp=None):
     cfg = tiny_config(model_dir, data={"path": str(data_path), "format": "chat", "context_length": 160,
                                        "eval_samples": 4},
-                      train={"objective": "reward"}, preference={"center_rewards_coefficient": CENTER})
+                      train={"objective": "reward"}, preference={"center_rewards_coefficient": CENTER},
+                      fsdp=fsdp or {})
     cfg.lora.dropout = 0.0
     return cfg
 
@@ -79,9 +82,10 @@ def reward_step(info, cfg, per_batch: int, adapter_dir=None):
     set_reward_model(model)
     rows, extras = training_pairs(cfg)
     pad_id = load_tokenizer(cfg).pad_token_id
-    mine = list(range(N_PAIRS))[info.rank :: info.world_size]
-    batches = [with_pair_extras(collate_packed([rows[i] for i in mine[s : s + per_batch]], pad_id), extras,
-                                mine[s : s + per_batch]) for s in range(0, len(mine), per_batch)]
+    mine = rank_units(N_PAIRS, cfg, info.rank, info.world_size)
+    batches = split_parts([with_pair_extras(collate_packed([rows[i] for i in mine[s : s + per_batch]], pad_id), extras,
+                                            mine[s : s + per_batch]) for s in range(0, len(mine), per_batch)],
+                          cfg, info.rank, pad_id)
     loss = PairLoss.for_config(cfg, info.device)
     with torch.no_grad():
         scores = torch.cat([loss.forward.sequence_rewards(model, b, info.device) for b in batches])
@@ -146,8 +150,11 @@ def reward_runs(tiny_model_dir, tmp_path_factory):
     cfg = reward_config(tiny_model_dir, pairs_with_margins(work / "pairs.jsonl"))
     one, accumulated = run_ranks_sequence([(reward_step, (cfg, N_PAIRS)), (reward_step, (cfg, 2))], 1,
                                           tmp_path_factory.mktemp("reward1"))
-    (sharded,) = run_ranks_sequence([(reward_step, (cfg, 2, work / "adapter"))], 2, tmp_path_factory.mktemp("rw2"))
-    return {"cfg": cfg, "one": one, "accumulated": accumulated, "sharded": sharded, "adapter": work / "adapter"}
+    split_cfg = reward_config(tiny_model_dir, work / "pairs.jsonl", fsdp={"context_parallel": 2})
+    sharded, split = run_ranks_sequence([(reward_step, (cfg, 2, work / "adapter")), (reward_step, (split_cfg, 2))], 2,
+                                        tmp_path_factory.mktemp("rw2"))
+    return {"cfg": cfg, "one": one, "accumulated": accumulated, "sharded": sharded, "split": split,
+            "adapter": work / "adapter"}
 
 
 def test_reward_model_equals_trls_reward_trainer_and_accumulates_and_shards_exactly(tiny_model_dir, reward_runs):
@@ -163,10 +170,13 @@ def test_reward_model_equals_trls_reward_trainer_and_accumulates_and_shards_exac
     ours = {name.replace("_checkpoint_wrapped_module.", ""): grad for name, grad in one["grads"].items()}
     assert ours.keys() == trl["grads"].keys() and "base_model.model.score.weight" in ours
     assert relative_difference(ours, trl["grads"]) <= 1e-5
-    for other in ("accumulated", "sharded"):
+    for other in ("accumulated", "sharded", "split"):
         run = reward_runs[other]
         assert run["loss"] == pytest.approx(one["loss"], rel=1e-5), other
         assert relative_difference(run["grads"], one["grads"]) <= 1e-5, other
+    # rows split over two ranks (context parallel): each score from the rank holding its sequence's last token
+    torch.testing.assert_close(reward_runs["split"]["scores"], one["scores"], rtol=1e-5, atol=1e-6)
+    assert reward_runs["split"]["metrics"] == pytest.approx(one["metrics"], rel=1e-5, abs=1e-7)
 
 
 def test_the_saved_reward_adapter_is_peft_sequence_classification(tiny_model_dir, reward_runs, tmp_path):

@@ -25,9 +25,11 @@ class ObjectiveKind:
     unpaired: bool = False  # KTO: one completion and a label a record
     reward_head: bool = False  # a scalar head beside the language model (a reward model)
     generates: bool = False  # the policy generates its completions (generation's memory and time are planned)
-    # the row is the objective's own: context parallel may split it, data.overlong may split a sample, and
-    # data.train_on_inputs may train on prompts (SFT's; a pair's or a group's sums across a split are not built)
+    # data.overlong may split a sample, and data.train_on_inputs may train on prompts (SFT's alone)
     whole_samples: bool = True
+    # context parallel may split its rows: SFT's, and the pairs' (each sample's sums added over the split); GRPO's
+    # generation and update across a split are not built
+    splits_rows: bool = True
 
     @property
     def pairs(self) -> bool:
@@ -43,7 +45,7 @@ OBJECTIVES: dict[str, ObjectiveKind] = {
     "simpo": ObjectiveKind("pairs:Pairs", "pairs", "SimpoLoss", default_beta=2.0),
     "kto": ObjectiveKind("pairs:Pairs", "pairs", "KtoLoss", reference=True, default_beta=0.1, unpaired=True),
     "reward": ObjectiveKind("pairs:Pairs", "pairs", "BradleyTerryLoss", reward_head=True),
-    "grpo": ObjectiveKind("grpo:Grpo", "prompts", generates=True),
+    "grpo": ObjectiveKind("grpo:Grpo", "prompts", generates=True, splits_rows=False),
 }
 
 

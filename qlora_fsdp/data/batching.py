@@ -80,13 +80,27 @@ class Batch:
                     self.input_ids.view(1, -1).to(device), self.position_ids.view(1, -1).to(device))
         return inputs
 
+    def numbered_samples(self) -> int:
+        """How many samples the per-sample results are numbered over (a split row's part: the whole row's)."""
+        return self.n_samples
+
+    def counts_once(self) -> bool:
+        """Whether the per-sample results (a pair's loss, its rewards) count in the step's sums from this batch: a
+        split row's ranks all hold them whole, and only its first part counts them."""
+        return True
+
+    def last_token_samples(self) -> torch.Tensor:
+        """The samples whose last token last_tokens() gives, in its order (a split row's part: those it holds)."""
+        return torch.arange(self.n_samples)
+
     def target_samples(self) -> torch.Tensor:
         """For each target position (target_positions' order), the index of its sample in the batch, counted row
         by row: a padded batch's row, or a packed row's samples in order (a padding tail holds no targets)."""
         return self.target_sample_ids
 
     def targets_per_sample(self) -> torch.Tensor:
-        """How many target tokens each sample of the batch has, in target_samples()' numbering."""
+        """How many target tokens each sample of the batch has, in target_samples()' numbering (a split row's
+        part: each sample's in the whole row)."""
         return self.sample_targets
 
     def sample_of_each_target(self) -> torch.Tensor:

@@ -11,16 +11,38 @@ import torch
 
 from qlora_fsdp.data.batching import Batch, Sample, collate_packed
 from qlora_fsdp.data.templates import IGNORE_INDEX
+from qlora_fsdp.distributed.row_groups import RowSplit
 
 
 @dataclass
 class RowShard(Batch):
     """One rank's part of a micro-batch (a Batch of one row); counts are the part's, so summing them over the
-    ranks gives the whole batch's (its samples are counted by the first part)."""
+    ranks gives the whole batch's (its samples are counted by the first part). Per-sample results are numbered
+    over the whole batch's samples (each rank adds its parts, distributed/split_sums.py)."""
 
     whole_bounds: list[tuple[int, int]] = field(default_factory=list)  # the whole row's samples, [start, end)
     owners: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # each position's sample
     real: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # 1 at sample tokens
+    whole_samples: int = 0  # the whole batch's samples
+    part: int = 0  # this part's index in the row
+    last_positions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # here
+    last_samples: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # theirs
+    whole_targets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # a sample's
+
+    def numbered_samples(self) -> int:
+        return self.whole_samples
+
+    def counts_once(self) -> bool:
+        return self.part == 0
+
+    def targets_per_sample(self) -> torch.Tensor:
+        return self.whole_targets
+
+    def last_tokens(self) -> torch.Tensor:
+        return self.last_positions
+
+    def last_token_samples(self) -> torch.Tensor:
+        return self.last_samples
 
     def position_samples(self) -> torch.Tensor:
         return self.owners
@@ -42,7 +64,7 @@ def shard_row(batch: Batch, degree: int, index: int, pad_id: int) -> RowShard:
     """Part `index` of `degree` of the batch's rows laid end to end; padded with a block of its own to a multiple
     of `degree` tokens."""
     assert batch.position_ids is not None and batch.segments is not None, "packed layout (one_row_per_sample)"
-    assert batch.vision is None and batch.reference_logps is None, "refused at load with context parallel"
+    assert batch.vision is None, "refused at load with context parallel"
     ids, labels = batch.input_ids.flatten(), batch.labels.flatten()
     positions, owners, real = batch.position_ids.flatten(), batch.position_samples(), batch.real_tokens().flatten()
     bounds = batch.sample_bounds(one_row=True)[0]
@@ -57,8 +79,24 @@ def shard_row(batch: Batch, degree: int, index: int, pad_id: int) -> RowShard:
     width = ids.numel() // degree
     part = slice(index * width, (index + 1) * width)
     local_labels = labels[part].view(1, width)
+    last = batch.last_tokens()  # flat positions, and so positions in the row the batch's rows make end to end
+    here = (last >= part.start) & (last < part.stop)
     return RowShard(ids[part].view(1, width), local_labels, int((local_labels != IGNORE_INDEX).sum()),
                     int(real[part].sum()), batch.n_samples if index == 0 else 0,
                     position_ids=positions[part].view(1, width), segments=[[end - start for start, end in bounds]],
-                    row_samples=[batch.n_samples], whole_bounds=bounds, owners=owners[part],
-                    real=real[part].view(1, width))
+                    row_samples=[batch.n_samples], reference_logps=batch.reference_logps, desirable=batch.desirable,
+                    margin=batch.margin, whole_bounds=bounds, owners=owners[part], real=real[part].view(1, width),
+                    whole_samples=batch.n_samples, part=index, last_positions=last[here] - part.start,
+                    last_samples=torch.nonzero(here).flatten(), whole_targets=batch.targets_per_sample())
+
+
+def row_part(batch: Batch, split: RowSplit, pad_id: int) -> Batch:
+    """This rank's part of a packed batch under its split; the batch itself without one."""
+    return shard_row(batch, split.degree, split.index, pad_id) if split.splits else batch
+
+
+def split_filler(pad_id: int, degree: int, index: int) -> RowShard:
+    """A row of padding split alike: what a split's ranks run together to keep their collectives in step with
+    ranks that still have samples."""
+    filler = Sample([pad_id] * degree, [IGNORE_INDEX] * degree)
+    return shard_row(one_row_per_sample([filler], pad_id), degree, index, pad_id)

@@ -96,6 +96,11 @@ def trade_of(module: nn.Module) -> HeadTrade | None:
     return found if isinstance(found, HeadTrade) else None
 
 
+def model_trade(model: nn.Module) -> HeadTrade | None:
+    """The trade of a model whose rows are split over ranks (None: it takes whole rows)."""
+    return next((trade for module in model.modules() if (trade := trade_of(module)) is not None), None)
+
+
 def own_head_kwargs(trade: HeadTrade, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The attention kwargs with per-head tensors cut to this rank's heads."""
     sinks = kwargs.get("s_aux")

@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from qlora_fsdp.config import Config
+from qlora_fsdp.distributed.split_sums import summed_over_split
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.layers.attention import attach_sample_bounds, flattens_packed_rows
 from qlora_fsdp.layers.image_embeddings import images_in_embeddings
 from qlora_fsdp.layers.reward_head import reward_head, sequence_scores
+from qlora_fsdp.layers.split_rows import model_trade
 from qlora_fsdp.losses.router import RouterLoss, router_loss_coefficient
 from qlora_fsdp.losses.tokens import per_sample_loss, summed_loss, target_hidden_states, target_logps
 
@@ -38,6 +40,12 @@ class LossBatch(Protocol):
     def target_samples(self) -> torch.Tensor: ...
 
     def targets_per_sample(self) -> torch.Tensor: ...
+
+    def numbered_samples(self) -> int: ...
+
+    def counts_once(self) -> bool: ...
+
+    def last_token_samples(self) -> torch.Tensor: ...
 
     @property
     def n_samples(self) -> int: ...
@@ -81,20 +89,27 @@ class ForwardLoss:
         return total
 
     def per_sample(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
-        """Each sample's summed cross-entropy (minus its targets' log-probability), a vector of batch.n_samples."""
+        """Each sample's summed cross-entropy (minus its targets' log-probability), a vector of the batch's samples
+        (a split row's: the whole row's sums on every rank of the split)."""
         inputs, labels, targets = model_inputs(model, batch, device)
         with self.offloading(), images_in_embeddings(model, getattr(batch, "vision", None), device):
-            return per_sample_loss(model, inputs, labels, self.chunk_tokens, targets,
-                                   batch.target_samples().to(device), batch.n_samples)
+            sums = per_sample_loss(model, inputs, labels, self.chunk_tokens, targets,
+                                   batch.target_samples().to(device), batch.numbered_samples())
+        return whole_row_sums(model, sums)
 
     def sequence_rewards(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
-        """A reward model's score of each sample (its reward head on the last token's final hidden state)."""
+        """A reward model's score of each sample (its reward head on the last token's final hidden state; in a
+        split row, the rank holding that token scores it, and every rank of the split gets every score)."""
         head = reward_head(model)
         assert head is not None, "train.objective reward builds the model with its reward head"
         inputs, labels, _ = model_inputs(model, batch, device)
         with self.offloading(), images_in_embeddings(model, getattr(batch, "vision", None), device):
             _, hidden, _ = target_hidden_states(model, inputs, labels, batch.last_tokens().to(device))
-        return sequence_scores(head, hidden)
+        scores = sequence_scores(head, hidden)
+        if model_trade(model) is None:
+            return scores
+        placed = scores.new_zeros(batch.numbered_samples()).index_add(0, batch.last_token_samples().to(device), scores)
+        return whole_row_sums(model, placed)
 
     def token_logps(self, model: nn.Module, batch: LossBatch, device: torch.device, temperature: float = 1.0,
                     router_aux: bool = False) -> PolicyTokens:
@@ -128,6 +143,13 @@ def model_inputs(model: nn.Module, batch: LossBatch,
     if isinstance(positions, torch.Tensor) and batch.segments is not None:
         attach_sample_bounds(positions, batch.sample_bounds(one_row))
     return inputs, batch.labels.to(device), batch.target_positions.to(device)
+
+
+def whole_row_sums(model: nn.Module, sums: torch.Tensor) -> torch.Tensor:
+    """Per-sample sums of this rank's part of a split row added over the split (context parallel); else as they
+    are."""
+    trade = model_trade(model)
+    return sums if trade is None else summed_over_split(sums, trade.group)
 
 
 def loss_sum(model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:

@@ -54,7 +54,10 @@ class PairCounts:
 
 
 def pair_counts(batch: LossBatch) -> tuple[int, int, int]:
-    """(pairs, target tokens of the chosen completions, kto's desirable records) of a batch of pair sequences."""
+    """(pairs, target tokens of the chosen completions, kto's desirable records) of a batch of pair sequences; a
+    split row's pairs are counted by its first part."""
+    if not batch.counts_once():
+        return 0, 0, 0
     desirable = getattr(batch, "desirable", None)
     return (batch.n_samples // 2, int(batch.targets_per_sample()[0::2].sum()),
             int(desirable.sum()) if desirable is not None else 0)

@@ -26,7 +26,9 @@ from torch import nn
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import collate_packed, pack
 from qlora_fsdp.data.pipeline import Dataset
+from qlora_fsdp.data.row_shards import row_part
 from qlora_fsdp.distributed import DistInfo
+from qlora_fsdp.distributed.row_groups import RowSplit
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.weight_files import weight_files
@@ -51,40 +53,43 @@ def fingerprint(cfg: Config, data: Dataset) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
-def train_batches(split: datasets.Dataset, cfg: Config, info: DistInfo) -> tuple[list[list[list[int]]], int]:
+def train_batches(split: datasets.Dataset, cfg: Config, rows_split: RowSplit) -> tuple[list[list[list[int]]], int]:
     """This rank's forwards over the training pairs (each a list of rows, each row its pairs: packed as training
-    packs them, or a pair a row; micro_batch rows a forward), and how many forwards the busiest rank runs."""
+    packs them, or a pair a row; micro_batch rows a forward), and how many forwards the busiest rank runs. The
+    ranks sharing rows (context parallel) take the same pairs, each its part of them."""
     rows = pack(split["length"], cfg.data.context_length) if cfg.data.packing else [[i] for i in range(len(split))]
-    mine, per_forward = rows[info.rank :: info.world_size], max(1, cfg.data.micro_batch)
-    n_forwards = math.ceil(math.ceil(len(rows) / info.world_size) / per_forward)
+    mine, per_forward = rows[rows_split.data_rank :: rows_split.data_ranks], max(1, cfg.data.micro_batch)
+    n_forwards = math.ceil(math.ceil(len(rows) / rows_split.data_ranks) / per_forward)
     return [mine[i : i + per_forward] for i in range(0, len(mine), per_forward)], n_forwards
 
 
-def eval_batches(data: Dataset, cfg: Config, info: DistInfo) -> tuple[list[list[list[int]]], int]:
+def eval_batches(data: Dataset, cfg: Config, rows_split: RowSplit) -> tuple[list[list[list[int]]], int]:
     """The held-out pairs as evaluation batches them (a pair a row), so the start's rewards tie to the bit."""
     chunks, n_batches = held_out_batches(data.samples(data.eval, list(range(len(data.eval)))),
-                                         cfg.data.eval_batch_size, info)
+                                         cfg.data.eval_batch_size, rows_split)
     return [[[pair] for pair in chunk] for chunk in chunks], n_batches
 
 
 @torch.no_grad()
 def split_reference(model: nn.Module, data: Dataset, split: datasets.Dataset, cfg: Config, pair_loss: PairLoss,
-                    pad_id: int, info: DistInfo) -> torch.Tensor:
+                    pad_id: int, info: DistInfo, rows_split: RowSplit) -> torch.Tensor:
     """(pairs, 2): each pair's chosen and rejected log-probability under the reference, in the batches training
     (or evaluation, for the held-out pairs) runs; ranks share them."""
     table = torch.zeros(len(split), 2, dtype=torch.float32, device=info.device)
-    forwards, n_forwards = eval_batches(data, cfg, info) if split is data.eval else train_batches(split, cfg, info)
+    forwards, n_forwards = (eval_batches(data, cfg, rows_split) if split is data.eval
+                            else train_batches(split, cfg, rows_split))
     was_training = model.training
     model.eval()
     for index in range(n_forwards):
         if index >= len(forwards):  # keep the collectives in step with ranks that still have pairs
-            idle_forwards(model, pair_loss, pad_id, info.device)
+            idle_forwards(model, pair_loss, pad_id, info.device, rows_split)
             continue
         rows = forwards[index]
-        batch = collate_packed([data.samples(split, row) for row in rows], pad_id)
+        batch = row_part(collate_packed([data.samples(split, row) for row in rows], pad_id), rows_split, pad_id)
         ids = [pair for row in rows for pair in row]
         logps = pair_loss.reference_logps(model, batch, info.device, adapter_is_reference=bool(cfg.model.adapter))
-        table[ids] = logps.view(-1, 2).float()
+        if batch.counts_once():  # a split row's ranks each hold its whole sums
+            table[ids] = logps.view(-1, 2).float()
     model.train(was_training)
     if dist.is_initialized() and info.world_size > 1:
         dist.all_reduce(table)  # each pair's row was filled by one rank, zeros elsewhere
@@ -92,7 +97,7 @@ def split_reference(model: nn.Module, data: Dataset, split: datasets.Dataset, cf
 
 
 def reference_logps(cfg: Config, model: nn.Module, data: Dataset, pair_loss: PairLoss, pad_id: int, info: DistInfo,
-                    out_dir: Path, step: int) -> dict[str, torch.Tensor]:
+                    out_dir: Path, step: int, rows_split: RowSplit | None = None) -> dict[str, torch.Tensor]:
     """{"train": (pairs, 2), "eval": (pairs, 2)}: read from the run folder when it holds them for this data and base
     model, else computed (every rank) and written by rank 0. `step`: where the run starts (a resumed run's)."""
     path, expected = out_dir / REFERENCE_FILE, fingerprint(cfg, data)
@@ -106,7 +111,8 @@ def reference_logps(cfg: Config, model: nn.Module, data: Dataset, pair_loss: Pai
     if cfg.model.adapter and step > 0:
         raise DataError(f"{path} is missing: a run that starts from model.adapter compares against that adapter as "
                         "it was before the first step, which a resumed run no longer has; start the run again")
-    tables = {name: split_reference(model, data, split, cfg, pair_loss, pad_id, info)
+    rows_split = rows_split or RowSplit(1, 0, info.rank, info.world_size)
+    tables = {name: split_reference(model, data, split, cfg, pair_loss, pad_id, info, rows_split)
               for name, split in (("train", data.train), ("eval", data.eval))}
     if info.is_main:
         write_whole(tables, path, expected)

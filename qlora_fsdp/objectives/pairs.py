@@ -18,6 +18,7 @@ from torch import nn
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Batch, Sample, collate_packed
 from qlora_fsdp.data.pipeline import Dataset
+from qlora_fsdp.data.row_shards import row_part
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.losses.pairs import PairCounts, PairLoss
 from qlora_fsdp.objectives.base import Objective, RunParts, StepResult, full_length_batches
@@ -77,15 +78,16 @@ class Pairs(Objective):
             run = self.parts
             run.write("reference log-probabilities: computed once before training (preference.reference)")
             self.references = reference_logps(self.cfg, run.model, self.data, self.loss, run.pad_id, run.info,
-                                              Path(self.cfg.train.output_dir), step)
+                                              Path(self.cfg.train.output_dir), step, run.split)
 
     # ---- the steps ---------------------------------------------------------------------------------------------
 
     def pair_batch(self, pair_ids: list[int], rows: list[list[Sample]], length: int | None = None) -> Batch:
+        """The rows as the model takes them: under context parallel, this rank's part of them laid end to end."""
         batch = collate_packed(rows, self.parts.pad_id, length)
         if self.references is not None:  # each pair's chosen, then its rejected sequence, as the rows hold them
             batch.reference_logps = self.references["train"][pair_ids].flatten()
-        return with_pair_extras(batch, self.extras["train"], pair_ids)
+        return row_part(with_pair_extras(batch, self.extras["train"], pair_ids), self.parts.split, self.parts.pad_id)
 
     def micro_batches(self) -> list[Batch]:
         """A pair a row, its two sequences side by side, or packed rows of pairs."""
@@ -107,7 +109,7 @@ class Pairs(Objective):
         run = self.parts
         references = self.references["eval"] if self.references is not None else None
         return evaluate_pairs(run.model, self.held_out, self.cfg.data.eval_batch_size, run.pad_id, run.info,
-                              self.loss, references, self.extras["eval"])
+                              self.loss, references, self.extras["eval"], run.split)
 
     # ---- a plan ------------------------------------------------------------------------------------------------
 

@@ -13,11 +13,10 @@ import torch
 from torch import nn
 
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
-from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row
+from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row, split_filler
 from qlora_fsdp.distributed import DistInfo, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.distributed.row_groups import RowSplit
-from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.base import Objective, StepResult, eval_record, full_length_batches
 
@@ -68,8 +67,7 @@ def evaluate(model: nn.Module, samples: list[Sample], batch_size: int, pad_id: i
             total += (forward_loss or ForwardLoss())(model, batch, info.device).item()
             n_targets += batch.n_targets
         elif split.splits:  # a row of padding, split alike, keeps the collectives in step
-            filler = Sample([pad_id] * split.degree, [IGNORE_INDEX] * split.degree)
-            (forward_loss or ForwardLoss())(model, eval_batch([filler], pad_id, split), info.device)
+            (forward_loss or ForwardLoss())(model, split_filler(pad_id, split.degree, split.index), info.device)
         else:  # keep the collectives in step with ranks that still have samples
             model(input_ids=torch.tensor([[pad_id]], device=info.device))
     model.train(was_training)
