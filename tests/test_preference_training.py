@@ -180,16 +180,20 @@ def losses_of(run_dir) -> list[dict]:
 
 def test_precomputed_reference_trains_as_the_adapter_off_one_and_a_stale_one_is_refused(tiny_model_dir, tmp_path):
     """A few DPO steps, and KTO steps, on 2 ranks with the reference computed on every micro-batch (adapter off) and
-    computed once before training: the same losses and rewards (KTO's z0 too). Resuming with other data refuses the
-    stored reference."""
+    computed once before training: the same losses and rewards (KTO's z0 too). The precomputed KTO run splits its
+    rows over the two ranks (context parallel: its objective's batches, reference pass and evaluation across the
+    split), the same rows a step as the two ranks of the other take. Resuming with other data refuses the stored
+    reference."""
     common = [f"model.path={tiny_model_dir}", "train.max_steps=4", "train.eval_every=2", "data.eval_samples=16",
               f"data.cache_dir={tmp_path / 'cache'}", "train.save_every=2"]
     for recipe in ("tiny_cpu_kto", "tiny_cpu_dpo"):
         runs = {}
         for reference in ("adapter_off", "precomputed"):
             out = tmp_path / f"{recipe}_{reference}"
+            split = (["fsdp.context_parallel=2", "data.micro_batch_size=4"]
+                     if (recipe, reference) == ("tiny_cpu_kto", "precomputed") else [])
             results = run_cli(["--recipe", recipe, *common, f"train.output_dir={out}",
-                               f"preference.reference={reference}"], 2, tmp_path)
+                               f"preference.reference={reference}", *split], 2, tmp_path)
             assert results[0].returncode == 0, results[0].stderr[-2000:]
             runs[reference] = losses_of(out)
         assert (tmp_path / f"{recipe}_precomputed" / "reference_logps.safetensors").is_file()
