@@ -84,6 +84,10 @@ class Batch:
         """How many samples the per-sample results are numbered over (a split row's part: the whole row's)."""
         return self.n_samples
 
+    def whole_batch_targets(self) -> int:
+        """The target tokens of the whole batch (a split row's part: of the whole row)."""
+        return self.n_targets
+
     def counts_once(self) -> bool:
         """Whether the per-sample results (a pair's loss, its rewards) count in the step's sums from this batch: a
         split row's ranks all hold them whole, and only its first part counts them."""

@@ -32,6 +32,9 @@ class RowShard(Batch):
     def numbered_samples(self) -> int:
         return self.whole_samples
 
+    def whole_batch_targets(self) -> int:
+        return int(self.whole_targets.sum())
+
     def counts_once(self) -> bool:
         return self.part == 0
 

@@ -21,7 +21,6 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from transformers import PretrainedConfig
 
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.families import router_loss_coefficient
 
 SPLIT_ATTRIBUTE = "row_split"  # set on each attention module; the kernel reads it
 
@@ -71,10 +70,6 @@ def refuse_unsplittable(config: PretrainedConfig, layers: list[nn.Module], degre
     if heads % degree or kv_heads % degree:
         raise ModelLoadError(f"{config.model_type}: {heads} attention heads and {kv_heads} key/value heads do not "
                              f"divide over 'fsdp.context_parallel: {degree}' ranks; use a divisor of {kv_heads}")
-    if router_loss_coefficient(config) is not None:
-        raise ModelLoadError(f"{config.model_type}: the load-balancing loss (output_router_logits) counts a row's "
-                             "tokens together, which a split row's parts do not; turn it off, or use "
-                             "fsdp.context_parallel: 1")
     for layer in layers:
         other = mixers(layer)
         if other or not isinstance(getattr(layer, "self_attn", None), nn.Module):

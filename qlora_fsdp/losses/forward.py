@@ -41,6 +41,8 @@ class LossBatch(Protocol):
 
     def targets_per_sample(self) -> torch.Tensor: ...
 
+    def whole_batch_targets(self) -> int: ...
+
     def numbered_samples(self) -> int: ...
 
     def counts_once(self) -> bool: ...
@@ -84,8 +86,10 @@ class ForwardLoss:
               images_in_embeddings(model, getattr(batch, "vision", None), device)):
             total = summed_loss(model, inputs, labels, self.chunk_tokens, targets)
         if coefficient is not None:
-            aux = self.router.loss(model, router_logits, inputs.get("attention_mask"), coefficient)
-            total = total + aux * batch.n_targets
+            trade = model_trade(model)
+            aux = self.router.loss(model, router_logits, real_token_mask(batch, inputs, device), coefficient,
+                                   trade.group if trade is not None else None)
+            total = total + counted_once(aux * batch.whole_batch_targets(), batch)
         return total
 
     def per_sample(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
@@ -122,8 +126,7 @@ class ForwardLoss:
             logps, entropies = target_logps(model, inputs, labels, self.chunk_tokens, targets, temperature)
         aux = None
         if router_aux:
-            mask = batch.real_tokens().reshape(inputs["input_ids"].shape).to(device)
-            aux = self.router.loss(model, router_logits, mask, 1.0)
+            aux = self.router.loss(model, router_logits, real_token_mask(batch, inputs, device), 1.0)
         return PolicyTokens(logps, entropies, aux)
 
     def offloading(self) -> AbstractContextManager[Any]:
@@ -143,6 +146,18 @@ def model_inputs(model: nn.Module, batch: LossBatch,
     if isinstance(positions, torch.Tensor) and batch.segments is not None:
         attach_sample_bounds(positions, batch.sample_bounds(one_row))
     return inputs, batch.labels.to(device), batch.target_positions.to(device)
+
+
+def real_token_mask(batch: LossBatch, inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """1 at the tokens of samples, 0 at padding, in the shape the model took the batch."""
+    return batch.real_tokens().reshape(inputs["input_ids"].shape).to(device)
+
+
+def counted_once(value: torch.Tensor, batch: LossBatch) -> torch.Tensor:
+    """A term every rank of a split row computes whole (the load-balancing loss over the row): each rank's
+    backward needs all of it, the step's loss once (the split's first part's; the others add 0 of the same
+    gradient)."""
+    return value if batch.counts_once() else value - value.detach()
 
 
 def whole_row_sums(model: nn.Module, sums: torch.Tensor) -> torch.Tensor:

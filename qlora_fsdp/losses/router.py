@@ -2,6 +2,10 @@
 (`output_router_logits: true`) as transformers adds it: `router_aux_loss_coef` times the model family's own
 `load_balancing_loss_func` of the routers' logits (pad tokens left out by the attention mask).
 
+Padding never counts (a padded batch's attention mask, a packed row's padding tail, a split row's filler), as
+transformers masks a padded batch's. Under context parallel the formula's three sums (tokens sent to each expert,
+router probability per expert, tokens) are added over the split, so each rank's loss is the whole row's.
+
 transformers adds it to a batch's mean cross-entropy. Training here sums cross-entropy over the effective batch's
 target tokens and divides by their count, so a micro-batch adds coef x its auxiliary loss x its target tokens: one
 micro-batch gives transformers' loss exactly, several give the mean of their auxiliary losses weighted by targets.
@@ -17,8 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
 
+from qlora_fsdp.distributed.split_sums import summed_over_split
 from qlora_fsdp.families import router_loss_coefficient as router_coefficient
 from qlora_fsdp.layers.experts4bit import router_class
 
@@ -41,6 +49,27 @@ def balancing_function(model: nn.Module) -> Any:
         if function is not None:
             return function
     raise ValueError(f"{type(model).__name__} asks for a router loss but its family defines none")
+
+
+def split_balancing_loss(logits: list[torch.Tensor], experts: int, top_k: int, mask: torch.Tensor,
+                         group: dist.ProcessGroup) -> torch.Tensor:
+    """The load-balancing loss as every mixture-of-experts family we load defines it (transformers' shared
+    `load_balancing_loss_func`: experts x the sum over experts of the share of routed tokens times the mean router
+    probability), its sums added over the ranks sharing the row. The routed tokens and the token count carry no
+    gradient; the probabilities' sum backpropagates each rank's own tokens."""
+    flat = mask.reshape(-1).float()
+    routed = flat.new_zeros(experts)
+    probability = flat.new_zeros(experts)
+    for layer in logits:
+        weights = F.softmax(layer, dim=-1)
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        routed = routed.scatter_add(0, chosen.reshape(-1), flat.repeat_interleave(top_k))
+        probability = probability + (weights.float() * flat.unsqueeze(-1)).sum(dim=0)
+    counts = torch.cat([routed, (flat.sum() * len(logits)).reshape(1)])
+    counts = funcol.wait_tensor(funcol.all_reduce(counts.detach(), "sum", group))
+    routed, tokens = counts[:-1], counts[-1]
+    probability = summed_over_split(probability, group)
+    return (routed / tokens * probability / tokens).sum() * experts
 
 
 @dataclass
@@ -69,11 +98,16 @@ class RouterLoss:
                 handle.remove()
 
     def loss(self, model: nn.Module, logits: list[torch.Tensor], attention_mask: torch.Tensor | None,
-             coefficient: float) -> torch.Tensor:
+             coefficient: float, split: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """`split`: the group of ranks sharing the row (context parallel), whose sums the loss adds up."""
         config: Any = getattr(model, "config", None)
         experts = getattr(config, "num_experts", None) or config.num_local_experts
         mask = attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None
-        aux = balancing_function(model)(tuple(logits), experts, config.num_experts_per_tok, mask)
+        if split is not None:
+            assert mask is not None, "a split row's loss counts its real tokens"
+            aux = split_balancing_loss(logits, experts, config.num_experts_per_tok, mask, split)
+        else:
+            aux = balancing_function(model)(tuple(logits), experts, config.num_experts_per_tok, mask)
         self.added.append(float(aux))
         return coefficient * aux
 
