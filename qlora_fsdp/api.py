@@ -17,13 +17,14 @@ from qlora_fsdp.data.loading import load_training_data
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
 from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.families import check_images_split
 from qlora_fsdp.layers.decoder import describe_attention
 from qlora_fsdp.loading.adapter import export_adapter
 from qlora_fsdp.loading.build import base_parameter_count
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.image_side_training import trains_image_side
-from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
+from qlora_fsdp.loading.vision_encoder import checkpoint_config, load_processor, load_vision_encoder
 from qlora_fsdp.objectives import objective_class
 from qlora_fsdp.optimizer import build_optimizer, build_scheduler
 from qlora_fsdp.precision import describe_device, describe_dtypes, resolve_dtypes
@@ -93,8 +94,7 @@ def check_image_levers(cfg: Config, images: bool) -> None:
         raise ConfigError("lora.train_projector / lora.target_vision_tower train a vision-language checkpoint's "
                           "image side: the data's records show no images (image parts, or an `images` column)")
     if images and cfg.fsdp.context_parallel > 1:
-        raise ConfigError(f"'fsdp.context_parallel: {cfg.fsdp.context_parallel}' with images: an image's tokens "
-                          "split over ranks are not built yet; use fsdp.context_parallel: 1")
+        check_images_split(checkpoint_config(cfg), cfg.fsdp.context_parallel)
     if images and cfg.lora.init == "eva":
         raise ConfigError("'lora.init: eva' with images: the image features' layer inputs are not built yet; use "
                           "lora.init: default")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from qlora_fsdp.errors import ModelLoadError
+from qlora_fsdp.errors import ConfigError, ModelLoadError
 
 # families whose attention adds a learned logit per head to every softmax (transformers' `s_aux`)
 SINK_FAMILIES = {"gpt_oss"}
@@ -79,6 +79,20 @@ def check_images_supported(config: PretrainedConfig) -> None:
     families = ", ".join(family.name for family in IMAGE_FAMILIES.values())
     raise ModelLoadError(f"records with images are not supported for {config.model_type} yet: {why}; train it on "
                          f"text records, or use a checkpoint of {families}")
+
+
+def check_images_split(config: PretrainedConfig, degree: int) -> None:
+    """Images in rows split over ranks (context parallel) train where an image's tokens need nothing but their
+    features (LLaVA's): each rank takes the features of the image tokens it holds. One line for the others."""
+    family = IMAGE_FAMILIES.get(config.model_type)
+    if degree == 1 or family is None:
+        return
+    needs = ("its image tokens attend to each other both ways, masks over the whole row" if family.both_ways_masks
+             else "its rotary positions over three axes come from the whole row's images" if family.grid_positions
+             else "its text reads the images in cross-attention layers" if family.cross_attention else None)
+    if needs is not None:
+        raise ConfigError(f"'fsdp.context_parallel: {degree}' with images of {family.name}: {needs}, which a split "
+                          "row is not built for yet; use fsdp.context_parallel: 1")
 
 
 def full_model_class(config: PretrainedConfig) -> type[PreTrainedModel]:

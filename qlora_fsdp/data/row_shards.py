@@ -28,6 +28,7 @@ class RowShard(Batch):
     last_positions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # here
     last_samples: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # theirs
     whole_targets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # a sample's
+    preceding_ids: torch.Tensor | None = None  # with images: the row's ids before this part (image features' offset)
 
     def numbered_samples(self) -> int:
         return self.whole_samples
@@ -67,7 +68,6 @@ def shard_row(batch: Batch, degree: int, index: int, pad_id: int) -> RowShard:
     """Part `index` of `degree` of the batch's rows laid end to end; padded with a block of its own to a multiple
     of `degree` tokens."""
     assert batch.position_ids is not None and batch.segments is not None, "packed layout (one_row_per_sample)"
-    assert batch.vision is None, "refused at load with context parallel"
     ids, labels = batch.input_ids.flatten(), batch.labels.flatten()
     positions, owners, real = batch.position_ids.flatten(), batch.position_samples(), batch.real_tokens().flatten()
     bounds = batch.sample_bounds(one_row=True)[0]
@@ -90,7 +90,8 @@ def shard_row(batch: Batch, degree: int, index: int, pad_id: int) -> RowShard:
                     row_samples=[batch.n_samples], reference_logps=batch.reference_logps, desirable=batch.desirable,
                     margin=batch.margin, whole_bounds=bounds, owners=owners[part], real=real[part].view(1, width),
                     whole_samples=batch.n_samples, part=index, last_positions=last[here] - part.start,
-                    last_samples=torch.nonzero(here).flatten(), whole_targets=batch.targets_per_sample())
+                    last_samples=torch.nonzero(here).flatten(), whole_targets=batch.targets_per_sample(),
+                    vision=batch.vision, preceding_ids=ids[: part.start] if batch.vision is not None else None)
 
 
 def row_part(batch: Batch, split: RowSplit, pad_id: int) -> Batch:

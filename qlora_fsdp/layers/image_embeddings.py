@@ -106,9 +106,11 @@ def image_token_of(model: nn.Module) -> int | None:
 
 
 @contextmanager
-def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | None,
-                         device: torch.device) -> Iterator[None]:
-    """Within the block, the model's forward embeds `vision`'s images at their tokens (nothing without images)."""
+def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | None, device: torch.device,
+                         preceding_ids: torch.Tensor | None = None) -> Iterator[None]:
+    """Within the block, the model's forward embeds `vision`'s images at their tokens (nothing without images).
+    `preceding_ids`: a split row's part (context parallel) holds the ids after these; every rank encodes the row's
+    images and takes the features of its own image tokens, which come after those of the preceding ids."""
     attached = _ENCODERS.get(model)
     if attached is not None and attached.cross_attention:  # every micro-batch, with images or not (FSDP's gathers)
         states = attached.features(vision, device).features if vision is not None else None
@@ -124,14 +126,18 @@ def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | Non
     encoded = encoder.features(vision, device)
     features = encoded.features
 
+    before = 0 if preceding_ids is None else int((preceding_ids == encoder.image_token_id).sum())
+
     def scatter(_module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         mask = args[0] == encoder.image_token_id
         if not mask.any():  # generation's decoding steps after the prompt: new tokens only
             return output
-        if int(mask.sum()) * output.shape[-1] != features.numel():
-            raise DataError(f"a micro-batch has {int(mask.sum())} image tokens for {features.shape[0]} image "
+        here = int(mask.sum())
+        if (here + before if preceding_ids is not None else here) * output.shape[-1] > features.numel() or (
+                preceding_ids is None and here * output.shape[-1] != features.numel()):
+            raise DataError(f"a micro-batch has {here + before} image tokens for {features.shape[0]} image "
                             "features: its images and their tokens disagree")
-        return output.masked_scatter(mask.unsqueeze(-1), features.to(output.dtype))
+        return output.masked_scatter(mask.unsqueeze(-1), features[before : before + here].to(output.dtype))
 
     handles = [embedding.register_forward_hook(scatter)]
     if encoder.both_ways_masks is not None:

@@ -83,7 +83,7 @@ class ForwardLoss:
         inputs, labels, targets = model_inputs(model, batch, device)
         coefficient = router_loss_coefficient(model) if torch.is_grad_enabled() else None
         with (self.offloading(), self.router.catching(model, coefficient is not None) as router_logits,
-              images_in_embeddings(model, getattr(batch, "vision", None), device)):
+              batch_images(model, batch, device)):
             total = summed_loss(model, inputs, labels, self.chunk_tokens, targets)
         if coefficient is not None:
             trade = model_trade(model)
@@ -96,7 +96,7 @@ class ForwardLoss:
         """Each sample's summed cross-entropy (minus its targets' log-probability), a vector of the batch's samples
         (a split row's: the whole row's sums on every rank of the split)."""
         inputs, labels, targets = model_inputs(model, batch, device)
-        with self.offloading(), images_in_embeddings(model, getattr(batch, "vision", None), device):
+        with self.offloading(), batch_images(model, batch, device):
             sums = per_sample_loss(model, inputs, labels, self.chunk_tokens, targets,
                                    batch.target_samples().to(device), batch.numbered_samples())
         return whole_row_sums(model, sums)
@@ -107,7 +107,7 @@ class ForwardLoss:
         head = reward_head(model)
         assert head is not None, "train.objective reward builds the model with its reward head"
         inputs, labels, _ = model_inputs(model, batch, device)
-        with self.offloading(), images_in_embeddings(model, getattr(batch, "vision", None), device):
+        with self.offloading(), batch_images(model, batch, device):
             _, hidden, _ = target_hidden_states(model, inputs, labels, batch.last_tokens().to(device))
         scores = sequence_scores(head, hidden)
         if model_trade(model) is None:
@@ -122,7 +122,7 @@ class ForwardLoss:
         left out, packed or not: the tokens a padded batch's attention mask keeps, as TRL's forward gets)."""
         inputs, labels, targets = model_inputs(model, batch, device)
         with (self.offloading(), self.router.catching(model, router_aux) as router_logits,
-              images_in_embeddings(model, getattr(batch, "vision", None), device)):
+              batch_images(model, batch, device)):
             logps, entropies = target_logps(model, inputs, labels, self.chunk_tokens, targets, temperature)
         aux = None
         if router_aux:
@@ -146,6 +146,11 @@ def model_inputs(model: nn.Module, batch: LossBatch,
     if isinstance(positions, torch.Tensor) and batch.segments is not None:
         attach_sample_bounds(positions, batch.sample_bounds(one_row))
     return inputs, batch.labels.to(device), batch.target_positions.to(device)
+
+
+def batch_images(model: nn.Module, batch: LossBatch, device: torch.device) -> AbstractContextManager[None]:
+    """The batch's images embedded at its image tokens during the block (a split row's part: its own tokens')."""
+    return images_in_embeddings(model, getattr(batch, "vision", None), device, getattr(batch, "preceding_ids", None))
 
 
 def real_token_mask(batch: LossBatch, inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
