@@ -219,7 +219,8 @@ MUTATIONS = [
              "    parts = [part for part in reversed(inputs) if part is not None]\n",
              "tests/test_vision.py::test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2[llava]"),
     Mutation("image features never reach the embeddings", "qlora_fsdp/layers/image_embeddings.py",
-             "        return output.masked_scatter(mask.unsqueeze(-1), features.to(output.dtype))\n",
+             "        return output.masked_scatter(mask.unsqueeze(-1), features[before : before + here].to(output.dtype"
+             "))\n",
              "        return output\n",
              "tests/test_vision.py::test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2[llava]"),
     Mutation("the vision tower kept unquantized where transformers makes it 4-bit",
