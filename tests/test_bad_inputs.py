@@ -432,11 +432,11 @@ def context_parallel_without_the_ranks(d: Path, model: Path) -> list[str]:
     return ["fsdp.context_parallel=2"]
 
 
-@bad_input(r"'fsdp\.context_parallel: 2' with train\.objective grpo: its generation and update across a split are "
+@bad_input(r"'fsdp\.context_parallel: 2' with GRPO's tools or environments: multi-turn rollouts across a split are "
            r"not built yet; use fsdp\.context_parallel: 1")
-def context_parallel_with_grpo(d: Path, model: Path) -> list[str]:
-    """Rows split over two GPUs for GRPO."""
-    return ["fsdp.context_parallel=2", "train.objective=grpo"]
+def context_parallel_with_grpo_tools(d: Path, model: Path) -> list[str]:
+    """Rows split over two GPUs for GRPO with tool calls."""
+    return ["--recipe", "tiny_cpu_tools_grpo", "fsdp.context_parallel=2"]
 
 
 # --- model folders ---------------------------------------------------------------------------------------------

@@ -24,7 +24,15 @@ import torch
 
 from qlora_fsdp.config import GrpoConfig
 from qlora_fsdp.losses.policy import group_advantages
-from tests.helpers import build_tiny_checkpoint, decoder_lora_keys, full_grads, run_cli, run_ranks, tiny_config
+from tests.helpers import (
+    build_tiny_checkpoint,
+    decoder_lora_keys,
+    full_grads,
+    run_cli,
+    run_ranks,
+    run_ranks_sequence,
+    tiny_config,
+)
 
 PROMPTS, GENERATIONS, PROMPT_LENGTH = 4, 2, 6
 TEMPERATURE = 0.7
@@ -64,11 +72,12 @@ def grpo_settings(name: str) -> GrpoConfig:
 
 def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None, packed: bool,
                settings: tuple[str, ...] = tuple(SETTINGS), micro: int = 2, lora: dict | None = None,
-               context: int = 64) -> dict:
+               context: int = 64, split: bool = False) -> dict:
     """Each setting's step loss and LoRA gradients on our model; world size 1 also writes the adapter (LoRA B
     seeded away from zero, so every LoRA tensor has a gradient) and returns the old and reference log-probabilities
-    both sides then use (its own, moved by seeded noise so that ratios reach past the clip)."""
-    from qlora_fsdp.distributed.row_groups import RowSplit
+    both sides then use (its own, moved by seeded noise so that ratios reach past the clip). `split`: the ranks
+    share every prompt, each micro-batch's rows split over them (context parallel)."""
+    from qlora_fsdp.distributed.row_groups import row_split
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, load_adapter_into
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_model
@@ -79,7 +88,8 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
     from qlora_fsdp.objectives.grpo import Generation, Grpo, completion_sample
 
     cfg = tiny_config(model_dir, data={"packing": packed, "context_length": context, "format": "prompt"},
-                      train={"objective": "grpo"}, lora=lora or {})
+                      train={"objective": "grpo"}, lora=lora or {},
+                      fsdp={"context_parallel": info.world_size if split else 1})
     tokenizer = load_tokenizer(cfg)
     model = build_model(cfg, info)
     if adapter is None:
@@ -93,7 +103,9 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
         load_adapter_into(model, adapter)
     model.train()
     prompts, ids, truncated = completions(tokenizer.eos_token_id)
-    mine = range(info.rank * PROMPTS // info.world_size, (info.rank + 1) * PROMPTS // info.world_size)
+    rows_split = row_split(cfg.fsdp.context_parallel)
+    takers, taker = rows_split.data_ranks, rows_split.data_rank
+    mine = range(taker * PROMPTS // takers, (taker + 1) * PROMPTS // takers)
     rows = [p * GENERATIONS + g for p in mine for g in range(GENERATIONS)]
     advantages = group_advantages(torch.tensor([float(i % 5) for i in range(len(ids))]), GENERATIONS, "group")
     out: dict = {"adapter": adapter, "settings": {}}
@@ -102,8 +114,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
         masked = [grpo.mask_truncated_completions and truncated[i] for i in rows]
         samples = [completion_sample(prompts[i // GENERATIONS], ids[i], m) for i, m in zip(rows, masked, strict=True)]
         steps = Grpo(dataclasses.replace(cfg, grpo=grpo), ForwardLoss(), rewards=[])
-        steps.attach(RunParts(info, model, None, tokenizer.pad_token_id, None, RowSplit(1, 0, info.rank,
-                                                                                       info.world_size), tokenizer))
+        steps.attach(RunParts(info, model, None, tokenizer.pad_token_id, None, rows_split, tokenizer))
         if old_ref is None:  # our own log-probabilities, moved: both sides' old and reference
             noise = torch.Generator().manual_seed(1)
             current = steps.logps_by_completion(samples, list(range(len(samples))), adapter=True)
@@ -117,7 +128,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
         ref = [old_ref["ref"][i] if not m else old_ref["ref"][i][:0] for i, m in zip(rows, masked, strict=True)]
         steps.current = Generation(samples, [list(range(s, s + per)) for s in range(0, len(rows), per)],
                                    advantages[rows], kept, ref if grpo.beta else None,
-                                   StepCounts(len(ids), tokens, micro * info.world_size), {})
+                                   StepCounts(len(ids), tokens, micro * takers), {})
         result = steps.step(1.0)
         grads = {adapter_file_key(key, model_layout(model)): grad for key, grad in full_grads(model).items()}
         out["settings"][name] = {"loss": result.loss, "grads": grads, "entropy": result.metrics["entropy"],
@@ -210,7 +221,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_the_update_equals_trls_at_world_sizes_1_and_2(tmp_path):
     model_dir = build_tiny_checkpoint(tmp_path / "model")
     one = run_ranks(our_update, 1, model_dir, None, None, False, tmp_dir=tmp_path)[0]
-    two = run_ranks(our_update, 2, model_dir, one["adapter"], one["old_ref"], True, tmp_dir=tmp_path)[0]
+    two, split = run_ranks_sequence([(our_update, (model_dir, one["adapter"], one["old_ref"], True)),
+                                     (our_update, (model_dir, one["adapter"], one["old_ref"], True, tuple(SETTINGS), 2,
+                                                   None, 64, True))], 2, tmp_path / "ranks")
     trl = trl_update(model_dir, one["adapter"], one["old_ref"])
     # bnpo is TRL's one loss normalized per micro-batch: against TRL accumulating the same micro-batches (2 at world
     # size 1; 2 a rank at 2, in rank order)
@@ -223,7 +236,8 @@ def test_the_update_equals_trls_at_world_sizes_1_and_2(tmp_path):
         print(f"{name}: TRL {references[1]['loss']:.7f} {references[2]['loss']:.7f}, ours "
               f"{one['settings'][name]['loss']:.7f} (ws1) {two['settings'][name]['loss']:.7f} (ws2)")
         assert references[1]["grads"].keys() >= trl["expected_keys"]
-        for size, run in ((1, one), (2, two)):
+        # and the rows split over two ranks (context parallel): one rank's micro-batches, as at world size 1
+        for size, run in ((1, one), (2, two), (1, split)):
             reference, ours = references[size], run["settings"][name]
             # abs 1e-6: a loss is a sum of token terms of both signs (grpo_token's, -0.0233, agrees to 3e-7: 1.2e-5
             # relative); the two 4-bit forwards (ours, bitsandbytes') differ at float rounding
@@ -239,7 +253,8 @@ def test_the_update_equals_trls_at_world_sizes_1_and_2(tmp_path):
 def test_a_mixture_of_experts_update_equals_trls_with_its_load_balancing_loss(tmp_path):
     """Qwen3-MoE with LoRA on its 4-bit experts and trained routers: the update (dapo, token) equals TRL's, whose
     load-balancing loss joins it (the config has the router switch and a coefficient): at world size 1 in two
-    padded micro-batches and at 2 in one packed micro-batch a rank, against TRL accumulating the same two."""
+    padded micro-batches, at 2 in one packed micro-batch a rank, and with the two's rows split over two ranks,
+    against TRL accumulating the same two."""
     from qlora_fsdp.tools.tiny_model import train_tokenizer
     from tests.families import write_family_model
     from tests.helpers import REPO
@@ -251,14 +266,18 @@ def test_a_mixture_of_experts_update_equals_trls_with_its_load_balancing_loss(tm
     settings = ("dapo_token",)
     one = run_ranks(our_update, 1, model_dir, None, None, False, settings, 2, lora, tmp_dir=tmp_path)[0]
     # packed into rows of 24 tokens: two or so completions a row, rows with padding tails the routers must not count
-    two = run_ranks(our_update, 2, model_dir, one["adapter"], one["old_ref"], True, settings, 1, lora, 24,
-                    tmp_dir=tmp_path)[0]
+    # and those two micro-batches' rows split over the two ranks (context parallel: the routers' statistics summed
+    # over the split)
+    two, split = run_ranks_sequence(
+        [(our_update, (model_dir, one["adapter"], one["old_ref"], True, settings, 1, lora, 24)),
+         (our_update, (model_dir, one["adapter"], one["old_ref"], True, settings, 2, lora, 24, True))], 2,
+        tmp_path / "ranks")
     base = reference_model(model_dir)
     expected = expected_adapter_keys(base)
     trl = trl_update(model_dir, one["adapter"], one["old_ref"], settings, splits=2, base=base)
     reference = trl["settings"]["dapo_token"]
     assert reference["grads"].keys() >= expected and any("router" in key or "gate.weight" in key for key in expected)
-    for run in (one, two):
+    for run in (one, two, split):
         ours = run["settings"]["dapo_token"]
         print(f"MoE dapo_token: TRL {reference['loss']:.7f}, ours {ours['loss']:.7f}")
         assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-6)
@@ -581,24 +600,27 @@ def assert_merged_equals_peft(adapter: Path, model_dir: Path, merged_dir: Path) 
 def test_resumed_mid_generation_equals_the_uninterrupted_run_on_two_ranks(tiny_model_dir, tmp_path):
     """num_iterations 2 with a checkpoint at step 3 (the generation of step 3 is used once more at step 4) and the
     KL term: the resumed run updates on the saved completions, old and reference log-probabilities, and samples
-    the next generations with the restored RNG: the same records and a byte-identical adapter."""
-    common = ["--recipe", "tiny_cpu_grpo", f"model.path={tiny_model_dir}", "logging.plot=false", "train.max_steps=6",
-              "grpo.num_iterations=2", "grpo.beta=0.04", "train.save_every=3"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert [r.returncode for r in run_cli([*common, f"train.output_dir={full}"], 2, tmp_path)] == [0, 0]
-    checkpoint = full / "checkpoints" / "step-000003"
-    assert sorted(p.name for p in checkpoint.glob("rank*_state.pt")) == ["rank0_state.pt", "rank1_state.pt"]
-    resumed = run_cli([*common, f"train.output_dir={part}", f"train.resume={checkpoint}"], 2, tmp_path)
-    assert [r.returncode for r in resumed] == [0, 0], resumed[0].stderr[-2000:]
+    the next generations with the restored RNG: the same records and a byte-identical adapter. Also with the rows
+    split over the two ranks (context parallel: the first rank's completions kept by both, the kept and reference
+    log-probabilities gathered over the split)."""
 
     def steps(run: Path) -> list[tuple]:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         return [(r["step"], r["loss"], r["reward"], r["kl"], r["grad_norm"]) for r in records if "reward" in r]
 
-    assert steps(part) == steps(full)[3:] and len(steps(full)) == 6
-    assert any(step[3] > 0 for step in steps(part))  # the KL term was live after the resume
-    adapter = "adapter/adapter_model.safetensors"
-    assert (part / adapter).read_bytes() == (full / adapter).read_bytes()
+    for name, split in (("whole", []), ("split", ["fsdp.context_parallel=2", "data.micro_batch_size=4"])):
+        common = ["--recipe", "tiny_cpu_grpo", f"model.path={tiny_model_dir}", "logging.plot=false",
+                  "train.max_steps=6", "grpo.num_iterations=2", "grpo.beta=0.04", "train.save_every=3", *split]
+        full, part = tmp_path / f"{name}_full", tmp_path / f"{name}_part"
+        assert [r.returncode for r in run_cli([*common, f"train.output_dir={full}"], 2, tmp_path)] == [0, 0]
+        checkpoint = full / "checkpoints" / "step-000003"
+        assert sorted(p.name for p in checkpoint.glob("rank*_state.pt")) == ["rank0_state.pt", "rank1_state.pt"]
+        resumed = run_cli([*common, f"train.output_dir={part}", f"train.resume={checkpoint}"], 2, tmp_path)
+        assert [r.returncode for r in resumed] == [0, 0], resumed[0].stderr[-2000:]
+        assert steps(part) == steps(full)[3:] and len(steps(full)) == 6, name
+        assert any(step[3] > 0 for step in steps(part)), name  # the KL term was live after the resume
+        adapter = "adapter/adapter_model.safetensors"
+        assert (part / adapter).read_bytes() == (full / adapter).read_bytes(), name
 
 
 def test_prompt_data_errors_name_the_file_and_record(tiny_model_dir, tmp_path):

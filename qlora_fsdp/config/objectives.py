@@ -27,9 +27,6 @@ class ObjectiveKind:
     generates: bool = False  # the policy generates its completions (generation's memory and time are planned)
     # data.overlong may split a sample, and data.train_on_inputs may train on prompts (SFT's alone)
     whole_samples: bool = True
-    # context parallel may split its rows: SFT's, and the pairs' (each sample's sums added over the split); GRPO's
-    # generation and update across a split are not built
-    splits_rows: bool = True
 
     @property
     def pairs(self) -> bool:
@@ -45,7 +42,7 @@ OBJECTIVES: dict[str, ObjectiveKind] = {
     "simpo": ObjectiveKind("pairs:Pairs", "pairs", "SimpoLoss", default_beta=2.0),
     "kto": ObjectiveKind("pairs:Pairs", "pairs", "KtoLoss", reference=True, default_beta=0.1, unpaired=True),
     "reward": ObjectiveKind("pairs:Pairs", "pairs", "BradleyTerryLoss", reward_head=True),
-    "grpo": ObjectiveKind("grpo:Grpo", "prompts", generates=True, splits_rows=False),
+    "grpo": ObjectiveKind("grpo:Grpo", "prompts", generates=True),
 }
 
 

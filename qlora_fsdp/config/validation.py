@@ -135,9 +135,9 @@ def _validate_context_parallel(config: Config) -> None:
     degree = config.fsdp.context_parallel
     if degree == 1:
         return
-    if not config.train.kind.splits_rows:
-        raise ConfigError(f"'fsdp.context_parallel: {degree}' with train.objective {config.train.objective}: its "
-                          "generation and update across a split are not built yet; use fsdp.context_parallel: 1")
+    if config.train.kind.generates and config.grpo.calls_tools:
+        raise ConfigError(f"'fsdp.context_parallel: {degree}' with GRPO's tools or environments: multi-turn rollouts "
+                          "across a split are not built yet; use fsdp.context_parallel: 1")
     if config.model.attn_implementation not in ("auto", "sdpa_varlen"):
         raise ConfigError(f"'fsdp.context_parallel: {degree}' runs the per-sample kernel between its all-to-alls, "
                           f"not {config.model.attn_implementation!r}; use model.attn_implementation: auto")

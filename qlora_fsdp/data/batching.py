@@ -88,6 +88,11 @@ class Batch:
         """The target tokens of the whole batch (a split row's part: of the whole row)."""
         return self.n_targets
 
+    def targets_before(self) -> int:
+        """Target tokens of the whole batch before this one's first (a split row's part: its offset in the row's
+        targets, which are in order)."""
+        return 0
+
     def counts_once(self) -> bool:
         """Whether the per-sample results (a pair's loss, its rewards) count in the step's sums from this batch: a
         split row's ranks all hold them whole, and only its first part counts them."""

@@ -29,12 +29,16 @@ class RowShard(Batch):
     last_samples: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # theirs
     whole_targets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # a sample's
     preceding_ids: torch.Tensor | None = None  # with images: the row's ids before this part (image features' offset)
+    preceding_targets: int = 0  # the row's target tokens before this part
 
     def numbered_samples(self) -> int:
         return self.whole_samples
 
     def whole_batch_targets(self) -> int:
         return int(self.whole_targets.sum())
+
+    def targets_before(self) -> int:
+        return self.preceding_targets
 
     def counts_once(self) -> bool:
         return self.part == 0
@@ -91,7 +95,8 @@ def shard_row(batch: Batch, degree: int, index: int, pad_id: int) -> RowShard:
                     margin=batch.margin, whole_bounds=bounds, owners=owners[part], real=real[part].view(1, width),
                     whole_samples=batch.n_samples, part=index, last_positions=last[here] - part.start,
                     last_samples=torch.nonzero(here).flatten(), whole_targets=batch.targets_per_sample(),
-                    vision=batch.vision, preceding_ids=ids[: part.start] if batch.vision is not None else None)
+                    vision=batch.vision, preceding_ids=ids[: part.start] if batch.vision is not None else None,
+                    preceding_targets=int((labels[: part.start] != IGNORE_INDEX).sum()))
 
 
 def row_part(batch: Batch, split: RowSplit, pad_id: int) -> Batch:

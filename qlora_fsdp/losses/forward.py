@@ -125,8 +125,10 @@ class ForwardLoss:
               batch_images(model, batch, device)):
             logps, entropies = target_logps(model, inputs, labels, self.chunk_tokens, targets, temperature)
         aux = None
-        if router_aux:
-            aux = self.router.loss(model, router_logits, real_token_mask(batch, inputs, device), 1.0)
+        if router_aux:  # over a split row: the whole row's, on every rank of it
+            trade = model_trade(model)
+            aux = self.router.loss(model, router_logits, real_token_mask(batch, inputs, device), 1.0,
+                                   trade.group if trade is not None else None)
         return PolicyTokens(logps, entropies, aux)
 
     def offloading(self) -> AbstractContextManager[Any]:

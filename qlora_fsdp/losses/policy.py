@@ -21,8 +21,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from qlora_fsdp.config import GrpoConfig
+from qlora_fsdp.distributed.split_sums import all_reduced_over_split
 
 STD_EPSILON = 1e-4  # added to the standard deviation, not under the root, as TRL does
 
@@ -69,6 +71,10 @@ class TokenTerms:
     advantages: torch.Tensor  # per completion of the micro-batch
     sample_ids: torch.Tensor  # per token: its completion's index in the micro-batch
     n_samples: int
+    # context parallel: the ranks sharing the micro-batch's rows (a completion's tokens on several of them), and
+    # whether this rank holds the rows' first part (which counts what every rank of the split computes whole)
+    split: dist.ProcessGroup | None = None
+    first_part: bool = True
 
 
 @dataclass(frozen=True)
@@ -80,9 +86,14 @@ class StepCounts:
     micro_batches: float = 1.0  # bnpo: each micro-batch's token mean is one of this many (all ranks')
 
 
-def per_sample_mean(values: torch.Tensor, sample_ids: torch.Tensor, n_samples: int) -> torch.Tensor:
+def per_sample_mean(values: torch.Tensor, sample_ids: torch.Tensor, n_samples: int,
+                    split: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Each completion's mean over its tokens (over a split, of its tokens on every rank of it)."""
     sums = values.new_zeros(n_samples).index_add(0, sample_ids, values)
     counts = values.new_zeros(n_samples).index_add(0, sample_ids, torch.ones_like(values))
+    if split is not None:
+        sums = all_reduced_over_split(sums, split)
+        counts = all_reduced_over_split(counts, split)
     return sums / counts.clamp(min=1)
 
 
@@ -91,7 +102,7 @@ def ratios(terms: TokenTerms, level: str) -> torch.Tensor:
     old = terms.old_logps if terms.old_logps is not None else terms.logps.detach()
     log_ratio = terms.logps - old
     if level == "sequence":
-        log_ratio = per_sample_mean(log_ratio, terms.sample_ids, terms.n_samples)[terms.sample_ids]
+        log_ratio = per_sample_mean(log_ratio, terms.sample_ids, terms.n_samples, terms.split)[terms.sample_ids]
     return torch.exp(log_ratio)
 
 
@@ -110,14 +121,19 @@ def token_losses(terms: TokenTerms, grpo: GrpoConfig) -> torch.Tensor:
 
 
 def step_share(terms: TokenTerms, grpo: GrpoConfig, counts: StepCounts) -> torch.Tensor:
-    """This micro-batch's share of the step's loss (the shares of all micro-batches and ranks sum to it)."""
+    """This micro-batch's share of the step's loss (the shares of all micro-batches and ranks sum to it; over a
+    split, each rank's is its tokens' part, or the whole on the first part alone)."""
     losses = token_losses(terms, grpo)
     if grpo.loss_type == "grpo":
-        return per_sample_mean(losses, terms.sample_ids, terms.n_samples).sum() / max(counts.completions, 1.0)
+        means = per_sample_mean(losses, terms.sample_ids, terms.n_samples, terms.split)
+        return means.sum() / max(counts.completions, 1.0) * (1.0 if terms.first_part else 0.0)
     if grpo.loss_type == "dr_grpo":
         return losses.sum() / (counts.completions * grpo.max_completion_length)
     if grpo.loss_type == "bnpo":  # TRL's: the micro-batch's own token mean, averaged over micro-batches and ranks
-        return losses.sum() / max(losses.numel(), 1) / counts.micro_batches
+        tokens = losses.new_tensor(float(losses.numel()))
+        if terms.split is not None:  # the micro-batch's tokens on every rank of the split
+            tokens = all_reduced_over_split(tokens, terms.split)
+        return losses.sum() / tokens.clamp(min=1.0) / counts.micro_batches
     return losses.sum() / max(counts.tokens, 1.0)  # dapo: one token count over the whole step
 
 

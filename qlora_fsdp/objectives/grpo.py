@@ -7,6 +7,11 @@ completions (prompt + completion, the completion's tokens the targets) are packe
 share of the step's loss is backpropagated; gradients reduce-scatter once, after the last. The step's loss is
 normalized by counts summed over every micro-batch and rank, so any split gives one big batch's gradient.
 
+Under context parallel (fsdp.context_parallel) the ranks sharing rows take the same prompts: each generates the
+group's completions (generation's weights are gathered by every rank alike) and the first's completions and scores
+are kept by all; the update splits each micro-batch's rows over them, a completion's whole-sequence terms (its
+token mean, GSPO's ratio) summed across the split.
+
 With num_iterations > 1, one generation serves that many optimizer steps, and the log-probabilities at generation
 are kept (the ratio's denominator); with beta > 0 the reference's (the adapter off) are computed at generation too.
 """
@@ -27,11 +32,15 @@ from qlora_fsdp.agents.recipe import rollout_tools
 from qlora_fsdp.config import Config, Template
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed, pack
 from qlora_fsdp.data.prompts import PromptData, Prompts, is_chat
+from qlora_fsdp.data.row_shards import one_row_per_sample, row_part
 from qlora_fsdp.distributed import all_reduce_maxes, all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
+from qlora_fsdp.distributed.row_groups import RowSplit
+from qlora_fsdp.distributed.split_sums import from_first_part, gathered_over_split
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.labels import IGNORE_INDEX
-from qlora_fsdp.losses.forward import ForwardLoss, PolicyTokens
+from qlora_fsdp.layers.split_rows import model_trade
+from qlora_fsdp.losses.forward import ForwardLoss, PolicyTokens, counted_once
 from qlora_fsdp.losses.pairs import adapter_off
 from qlora_fsdp.losses.policy import (
     StepCounts,
@@ -130,13 +139,20 @@ class Grpo(Objective):
 
     # ---- the batches ------------------------------------------------------------------------------------------
 
+    @property
+    def split(self) -> RowSplit:
+        return self.parts.split
+
     def batch(self, samples: list[Sample]) -> tuple[Batch, list[int]]:
-        """The micro-batch as the model takes it, and the order its samples are numbered in (row by row)."""
+        """The micro-batch as the model takes it (under context parallel, this rank's part of its rows), and the
+        order its samples are numbered in (row by row)."""
         if not self.cfg.data.packing:
-            return collate(samples, self.pad_id), list(range(len(samples)))
+            whole = one_row_per_sample(samples, self.pad_id) if self.split.splits else collate(samples, self.pad_id)
+            return row_part(whole, self.split, self.pad_id), list(range(len(samples)))
         rows = pack([len(s.input_ids) for s in samples], self.cfg.data.context_length)
         order = [index for row in rows for index in row]
-        return collate_packed([[samples[i] for i in row] for row in rows], self.pad_id), order
+        whole = collate_packed([[samples[i] for i in row] for row in rows], self.pad_id)
+        return row_part(whole, self.split, self.pad_id), order
 
     def logps_by_completion(self, generation_samples: list[Sample], indices: list[int],
                             adapter: bool) -> list[torch.Tensor]:
@@ -144,6 +160,8 @@ class Grpo(Objective):
         batch, order = self.batch([generation_samples[i] for i in indices])
         with torch.no_grad(), (nullcontext() if adapter else self.reference_model()):
             flat = self.forward_loss.token_logps(self.model, batch, self.info.device, self.grpo.temperature).logps
+        if self.split.group is not None:  # the parts' targets, in the row's order
+            flat = gathered_over_split(flat, self.split.group)
         pieces = torch.split(flat.detach(), batch.targets_per_sample().tolist())
         by_position = dict(zip(order, pieces, strict=True))
         return [by_position[i] for i in range(len(indices))]
@@ -190,9 +208,9 @@ class Grpo(Objective):
         scale = self.grpo.scale_rewards
         batch_std = None
         if scale == "batch":  # over every rank's completions of the step
-            present = rewards[~torch.isnan(rewards)].double()
-            sums = all_reduce_sums([present.numel(), present.sum().item(), (present**2).sum().item()],
-                                   self.info.device)
+            present = rewards[~torch.isnan(rewards)].double() * self.counts_once  # a split's first rank counts
+            sums = all_reduce_sums([present.numel() * self.counts_once, present.sum().item(),
+                                    (present**2).sum().item()], self.info.device)
             batch_std = std_from_sums(*sums)
         return group_advantages(rewards, self.grpo.num_generations, scale, batch_std)
 
@@ -203,12 +221,15 @@ class Grpo(Objective):
         started = time.perf_counter()
         made = self.make(prompts)
         seconds = time.perf_counter() - started
+        scores = score(self.rewards, self.rollouts(prompts, made)) if self.counts_once else None
+        if self.split.group is not None:  # the split's ranks update on the same completions: its first rank's
+            made, scores = from_first_part((made, scores), self.split.group)
+        assert scores is not None, "the first rank of a split scores its completions"
         mask = self.grpo.mask_truncated_completions
         policy: list[list[int] | None] = list(made.policy) if made.policy else [None] * len(made.ids)
         images = self.row_images(prompts) or [None] * len(made.ids)
         samples = [completion_sample(prompt, ids, mask and cut, kept, vision) for prompt, ids, cut, kept, vision
                    in zip(made.prompts, made.ids, made.truncated, policy, images, strict=True)]
-        scores = score(self.rewards, self.rollouts(prompts, made))
         rewards = combined(scores, [r.weight for r in self.rewards])
         micro_batches, start = [], 0
         for micro in units:
@@ -220,23 +241,30 @@ class Grpo(Objective):
         if self.grpo.beta != 0.0:
             ref = [lp for m in micro_batches for lp in self.logps_by_completion(samples, m, adapter=False)]
         tokens = sum(sum(label != IGNORE_INDEX for label in s.labels) for s in samples)
-        completions, n_tokens = all_reduce_sums([len(samples), tokens], self.info.device)
-        metrics = self.reward_metrics(scores, rewards, made, seconds)
+        completions, n_tokens = all_reduce_sums([len(samples) * self.counts_once, tokens * self.counts_once],
+                                                self.info.device)
+        metrics = self.reward_metrics(scores, rewards, made, seconds, self.counts_once)
         return Generation(samples, micro_batches, self.advantages(rewards), old, ref,
-                          StepCounts(completions, n_tokens, len(micro_batches) * self.info.world_size), metrics,
+                          StepCounts(completions, n_tokens, len(micro_batches) * self.split.data_ranks), metrics,
                           self.sample_record(prompts, made, rewards))
 
-    def reward_metrics(self, scores: torch.Tensor, rewards: torch.Tensor, made: Made,
-                       seconds: float) -> dict[str, float]:
-        """Over every rank's completions: the reward's and each function's mean and standard deviation, the
-        completions' mean and longest length (the policy's tokens), the truncated share, generated tokens a
-        second, and with tools TRL's call and failure frequencies."""
+    @property
+    def counts_once(self) -> int:
+        """1 where this rank counts the step's completions: every rank, or a split's first (its ranks share them)."""
+        return int(self.split.index == 0)
+
+    def reward_metrics(self, scores: torch.Tensor, rewards: torch.Tensor, made: Made, seconds: float,
+                       counted: int = 1) -> dict[str, float]:
+        """Over every rank's completions (`counted` 0: a split's other ranks, whose are its first's): the reward's
+        and each function's mean and standard deviation, the completions' mean and longest length (the policy's
+        tokens), the truncated share, generated tokens a second, and with tools TRL's call and failure
+        frequencies."""
         columns = [("reward", rewards)] + [(f"rewards/{r.name}", scores[:, i]) for i, r in enumerate(self.rewards)]
         lengths = made.lengths
-        sums: list[float] = [sum(lengths), sum(made.truncated), len(lengths), seconds]
+        sums: list[float] = [sum(lengths) * counted, sum(made.truncated) * counted, len(lengths) * counted, seconds]
         for _, values in columns:
             present = values[~torch.isnan(values)].double()
-            sums += [present.numel(), present.sum().item(), (present**2).sum().item()]
+            sums += [present.numel() * counted, present.sum().item() * counted, (present**2).sum().item() * counted]
         totals = all_reduce_sums(sums, self.info.device)
         longest = all_reduce_maxes([float(max(lengths, default=0))], self.info.device)[0]
         n = totals[2]
@@ -305,16 +333,18 @@ class Grpo(Objective):
                                                 router_aux=self.router_coefficient is not None)
         logps = forward.logps
 
+        here = slice(batch.targets_before(), batch.targets_before() + logps.numel())  # a split row's part
+
         def flat(per_completion: list[torch.Tensor] | None) -> torch.Tensor | None:
-            return None if per_completion is None else torch.cat([per_completion[i] for i in picked]).to(device)
+            return None if per_completion is None else torch.cat([per_completion[i] for i in picked])[here].to(device)
 
         terms = TokenTerms(logps, flat(generation.old_logps), flat(generation.ref_logps),
                            generation.advantages[picked].to(device), batch.target_samples().to(device),
-                           batch.n_samples)
+                           batch.numbered_samples(), self.split.group, batch.counts_once())
         share = step_share(terms, self.grpo, generation.counts)
         if forward.router_aux is not None and self.router_coefficient is not None:
-            micro_batches = len(generation.micro_batches) * self.info.world_size
-            share = share + self.router_coefficient * forward.router_aux / micro_batches
+            micro_batches = len(generation.micro_batches) * self.split.data_ranks
+            share = share + counted_once(self.router_coefficient * forward.router_aux / micro_batches, batch)
         return share, terms, forward
 
     def step(self, loss_factor: float = 1.0) -> StepResult:
@@ -330,7 +360,7 @@ class Grpo(Objective):
             local += share.item()
             clipped = clip_fractions(terms, self.grpo)
             low, high, kl = low + clipped[0], high + clipped[1], kl + kl_sum(terms)
-            n_tokens += sum(len(generation.samples[i].input_ids) for i in indices)
+            n_tokens += sum(len(generation.samples[i].input_ids) for i in indices) * self.counts_once
         loss, low, high, kl, entropy, aux, tokens = all_reduce_sums(
             [local, low, high, kl, entropy, aux, n_tokens], self.info.device)
         counts = generation.counts
@@ -338,7 +368,7 @@ class Grpo(Objective):
                    "clip_ratio_high": high / max(counts.tokens, 1.0), "entropy": entropy / max(counts.tokens, 1.0)}
         if self.grpo.beta != 0.0:
             metrics["kl"] = kl / max(counts.tokens, 1.0)
-        if self.router_coefficient is not None:
+        if self.router_coefficient is not None:  # every rank of a split holds its rows' whole
             metrics["router_aux_loss"] = aux / (len(generation.micro_batches) * self.info.world_size)
         return StepResult(loss, counts.tokens, tokens, counts.completions, tokens, metrics)
 
@@ -387,9 +417,11 @@ class Grpo(Objective):
                                                 router_aux=coefficient is not None)
         kept = forward.logps.detach() if self.grpo.num_iterations > 1 else None
         reference = forward.logps.detach() if self.grpo.beta != 0.0 else None
-        terms = TokenTerms(forward.logps, kept, reference, torch.zeros(batch.n_samples, device=device),
-                           batch.target_samples().to(device), batch.n_samples)
-        share = step_share(terms, self.grpo, StepCounts(batch.n_samples, max(batch.n_targets, 1)))
+        trade = model_trade(model)
+        terms = TokenTerms(forward.logps, kept, reference, torch.zeros(batch.numbered_samples(), device=device),
+                           batch.target_samples().to(device), batch.numbered_samples(),
+                           trade.group if trade is not None else None, batch.counts_once())
+        share = step_share(terms, self.grpo, StepCounts(batch.numbered_samples(), max(batch.n_targets, 1)))
         if forward.router_aux is not None and coefficient is not None:
-            share = share + coefficient * forward.router_aux
+            share = share + counted_once(coefficient * forward.router_aux, batch)
         share.backward()

@@ -54,8 +54,8 @@ def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
 
 
 def splits_rows_further(cfg: Config) -> bool:
-    """Long rows of an objective context parallel trains, on a node whose GPUs do not all share each row yet."""
-    return (cfg.data.context_length > LONG_ROW and cfg.train.kind.splits_rows
+    """Long rows, on a node whose GPUs do not all share each row yet (GRPO's tool rollouts are not split)."""
+    return (cfg.data.context_length > LONG_ROW and not (cfg.train.kind.generates and cfg.grpo.calls_tools)
             and cfg.model.attn_implementation in ("auto", "sdpa_varlen")
             and cfg.hardware.gpus_per_node > cfg.fsdp.context_parallel
             and cfg.hardware.gpus_per_node % cfg.fsdp.context_parallel == 0)
