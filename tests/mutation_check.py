@@ -163,7 +163,8 @@ MUTATIONS = [
              "        losses = losses + grpo.beta * (torch.exp(gap) - gap - 1)\n",
              "tests/test_grpo.py::test_the_update_equals_trls_at_world_sizes_1_and_2"),
     Mutation("GSPO's sequence ratio from the summed log-ratios", "qlora_fsdp/losses/policy.py",
-             "        log_ratio = per_sample_mean(log_ratio, terms.sample_ids, terms.n_samples)[terms.sample_ids]\n",
+             "        log_ratio = per_sample_mean(log_ratio, terms.sample_ids, terms.n_samples, terms.split)"
+             "[terms.sample_ids]\n",
              "        log_ratio = log_ratio.new_zeros(terms.n_samples).index_add(0, terms.sample_ids, log_ratio)"
              "[terms.sample_ids]\n",
              "tests/test_grpo.py::test_the_update_equals_trls_at_world_sizes_1_and_2"),
@@ -173,8 +174,8 @@ MUTATIONS = [
              "tests/test_grpo.py::test_rewards_built_in_and_errors_in_one_line", quick=True),
     Mutation("a mixture of experts' load-balancing loss counted once a rank, not once a micro-batch",
              "qlora_fsdp/objectives/grpo.py",
-             "            micro_batches = len(generation.micro_batches) * self.info.world_size\n",
-             "            micro_batches = self.info.world_size\n",
+             "            micro_batches = len(generation.micro_batches) * self.split.data_ranks\n",
+             "            micro_batches = self.split.data_ranks\n",
              "tests/test_grpo.py::test_a_mixture_of_experts_update_equals_trls_with_its_load_balancing_loss"),
     Mutation("a packed row's padding tail counted as real tokens", "qlora_fsdp/data/batching.py",
              "            mask[row, : sum(lengths[:n])] = 1\n", "            mask[row, : sum(lengths)] = 1\n",
@@ -201,7 +202,7 @@ MUTATIONS = [
              "        return row, True\n", "        return row, False\n",
              "tests/test_grpo.py::test_the_whole_step_from_generated_ids_equals_trls"),
     Mutation("bnpo's micro-batches counted on one rank", "qlora_fsdp/objectives/grpo.py",
-             "                          StepCounts(completions, n_tokens, len(micro_batches) * self.info.world_size), "
+             "                          StepCounts(completions, n_tokens, len(micro_batches) * self.split.data_ranks), "
              "metrics,\n",
              "                          StepCounts(completions, n_tokens, len(micro_batches)), metrics,\n",
              "tests/test_grpo.py::test_the_whole_step_from_generated_ids_equals_trls"),
