@@ -82,13 +82,13 @@ def check_images_supported(config: PretrainedConfig) -> None:
 
 
 def check_images_split(config: PretrainedConfig, degree: int) -> None:
-    """Images in rows split over ranks (context parallel) train where an image's tokens need nothing but their
-    features (LLaVA's): each rank takes the features of the image tokens it holds. One line for the others."""
+    """Images in rows split over ranks (context parallel) train where each rank can take what its own image tokens
+    need (LLaVA's features; Qwen-VL's grid positions, from the whole row's ids, and deepstack rows). One line for
+    the others."""
     family = IMAGE_FAMILIES.get(config.model_type)
     if degree == 1 or family is None:
         return
     needs = ("its image tokens attend to each other both ways, masks over the whole row" if family.both_ways_masks
-             else "its rotary positions over three axes come from the whole row's images" if family.grid_positions
              else "its text reads the images in cross-attention layers" if family.cross_attention else None)
     if needs is not None:
         raise ConfigError(f"'fsdp.context_parallel: {degree}' with images of {family.name}: {needs}, which a split "

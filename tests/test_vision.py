@@ -20,6 +20,7 @@ from tests.vision_models import (
     write_tiny_qwen3_vl,
 )
 
+SPLITS = ("llava", "qwen2_5_vl", "qwen3_vl")  # the families context parallel trains with images
 WRITERS = {"llava": write_tiny_llava, "gemma3": write_tiny_gemma3, "qwen2_5_vl": write_tiny_qwen2_5_vl,
            "qwen3_vl": write_tiny_qwen3_vl, "mllama": write_tiny_mllama}
 
@@ -218,7 +219,7 @@ def test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(family, llav
     adapter = tmp_path / "adapter"
     trained = {"train_projector": True, "target_vision_tower": True} if family == "llava" else None
     one = run_ranks(our_side, 1, model_dir, data, tmp_path / "one", adapter, trained, tmp_dir=tmp_path)[0]
-    if family == "llava":  # and the records' rows split over the two ranks (context parallel), images crossing it
+    if family in SPLITS:  # and the records' rows split over the two ranks (context parallel), images crossing it
         two, split = run_ranks_sequence([(our_side, (model_dir, data, tmp_path / "two", None, trained)),
                                          (split_side, (model_dir, data, tmp_path / "split", trained))], 2,
                                         tmp_path / "ranks")
@@ -242,13 +243,13 @@ def test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2(family, llav
         assert run["grads"].keys() == reference["grads"].keys()
         for key, grad in reference["grads"].items():
             assert relative(run["grads"][key], grad) < 1e-5, key
-    if family == "llava":
+    if family in SPLITS:
         assert min(split["image_tokens"]) > 0  # both parts of the split hold images
         assert split["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert split["grads"].keys() == reference["grads"].keys()
         for key, grad in reference["grads"].items():
             assert relative(split["grads"][key], grad) < 1e-5, key
-    else:  # LLaVA's are held after train.py's run
+    if family != "llava":  # LLaVA's are held after train.py's run
         merged_reply_and_generation(model_dir, adapter, data, tmp_path)
 
 
@@ -466,19 +467,17 @@ def test_images_for_a_family_not_checked_yet_are_refused_in_one_line(tmp_path):
 
 
 def test_images_in_split_rows_are_refused_in_one_line_where_the_family_needs_the_whole_row(tmp_path):
-    """Context parallel with images trains LLaVA's (each rank its image tokens' features: checked above); a family
-    whose image tokens need the whole row (Gemma 3's both-ways masks, Qwen-VL's grid positions, Llama 3.2 Vision's
-    cross-attention) is refused before any weight is read, naming why."""
+    """Context parallel with images trains LLaVA's and Qwen-VL's (each rank its image tokens' features, positions
+    and deepstack rows: checked above); a family whose image tokens need the whole row (Gemma 3's both-ways masks,
+    Llama 3.2 Vision's cross-attention) is refused before any weight is read, naming why."""
     from transformers import Gemma3Config, LlavaConfig, MllamaConfig, Qwen2_5_VLConfig, Qwen3VLConfig
 
     from qlora_fsdp.api import check_image_levers
     from qlora_fsdp.errors import ConfigError
 
     needs = {"gemma3": (Gemma3Config, "Gemma 3: its image tokens attend to each other both ways"),
-             "qwen2_5_vl": (Qwen2_5_VLConfig, "Qwen2.5-VL: its rotary positions over three axes"),
-             "qwen3_vl": (Qwen3VLConfig, "Qwen3-VL: its rotary positions over three axes"),
              "mllama": (MllamaConfig, "Llama 3.2 Vision: its text reads the images in cross-attention layers"),
-             "llava": (LlavaConfig, None)}
+             "llava": (LlavaConfig, None), "qwen2_5_vl": (Qwen2_5_VLConfig, None), "qwen3_vl": (Qwen3VLConfig, None)}
     for family, (config_class, why) in needs.items():
         config_class().save_pretrained(tmp_path / family)
         cfg = tiny_config(tmp_path / family, fsdp={"context_parallel": 2})

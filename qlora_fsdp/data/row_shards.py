@@ -28,7 +28,8 @@ class RowShard(Batch):
     last_positions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # here
     last_samples: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # theirs
     whole_targets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # a sample's
-    preceding_ids: torch.Tensor | None = None  # with images: the row's ids before this part (image features' offset)
+    row_ids: torch.Tensor | None = None  # with images: the whole row's ids (where its images' tokens are)
+    part_start: int = 0  # this part's first token in the row
     preceding_targets: int = 0  # the row's target tokens before this part
 
     def numbered_samples(self) -> int:
@@ -95,7 +96,7 @@ def shard_row(batch: Batch, degree: int, index: int, pad_id: int) -> RowShard:
                     margin=batch.margin, whole_bounds=bounds, owners=owners[part], real=real[part].view(1, width),
                     whole_samples=batch.n_samples, part=index, last_positions=last[here] - part.start,
                     last_samples=torch.nonzero(here).flatten(), whole_targets=batch.targets_per_sample(),
-                    vision=batch.vision, preceding_ids=ids[: part.start] if batch.vision is not None else None,
+                    vision=batch.vision, row_ids=ids if batch.vision is not None else None, part_start=part.start,
                     preceding_targets=int((labels[: part.start] != IGNORE_INDEX).sum()))
 
 

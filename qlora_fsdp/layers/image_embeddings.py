@@ -105,12 +105,23 @@ def image_token_of(model: nn.Module) -> int | None:
     return None if attached is None else attached.image_token_id
 
 
+@dataclass(frozen=True)
+class RowPart:
+    """A split row's part (context parallel): the whole row's ids and where the part starts. Every rank of the
+    split encodes the row's images and takes what belongs to its own image tokens."""
+
+    row_ids: torch.Tensor  # [tokens of the whole row]
+    start: int
+
+    def image_tokens_before(self, image_token_id: int) -> int:
+        return int((self.row_ids[: self.start] == image_token_id).sum())
+
+
 @contextmanager
 def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | None, device: torch.device,
-                         preceding_ids: torch.Tensor | None = None) -> Iterator[None]:
+                         part: RowPart | None = None) -> Iterator[None]:
     """Within the block, the model's forward embeds `vision`'s images at their tokens (nothing without images).
-    `preceding_ids`: a split row's part (context parallel) holds the ids after these; every rank encodes the row's
-    images and takes the features of its own image tokens, which come after those of the preceding ids."""
+    `part`: the forward holds a split row's part (its image tokens' features, positions and deepstack rows)."""
     attached = _ENCODERS.get(model)
     if attached is not None and attached.cross_attention:  # every micro-batch, with images or not (FSDP's gathers)
         states = attached.features(vision, device).features if vision is not None else None
@@ -126,15 +137,15 @@ def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | Non
     encoded = encoder.features(vision, device)
     features = encoded.features
 
-    before = 0 if preceding_ids is None else int((preceding_ids == encoder.image_token_id).sum())
+    before = 0 if part is None else part.image_tokens_before(encoder.image_token_id)
 
     def scatter(_module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         mask = args[0] == encoder.image_token_id
         if not mask.any():  # generation's decoding steps after the prompt: new tokens only
             return output
         here = int(mask.sum())
-        if (here + before if preceding_ids is not None else here) * output.shape[-1] > features.numel() or (
-                preceding_ids is None and here * output.shape[-1] != features.numel()):
+        if (here + before) * output.shape[-1] > features.numel() or (
+                part is None and here * output.shape[-1] != features.numel()):
             raise DataError(f"a micro-batch has {here + before} image tokens for {features.shape[0]} image "
                             "features: its images and their tokens disagree")
         return output.masked_scatter(mask.unsqueeze(-1), features[before : before + here].to(output.dtype))
@@ -144,10 +155,10 @@ def images_in_embeddings(model: nn.Module, vision: dict[str, torch.Tensor] | Non
         decoder = decoder_model(model)
         handles.append(decoder.register_forward_pre_hook(partial(image_blocks, encoder), with_kwargs=True))
     if encoder.grid_positions:
-        positions = GridPositions(encoder.base, encoder.image_token_id, vision["image_grid_thw"])
+        positions = GridPositions(encoder.base, encoder.image_token_id, vision["image_grid_thw"], part)
         handles.append(decoder_model(model).register_forward_pre_hook(positions, with_kwargs=True))
     if encoded.deepstack is not None:
-        deepstack = partial(deepstack_inputs, encoder.image_token_id, encoded.deepstack)
+        deepstack = partial(deepstack_inputs, encoder.image_token_id, encoded.deepstack, before)
         handles.append(decoder_model(model).register_forward_pre_hook(deepstack, with_kwargs=True))
     try:
         yield
@@ -226,11 +237,15 @@ def block_diagonal(per_sample: list[dict[str, torch.Tensor | None]], bounds: lis
     return out
 
 
-def deepstack_inputs(image_token_id: int, deepstack: list[torch.Tensor], module: nn.Module, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def deepstack_inputs(image_token_id: int, deepstack: list[torch.Tensor], before: int, module: nn.Module,
+                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Qwen3-VL's decoder adds the vision tower's intermediate features to the image tokens' hidden states after
-    its first layers: handed to its forward where the image tokens are (none in a decoding step)."""
+    its first layers: handed to its forward where the image tokens are (none in a decoding step; a split row's
+    part: the rows of its own image tokens, after the `before` of the parts before it)."""
     ids = kwargs.get("input_ids")
     if ids is None or not bool((ids == image_token_id).any()):
         return None
-    return args, {**kwargs, "visual_pos_masks": ids == image_token_id, "deepstack_visual_embeds": deepstack}
+    mask = ids == image_token_id
+    here = int(mask.sum())
+    return args, {**kwargs, "visual_pos_masks": mask,
+                  "deepstack_visual_embeds": [layer[before : before + here] for layer in deepstack]}

@@ -20,15 +20,20 @@ class GridPositions:
     rows keep each sample's own), and the text after an image goes on from there. Generation's new tokens go on
     from the prompt's last position, as the family's `generate` does."""
 
-    def __init__(self, base: Any, image_token_id: int, grids: torch.Tensor) -> None:
+    def __init__(self, base: Any, image_token_id: int, grids: torch.Tensor, part: Any = None) -> None:
         self.base, self.image_token_id, self.grids = base, image_token_id, grids  # base: the family's get_rope_index
         self.deltas: torch.Tensor | None = None  # per row: the last position minus the tokens, after a prompt
+        self.part = part  # a split row's part (image_embeddings.RowPart): positions from the whole row, then cut
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
         if ids is None:
             return None
+        if self.part is not None and positions is not None:  # images anywhere in the row move its positions
+            bounds = kwargs.get("sample_bounds") or getattr(positions, "sample_bounds", None)
+            assert bounds is not None, "a split row's positions carry the whole row's sample bounds"
+            return args, {**kwargs, "position_ids": self.part_of_row(positions, bounds[0])}
         if not bool((ids == self.image_token_id).any()):
             return None if self.deltas is None else (args, {**kwargs, "position_ids": self.shifted(kwargs, ids)})
         if positions is None:  # padded rows, one sample each: transformers' own call, padding left out
@@ -55,6 +60,16 @@ class GridPositions:
                     out[1:, row, start:end], deltas[row] = found[:, 0], delta[0]
                     used += n_images
         self.deltas = deltas
+        return out
+
+    def part_of_row(self, positions: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """A split row's part: the whole row's positions (each sample's from 0, as the row's bounds say) on the
+        three axes, cut to the part; the text row as given."""
+        row_ids = self.part.row_ids.to(positions.device)
+        text = torch.cat([torch.arange(end - start, device=positions.device) for start, end in bounds])
+        whole = self.per_sample(row_ids[None], text.view(1, 1, -1).expand(4, 1, -1), [bounds])
+        out = positions.clone()
+        out[1:] = whole[1:, :, self.part.start : self.part.start + positions.shape[-1]]
         return out
 
     def shifted(self, kwargs: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.distributed.split_sums import summed_over_split
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.layers.attention import attach_sample_bounds, flattens_packed_rows
-from qlora_fsdp.layers.image_embeddings import images_in_embeddings
+from qlora_fsdp.layers.image_embeddings import RowPart, images_in_embeddings
 from qlora_fsdp.layers.reward_head import reward_head, sequence_scores
 from qlora_fsdp.layers.split_rows import model_trade
 from qlora_fsdp.losses.router import RouterLoss, router_loss_coefficient
@@ -152,7 +152,9 @@ def model_inputs(model: nn.Module, batch: LossBatch,
 
 def batch_images(model: nn.Module, batch: LossBatch, device: torch.device) -> AbstractContextManager[None]:
     """The batch's images embedded at its image tokens during the block (a split row's part: its own tokens')."""
-    return images_in_embeddings(model, getattr(batch, "vision", None), device, getattr(batch, "preceding_ids", None))
+    row_ids = getattr(batch, "row_ids", None)
+    part = None if row_ids is None else RowPart(row_ids, getattr(batch, "part_start", 0))
+    return images_in_embeddings(model, getattr(batch, "vision", None), device, part)
 
 
 def real_token_mask(batch: LossBatch, inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
