@@ -310,7 +310,7 @@ MUTATIONS = [
              "counted_once(aux * batch.whole_batch_targets(), batch)", "aux * batch.n_targets",
              "tests/test_context_parallel.py::test_a_row_split_over_two_ranks_equals_it_whole"),
     Mutation("a split row's part takes the row's first image features", "qlora_fsdp/layers/image_embeddings.py",
-             "    before = 0 if preceding_ids is None else int((preceding_ids == encoder.image_token_id).sum())",
+             "    before = 0 if part is None else part.image_tokens_before(encoder.image_token_id)",
              "    before = 0",
              "tests/test_vision.py::test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2[llava]"),
     Mutation("GRPO's completion means left as each split rank's part", "qlora_fsdp/losses/policy.py",
