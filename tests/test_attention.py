@@ -22,6 +22,7 @@ from qlora_fsdp.layers.attention import (
     sample_bounds,
     varlen_sdpa_forward,
 )
+from qlora_fsdp.layers.generation_attention import BLOCKWISE_GENERATION
 from qlora_fsdp.losses.forward import ForwardLoss, loss_sum
 
 
@@ -169,8 +170,10 @@ def test_a_kernel_that_cannot_compute_the_family_is_never_picked_and_refused_whe
         resolve_attention("sdpa", packing=False, device_type="cpu", needs=softcap)
     with pytest.raises(ConfigError, match="has no attention sinks, which gpt_oss needs"):
         resolve_attention("flash_attention_2", packing=True, device_type="cuda", needs=sinks)
-    assert generation_attention("auto", sinks) == generation_attention("flash_attention_2", sinks) == "eager"
-    assert generation_attention("auto", softcap) == "eager" and generation_attention("auto") == "sdpa"
+    assert generation_attention("auto", sinks) == generation_attention("flash_attention_2", sinks) == (
+        BLOCKWISE_GENERATION)
+    assert generation_attention("auto", softcap) == BLOCKWISE_GENERATION and generation_attention("auto") == "sdpa"
+    assert generation_attention("eager", softcap) == "eager"  # asked for: as it is
 
 
 def test_per_sample_attention_refuses_a_kv_cache():
@@ -198,6 +201,58 @@ def test_auto_picks_per_sample_attention_for_packed_rows_only(monkeypatch):
 def test_generation_never_runs_per_sample_attention():
     assert generation_attention(VARLEN_SDPA) == "sdpa" and generation_attention("auto") == "sdpa"
     assert generation_attention("flash_attention_2") == "flash_attention_2"
+
+
+def tiny_generation_model(family: str):
+    """A random 2-layer transformers model of a family generation runs blockwise: gpt-oss (sinks, a window of 8)
+    or Gemma 2 (soft-capping, a window of 8)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"])
+    if family == "gpt_oss":
+        model = GptOssForCausalLM(GptOssConfig(num_local_experts=4, num_experts_per_tok=2, **common))
+        with torch.no_grad():  # sinks far enough from 0 to matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 2)
+        return model.eval()
+    return Gemma2ForCausalLM(Gemma2Config(attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                          **common)).eval()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])
+def test_generation_of_capped_and_sink_families_equals_eager_with_the_prompt_in_linear_memory(family, monkeypatch):
+    """Left-padded prompts of 40 and 23 tokens (past the window of 8) with a static cache, greedy: the blockwise
+    prompt forward and eager decoding steps give eager attention's tokens and scores; a 128-token prompt's forward
+    in 16-token blocks holds no heads x tokens x tokens tensor (eager's scores are one; a boolean mask of tokens x
+    tokens may stay)."""
+    from transformers import StaticCache
+
+    model = tiny_generation_model(family)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=generator) for n in (40, 23)]
+    ids = torch.zeros(2, 40, dtype=torch.long)
+    mask = torch.zeros(2, 40, dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # left padding
+        ids[row, 40 - len(prompt) :], mask[row, 40 - len(prompt) :] = prompt, 1
+    runs = {}
+    for kernel in ("eager", BLOCKWISE_GENERATION):
+        model.config._attn_implementation = kernel
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        runs[kernel] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                      past_key_values=cache, pad_token_id=0, output_scores=True,
+                                      return_dict_in_generate=True)
+    eager, ours = runs["eager"], runs[BLOCKWISE_GENERATION]
+    assert torch.equal(ours.sequences, eager.sequences)
+    for mine, theirs in zip(ours.scores, eager.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(blockwise, "BLOCK_TOKENS", 16)
+    n, watched = 128, WatchedOps()
+    with torch.no_grad(), watched:
+        model(input_ids=torch.randint(3, 300, (1, n), generator=generator), use_cache=True)
+    assert watched.numel < 4 * n * n  # the kernel's blocks: at most a block of scores
 
 
 @pytest.fixture(scope="module")

@@ -178,11 +178,16 @@ def resolve_attention(choice: str, packing: bool, device_type: str, needs: Atten
     return choice
 
 
-def generation_attention(choice: AttnImplementation, needs: AttentionNeeds = CAUSAL_ONLY) -> AttnImplementation:
-    """Sampling runs a KV cache and left-padded prompts, which need a mask: sdpa unless a kernel that has one, or
-    eager where the family's attention is more than sdpa computes."""
+def generation_attention(choice: AttnImplementation, needs: AttentionNeeds = CAUSAL_ONLY) -> str:
+    """Sampling runs a KV cache and left-padded prompts, which need a mask: sdpa unless a kernel that has one; for
+    soft-capping or sinks, the prompt blockwise and the decoding steps eager (layers/generation_attention.py);
+    eager for a family transformers does not run under sdpa."""
     if choice in ("eager", "flex_attention") or (choice == "flash_attention_2" and not needs.sinks):
         return choice
+    if needs.softcap or needs.sinks:
+        from qlora_fsdp.layers.generation_attention import BLOCKWISE_GENERATION  # registers it
+
+        return BLOCKWISE_GENERATION
     return "sdpa" if needs.sdpa_exact else "eager"
 
 

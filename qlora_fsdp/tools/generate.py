@@ -14,7 +14,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import peft
 import torch
@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, Template
+from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.data.images import read_image, vision_inputs
 from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.templates import prompt_ids
@@ -123,7 +124,8 @@ def sampling_config(cfg: Config, offload: bool | None = None) -> Config:
     no_recompute = dataclasses.replace(cfg.activation_checkpointing, mode="off")
     fsdp = cfg.fsdp if offload is None else dataclasses.replace(cfg.fsdp, cpu_offload=offload)
     needs = attention_needs(load_hf_config(cfg))
-    attention = generation_attention(cfg.model.attn_implementation, needs)
+    # a kernel of generation's own may come back (blockwise_generation), not a name a recipe can give
+    attention = cast(AttnImplementation, generation_attention(cfg.model.attn_implementation, needs))
     model = dataclasses.replace(cfg.model, attn_implementation=attention)
     train = dataclasses.replace(cfg.train, compile=False)  # a KV cache changes shapes every token: recompiles
     return dataclasses.replace(cfg, activation_checkpointing=no_recompute, fsdp=fsdp, model=model, train=train)
