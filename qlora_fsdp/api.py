@@ -94,9 +94,6 @@ def check_image_levers(cfg: Config, images: bool) -> None:
         raise ConfigError("lora.train_projector / lora.target_vision_tower train a vision-language checkpoint's "
                           "image side: the data's records show no images (image parts, or an `images` column)")
     if images and cfg.fsdp.context_parallel > 1:
-        if cfg.train.kind.generates:
-            raise ConfigError(f"'fsdp.context_parallel: {cfg.fsdp.context_parallel}' with GRPO on prompts with images: "
-                              "their completions' rows across a split are not built yet; use fsdp.context_parallel: 1")
         check_images_split(checkpoint_config(cfg), cfg.fsdp.context_parallel)
     if images and cfg.lora.init == "eva":
         raise ConfigError("'lora.init: eva' with images: the image features' layer inputs are not built yet; use "

@@ -22,10 +22,11 @@ import torch
 
 from qlora_fsdp.config import GrpoConfig
 from qlora_fsdp.tools.tiny_model import train_tokenizer
-from tests.helpers import REPO, full_grads, run_ranks, tiny_config, transformers_nf4
+from tests.helpers import REPO, full_grads, run_ranks, run_ranks_sequence, tiny_config, transformers_nf4
 from tests.test_grpo import ReplayedGenerate, fixed_completions, parity_reward, relative, trl_cut
 from tests.vision_models import write_image_records, write_tiny_gemma3, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
 
+SPLITS = ("qwen2_5_vl", "qwen3_vl")  # the families whose images context parallel splits (not Gemma 3's)
 WRITERS = {"qwen2_5_vl": write_tiny_qwen2_5_vl, "qwen3_vl": write_tiny_qwen3_vl, "gemma3": write_tiny_gemma3}
 GENERATIONS, MAX_NEW, TEMPERATURE, BETA = 2, 6, 0.8, 0.04  # 6: completions of different lengths in a group
 GREEDY_TOKENS = 4
@@ -50,12 +51,13 @@ def prompt_records(folder: Path) -> tuple[Path, list[dict]]:
     return path, records
 
 
-def our_side(info, model_dir: Path, data: Path, adapter: Path) -> dict:
+def our_side(info, model_dir: Path, data: Path, adapter: Path, split: bool = False) -> dict:
     """Our recipe's path: the prompts through load_training_data (the processor), the 4-bit model with its image
     side, the adapter (written at world size 1 with LoRA B seeded away from zero); greedy generation of this rank's
-    prompts; then the update from fixed completions (generate replaced: our rollout code runs around it)."""
+    prompts; then the update from fixed completions (generate replaced: our rollout code runs around it). `split`:
+    both ranks take every prompt, the update's rows split over them (context parallel)."""
     from qlora_fsdp.data.loading import load_training_data
-    from qlora_fsdp.distributed.row_groups import RowSplit
+    from qlora_fsdp.distributed.row_groups import row_split
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, load_adapter_into
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_model
@@ -70,7 +72,9 @@ def our_side(info, model_dir: Path, data: Path, adapter: Path) -> dict:
 
     packed = info.world_size > 1
     cfg = tiny_config(model_dir, data={"path": str(data), "context_length": 512, "eval_samples": 0,
-                                       "micro_batch_size": 1, "packing": packed}, train={"objective": "grpo"})
+                                       "micro_batch_size": 1, "packing": packed}, train={"objective": "grpo"},
+                      fsdp={"context_parallel": info.world_size if split else 1})
+    rows_split = row_split(cfg.fsdp.context_parallel)
     cfg = dataclasses.replace(cfg, grpo=GrpoConfig(num_generations=GENERATIONS, max_completion_length=MAX_NEW,
                                                    temperature=TEMPERATURE, beta=BETA))
     tokenizer = load_tokenizer(cfg)
@@ -85,7 +89,8 @@ def our_side(info, model_dir: Path, data: Path, adapter: Path) -> dict:
         load_adapter_into(model, adapter)
     prompts = data.train
     n = len(prompts)
-    mine = list(range(info.rank * n // info.world_size, (info.rank + 1) * n // info.world_size))
+    takers, taker = rows_split.data_ranks, rows_split.data_rank
+    mine = list(range(taker * n // takers, (taker + 1) * n // takers))
     layout = "split" if info.world_size > 1 else None
     greedy_grpo = dataclasses.replace(cfg.grpo, max_completion_length=GREEDY_TOKENS)
     rows = [prompts.ids[p] for p in mine]
@@ -98,8 +103,7 @@ def our_side(info, model_dir: Path, data: Path, adapter: Path) -> dict:
     # the run continues this adapter (model.adapter): the KL term's reference is it, frozen, as TRL's "ref" copy
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, adapter=str(adapter)))
     steps = Grpo(cfg, ForwardLoss(), rewards=[Reward("parity", parity_reward, 1.0)])
-    steps.attach(RunParts(info, model, data, tokenizer.pad_token_id, None,
-                          RowSplit(1, 0, info.rank, info.world_size), tokenizer))
+    steps.attach(RunParts(info, model, data, tokenizer.pad_token_id, None, rows_split, tokenizer))
     steps.current, steps.uses = steps.generate([[p] for p in mine]), 0
     result = steps.step(1.0)
     grads = {adapter_file_key(key, model_layout(model)): grad for key, grad in full_grads(model).items()}
@@ -220,7 +224,13 @@ def test_grpo_with_images_generates_and_updates_as_transformers_and_trl(family, 
     data, records = prompt_records(tmp_path / "data")
     adapter = tmp_path / "adapter"
     one = run_ranks(our_side, 1, model_dir, data, adapter, tmp_dir=tmp_path)[0]
-    two = run_ranks(our_side, 2, model_dir, data, adapter, tmp_dir=tmp_path)
+    if family in SPLITS:  # and the update's rows split over the two ranks (context parallel), images crossing it
+        ranks = run_ranks_sequence([(our_side, (model_dir, data, adapter)), (our_side, (model_dir, data, adapter,
+                                                                                      True))], 2, tmp_path / "r",
+                                   all_ranks=True)
+        two, split = [rank[0] for rank in ranks], ranks[0][1]
+    else:
+        two, split = run_ranks(our_side, 2, model_dir, data, adapter, tmp_dir=tmp_path), None
     inputs = trl_inputs(records, tmp_path / "data")
     trl = trl_side(model_dir, adapter, inputs, one["rows"], tmp_path)
     assert one["prompt_ids"] == trl["prompt_ids"]  # TRL's own tokenization, in the order it first saw them
@@ -229,7 +239,11 @@ def test_grpo_with_images_generates_and_updates_as_transformers_and_trl(family, 
     assert [ids for rank in two for ids in rank["greedy"]] == greedy  # each rank its own prompts, split layout
     print(f"{family}: TRL {trl['loss']:.7f}, ours ws1 {one['loss']:.7f}, ws2 {two[0]['loss']:.7f}")
     assert len(set(trl["advantages"])) > 2
-    for run, local in ((one, one["advantages"]), (two[0], two[0]["advantages"])):
+    runs = [(one, one["advantages"]), (two[0], two[0]["advantages"])]
+    if split is not None:  # both ranks every prompt: the first's completions, every advantage
+        assert split["greedy"] == greedy and split["advantages"] == pytest.approx(one["advantages"], abs=1e-6)
+        runs.append((split, split["advantages"]))
+    for run, local in runs:
         assert local == pytest.approx(trl["advantages"][: len(local)], abs=1e-6)
         assert run["loss"] == pytest.approx(trl["loss"], rel=1e-5, abs=1e-6)
         assert run["grads"].keys() == trl["grads"].keys()
