@@ -17,12 +17,11 @@ from qlora_fsdp.layers import attention as attention_module
 from qlora_fsdp.layers import blockwise_attention as blockwise
 from qlora_fsdp.layers.attention import (
     VARLEN_SDPA,
-    generation_attention,
     resolve_attention,
     sample_bounds,
     varlen_sdpa_forward,
 )
-from qlora_fsdp.layers.generation_attention import BLOCKWISE_GENERATION
+from qlora_fsdp.layers.generation_attention import BLOCKWISE_GENERATION, generation_attention
 from qlora_fsdp.losses.forward import ForwardLoss, loss_sum
 
 

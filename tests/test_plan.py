@@ -324,8 +324,8 @@ def test_long_rows_are_offered_the_tiled_mlp():
 
 
 def test_long_rows_on_several_gpus_are_offered_context_parallel():
-    """Rows longer than 8,192 tokens on a node of 2 GPUs get the split over both offered; one GPU, short rows,
-    rows already split over the node, or an objective the split does not train do not."""
+    """Rows longer than 8,192 tokens on a node of 2 GPUs get the split over both offered, for every objective; one
+    GPU, short rows, rows already split over the node, or GRPO's tool rollouts (not split yet) do not."""
     from qlora_fsdp.plan.levers import memory_levers
 
     def offered(recipe: str, *overrides: str) -> bool:
@@ -336,4 +336,6 @@ def test_long_rows_on_several_gpus_are_offered_context_parallel():
     assert not offered("llama3_8b_1x4090_long")  # one GPU
     assert not offered("llama70b_2x4090_long", "fsdp.context_parallel=1", "data.context_length=8192")
     assert not offered("llama70b_2x4090_long")  # split already
-    assert not offered("llama70b_2x4090_dpo", "data.context_length=16384")
+    assert offered("llama70b_2x4090_dpo", "data.context_length=16384")
+    assert offered("qwen3_32b_2x4090_grpo", "data.context_length=16384")
+    assert not offered("qwen3_32b_2x4090_grpo_tools", "data.context_length=16384")

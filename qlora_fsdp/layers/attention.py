@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.families import CAUSAL_ONLY, AttentionNeeds
 from qlora_fsdp.layers.blockwise_attention import blockwise_attention
@@ -176,19 +175,6 @@ def resolve_attention(choice: str, packing: bool, device_type: str, needs: Atten
         raise ConfigError("'model.attn_implementation: flash_attention_2' needs the flash-attn package "
                           "(pip install flash-attn); or use auto")
     return choice
-
-
-def generation_attention(choice: AttnImplementation, needs: AttentionNeeds = CAUSAL_ONLY) -> str:
-    """Sampling runs a KV cache and left-padded prompts, which need a mask: sdpa unless a kernel that has one; for
-    soft-capping or sinks, the prompt blockwise and the decoding steps eager (layers/generation_attention.py);
-    eager for a family transformers does not run under sdpa."""
-    if choice in ("eager", "flex_attention") or (choice == "flash_attention_2" and not needs.sinks):
-        return choice
-    if needs.softcap or needs.sinks:
-        from qlora_fsdp.layers.generation_attention import BLOCKWISE_GENERATION  # registers it
-
-        return BLOCKWISE_GENERATION
-    return "sdpa" if needs.sdpa_exact else "eager"
 
 
 def transformers_name(kernel: str) -> str:

@@ -20,9 +20,22 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from qlora_fsdp.config.schema import AttnImplementation
+from qlora_fsdp.families import CAUSAL_ONLY, AttentionNeeds
 from qlora_fsdp.layers.attention import AttentionOptions, family_attention
 
 BLOCKWISE_GENERATION = "blockwise_generation"
+
+
+def generation_attention(choice: AttnImplementation, needs: AttentionNeeds = CAUSAL_ONLY) -> str:
+    """The kernel sampling runs for `model.attn_implementation`: a KV cache and left-padded prompts need a mask,
+    so sdpa unless a kernel that has one; for soft-capping or sinks, this module's (the prompt blockwise, the steps
+    eager); eager for a family transformers does not run under sdpa."""
+    if choice in ("eager", "flex_attention") or (choice == "flash_attention_2" and not needs.sinks):
+        return choice
+    if needs.softcap or needs.sinks:
+        return BLOCKWISE_GENERATION
+    return "sdpa" if needs.sdpa_exact else "eager"
 
 
 def prompt_starts(mask: torch.Tensor | None, queries: int, keys: int, rows: int) -> list[int] | None:

@@ -18,7 +18,6 @@ are kept (the ratio's denominator); with beta > 0 the reference's (the adapter o
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from qlora_fsdp.config import Config, Template
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed, pack
 from qlora_fsdp.data.prompts import PromptData, Prompts, is_chat
 from qlora_fsdp.data.row_shards import one_row_per_sample, row_part
-from qlora_fsdp.distributed import all_reduce_maxes, all_reduce_sums
+from qlora_fsdp.distributed import all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.distributed.row_groups import RowSplit
 from qlora_fsdp.distributed.split_sums import from_first_part, gathered_over_split
@@ -53,6 +52,7 @@ from qlora_fsdp.losses.policy import (
 )
 from qlora_fsdp.losses.router import grpo_router_coefficient
 from qlora_fsdp.objectives.base import Objective, RunParts, StepResult, full_length_batches
+from qlora_fsdp.objectives.grpo_records import reward_metrics, sample_record
 from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter, keeps_frozen_adapter
 from qlora_fsdp.objectives.reward_model_scores import reward_model_function
 from qlora_fsdp.objectives.rollouts import decoding
@@ -243,51 +243,19 @@ class Grpo(Objective):
         tokens = sum(sum(label != IGNORE_INDEX for label in s.labels) for s in samples)
         completions, n_tokens = all_reduce_sums([len(samples) * self.counts_once, tokens * self.counts_once],
                                                 self.info.device)
-        metrics = self.reward_metrics(scores, rewards, made, seconds, self.counts_once)
+        metrics = reward_metrics(self.reward_names, scores, rewards, made, seconds, self.info, self.counts_once)
         return Generation(samples, micro_batches, self.advantages(rewards), old, ref,
                           StepCounts(completions, n_tokens, len(micro_batches) * self.split.data_ranks), metrics,
-                          self.sample_record(prompts, made, rewards))
+                          sample_record(self.tokenizer, prompts, made, rewards, self.grpo.num_generations))
+
+    @property
+    def reward_names(self) -> list[str]:
+        return [reward.name for reward in self.rewards]
 
     @property
     def counts_once(self) -> int:
         """1 where this rank counts the step's completions: every rank, or a split's first (its ranks share them)."""
         return int(self.split.index == 0)
-
-    def reward_metrics(self, scores: torch.Tensor, rewards: torch.Tensor, made: Made, seconds: float,
-                       counted: int = 1) -> dict[str, float]:
-        """Over every rank's completions (`counted` 0: a split's other ranks, whose are its first's): the reward's
-        and each function's mean and standard deviation, the completions' mean and longest length (the policy's
-        tokens), the truncated share, generated tokens a second, and with tools TRL's call and failure
-        frequencies."""
-        columns = [("reward", rewards)] + [(f"rewards/{r.name}", scores[:, i]) for i, r in enumerate(self.rewards)]
-        lengths = made.lengths
-        sums: list[float] = [sum(lengths) * counted, sum(made.truncated) * counted, len(lengths) * counted, seconds]
-        for _, values in columns:
-            present = values[~torch.isnan(values)].double()
-            sums += [present.numel() * counted, present.sum().item() * counted, (present**2).sum().item() * counted]
-        totals = all_reduce_sums(sums, self.info.device)
-        longest = all_reduce_maxes([float(max(lengths, default=0))], self.info.device)[0]
-        n = totals[2]
-        metrics = {"completion_length": totals[0] / n, "completion_length_max": longest,
-                   "truncated_ratio": totals[1] / n,
-                   "generated_tokens_per_s": totals[0] / max(totals[3] / self.info.world_size, 1e-9)}
-        for index, (name, _) in enumerate(columns):
-            count, total, squares = totals[4 + 3 * index : 7 + 3 * index]
-            metrics[name] = total / count if count else math.nan
-            metrics[f"{name}_std" if name == "reward" else f"{name}/std"] = std_from_sums(count, total, squares)
-        if made.counts is not None:
-            calls, failures, malformed = all_reduce_sums(
-                [made.counts.calls, made.counts.failures, made.counts.malformed], self.info.device)
-            metrics.update({"tools/call_frequency": calls / n, "tools/failure_frequency": failures / max(calls, 1.0),
-                            "tools/malformed_frequency": malformed / n})
-        return metrics
-
-    def sample_record(self, prompts: Prompts, made: Made, rewards: torch.Tensor) -> dict[str, Any]:
-        """The first prompt's completions and rewards (rank 0's), for completions.jsonl."""
-        g = self.grpo.num_generations
-        texts = self.tokenizer.batch_decode(made.ids[:g], skip_special_tokens=True)
-        shown = made.messages[:g] if made.messages is not None else texts  # a multi-turn rollout: its messages
-        return {"prompt": prompts.prompts[0], "completions": shown, "rewards": rewards[:g].tolist()}
 
     def has_eval(self) -> bool:
         return len(self.data.eval) > 0
@@ -306,7 +274,8 @@ class Grpo(Objective):
             torch.manual_seed(self.cfg.train.seed + 7919 * step + self.info.rank)
             made = self.make(prompts)
         scores = score(self.rewards, self.rollouts(prompts, made))
-        metrics = self.reward_metrics(scores, combined(scores, [r.weight for r in self.rewards]), made, 0.0)
+        metrics = reward_metrics(self.reward_names, scores, combined(scores, [r.weight for r in self.rewards]), made,
+                                 0.0, self.info)
         kept = ["reward", "reward_std", "completion_length", "truncated_ratio"]
         kept += [f"rewards/{r.name}" for r in self.rewards]
         return {f"eval_{key}": metrics[key] for key in kept}

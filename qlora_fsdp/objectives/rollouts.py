@@ -44,7 +44,7 @@ from qlora_fsdp.generation.layouts import (
     resolved_layout,
     steps_together,
 )
-from qlora_fsdp.layers.attention import generation_attention
+from qlora_fsdp.layers.generation_attention import generation_attention
 from qlora_fsdp.layers.image_embeddings import image_token_of, images_in_embeddings
 
 

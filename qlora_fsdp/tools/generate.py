@@ -29,7 +29,7 @@ from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import DistInfo, init_distributed
 from qlora_fsdp.families import attention_needs
-from qlora_fsdp.layers.attention import generation_attention
+from qlora_fsdp.layers.generation_attention import generation_attention
 from qlora_fsdp.layers.image_embeddings import images_in_embeddings
 from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_hf_config, load_tokenizer

@@ -1,0 +1,53 @@
+"""What a GRPO step records of its completions: the rewards' statistics over every rank, and a sample of them for
+completions.jsonl."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from qlora_fsdp.data.prompts import Prompts
+from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sums
+from qlora_fsdp.losses.policy import std_from_sums
+from qlora_fsdp.objectives.turns import Made
+
+
+def reward_metrics(names: list[str], scores: torch.Tensor, rewards: torch.Tensor, made: Made, seconds: float,
+                   info: DistInfo, counted: int = 1) -> dict[str, float]:
+    """Over every rank's completions (`counted` 0: a split's other ranks, whose are its first's): the reward's and
+    each function's (`names`, the columns of `scores`) mean and standard deviation, the completions' mean and
+    longest length (the policy's tokens), the truncated share, generated tokens a second, and with tools TRL's
+    call and failure frequencies."""
+    columns = [("reward", rewards)] + [(f"rewards/{name}", scores[:, i]) for i, name in enumerate(names)]
+    lengths = made.lengths
+    sums: list[float] = [sum(lengths) * counted, sum(made.truncated) * counted, len(lengths) * counted, seconds]
+    for _, values in columns:
+        present = values[~torch.isnan(values)].double()
+        sums += [present.numel() * counted, present.sum().item() * counted, (present**2).sum().item() * counted]
+    totals = all_reduce_sums(sums, info.device)
+    longest = all_reduce_maxes([float(max(lengths, default=0))], info.device)[0]
+    n = totals[2]
+    metrics = {"completion_length": totals[0] / n, "completion_length_max": longest,
+               "truncated_ratio": totals[1] / n,
+               "generated_tokens_per_s": totals[0] / max(totals[3] / info.world_size, 1e-9)}
+    for index, (name, _) in enumerate(columns):
+        count, total, squares = totals[4 + 3 * index : 7 + 3 * index]
+        metrics[name] = total / count if count else math.nan
+        metrics[f"{name}_std" if name == "reward" else f"{name}/std"] = std_from_sums(count, total, squares)
+    if made.counts is not None:
+        calls, failures, malformed = all_reduce_sums(
+            [made.counts.calls, made.counts.failures, made.counts.malformed], info.device)
+        metrics.update({"tools/call_frequency": calls / n, "tools/failure_frequency": failures / max(calls, 1.0),
+                        "tools/malformed_frequency": malformed / n})
+    return metrics
+
+
+def sample_record(tokenizer: PreTrainedTokenizerBase, prompts: Prompts, made: Made, rewards: torch.Tensor,
+                  generations: int) -> dict[str, Any]:
+    """The first prompt's completions and rewards (rank 0's), for completions.jsonl."""
+    texts = tokenizer.batch_decode(made.ids[:generations], skip_special_tokens=True)
+    shown = made.messages[:generations] if made.messages is not None else texts  # a multi-turn rollout's messages
+    return {"prompt": prompts.prompts[0], "completions": shown, "rewards": rewards[:generations].tolist()}
