@@ -72,8 +72,10 @@ def finished(results: list[CliResult]) -> CliResult:
 
 
 def records(out: Path) -> list[dict]:
+    """The run's records so far: its complete lines (read while the run writes, a line may be half written)."""
     path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    text = path.read_text() if path.is_file() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def step_losses(out: Path) -> dict[int, float]:
