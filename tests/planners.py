@@ -75,7 +75,7 @@ def plans_70b(work: Path) -> None:
         result = plan(c, held)
         print(name, "FITS" if result.fits else "DOES NOT FIT", round(result.gpu_total / 2**30, 2))
     print(result.description)
-    print([label for label, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(c, held).fits])
+    print([label for label, _, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(c, held).fits])
     for row in result.gpu_rows:
         print("row", row.basis, round(row.bytes / GIB, 3), row.name)
     print("largest activations:", activations_peak_line(result.step, result.resident_gpu))

@@ -147,10 +147,11 @@ def test_halving_advice_fits_a_recipe_with_an_effective_batch():
     from qlora_fsdp.plan.levers import variants
 
     resolved = resolve_batch(load_config("tiny_cpu", [*TARGET, "data.micro_batch_size=4"]), 2)
-    label, changed = next((label, c) for label, c in variants(resolved, batch_from_target=True)
-                          if label.startswith("data.micro_batch_size"))
+    label, keys, changed = next(lever for lever in variants(resolved, batch_from_target=True)
+                                if lever[0].startswith("data.micro_batch_size"))
+    assert keys == {"data.micro_batch_size": 2}  # what the studio's button sets: the derived steps are not a key
     assert label == "data.micro_batch_size=2 (the effective batch then takes 8 accumulation steps)"
     assert (changed.data.micro_batch_size, changed.data.grad_accum_steps) == (2, 8)
     load_config("tiny_cpu", [*TARGET, label.split()[0]])  # the advice, applied, is accepted
     plain = variants(load_config("tiny_cpu"))
-    assert any(label == "data.micro_batch_size=2 data.grad_accum_steps=4 (same effective batch)" for label, _ in plain)
+    assert any(lever[0] == "data.micro_batch_size=2 data.grad_accum_steps=4 (same effective batch)" for lever in plain)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -61,9 +62,10 @@ def splits_rows_further(cfg: Config) -> bool:
             and cfg.hardware.gpus_per_node % cfg.fsdp.context_parallel == 0)
 
 
-def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, Config]]:
-    """Changes that shrink the footprint, the ones that keep the most throughput first. With
-    `batch_from_target` the recipe states an effective batch, so only the micro-batch is the user's to set."""
+def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, dict[str, object], Config]]:
+    """Changes that shrink the footprint, the ones that keep the most throughput first: (words, the keys a user
+    sets, the changed config). With `batch_from_target` the recipe states an effective batch, so only the
+    micro-batch is the user's to set."""
     changes = memory_levers(cfg)
     if cfg.data.micro_batch > 1:
         half, accum = max(1, cfg.data.micro_batch // 2), cfg.data.grad_accum_steps * 2
@@ -85,7 +87,9 @@ def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, Co
         for dotted, value in values.items():
             section, key = dotted.split(".")
             setattr(getattr(changed, section), key, value)
-        out.append((label, changed))
+        # an effective batch derives the accumulation steps: the user sets only the micro-batch
+        keys = {k: v for k, v in values.items() if not (batch_from_target and k == "data.grad_accum_steps")}
+        out.append((label, keys, changed))
     return out
 
 
@@ -99,11 +103,25 @@ def time_cost(cfg: Config, base: Plan, changed: Config, result: Plan) -> str:
     return f", {after / before - 1:+.0%} time a token"
 
 
-def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bool = False) -> list[str]:
-    """Each single change that makes a misfit fit, with the total it gives and its cost in speed."""
+@dataclass(frozen=True)
+class Lever:
+    """One change that makes a misfit fit: its words, its keys (dotted key -> value), the GiB a GPU it gives and
+    its cost in speed ("" where the GPU has no rates)."""
+
+    label: str
+    overrides: dict[str, object]
+    gpu_gib: float
+    cost: str
+
+    def __str__(self) -> str:
+        return f"{self.label}: {self.gpu_gib:.1f} GiB a GPU{self.cost}"
+
+
+def fitting_levers(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bool = False) -> list[Lever]:
+    """Each single change that makes a misfit fit, the ones that keep the most throughput first."""
     found = []
     base = plan(cfg, held)
-    for label, changed in variants(cfg, batch_from_target):
+    for label, values, changed in variants(cfg, batch_from_target):
         same_shapes = changed.lora.r == cfg.lora.r  # only the rank changes what is allocated
         try:
             result = plan(changed, held if same_shapes else meta_held(changed, mesh))
@@ -111,5 +129,10 @@ def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bo
             # for, heads that do not divide over a split row)
             continue
         if result.fits:
-            found.append(f"{label}: {result.gpu_total / GIB:.1f} GiB a GPU{time_cost(cfg, base, changed, result)}")
+            found.append(Lever(label, values, result.gpu_total / GIB, time_cost(cfg, base, changed, result)))
     return found
+
+
+def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bool = False) -> list[str]:
+    """Each single change that makes a misfit fit, with the total it gives and its cost in speed."""
+    return [str(lever) for lever in fitting_levers(cfg, held, mesh, batch_from_target)]

@@ -10,7 +10,7 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.measure.fake_world import planning_mesh
 from qlora_fsdp.measure.held import Held, meta_held, planned_dtypes
 from qlora_fsdp.plan.image_side import image_side
-from qlora_fsdp.plan.levers import suggestions
+from qlora_fsdp.plan.levers import Lever, fitting_levers
 from qlora_fsdp.plan.memory import (
     GIB,
     Plan,
@@ -76,9 +76,16 @@ def image_lines(cfg: Config, result: Plan) -> list[str]:
             f"{result.image_forward_total / GIB:.2f} GiB in all: {where}", ""]
 
 
-def report_text(planned: RecipePlan) -> str:
-    """What `--plan` prints for a planned recipe."""
-    recipe, cfg, held, mesh, result = planned.recipe, planned.planned, planned.held, planned.mesh, planned.result
+def plan_levers(planned: RecipePlan) -> list[Lever]:
+    """A misfit's single changes that make it fit (none for a recipe that fits)."""
+    if planned.result.fits:
+        return []
+    return fitting_levers(planned.planned, planned.held, planned.mesh, effective_rows(planned.recipe) is not None)
+
+
+def report_text(planned: RecipePlan, levers: list[Lever] | None = None) -> str:
+    """What `--plan` prints for a planned recipe (`levers`: plan_levers's, where the caller has them)."""
+    recipe, cfg, held, result = planned.recipe, planned.planned, planned.held, planned.result
     gpu = f"{cfg.hardware.gpu} ({result.capacity_gib:g} GiB)"
     host_capacity = f"of {result.host_capacity_gib:g} GiB" if result.host_capacity_gib else "unchecked"
     note = activations_peak_line(result.step, result.resident_gpu) if result.step else None
@@ -90,7 +97,7 @@ def report_text(planned: RecipePlan) -> str:
              f"| **total** | **{result.host_total / GIB:.2f}** | {host_capacity} |",
              "", describe_batch(recipe, cfg, cfg.hardware.world_size), "FITS" if result.fits else "DOES NOT FIT"]
     if not result.fits:
-        fixes = suggestions(cfg, held, mesh, effective_rows(recipe) is not None)
+        fixes = plan_levers(planned) if levers is None else levers
         lines += ["changes that make it fit, most throughput kept first:", *[f"  - {f}" for f in fixes]] if fixes \
             else ["no single change makes it fit; combine them, or use more GPUs"]
     if result.step is not None:

@@ -73,8 +73,9 @@ def trim_metrics(path: Path, step: int) -> None:
     path.write_text("".join(f"{line}\n" for line in kept))
 
 
-def prepare_run_dir(run_dir: Path, train: TrainConfig) -> Path | None:
-    """Ready the folder for this run; returns the checkpoint to resume from, or None for a fresh start."""
+def check_run_dir(run_dir: Path, train: TrainConfig) -> tuple[Path | None, bool]:
+    """What prepare_run_dir refuses, without touching the folder (the studio asks before it launches): the
+    checkpoint to resume from, and whether it lies in this folder."""
     if run_dir.exists() and not run_dir.is_dir():
         raise OutputExistsError(f"train.output_dir {run_dir} is a file, not a folder; choose another train.output_dir")
     restarted = elastic_restart()
@@ -83,6 +84,12 @@ def prepare_run_dir(run_dir: Path, train: TrainConfig) -> Path | None:
     occupied = run_dir.is_dir() and any(run_dir.iterdir())
     if occupied and not (restarted or inside or train.overwrite):
         raise refusal(run_dir)
+    return checkpoint, inside
+
+
+def prepare_run_dir(run_dir: Path, train: TrainConfig) -> Path | None:
+    """Ready the folder for this run; returns the checkpoint to resume from, or None for a fresh start."""
+    checkpoint, inside = check_run_dir(run_dir, train)
     run_dir.mkdir(parents=True, exist_ok=True)
     remove_incomplete(run_dir)
     if checkpoint is not None and inside:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
 
 from qlora_fsdp.config import Config, Template
 from qlora_fsdp.config.schema import AttnImplementation
@@ -77,31 +78,32 @@ class Generator:
 
     @torch.no_grad()
     def token_ids(self, prompt: str, sampling: Sampling, system: str | None = None,
-                  images: list[Path] | None = None) -> list[int]:
+                  images: list[Path] | None = None, streamer: BaseStreamer | None = None) -> list[int]:
         """The new tokens of one reply. A collective under FSDP: every rank calls it with the same arguments."""
         prompt_tokens, vision = self.prompt_inputs(prompt, system, images)
         ids = torch.tensor([prompt_tokens], device=self.info.device)
         torch.manual_seed(sampling.seed)  # the same draws on every rank, so the same tokens and the same forwards
         sample = sampling.temperature > 0
         with images_in_embeddings(self.model, vision, self.info.device):
-            out = self.sample(ids, sampling, sample)
+            out = self.sample(ids, sampling, sample, streamer)
         release_root(self.model)
         return out[0, ids.shape[1]:].tolist()
 
-    def sample(self, ids: torch.Tensor, sampling: Sampling, sample: bool) -> torch.Tensor:
+    def sample(self, ids: torch.Tensor, sampling: Sampling, sample: bool,
+               streamer: BaseStreamer | None = None) -> torch.Tensor:
         return self.model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=sampling.max_new_tokens,
             do_sample=sample, temperature=sampling.temperature if sample else None,
             top_p=sampling.top_p if sample else None, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.tokenizer.eos_token_id, streamer=streamer,  # the studio's chat: each token as it comes
             use_cache=True,  # explicit, as training turned config.use_cache off: new tokens attend to cached K/V
             # a rank that reached EOS keeps running dummy forwards (and all-gathers) until every rank has: should
             # numerics ever differ between GPUs, no rank waits forever for another's gather
             synced_gpus=self.info.world_size > 1)
 
     def reply(self, prompt: str, sampling: Sampling, system: str | None = None,
-              images: list[Path] | None = None) -> str:
-        return readable_reply(self.tokenizer, self.token_ids(prompt, sampling, system, images))
+              images: list[Path] | None = None, streamer: BaseStreamer | None = None) -> str:
+        return readable_reply(self.tokenizer, self.token_ids(prompt, sampling, system, images, streamer))
 
 
 # one message of gpt-oss's harmony format: its channel (the header may name a recipient and a content type), its text

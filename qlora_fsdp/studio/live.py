@@ -1,0 +1,119 @@
+"""What a running (or finished) run has written, read while it writes: metrics.jsonl and completions.jsonl by
+complete lines only (a line the run is still writing is left for the next read), as curves, progress and the
+latest completions."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qlora_fsdp.run_files.metrics import format_duration
+
+Series = list[tuple[int, float]]
+CURVE_KEYS = ("loss", "eval_loss", "reward", "eval_reward", "tokens_per_s", "generated_tokens_per_s",
+              "peak_memory_gib")
+
+
+def complete_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a JSONL file a run appends to, up to the last complete line."""
+    if not path.is_file():
+        return []
+    text = path.read_text(errors="replace")
+    records = []
+    for line in text[:text.rfind("\n") + 1].splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line cut short by a kill: the run trims it when it resumes
+            continue
+    return records
+
+
+def curves(records: list[dict[str, Any]], keys: tuple[str, ...] = CURVE_KEYS) -> dict[str, Series]:
+    """(step, value) for each key from the step records that hold it finite; a resumed run's repeated steps keep
+    their latest value."""
+    series: dict[str, dict[int, float]] = {key: {} for key in keys}
+    for record in records:
+        if "event" in record or record.get("skipped") or "step" not in record:
+            continue
+        for key in keys:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                series[key][int(record["step"])] = float(value)
+    return {key: sorted(points.items()) for key, points in series.items()}
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    max_steps: int | None = None
+    seconds_a_step: float | None = None  # over the steps since the latest start or resume
+    finished: bool = False
+    stopped_by_signal: bool = False
+    latest: dict[str, float] = field(default_factory=dict)  # the latest step record's numbers
+
+    @property
+    def seconds_left(self) -> float | None:
+        if self.max_steps is None or self.seconds_a_step is None or self.finished:
+            return None
+        return max(self.max_steps - self.step, 0) * self.seconds_a_step
+
+    def words(self) -> str:
+        """One line: step, the latest values and the time left (the page's text beside its curves)."""
+        if self.max_steps is None:
+            return "no records yet"
+        parts = [f"step {self.step}/{self.max_steps}"]
+        for key in ("loss", "eval_loss", "reward", "tokens_per_s"):
+            if key in self.latest:
+                parts.append(f"{key} {self.latest[key]:.4g}")
+        if self.finished:
+            parts.append("stopped by a signal: resume to continue" if self.stopped_by_signal else "finished")
+        elif self.seconds_left is not None:
+            parts.append(f"about {format_duration(self.seconds_left)} left")
+        return " · ".join(parts)
+
+
+def progress(records: list[dict[str, Any]]) -> Progress:
+    state = Progress()
+    since: tuple[int, float] | None = None  # (step, time) at the latest start or resume
+    for record in records:
+        event = record.get("event")
+        if event == "start":
+            state.max_steps = int(record["config"]["train"]["max_steps"])
+            since = (0, record["time"])
+        elif event == "resume":
+            since = (int(record["step"]), record["time"])
+        elif event == "summary":
+            state.finished, state.stopped_by_signal = True, bool(record.get("stopped_by_signal"))
+        elif event is None and "step" in record and "loss" in record:
+            state.step = int(record["step"])
+            state.latest = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "time"}
+            if since is not None and state.step > since[0]:
+                state.seconds_a_step = (record["time"] - since[1]) / (state.step - since[0])
+        elif event is None and "step" in record:  # an eval record: its values beside the step's
+            state.latest.update({k: float(v) for k, v in record.items() if k.startswith("eval_")
+                                 and isinstance(v, (int, float))})
+    return state
+
+
+def message_text(message: Any) -> str:
+    """A completion or prompt as text: a string, or chat messages (role: content, one a line)."""
+    if isinstance(message, str):
+        return message
+    if isinstance(message, list):
+        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, dict) else message_text(m)
+                         for m in message)
+    return str(message)
+
+
+def latest_completions(run_dir: Path) -> list[list[Any]]:
+    """GRPO: the latest logged step's completions as table rows [step, prompt, completion, reward]."""
+    records = complete_records(run_dir / "completions.jsonl")
+    if not records:
+        return []
+    last = records[-1]
+    rewards = last.get("rewards") or [None] * len(last.get("completions", []))
+    return [[last.get("step"), message_text(last.get("prompt", "")), message_text(completion), reward]
+            for completion, reward in zip(last.get("completions", []), rewards, strict=False)]

@@ -1,0 +1,131 @@
+"""The page's run: `torchrun` with the draft's recipe on this machine's GPUs (or CPU ranks), its log, its stop
+(SIGTERM to each rank, as a cluster scheduler preempts: the step ends and a checkpoint is kept) and its
+resume. One run at a time; a launch into a used output folder is refused before anything starts, in the command
+line's words."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from qlora_fsdp.config import REPO_ROOT, Config
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.run_files.checkpoints import complete_checkpoints
+from qlora_fsdp.run_files.run_dir import check_run_dir
+from qlora_fsdp.studio.draft import Draft, resolve, train_arguments
+from qlora_fsdp.studio.plan_worker import last_error_line
+
+LOG_TAIL_LINES = 40
+
+
+@dataclass
+class Run:
+    draft: Draft
+    ranks: int
+    output_dir: Path
+    log_path: Path
+    process: subprocess.Popen[bytes]
+    resumed: bool
+    stop_requested: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        if not self.log_path.is_file():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").replace("\r", "\n").splitlines()[-lines:])
+
+    def status(self) -> str:
+        """One line: running, stopped (resumable), finished, or failed with the run's own error line."""
+        code = self.process.poll()
+        where = f"{self.output_dir}"
+        if code is None:
+            return f"running ({self.ranks} ranks, pid {self.process.pid}) into {where}" + (
+                ": stopping, the checkpoint is being written" if self.stop_requested else "")
+        if code == 0 and self.stop_requested:
+            return f"stopped; the checkpoint in {where} is kept: Resume continues it"
+        if code == 0:
+            return f"finished: the adapter is in {self.output_dir / 'adapter'}"
+        text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
+        return f"failed (exit {code}): {last_error_line(text)}"
+
+
+def refuse_launch(cfg: Config, resume: bool) -> None:
+    """What the run itself would refuse at its start, said before anything is started."""
+    out = Path(cfg.train.output_dir)
+    if resume and not complete_checkpoints(out):
+        raise UserError(f"nothing to resume in {out}: it holds no complete checkpoint; launch a new run instead")
+    check_run_dir(out, cfg.train)
+
+
+class Runs:
+    """The studio's one run at a time; logs go to `log_dir` (the output folder must stay empty until the run starts
+    in it)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.current: Run | None = None
+
+    def launch(self, draft: Draft, ranks: int, resume: bool = False) -> Run:
+        if self.current is not None and self.current.running:
+            raise UserError(f"a run is going into {self.current.output_dir}: stop it before launching another")
+        resolved = resolve(draft)
+        if resolved.config is None:
+            raise UserError(resolved.error.removeprefix("error: "))
+        cfg = resolved.config
+        refuse_launch(cfg if not resume else load_resumed(draft), resume)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{Path(cfg.train.output_dir).name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                   str(REPO_ROOT / "train.py"), *train_arguments(draft, resume)]
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.current = Run(draft, ranks, Path(cfg.train.output_dir), log_path, process, resume)
+        return self.current
+
+    def stop(self) -> Run:
+        run = self.current
+        if run is None or not run.running:
+            raise UserError("no run is going")
+        run.stop_requested = True
+        ranks = child_processes(run.process.pid)
+        for pid in ranks or [run.process.pid]:  # not torchrun itself: it would end with an error of its own
+            os.kill(pid, signal.SIGTERM)  # each rank ends its step, saves a checkpoint and exits 0
+        return run
+
+    def close(self, wait_s: float = 60.0) -> None:
+        """At the studio's exit: a run still going is stopped as Stop does (its checkpoint kept)."""
+        if self.current is not None and self.current.running:
+            self.stop()
+            try:
+                self.current.process.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.current.process.pid, signal.SIGKILL)
+
+
+def child_processes(pid: int) -> list[int]:
+    """The processes `pid` started (torchrun's ranks), from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def load_resumed(draft: Draft) -> Config:
+    """The config as `--resume` makes it (train.resume=auto)."""
+    resolved = resolve(draft.with_overrides(["train.resume=auto"]))
+    assert resolved.config is not None, resolved.error
+    return resolved.config

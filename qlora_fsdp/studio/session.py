@@ -1,0 +1,113 @@
+"""The page's state and what each of its actions does, in plain Python (app.py maps them onto Gradio): the recipe
+being edited, its plan, the run, the chat workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qlora_fsdp.config import Config, load_config
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.studio.chat import ChatWorkers
+from qlora_fsdp.studio.draft import Draft, Resolved, default_ranks, extra_overrides, resolve, torchrun_command
+from qlora_fsdp.studio.form import Field, changed_overrides, form_fields, form_values
+from qlora_fsdp.studio.live import Progress, complete_records, curves, latest_completions, progress
+from qlora_fsdp.studio.plan_worker import PlanData, PlanWorker
+from qlora_fsdp.studio.runs import Runs
+
+
+@dataclass
+class RunView:
+    """What the Run tab shows; `changed` is False where the metrics file has not grown since the last look."""
+
+    status: str
+    progress: Progress
+    series: dict[str, list[tuple[int, float]]]
+    completions: list[list[Any]]
+    log: str
+    changed: bool
+
+
+class Studio:
+    def __init__(self, state_dir: Path) -> None:
+        self.fields: list[Field] = form_fields()
+        self.plans = PlanWorker()
+        self.runs = Runs(state_dir / "logs")
+        self.chats = ChatWorkers()
+        self.seen: tuple[str, int] | None = None  # the metrics file and its size, at the last look
+        self.announced: set[str] = set()  # finished runs' adapters the page has offered
+
+    def recipe_of(self, recipe: str, yaml_path: str) -> str:
+        """A YAML file given beside the picker wins over the picked name."""
+        return yaml_path.strip() or recipe
+
+    def load_recipe(self, recipe: str) -> tuple[Config | None, str]:
+        """The recipe as written (the form's starting values), or its one-line error."""
+        try:
+            return load_config(recipe), ""
+        except UserError as err:
+            return None, f"error: {err}"
+
+    def draft(self, recipe: str, values: list[Any], extra: str) -> tuple[Draft, str]:
+        """The recipe and the overrides the form and the free-text box mean; an error where the recipe cannot load."""
+        base, error = self.load_recipe(recipe)
+        if base is None:
+            return Draft(recipe), error
+        try:
+            more = extra_overrides(extra)
+        except ValueError as err:  # unbalanced quotes
+            return Draft(recipe), f"error: the extra overrides cannot be read: {err}"
+        return Draft(recipe, (*changed_overrides(base, self.fields, values), *more)), ""
+
+    def resolved(self, recipe: str, values: list[Any], extra: str) -> Resolved:
+        draft, error = self.draft(recipe, values, extra)
+        return Resolved(draft, error=error) if error else resolve(draft)
+
+    def command(self, resolved: Resolved, ranks: int | None = None) -> str:
+        if resolved.config is None:
+            return ""
+        return torchrun_command(resolved.draft, ranks or default_ranks(resolved.config))
+
+    def plan(self, resolved: Resolved) -> PlanData | None:
+        """The plan of the draft; None where a newer request replaced this one."""
+        if resolved.config is None:
+            return {"error": resolved.error}
+        return self.plans.plan(resolved.draft)
+
+    def form_for(self, cfg: Config) -> list[Any]:
+        return form_values(cfg, self.fields)
+
+    def run_view(self) -> RunView:
+        run = self.runs.current
+        if run is None:
+            return RunView("no run launched from this page yet", Progress(), {}, [], "", self.seen is not None)
+        metrics = run.output_dir / "metrics.jsonl"
+        size = metrics.stat().st_size if metrics.is_file() else -1
+        changed = self.seen != (str(metrics), size)
+        self.seen = (str(metrics), size)
+        records = complete_records(metrics) if changed else []
+        return RunView(run.status(), progress(records), curves(records), latest_completions(run.output_dir),
+                       run.log_tail(), changed)
+
+    def new_adapter(self) -> str | None:
+        """The adapter of the page's run once it has finished, the first time it is asked for."""
+        run = self.runs.current
+        adapter = run.output_dir / "adapter" if run is not None else None
+        if run is None or run.running or adapter is None or str(adapter) in self.announced:
+            return None
+        if not (adapter / "adapter_config.json").is_file():
+            return None
+        self.announced.add(str(adapter))
+        return str(adapter)
+
+    def close(self) -> None:
+        self.plans.close()
+        self.chats.close()
+        self.runs.close()
+
+
+def adapters_under(root: Path) -> list[str]:
+    """Adapter folders of runs under `root` (OUTPUT_DIR/adapter), newest first."""
+    found = [p for p in root.glob("**/adapter") if (p / "adapter_config.json").is_file()]
+    return [str(p) for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]

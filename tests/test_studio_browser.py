@@ -1,0 +1,219 @@
+"""The studio in a real browser: headless Chromium (Debian's package, `make browser`) drives the page as a user
+does: pick a recipe, hit a bad key and a missing file, change keys, see the plan, launch the tiny CPU recipe, see
+its curves, stop it, be refused a second launch into its folder, resume it, chat with the adapter it wrote. Every
+request the page makes must go to the studio itself (no assets from the internet). Screenshots go to
+$STUDIO_SCREENSHOTS (docs/images/studio for the docs' pictures), else the test's folder.
+
+One test, one studio, one browser: the training run is the tiny recipe cut to a few dozen steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.request import urlopen
+
+import pytest
+
+from tests.rank_pool import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+pytestmark = pytest.mark.slow
+
+
+def browser_or_skip() -> None:
+    if Path(CHROMIUM).is_file() and Path(DRIVER).is_file():
+        return
+    message = f"no {CHROMIUM} / {DRIVER}: `make browser` installs Debian's chromium and chromium-driver"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)  # CI installs them (.ci/run): a missing browser must not pass as a skip there
+    pytest.skip(message)
+
+
+def start_studio(port: int, state_dir: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost"}
+    proc = subprocess.Popen([sys.executable, "-m", "qlora_fsdp.commands.studio", "--port", str(port),
+                             "--state-dir", str(state_dir)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urlopen(f"http://127.0.0.1:{port}/", timeout=2):
+                return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise AssertionError(f"the studio exited: {proc.stdout.read() if proc.stdout else ''}") from None
+            time.sleep(0.5)
+    raise AssertionError("the studio did not answer within 120 s")
+
+
+def open_browser(shots: Path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1280,1000", f"--user-data-dir={shots / 'chromium-profile'}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # every request the page makes
+    return webdriver.Chrome(service=Service(DRIVER), options=options)
+
+
+class Page:
+    """The few moves the test makes, each waiting for what the page shows next."""
+
+    def __init__(self, driver, shots: Path) -> None:
+        self.driver, self.shots = driver, shots
+
+    def find(self, css: str):
+        from selenium.webdriver.common.by import By
+
+        return self.driver.find_element(By.CSS_SELECTOR, css)
+
+    def text(self, css: str) -> str:
+        try:
+            return str(self.find(css).text)
+        except Exception:
+            return ""
+
+    def wait(self, what: Callable[[], object], seconds: float, why: str):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                found = what()
+            except Exception:
+                found = None
+            if found:
+                return found
+            time.sleep(0.3)
+        self.shot(f"failed-{why.replace(' ', '-')[:40]}")
+        raise AssertionError(f"the page did not show {why} within {seconds:.0f} s")
+
+    def wait_text(self, css: str, words: str, seconds: float = 60) -> str:
+        return str(self.wait(lambda: words in self.text(css) and self.text(css), seconds, f"'{words}' in {css}"))
+
+    def tab(self, name: str) -> None:
+        from selenium.webdriver.common.by import By
+
+        buttons = self.driver.find_elements(By.CSS_SELECTOR, "button[role='tab']")
+        next(b for b in buttons if b.text.strip() == name).click()
+
+    def type_into(self, css: str, text: str, enter: bool = False) -> None:
+        from selenium.webdriver.common.keys import Keys
+
+        box = self.find(css)
+        box.click()
+        box.send_keys(Keys.CONTROL, "a")
+        box.send_keys(Keys.BACKSPACE)
+        box.send_keys(text)
+        box.send_keys(Keys.ENTER if enter else Keys.TAB)
+
+    def click(self, css: str) -> None:
+        self.find(css).click()
+
+    def shot(self, name: str) -> None:
+        self.driver.save_screenshot(str(self.shots / f"{name}.png"))
+
+    def outside_requests(self, port: int) -> list[str]:
+        """Every network URL the page requested that is not the studio's own."""
+        urls = []
+        for entry in self.driver.get_log("performance"):
+            message = json.loads(entry["message"])["message"]
+            if message.get("method") == "Network.requestWillBeSent":
+                urls.append(message["params"]["request"]["url"])
+        own = (f"http://127.0.0.1:{port}/", f"ws://127.0.0.1:{port}/")  # chrome://, data: and blob: stay inside
+        return [url for url in urls if url.split(":")[0] in ("http", "https", "ws", "wss") and not url.startswith(own)]
+
+
+def test_studio_in_a_browser(tmp_path):
+    browser_or_skip()
+    shots = Path(os.environ.get("STUDIO_SCREENSHOTS") or tmp_path / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    port, run_dir = free_port(), tmp_path / "run"
+    studio = start_studio(port, tmp_path / "studio")
+    driver = open_browser(tmp_path)
+    page = Page(driver, shots)
+    try:
+        driver.get(f"http://127.0.0.1:{port}/")
+        page.wait_text("#config-yaml", "models/tiny-llama")
+        page.wait_text("#command", "torchrun --nproc_per_node 2 train.py --recipe tiny_cpu")
+
+        # a missing file and a misspelt key: the command line's one-line errors, in the page
+        page.type_into("#yaml-path textarea", "recipes/no_such_recipe.yaml", enter=True)
+        page.wait_text("#recipe-error", "recipe file not found: recipes/no_such_recipe.yaml")
+        page.shot("error-missing-file")
+        page.type_into("#yaml-path textarea", "", enter=True)  # back to the picked recipe
+        page.wait(lambda: not page.text("#recipe-error"), 30, "the error cleared")
+        page.type_into("#extra-overrides textarea", "train.max_stpes=3")
+        page.wait_text("#recipe-error", "did you mean 'train.max_steps'?")
+        page.shot("error-bad-key")
+        assert "train.max_stpes" not in page.text("#command")  # a bad draft shows no command to run
+
+        # keys changed in the generated form: the command and the YAML follow, and the plan is redrawn
+        page.type_into("#extra-overrides textarea", "train.eval_every=0")
+        for key, value in (("train-max_steps", "40"), ("train-output_dir", str(run_dir)), ("train-log_every", "1")):
+            page.type_into(f"#field-{key} textarea, #field-{key} input", value)
+        command = page.wait_text("#command", f"train.output_dir={run_dir}")
+        assert "train.max_steps=40" in command and "train.eval_every=0" in command
+        page.wait(lambda: not page.text("#recipe-error"), 30, "no error")
+        page.wait_text("#config-yaml", "max_steps: 40")
+        page.shot("recipe")
+        page.tab("Plan")
+        page.wait_text("#plan-status", "FITS", 120)
+        page.wait(lambda: page.find("#memory-plot img"), 30, "the memory bars")
+        assert "micro-batch 4 x 2 accumulation steps" in page.text("#plan-text")
+        page.shot("plan")
+
+        # launch, watch, stop (a checkpoint is kept), be refused a second launch, resume to the end
+        page.tab("Run")
+        page.click("#launch")
+        page.wait_text("#run-status", "running")
+        page.wait(lambda: any(f"step {n}/40" in page.text("#run-progress") for n in range(3, 30)), 180,
+                  "step 3 or later")
+        page.wait(lambda: page.find("#curves-plot img"), 30, "the curves")
+        page.shot("run")
+        page.click("#stop")
+        page.wait_text("#run-status", "the checkpoint", 120)
+        page.wait_text("#run-status", "stopped;", 120)
+        stopped = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+        assert stopped["event"] == "summary" and stopped["stopped_by_signal"], stopped
+        page.click("#launch")
+        page.wait_text("#run-error", f"output folder {run_dir} already holds a run")
+        page.shot("error-used-folder")
+        assert (run_dir / "checkpoints").is_dir()  # nothing was overwritten
+        page.click("#resume")
+        page.wait_text("#run-status", "running")
+        page.wait_text("#run-status", "finished", 300)
+        page.wait_text("#run-progress", "step 40/40")
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert any(r.get("event") == "resume" for r in records) and records[-1]["steps"] == 40
+
+        # chat with the adapter the run wrote (the page selects it once the run has finished)
+        page.tab("After")
+        page.wait(lambda: str(run_dir / "adapter") in page.find("#adapter input").get_attribute("value"), 30,
+                  "the run's adapter selected")
+        page.type_into("#prompt textarea", "Reverse the letters of the word. river", enter=True)
+        page.wait(lambda: len(page.driver.find_elements("css selector", "#chatbot .message")) >= 2, 120,
+                  "a reply")
+        reply = page.wait(lambda: page.driver.find_elements("css selector", "#chatbot .message")[-1].text.strip(),
+                          60, "a non-empty reply")
+        assert reply and "Reverse the letters" not in reply
+        page.shot("chat")
+        assert page.outside_requests(port) == []
+    finally:
+        driver.quit()
+        os.killpg(studio.pid, signal.SIGTERM)
+        try:
+            studio.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(studio.pid, signal.SIGKILL)
+        shutil.rmtree(tmp_path / "chromium-profile", ignore_errors=True)
