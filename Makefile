@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-dpo demo-grpo demo-tools test test-fast test-slow lint gpu-check gpu-check-quick gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
+.PHONY: demo demo-dpo demo-grpo demo-tools studio browser test test-fast test-slow lint gpu-check gpu-check-quick gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
 $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyproject.toml
@@ -79,6 +79,19 @@ demo-tools: $(BIN)/activate real-model data/tool_calls.jsonl data/tool_prompts.j
 	$(BIN)/torchrun --nproc_per_node 2 train.py --recipe tiny_cpu_tools_grpo \
 		model.adapter=outputs/tiny_cpu_tools_sft/adapter train.overwrite=true
 	$(BIN)/python scripts/tool_demo_summary.py outputs/tiny_cpu_tools_grpo
+
+# the studio: a local web page over the same library (docs/studio.md), on http://127.0.0.1:$(STUDIO_PORT) only
+STUDIO_PORT ?= 7860
+studio: $(BIN)/activate tiny-model
+	$(BIN)/qlora-studio --port $(STUDIO_PORT)
+
+# the studio's browser test drives Debian's headless Chromium and its driver (the same version, from the same
+# package source; a browser downloaded from a CDN is not reachable here); installed once, as root
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then echo "chromium and chromedriver: present"; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+		--no-install-recommends chromium chromium-driver; \
+	else echo "make browser: run as root (or: sudo apt-get install chromium chromium-driver)"; exit 1; fi
 
 # all tests, both lanes; the 20 slowest are listed at the end (tests/README.md: where the time goes), and each
 # skipped test's reason (-rs), so a real-model test that skipped shows in CI's log

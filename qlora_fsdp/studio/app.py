@@ -134,7 +134,11 @@ def build_page(studio: Studio, first_recipe: str = "tiny_cpu") -> gr.Blocks:
                                                                     " (no single change makes it fit)")
             buttons = [gr.update(visible=True, value=f"{lv['label']}: {lv['gpu_gib']:.1f} GiB{lv['cost']}")
                        for lv in levers] + [gr.update(visible=False)] * (MAX_LEVERS - len(levers))
-            yield (status, memory_figure(data), time_figure(data), data["text"], levers, *buttons)
+            timing = time_figure(data)
+            if timing is None:
+                status += "<br>no step time: a CPU recipe has no rates to price it with (GPU recipes do)"
+            yield (status, memory_figure(data), gr.update(value=timing, visible=timing is not None), data["text"],
+                   levers, *buttons)
 
         plan_outputs = [plan_status, memory_plot, time_plot, plan_text, levers_state, *lever_buttons]
         recipe_outputs = [recipe_error, command, config_yaml]

@@ -43,9 +43,9 @@ def shipped_recipes() -> list[str]:
 
 
 def extra_overrides(text: str) -> list[str]:
-    """The free-text overrides box: key=value items, one a line or several on a line (shell-quoted)."""
-    return [item for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")
-            for item in shlex.split(line)]
+    """The free-text overrides box: one key=value a line, as a shell would pass it (a list value may hold
+    spaces: `lora.target_modules=[q_proj, v_proj]`); blank lines and # comments are skipped."""
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 def resolve(draft: Draft) -> Resolved:

@@ -65,11 +65,18 @@ def form_fields() -> list[Field]:
     return fields
 
 
+def plain(value: Any) -> Any:
+    """A value as YAML can write it: list items that are sections (data.sources, grpo.rewards) as mappings."""
+    if isinstance(value, list):
+        return [plain(item) for item in value]
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+
+
 def value_of(cfg: Config, key: str) -> Any:
     node: Any = cfg
     for part in key.split("."):
         node = getattr(node, part)
-    return dataclasses.asdict(node) if dataclasses.is_dataclass(node) and not isinstance(node, type) else node
+    return plain(node)
 
 
 def form_value(cfg: Config, field: Field) -> bool | str:

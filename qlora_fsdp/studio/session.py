@@ -54,11 +54,7 @@ class Studio:
         base, error = self.load_recipe(recipe)
         if base is None:
             return Draft(recipe), error
-        try:
-            more = extra_overrides(extra)
-        except ValueError as err:  # unbalanced quotes
-            return Draft(recipe), f"error: the extra overrides cannot be read: {err}"
-        return Draft(recipe, (*changed_overrides(base, self.fields, values), *more)), ""
+        return Draft(recipe, (*changed_overrides(base, self.fields, values), *extra_overrides(extra))), ""
 
     def resolved(self, recipe: str, values: list[Any], extra: str) -> Resolved:
         draft, error = self.draft(recipe, values, extra)

@@ -1,0 +1,212 @@
+"""The studio's page data, without a browser: the form generated from the schema, the draft and its command, the
+run's files read while written, the plan's pictures, the launch refusals; then (slow: processes) the plan worker
+against `--plan`, a superseded plan, a lever applied, and the chat worker against qlora-generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from qlora_fsdp.config import load_config, to_yaml
+from qlora_fsdp.config.reference import render
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.studio.draft import Draft, extra_overrides, resolve, torchrun_command
+from qlora_fsdp.studio.form import changed_overrides, form_fields, form_values
+from qlora_fsdp.studio.live import complete_records, curves, latest_completions, progress
+from qlora_fsdp.studio.pictures import curves_figure, memory_bars, memory_figure, time_figure
+from qlora_fsdp.studio.runs import refuse_launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_form_holds_every_key_of_the_reference_with_its_choices_and_a_recipe_round_trips():
+    fields = form_fields()
+    keys = {f.key for f in fields}
+    documented = {line.split("`")[1] for line in render().splitlines() if line.startswith("| `")}
+    assert keys == {k for k in documented if "[]." not in k}  # data.sources[] items are edited as data.sources
+    by_key = {f.key: f for f in fields}
+    assert by_key["quant.quant_type"].choices == ("nf4", "fp4") and by_key["model.trust_remote_code"].kind == "bool"
+    assert by_key["hardware.pcie_gen"].choices == ("3", "4", "5", "null")  # a Literal or None
+    assert "paged_adamw_8bit" in by_key["optim.name"].choices  # a registry's names, not only Literals
+    assert "optimizer steps to train for" in by_key["train.max_steps"].help
+    for recipe in ("tiny_cpu", "qwen3_32b_2x4090_grpo", "qwen2.5_vl_7b_1x24gb_images"):
+        cfg = load_config(recipe)
+        values = form_values(cfg, fields)
+        assert changed_overrides(cfg, fields, values) == []  # the recipe's own values are no override
+        # every value the form shows is one the command line takes back unchanged
+        again = load_config(recipe, [f"{f.key}={v}" if f.kind != "bool" else f"{f.key}={str(v).lower()}"
+                                     for f, v in zip(fields, values, strict=True)])
+        assert to_yaml(again) == to_yaml(cfg), recipe
+    cfg = load_config("tiny_cpu")
+    values = form_values(cfg, fields)
+    index = {f.key: i for i, f in enumerate(fields)}
+    values[index["train.max_steps"]] = "40"
+    values[index["data.packing"]] = False
+    values[index["lora.target_modules"]] = "[q_proj, v_proj]"
+    overrides = changed_overrides(cfg, fields, values)
+    assert overrides == ["lora.target_modules=[q_proj, v_proj]", "data.packing=false", "train.max_steps=40"]
+    changed = load_config("tiny_cpu", overrides)
+    assert (changed.train.max_steps, changed.data.packing, changed.lora.target_modules) == (40, False,
+                                                                                          ["q_proj", "v_proj"])
+
+
+def test_a_draft_resolves_to_the_command_lines_config_command_and_errors():
+    draft = Draft("tiny_cpu", ("train.max_steps=40",)).with_overrides(["train.max_steps=7", "lora.r=4"])
+    assert draft.overrides == ("train.max_steps=7", "lora.r=4")  # the last value of a key wins, as on the CLI
+    resolved = resolve(draft)
+    assert resolved.config is not None and resolved.config.train.max_steps == 7
+    assert resolved.yaml == to_yaml(load_config("tiny_cpu", ["train.max_steps=7", "lora.r=4"]))
+    assert torchrun_command(draft, 2) == ("torchrun --nproc_per_node 2 train.py --recipe tiny_cpu "
+                                          "train.max_steps=7 lora.r=4")
+    spaced = Draft("tiny_cpu", ("train.output_dir=out dir",))
+    assert torchrun_command(spaced, 1).endswith("'train.output_dir=out dir'")  # pastes into a shell as is
+    assert extra_overrides("a.b=1\n  # a note\n\nlora.target_modules=[q_proj, v_proj]  ") == [
+        "a.b=1", "lora.target_modules=[q_proj, v_proj]"]
+    errors = {resolve(Draft("tiny_cpu", ("train.max_stpes=3",))).error, resolve(Draft("nothere.yaml")).error,
+              resolve(Draft("tiny_cpuu")).error}
+    assert "error: unknown key 'train.max_stpes' in the command-line overrides; did you mean 'train.max_steps'?" in errors
+    assert "error: recipe file not found: nothere.yaml" in errors
+    assert any(e.startswith("error: unknown recipe 'tiny_cpuu': did you mean 'tiny_cpu'?") for e in errors)
+
+
+def write_lines(path: Path, records: list[dict], tail: str = "") -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+
+
+def test_a_running_runs_files_are_read_by_complete_lines_as_curves_progress_and_completions(tmp_path):
+    start = {"time": 100.0, "event": "start", "config": {"train": {"max_steps": 10}}}
+    steps = [{"time": 100.0 + 2 * s, "step": s, "loss": 3.0 - s / 10, "tokens_per_s": 50.0} for s in (1, 2, 3, 4)]
+    resume = {"time": 200.0, "event": "resume", "step": 2}
+    again = [{"time": 200.0 + 5 * (s - 2), "step": s, "loss": 2.0 - s / 10, "tokens_per_s": 40.0} for s in (3, 4)]
+    evaluated = {"time": 211.0, "step": 4, "eval_loss": 2.5}
+    metrics = tmp_path / "metrics.jsonl"
+    write_lines(metrics, [start, *steps, resume, *again, evaluated], tail='{"time": 212.0, "step": 5, "lo')
+    records = complete_records(metrics)
+    assert len(records) == 9  # the line being written is left for the next read
+    series = curves(records)
+    assert series["loss"] == [(1, 2.9), (2, 2.8), (3, 1.7), (4, 1.6)]  # the resumed run's steps replace the first's
+    assert series["eval_loss"] == [(4, 2.5)] and series["tokens_per_s"][-1] == (4, 40.0)
+    state = progress(records)
+    assert (state.step, state.max_steps, state.seconds_a_step) == (4, 10, 5.0)  # since the resume
+    assert state.seconds_left == 30.0 and state.latest["eval_loss"] == 2.5
+    assert state.words() == "step 4/10 · loss 1.6 · eval_loss 2.5 · tokens_per_s 40 · about 30.0 s left"
+    write_lines(metrics, [start, *steps, {"time": 300.0, "event": "summary", "stopped_by_signal": True}])
+    assert progress(complete_records(metrics)).words().endswith("stopped by a signal: resume to continue")
+    assert complete_records(tmp_path / "none.jsonl") == [] and curves_figure(curves([])) is None
+    figure = curves_figure(series)
+    assert figure is not None and [ax.get_title() for ax in figure.axes if ax.get_visible()] == ["loss", "tokens/s"]
+    completions = {"step": 3, "prompt": [{"role": "user", "content": "2+2?"}],
+                   "completions": [[{"role": "assistant", "content": "4"}], "five"], "rewards": [1.0, 0.0]}
+    write_lines(tmp_path / "completions.jsonl", [{**completions, "step": 1}, completions])
+    assert latest_completions(tmp_path) == [[3, "user: 2+2?", "assistant: 4", 1.0], [3, "user: 2+2?", "five", 0.0]]
+
+
+def test_the_plan_pictures_stack_every_component_against_the_cards():
+    row = {"basis": "exact"}
+    plan = {"fits": False, "capacity_gib": 24.0, "host_capacity_gib": 64.0, "description": "d",
+            "gpu_rows": [{**row, "name": "4-bit base weights (shard)", "gib": 18.0},
+                         {**row, "name": "activations (x)", "gib": 8.0}],
+            "generating_rows": [{**row, "name": "KV cache", "gib": 10.0}],
+            "host_rows": [{**row, "name": "processes", "gib": 3.0}],
+            "time": {"compute": 2.0, "link (exposed after overlap)": 0.5, "optimizer": 0.1, "generation": 6.0,
+                     "vision tower": 0.0, "total": 8.6}}
+    bars = memory_bars(plan)
+    assert [(name, sum(r["gib"] for r in rows), cap) for name, rows, cap in bars] == [
+        ("GPU (update)", 26.0, 24.0), ("GPU (generating)", 10.0, 24.0), ("host RAM", 3.0, 64.0)]
+    figure = memory_figure(plan)
+    ax = figure.axes[0]
+    assert ax.get_title(loc="left") == "DOES NOT FIT"
+    widths = sorted(round(p.get_width(), 3) for p in ax.patches)
+    assert widths == [3.0, 8.0, 10.0, 18.0]
+    assert memory_bars({**plan, "capacity_gib": math.inf})[0][2] is None  # a CPU recipe: no card to draw
+    timing = time_figure(plan)
+    assert timing is not None and sum(p.get_width() for p in timing.axes[0].patches) == pytest.approx(8.6)
+    assert time_figure({**plan, "time": None}) is None
+
+
+def test_a_launch_into_a_used_folder_or_a_resume_of_nothing_is_refused_in_the_command_lines_words(tmp_path):
+    out = tmp_path / "run"
+    cfg = load_config("tiny_cpu", [f"train.output_dir={out}"])
+    refuse_launch(cfg, resume=False)  # new folder: fine
+    with pytest.raises(UserError, match="nothing to resume in .*: it holds no complete checkpoint"):
+        refuse_launch(cfg, resume=True)
+    (out / "checkpoints" / "step-000005").mkdir(parents=True)
+    (out / "checkpoints" / "step-000005" / "trainer_state.json").write_text('{"step": 5}')
+    (out / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match=r"already holds a run \(latest checkpoint step-000005\); resume it"):
+        refuse_launch(cfg, resume=False)
+    refuse_launch(load_config("tiny_cpu", [f"train.output_dir={out}", "train.resume=auto"]), resume=True)
+    refuse_launch(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, overwrite=True)), resume=False)
+    assert (out / "checkpoints" / "step-000005").is_dir()  # asking touched nothing
+
+
+@pytest.mark.slow
+def test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised():
+    """A request made while a plan is under way ends that one (its caller gets None); a misfit's levers, each
+    applied as the page applies it (the keys added to the draft), plan what they promised; a bad key is one line."""
+    from qlora_fsdp.studio.plan_worker import PlanWorker
+
+    worker = PlanWorker()
+    misfit = Draft("tiny_cpu", ("hardware.gpu=rtx4090", "hardware.gpu_memory_gib=1.0", "data.context_length=2048",
+                                "data.micro_batch_size=8", "data.grad_accum_steps=1",
+                                "activation_checkpointing.mode=off"))
+    results: list = []
+    older = threading.Thread(target=lambda: results.append(worker.plan(Draft("tiny_cpu"))))
+    older.start()
+    time.sleep(3)  # the older plan is under way
+    data = worker.plan(misfit)
+    older.join()
+    assert results == [None] and worker.superseded == 1
+    assert data is not None and not data["fits"], data
+    total = sum(r["gib"] for r in data["gpu_rows"])
+    assert total > 1.0 and f"| **total** | **{total:.2f}** | of 1 GiB |" in data["text"]
+    assert data["time"] is not None and data["time"]["total"] == pytest.approx(
+        sum(v for k, v in data["time"].items() if k != "total"))
+    keys = [lever["overrides"] for lever in data["levers"]]
+    assert {"data.micro_batch_size": 4, "data.grad_accum_steps": 2} in keys and {"data.context_length": 1024} in keys
+    lever = next(lv for lv in data["levers"] if lv["overrides"] == {"data.context_length": 1024})
+    assert lever["label"] in data["text"]
+    after = worker.plan(misfit.with_overrides([f"{k}={json.dumps(v)}" for k, v in lever["overrides"].items()]))
+    assert after is not None and after["fits"] and not after["levers"]
+    assert sum(r["gib"] for r in after["gpu_rows"]) == pytest.approx(lever["gpu_gib"], abs=1e-6)
+    assert worker.plan(Draft("tiny_cpu", ("hardware.gpu=rtx4091",)))["error"].startswith(  # type: ignore[index]
+        "error: unknown hardware.gpu 'rtx4091': choose one of")
+    worker.close()
+
+
+@pytest.mark.slow
+def test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side_by_side(tiny_model_dir, tmp_path):
+    """The chat worker's streamed reply grows token by token into the reply `qlora-generate` prints for the same
+    prompt; a second worker (another model: the tiny base in fp4) answers beside it, as Compare holds two, and
+    the first still answers as before."""
+    from qlora_fsdp.studio.chat import BASE_MODEL, ChatWorkers, Settings
+
+    text = (ROOT / "recipes" / "tiny_cpu.yaml").read_text().replace("models/tiny-llama", str(tiny_model_dir))
+    recipe, fp4 = tmp_path / "recipe.yaml", tmp_path / "fp4.yaml"
+    recipe.write_text(text)
+    fp4.write_text(text + "quant:\n  quant_type: fp4\n")
+    prompt, settings = "Reverse the letters of the word. river", Settings(max_new_tokens=12)
+    workers = ChatWorkers()
+    try:
+        grown = list(workers.worker(BASE_MODEL, str(recipe)).stream(prompt, settings))
+        cli = subprocess.run([sys.executable, "scripts/generate.py", "--recipe", str(recipe), "--no-adapter",
+                              "--prompt", prompt, "--max-new-tokens", "12"], cwd=ROOT, capture_output=True, text=True)
+        assert cli.returncode == 0, cli.stderr[-2000:]
+        assert grown[-1] == cli.stdout.rstrip("\n") and len(grown) > 2
+        assert all(grown[-1].startswith(part.rstrip("\ufffd")) for part in grown[:-1])  # it grows, never rewrites
+        other = list(workers.worker(BASE_MODEL, str(fp4)).stream(prompt, settings))[-1]
+        assert len(workers.workers) == 2 and other != grown[-1]  # another model, another reply
+        assert list(workers.worker(BASE_MODEL, str(recipe)).stream(prompt, settings))[-1] == grown[-1]
+        with pytest.raises(UserError, match="adapter folder not found: .*nowhere"):
+            workers.worker(str(tmp_path / "nowhere"), str(recipe))
+        assert len(workers.workers) == 1  # the failed one is not kept (nor the one it replaced)
+    finally:
+        workers.close()
