@@ -35,7 +35,9 @@ ALLOWED = {
     "auto_batch": BASE | {"measure", "plan", "run"},  # a launched run's micro-batch, from the plan
     "tools": BASE | {"data", *MODEL, "run"},  # never api.py: the tools do not start training
     "api": BASE | {"data", *MODEL, "rewards", "objectives", "optimizer", "run", "run_files", "training", "auto_batch"},
-    "commands": BASE | {"api", "plan", "measure", "run", "data", *MODEL, "tools"},  # the command lines: the top
+    # the local web page: the plan, the run's files, chat through the tools; training only as a torchrun it starts
+    "studio": BASE | {"data", "loading", "plan", "run_files", "tools"},
+    "commands": BASE | {"api", "plan", "measure", "run", "data", *MODEL, "tools", "studio"},  # the command lines
     "__init__": {"api", "config"},
 }
 

@@ -58,6 +58,22 @@ def test_the_form_holds_every_key_of_the_reference_with_its_choices_and_a_recipe
                                                                                           ["q_proj", "v_proj"])
 
 
+def test_a_lever_sets_its_keys_in_the_form_and_the_form_then_means_them(tmp_path):
+    from qlora_fsdp.studio.session import Studio
+
+    studio = Studio(tmp_path)
+    cfg = load_config("tiny_cpu")
+    lever = {"activation_checkpointing.offload": True, "data.micro_batch_size": 2, "data.grad_accum_steps": 4,
+             "activation_checkpointing.scope": "mlp"}
+    values, extra = studio.with_lever(lever, studio.form_for(cfg), "data.micro_batch_size=8\noptim.lr=1e-4")
+    assert extra == "optim.lr=1e-4"  # the lever's key leaves the free-text box, which would otherwise undo it
+    draft = studio.draft("tiny_cpu", values, "")[0]
+    assert sorted(draft.overrides) == ["activation_checkpointing.offload=true", "activation_checkpointing.scope=mlp",
+                                       "data.grad_accum_steps=4", "data.micro_batch_size=2"]
+    changed = load_config("tiny_cpu", list(draft.overrides))
+    assert (changed.activation_checkpointing.offload, changed.data.micro_batch_size) == (True, 2)
+
+
 def test_a_draft_resolves_to_the_command_lines_config_command_and_errors():
     draft = Draft("tiny_cpu", ("train.max_steps=40",)).with_overrides(["train.max_steps=7", "lora.r=4"])
     assert draft.overrides == ("train.max_steps=7", "lora.r=4")  # the last value of a key wins, as on the CLI
@@ -72,7 +88,8 @@ def test_a_draft_resolves_to_the_command_lines_config_command_and_errors():
         "a.b=1", "lora.target_modules=[q_proj, v_proj]"]
     errors = {resolve(Draft("tiny_cpu", ("train.max_stpes=3",))).error, resolve(Draft("nothere.yaml")).error,
               resolve(Draft("tiny_cpuu")).error}
-    assert "error: unknown key 'train.max_stpes' in the command-line overrides; did you mean 'train.max_steps'?" in errors
+    assert ("error: unknown key 'train.max_stpes' in the command-line overrides; did you mean 'train.max_steps'?"
+            in errors)
     assert "error: recipe file not found: nothere.yaml" in errors
     assert any(e.startswith("error: unknown recipe 'tiny_cpuu': did you mean 'tiny_cpu'?") for e in errors)
 
@@ -122,10 +139,10 @@ def test_the_plan_pictures_stack_every_component_against_the_cards():
     assert [(name, sum(r["gib"] for r in rows), cap) for name, rows, cap in bars] == [
         ("GPU (update)", 26.0, 24.0), ("GPU (generating)", 10.0, 24.0), ("host RAM", 3.0, 64.0)]
     figure = memory_figure(plan)
-    ax = figure.axes[0]
-    assert ax.get_title(loc="left") == "DOES NOT FIT"
-    widths = sorted(round(p.get_width(), 3) for p in ax.patches)
-    assert widths == [3.0, 8.0, 10.0, 18.0]
+    gpu_ax, host_ax = figure.axes
+    assert gpu_ax.get_title(loc="left") == "DOES NOT FIT"
+    assert sorted(round(p.get_width(), 3) for p in gpu_ax.patches) == [8.0, 10.0, 18.0]
+    assert [round(p.get_width(), 3) for p in host_ax.patches] == [3.0]
     assert memory_bars({**plan, "capacity_gib": math.inf})[0][2] is None  # a CPU recipe: no card to draw
     timing = time_figure(plan)
     assert timing is not None and sum(p.get_width() for p in timing.axes[0].patches) == pytest.approx(8.6)

@@ -31,12 +31,10 @@ def memory_bars(plan: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]], f
     return bars
 
 
-def memory_figure(plan: dict[str, Any]) -> Figure:
-    figure = Figure(figsize=(8, 3.6), layout="constrained")
-    ax = figure.subplots()
-    colors: dict[str, Any] = {}
+def draw_bars(ax: Any, bars: list[tuple[str, list[dict[str, Any]], float | None]], colors: dict[str, Any]) -> None:
+    """Stacked bars, one per (name, rows, capacity), a component's color the same on every bar."""
     palette = matplotlib.colormaps["tab20"]
-    for index, (_, rows, capacity) in enumerate(memory_bars(plan)):
+    for index, (_, rows, capacity) in enumerate(bars):
         bottom = 0.0
         for row in rows:
             if row["gib"] < SMALLEST_SHOWN_GIB:
@@ -48,16 +46,26 @@ def memory_figure(plan: dict[str, Any]) -> Figure:
             bottom += row["gib"]
         if capacity:
             ax.plot([capacity, capacity], [index - 0.45, index + 0.45], color="crimson", linewidth=2)
-            ax.annotate(f"{capacity:g} GiB", (capacity, index + 0.45), color="crimson", fontsize=8, ha="center",
-                        va="bottom")
-        ax.annotate(f" {bottom:.2f} GiB", (bottom, index), va="center", fontsize=8)
-    bars = memory_bars(plan)
-    ax.set_yticks(range(len(bars)), [bar for bar, _, _ in bars])
+        ax.annotate(f" {bottom:.2f}" + (f" of {capacity:g} GiB" if capacity else " GiB"), (bottom, index),
+                    va="center", fontsize=8)
+    ax.set_yticks(range(len(bars)), [name for name, _, _ in bars])
     ax.invert_yaxis()
-    ax.set_xlabel("GiB (red: the card's or the host's size)")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.set_title("FITS" if plan["fits"] else "DOES NOT FIT", color="green" if plan["fits"] else "crimson",
-                 fontsize=11, loc="left")
+    ax.set_xlim(0, 1.3 * max([*[c or 0 for _, _, c in bars], *[sum(r["gib"] for r in rows) for _, rows, _ in bars]]))
+
+
+def memory_figure(plan: dict[str, Any]) -> Figure:
+    """The GPU (in the update and, for GRPO, while generating) and host RAM, each on its own scale."""
+    bars = memory_bars(plan)
+    gpu, host = bars[:-1], bars[-1:]
+    figure = Figure(figsize=(9, 1.2 + 0.7 * len(bars)), layout="constrained")
+    gpu_ax, host_ax = figure.subplots(2, 1, height_ratios=[len(gpu), 1])
+    colors: dict[str, Any] = {}
+    draw_bars(gpu_ax, gpu, colors)
+    draw_bars(host_ax, host, colors)
+    host_ax.set_xlabel("GiB (red line: the card's size, the host's where the recipe gives it)", fontsize=8)
+    figure.legend(fontsize=7, loc="outside right upper", frameon=False)
+    gpu_ax.set_title("FITS" if plan["fits"] else "DOES NOT FIT", color="green" if plan["fits"] else "crimson",
+                     fontsize=11, loc="left")
     return figure
 
 
@@ -66,7 +74,7 @@ def time_figure(plan: dict[str, Any]) -> Figure | None:
     time = plan.get("time")
     if not time:
         return None
-    figure = Figure(figsize=(8, 1.8), layout="constrained")
+    figure = Figure(figsize=(9, 1.6), layout="constrained")
     ax = figure.subplots()
     left = 0.0
     palette = matplotlib.colormaps["Set2"]
@@ -77,7 +85,7 @@ def time_figure(plan: dict[str, Any]) -> Figure | None:
         left += seconds
     ax.set_yticks([])
     ax.set_xlabel(f"seconds an optimizer step: {time['total']:.2f} s in all")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3, frameon=False)
+    figure.legend(fontsize=7, loc="outside right upper", frameon=False)
     return figure
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_fsdp.config import Config, load_config
+from qlora_fsdp.config.reference import yaml_value
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.studio.chat import ChatWorkers
 from qlora_fsdp.studio.draft import Draft, Resolved, default_ranks, extra_overrides, resolve, torchrun_command
@@ -70,6 +71,17 @@ class Studio:
         if resolved.config is None:
             return {"error": resolved.error}
         return self.plans.plan(resolved.draft)
+
+    def with_lever(self, changes: dict[str, Any], values: list[Any], extra: str) -> tuple[list[Any], str]:
+        """The form's values with a lever's keys set, as the form shows them (a checkbox's bool, else YAML), and
+        the free-text overrides without those keys (they come after the form's and would undo the lever)."""
+        out = list(values)
+        for i, field in enumerate(self.fields):
+            if field.key in changes:
+                value = changes[field.key]
+                out[i] = bool(value) if field.kind == "bool" else yaml_value(value)
+        kept = [line for line in extra.splitlines() if line.partition("=")[0].strip() not in changes]
+        return out, "\n".join(kept)
 
     def form_for(self, cfg: Config) -> list[Any]:
         return form_values(cfg, self.fields)

@@ -1,0 +1,202 @@
+"""What the page's components do when used: each handler reads the components it needs, calls the session
+(session.py) and fills the components it changes. The layout is app.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import gradio as gr
+
+from qlora_fsdp.studio.chat import BASE_MODEL, Settings, run_tool, tool_command
+from qlora_fsdp.studio.draft import default_ranks
+from qlora_fsdp.studio.pictures import curves_figure, memory_figure, time_figure
+from qlora_fsdp.studio.plan_worker import PlanData
+from qlora_fsdp.studio.session import Studio, adapters_under
+
+MAX_LEVERS = 8  # lever buttons the Plan tab holds (a plan offers fewer)
+RUNS_ROOT = Path("outputs")  # where the After tab looks for adapters
+
+
+def error_markdown(line: str) -> str:
+    return f"<span class='error-line'>{line}</span>" if line else ""
+
+
+def plan_outputs(data: PlanData | None) -> Any:
+    """The Plan tab's components for a plan: its status, pictures, text, levers (buttons) and their note."""
+    if data is None:  # superseded by a newer plan: that one draws
+        return None
+    if "error" in data:
+        return (error_markdown(data["error"]), None, gr.update(value=None, visible=False), "", [], "",
+                *[gr.update(visible=False)] * MAX_LEVERS)
+    levers = data["levers"][:MAX_LEVERS]
+    status = f"**{'FITS' if data['fits'] else 'DOES NOT FIT'}**: {data['description']}"
+    if not data["fits"] and not levers:
+        status += " (no single change makes it fit: combine them, or use more GPUs)"
+    timing = time_figure(data)
+    if timing is None:
+        status += "<br>no step time: a CPU recipe has no rates to price it with (GPU recipes do)"
+    note = "Changes that make it fit, most throughput kept first (a click applies one):" if levers else ""
+    buttons = [gr.update(visible=True, value=f"{lv['label']}: {lv['gpu_gib']:.1f} GiB{lv['cost']}")
+               for lv in levers] + [gr.update(visible=False)] * (MAX_LEVERS - len(levers))
+    return (status, memory_figure(data), gr.update(value=timing, visible=timing is not None), data["text"], levers,
+            note, *buttons)
+
+
+def recipe_inputs(recipe: SimpleNamespace) -> list[Any]:
+    return [recipe.recipe, recipe.yaml_path, recipe.extra, *recipe.fields]
+
+
+def plan_components(plan: SimpleNamespace) -> list[Any]:
+    return [plan.status, plan.memory, plan.timing, plan.text, plan.levers, plan.note, *plan.buttons]
+
+
+def resolved_of(studio: Studio, recipe_name: str, path: str, extra: str, *values: Any) -> Any:
+    return studio.resolved(studio.recipe_of(recipe_name, path), list(values), extra)
+
+
+def then_refresh_and_plan(studio: Studio, event: Any, recipe: SimpleNamespace, plan: SimpleNamespace) -> None:
+    """After `event`: the YAML, the command and the error line at once, then the plan (in its worker; a newer
+    request ends an older one, so the plan event runs unqueued)."""
+    def refresh(*inputs: Any) -> tuple[Any, ...]:
+        resolved = resolved_of(studio, *inputs)
+        return error_markdown(resolved.error), studio.command(resolved), resolved.yaml
+
+    def replan(*inputs: Any) -> Any:
+        yield ("planning...", *[gr.skip()] * (len(plan_components(plan)) - 1))
+        shown = plan_outputs(studio.plan(resolved_of(studio, *inputs)))
+        if shown is not None:
+            yield shown
+
+    event.then(refresh, recipe_inputs(recipe), [recipe.error, recipe.command, recipe.config_yaml]).then(
+        replan, recipe_inputs(recipe), plan_components(plan), concurrency_limit=None)
+
+
+def wire_recipe(studio: Studio, page: gr.Blocks, recipe: SimpleNamespace, plan: SimpleNamespace,
+                run: SimpleNamespace) -> None:
+    def load(recipe_name: str, path: str) -> tuple[Any, ...]:
+        cfg, error = studio.load_recipe(studio.recipe_of(recipe_name, path))
+        if cfg is None:  # the form keeps what it held; the error says why
+            return (error_markdown(error), gr.skip(), *[gr.skip()] * len(recipe.fields), gr.skip())
+        return ("", "", *studio.form_for(cfg), default_ranks(cfg))
+
+    loaded = gr.on([recipe.recipe.input, recipe.yaml_path.submit], load, [recipe.recipe, recipe.yaml_path],
+                   [recipe.error, recipe.extra, *recipe.fields, run.ranks])
+    edits = [recipe.extra.blur, recipe.extra.submit]  # text: when the user leaves the box or presses Enter
+    for component in recipe.fields:
+        if isinstance(component, gr.Textbox):
+            edits += [component.blur, component.submit]
+        else:  # a checkbox or a drop-down: each pick is one edit
+            edits.append(component.input)
+    edited = gr.on(edits, lambda: None, None, None, trigger_mode="always_last")
+    for event in (loaded, edited, page.load(lambda: None, None, None)):
+        then_refresh_and_plan(studio, event, recipe, plan)
+
+
+def wire_plan(studio: Studio, recipe: SimpleNamespace, plan: SimpleNamespace) -> None:
+    def apply_lever(index: int) -> Any:
+        def apply(levers: list[dict[str, Any]], extra: str, *values: Any) -> tuple[Any, ...]:
+            changes = levers[index]["overrides"] if index < len(levers) else {}
+            form, kept = studio.with_lever(changes, list(values), extra)
+            return (kept, *form)
+        return apply
+
+    for index, button in enumerate(plan.buttons):
+        clicked = button.click(apply_lever(index), [plan.levers, recipe.extra, *recipe.fields],
+                               [recipe.extra, *recipe.fields])
+        then_refresh_and_plan(studio, clicked, recipe, plan)
+
+
+def wire_run(studio: Studio, recipe: SimpleNamespace, run: SimpleNamespace, after: SimpleNamespace) -> None:
+    def start(resume: bool) -> Any:
+        def go(ranks: float, *inputs: Any) -> tuple[Any, Any]:
+            resolved = resolved_of(studio, *inputs)
+            try:
+                if resolved.config is None:
+                    return error_markdown(resolved.error), gr.skip()
+                return "", studio.runs.launch(resolved.draft, int(ranks), resume=resume).status()
+            except Exception as err:  # a UserError's words; anything else as it is
+                return error_markdown(f"error: {err}"), gr.skip()
+        return go
+
+    run.launch.click(start(False), [run.ranks, *recipe_inputs(recipe)], [run.error, run.status])
+    run.resume.click(start(True), [run.ranks, *recipe_inputs(recipe)], [run.error, run.status])
+
+    def stop() -> tuple[Any, Any]:
+        try:
+            return "", studio.runs.stop().status()
+        except Exception as err:
+            return error_markdown(f"error: {err}"), gr.skip()
+
+    run.stop.click(stop, None, [run.error, run.status])
+
+    def tick() -> tuple[Any, ...]:
+        view = studio.run_view()
+        finished = studio.new_adapter()  # a run that just finished: its adapter, ready to chat with
+        pick = gr.update(choices=[finished, *adapters_under(RUNS_ROOT), BASE_MODEL], value=finished) \
+            if finished else gr.skip()
+        if not view.changed:
+            return view.status, gr.skip(), gr.skip(), gr.skip(), view.log, pick
+        return (view.status, view.progress.words(), curves_figure(view.series), view.completions or None, view.log,
+                pick)
+
+    run.timer.tick(tick, None, [run.status, run.progress, run.curves, run.completions, run.log, after.adapter])
+
+
+def settings(max_tokens: float, temperature: float, top_p: float) -> Settings:
+    return Settings(int(max_tokens or 64), float(temperature or 0.0), float(top_p or 1.0))
+
+
+def wire_after(studio: Studio, recipe: SimpleNamespace, after: SimpleNamespace) -> None:
+    def chat(message: str, history: list[dict[str, Any]], adapter: str, *rest: Any) -> Any:
+        if not message.strip():
+            return
+        history = [*history, {"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+        try:
+            worker = studio.chats.worker(adapter, studio.recipe_of(*rest[3:5]))
+            for text in worker.stream(message, settings(*rest[:3])):
+                history[-1] = {"role": "assistant", "content": text}
+                yield history, "", ""
+        except Exception as err:
+            yield history[:-2], message, error_markdown(f"error: {err}")
+
+    picked = [recipe.recipe, recipe.yaml_path]
+    after.prompt.submit(chat, [after.prompt, after.chatbot, after.adapter, *after.sampling, *picked],
+                        [after.chatbot, after.prompt, after.error])
+
+    def compare(message: str, first: str, second: str, *rest: Any) -> Any:
+        replies = ["", ""]
+        try:
+            for side, adapter in enumerate((first, second)):
+                worker = studio.chats.worker(adapter, studio.recipe_of(*rest[3:5]))
+                for text in worker.stream(message, settings(*rest[:3])):
+                    replies[side] = text
+                    yield replies[0], replies[1], ""
+        except Exception as err:
+            yield replies[0], replies[1], error_markdown(f"error: {err}")
+
+    after.compare.click(compare, [after.prompt, after.adapter, after.adapter_b, *after.sampling, *picked],
+                        [*after.replies, after.error])
+    wire_tools(after)
+
+
+def wire_tools(after: SimpleNamespace) -> None:
+    def tool(kind: str) -> Any:
+        def go(adapter: str, out: str, outtype: str) -> tuple[str, str]:
+            try:
+                extra = ["--outtype", outtype] if kind == "export" else []
+                ok, text = run_tool(tool_command(kind, adapter, out, extra))
+            except Exception as err:
+                return error_markdown(f"error: {err}"), ""
+            return ("", text) if ok else (error_markdown(text), text)
+        return go
+
+    after.merge.click(tool("merge"), [after.adapter, after.merge_out, after.gguf_type], [after.error, after.output])
+    after.export.click(tool("export"), [after.adapter, after.gguf_out, after.gguf_type], [after.error, after.output])
+
+    def find() -> tuple[Any, Any]:
+        found = [*adapters_under(RUNS_ROOT), BASE_MODEL]
+        return gr.update(choices=found, value=found[0]), gr.update(choices=found)
+
+    after.find.click(find, None, [after.adapter, after.adapter_b])
