@@ -115,7 +115,7 @@ def test_scripts_import_nothing_from_tests_or_train_py():
     assert {name: modules for name, modules in found.items() if modules} == {}
 
 
-COMMANDS = ("qlora-train", "qlora-plan", "qlora-merge", "qlora-generate", "qlora-export")
+COMMANDS = ("qlora-train", "qlora-plan", "qlora-merge", "qlora-generate", "qlora-export", "qlora-studio")
 
 
 def fresh_environment(path) -> tuple:
