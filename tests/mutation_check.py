@@ -581,6 +581,37 @@ MUTATIONS = [
              "    return '\"\"\"' + text + '\"\"\"'\n",
              "    return '\"\"\"' + text.replace(\"\\n\", \"\\\\n\") + '\"\"\"'\n",
              "tests/test_gguf_export.py::test_modelfile_translates_the_chatml_template_with_its_default_system_prompt"),
+    # ---- the studio ---------------------------------------------------------------------------------------
+    Mutation("the studio's form sends every field as an override", "qlora_fsdp/studio/form.py",
+             "            if value is not None and override_text(f, value) != override_text(f, form_value(cfg, f))]\n",
+             "            if value is not None]\n",
+             "tests/test_studio.py::test_the_form_holds_every_key_of_the_reference_with_its_choices_and_a_recipe_round_trips",
+             quick=True),
+    Mutation("the studio's curves keep a resumed run's first values of a repeated step", "qlora_fsdp/studio/live.py",
+             "                series[key][int(record[\"step\"])] = float(value)\n",
+             "                series[key].setdefault(int(record[\"step\"]), float(value))\n",
+             "tests/test_studio.py::test_a_running_runs_files_are_read_by_complete_lines_as_curves_progress_and_completions",
+             quick=True),
+    Mutation("the studio's time left counts from the start, not the resume", "qlora_fsdp/studio/live.py",
+             "            since = (int(record[\"step\"]), record[\"time\"])\n",
+             "            pass\n",
+             "tests/test_studio.py::test_a_running_runs_files_are_read_by_complete_lines_as_curves_progress_and_completions",
+             quick=True),
+    Mutation("the studio's lever leaves its keys in the free-text box", "qlora_fsdp/studio/session.py",
+             "        kept = [line for line in extra.splitlines() if line.partition(\"=\")[0].strip() not in changes]"
+             "\n",
+             "        kept = extra.splitlines()\n",
+             "tests/test_studio.py::test_a_lever_sets_its_keys_in_the_form_and_the_form_then_means_them", quick=True),
+    Mutation("the studio's stop signals torchrun rather than its ranks", "qlora_fsdp/studio/runs.py",
+             "        for pid in ranks or [run.process.pid]:",
+             "        for pid in [run.process.pid]:",
+             "tests/test_studio_browser.py::test_studio_in_a_browser"),
+    Mutation("the studio's plan worker lets a superseded plan run on", "qlora_fsdp/studio/plan_worker.py",
+             "            if self.current is not None and self.current.poll() is None:\n"
+             "                self.current.kill()\n"
+             "                self.superseded += 1\n",
+             "            pass\n",
+             "tests/test_studio.py::test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),
 ]
 
 
