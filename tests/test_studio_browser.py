@@ -1,6 +1,7 @@
 """The studio in a real browser: headless Chromium (Debian's package, `make browser`) drives the page as a user
 does: pick a recipe, hit a bad key and a missing file, change keys, see the plan, launch the tiny CPU recipe, see
-its curves, stop it, be refused a second launch into its folder, resume it, chat with the adapter it wrote. Every
+its curves, stop it, be refused a second launch into its folder, resume it, chat with the adapter it wrote,
+compare it with the base, merge it (and be refused a second merge into the same folder) and export GGUF. Every
 request the page makes must go to the studio itself (no assets from the internet). Screenshots go to
 $STUDIO_SCREENSHOTS (docs/images/studio for the docs' pictures), else the test's folder.
 
@@ -117,6 +118,25 @@ class Page:
         box.send_keys(text)
         box.send_keys(Keys.ENTER if enter else Keys.TAB)
 
+    def pick(self, css: str, choice: str) -> None:
+        """A Gradio drop-down: typed into, then the matching option chosen."""
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.common.keys import Keys
+
+        box = self.find(css)
+        box.click()
+        box.send_keys(Keys.CONTROL, "a")
+        box.send_keys(choice)
+        option = self.wait(lambda: next((o for o in self.driver.find_elements(By.CSS_SELECTOR, "ul.options li")
+                                         if o.text.strip() == choice), None), 10, f"the option {choice}")
+        option.click()
+
+    def value(self, css: str) -> str:
+        try:
+            return str(self.find(css).get_attribute("value") or "")
+        except Exception:
+            return ""
+
     def click(self, css: str) -> None:
         self.find(css).click()
 
@@ -145,7 +165,11 @@ def test_studio_in_a_browser(tmp_path):
     try:
         driver.get(f"http://127.0.0.1:{port}/")
         page.wait_text("#config-yaml", "models/tiny-llama")
-        page.wait_text("#command", "torchrun --nproc_per_node 2 train.py --recipe tiny_cpu")
+        page.pick("#recipe input", "tiny_cpu_dpo")  # another recipe: its form, YAML and command
+        page.wait_text("#command", "train.py --recipe tiny_cpu_dpo")
+        page.wait_text("#config-yaml", "objective: dpo")
+        page.pick("#recipe input", "tiny_cpu")
+        page.wait(lambda: page.text("#command").endswith("--recipe tiny_cpu"), 30, "the tiny_cpu command")
 
         # a missing file and a misspelt key: the command line's one-line errors, in the page
         page.type_into("#yaml-path textarea", "recipes/no_such_recipe.yaml", enter=True)
@@ -208,6 +232,21 @@ def test_studio_in_a_browser(tmp_path):
                           60, "a non-empty reply")
         assert reply and "Reverse the letters" not in reply
         page.shot("chat")
+
+        # compare with the base alone, merge, export, and a merge refused over its own output
+        page.click("#compare")
+        page.wait(lambda: page.value("#reply-a textarea") and page.value("#reply-b textarea"), 120, "two replies")
+        page.type_into("#merge-out textarea", str(tmp_path / "merged"))
+        page.click("#merge")
+        page.wait(lambda: "merged" in page.value("#tool-output textarea"), 120, "the merge's line")
+        assert (tmp_path / "merged" / "config.json").is_file()
+        page.click("#merge")
+        page.wait_text("#after-error", "exists and is not empty: choose another --out", 120)
+        page.type_into("#gguf-out textarea", str(tmp_path / "gguf"))
+        page.click("#export")
+        page.wait(lambda: ".gguf" in page.value("#tool-output textarea"), 180, "the export's lines")
+        assert list((tmp_path / "gguf").glob("*.gguf")), "no GGUF file"
+        page.shot("after")
         assert page.outside_requests(port) == []
     finally:
         driver.quit()

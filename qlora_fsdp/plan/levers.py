@@ -131,8 +131,3 @@ def fitting_levers(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target:
         if result.fits:
             found.append(Lever(label, values, result.gpu_total / GIB, time_cost(cfg, base, changed, result)))
     return found
-
-
-def suggestions(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bool = False) -> list[str]:
-    """Each single change that makes a misfit fit, with the total it gives and its cost in speed."""
-    return [str(lever) for lever in fitting_levers(cfg, held, mesh, batch_from_target)]

@@ -37,7 +37,7 @@ class Studio:
         self.runs = Runs(state_dir / "logs")
         self.chats = ChatWorkers()
         self.seen: tuple[str, int] | None = None  # the metrics file and its size, at the last look
-        self.announced: set[str] = set()  # finished runs' adapters the page has offered
+        self.announced: set[str] = set()  # the runs (by process id) whose adapter the page has offered
 
     def recipe_of(self, recipe: str, yaml_path: str) -> str:
         """A YAML file given beside the picker wins over the picked name."""
@@ -101,12 +101,12 @@ class Studio:
     def new_adapter(self) -> str | None:
         """The adapter of the page's run once it has finished, the first time it is asked for."""
         run = self.runs.current
-        adapter = run.output_dir / "adapter" if run is not None else None
-        if run is None or run.running or adapter is None or str(adapter) in self.announced:
+        if run is None or run.running or f"{run.process.pid}" in self.announced:
             return None
+        adapter = run.output_dir / "adapter"
         if not (adapter / "adapter_config.json").is_file():
             return None
-        self.announced.add(str(adapter))
+        self.announced.add(f"{run.process.pid}")
         return str(adapter)
 
     def close(self) -> None:
