@@ -166,6 +166,9 @@ def wire_after(studio: Studio, recipe: SimpleNamespace, after: SimpleNamespace) 
                         [after.chatbot, after.prompt, after.error])
 
     def compare(message: str, first: str, second: str, *rest: Any) -> Any:
+        if not message.strip():
+            yield "", "", error_markdown("error: type a prompt to compare the two on (Enter would send it to the chat)")
+            return
         replies = ["", ""]
         try:
             for side, adapter in enumerate((first, second)):
