@@ -227,3 +227,35 @@ def test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side
         assert len(workers.workers) == 1  # the failed one is not kept (nor the one it replaced)
     finally:
         workers.close()
+
+
+def test_the_run_view_reads_the_files_again_only_when_they_grew_and_says_how_the_run_ended(tmp_path):
+    from qlora_fsdp.studio.runs import Run
+    from qlora_fsdp.studio.session import Studio
+
+    studio = Studio(tmp_path / "studio")
+    assert studio.run_view().status == "no run launched from this page yet"
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    out.mkdir()
+    write_lines(out / "metrics.jsonl", [{"time": 1.0, "event": "start", "config": {"train": {"max_steps": 4}}},
+                                        {"time": 2.0, "step": 1, "loss": 2.0}])
+    log.write_text("loading\nerror: data file data/x.jsonl not found; check data.path\n")
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"])
+    failed.wait()
+    studio.runs.current = Run(Draft("tiny_cpu"), 2, out, log, failed, resumed=False)
+    first = studio.run_view()
+    assert first.changed and first.progress.step == 1 and first.series["loss"] == [(1, 2.0)]
+    assert first.status == "failed (exit 2): error: data file data/x.jsonl not found; check data.path"
+    assert not studio.run_view(first.seen).changed  # another page that saw it: nothing to draw again
+    assert studio.run_view("").changed  # a page that has not seen it yet
+    write_lines(out / "metrics.jsonl", [{"time": 1.0, "event": "start", "config": {"train": {"max_steps": 4}}},
+                                        {"time": 2.0, "step": 1, "loss": 2.0}, {"time": 3.0, "step": 2, "loss": 1.0}])
+    grown = studio.run_view(first.seen)
+    assert grown.changed and grown.progress.words().startswith("step 2/4 · loss 1")
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    (out / "adapter").mkdir()
+    (out / "adapter" / "adapter_config.json").write_text("{}")
+    studio.runs.current = Run(Draft("tiny_cpu"), 2, out, log, done, resumed=False)
+    assert studio.run_view().status == f"finished: the adapter is in {out / 'adapter'}"
+    assert studio.new_adapter() == str(out / "adapter") and studio.new_adapter() is None  # offered once a run

@@ -131,17 +131,18 @@ def wire_run(studio: Studio, recipe: SimpleNamespace, run: SimpleNamespace, afte
 
     run.stop.click(stop, None, [run.error, run.status])
 
-    def tick() -> tuple[Any, ...]:
-        view = studio.run_view()
+    def tick(seen: str) -> tuple[Any, ...]:
+        view = studio.run_view(seen)
         finished = studio.new_adapter()  # a run that just finished: its adapter, ready to chat with
         pick = gr.update(choices=[finished, *adapters_under(RUNS_ROOT), BASE_MODEL], value=finished) \
             if finished else gr.skip()
-        if not view.changed:
-            return view.status, gr.skip(), gr.skip(), gr.skip(), view.log, pick
+        if not view.changed:  # the curves are drawn again only when the run wrote more
+            return view.status, gr.skip(), gr.skip(), gr.skip(), view.log, pick, seen
         return (view.status, view.progress.words(), curves_figure(view.series), view.completions or None, view.log,
-                pick)
+                pick, view.seen)
 
-    run.timer.tick(tick, None, [run.status, run.progress, run.curves, run.completions, run.log, after.adapter])
+    seen = gr.State("")  # this page's last look at the metrics file
+    run.timer.tick(tick, seen, [run.status, run.progress, run.curves, run.completions, run.log, after.adapter, seen])
 
 
 def settings(max_tokens: float, temperature: float, top_p: float) -> Settings:

@@ -28,6 +28,7 @@ class RunView:
     completions: list[list[Any]]
     log: str
     changed: bool
+    seen: str  # the metrics file and its size at this look
 
 
 class Studio:
@@ -36,7 +37,6 @@ class Studio:
         self.plans = PlanWorker()
         self.runs = Runs(state_dir / "logs")
         self.chats = ChatWorkers()
-        self.seen: tuple[str, int] | None = None  # the metrics file and its size, at the last look
         self.announced: set[str] = set()  # the runs (by process id) whose adapter the page has offered
 
     def recipe_of(self, recipe: str, yaml_path: str) -> str:
@@ -86,17 +86,17 @@ class Studio:
     def form_for(self, cfg: Config) -> list[Any]:
         return form_values(cfg, self.fields)
 
-    def run_view(self) -> RunView:
+    def run_view(self, seen: str = "") -> RunView:
+        """The run's state; its files are read again only where they changed since `seen` (the page's own last
+        look: each open page keeps its own, as RunView.seen)."""
         run = self.runs.current
         if run is None:
-            return RunView("no run launched from this page yet", Progress(), {}, [], "", self.seen is not None)
+            return RunView("no run launched from this page yet", Progress(), {}, [], "", False, seen)
         metrics = run.output_dir / "metrics.jsonl"
-        size = metrics.stat().st_size if metrics.is_file() else -1
-        changed = self.seen != (str(metrics), size)
-        self.seen = (str(metrics), size)
-        records = complete_records(metrics) if changed else []
+        now = f"{metrics}:{metrics.stat().st_size if metrics.is_file() else -1}"
+        records = complete_records(metrics) if now != seen else []
         return RunView(run.status(), progress(records), curves(records), latest_completions(run.output_dir),
-                       run.log_tail(), changed)
+                       run.log_tail(), now != seen, now)
 
     def new_adapter(self) -> str | None:
         """The adapter of the page's run once it has finished, the first time it is asked for."""
