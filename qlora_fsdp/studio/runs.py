@@ -17,7 +17,7 @@ from qlora_fsdp.config import REPO_ROOT, Config
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.run_files.checkpoints import complete_checkpoints
 from qlora_fsdp.run_files.run_dir import check_run_dir
-from qlora_fsdp.studio.draft import Draft, resolve, train_arguments
+from qlora_fsdp.studio.draft import Draft, resolve, torchrun_command, train_arguments
 from qlora_fsdp.studio.plan_worker import last_error_line
 
 LOG_TAIL_LINES = 40
@@ -86,6 +86,8 @@ class Runs:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                    str(REPO_ROOT / "train.py"), *train_arguments(draft, resume)]
         with log_path.open("wb") as log:
+            log.write(f"$ {torchrun_command(draft, ranks, resume)}\n".encode())  # what a terminal would run
+            log.flush()
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.current = Run(draft, ranks, Path(cfg.train.output_dir), log_path, process, resume)
