@@ -259,3 +259,15 @@ def test_the_run_view_reads_the_files_again_only_when_they_grew_and_says_how_the
     studio.runs.current = Run(Draft("tiny_cpu"), 2, out, log, done, resumed=False)
     assert studio.run_view().status == f"finished: the adapter is in {out / 'adapter'}"
     assert studio.new_adapter() == str(out / "adapter") and studio.new_adapter() is None  # offered once a run
+
+
+def test_the_run_log_shows_a_progress_bar_as_a_terminal_does(tmp_path):
+    from qlora_fsdp.studio.runs import Run
+
+    log = tmp_path / "run.log"
+    log.write_text("$ torchrun ...\nloading\ntrain:  10%|#  | 1/10\rtrain:  20%|##  | 2/10\rtrain:  30%|### | 3/10")
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    run = Run(Draft("tiny_cpu"), 2, tmp_path, log, done, resumed=False)
+    assert run.log_tail() == "$ torchrun ...\nloading\ntrain:  30%|### | 3/10"
+    assert run.log_tail(lines=1) == "train:  30%|### | 3/10"

@@ -40,7 +40,9 @@ class Run:
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         if not self.log_path.is_file():
             return ""
-        return "\n".join(self.log_path.read_text(errors="replace").replace("\r", "\n").splitlines()[-lines:])
+        # as a terminal shows it: a progress bar's redraws (carriage returns) leave their last state only
+        text = self.log_path.read_text(errors="replace").rstrip("\n")
+        return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")[-lines:])
 
     def status(self) -> str:
         """One line: running, stopped (resumable), finished, or failed with the run's own error line."""
