@@ -41,7 +41,7 @@ class Run:
         if not self.log_path.is_file():
             return ""
         # as a terminal shows it: a progress bar's redraws (carriage returns) leave their last state only
-        text = self.log_path.read_text(errors="replace").rstrip("\n")
+        text = self.log_path.read_bytes().decode(errors="replace").rstrip("\n")  # read_text would turn \r into \n
         return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")[-lines:])
 
     def status(self) -> str:
