@@ -606,6 +606,10 @@ MUTATIONS = [
              "        for pid in ranks or [run.process.pid]:",
              "        for pid in [run.process.pid]:",
              "tests/test_studio_browser.py::test_studio_in_a_browser"),
+    Mutation("the studio's chat workers inherit the server's distributed world", "qlora_fsdp/studio/chat.py",
+             "                                        text=True, bufsize=1, env=child_environment())\n",
+             "                                        text=True, bufsize=1)\n",
+             "tests/test_studio.py::test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side_by_side"),
     Mutation("the studio's plan worker lets a superseded plan run on", "qlora_fsdp/studio/plan_worker.py",
              "            if self.current is not None and self.current.poll() is None:\n"
              "                self.current.kill()\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import socket
 import subprocess
 import sys
 import threading
@@ -200,11 +201,21 @@ def test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans
 
 
 @pytest.mark.slow
-def test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side_by_side(tiny_model_dir, tmp_path):
+def test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side_by_side(tiny_model_dir, tmp_path,
+                                                                                        monkeypatch):
     """The chat worker's streamed reply grows token by token into the reply `qlora-generate` prints for the same
     prompt; a second worker (another model: the tiny base in fp4) answers beside it, as Compare holds two, and
-    the first still answers as before."""
+    the first still answers as before. The server's environment holds a distributed world's variables, its
+    store's port taken (as a process that made a world of one leaves them): each worker still makes its own."""
     from qlora_fsdp.studio.chat import BASE_MODEL, ChatWorkers, Settings
+    from qlora_fsdp.studio.environment import child_environment
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(taken.getsockname()[1]))):
+        monkeypatch.setenv(key, value)
 
     text = (ROOT / "recipes" / "tiny_cpu.yaml").read_text().replace("models/tiny-llama", str(tiny_model_dir))
     recipe, fp4 = tmp_path / "recipe.yaml", tmp_path / "fp4.yaml"
@@ -215,7 +226,8 @@ def test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side
     try:
         grown = list(workers.worker(BASE_MODEL, str(recipe)).stream(prompt, settings))
         cli = subprocess.run([sys.executable, "scripts/generate.py", "--recipe", str(recipe), "--no-adapter",
-                              "--prompt", prompt, "--max-new-tokens", "12"], cwd=ROOT, capture_output=True, text=True)
+                              "--prompt", prompt, "--max-new-tokens", "12"], cwd=ROOT, capture_output=True, text=True,
+                             env=child_environment())  # its own world of one, as the chat worker's
         assert cli.returncode == 0, cli.stderr[-2000:]
         assert grown[-1] == cli.stdout.rstrip("\n") and len(grown) > 2
         assert all(grown[-1].startswith(part.rstrip("\ufffd")) for part in grown[:-1])  # it grows, never rewrites
@@ -227,6 +239,7 @@ def test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side
         assert len(workers.workers) == 1  # the failed one is not kept (nor the one it replaced)
     finally:
         workers.close()
+        taken.close()
 
 
 def test_the_run_view_reads_the_files_again_only_when_they_grew_and_says_how_the_run_ended(tmp_path):

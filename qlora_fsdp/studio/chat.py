@@ -13,6 +13,7 @@ from typing import Any
 
 from qlora_fsdp.config import REPO_ROOT
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.studio.environment import child_environment
 from qlora_fsdp.studio.plan_worker import last_error_line
 
 BASE_MODEL = "(base model, no adapter)"
@@ -37,7 +38,7 @@ class ChatWorker:
         self.lock = threading.Lock()
         self.process = subprocess.Popen([sys.executable, "-m", "qlora_fsdp.studio.chat_worker", *arguments],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, bufsize=1)
+                                        text=True, bufsize=1, env=child_environment())
         first = self.read()
         if "error" in first:
             self.close()
@@ -113,7 +114,7 @@ def tool_command(tool: str, adapter: str, out: str, extra: list[str]) -> list[st
 
 def run_tool(command: list[str]) -> tuple[bool, str]:
     """(succeeded, what it printed last): its result line, or its one-line error."""
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=child_environment())
     if done.returncode != 0:
         return False, last_error_line(done.stderr)
     lines = done.stdout.strip().splitlines()

@@ -15,6 +15,7 @@ from typing import Any
 from qlora_fsdp.config import load_config
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.studio.draft import Draft
+from qlora_fsdp.studio.environment import child_environment
 
 PlanData = dict[str, Any]
 
@@ -75,7 +76,8 @@ class PlanWorker:
                 self.current.kill()
                 self.superseded += 1
             proc = subprocess.Popen([sys.executable, "-m", "qlora_fsdp.studio.plan_worker", draft.recipe,
-                                     *draft.overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     *draft.overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=child_environment())
             self.current = proc
         try:
             out, err = proc.communicate(timeout=timeout_s)

@@ -18,6 +18,7 @@ from qlora_fsdp.errors import UserError
 from qlora_fsdp.run_files.checkpoints import complete_checkpoints
 from qlora_fsdp.run_files.run_dir import check_run_dir
 from qlora_fsdp.studio.draft import Draft, resolve, torchrun_command, train_arguments
+from qlora_fsdp.studio.environment import child_environment
 from qlora_fsdp.studio.plan_worker import last_error_line
 
 LOG_TAIL_LINES = 40
@@ -91,7 +92,7 @@ class Runs:
             log.write(f"$ {torchrun_command(draft, ranks, resume)}\n".encode())  # what a terminal would run
             log.flush()
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                       env=child_environment(PYTHONUNBUFFERED="1"))
         self.current = Run(draft, ranks, Path(cfg.train.output_dir), log_path, process, resume)
         return self.current
 
