@@ -200,6 +200,14 @@ def test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans
     worker.close()
 
 
+def started(workers, adapter: str, recipe: str) -> tuple:
+    """(the chat worker, "") or (None, why it did not start)."""
+    try:
+        return workers.worker(adapter, recipe), ""
+    except UserError as err:
+        return None, str(err)
+
+
 @pytest.mark.slow
 def test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side_by_side(tiny_model_dir, tmp_path,
                                                                                         monkeypatch):
@@ -224,14 +232,18 @@ def test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side
     prompt, settings = "Reverse the letters of the word. river", Settings(max_new_tokens=12)
     workers = ChatWorkers()
     try:
-        grown = list(workers.worker(BASE_MODEL, str(recipe)).stream(prompt, settings))
+        first, error = started(workers, BASE_MODEL, str(recipe))
+        assert first is not None, f"the chat worker did not start: {error}"
+        grown = list(first.stream(prompt, settings))
         cli = subprocess.run([sys.executable, "scripts/generate.py", "--recipe", str(recipe), "--no-adapter",
                               "--prompt", prompt, "--max-new-tokens", "12"], cwd=ROOT, capture_output=True, text=True,
                              env=child_environment())  # its own world of one, as the chat worker's
         assert cli.returncode == 0, cli.stderr[-2000:]
         assert grown[-1] == cli.stdout.rstrip("\n") and len(grown) > 2
         assert all(grown[-1].startswith(part.rstrip("\ufffd")) for part in grown[:-1])  # it grows, never rewrites
-        other = list(workers.worker(BASE_MODEL, str(fp4)).stream(prompt, settings))[-1]
+        second, error = started(workers, BASE_MODEL, str(fp4))
+        assert second is not None, f"the second chat worker did not start: {error}"
+        other = list(second.stream(prompt, settings))[-1]
         assert len(workers.workers) == 2 and other != grown[-1]  # another model, another reply
         assert list(workers.worker(BASE_MODEL, str(recipe)).stream(prompt, settings))[-1] == grown[-1]
         with pytest.raises(UserError, match="adapter folder not found: .*nowhere"):
