@@ -605,7 +605,7 @@ MUTATIONS = [
     Mutation("the studio's stop signals torchrun rather than its ranks", "qlora_fsdp/studio/runs.py",
              "        for pid in ranks or [run.process.pid]:",
              "        for pid in [run.process.pid]:",
-             "tests/test_studio_browser.py::test_studio_in_a_browser"),
+             "tests/test_studio.py::test_stop_signals_each_rank_once", quick=True),
     Mutation("the studio's chat workers inherit the server's distributed world", "qlora_fsdp/studio/chat.py",
              "                                        text=True, bufsize=1, env=child_environment())\n",
              "                                        text=True, bufsize=1)\n",

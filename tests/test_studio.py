@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -296,3 +298,38 @@ def test_the_run_log_shows_a_progress_bar_as_a_terminal_does(tmp_path):
     run = Run(Draft("tiny_cpu"), 2, tmp_path, log, done, resumed=False)
     assert run.log_tail() == "$ torchrun ...\nloading\ntrain:  30%|### | 3/10"
     assert run.log_tail(lines=1) == "train:  30%|### | 3/10"
+
+
+def test_stop_signals_each_rank_once(tmp_path):
+    """Stop sends SIGTERM to torchrun's children (its ranks), not to torchrun; a second Stop is refused, since a
+    rank's second signal ends it before its checkpoint is written."""
+    from qlora_fsdp.studio.runs import Run, Runs
+
+    rank = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: open(sys.argv[1], 'a').write('rank\\n'))\n"
+            "open(sys.argv[1] + '.ready', 'w').close()\n"
+            "time.sleep(60)\n")
+    script = ("import os, signal, subprocess, sys, time\n"
+              f"child = subprocess.Popen([sys.executable, '-c', {rank!r}, sys.argv[1]])\n"
+              "while not os.path.exists(sys.argv[1] + '.ready'): time.sleep(0.05)\n"
+              "signal.signal(signal.SIGTERM, lambda *a: open(sys.argv[1], 'a').write('torchrun\\n'))\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)\n")
+    marks = tmp_path / "signals"
+    launcher = subprocess.Popen([sys.executable, "-c", script, str(marks)], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        assert launcher.stdout is not None and launcher.stdout.readline().strip() == "ready"
+        runs = Runs(tmp_path / "logs")
+        runs.current = Run(Draft("tiny_cpu"), 1, tmp_path, tmp_path / "log", launcher, resumed=False)
+        runs.stop()
+        deadline = time.monotonic() + 10
+        while not marks.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)  # a signal to the launcher too would have been written by now
+        assert marks.read_text() == "rank\n"  # the rank got it, the launcher did not
+        with pytest.raises(UserError, match="stopping already"):
+            runs.stop()
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()

@@ -5,6 +5,7 @@ line's words."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -100,16 +101,20 @@ class Runs:
         run = self.current
         if run is None or not run.running:
             raise UserError("no run is going")
+        if run.stop_requested:  # a rank's second signal ends it at once, without the checkpoint being written
+            raise UserError("the run is stopping already: its checkpoint is being written")
         run.stop_requested = True
         ranks = child_processes(run.process.pid)
         for pid in ranks or [run.process.pid]:  # not torchrun itself: it would end with an error of its own
-            os.kill(pid, signal.SIGTERM)  # each rank ends its step, saves a checkpoint and exits 0
+            with contextlib.suppress(ProcessLookupError):  # a rank that ended meanwhile
+                os.kill(pid, signal.SIGTERM)  # each rank ends its step, saves a checkpoint and exits 0
         return run
 
     def close(self, wait_s: float = 60.0) -> None:
         """At the studio's exit: a run still going is stopped as Stop does (its checkpoint kept)."""
         if self.current is not None and self.current.running:
-            self.stop()
+            if not self.current.stop_requested:
+                self.stop()
             try:
                 self.current.process.wait(wait_s)
             except subprocess.TimeoutExpired:
