@@ -11,18 +11,37 @@ from typing import Any
 Series = list[tuple[int, float]]
 
 
-def read_series(metrics: Path, keys: tuple[str, ...]) -> dict[str, Series]:
-    """(step, value) for each key, from the records that hold it finite; a skipped step's are left out."""
-    series: dict[str, Series] = {key: [] for key in keys}
-    for line in metrics.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("skipped"):
+def complete_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a JSONL file a run appends to (metrics.jsonl, completions.jsonl), up to the last complete
+    line: a line still being written, or one cut short by a kill (the run trims it when it resumes), is left out."""
+    if not path.is_file():
+        return []
+    text = path.read_text(errors="replace")
+    records = []
+    for line in text[:text.rfind("\n") + 1].splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def series_of(records: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Series]:
+    """(step, value) for each key, from the step records that hold it finite; a skipped step's are left out, and a
+    step logged twice keeps its latest value."""
+    series: dict[str, dict[int, float]] = {key: {} for key in keys}
+    for record in records:
+        if "event" in record or record.get("skipped") or "step" not in record:
             continue
         for key in keys:
             value = record.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
-                series[key].append((record["step"], float(value)))
-    return series
+                series[key][int(record["step"])] = float(value)
+    return {key: sorted(points.items()) for key, points in series.items()}
+
+
+def read_series(metrics: Path, keys: tuple[str, ...]) -> dict[str, Series]:
+    return series_of(complete_records(metrics), keys)
 
 
 def running_mean(values: list[float], window: int) -> list[float]:

@@ -4,45 +4,20 @@ latest completions."""
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qlora_fsdp.run_files.metrics import format_duration
+from qlora_fsdp.run_files.plots import Series, complete_records, series_of
 
-Series = list[tuple[int, float]]
 CURVE_KEYS = ("loss", "eval_loss", "reward", "eval_reward", "tokens_per_s", "generated_tokens_per_s",
               "peak_memory_gib")
 
 
-def complete_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON records of a JSONL file a run appends to, up to the last complete line."""
-    if not path.is_file():
-        return []
-    text = path.read_text(errors="replace")
-    records = []
-    for line in text[:text.rfind("\n") + 1].splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:  # a line cut short by a kill: the run trims it when it resumes
-            continue
-    return records
-
-
-def curves(records: list[dict[str, Any]], keys: tuple[str, ...] = CURVE_KEYS) -> dict[str, Series]:
-    """(step, value) for each key from the step records that hold it finite; a resumed run's repeated steps keep
-    their latest value."""
-    series: dict[str, dict[int, float]] = {key: {} for key in keys}
-    for record in records:
-        if "event" in record or record.get("skipped") or "step" not in record:
-            continue
-        for key in keys:
-            value = record.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                series[key][int(record["step"])] = float(value)
-    return {key: sorted(points.items()) for key, points in series.items()}
+def curves(records: list[dict[str, Any]]) -> dict[str, Series]:
+    """The studio's curves: loss and eval loss, reward, tokens/s and memory, by step."""
+    return series_of(records, CURVE_KEYS)
 
 
 @dataclass
