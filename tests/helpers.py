@@ -18,7 +18,13 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Batch, Sample, collate
 from qlora_fsdp.data.pipeline import load_dataset
 from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
+from qlora_fsdp.torch_versions import fsdp_param_groups, release
 from tests.rank_pool import free_port, retire_this_worker, session_pool
+
+# the collectives FSDP2 calls (tests count them): torch 2.13 renamed them
+FSDP2_ALL_GATHER, FSDP2_REDUCE_SCATTER = (
+    ("all_gather_single", "reduce_scatter_single") if release(torch.__version__) >= (2, 13)
+    else ("all_gather_into_tensor", "reduce_scatter_tensor"))
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -126,7 +132,7 @@ def fsdp_params(model: torch.nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FSDPModule
 
     return [fsdp_param for module in model.modules() if isinstance(module, FSDPModule)
-            for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params]
+            for group in fsdp_param_groups(module._get_fsdp_state()) for fsdp_param in group.fsdp_params]
 
 
 def decoder_lora_keys(model: torch.nn.Module) -> set[str]:

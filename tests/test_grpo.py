@@ -25,6 +25,7 @@ import torch
 from qlora_fsdp.config import GrpoConfig
 from qlora_fsdp.losses.policy import group_advantages
 from tests.helpers import (
+    FSDP2_ALL_GATHER,
     build_tiny_checkpoint,
     decoder_lora_keys,
     full_grads,
@@ -502,14 +503,14 @@ def bytes_gathered_by_layout(model, tokenizer, prompts: list[list[int]], info) -
     from qlora_fsdp.objectives.rollouts import generate
 
     counted = [0]
-    all_gather_single = dist.all_gather_single
+    all_gather = getattr(dist, FSDP2_ALL_GATHER)
 
     def counting(output, *args, **kwargs):
         counted[0] += output.numel() * output.element_size()
-        return all_gather_single(output, *args, **kwargs)
+        return all_gather(output, *args, **kwargs)
 
     out: dict = {"model": sum(p.numel() * p.element_size() for p in model.parameters())}
-    dist.all_gather_single = counting
+    setattr(dist, FSDP2_ALL_GATHER, counting)
     try:
         for layout in LAYOUTS:
             for new in (2, 10):
@@ -518,7 +519,7 @@ def bytes_gathered_by_layout(model, tokenizer, prompts: list[list[int]], info) -
                 generate(model, tokenizer, prompts, grpo, info.device, info.world_size, layout)
                 out[layout, new] = counted[0]
     finally:
-        dist.all_gather_single = all_gather_single
+        setattr(dist, FSDP2_ALL_GATHER, all_gather)
     return out
 
 

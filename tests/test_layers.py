@@ -6,7 +6,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qlora_fsdp"
-BASE = {"errors", "labels", "dtypes", "optimizer_registry", "distributed", "config", "precision", "families", "agents"}
+BASE = {"errors", "labels", "dtypes", "optimizer_registry", "distributed", "config", "precision", "families", "agents",
+        "torch_versions"}
 MODEL = {"layers", "losses", "loading"}
 # what each part of the package may import (besides itself)
 ALLOWED = {
@@ -15,6 +16,7 @@ ALLOWED = {
     "config": {"errors", "optimizer_registry"},
     "precision": {"config", "dtypes", "errors", "optimizer_registry"},
     "families": {"errors"},  # what differs between model families, asked by everything above
+    "torch_versions": {"errors"},  # the torch releases run on, and an older one's missing fixes patched in
     "agents": {"errors", "config"},  # GRPO's tools and environments: user code, found, run and read back
     "data": BASE,  # never the model's packages: data and model do not know each other
     "layers": BASE,  # modules that compute, knowing nothing of files or losses

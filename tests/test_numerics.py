@@ -23,6 +23,7 @@ from qlora_fsdp.loading.weight_files import weight_files
 from qlora_fsdp.objectives.supervised import accumulate_gradients
 from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
 from tests.helpers import (
+    FSDP2_REDUCE_SCATTER,
     batches,
     fsdp_params,
     full_grads,
@@ -161,13 +162,13 @@ def sgd_update(info, cfg, micro_batches_per_rank):
 def count_reduce_scatters(info, cfg, micro_batches_per_rank):
     """Reduce-scatter calls for one step with accumulation, and with a sync after every micro-batch."""
     calls = {"n": 0}
-    original = dist.reduce_scatter_single
+    original = getattr(dist, FSDP2_REDUCE_SCATTER)
 
     def counting(*args, **kwargs):
         calls["n"] += 1
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counting
+    setattr(dist, FSDP2_REDUCE_SCATTER, counting)
     try:
         model = build_model(cfg, info)
         accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
@@ -179,7 +180,7 @@ def count_reduce_scatters(info, cfg, micro_batches_per_rank):
             model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.sum().backward()
         every_micro_batch = calls["n"]
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, FSDP2_REDUCE_SCATTER, original)
     groups = sum(1 for m in model.modules() if isinstance(m, FSDPModule) and any(
         p.requires_grad for p in m.parameters()) and m is not model)
     return {"accumulated": with_accumulation, "every_micro_batch": every_micro_batch, "layer_groups": groups}

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from qlora_fsdp.config import GrpoConfig
 from qlora_fsdp.generation.room import gathered_fits
 from qlora_fsdp.layers.checkpointing import layer_slots
+from qlora_fsdp.torch_versions import fsdp_param_groups
 
 Layout = Literal["per_token", "gathered", "split"]
 LAYOUTS: tuple[Layout, ...] = ("per_token", "gathered", "split")
@@ -44,8 +45,8 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 def reshards_after_forward(module: FSDPModule) -> bool:
     """The module's reshard_after_forward, read back (FSDP2 keeps it as the mesh it reshards to)."""
-    group = module._get_fsdp_state()._fsdp_param_group
-    return group is not None and group.post_forward_mesh_info is not None
+    groups = fsdp_param_groups(module._get_fsdp_state())
+    return any(group.post_forward_mesh_info is not None for group in groups)
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """Activation offload: what autograd keeps for backward waits in host memory until backward asks for it.
 
 Entered around forward and loss, saved-tensor hooks see what the graph keeps. Under non-reentrant activation
-checkpointing that is each checkpointed layer's positional inputs (torch 2.13 saves them with
+checkpointing that is each checkpointed layer's positional inputs (torch 2.11 to 2.13 save them with
 `_make_saved_tensor` before entering checkpoint's own hooks, so they pass through ours) plus whatever the
 non-checkpointed code saves; the tensors inside a checkpointed region go through checkpoint's inner hooks and
 never reach these. So the offloader moves exactly what checkpointing keeps, and frees its device memory.
@@ -137,6 +137,7 @@ class ActivationOffloader:
                 or tensor.layout != torch.strided
                 or not self._on_device(tensor)  # already elsewhere (e.g. FSDP2's host-offloaded shards)
                 or _nbytes(tensor) < self.min_bytes  # a copy would cost more than it frees
+                or tensor.numel() == 0  # frees nothing (torch 2.11's checkpoint saves one with each block's inputs)
                 or _nbytes(tensor) > tensor.untyped_storage().nbytes())  # a broadcast view would grow
 
     def _on_device(self, tensor: torch.Tensor) -> bool:

@@ -12,7 +12,6 @@ from transformers import PretrainedConfig
 from qlora_fsdp.config import Config, FSDPConfig
 from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.families import attention_needs, router_loss_coefficient
 from qlora_fsdp.layers.attention import VARLEN_SDPA, resolve_attention
 from qlora_fsdp.layers.checkpointing import apply_activation_checkpointing, layer_slots
@@ -21,6 +20,7 @@ from qlora_fsdp.layers.split_rows import HeadTrade, split_attention
 from qlora_fsdp.layers.tiled_attention import tile_attention_sides
 from qlora_fsdp.layers.tiled_mlp import tile_mlps
 from qlora_fsdp.loading.build import build_meta_model
+from qlora_fsdp.torch_versions import apply_fixes
 
 
 def fsdp_policies(fsdp: FSDPConfig, device: torch.device) -> dict:
@@ -37,19 +37,9 @@ def fsdp_policies(fsdp: FSDPConfig, device: torch.device) -> dict:
     return {"mp_policy": mp_policy, "offload_policy": offload_policy}
 
 
-def refuse_old_fsdp2(version: str = torch.__version__) -> None:
-    """FSDP2 before torch 2.13 makes every sharded parameter require grad, which the uint8 4-bit storage cannot (seen
-    on a GPU with torch 2.11: "only Tensors of floating point dtype can require gradients"; 2.13 passes the
-    parameter's own requires_grad; 2.12 not checked)."""
-    major, minor = (int(part) for part in version.split(".")[:2])
-    if (major, minor) < (2, 13):
-        raise ModelLoadError(f"torch {version}: FSDP2 before torch 2.13 cannot shard the uint8 4-bit weights (it "
-                             "makes every sharded parameter require grad); install torch==2.13.0 (requirements.txt)")
-
-
 def shard_model(model: nn.Module, fsdp: FSDPConfig, mesh: DeviceMesh) -> None:
     """fully_shard each decoder layer (wrapped or not), then the root for embeddings, norm and lm_head."""
-    refuse_old_fsdp2()
+    apply_fixes()  # an older torch's FSDP2 cannot shard the uint8 4-bit weights without them (torch_versions.py)
     policies = fsdp_policies(fsdp, torch.device(mesh.device_type))
     for parent, name in layer_slots(model):
         fully_shard(getattr(parent, name), mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **policies)

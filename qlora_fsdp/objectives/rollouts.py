@@ -46,6 +46,7 @@ from qlora_fsdp.generation.layouts import (
 )
 from qlora_fsdp.layers.generation_attention import generation_attention
 from qlora_fsdp.layers.image_embeddings import image_token_of, images_in_embeddings
+from qlora_fsdp.torch_versions import fsdp_param_groups
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def forget_forward_order(root: FSDPModule) -> None:
     state = root._get_fsdp_state()
     state._comm_ctx.post_forward_order.clear()
     for other in state._state_ctx.all_states:
-        for group in other._fsdp_param_groups:
+        for group in fsdp_param_groups(other):
             group._post_forward_indices.clear()
 
 
