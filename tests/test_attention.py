@@ -19,6 +19,7 @@ from qlora_fsdp.layers.attention import (
     VARLEN_SDPA,
     resolve_attention,
     sample_bounds,
+    transformers_name,
     varlen_sdpa_forward,
 )
 from qlora_fsdp.layers.generation_attention import BLOCKWISE_GENERATION, generation_attention
@@ -309,3 +310,55 @@ def test_the_planner_runs_one_block_pair_and_counts_the_work_of_them_all(monkeyp
     with FakeTensorMode() as fake_mode:
         planned = counted(fake_mode.from_tensor)
     assert real > 0 and planned == pytest.approx(real, rel=1e-9)
+
+
+# ---- flex attention: short grouped-query rows compile, a failed compile falls back -----------------------------
+
+def test_flex_short_queries_take_the_main_kernel():
+    """Under 128 queries inductor would pick its flex-decoding kernel, which rejects grouped-query rows on CUDA."""
+    from qlora_fsdp.layers.flex_attention import kernel_options
+
+    def options(queries: int, given: dict | None = None) -> dict:
+        return kernel_options(torch.empty(1, 4, queries, 8, device="meta"), given)
+
+    assert options(1) == options(127) == {"FORCE_USE_FLEX_ATTENTION": True}
+    assert options(128) == {} and options(1, {"BACKEND": "TRITON"}) == {"BACKEND": "TRITON"}
+    assert options(1, {"FORCE_USE_FLEX_ATTENTION": False}) == {"FORCE_USE_FLEX_ATTENTION": False}
+
+
+class NoValidChoices(torch._dynamo.exc.TorchDynamoException):
+    """Stands for inductor's lowering failure seen on the H200 (InductorError: ... NoValidChoicesError)."""
+
+
+def test_flex_that_fails_to_compile_falls_back_in_one_line(tiny_model_dir, monkeypatch, capsys):
+    """The compiled call fails: the same call runs torch's uncompiled flex attention (the logits of sdpa, grouped
+    queries and a short row), the log says so once, and later calls go straight there."""
+    from transformers.integrations import flex_attention as transformers_flex
+
+    from qlora_fsdp.layers import flex_attention as flex
+
+    compiles = []
+
+    def failing_compile(self):
+        def compiled(*args, **kwargs):
+            compiles.append(kwargs["kernel_options"])
+            raise NoValidChoices("LoweringException: NoValidChoicesError: No choices to select\nsecond line")
+        return compiled
+
+    monkeypatch.setattr(transformers_flex.WrappedFlexAttention, "__call__", failing_compile)
+    monkeypatch.setattr(flex._State, "fallback_reason", None)
+    ids = torch.tensor([[5, 9, 14, 3, 7, 22, 41]])
+    logits = {}
+    for kernel in ("sdpa", "flex_attention"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                     attn_implementation=transformers_name(kernel))
+        with torch.no_grad():
+            logits[kernel] = model(input_ids=ids).logits
+            again = model(input_ids=ids).logits
+    torch.testing.assert_close(logits["flex_attention"], logits["sdpa"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(again, logits["flex_attention"])
+    assert compiles == [{"FORCE_USE_FLEX_ATTENTION": True}]  # tried once, with the short rows' option
+    lines = [line for line in capsys.readouterr().err.splitlines() if "flex" in line]  # not the loading bars
+    assert lines == ["warning: flex attention did not compile (LoweringException: NoValidChoicesError: No choices "
+                     "to select); this process now runs torch's uncompiled flex attention (exact, slower, scores "
+                     "held whole)"]

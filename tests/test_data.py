@@ -16,7 +16,7 @@ from qlora_fsdp.data.batching import Sample, StepSampler, collate, collate_packe
 from qlora_fsdp.data.pipeline import load_dataset
 from qlora_fsdp.data.templates import IGNORE_INDEX, encode
 from qlora_fsdp.errors import DataError
-from qlora_fsdp.layers.attention import VARLEN_SDPA, flattens_packed_rows
+from qlora_fsdp.layers.attention import VARLEN_SDPA, flattens_packed_rows, transformers_name
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from tests.helpers import REPO, run_ranks, tiny_config
 
@@ -92,7 +92,10 @@ def test_formats_and_field_names(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager", VARLEN_SDPA, "flex_attention"])
 def test_sample_loss_is_the_same_packed_as_alone(tiny_model_dir, tokenizer, attention):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attention)
+    """Each kernel as a run hands it to transformers (flex: compiled with the main flex kernel for these short
+    grouped-query rows, layers/flex_attention.py)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                 attn_implementation=transformers_name(attention))
     texts = ["The cat sat on the mat.", "Reverse the letters: stone", "A much longer sample " * 4]
     samples = [Sample(*encode([{"role": "text", "content": t}], tokenizer, "alpaca", False)) for t in texts]
 

@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.families import CAUSAL_ONLY, AttentionNeeds
 from qlora_fsdp.layers.blockwise_attention import blockwise_attention
+from qlora_fsdp.layers.flex_attention import REGISTERED_FLEX
 from qlora_fsdp.layers.split_rows import own_head_kwargs, trade_of
 
 VARLEN_SDPA = "sdpa_varlen"
@@ -178,8 +179,9 @@ def resolve_attention(choice: str, packing: bool, device_type: str, needs: Atten
 
 
 def transformers_name(kernel: str) -> str:
-    """The attn_implementation to hand transformers for a kernel of ours."""
-    return REGISTERED_NAME if kernel == VARLEN_SDPA else kernel
+    """The attn_implementation to hand transformers for a kernel of ours (flex: with short rows compiling and a
+    fallback if compiling fails, layers/flex_attention.py)."""
+    return {VARLEN_SDPA: REGISTERED_NAME, "flex_attention": REGISTERED_FLEX}.get(kernel, kernel)
 
 
 def flattens_packed_rows(kernel: str) -> bool:

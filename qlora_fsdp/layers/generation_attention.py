@@ -23,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from qlora_fsdp.config.schema import AttnImplementation
 from qlora_fsdp.families import CAUSAL_ONLY, AttentionNeeds
 from qlora_fsdp.layers.attention import AttentionOptions, family_attention
+from qlora_fsdp.layers.flex_attention import REGISTERED_FLEX
 
 BLOCKWISE_GENERATION = "blockwise_generation"
 
@@ -31,7 +32,7 @@ def generation_attention(choice: AttnImplementation, needs: AttentionNeeds = CAU
     """The kernel sampling runs for `model.attn_implementation`: a KV cache and left-padded prompts need a mask,
     so sdpa unless a kernel that has one; for soft-capping or sinks, this module's (the prompt blockwise, the steps
     eager); eager for a family transformers does not run under sdpa."""
-    if choice in ("eager", "flex_attention") or (choice == "flash_attention_2" and not needs.sinks):
+    if choice in ("eager", "flex_attention", REGISTERED_FLEX) or (choice == "flash_attention_2" and not needs.sinks):
         return choice
     if needs.softcap or needs.sinks:
         return BLOCKWISE_GENERATION

@@ -1,0 +1,74 @@
+"""Flex attention as a run uses it: short grouped-query rows compile, and a compile that fails falls back.
+
+transformers' flex attention compiles torch's `flex_attention` once a process. For queries under 128 tokens (every
+decoding step; a short row) inductor picks its flex-decoding kernel on CUDA, whose block-size check finds no valid
+choice for grouped-query rows (`NoValidChoicesError`, seen on an H200 with torch 2.11; the same check in 2.12 and
+2.13, pytorch PR #185349). `FORCE_USE_FLEX_ATTENTION` makes inductor use its main flex kernel there, which compiles.
+
+Any other failure to compile (no C++ compiler, another lowering error) must not end a run hours in: the call falls
+back, for the rest of the process, to torch's uncompiled flex attention (the same block mask and score function,
+exact, but holding each call's scores whole), said once in one line.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations import flex_attention as transformers_flex
+from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask
+
+from qlora_fsdp.errors import first_line
+
+# the name transformers runs it by: containing "flex_attention", so transformers' own checks of a family's flex
+# support apply, and built with flex's block masks
+REGISTERED_FLEX = "flex_attention_guarded"
+DECODING_KERNEL_QUERIES = 128  # inductor's flex-decoding kernel takes queries shorter than this
+
+
+class _State:
+    fallback_reason: str | None = None  # set once compiling failed in this process
+
+
+def kernel_options(query: torch.Tensor, given: dict[str, Any] | None) -> dict[str, Any]:
+    """The options a call compiles with: the main flex kernel for short queries, unless the caller chose."""
+    options = dict(given or {})
+    if query.shape[2] < DECODING_KERNEL_QUERIES and "BACKEND" not in options:  # BACKEND excludes the legacy knob
+        options.setdefault("FORCE_USE_FLEX_ATTENTION", True)
+    return options
+
+
+@contextmanager
+def uncompiled_flex() -> Iterator[None]:
+    """transformers calls the uncompiled flex_attention when it thinks it is inside a compiled graph already."""
+    seen = transformers_flex.is_torchdynamo_compiling
+    transformers_flex.is_torchdynamo_compiling = lambda: True
+    try:
+        yield
+    finally:
+        transformers_flex.is_torchdynamo_compiling = seen
+
+
+def guarded_flex_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' flex attention forward with the options above, and the fallback if compiling fails."""
+    kwargs["kernel_options"] = kernel_options(query, kwargs.get("kernel_options"))
+    if _State.fallback_reason is None:
+        try:
+            return transformers_flex.flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:  # the compiler's failures, not the kernel's
+            _State.fallback_reason = first_line(err)
+            print(f"warning: flex attention did not compile ({_State.fallback_reason[:200]}); this process now "
+                  "runs torch's uncompiled flex attention (exact, slower, scores held whole)", file=sys.stderr,
+                  flush=True)
+    with uncompiled_flex():
+        return transformers_flex.flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(REGISTERED_FLEX, guarded_flex_forward)
+AttentionMaskInterface.register(REGISTERED_FLEX, flex_attention_mask)
