@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-dpo demo-grpo demo-tools studio browser test test-fast test-slow lint gpu-check gpu-check-quick gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
+.PHONY: demo demo-dpo demo-grpo demo-tools studio browser test test-fast test-slow test-old-torch lint gpu-check gpu-check-quick gpu-wheels gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
 $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyproject.toml
@@ -116,9 +116,27 @@ test-fast: $(BIN)/activate
 test-slow: $(BIN)/activate tiny-model
 	$(BIN)/python -m pytest -q --durations=20 -m slow tests
 
-# on a GPU: eleven device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run)
+# on a GPU: the device checks in at most 10 minutes, a markdown table at the end (CPU: a dry run). On an offline
+# machine that has only torch: `make gpu-check WHEELS=gpu-wheels` with the folder `make gpu-wheels` wrote elsewhere,
+# run by the machine's own python (no venv: there is no index to build one from); tests/gpu_site.py installs the
+# wheels into .gpu-site/ and leaves the machine's packages alone
+ifdef WHEELS
+gpu-check:
+	$(PYTHON) -m tests.gpu_check --wheels $(WHEELS)
+else
 gpu-check: $(BIN)/activate
 	$(BIN)/python -m tests.gpu_check
+endif
+
+# where a package index is reachable: the wheels an offline GPU machine with torch lacks, at the pinned versions, for
+# its Python and its torch's CUDA runtime (bitsandbytes trimmed to it), about 26 MB; FULL=1 adds numpy, pandas,
+# pyarrow and matplotlib. Carry GPU_WHEELS over, then `make gpu-check WHEELS=gpu-wheels` there
+GPU_WHEELS ?= gpu-wheels
+GPU_PYTHON ?= 3.12
+GPU_CUDA ?= 13.0
+gpu-wheels: $(BIN)/activate
+	rm -rf $(GPU_WHEELS)
+	$(BIN)/python scripts/gpu_wheels.py --out $(GPU_WHEELS) --python $(GPU_PYTHON) --cuda $(GPU_CUDA) $(if $(FULL),--full)
 
 # on a GPU: GRPO's generation speed alone, at most 5 minutes (what a short lease must still measure)
 gpu-check-quick: $(BIN)/activate

@@ -5,6 +5,8 @@
     python -m tests.gpu_check --out docs/gpu_check.md   # also write the table (and its figures as .json)
     python -m tests.gpu_check --only nan_canary,fsdp_real_path
     python -m tests.gpu_check --dry-run           # CPU, small sizes; what needs CUDA is listed as skipped
+    python -m tests.gpu_check --wheels gpu-wheels   # an offline machine with only torch: what `make gpu-wheels`
+                                                    # brought, installed into .gpu-site/ first (tests/gpu_site.py)
 
 Checks (each in its own process, with its own time budget, so an OOM, a crash or a fake process group stays
 inside it: on a GPU a fresh `python -m tests.gpu_check_cases`, on the CPU a fork of this process, which imported
@@ -106,6 +108,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--total-seconds", type=float, default=TOTAL_SECONDS,
                         help=f"time budget of the whole run (default {TOTAL_SECONDS}); each check also has its own")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, adapter, merged models)")
+    parser.add_argument("--wheels", type=Path, help="a folder from `make gpu-wheels`: installed into .gpu-site/ "
+                        "(the machine's own packages untouched), then the checks run with it first on the path")
     return parser.parse_args(argv)
 
 
@@ -282,8 +286,25 @@ def write_outputs(out: Path, text: str, rows: list[Row], device: str, env: dict[
     json_path.write_text(json.dumps(figures, indent=2) + "\n")
 
 
+def without_option(argv: list[str], option: str) -> list[str]:
+    """argv less `option VALUE` / `option=VALUE`."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == option:
+            skip = True
+        elif not item.startswith(option + "="):
+            out.append(item)
+    return out
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.wheels:
+        from tests.gpu_site import run_with_wheels
+
+        return run_with_wheels(args.wheels, without_option(argv, "--wheels"))
     os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is fetched, whatever the caller's environment says
     started = time.monotonic()
     device = "cpu" if args.dry_run or not cuda_available() else "cuda"

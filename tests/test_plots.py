@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 from qlora_fsdp.run_files.plots import plot_loss_curves, read_series
@@ -37,3 +38,9 @@ def test_sft_has_one_panel_and_pairs_add_the_rewards(tmp_path):
     assert len(read_series(tmp_path / "sft" / "metrics.jsonl", ("loss",))["loss"]) == 10  # the skipped step is out
     assert plot_loss_curves(write_metrics(tmp_path / "empty" / "metrics.jsonl", [{"event": "start"}]),
                             tmp_path / "none.png") is None
+
+
+def test_no_matplotlib_means_no_png_and_no_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    metrics = write_metrics(tmp_path / "sft" / "metrics.jsonl", [{"step": 1, "loss": 2.0}])
+    assert plot_loss_curves(metrics, tmp_path / "sft.png") is None and not (tmp_path / "sft.png").exists()

@@ -69,11 +69,15 @@ REWARD_KEYS = ("reward_accuracy", "eval_reward_accuracy", "reward_margin", "eval
 
 
 def plot_loss_curves(metrics: Path, png: Path) -> Path | None:
-    """Write the PNG; None when there is nothing to plot yet."""
+    """Write the PNG; None when there is nothing to plot yet, or no matplotlib (an offline GPU machine's carried
+    wheels leave it out: the run's metrics.jsonl holds every figure)."""
     series = read_series(metrics, ("loss", "eval_loss", *REWARD_KEYS))
     if not series["loss"] and not series["eval_loss"]:
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")  # files only: no display needed on a cluster node
     import matplotlib.pyplot as plt
