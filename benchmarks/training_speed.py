@@ -26,6 +26,8 @@ use, scripts/make_real_model.py) in float32 instead of the 26.7M-parameter one i
     python -m benchmarks.training_speed                         # about 65 minutes on 2 cores
     python -m benchmarks.training_speed --model real --records 64 --eval-records 50 --runs peer,peer_grouped,ours
                                                                 # 2 steps: about 90 minutes
+    python -m benchmarks.training_speed --device cuda --arch model_configs/llama-3.1-8b/config.json --layers 8 \
+        --context 2048 --runs peer,ours --rounds 1        # one GPU at Llama 3.1 8B's shapes (the GPU check's)
 """
 
 from __future__ import annotations
@@ -85,98 +87,143 @@ class Plan:
     accum_steps: int
     dtype: str = "bfloat16"  # of the model and its compute, for every run
     warmup_steps: int = SETTINGS["warmup_steps"]
+    context: int = CONTEXT
+    device: str = "cpu"  # where every run trains: cpu, or cuda (the GPU check's one-GPU speed)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         fields = json.loads(text)
         return cls(Path(fields["train"]), Path(fields["held_out"]), Path(fields["model"]), int(fields["steps"]),
                    int(fields["rows_per_micro_batch"]), int(fields["accum_steps"]), fields["dtype"],
-                   int(fields.get("warmup_steps", SETTINGS["warmup_steps"])))
+                   int(fields.get("warmup_steps", SETTINGS["warmup_steps"])), int(fields.get("context", CONTEXT)),
+                   fields.get("device", "cpu"))
 
 
-def token_lengths(model: Path, data_file: Path) -> list[int]:
+def token_lengths(model: Path, data_file: Path, context: int = CONTEXT) -> list[int]:
     """Each record's tokens after fitting to the context, in file order, as the pipeline makes them."""
     from qlora_fsdp.config import load_config
     from qlora_fsdp.data.pipeline import run_template, sources_of, tokenized
     from qlora_fsdp.loading.checkpoint import load_tokenizer
 
-    cfg = load_config("tiny_cpu", [f"model.path={model}", f"data.path={data_file}", f"data.context_length={CONTEXT}"])
+    cfg = load_config("tiny_cpu", [f"model.path={model}", f"data.path={data_file}", f"data.context_length={context}"])
     tokenizer = load_tokenizer(cfg)
     samples = tokenized(sources_of(cfg.data), tokenizer, cfg.data, run_template(cfg.data, tokenizer), 0)[0]
     return list(samples["length"])
 
 
-def matching_split(lengths: list[int], wanted: int) -> tuple[int, int, int]:
+def matching_split(lengths: list[int], wanted: int, context: int = CONTEXT) -> tuple[int, int, int]:
     """(records, packed rows per step, steps): the first number of records from `wanted` up whose packed rows
     split into exactly as many optimizer steps of equal rows as the peer's epoch of padded micro-batches."""
     from qlora_fsdp.data.batching import pack
 
     for n in range(wanted, len(lengths)):
         peer_steps = math.ceil(math.ceil(n / PEER_MICRO_BATCH) / PEER_ACCUM)
-        rows = len(pack(lengths[:n], CONTEXT))
+        rows = len(pack(lengths[:n], context))
         if rows % peer_steps == 0:  # every step takes whole rows: no row twice, none left out
             return n, rows // peer_steps, peer_steps
     raise SystemExit("no record count matches the peer's steps; raise --pool")
 
 
-def micro_batching(rows_per_step: int) -> tuple[int, int]:
+def micro_batching(rows_per_step: int, context: int = CONTEXT) -> tuple[int, int]:
     """(rows per micro-batch, accumulation steps): the fewest calls with at most MAX_TOKENS_PER_CALL each."""
     for accum in range(1, rows_per_step + 1):
-        if rows_per_step % accum == 0 and rows_per_step // accum * CONTEXT <= MAX_TOKENS_PER_CALL:
+        if rows_per_step % accum == 0 and rows_per_step // accum * context <= MAX_TOKENS_PER_CALL:
             return rows_per_step // accum, accum
     return 1, rows_per_step
 
 
-def prepare(work: Path, records: int, eval_records: int, seed: int, real: bool) -> Plan:
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What a benchmark run trains: the model (tiny, the real one, or a published architecture with random weights
+    and `layers` of its layers), the context and the device."""
+
+    real: bool = False
+    arch: Path | None = None  # a config.json, e.g. model_configs/llama-3.1-8b/config.json
+    layers: int = 8
+    context: int = CONTEXT
+    device: str = "cpu"
+
+
+def arch_model(out: Path, data: Path, arch: Path, layers: int, device: str) -> Path:
+    """`layers` layers of a published architecture, random weights (its initializer), its shapes and vocabulary,
+    with a small tokenizer trained on the data (its ids fall inside the vocabulary); built on `device`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qlora_fsdp.tools.tiny_model import train_tokenizer
+
+    tokenizer = train_tokenizer(data, MODEL.vocab_size)
+    config = AutoConfig.from_pretrained(arch.parent)
+    config.num_hidden_layers = layers
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                                                     tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def prepare(work: Path, records: int, eval_records: int, seed: int, setting: Setting = Setting()) -> Plan:
     pool = generate(records * 2 + eval_records, seed)
     write(work / "pool.jsonl", pool[eval_records:])
     write(work / "held_out.jsonl", pool[:eval_records])
-    if real:  # float32: bf16 has no hardware on this CPU (DESIGN.md)
+    if setting.real:  # float32: bf16 has no hardware on this CPU (DESIGN.md)
         from qlora_fsdp.tools.real_model import make_real_model
 
         model, dtype = make_real_model(REAL_MODEL), "float32"
+    elif setting.arch is not None:  # bf16 on a GPU; float32 on a CPU, which may have no bf16 units
+        model = arch_model(work / "arch-model", work / "pool.jsonl", setting.arch, setting.layers, setting.device)
+        dtype = "bfloat16" if setting.device != "cpu" else "float32"
     else:
         model, dtype = work / "bench-llama", "bfloat16"
         write_tiny_model(model, work / "pool.jsonl", MODEL)
-    lengths = token_lengths(model, work / "pool.jsonl")
-    n, per_step, steps = matching_split(lengths, records)
+    context = setting.context
+    lengths = token_lengths(model, work / "pool.jsonl", context)
+    n, per_step, steps = matching_split(lengths, records, context)
     write(work / "train.jsonl", pool[eval_records : eval_records + n])
-    print_lengths(lengths[:n])
-    rows, accum = micro_batching(per_step)
+    print_lengths(lengths[:n], context)
+    rows, accum = micro_batching(per_step, context)
     print(f"{n} training records, {eval_records} held out; one epoch: {steps} optimizer steps of {PEER_MICRO_BATCH} x "
-          f"{PEER_ACCUM} samples (peers) or {rows} x {accum} packed rows of {CONTEXT} tokens (train.py)")
-    return Plan(work / "train.jsonl", work / "held_out.jsonl", model, steps, rows, accum, dtype)
+          f"{PEER_ACCUM} samples (peers) or {rows} x {accum} packed rows of {context} tokens (train.py)")
+    return Plan(work / "train.jsonl", work / "held_out.jsonl", model, steps, rows, accum, dtype, context=context,
+                device=setting.device)
 
 
-def print_lengths(lengths: list[int]) -> None:
+def print_lengths(lengths: list[int], context: int = CONTEXT) -> None:
     ordered = sorted(lengths)
 
     def pct(q: float) -> int:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    print(f"training sample lengths (tokens, after fitting to {CONTEXT}): median {statistics.median(ordered):.0f}, "
+    print(f"training sample lengths (tokens, after fitting to {context}): median {statistics.median(ordered):.0f}, "
           f"mean {statistics.mean(ordered):.0f}, p90 {pct(0.9)}, p99 {pct(0.99)}, max {ordered[-1]}, "
-          f"{sum(x >= CONTEXT for x in ordered) / len(ordered):.1%} at the context length")
-    edges = [0, 64, 128, 256, 512, 768, CONTEXT]
+          f"{sum(x >= context for x in ordered) / len(ordered):.1%} at the context length")
+    edges = [0, 64, 128, 256, 512, 768, *(edge for edge in (1024, 2048, 4096) if edge < context), context]
     counts = [sum(lo < x <= hi for x in ordered) for lo, hi in zip(edges[:-1], edges[1:], strict=False)]
     print("  histogram: " + ", ".join(f"{lo + 1}-{hi}: {c}" for lo, hi, c in
                                      zip(edges[:-1], edges[1:], counts, strict=False)))
 
 
+def our_overrides(plan: Plan, out: Path, settings: list[str]) -> list[str]:
+    """train.py's keys over the tiny_cpu recipe for a run of the plan (also what the GPU check plans)."""
+    # the peers' dtype (auto would pick float32 on a CPU without bf16 units)
+    return [*settings, f"model.dtype={plan.dtype}", f"quant.compute_dtype={plan.dtype}",
+            f"model.path={plan.model}", f"data.path={plan.train}",
+            f"data.eval_path={plan.held_out}", "data.eval_samples=100000", "data.packing=true",
+            f"data.context_length={plan.context}", f"data.micro_batch_size={plan.rows_per_micro_batch}",
+            f"data.grad_accum_steps={plan.accum_steps}", f"optim.lr={SETTINGS['lr']}",
+            f"optim.warmup_steps={plan.warmup_steps}", "optim.min_lr_ratio=0.0",  # the peer's cosine
+            f"lora.r={SETTINGS['r']}", f"lora.alpha={SETTINGS['alpha']}", f"train.seed={SETTINGS['seed']}",
+            "train.eval_every=0", f"train.max_steps={plan.steps}", f"train.output_dir={out}",
+            "train.overwrite=true", "logging.plot=false"]
+
+
 def run_ours(plan: Plan, out: Path, settings: list[str]) -> dict[str, Any]:
     from qlora_fsdp.api import train
 
-    # the peers' dtype (auto would pick float32 on a CPU without bf16 units)
-    overrides = [*settings, f"model.dtype={plan.dtype}", f"quant.compute_dtype={plan.dtype}",
-                 f"model.path={plan.model}", f"data.path={plan.train}",
-                 f"data.eval_path={plan.held_out}", "data.eval_samples=100000", "data.packing=true",
-                 f"data.context_length={CONTEXT}", f"data.micro_batch_size={plan.rows_per_micro_batch}",
-                 f"data.grad_accum_steps={plan.accum_steps}", f"optim.lr={SETTINGS['lr']}",
-                 f"optim.warmup_steps={plan.warmup_steps}", "optim.min_lr_ratio=0.0",  # the peer's cosine
-                 f"lora.r={SETTINGS['r']}", f"lora.alpha={SETTINGS['alpha']}", f"train.seed={SETTINGS['seed']}",
-                 "train.eval_every=0", f"train.max_steps={plan.steps}", f"train.output_dir={out}",
-                 "train.overwrite=true", "logging.plot=false"]
-    summary = train("tiny_cpu", overrides)
+    summary = train("tiny_cpu", our_overrides(plan, out, settings))
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"samples": summary["samples"], "steps": summary["steps"], "tokens": summary["tokens"],
             "positions": sum(s.get("positions", 0) for s in steps), "seconds": summary["train_runtime_s"],
@@ -191,7 +238,8 @@ def peer_base_model(plan: Plan) -> Any:
     dtype = getattr(torch, plan.dtype)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
-    return AutoModelForCausalLM.from_pretrained(plan.model, quantization_config=quant, dtype=dtype)
+    placement = {"device_map": {"": plan.device}} if plan.device != "cpu" else {}
+    return AutoModelForCausalLM.from_pretrained(plan.model, quantization_config=quant, dtype=dtype, **placement)
 
 
 def run_peer(plan: Plan, out: Path, group_by_length: bool, compiled: bool = False) -> dict[str, Any]:
@@ -215,11 +263,11 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool, compiled: bool = Fals
     torch.manual_seed(SETTINGS["seed"])
     cfg = load_config("tiny_cpu", [f"model.path={plan.model}", f"data.path={plan.train}",
                                    f"data.eval_path={plan.held_out}", "data.eval_samples=100000",
-                                   f"data.context_length={CONTEXT}"])
+                                   f"data.context_length={plan.context}"])
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, SETTINGS["seed"])
     train_set = datasets.Dataset.from_dict({"input_ids": data.train["input_ids"], "labels": data.train["labels"]})
-    base = peer_base_model(plan)
+    base = peer_base_model(plan)  # on the GPU when there is one (bitsandbytes quantizes as it moves there)
     lora = LoraConfig(r=SETTINGS["r"], lora_alpha=SETTINGS["alpha"], target_modules="all-linear", task_type="CAUSAL_LM")
     peft_model = get_peft_model(base, lora)
     args = TrainingArguments(
@@ -227,7 +275,7 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool, compiled: bool = Fals
         learning_rate=SETTINGS["lr"], warmup_steps=plan.warmup_steps, lr_scheduler_type="cosine",
         num_train_epochs=1, optim="paged_adamw_8bit", max_grad_norm=1.0, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=10, save_strategy="no",
-        report_to=[], use_cpu=True, seed=SETTINGS["seed"], dataloader_num_workers=0,
+        report_to=[], use_cpu=plan.device == "cpu", seed=SETTINGS["seed"], dataloader_num_workers=0,
         train_sampling_strategy="group_by_length" if group_by_length else "random", torch_compile=compiled,
     )
     positions = [0]
@@ -246,7 +294,7 @@ def run_peer(plan: Plan, out: Path, group_by_length: bool, compiled: bool = Fals
     with torch.no_grad():
         for start in range(0, len(samples), 16):
             batch = collate(samples[start : start + 16], tokenizer.pad_token_id)
-            total += loss_sum(peft_model, batch, torch.device("cpu")).item()
+            total += loss_sum(peft_model, batch, peft_model.device).item()
             n_targets += batch.n_targets
     return {"samples": len(train_set), "steps": result.global_step, "tokens": sum(data.train["length"]),
             "positions": positions[0], "seconds": result.metrics["train_runtime"], "eval_loss": total / n_targets}
@@ -268,7 +316,17 @@ def run_one(which: str, plan: Plan, work: Path) -> dict[str, Any]:
         figures = run_peer(plan, out, group_by_length=which != "peer", compiled=which == "peer_compiled")
     else:
         figures = run_ours(plan, out, OUR_SETTINGS[which])
-    return {**figures, "peak_rss_gib": peak_rss_gib()}
+    return {**figures, "peak_rss_gib": peak_rss_gib(), **gpu_peak(plan.device)}
+
+
+def gpu_peak(device: str) -> dict[str, float]:
+    """The run's peak GPU memory, as PyTorch's allocator saw it (what the planner's figure is compared to)."""
+    if device == "cpu":
+        return {}
+    import torch
+
+    return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
 
 
 def median_run(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -320,6 +378,11 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=SETTINGS["warmup_steps"],
                         help="of every run; 0 matches the schedules exactly (the Trainer's first warmup step runs at "
                              "lr 0, ours at lr/(warmup+1)), which a run of a few steps needs for its held-out loss")
+    parser.add_argument("--arch", type=Path, help="instead: a published architecture's config.json, random weights "
+                        "(e.g. model_configs/llama-3.1-8b/config.json), --layers of its layers")
+    parser.add_argument("--layers", type=int, default=8, help="of --arch's layers")
+    parser.add_argument("--context", type=int, default=CONTEXT, help="tokens a row (train.py packs to it)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every run trains")
     parser.add_argument("--only", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -331,7 +394,9 @@ def main() -> None:
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="qlora-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    plan = dataclasses.replace(prepare(work, args.records, args.eval_records, args.seed, real=args.model == "real"),
+    setting = Setting(real=args.model == "real", arch=args.arch, layers=args.layers, context=args.context,
+                      device=args.device)
+    plan = dataclasses.replace(prepare(work, args.records, args.eval_records, args.seed, setting),
                                warmup_steps=args.warmup_steps)
     (work / "plan.json").write_text(json.dumps(dataclasses.asdict(plan), default=str))  # benchmarks.step_profile
     runs = args.runs.split(",")

@@ -28,6 +28,9 @@ sizes):
                         for this GPU (plan/step_time.py)
   packed_attention      every attention kernel here keeps packed samples apart (loss packed = alone: sdpa,
                         sdpa_varlen, flex, flash-attn if installed); per-sample vs dense mask at 4,096 tokens
+  training_speed        one GPU at Llama 3.1 8B's shapes (8 layers, random weights), 2,048-token rows of long-tailed
+                        samples: train.py's tokens/s and peak beside transformers' Trainer + PEFT + bitsandbytes on the
+                        same records and steps, and the plan's (tests/gpu_check_speed.py)
   moe_experts           Qwen3-30B-A3B's experts (128, top-8, 2,048 tokens, bf16) four ways: unquantized as
                         transformers, 4-bit a gather per expert, 4-bit grouped (ours), one grouped matmul
   long_rows             llama3_8b_1x4090_long's and gpt_oss_20b_1x24gb_long's levers at their layer shapes (2
@@ -81,20 +84,22 @@ class Check:
     cuda_only: bool
 
 
-# GRPO's generation speed first (the figure a short lease must still yield: `make gpu-check-quick` runs it alone),
-# then cheap checks, so the 70B ones get what is left of the total budget
+# the most telling first, so a short lease still yields them: the 70B as rank 0 of 2 against its plan, the FSDP path
+# byte for byte, GRPO's generation (`make gpu-check-quick` runs it alone), long rows against their plans, offload,
+# one GPU's speed beside the Trainer; then what the CPU tests already emulate
 CHECKS = (
-    Check("grpo_generation", 280, cuda_only=False),
-    Check("nan_canary", 60, cuda_only=False),
+    Check("plan_vs_measured_70b", 240, cuda_only=True),
     Check("fsdp_real_path", 150, cuda_only=False),
-    Check("merge_device", 90, cuda_only=False),
-    Check("generate", 60, cuda_only=False),
+    Check("grpo_generation", 280, cuda_only=False),
+    Check("long_rows", 300, cuda_only=False),
+    Check("one_gpu_70b_offload", 240, cuda_only=True),
+    Check("training_speed", 240, cuda_only=False),
+    Check("nan_canary", 60, cuda_only=False),
     Check("memory_levers", 200, cuda_only=False),
     Check("packed_attention", 90, cuda_only=False),
     Check("moe_experts", 90, cuda_only=False),
-    Check("long_rows", 300, cuda_only=False),
-    Check("plan_vs_measured_70b", 240, cuda_only=True),
-    Check("one_gpu_70b_offload", 240, cuda_only=True),
+    Check("merge_device", 90, cuda_only=False),
+    Check("generate", 60, cuda_only=False),
 )
 
 

@@ -43,6 +43,7 @@ from qlora_fsdp.layers.attention import (
     flash_attn_installed,
     flattens_packed_rows,
     packed_causal_mask,
+    transformers_name,
     varlen_sdpa_forward,
 )
 from qlora_fsdp.loading.adapter import config_for_adapter
@@ -58,6 +59,7 @@ from qlora_fsdp.run_files.metrics import proc_status_bytes, reset_memory_peaks
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
 from tests.gpu_check import Row
+from tests.gpu_check_speed import training_speed as measure_training_speed
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -601,8 +603,8 @@ def token_losses(model: torch.nn.Module, batch: Batch, device: torch.device, one
 def packed_vs_alone(ctx: Context, kernel: str, samples: list[Sample]) -> Row:
     """Each sample's per-token losses in two packed rows against the sample alone (bf16 where flash needs it)."""
     dtype = torch.bfloat16 if kernel == "flash_attention_2" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(tiny_model(ctx), dtype=dtype, attn_implementation=kernel,
-                                                 device_map={"": ctx.device})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(ctx), dtype=dtype, device_map={"": ctx.device},
+                                                 attn_implementation=transformers_name(kernel))  # as runs do
     packed = token_losses(model, collate_packed([samples[:3], samples[3:]], pad_id=0), ctx.device,
                           flattens_packed_rows(kernel))
     worst, row, start = 0.0, 0, 0
@@ -808,11 +810,17 @@ def grpo_generation(ctx: Context) -> list[Row]:
 
 # ---- entry --------------------------------------------------------------------------------------------------
 
+# ---- training_speed: one GPU, train.py beside transformers' Trainer (tests/gpu_check_speed.py) ----------------
+
+def training_speed(ctx: Context) -> list[Row]:
+    return measure_training_speed(ctx, arch_dir(ctx, None, ARCH_8B))
+
+
 CASES: dict[str, Callable[[Context], list[Row]]] = {
     "nan_canary": nan_canary, "fsdp_real_path": fsdp_real_path, "plan_vs_measured_70b": plan_vs_measured_70b,
     "one_gpu_70b_offload": one_gpu_70b_offload, "memory_levers": memory_levers, "merge_device": merge_device,
     "generate": generate, "packed_attention": packed_attention, "moe_experts": moe_experts, "long_rows": long_rows,
-    "grpo_generation": grpo_generation}
+    "grpo_generation": grpo_generation, "training_speed": training_speed}
 
 
 def environment(device: torch.device) -> dict[str, Any]:
