@@ -113,6 +113,12 @@ test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.j
 test-fast: $(BIN)/activate
 	$(BIN)/python -m pytest -q --durations=20 -m "not slow" tests
 
+# the second lane, on torch $(OLD_TORCH) (the oldest the package admits): the fast lane, and the slow tests of paths
+# that differ between torch releases (marked old_torch: FSDP2 on uint8 shards, the planner's fake step, GRPO's
+# generation under FSDP2, FSDP2's collectives, context parallel)
+test-old-torch: $(VENV_OLD)/bin/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl
+	$(VENV_OLD)/bin/python -m pytest -q -rs --durations=10 -m "not slow or old_torch" tests
+
 test-slow: $(BIN)/activate tiny-model
 	$(BIN)/python -m pytest -q --durations=20 -m slow tests
 

@@ -86,12 +86,15 @@ def download(requirements: list[str], out: Path, python: str) -> None:
 
 def trim_bitsandbytes(wheel: Path, cuda: str) -> None:
     """Keep one CUDA runtime's library (and the CPU one) in bitsandbytes' wheel; RECORD rewritten to match."""
-    keep = {f"libbitsandbytes_cuda{cuda.replace('.', '')}.so", "libbitsandbytes_cpu.so"}
+    runtime = f"libbitsandbytes_cuda{cuda.replace('.', '')}.so"
+    keep = {runtime, "libbitsandbytes_cpu.so"}
+    with zipfile.ZipFile(wheel) as source:
+        libraries = [n for n in source.namelist() if Path(n).name.startswith("libbitsandbytes_")]
+    if runtime not in {Path(n).name for n in libraries}:
+        shipped = sorted(Path(n).name for n in libraries)
+        raise SystemExit(f"bitsandbytes has no library for CUDA {cuda}: it ships {', '.join(shipped)}")
     trimmed = wheel.with_suffix(".trimmed")
     with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(trimmed, "w", zipfile.ZIP_DEFLATED) as target:
-        libraries = [n for n in source.namelist() if Path(n).name.startswith("libbitsandbytes_")]
-        if not keep & {Path(n).name for n in libraries}:
-            raise SystemExit(f"bitsandbytes has no library for CUDA {cuda}: it ships {sorted(libraries)}")
         dropped = {n for n in libraries if Path(n).name not in keep}
         for item in source.infolist():
             if item.filename in dropped:

@@ -43,9 +43,9 @@ def environment(site: Path = SITE) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def missing(env: dict[str, str]) -> str | None:
+def missing(env: dict[str, str], probe: str = PROBE) -> str | None:
     """None when the checks import under `env`; else the one line saying what the machine lacks."""
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO)
     if done.returncode == 0:
         return None
     return (f"error: with the carried wheels the checks still do not import ({last_line(done.stderr)}); build the "

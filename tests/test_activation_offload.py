@@ -223,6 +223,7 @@ def test_tiny_model_one_rank(tiny_model_dir, per_rank, tmp_path):
     assert_offload_changes_nothing(plain, offloaded)
 
 
+@pytest.mark.old_torch  # run on torch 2.11 too (make test-old-torch)
 @pytest.mark.slow
 def test_tiny_model_two_ranks_with_and_without_parameter_offload(tiny_model_dir, per_rank, tmp_path):
     """FSDP2 over 2 gloo ranks, and with its parameter CPU offload as well: gradients reduce the same way with

@@ -53,6 +53,7 @@ def loss_and_grads(info, cfg, samples, packed):
             "aux": result.metrics.get("router_aux_loss")}
 
 
+@pytest.mark.old_torch  # run on torch 2.11 too (make test-old-torch)
 @pytest.mark.slow  # gloo ranks
 def test_a_row_split_over_two_ranks_equals_it_whole(tmp_path):
     setups, calls = [], {1: [], 2: []}

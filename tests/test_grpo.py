@@ -218,6 +218,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
+@pytest.mark.old_torch  # run on torch 2.11 too (make test-old-torch)
 @pytest.mark.slow
 def test_the_update_equals_trls_at_world_sizes_1_and_2(tmp_path):
     model_dir = build_tiny_checkpoint(tmp_path / "model")
@@ -523,6 +524,7 @@ def bytes_gathered_by_layout(model, tokenizer, prompts: list[list[int]], info) -
     return out
 
 
+@pytest.mark.old_torch  # run on torch 2.11 too (make test-old-torch)
 @pytest.mark.slow
 def test_a_run_learns_from_its_rewards_on_two_ranks_whose_generations_end_apart(tiny_model_dir, tmp_path):
     ranks = run_ranks(generate_with_stops, 2, tiny_model_dir, tmp_dir=tmp_path)

@@ -227,6 +227,7 @@ def samples(tiny_model_dir):
     return variable_length_samples(tiny_config(tiny_model_dir), 16)
 
 
+@pytest.mark.old_torch  # run on torch 2.11 too (make test-old-torch)
 def test_sharded_two_ranks_match_unsharded(tiny_model_dir, samples, tmp_path):
     """Loss, every LoRA gradient, the clipped global norm and the clipped update: 2 ranks against one unsharded
     model (a norm over the local shard only would be about 1/sqrt(2) of the real one and clip less)."""
@@ -243,6 +244,7 @@ def test_sharded_two_ranks_match_unsharded(tiny_model_dir, samples, tmp_path):
         assert relative_difference(rank["delta"], reference["delta"]) <= 1e-5
 
 
+@pytest.mark.old_torch  # run on torch 2.11 too (make test-old-torch)
 def test_cpu_offload_matches_no_offload(tiny_model_dir, samples, tmp_path):
     """FSDP2's CPU-offload path (host shards and gradients, the 8-bit optimizer stepping host tensors, global
     clipping) runs on the CPU mesh and gives the numbers of the same 2 ranks without offload."""
@@ -277,6 +279,7 @@ def test_train_step_is_one_optimizer_update(tiny_model_dir, tmp_path):
 DTYPE_COMBINATIONS = list(itertools.product(("float32", "bfloat16", "float16"), (None, "bfloat16"), (False, True)))
 
 
+@pytest.mark.old_torch  # run on torch 2.11 too (make test-old-torch)
 def test_packed_weights_survive_cuda_copy_behaviour(tiny_model_dir, samples, tmp_path):
     """Under the CUDA copy (bf16 NaN patterns canonicalized), 2 sharded ranks still equal one rank, for every
     accepted lora.dtype x fsdp.param_dtype x lora.use_dora; the reference is unsharded (world of one; with a bf16
@@ -337,6 +340,7 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, samples, tmp_path, wo
     assert relative_difference(step_acc["delta"], step_big["delta"]) <= 1e-4
 
 
+@pytest.mark.old_torch  # run on torch 2.11 too (make test-old-torch)
 def test_gradients_reduce_scattered_once_per_step(tiny_model_dir, samples, tmp_path):
     cfg = tiny_config(tiny_model_dir)
     per_rank = [batches(samples[:8], 2, PAD), batches(samples[8:16], 2, PAD)]  # 4 micro-batches a rank

@@ -85,6 +85,7 @@ PLANNED_SETUPS = [("paged_adamw_8bit", "float32", None, "float32", False),
                   ("paged_adamw_8bit", "float32", None, "float32", True)]
 
 
+@pytest.mark.old_torch  # run on torch 2.11 too (make test-old-torch)
 @pytest.mark.slow
 def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path):
     """Byte for byte, after a step and mid-accumulation (2 micro-batches a rank)."""
