@@ -309,7 +309,8 @@ def main(argv: list[str]) -> int:
     if args.wheels:
         from tests.gpu_site import run_with_wheels
 
-        return run_with_wheels(args.wheels, without_option(argv, "--wheels"))
+        rest = without_option(without_option(argv, "--wheels"), "--total-seconds")
+        return run_with_wheels(args.wheels, rest, args.total_seconds)
     os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is fetched, whatever the caller's environment says
     started = time.monotonic()
     device = "cpu" if args.dry_run or not cuda_available() else "cuda"

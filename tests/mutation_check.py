@@ -617,6 +617,25 @@ MUTATIONS = [
              "                self.superseded += 1\n",
              "            pass\n",
              "tests/test_studio.py::test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),
+    # ---- torch releases, flex attention, the offline GPU machine --------------------------------------------
+    Mutation("flex attention lets short grouped-query rows take the decoding kernel",
+             "qlora_fsdp/layers/flex_attention.py",
+             "        options.setdefault(\"FORCE_USE_FLEX_ATTENTION\", True)\n",
+             "        pass\n",
+             "tests/test_attention.py::test_flex_short_queries_take_the_main_kernel", quick=True),
+    Mutation("the grouped-query flop fix counts the key/value heads", "qlora_fsdp/torch_versions.py",
+             "        heads = query[1]\n",
+             "        heads = key[1]\n",
+             "tests/test_torch_versions.py::test_flop_counter_counts_grouped_query_sdpa", quick=True),
+    Mutation("the fake-tensor fix lets a dispatching Parameter subclass through", "qlora_fsdp/torch_versions.py",
+             "    return issubclass(kind, nn.Parameter) and kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__"
+             "\n",
+             "    return issubclass(kind, nn.Parameter)\n",
+             "tests/test_torch_versions.py::test_fake_tensors_pass_metadata_only_parameter_subclasses", quick=True),
+    Mutation("the GPU wheels keep every CUDA runtime of bitsandbytes", "scripts/gpu_wheels.py",
+             "            if item.filename in dropped:\n",
+             "            if False:\n",
+             "tests/test_gpu_wheels.py::test_bitsandbytes_keeps_one_cuda_runtime_and_the_cpu_library", quick=True),
 ]
 
 

@@ -106,5 +106,6 @@ def test_carried_wheels_install_into_their_own_folder_once(tmp_path):
 
 
 def test_wheels_option_is_dropped_before_the_checks_run():
-    argv = ["--wheels", "w", "--only", "nan_canary", "--wheels=x", "--dry-run"]
-    assert gpu_check.without_option(argv, "--wheels") == ["--only", "nan_canary", "--dry-run"]
+    argv = ["--wheels", "w", "--only", "nan_canary", "--wheels=x", "--dry-run", "--total-seconds", "300"]
+    assert gpu_check.without_option(argv, "--wheels") == ["--only", "nan_canary", "--dry-run", "--total-seconds",
+                                                          "300"]

@@ -19,7 +19,13 @@ from torch.utils.flop_counter import flop_registry
 from qlora_fsdp import torch_versions
 from qlora_fsdp.distributed import cleanup, init_fake_distributed
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.torch_versions import fixes_needed, fsdp_param_groups, require_supported, with_query_heads
+from qlora_fsdp.torch_versions import (
+    fixes_needed,
+    fsdp_param_groups,
+    metadata_only_parameter_subclass,
+    require_supported,
+    with_query_heads,
+)
 
 aten = torch.ops.aten
 
@@ -80,15 +86,26 @@ def legacy_subclass_check(value: object) -> bool:
             and type(value) is not torch.Tensor and type(value) is not nn.Parameter)
 
 
+class DispatchingParameter(nn.Parameter):
+    """A Parameter subclass with a dispatch of its own: fake tensors must still give it its turn."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return NotImplemented
+
+
 def test_fake_tensors_pass_metadata_only_parameter_subclasses():
     """The planner's meta model holds Params4bit; fake tensors in 2.11/2.12 refused any op on it (empty_like in
     to_empty). The rule is 2.13's: a Parameter subclass without a dispatch of its own passes; a wrapper does not."""
     weight = bnb.nn.Params4bit(torch.empty(8, 4, device="meta"), requires_grad=False)
     wrapper = nn.Parameter(TwoTensor(torch.zeros(2), torch.zeros(2)))
-    samples = [torch.zeros(2), nn.Parameter(torch.zeros(2)), weight, wrapper, TwoTensor(torch.zeros(2), torch.zeros(2))]
-    expected = [False, False, False, True, True]
+    samples = [torch.zeros(2), nn.Parameter(torch.zeros(2)), weight, wrapper, TwoTensor(torch.zeros(2), torch.zeros(2)),
+               DispatchingParameter(torch.zeros(2))]
+    expected = [False, False, False, True, True, True]
     assert [fake_tensor._check_for_subclass_arg(sample) for sample in samples] == expected
-    assert [legacy_subclass_check(sample) for sample in samples] == [False, False, True, True, True]
+    assert [legacy_subclass_check(sample) for sample in samples] == [False, False, True, True, True, True]
+    # the fix's own rule, whichever torch runs (on 2.13 the check above is torch's, not the fix's)
+    assert [metadata_only_parameter_subclass(sample) for sample in samples] == [False, True, True, False, False, False]
     with FakeTensorMode(allow_non_fake_inputs=True):  # as the planner's fake step enters it
         copy = torch.empty_like(weight, device="cpu")
     assert isinstance(copy, fake_tensor.FakeTensor) and copy.shape == (8, 4)
