@@ -362,3 +362,47 @@ def test_flex_that_fails_to_compile_falls_back_in_one_line(tiny_model_dir, monke
     assert lines == ["warning: flex attention did not compile (LoweringException: NoValidChoicesError: No choices "
                      "to select); this process now runs torch's uncompiled flex attention (exact, slower, scores "
                      "held whole)"]
+
+
+def test_flex_whose_backward_fails_to_compile_falls_back_at_the_first_forward(monkeypatch, capsys):
+    """The backward compiles in the loss's backward, outside the forward's guard: the first forward that will need
+    one tries a forward and backward on copies, so the failure is caught there, said once, and the fallback is
+    taken before training ever runs a backward that could not compile."""
+    from transformers.integrations import flex_attention as transformers_flex
+
+    from qlora_fsdp.layers import flex_attention as flex
+
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, query):
+            return query.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise NoValidChoices("LoweringException: NoValidChoicesError: the backward's kernel")
+
+    calls = []
+
+    def forward(module, query, key, value, mask, **kwargs):
+        calls.append("uncompiled" if transformers_flex.is_torchdynamo_compiling() else "compiled")
+        return FailingBackward.apply(query).transpose(1, 2), None
+
+    monkeypatch.setattr(transformers_flex, "flex_attention_forward", forward)
+    monkeypatch.setattr(flex._State, "fallback_reason", None)
+    monkeypatch.setattr(flex._State, "backward_tried", False)
+    query = torch.randn(1, 4, 6, 8, requires_grad=True)
+    key = torch.randn(1, 2, 6, 8)
+    out, _ = flex.guarded_flex_forward(torch.nn.Module(), query, key, key, None)
+    assert calls == ["compiled", "uncompiled"] and out.shape == (1, 6, 4, 8)
+    flex.guarded_flex_forward(torch.nn.Module(), query, key, key, None)
+    assert calls[2:] == ["uncompiled"]  # the rest of the process runs the fallback
+    lines = [line for line in capsys.readouterr().err.splitlines() if "flex" in line]
+    assert len(lines) == 1 and "the backward's kernel" in lines[0]
+    monkeypatch.setattr(flex._State, "fallback_reason", None)
+    calls.clear()
+
+    def checkpointed(query):
+        return flex.guarded_flex_forward(torch.nn.Module(), query, key, key, None)[0]
+
+    torch.utils.checkpoint.checkpoint(checkpointed, query, use_reentrant=False)
+    assert calls == ["compiled"]  # no trial inside checkpoint's saved-tensor hooks

@@ -7,7 +7,9 @@ choice for grouped-query rows (`NoValidChoicesError`, seen on an H200 with torch
 
 Any other failure to compile (no C++ compiler, another lowering error) must not end a run hours in: the call falls
 back, for the rest of the process, to torch's uncompiled flex attention (the same block mask and score function,
-exact, but holding each call's scores whole), said once in one line.
+exact, but holding each call's scores whole), said once in one line. The backward compiles when it first runs, in
+the loss's backward; the first call that will need one runs a trial forward and backward first, inside the guard,
+unless it runs inside a checkpointed layer (then a backward that fails to compile still ends the run).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ DECODING_KERNEL_QUERIES = 128  # inductor's flex-decoding kernel takes queries s
 
 class _State:
     fallback_reason: str | None = None  # set once compiling failed in this process
+    backward_tried = False  # a backward compiled (and ran) once in this process
 
 
 def kernel_options(query: torch.Tensor, given: dict[str, Any] | None) -> dict[str, Any]:
@@ -54,12 +57,32 @@ def uncompiled_flex() -> Iterator[None]:
         transformers_flex.is_torchdynamo_compiling = seen
 
 
+def needs_trial_backward(query: torch.Tensor) -> bool:
+    """The first call that will need a backward, outside saved-tensor hooks: inside a checkpointed layer the trial's
+    own saved tensors would go through checkpoint's hooks, whose unpacking recomputes the layer."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return query.requires_grad and torch.is_grad_enabled() and not _State.backward_tried and hooks is None
+
+
+def trial_backward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Any, kwargs: dict[str, Any]) -> None:
+    """Compiled attention compiles its backward when the backward first runs, far from here: a failure there would
+    end the run. So the first call that will need one runs forward and backward on detached copies first."""
+    copies = [tensor.detach().requires_grad_() for tensor in (query, key, value)]
+    out, _ = transformers_flex.flex_attention_forward(module, copies[0], copies[1], copies[2], attention_mask,
+                                                      **kwargs)
+    out.float().sum().backward()
+    _State.backward_tried = True
+
+
 def guarded_flex_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' flex attention forward with the options above, and the fallback if compiling fails."""
     kwargs["kernel_options"] = kernel_options(query, kwargs.get("kernel_options"))
     if _State.fallback_reason is None:
         try:
+            if needs_trial_backward(query):
+                trial_backward(module, query, key, value, attention_mask, kwargs)
             return transformers_flex.flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:  # the compiler's failures, not the kernel's
             _State.fallback_reason = first_line(err)
