@@ -18,7 +18,6 @@ from torch import nn
 from qlora_fsdp.errors import ModelLoadError
 
 OLDEST = (2, 11)
-NEWEST = (2, 13)
 
 
 def release(version: str) -> tuple[int, int]:
@@ -28,8 +27,8 @@ def release(version: str) -> tuple[int, int]:
 
 
 def require_supported(version: str = torch.__version__) -> None:
-    """Below 2.11 FSDP2, fake tensors and flex attention lack what the package builds on: one line, not a traceback
-    deep in a sharded step. A newer release than tested is let through (its fixes are a superset)."""
+    """Below 2.11 nothing here was read or tried (FSDP2 and fake tensors changed a lot before it): one line, not a
+    traceback deep in a sharded step. A release newer than tested is let through (each fix here applies below)."""
     if release(version) < OLDEST:
         raise ModelLoadError(f"torch {version} is too old: qlora-fsdp runs on torch 2.11 to 2.13 "
                              "(pip install torch==2.13.0, as requirements.txt pins)")
