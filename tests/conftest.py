@@ -1,5 +1,9 @@
 import os
 import sys
+
+# Triton's kernels (GRPO's fused decoding) run on CPU tensors in its interpreter; read when a kernel is defined,
+# and before the rank pool keeps the session's environment for its workers
+os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
 
 import pytest

@@ -49,6 +49,8 @@ from tests.helpers import (
 pytestmark = pytest.mark.slow  # ranks on gloo
 N_SAMPLES = 6
 GENERATED = 6  # new tokens of GRPO's generation, compared with transformers' generate
+# GRPO's fused decoding kernels (Triton, interpreted on the CPU) for a dense, a sliding-window and an MoE family
+FUSED_KERNEL_FAMILIES = ("llama", "mistral", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -122,23 +124,30 @@ def generation_prompts(samples: list[Sample]) -> list[list[int]]:
 
 
 def completions_by_layout(model, cfg, info, samples: list[Sample]) -> dict:
-    """GRPO's generation of both prompts in each layout the world size has: greedy, and sampled from one seed."""
+    """GRPO's generation of both prompts in each layout the world size has: greedy, and sampled from one seed; for
+    the fused kernels' families, both again through the kernels."""
     from qlora_fsdp.config import GrpoConfig
     from qlora_fsdp.generation.layouts import LAYOUTS
     from qlora_fsdp.objectives.rollouts import generate
 
     tokenizer = load_tokenizer(cfg)
     mine = generation_prompts(samples)[info.rank :: info.world_size]
-    grpo = GrpoConfig(num_generations=2, max_completion_length=GENERATED, temperature=0.9, top_k=50, top_p=0.95)
-    out: dict = {"greedy": {}, "sampled": {}}
+    kernels = ("off", "fused") if model.config.model_type in FUSED_KERNEL_FAMILIES else ("off",)
+    out: dict = {f"{kind}{'_fused' * (k == 'fused')}": {} for kind in ("greedy", "sampled") for k in kernels}
+    from qlora_fsdp.kernels.fused_decoding import KERNEL_CALLS
+
+    before = dict(KERNEL_CALLS)
     for layout in LAYOUTS if info.world_size > 1 else ("gathered",):
-        for kind in ("greedy", "sampled"):
+        for kind, kernel in ((kind, kernel) for kind in ("greedy", "sampled") for kernel in kernels):
+            grpo = GrpoConfig(num_generations=2, max_completion_length=GENERATED, temperature=0.9, top_k=50,
+                              top_p=0.95, generation_kernels=kernel)
             torch.manual_seed(7 + info.rank)
             made = generate(model, tokenizer, mine, grpo, info.device, info.world_size, layout, kind == "greedy")
             every_rank: list = [None] * info.world_size
             torch.distributed.all_gather_object(every_rank, made.ids) if info.world_size > 1 else None
-            out[kind][layout] = [ids for ranks in (every_rank if info.world_size > 1 else [made.ids])
-                                 for ids in ranks]
+            out[f"{kind}{'_fused' * (kernel == 'fused')}"][layout] = [
+                ids for ranks in (every_rank if info.world_size > 1 else [made.ids]) for ids in ranks]
+    out["kernel_calls"] = {kind: KERNEL_CALLS[kind] - before.get(kind, 0) for kind in ("linear", "attention")}
     return out
 
 
@@ -276,6 +285,13 @@ def test_family_equals_transformers_and_peft_at_world_sizes_1_and_2(family, toke
         for layout, made in run["greedy"].items():
             assert made == expected, layout
     assert two["sampled"]["gathered"] == two["sampled"]["split"] == two["sampled"]["per_token"]
+    if family in FUSED_KERNEL_FAMILIES:  # the fused kernels: the same greedy tokens, the same samples for a seed
+        for run in (one, two):
+            assert run["greedy_fused"] == {layout: expected for layout in run["greedy"]}
+            assert run["sampled_fused"] == run["sampled"]
+            assert run["kernel_calls"]["linear"] > 0, run["kernel_calls"]  # the kernels ran
+            # attention: over the live cache for full attention; Mistral's windowed layers decode as before
+            assert (run["kernel_calls"]["attention"] > 0) == (family != "mistral"), run["kernel_calls"]
 
     # the merge, loaded by transformers as the checkpoint's own class, gives the live logits
     merged_dir = tmp_path / "merged"

@@ -115,6 +115,10 @@ class GrpoConfig:
     # a preallocated KV cache and a decoding step replayed as one CUDA graph (transformers' static cache with
     # torch.compile's reduce-overhead mode); auto: on CUDA; eager on a CPU either way
     generation_graphs: Literal["auto", "on", "off"] = "auto"
+    # the decoding step's 4-bit linears (LoRA in the epilogue) and attention as fused Triton kernels
+    # (qlora_fsdp/kernels/); auto: on RTX 3090/4090 and H100/H200, else bitsandbytes and sdpa (said once); fused:
+    # refused where they cannot run; off: bitsandbytes and sdpa
+    generation_kernels: Literal["auto", "fused", "off"] = "auto"
     rewards: list[RewardConfig] = field(default_factory=list)  # one at least; their weighted sum is the reward
     scale_rewards: Literal["group", "batch", "none"] = "group"  # the standard deviation advantages divide by
     # how the step's token losses are averaged: dapo, bnpo over every token; grpo per completion, then over them;

@@ -44,6 +44,7 @@ from qlora_fsdp.generation.layouts import (
     resolved_layout,
     steps_together,
 )
+from qlora_fsdp.kernels.fused_decoding import fused_decoding, watch
 from qlora_fsdp.layers.generation_attention import generation_attention
 from qlora_fsdp.layers.image_embeddings import image_token_of, images_in_embeddings
 from qlora_fsdp.torch_versions import fsdp_param_groups
@@ -192,6 +193,7 @@ def decoding_options(model: nn.Module, grpo: GrpoConfig, device: torch.device, t
     graph replayed each token."""
     config = cast(PretrainedConfig, model.config)
     cache = StaticCache(config=config, max_cache_len=math.ceil(tokens / CACHE_BUCKET) * CACHE_BUCKET)
+    watch(cache)
     if not uses_graphs(model, grpo, device, layout):
         return {"past_key_values": cache, "disable_compile": True}
     compile_config = CompileConfig(fullgraph=False, mode="reduce-overhead", backend=GRAPHS_BACKEND)
@@ -329,7 +331,8 @@ def decoding(model: nn.Module, tokenizer: PreTrainedTokenizerBase, grpo: GrpoCon
     generation too."""
     generate_is_a_forward(model)
     layout = layout or resolved_layout(model, grpo, min(grpo.generation_rows or rows, rows), width, device)
-    with generating(model, eager=not uses_graphs(model, grpo, device, layout)), generation_layout(model, layout):
+    with (generating(model, eager=not uses_graphs(model, grpo, device, layout)), generation_layout(model, layout),
+          fused_decoding(model, grpo.generation_kernels, device)):
         yield Decoder(model, tokenizer, grpo, device, world_size, layout, greedy, cache_tokens, logps)
 
 
