@@ -636,6 +636,21 @@ MUTATIONS = [
              "            if item.filename in dropped:\n",
              "            if False:\n",
              "tests/test_gpu_wheels.py::test_bitsandbytes_keeps_one_cuda_runtime_and_the_cpu_library", quick=True),
+    # ---- GRPO's fused decoding kernels (Triton's interpreter) ---------------------------------------------
+    Mutation("the fused NF4 kernel reads the next element's absmax block", "qlora_fsdp/kernels/nf4_matmul.py",
+             "        block = element // BLOCKSIZE\n",
+             "        block = (element + 1) // BLOCKSIZE\n",
+             "tests/test_kernels.py::test_the_kernels_dequantized_weight_is_bitsandbytes_bit_for_bit", quick=True),
+    Mutation("the fused NF4 kernel's epilogue drops LoRA's scale", "qlora_fsdp/kernels/nf4_matmul.py",
+             "input_precision=\"ieee\") * lora_scale\n",
+             "input_precision=\"ieee\")\n",
+             "tests/test_kernels.py::test_the_fused_matmul_is_bitsandbytes_and_peft_within_summation_order",
+             quick=True),
+    Mutation("decode attention reads the cache past its filled length", "qlora_fsdp/kernels/decode_attention.py",
+             "                live = slots < length\n",
+             "                live = slots < L\n",
+             "tests/test_kernels.py::test_decode_attention_reads_only_the_filled_cache_with_grouped_heads_and_padding",
+             quick=True),
 ]
 
 
