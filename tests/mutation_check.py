@@ -819,6 +819,7 @@ def main(words: list[str]) -> int:
         print("error: a file to mutate has uncommitted changes; commit or stash them first", file=sys.stderr)
         return 2
     os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # as conftest sets it, before a warm import loads triton
     warm_up()
     failing = failing_baselines(chosen) if baseline else []
     if failing:
