@@ -43,8 +43,9 @@ def test_pyproject_pins_exactly_the_requirements():
 
 
 # imported by the package only where a test model is made (qlora_fsdp.tools.real_model reads GGUF files through
-# transformers, and says so in one line when the package is missing): a dev requirement
-DEV_ONLY_IMPORTS = {"gguf"}
+# transformers, and says so in one line when the package is missing): a dev requirement. Triton: CUDA builds of torch
+# ship it (the GPU kernels' home); the CPU build does not, and the tests run the kernels in its interpreter
+DEV_ONLY_IMPORTS = {"gguf", "triton"}
 TOOLS = {"pytest", "ruff", "mypy", "trl", "psutil", "pytest-timeout"}
 
 
