@@ -21,6 +21,7 @@ ALLOWED = {
     "data": BASE,  # never the model's packages: data and model do not know each other
     "layers": BASE,  # modules that compute, knowing nothing of files or losses
     "losses": BASE | {"layers"},
+    "kernels": BASE | {"layers"},  # Triton kernels and the generation forwards that call them
     "loading": BASE | {"layers"},  # checkpoints -> the built, sharded, filled model
     "rewards": BASE,  # GRPO's reward functions: the recipe's, found and called (user code, never the model)
     "run": BASE | {"loading"},  # the run described once: the model's folder, batch sizes, known GPUs
@@ -28,7 +29,7 @@ ALLOWED = {
     "run_files": BASE | {"loading", "optimizer"},  # checkpoints, metrics, plots, tracking, the output folder
     # one module per kind of training objective, one table (config/objectives.py) naming them
     "generation": BASE | MODEL,  # where the policy's weights are while it generates, and what that holds
-    "objectives": BASE | {"data", "rewards", *MODEL, "generation", "run", "run_files"},
+    "objectives": BASE | {"data", "rewards", *MODEL, "kernels", "generation", "run", "run_files"},
     "training": BASE | {"data", *MODEL, "objectives", "optimizer", "run", "run_files"},  # the loop
     # the step measured: the objective's own micro-step on fake tensors, or on a real model
     "measure": BASE | {"data", *MODEL, "objectives", "optimizer", "run"},

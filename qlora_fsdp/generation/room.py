@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from qlora_fsdp.distributed import all_reduce_max
 
 FREE_MEMORY_MARGIN = 0.9  # of the free bytes: the allocator's fragmentation and the decoding temporaries
+CACHE_BUCKET = 64  # tokens: a cache sized to the next multiple keeps one compiled decoding step across calls
 
 
 def head_dim(hf: PretrainedConfig) -> int:

@@ -44,6 +44,7 @@ from qlora_fsdp.generation.layouts import (
     resolved_layout,
     steps_together,
 )
+from qlora_fsdp.generation.room import CACHE_BUCKET
 from qlora_fsdp.kernels.fused_decoding import fused_decoding, watch
 from qlora_fsdp.layers.generation_attention import generation_attention
 from qlora_fsdp.layers.image_embeddings import image_token_of, images_in_embeddings
@@ -183,7 +184,6 @@ def uses_graphs(model: nn.Module, grpo: GrpoConfig, device: torch.device, layout
     return graphs_for(grpo.generation_graphs, device.type == "cuda", layout, images) and not GRAPHS_FAILED
 
 
-CACHE_BUCKET = 64  # tokens: a cache sized to the next multiple keeps one compiled decoding step across calls
 
 
 def decoding_options(model: nn.Module, grpo: GrpoConfig, device: torch.device, tokens: int,

@@ -13,14 +13,15 @@ state; the gradients are freed by the last update):
 - temporaries: the larger of the prompt's forward (one layer's MLP over the call's prompt tokens and a dequantized
   weight; in `split` every rank's rows at once) and a decoding step's logits and sampling buffers (an estimate).
 
-Time: a call is one forward over the prompts, then a decoding step per new token. A step reads every 4-bit weight
-(dequantized, then read) and the KV cache, bound by the memory bandwidth or by the host issuing each layer's
-kernels (at a few rows a step the GPU waits on Python: measured on an H100, see DECODE_HOST_SECONDS_PER_LAYER),
-whichever is slower, plus what the layout puts on the link:
+Time: a call is one forward over the prompts, then a decoding step per new token. What a step moves (the 4-bit
+weights, LoRA, the head, the KV cache) and how many kernels it runs come from plan/decoding_step.py, by path
+(bitsandbytes and sdpa, or the fused kernels on the cards they are built for). Eagerly, a step is bound by those
+bytes or by the host issuing each layer's kernels (at a few rows a step the GPU waits on Python: measured on an
+H100, see DECODE_HOST_SECONDS_PER_LAYER), whichever is slower; replayed as a CUDA graph, it is the bytes plus every
+kernel's launch gap plus the sampling between replays. Then what the layout puts on the link:
 - `per_token`: every layer gathered every step (the forward's all-gather bytes), overlapping the compute;
 - `gathered`: the model once a step; the ranks decode their own rows at once; with CUDA graphs (the recipe's
-  `grpo.generation_graphs`, on a GPU) a step's host time is one graph replay and the sampling between
-  (GRAPH_HOST_SECONDS_PER_STEP, an estimate until a GPU measures it);
+  `grpo.generation_graphs`, on a GPU) the step is replayed;
 - `split`: the model once a step; each decoding step passes every rank's rows through the ranks in turn, so the
   ranks' shares of the weights are read one after another, every layer's hidden states cross the link twice, and
   the step runs eagerly (the relay is a collective between layers).
@@ -43,6 +44,7 @@ from qlora_fsdp.generation.room import kv_cache_bytes
 from qlora_fsdp.measure.fake_step import update_rows
 from qlora_fsdp.measure.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
 from qlora_fsdp.measure.step_tracker import StepMemory
+from qlora_fsdp.plan.decoding_step import decoding_step
 from qlora_fsdp.plan.step_time import Rates, link_seconds
 
 # A decoding step's time a layer that neither bytes nor FLOPs explain: the host issuing the layer's kernels (FSDP2's
@@ -51,9 +53,6 @@ from qlora_fsdp.plan.step_time import Rates, link_seconds
 # 128 rows took 140 and 217 ms a step (28 layers); docs/benchmarks/grpo.md has the measured and planned figures
 DECODE_HOST_SECONDS_PER_LAYER = 0.0041
 DECODE_SECONDS_PER_ROW_LAYER = 0.0000286
-# A decoding step replayed as a CUDA graph: the replay's launch plus transformers' sampling and stopping checks between
-# replays (a few dozen small kernels). An estimate, not yet measured: docs/benchmarks/grpo.md
-GRAPH_HOST_SECONDS_PER_STEP = 0.002
 RELAY_LATENCY_SECONDS = 0.00005  # one gather or scatter of a layer's hidden states between two ranks (PCIe)
 SAMPLING_BYTES_PER_LOGIT = 32  # the logits upcast to fp32, temperature, top-k/top-p's sort (values, int64 indices)
 MLP_TEMPORARIES = 3  # the gate's and up projection's outputs and their product, a prompt token at a time
@@ -110,6 +109,7 @@ class GenerationTime:
     decode_host: float
     rounds: int = 0  # rounds of tool results a rollout may take (grpo.max_tool_calling_iterations)
     round_prefill: float = 0.0  # a round's forward over the context so far (prompt and completion: re-read)
+    fused: bool = False  # the decoding step runs the fused kernels (plan/decoding_step.py)
 
     @property
     def total(self) -> float:
@@ -185,24 +185,22 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     forward = forward_work(step)
     flops_per_token = forward.matmul_flops / (update_rows(cfg) * cfg.data.context_length)  # as the update's forward
     _, _, gather = link_seconds(Work(gather_bytes=forward.gather_bytes, to_gpu_bytes=forward.to_gpu_bytes), rates)
-    head = hf.vocab_size * hf.hidden_size * itemsize
-    mean_cache = memory.kv_cache_bytes * (prompt + new / 2) / (prompt + new)  # the cache read grows a token a step
-    # every weight dequantized, then read, once a decoding step (the update's tiles dequantized it once a tile)
-    weights = forward.distinct_dequant_elements * (DEQUANT_BYTES_PER_ELEMENT + itemsize) + head
-    dequant = forward.distinct_dequant_elements * DEQUANT_BYTES_PER_ELEMENT / rates.memory
+    moved = decoding_step(cfg, hf, forward.distinct_dequant_elements, rows, prompt, new, itemsize)
+    dequant = forward.distinct_dequant_elements * DEQUANT_BYTES_PER_ELEMENT / rates.memory  # the prompt's forward
     # split runs every rank's rows through each share of the layers in turn: the shares' reads add up to the whole
     # model's, the rows' cache reads and FLOPs to every rank's
     turns = world if layout == "split" else 1
-    gpu = (weights + turns * mean_cache) / rates.memory + turns * flops_per_token * rows / rates.flops
+    gpu = moved.bandwidth_seconds(rates.memory, turns) + turns * flops_per_token * rows / rates.flops
     host = layers * (DECODE_HOST_SECONDS_PER_LAYER + turns * rows * DECODE_SECONDS_PER_ROW_LAYER)
     if graphs_for(cfg.grpo.generation_graphs, True, layout, cfg.data.images_per_row > 0):  # a plan is of GPUs
-        host = GRAPH_HOST_SECONDS_PER_STEP
+        host = moved.launch_seconds  # after the replay's kernels, not beside them: the sampling waits for them
+        gpu += host
     prompt_flops = turns * flops_per_token * rows * prompt / rates.flops
     if layout == "per_token":
         decode = max(gpu, gather, host) + min(gpu, gather) / max(layers, 1)  # the first gather hides behind nothing
         prefill = prompt_flops + gather + dequant
         return GenerationTime(layout, memory.calls, new, 0.0, prefill, decode, gather, gpu, host, tool_rounds(cfg),
-                              prefill + prompt_flops * new / prompt)
+                              prefill + prompt_flops * new / prompt, moved.fused)
     relay = hop = 0.0
     if layout == "split":  # each layer's hidden states to its owner and back, between the layers
         hop = (world - 1) * rows * hf.hidden_size * itemsize / (rates.nvlink or rates.pcie)
@@ -211,4 +209,4 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     prefill = prompt_flops + dequant + prompt_relay
     longer = (prompt + new) / prompt  # a round re-reads the prompt and the completion so far
     return GenerationTime(layout, memory.calls, new, gather, prefill, max(gpu, host) + relay, relay, gpu, host,
-                          tool_rounds(cfg), dequant + (prompt_flops + prompt_relay) * longer)
+                          tool_rounds(cfg), dequant + (prompt_flops + prompt_relay) * longer, moved.fused)

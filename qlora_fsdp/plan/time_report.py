@@ -125,8 +125,9 @@ def generation_lines(cfg: Config, step: StepMemory) -> list[str]:
     made = recipe_generation(cfg, step)
     link = {"per_token": "the link: every layer all-gathered each step",
             "split": "the link: hidden states to each layer's owner and back"}.get(made.layout, "the link")
-    bound = max((made.decode_link, link),
-                (made.decode_gpu, "memory bandwidth: every weight dequantized and read each step"),
+    gpu = ("the GPU: the fused kernels read each 4-bit weight once a step, and every kernel's launch gap" if made.fused
+           else "the GPU: every weight dequantized into a buffer and read back each step")
+    bound = max((made.decode_link, link), (made.decode_gpu, gpu),
                 (made.decode_host, "the host issuing the step's kernels"))[1]
     calls = f"{made.calls} call{'s' if made.calls > 1 else ''}"
     setup = f"{made.setup:.2f} s to gather the model + " if made.setup else ""
