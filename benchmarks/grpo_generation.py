@@ -142,14 +142,15 @@ def ours(folder: Path, prompts: list[list[int]], layouts: list[str], args: argpa
     mine = prompts[rank * len(prompts) // size : (rank + 1) * len(prompts) // size]
     out = {}
     for name in layouts:
-        layout, _, graphs = name.partition(":")
+        layout, graphs, kernels = parts(name, args)
 
-        def run(new_tokens: int, layout: str = layout, graphs: str = graphs or args.graphs) -> int:
+        def run(new_tokens: int, layout: str = layout, graphs: str = graphs, kernels: str = kernels) -> int:
             grpo = GrpoConfig(num_generations=args.rows // len(prompts), max_completion_length=new_tokens,
-                              generation_layout=layout, generation_graphs=graphs)  # type: ignore[arg-type]
+                              generation_layout=layout, generation_graphs=graphs,  # type: ignore[arg-type]
+                              generation_kernels=kernels)  # type: ignore[arg-type]
             width = max(len(ids) for ids in prompts)  # one cache length for every call: one compiled step
             made = generate(model, tokenizer, mine, grpo, device, size, cache_tokens=width + 1 + args.new_tokens)
-            counted = torch.tensor(float(sum(len(ids) for ids in made.ids)))
+            counted = torch.tensor(float(generated_tokens(made.ids, tokenizer.eos_token_id)))
             if dist.is_initialized():
                 dist.all_reduce(counted)
             return int(counted)
@@ -183,7 +184,7 @@ def transformers_side(folder: Path, prompts: list[list[int]], args: argparse.Nam
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  do_sample=True, temperature=1.0, top_k=None, pad_token_id=0, eos_token_id=eos,
                                  use_cache=True)
-        return int((out[:, width:] != 0).sum())
+        return generated_tokens(out[:, width:].tolist(), eos)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads * world()[1])  # one process: the cores every rank had (the others wait)
@@ -197,7 +198,7 @@ def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gp
             size: int) -> tuple[float, str]:
     """What --plan predicts for this call on `gpu` (plan/generation.py), before any process group exists: the
     decoding step in seconds, and the sentence."""
-    layout, _, graphs = name.partition(":")
+    layout, graphs, kernels = parts(name, args)
     from qlora_fsdp.config import load_config
     from qlora_fsdp.measure.fake_world import leave_fake_world
     from qlora_fsdp.plan.report import plan_recipe
@@ -210,7 +211,7 @@ def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gp
         f"data.micro_batch_size={max(len(prompts) // size, 1)}", "data.grad_accum_steps=1",
         f"data.context_length={width + args.new_tokens}", f"grpo.max_completion_length={args.new_tokens}",
         f"grpo.num_generations={args.rows // len(prompts)}", f"grpo.generation_layout={layout}",
-        f"grpo.generation_graphs={graphs or args.graphs}"])
+        f"grpo.generation_graphs={graphs}", f"grpo.generation_kernels={kernels}"])
     recipe = plan_recipe(cfg)
     leave_fake_world()
     assert recipe.result.step is not None
@@ -231,23 +232,44 @@ def planned_or_why_not(folder: Path, prompts: list[list[int]], args: argparse.Na
         return float("nan"), f"{name}: no plan here (torch {torch.__version__}: {type(error).__name__}: {first})"
 
 
-def bandwidth_bound_ms(folder: Path, rows: int, tokens: int, gpu: str) -> float:
-    """A decoding step reading every 4-bit weight (half a byte an element, and its statistics), the head and
-    embeddings in bf16, and the mean KV cache once, at the GPU's memory bandwidth."""
+def bandwidth_bound_ms(folder: Path, rows: int, prompt: int, new: int, bandwidth: float) -> float:
+    """A decoding step reading, once, every 4-bit weight (half a byte an element and its 8-bit absmax a 64-block:
+    1/64 byte), LoRA r16 in bf16 on every linear, the head in bf16, and the KV cache's live part (over a call, on
+    average the prompt and half the completion), at `bandwidth` bytes/s."""
     from transformers import AutoConfig
 
-    from qlora_fsdp.generation.room import kv_cache_bytes
-    from qlora_fsdp.run.hardware import GPUS
+    from qlora_fsdp.generation.room import head_dim, kv_cache_bytes
 
     hf = AutoConfig.from_pretrained(folder)
-    inter = hf.intermediate_size
-    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    attention = hf.hidden_size * head * (2 * hf.num_attention_heads + 2 * hf.num_key_value_heads)
-    linear = hf.num_hidden_layers * (attention + 3 * hf.hidden_size * inter)
-    four_bit = linear * (0.5 + 1 / 64 / 4)  # packed values, 8-bit absmax a block of 64 (double quantization)
-    head_bytes = hf.vocab_size * hf.hidden_size * 2
-    cache = kv_cache_bytes(hf, rows, tokens, 2) / 2  # the mean over the call: it grows a token a step
-    return (four_bit + head_bytes + cache) / (GPUS[gpu].memory_gbps * 1e9) * 1e3
+    q_width, kv_width = hf.num_attention_heads * head_dim(hf), hf.num_key_value_heads * head_dim(hf)
+    hidden, inter = hf.hidden_size, hf.intermediate_size
+    linear = hf.num_hidden_layers * (2 * hidden * q_width + 2 * hidden * kv_width + 3 * hidden * inter)
+    lora = 16 * hf.num_hidden_layers * (2 * (hidden + q_width) + 2 * (hidden + kv_width) + 3 * (hidden + inter))
+    four_bit = linear * (0.5 + 1 / 64)
+    head_bytes = hf.vocab_size * hidden * 2
+    cache = kv_cache_bytes(hf, rows, prompt + new // 2, 2)
+    return (four_bit + 2 * lora + head_bytes + cache) / bandwidth * 1e3
+
+
+def measured_bandwidth(device: torch.device) -> float:
+    """The card's copy bandwidth, bytes read and written a second (a 1 GiB copy, the best of five), beside its
+    datasheet figure: what a decoding step can reach."""
+    source = torch.empty(2**30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * source.numel() / best
+
+
+def generated_tokens(rows: list[list[int]], end: int) -> int:
+    """Each row's tokens through its first end-of-text id (GRPO's cut), counted the same way for both sides."""
+    return sum(row.index(end) + 1 if end in row else len(row) for row in rows)
 
 
 def idle_until_rank0_is_done(rank: int, size: int) -> None:
@@ -278,8 +300,9 @@ class Measured:
     title: str
     mine: dict[str, Timed]
     theirs: Timed | None
-    bound_ms: float | None  # the bandwidth bound of a decoding step on --plan-on
+    bound_ms: float | None  # the bandwidth bound of a decoding step on --plan-on (its datasheet bandwidth)
     predictions: dict[str, tuple[float, str]]
+    measured_bound_ms: float | None = None  # the same at the bandwidth measured on this card (a GPU)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -294,6 +317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--graphs", choices=["auto", "on", "off", "both"], default="auto",
                         help="grpo.generation_graphs: the decoding step as a CUDA graph (auto: on a GPU; both: the "
                         "gathered layout measured with and without)")
+    parser.add_argument("--kernels", choices=["auto", "fused", "off", "both"], default="auto",
+                        help="grpo.generation_kernels: the fused NF4 + LoRA and decode attention kernels (auto: on "
+                        "sm86/89/90 GPUs; both: each generator measured with and without)")
     parser.add_argument("--work", type=Path, default=Path("outputs/bench-grpo-generation"))
     parser.add_argument("--plan-on", metavar="GPU", help="also print what --plan predicts on GPU (a hardware.gpu "
                         "name, e.g. h100), and the bandwidth bound there")
@@ -305,13 +331,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def variants(args: argparse.Namespace, size: int) -> list[str]:
-    """The generators of ours to time: a layout, or `layout:graphs` where --graphs both."""
+    """The generators of ours to time: `layout:graphs:kernels` (--graphs both: the gathered layout with graphs on
+    and off; --kernels both: each with the fused kernels and without)."""
     layouts = (["gathered", "split", "per_token"] if size > 1 else ["gathered"]) if args.layouts == "all" \
         else args.layouts.split(",")
-    if args.graphs != "both":
-        return layouts
-    return [f"{layout}:{graphs}" for layout in layouts for graphs in (("on", "off") if layout == "gathered"
-                                                                      else ("off",))]
+    kernels = ("fused", "off") if args.kernels == "both" else (args.kernels,)
+    names = []
+    for layout in layouts:
+        graphs = ("on", "off") if args.graphs == "both" and layout == "gathered" else \
+            ("off",) if args.graphs == "both" else (args.graphs,)
+        names += [f"{layout}:{graph}:{kernel}" for graph in graphs for kernel in kernels]
+    return names
+
+
+def parts(name: str, args: argparse.Namespace) -> tuple[str, str, str]:
+    """(layout, graphs, kernels) of a generator's name; what it leaves out, the command line's."""
+    layout, graphs, kernels = (name.split(":") + ["", ""])[:3]
+    return layout, graphs or args.graphs, kernels or args.kernels
 
 
 def measure(args: argparse.Namespace) -> Measured | None:
@@ -336,9 +372,14 @@ def measure(args: argparse.Namespace) -> Measured | None:
     width = max(len(ids) for ids in prompts)
     title = (f"GRPO generation, {folder.name} (NF4 + LoRA r16), {args.rows} rows x {width} prompt tokens at most, "
              f"{args.new_tokens} new tokens, {size} rank{'s' if size > 1 else ''} on {name}, graphs {args.graphs}")
-    bound = bandwidth_bound_ms(folder, args.rows // size, width + args.new_tokens, args.plan_on) \
+    from qlora_fsdp.run.hardware import GPUS
+
+    rows = args.rows // size
+    bound = bandwidth_bound_ms(folder, rows, width, args.new_tokens, GPUS[args.plan_on].memory_gbps * 1e9) \
         if args.plan_on else None
-    return Measured(title, mine, theirs, bound, predictions)
+    measured = bandwidth_bound_ms(folder, rows, width, args.new_tokens, measured_bandwidth(device)) \
+        if device.type == "cuda" else None
+    return Measured(title, mine, theirs, bound, predictions, measured)
 
 
 def report(measured: Measured) -> str:
@@ -353,8 +394,11 @@ def report(measured: Measured) -> str:
         versus = f"{t.rate / theirs.rate:.2f}x" if theirs is not None else ""
         lines.append(f"| {label} | {t.tokens} | {t.seconds:.2f} | {t.rate:,.0f} | {versus} | {t.step_ms:.1f} | "
                      f"{t.peak_gib:.2f} |")
+    if measured.measured_bound_ms is not None:
+        lines += ["", f"bandwidth bound of a decoding step at this card's measured copy bandwidth: "
+                  f"{measured.measured_bound_ms:.2f} ms"]
     if measured.bound_ms is not None:
-        lines += ["", f"bandwidth bound of a decoding step: {measured.bound_ms:.2f} ms"]
+        lines += ["", f"bandwidth bound of a decoding step at the datasheet's bandwidth: {measured.bound_ms:.2f} ms"]
         for name, t in measured.mine.items():
             planned_step, words = measured.predictions[name]
             ratio = planned_step * 1e3 / t.step_ms
