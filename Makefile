@@ -144,7 +144,7 @@ gpu-wheels: $(BIN)/activate
 	rm -rf $(GPU_WHEELS)
 	$(BIN)/python scripts/gpu_wheels.py --out $(GPU_WHEELS) --python $(GPU_PYTHON) --cuda $(GPU_CUDA) $(if $(FULL),--full)
 
-# on a GPU: GRPO's generation speed alone, at most 5 minutes (what a short lease must still measure)
+# on a GPU: GRPO's generation speed alone, at most 8 minutes (what a short lease must still measure)
 gpu-check-quick: $(BIN)/activate
 	$(BIN)/python -m tests.gpu_check --only grpo_generation --total-seconds 290
 

@@ -779,33 +779,41 @@ def long_rows(ctx: Context) -> list[Row]:
 
 def grpo_generation(ctx: Context) -> list[Row]:
     """benchmarks/grpo_generation.py at Llama 3.2 1B's shapes: 32 rows (the gathered layout with and without CUDA
-    graphs) and 128 rows, each against transformers' generate and beside the plan and the bandwidth bound; on a CPU
-    the tiny shapes, a few tokens."""
+    graphs) and 128 rows, each with the fused kernels and without, against transformers' generate and beside the
+    plan and the bandwidth bound; a fused run passes when the plan is within 25% of its step. On a CPU the tiny
+    shapes, a few tokens, bitsandbytes' path (the interpreter's kernels are the test suite's)."""
     from benchmarks.grpo_generation import measure, parse_args, report
     from qlora_fsdp.run.hardware import detect_gpu
 
     gpu = detect_gpu(ctx.device) if ctx.device.type == "cuda" else None
     common = ["--work", str(ctx.work / "grpo-generation"), "--device", ctx.device.type]
-    runs = [["--arch", "llama-1b", "--rows", "32", "--new-tokens", "128", "--prompt-tokens", "128", "--graphs", "both"],
-            ["--arch", "llama-1b", "--rows", "128", "--new-tokens", "128", "--prompt-tokens", "128"]] if gpu else \
-        [["--arch", "tiny", "--rows", "8", "--new-tokens", "8", "--graphs", "both"]]
+    runs = [["--arch", "llama-1b", "--rows", "32", "--new-tokens", "128", "--prompt-tokens", "128", "--graphs", "both",
+             "--kernels", "both"],
+            ["--arch", "llama-1b", "--rows", "128", "--new-tokens", "128", "--prompt-tokens", "128", "--kernels",
+             "both"]] if gpu else [["--arch", "tiny", "--rows", "8", "--new-tokens", "8", "--graphs", "both"]]
     rows = []
     for argv in runs:
         measured = measure(parse_args([*common, *argv, *(["--plan-on", gpu] if gpu else [])]))
         cleanup()
         assert measured is not None and measured.theirs is not None
         print(report(measured), flush=True)
-        for name, timed in measured.mine.items():
-            ratio = timed.rate / measured.theirs.rate
-            planned = measured.predictions.get(name, (float("nan"), ""))[0] * 1e3
-            figures = {"tokens_per_s": timed.rate, "transformers_tokens_per_s": measured.theirs.rate,
-                       "ratio": ratio, "step_ms": timed.step_ms, "planned_step_ms": planned,
-                       "bound_ms": measured.bound_ms, "peak_gib": timed.peak_gib, "argv": argv}
-            rows.append(Row(f"grpo_generation ({argv[3]} rows, {name})", "info",
-                            f"{timed.rate:,.0f} tokens/s, {ratio:.2f}x transformers' generate "
-                            f"({measured.theirs.rate:,.0f}); a decoding step {timed.step_ms:.1f} ms, planned "
-                            f"{planned:.1f}, bandwidth bound {measured.bound_ms or float('nan'):.2f}", figures))
+        rows += [generation_row(name, timed, measured, argv) for name, timed in measured.mine.items()]
     return rows
+
+
+def generation_row(name: str, timed: Any, measured: Any, argv: list[str]) -> Row:
+    ratio = timed.rate / measured.theirs.rate
+    planned = measured.predictions.get(name, (float("nan"), ""))[0] * 1e3
+    bound = measured.measured_bound_ms or measured.bound_ms or float("nan")
+    figures = {"tokens_per_s": timed.rate, "transformers_tokens_per_s": measured.theirs.rate, "ratio": ratio,
+               "step_ms": timed.step_ms, "planned_step_ms": planned, "bound_ms": measured.bound_ms,
+               "measured_bound_ms": measured.measured_bound_ms, "peak_gib": timed.peak_gib, "argv": argv}
+    fused = name.endswith(":fused") and not math.isnan(planned)
+    status = ("passed" if abs(planned / timed.step_ms - 1) <= 0.25 else "failed") if fused else "info"
+    return Row(f"grpo_generation ({argv[3]} rows, {name})", status,
+               f"{timed.rate:,.0f} tokens/s, {ratio:.2f}x transformers' generate ({measured.theirs.rate:,.0f}); a "
+               f"decoding step {timed.step_ms:.1f} ms, planned {planned:.1f}, {timed.step_ms / bound:.1f}x the "
+               f"bandwidth bound ({bound:.2f} ms)", figures)
 
 
 # ---- entry --------------------------------------------------------------------------------------------------
