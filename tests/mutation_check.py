@@ -651,6 +651,11 @@ MUTATIONS = [
              "                live = slots < L\n",
              "tests/test_kernels.py::test_decode_attention_reads_only_the_filled_cache_with_grouped_heads_and_padding",
              quick=True),
+    Mutation("the decoding loop stops a row one step after its end id", "qlora_fsdp/kernels/decoding_loop.py",
+             "    state.unfinished &= ~torch.isin(token, state.ends)\n",
+             "    state.unfinished &= ~torch.isin(state.tokens[:, 0], state.ends)\n",
+             "tests/test_kernels.py::test_the_decoding_loop_equals_generate_tokens_log_probabilities_and_padding",
+             quick=True),
 ]
 
 

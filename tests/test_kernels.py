@@ -9,6 +9,8 @@ heads, left padding, a cache whose unfilled slots hold NaN (a read past the fill
 
 from __future__ import annotations
 
+import functools
+
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import peft
@@ -108,3 +110,48 @@ def test_where_the_kernels_run_and_the_one_line_otherwise(monkeypatch, capsys):
     with pytest.raises(ConfigError, match="^grpo.generation_kernels: fused cannot run on a CPU") as raised:
         fused_decoding.kernels_wanted("fused", cpu)
     assert "\n" not in str(raised.value)
+
+
+def test_the_decoding_loop_equals_generate_tokens_log_probabilities_and_padding(tmp_path):
+    """The fused kernels' decoding loop against transformers' generate on the same 4-bit policy with its adapter
+    (the kernels on for both): the same rows, a row that hits an end id padded from the next token on, the same
+    log-probabilities; greedy, and sampled from one seed."""
+    from transformers import StaticCache
+
+    from qlora_fsdp.distributed import DistInfo
+    from qlora_fsdp.kernels.decoding_loop import loop_generate
+    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.objectives.rollouts import SampledLogps, generating
+    from tests.helpers import build_tiny_checkpoint, tiny_config
+
+    cfg = tiny_config(build_tiny_checkpoint(tmp_path / "model", layers=1), lora={"r": 4, "dropout": 0.0})
+    model = build_model(cfg, DistInfo(0, 0, 1, torch.device("cpu"), None), shard=False)
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.1)
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10], [2, 2, 11, 12, 13, 14]])
+    mask = (input_ids != 2).long()
+
+    def call(sample, ends: list[int], do_sample: bool) -> tuple[torch.Tensor, list[list[float]]]:
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        fused_decoding.watch(cache)
+        recorder = SampledLogps(0.8 if do_sample else 1.0)
+        torch.manual_seed(5)
+        out = sample(input_ids=input_ids, attention_mask=mask, max_new_tokens=6, eos_token_id=ends, pad_token_id=2,
+                     do_sample=do_sample, temperature=0.8 if do_sample else None, top_k=20 if do_sample else None,
+                     top_p=0.9 if do_sample else None, past_key_values=cache, logits_processor=[recorder],
+                     use_cache=True, disable_compile=True, repetition_penalty=1.0)
+        return out, recorder.finish(out)
+
+    with generating(model), fused_decoding.fused_decoding(model, "fused", torch.device("cpu")):
+        free, _ = call(model.generate, [1], False)  # no row ends (id 1 is never the likeliest here)
+        ends = [int(free[0, 8])]  # the first row's third new token ends it
+        for do_sample in (False, True):
+            theirs, their_logps = call(model.generate, ends, do_sample)
+            ours, our_logps = call(functools.partial(loop_generate, model), ends, do_sample)
+            width = theirs.shape[1]
+            assert torch.equal(ours[:, :width], theirs) and bool((ours[:, width:] == 2).all()), do_sample
+            assert torch.allclose(torch.tensor(our_logps)[:, : width - 6], torch.tensor(their_logps), atol=1e-5)
+            if not do_sample:  # the first row ended at its third token and was padded after it
+                assert theirs[0, 8] == ends[0] and bool((theirs[0, 9:] == 2).all()) and theirs.shape[1] > 9

@@ -14,6 +14,7 @@ string ends with the string's last token; one that did neither was cut at max_co
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ from qlora_fsdp.generation.layouts import (
     steps_together,
 )
 from qlora_fsdp.generation.room import CACHE_BUCKET
+from qlora_fsdp.kernels.decoding_loop import loop_generate
 from qlora_fsdp.kernels.fused_decoding import fused_decoding, watch
 from qlora_fsdp.layers.generation_attention import generation_attention
 from qlora_fsdp.layers.image_embeddings import image_token_of, images_in_embeddings
@@ -77,6 +79,10 @@ class SampledLogps(LogitsProcessor):
 
     def reset(self) -> None:
         self.last, self.steps = None, []
+
+    def load(self, logps: torch.Tensor) -> None:
+        """A call's log-probabilities recorded elsewhere (the fused decoding loop), a column a token."""
+        self.last, self.steps = None, list(logps.unbind(1))
 
     def gather(self, tokens: torch.Tensor) -> None:
         if self.last is not None:
@@ -240,8 +246,10 @@ class Decoder:
     """Decoding calls inside one generation layout: a step enters it once for all its rollouts' turns."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, grpo: GrpoConfig, device: torch.device,
-                 world_size: int, layout: Layout, greedy: bool, cache_tokens: int, logps: bool) -> None:
+                 world_size: int, layout: Layout, greedy: bool, cache_tokens: int, logps: bool,
+                 fused: bool = False) -> None:
         self.model, self.tokenizer, self.grpo, self.device = model, tokenizer, grpo, device
+        self.fused = fused  # the fused kernels are on: their decoding loop runs where ranks need not step together
         self.world_size, self.layout, self.greedy, self.cache_tokens = world_size, layout, greedy, cache_tokens
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.ends = eos_ids(model, tokenizer)
@@ -297,6 +305,8 @@ class Decoder:
         grpo, pad_id = self.grpo, self.pad_id
         stops = {"stop_strings": grpo.stop, "tokenizer": self.tokenizer} if grpo.stop else {}
         sample = cast(Callable[..., torch.Tensor], self.model.generate)
+        if self.fused and not steps_together(self.layout, self.world_size) and not stops and images is None:
+            sample = functools.partial(loop_generate, self.model)
         width = common_width(rows, self.layout, self.world_size, self.device)
         input_ids, attention_mask = left_padded(rows, pad_id, width)
         longest = max(budgets)
@@ -332,8 +342,8 @@ def decoding(model: nn.Module, tokenizer: PreTrainedTokenizerBase, grpo: GrpoCon
     generate_is_a_forward(model)
     layout = layout or resolved_layout(model, grpo, min(grpo.generation_rows or rows, rows), width, device)
     with (generating(model, eager=not uses_graphs(model, grpo, device, layout)), generation_layout(model, layout),
-          fused_decoding(model, grpo.generation_kernels, device)):
-        yield Decoder(model, tokenizer, grpo, device, world_size, layout, greedy, cache_tokens, logps)
+          fused_decoding(model, grpo.generation_kernels, device) as live):
+        yield Decoder(model, tokenizer, grpo, device, world_size, layout, greedy, cache_tokens, logps, live is not None)
 
 
 def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], grpo: GrpoConfig,
