@@ -159,9 +159,13 @@ class Tiles:
     splits: int = 1
 
 
-def tiles_for(rows: int, n: int, k: int, programs_wanted: int = 256) -> Tiles:
+def tiles_for(rows: int, n: int, k: int, programs_wanted: int = 256, interpreted: bool | None = None) -> Tiles:
     """Few rows: narrow-N tiles and K split until the grid has about `programs_wanted` programs (an H200 has 132
-    SMs; two programs each hide the loads' latency)."""
+    SMs; two programs each hide the loads' latency). Interpreted (a CPU), few large tiles: the interpreter pays
+    per program, not per element."""
+    if interpreting() if interpreted is None else interpreted:
+        return Tiles(max(16, triton.next_power_of_2(rows)), min(triton.next_power_of_2(n), 256),
+                     min(triton.next_power_of_2(k), 256), 1)
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
     bn, bk = 64, 128 if k % 128 == 0 else 64
     programs = triton.cdiv(rows, bm) * triton.cdiv(n, bn)
