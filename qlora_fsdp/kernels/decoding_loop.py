@@ -41,6 +41,7 @@ class Sampling:
     top_k: int | None
     top_p: float | None
     suppress: tuple[int, ...] = ()
+    record: bool = True  # each token's log-probability (a full pass over the logits a step)
 
 
 def warpers(sampling: Sampling) -> tuple[LogitsProcessorList, LogitsProcessorList]:
@@ -105,12 +106,14 @@ def choose(state: LoopState, logits: torch.Tensor, sampling: Sampling, before: L
     at the temperature and the mask; advance the step and each row's position."""
     seen = cast(torch.LongTensor, state.sequences)
     scores = before(seen, cast(torch.FloatTensor, logits.float()))
-    record = torch.log_softmax(scores / (1.0 if sampling.greedy else sampling.temperature), dim=-1)
+    if sampling.record:
+        record = torch.log_softmax(scores / (1.0 if sampling.greedy else sampling.temperature), dim=-1)
     scores = after(seen, scores)
     token = torch.where(state.unfinished, sampled(scores, sampling.greedy), state.pad)
     state.sequences.index_copy_(1, state.column.reshape(1), token[:, None])
     state.mask.index_fill_(1, state.column.reshape(1), 1)
-    state.logps.index_copy_(1, state.step.reshape(1), record.gather(1, token[:, None]))
+    if sampling.record:
+        state.logps.index_copy_(1, state.step.reshape(1), record.gather(1, token[:, None]))
     state.unfinished &= ~torch.isin(token, state.ends)
     state.tokens.copy_(token[:, None])
     state.positions += 1
@@ -174,7 +177,9 @@ def loop_generate(model: nn.Module, *, input_ids: torch.Tensor, attention_mask: 
                   compile_config: Any = None, **_: Any) -> torch.Tensor:
     """`generate`'s call as this loop runs it (the arguments GRPO's decoder gives `generate`): the prompts and
     their new tokens; a recorder among `logits_processor` (one with `load`) receives the log-probabilities."""
-    sampling = Sampling(not do_sample, temperature or 1.0, top_k, top_p, tuple(suppress_tokens or ()))
+    recorders = [processor for processor in logits_processor or [] if hasattr(processor, "load")]
+    sampling = Sampling(not do_sample, temperature or 1.0, top_k, top_p, tuple(suppress_tokens or ()),
+                        bool(recorders))
     replay = None
     if compile_config is not None:
         backend = compile_config.backend
@@ -183,7 +188,6 @@ def loop_generate(model: nn.Module, *, input_ids: torch.Tensor, attention_mask: 
         replay = COMPILED[backend]
     new, logps = run_loop(model, past_key_values, input_ids, attention_mask, max_new_tokens, eos_token_id,
                           pad_token_id, sampling, replay)
-    for processor in logits_processor or []:
-        if hasattr(processor, "load"):
-            processor.load(logps)
+    for recorder in recorders:
+        recorder.load(logps)
     return torch.cat([input_ids, new], dim=1)
