@@ -324,6 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plan-on", metavar="GPU", help="also print what --plan predicts on GPU (a hardware.gpu "
                         "name, e.g. h100), and the bandwidth bound there")
     parser.add_argument("--skip-transformers", action="store_true", help="ours only")
+    parser.add_argument("--plan-only", action="store_true", help="with --plan-on: the plan's decoding step for each "
+                        "generator and the bandwidth bound, nothing run (a config.json is written for --arch)")
     args = parser.parse_args(argv)
     if (args.model is None) == (args.arch is None):
         parser.error("give --model or --arch")
@@ -407,8 +409,24 @@ def report(measured: Measured) -> str:
     return "\n".join(lines)
 
 
+def plan_only(args: argparse.Namespace) -> str:
+    """The plan's figures and the datasheet's bound for the generators, from config.json alone."""
+    from qlora_fsdp.run.hardware import GPUS
+
+    folder = args.model or write_checkpoint(args.arch, args.work / f"{args.arch}-config", weights=False)
+    prompts = prompt_ids(folder, args.arch, max(args.rows // 8, 1), args.prompt_tokens)
+    width = max(len(ids) for ids in prompts)
+    bound = bandwidth_bound_ms(folder, args.rows, width, args.new_tokens, GPUS[args.plan_on].memory_gbps * 1e9)
+    lines = [planned(folder, prompts, args, args.plan_on, name, 1)[1] for name in variants(args, 1)]
+    return "\n".join([*lines, f"bandwidth bound of a decoding step at the datasheet's bandwidth: {bound:.2f} ms"])
+
+
 def main() -> None:
-    measured = measure(parse_args())
+    args = parse_args()
+    if args.plan_only:
+        print(plan_only(args))
+        return
+    measured = measure(args)
     if measured is not None:
         print(report(measured))
 
