@@ -99,8 +99,9 @@ def base_4bit(module: nn.Module) -> bnb.nn.Linear4bit | None:
 def fused_linear(module: nn.Module, base: bnb.nn.Linear4bit, copies: AdapterCopies, original: Callable[..., Any],
                  x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    state = getattr(base.weight, "quant_state", None) or getattr(base, "quant_state", None)
-    if rows > MAX_FUSED_ROWS or state is None or module.training or args or kwargs:
+    state = getattr(base.weight, "quant_state", None)  # FSDP2's gathered parameter has none: the module's
+    state = state if state is not None else getattr(base, "quant_state", None)
+    if rows > MAX_FUSED_ROWS or state is None or state.quant_type != "nf4" or module.training or args or kwargs:
         return original(x, *args, **kwargs)
     weight = packed_nf4(base.weight, state)
     KERNEL_CALLS["linear"] += 1

@@ -190,8 +190,6 @@ def uses_graphs(model: nn.Module, grpo: GrpoConfig, device: torch.device, layout
     return graphs_for(grpo.generation_graphs, device.type == "cuda", layout, images) and not GRAPHS_FAILED
 
 
-
-
 def decoding_options(model: nn.Module, grpo: GrpoConfig, device: torch.device, tokens: int,
                      layout: Layout) -> dict[str, Any]:
     """A preallocated (static) KV cache of `tokens` tokens a row, the call's own and freed with it (transformers

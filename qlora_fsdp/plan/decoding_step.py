@@ -13,8 +13,8 @@ gap even inside a CUDA graph (KERNEL_SECONDS).
 
 KERNEL_SECONDS and SAMPLING_SECONDS_PER_LOGIT are fitted to the bitsandbytes path measured on an H200 (torch
 2.11, CUDA graphs; docs/benchmarks/grpo.md, 2026-11-28): Llama 3.2 1B's shapes at 32 and 128 rows took 8.8 and
-16.1 ms a step, the 3B's at 64 rows 26.8 ms (this model: 21.7 ms). The fused path's figures are this model's until
-a GPU measures them (`make gpu-check`).
+16.1 ms a step (this model: 9.0 and 16.6 ms), the 3B's at 64 rows 26.8 ms (this model: 22.3 ms). The fused path's
+figures are this model's until a GPU measures them (`make gpu-check-quick`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
 # matmuls folded to three; fused: A's product, the kernel, the split-K sum
 KERNELS_PER_LINEAR = {"bitsandbytes": 7, "fused": 3}
 KERNELS_PER_LAYER_BESIDES = {"bitsandbytes": 7, "fused": 6}  # norms, rotary, residuals, activation, attention
-UNFUSED_BYTES_PER_ELEMENT = 0.5 + 1 / 64  # read, before the 16-bit buffer's write and read
-FUSED_BYTES_PER_ELEMENT = 0.5 + 1 / 64
+PACKED_BYTES_PER_ELEMENT = 0.5 + 1 / 64  # a 4-bit value and its share of the 8-bit absmax, read
 
 
 @dataclass(frozen=True)
@@ -51,10 +50,6 @@ class DecodingStep:
     kv_bytes: float
     kernels: int
     logits: int
-
-    @property
-    def bytes(self) -> float:
-        return self.weight_bytes + self.lora_bytes + self.head_bytes + self.kv_bytes
 
     def bandwidth_seconds(self, memory_rate: float, turns: int = 1) -> float:
         """The bytes at the card's rate (`turns`: the split layout passes the cache's rows through every share)."""
@@ -92,10 +87,10 @@ def decoding_step(cfg: Config, hf: PretrainedConfig, elements: float, rows: int,
     kernels = layers * (LINEARS_PER_LAYER * KERNELS_PER_LINEAR[path] + KERNELS_PER_LAYER_BESIDES[path])
     if fused:
         kv = kv_cache_bytes(hf, rows, prompt + new // 2, itemsize)
-        return DecodingStep(True, elements * FUSED_BYTES_PER_ELEMENT, lora * itemsize, head, kv, kernels,
+        return DecodingStep(True, elements * PACKED_BYTES_PER_ELEMENT, lora * itemsize, head, kv, kernels,
                             rows * hf.vocab_size)
     group = hf.num_attention_heads // (hf.num_key_value_heads or hf.num_attention_heads)
     slots = math.ceil((prompt + new + 1) / CACHE_BUCKET) * CACHE_BUCKET
     kv = kv_cache_bytes(hf, rows, slots, itemsize) * (1 + 2 * group)
-    weights = elements * (UNFUSED_BYTES_PER_ELEMENT + 2 * itemsize)
+    weights = elements * (PACKED_BYTES_PER_ELEMENT + 2 * itemsize)  # and the 16-bit copy written, then read
     return DecodingStep(False, weights, lora * (4 + 2 * itemsize), head, kv, kernels, rows * hf.vocab_size)
