@@ -25,7 +25,7 @@ from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.image_side_training import trains_image_side
 from qlora_fsdp.loading.vision_encoder import checkpoint_config, load_processor, load_vision_encoder
-from qlora_fsdp.objectives import objective_class
+from qlora_fsdp.objectives.table import objective_class
 from qlora_fsdp.optimizer import build_optimizer, build_scheduler
 from qlora_fsdp.precision import describe_device, describe_dtypes, resolve_dtypes
 from qlora_fsdp.run.batch_size import describe_batch

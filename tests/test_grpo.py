@@ -86,7 +86,8 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
     from qlora_fsdp.losses.forward import ForwardLoss
     from qlora_fsdp.losses.policy import StepCounts
     from qlora_fsdp.objectives.base import RunParts
-    from qlora_fsdp.objectives.grpo import Generation, Grpo, completion_sample
+    from qlora_fsdp.objectives.grpo import Grpo
+    from qlora_fsdp.objectives.grpo_records import Generation, completion_sample
 
     cfg = tiny_config(model_dir, data={"packing": packed, "context_length": context, "format": "prompt"},
                       train={"objective": "grpo"}, lora=lora or {},

@@ -57,7 +57,8 @@ def test_a_window_of_steps_reads_as_one_long_step():
 
 def test_summary_prints_counts_as_integers_and_times_rounded():
     summary = RunSummary(train_runtime_s=192.4, steps=150, skipped_steps=0, samples=5204, tokens=1_234_567,
-                         mfu=0.0123, eval_loss_start=2.345678, eval_loss_end=1.234561,
+                         mfu=0.0123, held_out={"eval_loss_start": 2.345678, "eval_loss_end": 1.234561,
+                                               "eval_ppl_start": 10.44, "eval_ppl_end": 3.4367},
                          memory_peaks_gib={"peak_memory_gib": 1.5}, adapter="outputs/demo/adapter")
     lines = format_summary(summary.as_dict()).split("\n")
     assert lines[:2] == ["", "summary".center(len("peak_memory_gib_max_rank") + 16, "-")]
@@ -65,7 +66,7 @@ def test_summary_prints_counts_as_integers_and_times_rounded():
     assert {key.strip(): value for key, value in shown.items()} == {
         "train_runtime_s": "3 min 12 s", "steps": "150", "skipped_steps": "0", "samples": "5,204",
         "samples_per_s": "27.0", "tokens": "1,234,567", "tokens_per_s": "6,417", "mfu": "1.23%",
-        "eval_loss_start": "2.3457", "eval_loss_end": "1.2346", "eval_ppl_end": "3.44",
+        "eval_loss_start": "2.3457", "eval_loss_end": "1.2346", "eval_ppl_start": "10.44", "eval_ppl_end": "3.44",
         "peak_memory_gib_max_rank": "1.50 GiB", "adapter": "outputs/demo/adapter"}
 
 

@@ -6,20 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Objective = Literal["sft", "dpo", "orpo", "simpo", "kto", "reward", "grpo"]
+Objective = Literal["sft", "dft", "dpo", "orpo", "simpo", "kto", "reward", "grpo"]
 DataKind = Literal["samples", "pairs", "prompts"]
 
 
 @dataclass(frozen=True)
 class ObjectiveKind:
-    """What a training objective is and needs. The run, the planner and validation read these fields; no other
-    module compares objective names."""
+    """What validation and the data need to know of a training objective before its class is imported (its class:
+    qlora_fsdp/objectives/table.py, which has a row for each of these); no other module compares objective names."""
 
-    step: str  # its class in qlora_fsdp.objectives ("module:Class"): batches, micro-step, evaluation, state
     # what it reads: samples (SFT; with images where the records show some), pairs (a chosen and a rejected
     # sequence side by side in a row; KTO's unpaired records as pairs of their own and their KL sequence), prompts
     data: DataKind
-    pair_loss: str | None = None  # its loss over a micro-batch of pairs: a class in qlora_fsdp.losses.pairs
     reference: bool = False  # compared against the base with the adapter off (or that computed before training)
     default_beta: float | None = None  # preference.beta when the recipe leaves it null
     unpaired: bool = False  # KTO: one completion and a label a record
@@ -34,15 +32,16 @@ class ObjectiveKind:
         return self.data == "pairs"
 
 
-# the one table from train.objective to its kind
+# train.objective to its kind (and objectives/table.py to its class)
 OBJECTIVES: dict[str, ObjectiveKind] = {
-    "sft": ObjectiveKind("supervised:Supervised", "samples", whole_samples=False),
-    "dpo": ObjectiveKind("pairs:Pairs", "pairs", "DpoLoss", reference=True, default_beta=0.1),
-    "orpo": ObjectiveKind("pairs:Pairs", "pairs", "OrpoLoss"),
-    "simpo": ObjectiveKind("pairs:Pairs", "pairs", "SimpoLoss", default_beta=2.0),
-    "kto": ObjectiveKind("pairs:Pairs", "pairs", "KtoLoss", reference=True, default_beta=0.1, unpaired=True),
-    "reward": ObjectiveKind("pairs:Pairs", "pairs", "BradleyTerryLoss", reward_head=True),
-    "grpo": ObjectiveKind("grpo:Grpo", "prompts", generates=True),
+    "sft": ObjectiveKind("samples", whole_samples=False),
+    "dft": ObjectiveKind("samples", whole_samples=False),
+    "dpo": ObjectiveKind("pairs", reference=True, default_beta=0.1),
+    "orpo": ObjectiveKind("pairs"),
+    "simpo": ObjectiveKind("pairs", default_beta=2.0),
+    "kto": ObjectiveKind("pairs", reference=True, default_beta=0.1, unpaired=True),
+    "reward": ObjectiveKind("pairs", reward_head=True),
+    "grpo": ObjectiveKind("prompts", generates=True),
 }
 
 

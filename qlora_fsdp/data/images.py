@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from qlora_fsdp.config import Config, SourceConfig
 from qlora_fsdp.data.batching import Sample, pack
-from qlora_fsdp.data.kinds import check_trainable, held_out_split
+from qlora_fsdp.data.kinds import held_out_sets
 from qlora_fsdp.data.sources import eval_source, read_source, sources_of
 from qlora_fsdp.errors import DataError, first_line
 from qlora_fsdp.labels import IGNORE_INDEX
@@ -250,18 +250,18 @@ def load_image_data(processor: ProcessorMixin, cfg: Config) -> ImageData:
     data = cfg.data
     samples = [sample for source in sources_of(data) for sample in encoded_source(source, processor, cfg)]
     held_out_source = eval_source(data)
-    held_out = encoded_source(held_out_source, processor, cfg) if held_out_source is not None else samples
-    train_ids, eval_ids = held_out_split(len(samples), data.eval_samples, cfg.train.seed,
-                                         None if held_out_source is None else len(held_out))
-    check_trainable(len(train_ids), "sample")
-    train = [samples[i] for i in sorted(train_ids)]
+    held_out = encoded_source(held_out_source, processor, cfg) if held_out_source is not None else None
+    train, eval_set = held_out_sets(samples, held_out, lambda split, picked: [split[i] for i in sorted(picked)],
+                                    data.eval_samples, cfg.train.seed, "sample")
     packs = pack([len(s.input_ids) for s in train], data.context_length) if data.packing else None
-    return ImageData(train, [held_out[i] for i in sorted(eval_ids)], "processor", len(samples), packs)
+    return ImageData(train, eval_set, "processor", len(samples), packs)
 
 
 def records_have_images(cfg: Config) -> bool:
-    """Whether the recipe's data holds images (a chat data source whose records show some)."""
-    for source in sources_of(cfg.data):
+    """Whether the recipe's data holds images (a chat data source, for training or held out, whose records show
+    some): the held-out records are then read as the training ones are, through the processor."""
+    held_out = eval_source(cfg.data)
+    for source in [*sources_of(cfg.data), *([held_out] if held_out is not None else [])]:
         if source.format != "chat":
             continue
         if has_images(read_source(source, cfg.data.cache_dir)):

@@ -5,18 +5,31 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Protocol
+from collections.abc import Callable, Sized
+from typing import Any, Protocol, TypeVar
 
 from qlora_fsdp.config import OverlongPolicy
 from qlora_fsdp.errors import DataError
 
+# what a kind's train and held-out sets each are: tokenized rows (datasets.Dataset, SFT's and the pairs'), samples
+# in memory (list[Sample], with images), or GRPO's Prompts
+Split = TypeVar("Split", bound=Sized)
 
-class TrainingData(Protocol):
+
+class TrainingData(Protocol[Split]):
     """A kind of data as the trainer reads it: units (a sample, a pair, a packed row, a prompt) the sampler draws,
-    their lengths, the samples behind them, and the held-out split."""
+    their lengths, the samples behind them, and the held-out split. An objective names the split it reads
+    (GRPO: TrainingData[Prompts]), so it reads its kind's own without checking the class."""
 
-    train: Any
-    eval: Any
+    @property
+    def train(self) -> Split: ...
+
+    @property
+    def eval(self) -> Split: ...
+
+    @property
+    def template(self) -> str:
+        """The template the units were rendered with ("processor": the checkpoint's processor)."""
 
     @property
     def packs(self) -> list[list[int]] | None:
@@ -31,7 +44,7 @@ class TrainingData(Protocol):
 
     def unit_lengths(self) -> list[int]: ...
 
-    def samples(self, split: Any, indices: list[int]) -> list[Any]: ...
+    def samples(self, split: Split, indices: list[int]) -> list[Any]: ...
 
     def describe(self, context_length: int, overlong: OverlongPolicy) -> str: ...
 
@@ -51,3 +64,12 @@ def held_out_split(n: int, eval_samples: int, seed: int, n_eval_file: int | None
 def check_trainable(n_train: int, unit: str) -> None:
     if not n_train:
         raise DataError(f"every {unit} went to the held-out set; lower data.eval_samples or add data")
+
+
+def held_out_sets(units: Split, held_out: Split | None, select: Callable[[Split, list[int]], Split],
+                  eval_samples: int, seed: int, unit: str) -> tuple[Split, Split]:
+    """(train, held out) of any kind, by held_out_split: `held_out` is data.eval_path's units (None: they are held
+    out of `units`); `select` takes a set's units at indices; `unit` names one in the error of nothing to train."""
+    train, picked = held_out_split(len(units), eval_samples, seed, None if held_out is None else len(held_out))
+    check_trainable(len(train), unit)
+    return select(units, train), select(units if held_out is None else held_out, picked)

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from qlora_fsdp.config import DataConfig, OverlongPolicy, SourceConfig, Template
 from qlora_fsdp.data.batching import Sample, pack
 from qlora_fsdp.data.fingerprint import map_fingerprint
-from qlora_fsdp.data.kinds import check_trainable, held_out_split
+from qlora_fsdp.data.kinds import held_out_sets
 from qlora_fsdp.data.sources import eval_source, mixed_conversations, sources_of
 from qlora_fsdp.data.templates import IGNORE_INDEX, choose_template, encode
 from qlora_fsdp.distributed import DistInfo, barrier
@@ -170,13 +170,7 @@ def assembled(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, i
     if not len(samples):
         raise DataError(f"no trainable {unit} in {', '.join(s.path for s in sources)} after fitting to "
                         f"{data.context_length} tokens ({n_overlong} longer, overlong={data.overlong})")
-    train, eval_set = split_held_out(samples, held_out, data.eval_samples, seed)
-    check_trainable(len(train), unit[:-1])
+    train, eval_set = held_out_sets(samples, held_out, lambda split, picked: split.select(picked), data.eval_samples,
+                                    seed, unit[:-1])
     packs = pack(train["length"], data.context_length) if data.packing else None
     return Dataset(train, eval_set, template, n_records, n_overlong, n_dropped, packs)
-
-
-def split_held_out(samples: datasets.Dataset, held_out: datasets.Dataset | None, eval_samples: int,
-                   seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    train, picked = held_out_split(len(samples), eval_samples, seed, None if held_out is None else len(held_out))
-    return samples.select(train), (samples if held_out is None else held_out).select(picked)

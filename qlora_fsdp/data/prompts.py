@@ -17,17 +17,18 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
-from qlora_fsdp.agents.environments import environment_of
-from qlora_fsdp.agents.recipe import rollout_tools
 from qlora_fsdp.config import Config, DataConfig, SourceConfig
-from qlora_fsdp.data.kinds import check_trainable, held_out_split
+from qlora_fsdp.data.kinds import held_out_sets
 from qlora_fsdp.data.pipeline import run_template
 from qlora_fsdp.data.prompt_images import encode_image_prompt, prompts_have_images
 from qlora_fsdp.data.sources import eval_source, read_source, sources_of, weighted
-from qlora_fsdp.data.templates import prompt_ids, tool_call_format
+from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.errors import DataError
 
 RESERVED = ("prompt", "completion", "completion_ids")  # TRL passes every other column to the reward functions
+# a record and where it is (for errors) -> the schemas of the tools its prompt shows: the recipe's tools, as
+# objectives/tool_templates.py reads them (data does not import agents/)
+PromptTools = Callable[[dict[str, Any], str], list[dict[str, Any]]]
 
 
 @dataclass
@@ -132,26 +133,16 @@ def read_prompts(sources: list[SourceConfig], data: DataConfig, seed: int) -> da
     return records
 
 
-def load_prompts(tokenizer: PreTrainedTokenizerBase, cfg: Config, sources: list[SourceConfig] | None = None,
-                 processor: Callable[[], ProcessorMixin] | None = None) -> Prompts:
-    """Every record's prompt (of the recipe's sources, or `sources`), tokenized, in the data's order; records with
-    images through `processor()`, the checkpoint's (data/prompt_images.py)."""
-    sources = sources or sources_of(cfg.data)
-    records = read_prompts(sources, cfg.data, cfg.train.seed)
-    if processor is not None and prompts_have_images(records):
-        return image_prompts(records, processor(), sources[0].path, cfg)
+def text_prompts(records: datasets.Dataset, path: str, tokenizer: PreTrainedTokenizerBase, cfg: Config,
+                 tools: PromptTools | None) -> Prompts:
+    """Every record's prompt tokenized, in the data's order; with `tools`, each shows its record's tools."""
     template = run_template(cfg.data, tokenizer)
-    room = cfg.prompt_room
-    tooling = rollout_tools(cfg.grpo) if cfg.grpo.calls_tools else None
-    if tooling is not None:
-        tool_call_format(tokenizer, template)  # a template that cannot show tools: one line now
     ids, prompts = [], []
     for index, record in enumerate(records):
-        where = f"{sources[0].path} record {index + 1}"
-        tools = tooling.schemas(environment_of(record, tooling.environments, where)) if tooling else None
-        prompt = as_user_message(record["prompt"]) if tooling else record["prompt"]
-        encoded = encode_prompt(prompt, tokenizer, template, where, tools)
-        check_room(encoded, room, where)
+        where = f"{path} record {index + 1}"
+        prompt = as_user_message(record["prompt"]) if tools else record["prompt"]
+        encoded = encode_prompt(prompt, tokenizer, template, where, tools(record, where) if tools else None)
+        check_room(encoded, cfg.prompt_room, where)
         ids.append(encoded)
         prompts.append(prompt)
     columns = {name: list(records[name]) for name in records.column_names if name not in RESERVED}
@@ -183,15 +174,20 @@ def image_prompts(records: datasets.Dataset, processor: ProcessorMixin, path: st
 
 
 def load_prompt_data(tokenizer: PreTrainedTokenizerBase, cfg: Config,
-                     processor: Callable[[], ProcessorMixin] | None = None) -> PromptData:
-    """The prompts (with images through `processor()`); held out as text data is (data/kinds.py): data.eval_path's
-    prompts where given, else data.eval_samples of them, at most a tenth (by the seed)."""
-    prompts = load_prompts(tokenizer, cfg, processor=processor)
+                     processor: Callable[[], ProcessorMixin] | None = None,
+                     tools: PromptTools | None = None) -> PromptData:
+    """The prompts, held out as text data is (data/kinds.py): data.eval_path's prompts where given, else
+    data.eval_samples of them, at most a tenth (by the seed). Where the training or the held-out records show
+    images, all go through `processor()`, the checkpoint's (data/prompt_images.py); `tools`: each record's tools,
+    for rollouts that call them."""
     held_out_source = eval_source(cfg.data)
-    held_out = (load_prompts(tokenizer, cfg, [held_out_source], processor) if held_out_source is not None
-                else prompts)
-    train, held = held_out_split(len(prompts), cfg.data.eval_samples, cfg.train.seed,
-                                 None if held_out_source is None else len(held_out))
-    check_trainable(len(train), "prompt")
-    template = "processor" if prompts.vision is not None else run_template(cfg.data, tokenizer)
-    return PromptData(prompts.subset(sorted(train)), held_out.subset(sorted(held)), template)
+    parts = [sources_of(cfg.data)] + ([[held_out_source]] if held_out_source is not None else [])
+    read = [(part[0].path, read_prompts(part, cfg.data, cfg.train.seed)) for part in parts]
+    shown = processor is not None and any(prompts_have_images(records) for _, records in read)
+    vision = processor() if processor is not None and shown else None
+    encoded = [image_prompts(records, vision, path, cfg) if vision is not None
+               else text_prompts(records, path, tokenizer, cfg, tools) for path, records in read]
+    train, held_out = held_out_sets(encoded[0], encoded[1] if len(encoded) > 1 else None,
+                                    lambda split, picked: split.subset(sorted(picked)), cfg.data.eval_samples,
+                                    cfg.train.seed, "prompt")
+    return PromptData(train, held_out, "processor" if vision is not None else run_template(cfg.data, tokenizer))

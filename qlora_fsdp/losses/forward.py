@@ -18,7 +18,13 @@ from qlora_fsdp.layers.image_embeddings import RowPart, images_in_embeddings
 from qlora_fsdp.layers.reward_head import reward_head, sequence_scores
 from qlora_fsdp.layers.split_rows import model_trade
 from qlora_fsdp.losses.router import RouterLoss, router_loss_coefficient
-from qlora_fsdp.losses.tokens import per_sample_loss, summed_loss, target_hidden_states, target_logps
+from qlora_fsdp.losses.tokens import (
+    TokenWeight,
+    per_sample_loss,
+    summed_loss,
+    target_hidden_states,
+    target_logps,
+)
 
 
 class LossBatch(Protocol):
@@ -70,6 +76,7 @@ class ForwardLoss:
     chunk_tokens: int | None = None  # None: the full logits
     offloader: ActivationOffloader | None = None
     router: RouterLoss = field(default_factory=RouterLoss)  # a mixture of experts' load balancing, if asked for
+    token_weight: TokenWeight | None = None  # the objective's weight of each target token's loss (DFT's); None: 1
 
     @classmethod
     def for_config(cls, cfg: Config, device: torch.device) -> ForwardLoss:
@@ -78,13 +85,14 @@ class ForwardLoss:
         return cls(chunk, offload)
 
     def __call__(self, model: nn.Module, batch: LossBatch, device: torch.device) -> torch.Tensor:
-        """Summed cross-entropy over the batch's target tokens (labels are pre-shifted); in training, plus the
-        load-balancing loss times the batch's targets where the model's config asks for it (router_loss.py)."""
+        """Summed cross-entropy over the batch's target tokens (labels are pre-shifted; each weighted by
+        `token_weight`, where set); in training, plus the load-balancing loss times the batch's targets where the
+        model's config asks for it (router_loss.py)."""
         inputs, labels, targets = model_inputs(model, batch, device)
         coefficient = router_loss_coefficient(model) if torch.is_grad_enabled() else None
         with (self.offloading(), self.router.catching(model, coefficient is not None) as router_logits,
               batch_images(model, batch, device)):
-            total = summed_loss(model, inputs, labels, self.chunk_tokens, targets)
+            total = summed_loss(model, inputs, labels, self.chunk_tokens, targets, self.token_weight)
         if coefficient is not None:
             trade = model_trade(model)
             aux = self.router.loss(model, router_logits, real_token_mask(batch, inputs, device), coefficient,

@@ -92,8 +92,8 @@ def no_hook() -> None:
 
 @dataclass(frozen=True)
 class PairLoss:
-    """A preference objective's loss over a micro-batch of pairs; each objective's is a subclass below, named by
-    its row of the objectives table (config/objectives.py)."""
+    """A preference objective's loss over a micro-batch of pairs; each objective's is a subclass below (its
+    objective class, objectives/pairs.py, names it)."""
 
     settings: PreferenceConfig
     forward: ForwardLoss
@@ -104,16 +104,9 @@ class PairLoss:
     kl_pass: bool = False  # KTO: a first pass over the step's micro-batches finds z0
 
     @classmethod
-    def for_config(cls, cfg: Config, device: torch.device) -> PairLoss:
-        return cls.with_forward(cfg, ForwardLoss.for_config(cfg, device))
-
-    @classmethod
     def with_forward(cls, cfg: Config, forward: ForwardLoss) -> PairLoss:
-        """The recipe's pair loss (its objective's row of the table names it) over `forward`."""
-        kind = cfg.train.kind
-        assert kind.pair_loss is not None, f"train.objective {cfg.train.objective} trains on no pairs"
-        return PAIR_LOSSES[kind.pair_loss](cfg.preference, forward, cfg.preference.resolved_beta(cfg.train.objective),
-                                           kind.reference)
+        """This loss with the recipe's settings over `forward`."""
+        return cls(cfg.preference, forward, cfg.preference.resolved_beta(cfg.train.objective), cfg.train.kind.reference)
 
     def tracked(self, after_reference: Callable[[], None]) -> PairLoss:
         """The same loss, calling `after_reference` once a reference forward is done."""
@@ -146,6 +139,10 @@ class PairLoss:
 
     def pair_losses(self, policy: PairLogps, reference: PairLogps | None) -> tuple[torch.Tensor, PairRewards]:
         raise NotImplementedError
+
+    def kl_sums(self, model: nn.Module, batch: LossBatch, device: torch.device) -> tuple[float, int]:
+        """A loss with `kl_pass` (KTO): its first pass over a micro-batch, (summed log-ratios, their count)."""
+        raise NotImplementedError(f"{type(self).__name__} makes no first pass")
 
     def loss_and_sums(self, model: nn.Module, batch: LossBatch, device: torch.device,
                       totals: PairCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -236,6 +233,3 @@ class BradleyTerryLoss(PairLoss):
             scores), self.settings.center_rewards_coefficient)
         return losses.sum() / max(totals.pairs, 1.0), reward_sums(rewards)
 
-
-PAIR_LOSSES: dict[str, type[PairLoss]] = {
-    loss.__name__: loss for loss in (DpoLoss, SimpoLoss, OrpoLoss, KtoLoss, BradleyTerryLoss)}

@@ -24,11 +24,18 @@ from torch.utils.checkpoint import checkpoint
 from qlora_fsdp.families import softcaps_logits
 from qlora_fsdp.labels import IGNORE_INDEX
 
+# an objective's weight for each target token's loss, from those losses (no gradient flows through a weight)
+TokenWeight = Callable[[torch.Tensor], torch.Tensor]
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed fp32 cross-entropy of the target tokens (labels are pre-shifted)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, weight: TokenWeight | None = None) -> torch.Tensor:
+    """Summed fp32 cross-entropy of the target tokens (labels are pre-shifted); with `weight`, each token's loss
+    times its weight (0 at ignored positions either way)."""
+    flat_logits, flat_labels = logits.flatten(0, -2).float(), labels.flatten()
+    if weight is None:
+        return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    losses = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return (losses * weight(losses.detach())).sum()
 
 
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -38,9 +45,10 @@ def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden.to(head.weight.dtype), head.weight, head.bias) if type(head) is nn.Linear else head(hidden)
 
 
-def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+              weight: TokenWeight | None = None) -> torch.Tensor:
     logits = head_logits(head, hidden)
-    return cross_entropy_sum(logits, labels)
+    return cross_entropy_sum(logits, labels, weight)
 
 
 @contextmanager
@@ -90,20 +98,21 @@ def target_hidden_states(model: nn.Module, inputs: dict[str, Any], labels: torch
 
 
 def summed_loss(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int | None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
-    """Summed cross-entropy over the target tokens; chunked when `chunk_tokens` is set (and the model allows).
-    `targets` (flat indices of the target tokens): the chunked loss runs the output layer on those alone, as
-    the other positions add nothing to the sum (prompts, padding: often half the tokens or more)."""
+                targets: torch.Tensor | None = None, weight: TokenWeight | None = None) -> torch.Tensor:
+    """Summed cross-entropy over the target tokens (each weighted by `weight`, where given); chunked when
+    `chunk_tokens` is set (and the model allows). `targets` (flat indices of the target tokens): the chunked loss
+    runs the output layer on those alone, as the other positions add nothing to the sum (prompts, padding: often
+    half the tokens or more)."""
     if chunk_tokens is None or post_processes_logits(model):
-        return cross_entropy_sum(model(**inputs).logits, labels)
+        return cross_entropy_sum(model(**inputs).logits, labels, weight)
     head, hidden, labels = target_hidden_states(model, inputs, labels, targets)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
         if torch.is_grad_enabled():  # backward recomputes this chunk's logits instead of keeping them
-            total = total + checkpoint(head_loss, head, hidden[part], labels[part], use_reentrant=False)
+            total = total + checkpoint(head_loss, head, hidden[part], labels[part], weight, use_reentrant=False)
         else:
-            total = total + head_loss(head, hidden[part], labels[part])
+            total = total + head_loss(head, hidden[part], labels[part], weight)
     return total
 
 

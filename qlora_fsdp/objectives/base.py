@@ -13,7 +13,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -40,6 +40,17 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PlannedGeneration:
+    """What an objective that generates its completions asks of each step, as the planner prices it."""
+
+    prompts: int  # a rank's prompts a step (a record each)
+    completions: int  # the completions a rank generates for them
+    new_tokens: int  # each completion's most
+    steps_served: int  # optimizer steps one generation serves
+    kept_forwards: int  # forwards over a generation's completions whose log-probabilities the update keeps
+
+
 @dataclass
 class RunParts:
     """What a training run gives its objective once the model is built and the data read."""
@@ -60,6 +71,10 @@ class Objective:
     # the micro-batches a plan runs: the first (no gradients yet, sync off), the last (sync on); a middle one adds
     # nothing (tested)
     PLANNED_MICRO_BATCHES = 2
+    # the step's metrics the progress line shows, besides the loss, learning rate, gradient norm, speed and memory
+    PROGRESS_METRICS: ClassVar[tuple[str, ...]] = ()
+    # the held-out record's figures: the progress line shows them, the run's summary keeps each at start and end
+    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("eval_loss", "eval_ppl")
 
     def __init__(self, cfg: Config, forward_loss: ForwardLoss) -> None:
         self.cfg, self.forward_loss = cfg, forward_loss
@@ -128,6 +143,10 @@ class Objective:
     def planned_extra_forwards(self) -> int:
         """extra_forwards as a plan counts them, without the data (the larger where the data decides)."""
         return 0
+
+    def planned_generation(self) -> PlannedGeneration | None:
+        """What the objective generates each step (the plan prices its memory and time); None: nothing."""
+        return None
 
     def planned_batches(self) -> list[Batch]:
         """The step's micro-batches at full length, laid out as training lays them out."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -51,8 +50,8 @@ from qlora_fsdp.losses.policy import (
     step_share,
 )
 from qlora_fsdp.losses.router import grpo_router_coefficient
-from qlora_fsdp.objectives.base import Objective, RunParts, StepResult, full_length_batches
-from qlora_fsdp.objectives.grpo_records import reward_metrics, sample_record
+from qlora_fsdp.objectives.base import Objective, PlannedGeneration, RunParts, StepResult, full_length_batches
+from qlora_fsdp.objectives.grpo_records import Generation, completion_sample, reward_metrics, sample_record
 from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter, keeps_frozen_adapter
 from qlora_fsdp.objectives.reward_model_scores import reward_model_function
 from qlora_fsdp.objectives.rollouts import decoding
@@ -60,31 +59,11 @@ from qlora_fsdp.objectives.turns import Made, ToolRollouts
 from qlora_fsdp.rewards.functions import Reward, Rollouts, combined, resolve_rewards, score
 
 
-@dataclass
-class Generation:
-    """One rank's completions for a step, ready for the update: per completion, in prompt order."""
-
-    samples: list[Sample]
-    micro_batches: list[list[int]]  # completion indices of each micro-batch
-    advantages: torch.Tensor
-    old_logps: list[torch.Tensor] | None
-    ref_logps: list[torch.Tensor] | None
-    counts: StepCounts
-    metrics: dict[str, float]
-    sample: dict[str, Any] | None = None  # a few completions with their rewards, for completions.jsonl
-
-
-def completion_sample(prompt: list[int], completion: list[int], masked: bool, policy: list[int] | None = None,
-                      vision: dict[str, torch.Tensor] | None = None) -> Sample:
-    """Prompt + completion; the completion's tokens are the targets (none where its loss is masked; only the
-    policy's own where a rollout called tools: `policy` marks them); `vision`: the prompt's images."""
-    keep = policy if policy is not None else [1] * len(completion)
-    targets = [token if kept and not masked else IGNORE_INDEX for token, kept in zip(completion, keep, strict=True)]
-    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets, vision)
-
-
 class Grpo(Objective):
     """GRPO (train.objective grpo): the policy generates its completions from the sampler's prompts."""
+
+    PROGRESS_METRICS = ("reward", "kl")
+    EVAL_METRICS = ("eval_reward",)
 
     def __init__(self, cfg: Config, forward_loss: ForwardLoss, rewards: list[Reward] | None = None) -> None:
         super().__init__(cfg, forward_loss)
@@ -236,9 +215,9 @@ class Grpo(Objective):
             micro_batches.append(list(range(start, start + len(micro) * g)))
             start += len(micro) * g
         old = ref = None
-        if self.grpo.num_iterations > 1:
+        if self.keeps_old_logps():
             old = [lp for m in micro_batches for lp in self.logps_by_completion(samples, m, adapter=True)]
-        if self.grpo.beta != 0.0:
+        if self.keeps_reference_logps():
             ref = [lp for m in micro_batches for lp in self.logps_by_completion(samples, m, adapter=False)]
         tokens = sum(sum(label != IGNORE_INDEX for label in s.labels) for s in samples)
         completions, n_tokens = all_reduce_sums([len(samples) * self.counts_once, tokens * self.counts_once],
@@ -375,6 +354,21 @@ class Grpo(Objective):
         context (packing puts shorter ones together; the plan takes the longest)."""
         return self.cfg.data.micro_batch * self.grpo.num_generations
 
+    def planned_generation(self) -> PlannedGeneration:
+        """The step's prompts, num_generations completions each; one generation serves num_iterations steps."""
+        prompts = self.cfg.data.micro_batch * self.cfg.data.grad_accum_steps
+        kept = self.keeps_old_logps() + self.keeps_reference_logps()
+        return PlannedGeneration(prompts, prompts * self.grpo.num_generations, self.grpo.max_completion_length,
+                                 self.grpo.num_iterations, kept)
+
+    def keeps_old_logps(self) -> bool:
+        """The log-probabilities at generation, the ratio's denominator, kept where a generation serves steps."""
+        return self.grpo.num_iterations > 1
+
+    def keeps_reference_logps(self) -> bool:
+        """The reference's (KL's), computed at generation."""
+        return self.grpo.beta != 0.0
+
     def planned_batches(self) -> list[Batch]:
         return full_length_batches(self.cfg, self.planned_rows())
 
@@ -384,8 +378,8 @@ class Grpo(Objective):
         coefficient = grpo_router_coefficient(model)
         forward = self.forward_loss.token_logps(model, batch, device, self.grpo.temperature,
                                                 router_aux=coefficient is not None)
-        kept = forward.logps.detach() if self.grpo.num_iterations > 1 else None
-        reference = forward.logps.detach() if self.grpo.beta != 0.0 else None
+        kept = forward.logps.detach() if self.keeps_old_logps() else None
+        reference = forward.logps.detach() if self.keeps_reference_logps() else None
         trade = model_trade(model)
         terms = TokenTerms(forward.logps, kept, reference, torch.zeros(batch.numbered_samples(), device=device),
                            batch.target_samples().to(device), batch.numbered_samples(),

@@ -1,19 +1,44 @@
-"""What a GRPO step records of its completions: the rewards' statistics over every rank, and a sample of them for
-completions.jsonl."""
+"""What a GRPO step keeps of its completions: the generation the update reads, the rewards' statistics over every
+rank, and a sample of them for completions.jsonl."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from qlora_fsdp.data.batching import Sample
 from qlora_fsdp.data.prompts import Prompts
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sums
-from qlora_fsdp.losses.policy import std_from_sums
+from qlora_fsdp.labels import IGNORE_INDEX
+from qlora_fsdp.losses.policy import StepCounts, std_from_sums
 from qlora_fsdp.objectives.turns import Made
 
+
+@dataclass
+class Generation:
+    """One rank's completions for a step, ready for the update: per completion, in prompt order."""
+
+    samples: list[Sample]
+    micro_batches: list[list[int]]  # completion indices of each micro-batch
+    advantages: torch.Tensor
+    old_logps: list[torch.Tensor] | None
+    ref_logps: list[torch.Tensor] | None
+    counts: StepCounts
+    metrics: dict[str, float]
+    sample: dict[str, Any] | None = None  # a few completions with their rewards, for completions.jsonl
+
+
+def completion_sample(prompt: list[int], completion: list[int], masked: bool, policy: list[int] | None = None,
+                      vision: dict[str, torch.Tensor] | None = None) -> Sample:
+    """Prompt + completion; the completion's tokens are the targets (none where its loss is masked; only the
+    policy's own where a rollout called tools: `policy` marks them); `vision`: the prompt's images."""
+    keep = policy if policy is not None else [1] * len(completion)
+    targets = [token if kept and not masked else IGNORE_INDEX for token, kept in zip(completion, keep, strict=True)]
+    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets, vision)
 
 def reward_metrics(names: list[str], scores: torch.Tensor, rewards: torch.Tensor, made: Made, seconds: float,
                    info: DistInfo, counted: int = 1) -> dict[str, float]:

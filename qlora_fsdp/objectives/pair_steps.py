@@ -19,7 +19,7 @@ from qlora_fsdp.data.row_shards import row_part, split_filler
 from qlora_fsdp.distributed import DistInfo, all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.distributed.row_groups import RowSplit
-from qlora_fsdp.losses.pairs import KtoLoss, PairCounts, PairLoss, adapter_off, pair_counts
+from qlora_fsdp.losses.pairs import PairCounts, PairLoss, adapter_off, pair_counts
 from qlora_fsdp.objectives.base import StepResult
 
 
@@ -47,7 +47,7 @@ def with_kl(totals: PairCounts, model: nn.Module, batches: list[Batch], n_forwar
             pad_id: int, device: torch.device, split: RowSplit | None = None) -> PairCounts:
     """KTO's totals with the step's z0: a first pass over the micro-batches (`n_forwards` of them on the busiest
     rank; a rank with fewer runs idle forwards), every rank's mismatched sequences averaged, clamped at 0."""
-    if not isinstance(pair_loss, KtoLoss):
+    if not pair_loss.kl_pass:
         return totals
     summed, count = 0.0, 0.0
     for index in range(n_forwards):

@@ -1,5 +1,5 @@
-"""The preference objectives (train.objective dpo, orpo, simpo, kto, reward): one class, its loss named by the
-objective's row of the table (config/objectives.py; the losses are in qlora_fsdp/losses/pairs.py).
+"""The preference objectives (train.objective dpo, orpo, simpo, kto, reward): one class, a subclass each naming
+its loss (qlora_fsdp/losses/pairs.py).
 
 A unit is a pair (KTO: a record, read as a pair of its own and its KL sequence), laid out a pair a row (its two
 sequences side by side) or packed rows of pairs. The reference log-probabilities (DPO, KTO) are a forward with
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -20,16 +21,28 @@ from qlora_fsdp.data.batching import Batch, Sample, collate_packed
 from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.data.row_shards import row_part
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.losses.pairs import PairCounts, PairLoss
+from qlora_fsdp.losses.pairs import (
+    BradleyTerryLoss,
+    DpoLoss,
+    KtoLoss,
+    OrpoLoss,
+    PairCounts,
+    PairLoss,
+    SimpoLoss,
+)
 from qlora_fsdp.objectives.base import Objective, RunParts, StepResult, full_length_batches
 from qlora_fsdp.objectives.pair_reference import reference_logps
 from qlora_fsdp.objectives.pair_steps import accumulate_pairs, evaluate_pairs, pair_rows, with_pair_extras
 
 
 class Pairs(Objective):
+    LOSS: ClassVar[type[PairLoss]]  # each preference objective's, below
+    PROGRESS_METRICS = ("reward_accuracy", "reward_margin")
+    EVAL_METRICS = ("eval_loss", "eval_reward_accuracy", "eval_reward_margin")
+
     def __init__(self, cfg: Config, forward_loss: ForwardLoss) -> None:
         super().__init__(cfg, forward_loss)
-        self.loss = PairLoss.with_forward(cfg, forward_loss)
+        self.loss = self.LOSS.with_forward(cfg, forward_loss)
         self.references: dict[str, torch.Tensor] | None = None  # computed before training (preference.reference)
         self.extras: dict[str, dict[str, list]] = {"train": {}, "eval": {}}
 
@@ -126,3 +139,25 @@ class Pairs(Objective):
     def planned_micro_step(self, model: nn.Module, batch: Batch, device: torch.device) -> None:
         pairs = PairCounts(pairs=float(max(batch.n_samples // 2, 1)), chosen_targets=float(max(batch.n_targets, 1)))
         self.loss.loss_and_sums(model, batch, device, pairs)[0].backward()
+
+
+class Dpo(Pairs):
+    LOSS = DpoLoss
+
+
+class Orpo(Pairs):
+    LOSS = OrpoLoss
+
+
+class Simpo(Pairs):
+    LOSS = SimpoLoss
+
+
+class Kto(Pairs):
+    LOSS = KtoLoss
+    PROGRESS_METRICS = ("kl",)
+    EVAL_METRICS = ("eval_loss", "eval_rewards_desirable", "eval_rewards_undesirable")
+
+
+class RewardModel(Pairs):
+    LOSS = BradleyTerryLoss

@@ -20,15 +20,15 @@ from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
 from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.errors import TrainingStopped
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.objectives import build_objective
-from qlora_fsdp.objectives.base import Objective, RunParts, eval_record
+from qlora_fsdp.objectives.base import Objective, RunParts
+from qlora_fsdp.objectives.table import build_objective
 from qlora_fsdp.optimizer import ShardedOptimizer, clip_grad_norm
 from qlora_fsdp.precision import uses_loss_scaling
 from qlora_fsdp.run_files.checkpoints import Checkpointer
 from qlora_fsdp.run_files.metrics import MetricsLogger, StepWindow, memory_peaks_gib, reset_memory_peaks
 from qlora_fsdp.training.loss_scale import LossScaler
 from qlora_fsdp.training.profiling import StepProfiler
-from qlora_fsdp.training.records import REWARD_SUMMARY, MfuReference, RunSummary, StepStats
+from qlora_fsdp.training.records import MfuReference, RunSummary, StepStats
 from qlora_fsdp.training.signals import GracefulStop
 
 
@@ -106,8 +106,7 @@ class Trainer:
         return self.objective.has_eval()
 
     def evaluate(self) -> dict[str, float]:
-        """The held-out record: loss and perplexity; for preference pairs, loss and the reward metrics; for GRPO,
-        the held-out prompts' rewards."""
+        """The held-out record, the objective's (its EVAL_METRICS among its figures)."""
         return self.objective.evaluate(self.step)
 
     def train_step(self) -> StepStats:
@@ -170,12 +169,11 @@ class Trainer:
                 self.logger.log(self.window.take())
             self.window.add(record)
             # a checkpoint ends a record too: a resumed run then logs the same records as an uninterrupted one
-            evaluated = "eval_loss" in record or "eval_reward" in record
+            evaluated = any(key in record for key in self.objective.EVAL_METRICS)
             if save or stats.skipped or evaluated or self.step % cfg.log_every == 0:
                 self.logger.log(self.window.take())
-            shown = ("loss", "reward", "reward_accuracy", "reward_margin", "kl", "eval_loss", "eval_ppl",
-                     "eval_reward", "eval_reward_accuracy", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu",
-                     "peak_memory_gib")
+            shown = ("loss", *self.objective.PROGRESS_METRICS, *self.objective.EVAL_METRICS, "lr", "grad_norm",
+                     "loss_scale", "tokens_per_s", "mfu", "peak_memory_gib")
             self.logger.progress(self.step, {k: record[k] for k in shown if k in record})
             self.check_bad_steps(stats)
             if save:
@@ -188,9 +186,7 @@ class Trainer:
         self.objective.prepare(self.step)
         self.model.train()
         resumed = self.step > 0
-        first = self.evaluate() if self.has_eval() and not resumed else eval_record(math.nan)
-        first_eval = first.get("eval_loss", math.nan)
-        rewards = {f"{key}_start": first[key] for key in REWARD_SUMMARY if key in first}
+        first = self.evaluate() if self.has_eval() and not resumed else self.not_evaluated()
         if not resumed:
             self.logger.log({"step": 0, **first})
         start = time.perf_counter()
@@ -202,15 +198,22 @@ class Trainer:
             self.profiler.stop()
             self.stop.uninstall()
         wall = time.perf_counter() - start
-        final = self.evaluate() if self.has_eval() and not stopped else eval_record(math.nan)
-        final_eval = final.get("eval_loss", math.nan)
-        rewards.update({f"{key}_end": final[key] for key in REWARD_SUMMARY if key in final})
+        final = self.evaluate() if self.has_eval() and not stopped else self.not_evaluated()
         if not stopped:
             self.logger.log({"step": self.step, **final})
         checkpoint = str(self.last_checkpoint) if self.last_checkpoint is not None else None
         return RunSummary(wall, self.step, self.skipped_steps, samples, int(tokens),
-                          self.mfu_reference.mfu(tokens / wall), first_eval, final_eval,
+                          self.mfu_reference.mfu(tokens / wall), self.held_out_summary(first, final),
                           self.memory_peaks or self.step_memory_peaks(), stopped_by_signal=stopped,
                           checkpoint=checkpoint,
-                          overflow_steps=self.scaler.overflows if self.scaler.enabled else None,
-                          eval_rewards=rewards)
+                          overflow_steps=self.scaler.overflows if self.scaler.enabled else None)
+
+    def not_evaluated(self) -> dict[str, float]:
+        return dict.fromkeys(self.objective.EVAL_METRICS, math.nan)
+
+    def held_out_summary(self, first: dict[str, float], final: dict[str, float]) -> dict[str, float]:
+        """Each of the objective's held-out figures at the start and the end (NaN: not evaluated then)."""
+        summary = {}
+        for key in self.objective.EVAL_METRICS:
+            summary.update({f"{key}_start": first.get(key, math.nan), f"{key}_end": final.get(key, math.nan)})
+        return summary

@@ -4,14 +4,8 @@ tokens/s into model FLOPs utilization."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
-
-# kept in the summary: a preference run's held-out accuracy and margin, a GRPO run's held-out reward
-# the held-out metrics a run's summary gives at the start and the end (KTO's: each label's mean reward)
-REWARD_SUMMARY = ("eval_reward_accuracy", "eval_reward_margin", "eval_reward", "eval_rewards_desirable",
-                  "eval_rewards_undesirable")
 
 
 @dataclass(frozen=True)
@@ -69,8 +63,7 @@ class RunSummary:
     samples: int
     tokens: int
     mfu: float | None
-    eval_loss_start: float
-    eval_loss_end: float
+    held_out: dict[str, float]  # the objective's held-out figures at the start and the end (`eval_loss_start`, ...)
     memory_peaks_gib: dict[str, float]
     stopped_by_signal: bool = False
     checkpoint: str | None = None
@@ -78,8 +71,6 @@ class RunSummary:
     profile: str | None = None
     loss_curves: str | None = None
     overflow_steps: int | None = None  # float16 runs: steps skipped because their gradients overflowed
-    # preference objectives: held-out reward accuracy and margin at the start and the end (no perplexity)
-    eval_rewards: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         wall = self.train_runtime_s
@@ -89,12 +80,7 @@ class RunSummary:
                                "tokens": int(self.tokens), "tokens_per_s": self.tokens / wall}
         if self.mfu is not None:
             out["mfu"] = self.mfu
-        end = self.eval_loss_end
-        out.update(eval_loss_start=self.eval_loss_start, eval_loss_end=end)
-        if self.eval_rewards:
-            out.update(self.eval_rewards)
-        else:
-            out["eval_ppl_end"] = math.exp(end) if math.isfinite(end) else math.nan
+        out.update(self.held_out)
         out.update({f"{key}_max_rank": value for key, value in self.memory_peaks_gib.items()})
         if self.stopped_by_signal:
             out["stopped_by_signal"] = True
