@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from qlora_fsdp.auto_batch import resolve_run_batch
 from qlora_fsdp.config import Config, load_config, to_dict, to_yaml, validate
 from qlora_fsdp.data.kinds import TrainingData
-from qlora_fsdp.data.loading import load_training_data
+from qlora_fsdp.data.training_data import load_training_data
 from qlora_fsdp.distributed import DistInfo, decide_on_main, init_distributed
 from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.errors import ConfigError
@@ -26,6 +26,7 @@ from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.image_side_training import trains_image_side
 from qlora_fsdp.loading.vision_encoder import checkpoint_config, load_processor, load_vision_encoder
 from qlora_fsdp.objectives.table import objective_class
+from qlora_fsdp.objectives.tool_templates import prompt_tools
 from qlora_fsdp.optimizer import build_optimizer, build_scheduler
 from qlora_fsdp.precision import describe_device, describe_dtypes, resolve_dtypes
 from qlora_fsdp.run.batch_size import describe_batch
@@ -68,7 +69,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
         check_world_size(checkpoint, info.world_size)  # before minutes of loading, not after
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg)
-    data = load_training_data(tokenizer, cfg, info, lambda: load_processor(cfg))
+    data = load_training_data(tokenizer, cfg, info, lambda: load_processor(cfg), prompt_tools(tokenizer, cfg))
     images = data.has_images
     check_image_levers(cfg, images)
     model = build_model(cfg, info)

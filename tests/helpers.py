@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import io
+import math
 import os
 import sys
 from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -174,6 +175,30 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return max(float((a[k].double() - b[k].double()).norm()) / max(norms[k], floor, 1e-30) for k in a)
 
 
+def fp32_reordering_bound(n: int) -> float:
+    """The relative difference (relative_difference, pytest.approx's rel) allowed between two float32 computations
+    of the same numbers that differ only in the order of their sums, n the longest sum behind them (a step's
+    gradients and loss: its tokens).
+
+    Tiles, chunks, packed rows, shards and micro-batches change the matmuls' shapes, and with them how the CPU's
+    kernels block and sum (an AMX / AVX512-BF16 CPU blocks otherwise than an AVX2 one): no fixed bound such as 1e-6
+    holds on every CPU (a step in 5-token tiles moved its gradients 4.5e-7 on an AMD EPYC, 2.0e-6 on an AMX CPU;
+    789 tokens, 0.6 sqrt(n) eps). The rounding errors of a sum of n terms add up like a random walk, about
+    sqrt(n) eps relative (the worst case, n eps, no kernel comes near); 4 times that leaves room for the sums in
+    series (forward, backward, the layers). The bugs these comparisons guard (a dropped tile or chunk, a wrong
+    offset, a missing term) move the numbers by 1e-4 (a loss) and far more."""
+    return 4 * math.sqrt(n) * torch.finfo(torch.float32).eps
+
+
+def assert_close_to_summation_order(actual: torch.Tensor, expected: torch.Tensor, n: int,
+                                    rtol: float = 1e-5) -> None:
+    """Element by element, float32 tensors that may differ only in the order of sums of n terms: an entry near zero
+    came from terms as large as the tensor's largest entries, so its rounding is the bound times that scale (an
+    absolute tolerance), not times its own size."""
+    atol = fp32_reordering_bound(n) * float(expected.detach().abs().max())
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
 def _in_sequence(info: Any, calls: list[tuple[Callable, tuple]]) -> list[Any]:
     return [fn(info, *args) for fn, args in calls]
 
@@ -267,3 +292,11 @@ def command_here(main: Callable[[list[str]], int], argv: list[str], stdin: str |
             os.environ.clear()
             os.environ.update(environ)
     return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def recipe_pair_loss(cfg: Config, device: torch.device) -> Any:
+    """The recipe's pair loss (its preference objective's, objectives/pairs.py) over the recipe's forward."""
+    from qlora_fsdp.losses.forward import ForwardLoss
+    from qlora_fsdp.objectives.table import objective_class
+
+    return cast(Any, objective_class(cfg)).LOSS.with_forward(cfg, ForwardLoss.for_config(cfg, device))

@@ -56,6 +56,26 @@ VISION_GRPO = "tests/test_grpo_images.py::test_grpo_with_images_generates_and_up
 PREQUANTIZED_TINY = ("tests/test_prequantized.py::"
                      "test_tiny_tied_prequantized_trains_at_world_sizes_1_and_2_equal_to_transformers")
 
+OBJECTIVE_GUARD = "tests/test_layers.py::test_objectives_are_told_apart_in_the_table_and_validation_only"
+LOOP_EVALUATED = "            evaluated = any(key in record for key in self.objective.EVAL_METRICS)\n"
+# (form, file, snippet, the snippet with a dispatch planted)
+OBJECTIVE_DISPATCHES = [
+    ("a comparison", "qlora_fsdp/training/loop.py", LOOP_EVALUATED,
+     '            evaluated = "eval_loss" in record or self.cfg.train.objective == "grpo"\n'),
+    ("a local alias", "qlora_fsdp/training/loop.py", LOOP_EVALUATED,
+     '            name = self.cfg.train.objective\n            evaluated = name in ("sft", "dpo")\n'),
+    ("match", "qlora_fsdp/training/loop.py", LOOP_EVALUATED,
+     "            match self.cfg.train.objective:\n                case _:\n                    evaluated = True\n"),
+    ("a dict's get", "qlora_fsdp/training/loop.py", LOOP_EVALUATED,
+     '            evaluated = {"grpo": "eval_reward"}.get(self.cfg.train.objective, "eval_loss") in record\n'),
+    ("isinstance", "qlora_fsdp/objectives/pair_steps.py", "    if not pair_loss.kl_pass:\n",
+     '    if not isinstance(pair_loss, KtoLoss):  # noqa: F821\n'),
+    ("a kind's field", "qlora_fsdp/plan/report.py", "    generates = planned_generation(cfg) is not None\n",
+     '    generates = cfg.train.kind.data == "prompts"\n'),
+    ("the kind read in the planner", "qlora_fsdp/plan/time_report.py",
+     "    grpo = planned_generation(cfg) is not None\n", "    grpo = cfg.train.kind.generates\n"),
+]
+
 MUTATIONS = [
     # ---- the training step, optimizer, sharding, precision -------------------------------------------------
     Mutation("each micro-batch's gradients dropped before the next", "qlora_fsdp/objectives/supervised.py",
@@ -355,7 +375,7 @@ MUTATIONS = [
     Mutation("KTO's z0 taken over the rank's records only", "qlora_fsdp/objectives/pair_steps.py",
              "    summed, count = all_reduce_sums([summed, count], device)\n", "",
              "tests/test_kto.py::test_kto_equals_trls_kto_trainer_and_accumulates_and_shards_exactly"),
-    Mutation("KTO's KL completion is the record's own", "qlora_fsdp/data/kto.py",
+    Mutation("KTO's KL completion is the record's own", "qlora_fsdp/data/kto_records.py",
              "batch[\"chosen\"][usable[position - 1]]", "batch[\"chosen\"][usable[position]]",
              "tests/test_kto.py::test_kto_records_pair_each_prompt_with_the_previous_completion"),
     Mutation("a reward model scores each sequence's second-to-last token", "qlora_fsdp/data/batching.py",
@@ -539,7 +559,7 @@ MUTATIONS = [
     Mutation("tool turns trained on", "qlora_fsdp/objectives/turns.py",
              "        rollout.policy += [0] * len(suffix)\n", "        rollout.policy += [1] * len(suffix)\n",
              "tests/test_grpo_tools.py::test_multi_turn_rollouts_with_tools_and_an_environment_equal_trls"),
-    Mutation("the tool turn cut before the call's EOS", "qlora_fsdp/data/templates.py",
+    Mutation("the tool turn cut before the call's EOS", "qlora_fsdp/objectives/tool_templates.py",
              "    before = before[: ends[-1] + 1] if ends else before\n",
              "    before = before[: ends[-1]] if ends else before\n",
              "tests/test_grpo_tools.py::test_multi_turn_rollouts_with_tools_and_an_environment_equal_trls"),
@@ -550,7 +570,7 @@ MUTATIONS = [
              'message.get("role", "assistant") == "assistant"', "True",
              BAD_TOOLS, quick=True),
     # ---- vision GRPO: images in the prompts ----------------------------------------------------------------
-    Mutation("the update's completions without their prompt's images", "qlora_fsdp/objectives/grpo.py",
+    Mutation("the update's completions without their prompt's images", "qlora_fsdp/objectives/grpo_records.py",
              "    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets, vision)\n",
              "    return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets)\n",
              VISION_GRPO.format("qwen2_5_vl")),
@@ -656,6 +676,9 @@ MUTATIONS = [
              "    state.unfinished &= ~torch.isin(state.tokens[:, 0], state.ends)\n",
              "tests/test_kernels.py::test_the_decoding_loop_equals_generate_tokens_log_probabilities_and_padding",
              quick=True),
+    # ---- the objective boundary: each form of telling objectives apart outside the table ----------------------
+    *(Mutation(f"objectives told apart by {form}", path, original, planted, OBJECTIVE_GUARD, quick=True)
+      for form, path, original, planted in OBJECTIVE_DISPATCHES),
 ]
 
 

@@ -161,7 +161,7 @@ def test_every_kind_of_data_holds_out_a_tenth_at_most_or_the_eval_files_records(
     """One rule for the held-out set, whatever the data: without data.eval_path at most a tenth of the records
     (eval_samples 200 of 30 records holds out 3, not 29), with it every record trains and eval_samples of the
     file's are held out. Read through the one loading entry the run uses."""
-    from qlora_fsdp.data.loading import load_training_data
+    from qlora_fsdp.data.training_data import load_training_data
 
     name, data_keys, train_keys = KINDS[kind]
     lines = (REPO / "data" / name).read_text().splitlines()

@@ -1,7 +1,8 @@
 """Fused LoRA projections (q/k/v and gate/up share one cast and one stacked A matmul) give PEFT's own
-per-projection loss and gradients: fp32, 1e-6, under FSDP2 on 2 ranks, with DoRA, rsLoRA, dropout, every
-checkpointing scope, CPU and activation offload and packed rows; `lora.compute_dtype: base` runs the LoRA matmuls
-in bf16 with fp32 gradients. (Compiled layers: tests/test_compile.py.)"""
+per-projection loss and gradients: fp32, equal to summation order (tests.helpers.fp32_reordering_bound), under
+FSDP2 on 2 ranks, with DoRA, rsLoRA, dropout, every checkpointing scope, CPU and activation offload and packed rows;
+`lora.compute_dtype: base` runs the LoRA matmuls in bf16 with fp32 gradients. (Compiled layers:
+tests/test_compile.py.)"""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.supervised import accumulate_gradients
 from tests.helpers import (
     batches,
+    fp32_reordering_bound,
     full_grads,
     relative_difference,
     run_ranks_sequence,
@@ -97,12 +99,14 @@ def test_fused_projections_give_peft_s_loss_and_gradients(tiny_model_dir, per_ra
     calls = [(loss_and_grads, (tiny_model_dir, merged(sections, fuse), per_rank))
              for _, sections in SETUPS for fuse in (True, False)]
     results = run_ranks_sequence(calls, 2, tmp_path)
+    # the fused (stacked) and unfused matmuls sum in different orders: per tensor, 1.5e-6 seen for rsLoRA's
+    # smallest on an AMD EPYC, more on CPUs whose kernels block otherwise (AMX); a step's tokens the longest sum
+    bound = fp32_reordering_bound(sum(batch.n_tokens for rank in per_rank for batch in rank))
     for index, (name, sections) in enumerate(SETUPS):
         fused, unfused = results[2 * index], results[2 * index + 1]
-        assert fused["loss"] == pytest.approx(unfused["loss"], rel=1e-6), name
+        assert fused["loss"] == pytest.approx(unfused["loss"], rel=bound), name
         assert fused["grads"].keys() == unfused["grads"].keys() >= lora_keys(sections), name
-        # per tensor: the fused and unfused matmuls sum in different orders (1.5e-6 seen for rsLoRA's smallest)
-        assert relative_difference(fused["grads"], unfused["grads"]) <= 1e-5, name
+        assert relative_difference(fused["grads"], unfused["grads"]) <= bound, name
         assert unfused["groups"] == 0, name  # PEFT's own forward: the reference
     # 2 layers: q/k/v and gate/up a layer, and o and down on their own; q and v only: one group a layer
     assert results[0]["groups"] == 2 * 4 and results[-2]["groups"] == 2

@@ -778,6 +778,31 @@ def our_whole_step(info, model_dir: Path, adapter: Path, packed: bool) -> dict:
                         param.add_(param.grad, alpha=-E2E_LR)
             model.zero_grad(set_to_none=True)
         out[name] = {"steps": results, "advantages": steps.current.advantages.tolist()}
+    out["held_out"] = held_out_rewards(steps, model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return out
+
+
+def held_out_rewards(steps: Any, model: torch.nn.Module, eos: int, pad: int) -> dict:
+    """The objective's held-out evaluation of 3 prompts and of 1, generation replayed (at world size 2: a rank
+    with one prompt fewer, then a rank with none): per count, the metrics, this rank's generate calls, and the
+    reward's mean over the prompts' completions, each counted once."""
+    from qlora_fsdp.data.prompts import PromptData, Prompts
+
+    prompts, rows = e2e_rollouts(eos)
+    out: dict = {}
+    for n in (3, 1):
+        replay = ReplayedGenerate(prompts, [mine + mine for mine in rows], pad)  # a repeated prompt replays again
+        calls: list[int] = []
+
+        def counted(*args: Any, replay: ReplayedGenerate = replay, calls: list[int] = calls, **kwargs: Any) -> Any:
+            calls.append(1)
+            return replay(*args, **kwargs)
+
+        model.generate = counted
+        held = Prompts(prompts[:n], [f"prompt {p}" for p in range(n)], {}, list(range(n)))
+        steps.run = dataclasses.replace(steps.parts, data=PromptData(steps.data.train, held, ""))
+        expected = [parity_reward([trl_cut(row, eos)])[0] for mine in rows[:n] for row in mine]
+        out[n] = {"metrics": steps.evaluate(1), "calls": len(calls), "expected": sum(expected) / len(expected)}
     return out
 
 
@@ -862,7 +887,15 @@ def test_the_whole_step_from_generated_ids_equals_trls(tmp_path):
     model_dir = build_tiny_checkpoint(tmp_path / "model")
     adapter = run_ranks(our_update, 1, model_dir, None, None, False, ("dapo_token",), tmp_dir=tmp_path)[0]["adapter"]
     one = run_ranks(our_whole_step, 1, model_dir, adapter, False, tmp_dir=tmp_path)[0]
-    two = run_ranks(our_whole_step, 2, model_dir, adapter, True, tmp_dir=tmp_path)[0]
+    two_ranks = run_ranks(our_whole_step, 2, model_dir, adapter, True, tmp_dir=tmp_path)
+    two = two_ranks[0]
+    # held-out prompts fewer than, and not a multiple of, the ranks: each scored once, every rank generating as often
+    for n in (3, 1):
+        alone, ranks = one["held_out"][n], [r["held_out"][n] for r in two_ranks]
+        assert alone["metrics"]["eval_reward"] == pytest.approx(alone["expected"], abs=1e-9), n
+        assert ranks[0]["calls"] == ranks[1]["calls"] > 0, n
+        for rank in ranks:
+            assert rank["metrics"] == pytest.approx(alone["metrics"], abs=1e-9), n
     trl = trl_whole_step(model_dir, adapter, tmp_path)
     for name in E2E_SETTINGS:
         reference = trl[name]

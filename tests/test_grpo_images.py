@@ -56,7 +56,7 @@ def our_side(info, model_dir: Path, data: Path, adapter: Path, split: bool = Fal
     side, the adapter (written at world size 1 with LoRA B seeded away from zero); greedy generation of this rank's
     prompts; then the update from fixed completions (generate replaced: our rollout code runs around it). `split`:
     both ranks take every prompt, the update's rows split over them (context parallel)."""
-    from qlora_fsdp.data.loading import load_training_data
+    from qlora_fsdp.data.training_data import load_training_data
     from qlora_fsdp.distributed.row_groups import row_split
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, load_adapter_into
     from qlora_fsdp.loading.checkpoint import load_tokenizer
@@ -255,7 +255,7 @@ def test_image_prompt_forms_and_bad_input_in_one_line(tiny_model_dir, tmp_path):
     """Every way a record gives its pictures (TRL's `image` column under another name through data.fields, `<image>`
     markers, a part holding its path) becomes the image's tokens and pixels; what cannot work is one line naming
     the file and record (or the checkpoint) before any weight is read."""
-    from qlora_fsdp.data.loading import load_training_data
+    from qlora_fsdp.data.training_data import load_training_data
     from qlora_fsdp.errors import ConfigError, DataError, ModelLoadError
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.vision_encoder import load_processor

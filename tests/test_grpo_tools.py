@@ -359,8 +359,9 @@ def test_each_familys_published_template_has_its_calls_read_back():
     """The format learnt from each published template; the calling turn it renders (two calls where the family
     writes several) read back to the same calls; templates without tools refused in one line."""
     from qlora_fsdp.agents.call_formats import parse_reply
-    from qlora_fsdp.data.templates import conversation_ids, tool_call_format
+    from qlora_fsdp.data.templates import conversation_ids
     from qlora_fsdp.errors import DataError
+    from qlora_fsdp.objectives.tool_templates import tool_call_format
     from tests.test_chat_templates import family_tokenizer
 
     calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}},
@@ -497,10 +498,14 @@ def test_prompts_are_read_with_their_environments_tools(tmp_path, monkeypatch):
     from qlora_fsdp.data.prompts import load_prompt_data
     from qlora_fsdp.data.templates import prompt_ids
     from qlora_fsdp.errors import DataError
+    from qlora_fsdp.objectives.tool_templates import prompt_tools
     from tests.test_chat_templates import family_tokenizer
 
     tokenizer = family_tokenizer("qwen2.5")
     path = tmp_path / "prompts.jsonl"
+
+    def load(cfg: Config) -> Any:  # as a run reads them: the tools found beside the data (api.py)
+        return load_prompt_data(tokenizer, cfg, tools=prompt_tools(tokenizer, cfg))
 
     def config(records: list[dict[str, Any]]) -> Config:
         path.write_text("".join(json.dumps(record) + "\n" for record in records))
@@ -512,19 +517,19 @@ def test_prompts_are_read_with_their_environments_tools(tmp_path, monkeypatch):
         return cfg
 
     records = [{"prompt": prompt_messages(p), "environment": ["counter", "plain"][p % 2]} for p in range(4)]
-    data = load_prompt_data(tokenizer, config(records))
+    data = load(config(records))
     schemas = {"counter": [get_json_schema(add), get_json_schema(Counter_().step)],
                "plain": [get_json_schema(add), get_json_schema(Plain().echo)]}
     assert data.train.ids == [prompt_ids(r["prompt"], tokenizer, "tokenizer", schemas[r["environment"]])
                               for r in records]
     assert all('"name": "echo"' in tokenizer.decode(ids) for ids in data.train.ids[1::2])
-    text = load_prompt_data(tokenizer, config([{"prompt": "What is 2 + 2?", "environment": "counter"}])).train
+    text = load(config([{"prompt": "What is 2 + 2?", "environment": "counter"}])).train
     assert text.prompts == [[{"role": "user", "content": "What is 2 + 2?"}]]  # plain text: the user's message
     assert text.ids == [prompt_ids(text.prompts[0], tokenizer, "tokenizer", schemas["counter"])]
     with pytest.raises(DataError, match="record 1: 'prompt' must be text or a list of chat messages"):
-        load_prompt_data(tokenizer, config([{"prompt": 3, "environment": "counter"}]))
+        load(config([{"prompt": 3, "environment": "counter"}]))
     with pytest.raises(EnvironmentError_, match="record 1: environment 'maze' is not among grpo.environments"):
-        load_prompt_data(tokenizer, config([{"prompt": prompt_messages(0), "environment": "maze"}]))
+        load(config([{"prompt": prompt_messages(0), "environment": "maze"}]))
 
 
 class Plain:
@@ -598,7 +603,8 @@ def test_the_tool_demos_warm_start_teaches_the_call_its_rollouts_read_and_reward
     from qlora_fsdp.agents.call_formats import parse_reply
     from qlora_fsdp.agents.toolbox import run_call
     from qlora_fsdp.data.pipeline import IGNORE_INDEX
-    from qlora_fsdp.data.templates import encode, tool_call_format
+    from qlora_fsdp.data.templates import encode
+    from qlora_fsdp.objectives.tool_templates import tool_call_format
 
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
     assert tool_call_format(tokenizer, "chatml") == "hermes"

@@ -22,6 +22,7 @@ from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.kernels import fused_decoding
 from qlora_fsdp.kernels.decode_attention import decode_attention
 from qlora_fsdp.kernels.nf4_matmul import Tiles, dequantize, nf4_lora_matmul, packed_nf4, tiles_for
+from tests.helpers import fp32_reordering_bound
 
 
 def quantized(out_features: int, in_features: int, nested: bool, seed: int = 0) -> tuple[torch.Tensor, object]:
@@ -95,7 +96,9 @@ def test_decode_attention_reads_only_the_filled_cache_with_grouped_heads_and_pad
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, keys[:, :, :filled], values[:, :, :filled], attn_mask=valid[:, None, None, :filled],
         enable_gqa=True, scale=dim**-0.5).transpose(1, 2)
-    assert torch.allclose(ours, expected, atol=1e-6), (ours - expected).abs().max()
+    # 8-slot blocks against sdpa's own: the same sums over the filled slots in another order (1.8e-7 seen)
+    bound = fp32_reordering_bound(filled) * float(expected.abs().max())
+    assert torch.allclose(ours, expected, atol=bound), (ours - expected).abs().max()
 
 
 def test_where_the_kernels_run_and_the_one_line_otherwise(monkeypatch, capsys):

@@ -17,12 +17,12 @@ from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.placement import copy_full_into
-from qlora_fsdp.losses.pairs import PairLoss
 from qlora_fsdp.objectives.pair_steps import accumulate_pairs, pair_rows
 from tests.helpers import (
     REPO,
     full_grads,
     rank_units,
+    recipe_pair_loss,
     relative_difference,
     run_ranks_sequence,
     split_parts,
@@ -75,7 +75,7 @@ def kto_step(info, cfg, per_batch: int):
         batch.desirable = torch.tensor([labels[i] for i in ids])
         batches.append(batch)
     batches = split_parts(batches, cfg, info.rank, pad_id)
-    result = accumulate_pairs(model, batches, info.device, PairLoss.for_config(cfg, info.device))
+    result = accumulate_pairs(model, batches, info.device, recipe_pair_loss(cfg, info.device))
     return {"loss": result.loss, "metrics": result.metrics, "grads": full_grads(model)}
 
 

@@ -18,7 +18,9 @@ ALLOWED = {
     "families": {"errors"},  # what differs between model families, asked by everything above
     "torch_versions": {"errors"},  # the torch releases run on, and an older one's missing fixes patched in
     "agents": {"errors", "config"},  # GRPO's tools and environments: user code, found, run and read back
-    "data": BASE,  # never the model's packages: data and model do not know each other
+    # never the model's packages (data and model do not know each other), nor agents/: GRPO's tools reach the
+    # prompts through the caller (objectives/tool_templates.py)
+    "data": BASE - {"agents"},
     "layers": BASE,  # modules that compute, knowing nothing of files or losses
     "losses": BASE | {"layers"},
     "kernels": BASE | {"layers"},  # Triton kernels and the generation forwards that call them
@@ -122,20 +124,98 @@ def test_modules_and_functions_stay_short():
     assert not long_functions, f"functions over 60 lines: {long_functions}"
 
 
-def test_objective_names_are_compared_in_the_table_and_validation_only():
-    """`train.objective` is read through its row of config/objectives.py's table: no other module compares it,
-    and the table has a row for every name the schema accepts."""
+# where an objective's name or its kind may be looked at: the table, validation, the schema's `kind`, and the data
+# layer's choice of reader by the kind of data
+DISPATCH_ALLOWED = {"config/objectives.py", "config/validation.py", "config/schema.py", "objectives/table.py",
+                    "data/training_data.py"}
+
+
+def objective_subclasses() -> set[str]:
+    """The objective classes and the pair losses (besides their bases): an isinstance on one is a dispatch."""
+    bases: dict[str, set[str]] = {}
+    for path in [*(PACKAGE / "objectives").glob("*.py"), PACKAGE / "losses" / "pairs.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {b.id for b in node.bases if isinstance(b, ast.Name)}
+    found = {"Objective", "PairLoss"}
+    while grown := {name for name, parents in bases.items() if parents & found} - found:
+        found |= grown
+    return found - {"Objective", "PairLoss"}
+
+
+def names_an_objective(node: ast.AST, aliases: set[str]) -> bool:
+    """`<anything>.objective`, `<anything>.kind.<field>`, or a local name bound to one of them."""
+    if isinstance(node, ast.Name):
+        return node.id in aliases
+    if not isinstance(node, ast.Attribute):
+        return False
+    return node.attr == "objective" or (isinstance(node.value, ast.Attribute) and node.value.attr == "kind")
+
+
+def dispatches(tree: ast.AST, classes: set[str]) -> list[int]:
+    """Lines that tell objectives apart by name or kind: a comparison, a local alias compared, `match`, a dict's
+    `.get` or subscript, or isinstance/issubclass on an objective's class or pair loss."""
+    aliases = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               and names_an_objective(node.value, set()) for target in node.targets if isinstance(target, ast.Name)}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            hit = any(names_an_objective(side, aliases) for side in (node.left, *node.comparators))
+        elif isinstance(node, ast.Match):
+            hit = names_an_objective(node.subject, aliases)
+        elif isinstance(node, ast.Subscript):
+            hit = names_an_objective(node.slice, aliases)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            hit = any(names_an_objective(arg, aliases) for arg in node.args[:1])
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance",
+                                                                                                "issubclass"):
+            checked = node.args[1] if len(node.args) > 1 else None
+            named = checked.elts if isinstance(checked, ast.Tuple) else [checked]
+            hit = any(isinstance(n, ast.Name) and n.id in classes for n in named)
+        else:
+            hit = False
+        if hit:
+            lines.append(getattr(node, "lineno", 0))
+    return lines
+
+
+def test_objectives_are_told_apart_in_the_table_and_validation_only():
+    """No module but the table, validation and the data reader's choice tells objectives apart: by comparing a name
+    or a kind's field, through a local alias, `match`, a dict lookup, or isinstance on an objective's class."""
     from typing import get_args
 
     from qlora_fsdp.config.objectives import OBJECTIVES, Objective
+    from qlora_fsdp.objectives.table import OBJECTIVE_CLASSES
 
-    assert set(OBJECTIVES) == set(get_args(Objective))
-    allowed = {PACKAGE / "config" / "objectives.py", PACKAGE / "config" / "validation.py"}
-    comparing = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare) and any(
-                    isinstance(side, ast.Attribute) and side.attr == "objective"
-                    for side in (node.left, *node.comparators)) and path not in allowed:
-                comparing.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
-    assert comparing == [], "ask the objective's row (cfg.train.kind) instead"
+    assert set(OBJECTIVES) == set(get_args(Objective)) == set(OBJECTIVE_CLASSES)
+    classes = objective_subclasses()
+    assert {"Supervised", "Dft", "Grpo", "Dpo", "Kto", "KtoLoss", "DpoLoss"} <= classes
+    found = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+             if str(path.relative_to(PACKAGE)) not in DISPATCH_ALLOWED
+             for line in dispatches(ast.parse(path.read_text()), classes)]
+    assert found == [], "ask the objective (a method or field of its class) instead"
+    # the planner and the loop do not even read the kind: what they need, the objective offers
+    reading = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for folder in ("plan", "training")
+               for path in sorted((PACKAGE / folder).glob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Attribute) and node.attr == "kind"]
+    assert reading == [], "the planner and the loop ask the objective (objectives/base.py), not cfg.train.kind"
+
+
+DISPATCH_FORMS = {
+    "compare": 'if cfg.train.objective == "dpo":\n    pass',
+    "alias": 'name = cfg.train.objective\nif name in ("dpo", "kto"):\n    pass',
+    "match": 'match cfg.train.objective:\n    case "grpo":\n        pass',
+    "dict get": 'extra = {"dpo": 1}.get(cfg.train.objective, 0)',
+    "subscript": 'extra = {"dpo": 1}[cfg.train.objective]',
+    "isinstance": 'if isinstance(loss, KtoLoss):\n    pass',
+    "kind field": 'if cfg.train.kind.data == "prompts":\n    pass',
+}
+
+
+def test_the_dispatch_guard_catches_every_form():
+    """Each way of telling objectives apart is caught; an objective's own method call is not."""
+    classes = objective_subclasses()
+    for form, code in DISPATCH_FORMS.items():
+        assert dispatches(ast.parse(code), classes), form
+    fine = "objective = planned_objective(cfg)\nmade = objective.planned_generation()\nif made is None:\n    pass"
+    assert dispatches(ast.parse(fine), classes) == []

@@ -13,6 +13,7 @@ from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.supervised import accumulate_gradients
 from tests.helpers import (
     batches,
+    fp32_reordering_bound,
     full_grads,
     relative_difference,
     run_ranks_sequence,
@@ -78,6 +79,11 @@ def samples(tiny_model_dir):
     return variable_length_samples(tiny_config(tiny_model_dir), 16)
 
 
+def step_tokens(samples) -> int:
+    """The tokens of a step over them all: the longest sum behind its gradients (and its loss)."""
+    return sum(len(s.input_ids) for s in samples)
+
+
 def per_rank_batches(samples, world_size, packed):
     """Each rank's micro-batches: padded samples, or rows of several samples each."""
     share = len(samples) // world_size
@@ -93,6 +99,7 @@ def test_chunked_loss_equals_full_loss(tiny_model_dir, samples, tmp_path, world_
     """Chunks that split rows and samples (5 tokens), and one chunk bigger than the batch; padded and packed."""
     cfg = tiny_config(tiny_model_dir, activation_checkpointing={"mode": "off"})
     results: dict = {}
+    bound = fp32_reordering_bound(step_tokens(samples))  # chunks change the head's matmuls: summation order only
     # the big chunk in a task of its own, after: a loss that lost its last, shorter chunk has no chunk at all there
     # and fails to run, which would hide the wrong numbers of the 5-token chunks
     for chunks in ((None, 5), (4096,)):
@@ -102,8 +109,8 @@ def test_chunked_loss_equals_full_loss(tiny_model_dir, samples, tmp_path, world_
         results |= dict(zip(setups, run_ranks_sequence(calls, world_size, tmp_path), strict=True))
         for packed, chunk in setups:
             full = results[(packed, None)]
-            assert results[(packed, chunk)]["loss"] == pytest.approx(full["loss"], rel=1e-5)
-            assert relative_difference(results[(packed, chunk)]["grads"], full["grads"]) <= 1e-5
+            assert results[(packed, chunk)]["loss"] == pytest.approx(full["loss"], rel=bound)
+            assert relative_difference(results[(packed, chunk)]["grads"], full["grads"]) <= bound
 
 
 @pytest.mark.slow  # gloo ranks
@@ -114,9 +121,11 @@ def test_every_checkpointing_policy_equals_none(tiny_model_dir, samples, tmp_pat
     calls = [(loss_and_grads, (tiny_config(tiny_model_dir, activation_checkpointing=keys), per_rank, 64))
              for _, keys in policies]
     results = dict(zip([name for name, _ in policies], run_ranks_sequence(calls, 2, tmp_path), strict=True))
+    # tiles change the matmuls' shapes, and so the kernels' summation order (1e-6 failed on an AMX CPU)
+    bound = fp32_reordering_bound(step_tokens(samples))
     for name, _ in POLICIES:
-        assert results[name]["loss"] == pytest.approx(results["none"]["loss"], rel=1e-6), name
-        assert relative_difference(results[name]["grads"], results["none"]["grads"]) <= 1e-6, name
+        assert results[name]["loss"] == pytest.approx(results["none"]["loss"], rel=bound), name
+        assert relative_difference(results[name]["grads"], results["none"]["grads"]) <= bound, name
         # the tiles ran: each runs its modules in forward and again in backward
         for runs, tiled in (("mlp_runs", "MLP"), ("q_runs", "attention side")):
             if tiled in name and "tiles" in name:

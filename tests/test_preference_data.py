@@ -14,7 +14,7 @@ from qlora_fsdp.config import SourceConfig
 from qlora_fsdp.data.batching import Sample, collate, collate_packed
 from qlora_fsdp.data.pair_encoding import EncodedPair, encode_pair, fit_pair
 from qlora_fsdp.data.pair_pipeline import load_pairs
-from qlora_fsdp.data.pairs import PairMaker, as_pairs, good_pairs
+from qlora_fsdp.data.pair_records import PairMaker, as_pairs, good_pairs
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.layers.attention import VARLEN_SDPA

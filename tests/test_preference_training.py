@@ -20,13 +20,14 @@ from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.placement import copy_full_into
-from qlora_fsdp.losses.pairs import PairLoss, as_pairs
+from qlora_fsdp.losses.pairs import as_pairs
 from qlora_fsdp.objectives.pair_steps import accumulate_pairs, pair_rows
 from tests.helpers import (
     REPO,
     command_here,
     full_grads,
     rank_units,
+    recipe_pair_loss,
     relative_difference,
     run_cli,
     run_ranks_sequence,
@@ -78,7 +79,7 @@ def step(info, cfg, n_pairs: int, pairs_per_batch: int, perturb: bool = False):
     if perturb:
         nudge_adapter(model)
     batches = pair_micro_batches(cfg, n_pairs, pairs_per_batch, info.rank, info.world_size)
-    result = accumulate_pairs(model, batches, info.device, PairLoss.for_config(cfg, info.device))
+    result = accumulate_pairs(model, batches, info.device, recipe_pair_loss(cfg, info.device))
     return {"loss": result.loss, "metrics": result.metrics, "pairs": result.n_samples, "grads": full_grads(model)}
 
 
@@ -88,7 +89,7 @@ def pair_logps(info, cfg, n_pairs: int) -> dict[str, tuple[torch.Tensor, torch.T
     reference with the adapter nudged off zero (turned off: the base again), and the nudged policy."""
     torch.manual_seed(0)
     model = build_model(cfg, info)
-    loss = PairLoss.for_config(cfg, info.device)
+    loss = recipe_pair_loss(cfg, info.device)
     (batch,) = pair_micro_batches(cfg, n_pairs, n_pairs, info.rank, info.world_size)
     out = {"policy": as_pairs(loss.sequence_logps(model, batch, info.device).detach(), batch)}
     nudge_adapter(model)

@@ -48,7 +48,7 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None,
     packing (transformers' sdpa kernel), 2 with it (the per-sample kernel, packed rows as one)."""
     from qlora_fsdp.config.loader import to_yaml
     from qlora_fsdp.data.batching import collate, collate_packed
-    from qlora_fsdp.data.loading import load_training_data
+    from qlora_fsdp.data.training_data import load_training_data
     from qlora_fsdp.distributed import all_reduce_sums
     from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter
@@ -100,8 +100,8 @@ def split_side(info, model_dir: Path, data: Path, out: Path, lora: dict | None =
     """Every record in two packed rows, those rows split over the two ranks (context parallel: each rank holds
     half of them, images crossing the split): the loss and one step's gradients, image side included."""
     from qlora_fsdp.data.batching import collate_packed
-    from qlora_fsdp.data.loading import load_training_data
     from qlora_fsdp.data.row_shards import shard_row
+    from qlora_fsdp.data.training_data import load_training_data
     from qlora_fsdp.distributed import all_reduce_sums
     from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
     from qlora_fsdp.layers.image_embeddings import image_token_of

@@ -51,9 +51,9 @@ DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]
 @dataclass
 class PreferenceConfig:
     """Preference tuning (train.objective dpo, orpo, simpo; reward: a reward model) on pairs of a prompt, a chosen
-    and a rejected completion (qlora_fsdp/data/pairs.py reads them; qlora_fsdp/losses/preference.py has the
+    and a rejected completion (qlora_fsdp/data/pair_records.py reads them; qlora_fsdp/losses/preference.py has the
     formulas); kto on unpaired records of a prompt, a completion and a desirable/undesirable label
-    (qlora_fsdp/data/kto.py)."""
+    (qlora_fsdp/data/kto_records.py)."""
 
     beta: float | None = None  # None: the objective's usual value (dpo and kto 0.1, simpo 2.0)
     loss_type: DpoLossType = "sigmoid"  # dpo: sigmoid (the paper's), robust (label noise), hinge (SLiC), ipo

@@ -47,14 +47,11 @@ class ImageData:
     template: str
     n_records: int
     packs: list[list[int]] | None = None
+    has_images = True  # the image side loads beside the decoder (not a field: no annotation)
 
     @property
     def n_units(self) -> int:
         return len(self.packs) if self.packs is not None else len(self.train)
-
-    @property
-    def has_images(self) -> bool:
-        return True
 
     def unit_lengths(self) -> list[int]:
         lengths = [len(s.input_ids) for s in self.train]

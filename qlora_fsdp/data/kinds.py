@@ -21,15 +21,11 @@ class TrainingData(Protocol[Split]):
     their lengths, the samples behind them, and the held-out split. An objective names the split it reads
     (GRPO: TrainingData[Prompts]), so it reads its kind's own without checking the class."""
 
-    @property
-    def train(self) -> Split: ...
+    train: Split
+    eval: Split
 
     @property
-    def eval(self) -> Split: ...
-
-    @property
-    def template(self) -> str:
-        """The template the units were rendered with ("processor": the checkpoint's processor)."""
+    def template(self) -> str: ...  # what rendered the units: a template's name, or "processor" (the checkpoint's)
 
     @property
     def packs(self) -> list[list[int]] | None:
@@ -49,27 +45,20 @@ class TrainingData(Protocol[Split]):
     def describe(self, context_length: int, overlong: OverlongPolicy) -> str: ...
 
 
-def held_out_split(n: int, eval_samples: int, seed: int, n_eval_file: int | None = None) -> tuple[list[int], list[int]]:
-    """(train indices in training order, held-out indices), by the seed. Without an eval file, at most a tenth of
-    the records (and none of a single one) is held out, so a small set is never mostly held out; with one
-    (`n_eval_file` records in data.eval_path), every record trains and eval_samples of the file's are held out."""
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    if n_eval_file is not None:
-        return order, sorted(random.Random(seed).sample(range(n_eval_file), min(eval_samples, n_eval_file)))
-    n_eval = min(eval_samples, math.ceil(n / 10)) if n > 1 else 0
-    return order[n_eval:], order[:n_eval]
-
-
-def check_trainable(n_train: int, unit: str) -> None:
-    if not n_train:
-        raise DataError(f"every {unit} went to the held-out set; lower data.eval_samples or add data")
-
-
 def held_out_sets(units: Split, held_out: Split | None, select: Callable[[Split, list[int]], Split],
                   eval_samples: int, seed: int, unit: str) -> tuple[Split, Split]:
-    """(train, held out) of any kind, by held_out_split: `held_out` is data.eval_path's units (None: they are held
-    out of `units`); `select` takes a set's units at indices; `unit` names one in the error of nothing to train."""
-    train, picked = held_out_split(len(units), eval_samples, seed, None if held_out is None else len(held_out))
-    check_trainable(len(train), unit)
+    """(train, held out) of any kind, by the seed: `select` takes a set's units at indices (the train ones come in
+    the seed's order). Without an eval file (`held_out` None), at most a tenth of the units (and none of a single
+    one) is held out, so a small set is never mostly held out; with one (data.eval_path's units in `held_out`),
+    every unit trains and eval_samples of the file's are held out. `unit` names one where none is left to train."""
+    order = list(range(len(units)))
+    random.Random(seed).shuffle(order)
+    if held_out is not None:
+        n_file = len(held_out)
+        train, picked = order, sorted(random.Random(seed).sample(range(n_file), min(eval_samples, n_file)))
+    else:
+        n_eval = min(eval_samples, math.ceil(len(units) / 10)) if len(units) > 1 else 0
+        train, picked = order[n_eval:], order[:n_eval]
+    if not train:
+        raise DataError(f"every {unit} went to the held-out set; lower data.eval_samples or add data")
     return select(units, train), select(units if held_out is None else held_out, picked)

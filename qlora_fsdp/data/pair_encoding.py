@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import OverlongPolicy, Template
 from qlora_fsdp.data.batching import Sample
-from qlora_fsdp.data.pairs import BadPair
+from qlora_fsdp.data.pair_records import BadPair
 from qlora_fsdp.data.templates import encode
 from qlora_fsdp.data.tool_calls import Message
 from qlora_fsdp.labels import IGNORE_INDEX

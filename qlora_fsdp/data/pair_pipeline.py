@@ -10,9 +10,9 @@ from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.config import Config, OverlongPolicy, SourceConfig, Template
 from qlora_fsdp.data.fingerprint import map_fingerprint
-from qlora_fsdp.data.kto import as_kto_pairs
+from qlora_fsdp.data.kto_records import as_kto_pairs
 from qlora_fsdp.data.pair_encoding import EncodedPair, encode_pair, fit_pair
-from qlora_fsdp.data.pairs import BadPair, as_pairs, good_pairs
+from qlora_fsdp.data.pair_records import BadPair, as_pairs, good_pairs
 from qlora_fsdp.data.pipeline import PAIR_EXTRAS, Dataset, assembled
 from qlora_fsdp.data.sources import read_source, weighted
 from qlora_fsdp.distributed import DistInfo

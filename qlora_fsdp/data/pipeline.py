@@ -6,8 +6,7 @@ tokenizer and the settings; the first process of each node tokenizes, the others
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +16,14 @@ from transformers import PreTrainedTokenizerBase
 from qlora_fsdp.config import DataConfig, OverlongPolicy, SourceConfig, Template
 from qlora_fsdp.data.batching import Sample, pack
 from qlora_fsdp.data.fingerprint import map_fingerprint
-from qlora_fsdp.data.kinds import held_out_sets
+from qlora_fsdp.data.kinds import TrainingData, held_out_sets
 from qlora_fsdp.data.sources import eval_source, mixed_conversations, sources_of
 from qlora_fsdp.data.templates import IGNORE_INDEX, choose_template, encode
-from qlora_fsdp.distributed import DistInfo, barrier
+from qlora_fsdp.distributed import DistInfo, main_process_first
 from qlora_fsdp.errors import DataError
 
 PAIR_EXTRAS = ("desirable", "margin")  # a pair's columns beside its sequences, carried to its batch
+TokenizedData = TrainingData[datasets.Dataset]  # what an objective reading SFT samples or pairs sees: a Dataset
 
 
 @dataclass
@@ -35,10 +35,7 @@ class Dataset:
     n_overlong: int  # longer than context_length (then truncated, dropped or split as the recipe says)
     n_without_targets: int  # dropped: nothing left to learn from (e.g. a prompt filling the context)
     packs: list[list[int]] | None = None  # with packing: the sample indices of each row
-
-    @property
-    def has_images(self) -> bool:
-        return False  # records with images load as data/images.py's ImageData
+    has_images = False  # records with images load as data/images.py's ImageData (not a field: no annotation)
 
     @property
     def pairs(self) -> bool:
@@ -107,17 +104,6 @@ def fit_to_context(batch: dict[str, list], indices: list[int], context_length: i
                 out["length"].append(len(piece_ids))
                 out["record"].append(record)
     return out
-
-
-@contextmanager
-def main_process_first(info: DistInfo | None) -> Iterator[None]:
-    """The node's first process does the work (and fills the cache); the others follow and read it."""
-    first = info is None or info.local_rank == 0
-    if not first:
-        barrier()
-    yield
-    if first and info is not None:
-        barrier()
 
 
 def tokenized(sources: list[SourceConfig], tokenizer: PreTrainedTokenizerBase, data: DataConfig, template: Template,

@@ -70,14 +70,14 @@ def prompt_messages(prompt: Any, pictures: list[Any], where: str) -> list[dict[s
 
 
 def encode_image_prompt(record: dict[str, Any], processor: ProcessorMixin, folder: Path,
-                        where: str) -> tuple[list[int], dict[str, torch.Tensor] | None, list[dict[str, Any]]]:
-    """(the prompt's ids with each image's tokens, its image inputs or None, its messages as parts): rendered with
+                        where: str) -> tuple[list[int], list[dict[str, Any]], dict[str, torch.Tensor] | None]:
+    """(the prompt's ids with each image's tokens, its messages as parts, its image inputs or None): rendered with
     the generation prompt, as TRL renders a prompt."""
     pictures = record_images(record)
     messages = prompt_messages(record["prompt"], pictures, where)
     parts, images = conversation({"messages": messages, "images": pictures}, folder, where)
     text = render(processor, parts, where, generation_prompt=True)
     if not images:
-        return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"]), None, parts
+        return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"]), parts, None
     out = processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
-    return out["input_ids"][0].tolist(), vision_inputs(out), parts
+    return out["input_ids"][0].tolist(), parts, vision_inputs(out)

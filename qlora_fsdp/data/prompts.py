@@ -26,9 +26,11 @@ from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.errors import DataError
 
 RESERVED = ("prompt", "completion", "completion_ids")  # TRL passes every other column to the reward functions
-# a record and where it is (for errors) -> the schemas of the tools its prompt shows: the recipe's tools, as
-# objectives/tool_templates.py reads them (data does not import agents/)
-PromptTools = Callable[[dict[str, Any], str], list[dict[str, Any]]]
+# a record and where it is (named in errors) -> its prompt as rendered with tools, and their schemas (the recipe's
+# tools, which objectives/tool_templates.py finds: data/ does not import agents/)
+PromptTools = Callable[[dict[str, Any], str], tuple[Any, list[dict[str, Any]]]]
+# a record and where it is -> its prompt's ids, the prompt as the reward functions get it, its image inputs or None
+Encoder = Callable[[dict[str, Any], str], tuple[list[int], Any, dict[str, torch.Tensor] | None]]
 
 
 @dataclass
@@ -89,12 +91,6 @@ def is_chat(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def as_user_message(prompt: Any) -> Any:
-    """A plain-text prompt as the user's message: a run that calls tools renders its prompts with the chat template
-    (which shows the tools), so GSM8K's `question` text works as it is."""
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) and prompt else prompt
-
-
 def encode_prompt(prompt: Any, tokenizer: PreTrainedTokenizerBase, template: str, where: str,
                   tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The prompt's tokens; `tools`: the schemas it shows (a rollout that calls tools: chat prompts only)."""
@@ -133,44 +129,36 @@ def read_prompts(sources: list[SourceConfig], data: DataConfig, seed: int) -> da
     return records
 
 
-def text_prompts(records: datasets.Dataset, path: str, tokenizer: PreTrainedTokenizerBase, cfg: Config,
-                 tools: PromptTools | None) -> Prompts:
-    """Every record's prompt tokenized, in the data's order; with `tools`, each shows its record's tools."""
-    template = run_template(cfg.data, tokenizer)
-    ids, prompts = [], []
-    for index, record in enumerate(records):
-        where = f"{path} record {index + 1}"
-        prompt = as_user_message(record["prompt"]) if tools else record["prompt"]
-        encoded = encode_prompt(prompt, tokenizer, template, where, tools(record, where) if tools else None)
-        check_room(encoded, cfg.prompt_room, where)
-        ids.append(encoded)
-        prompts.append(prompt)
-    columns = {name: list(records[name]) for name in records.column_names if name not in RESERVED}
-    return Prompts(ids, prompts, columns, list(range(len(ids))))
-
-
-def check_room(ids: list[int], room: int, where: str) -> None:
-    if len(ids) > room:
-        raise DataError(f"{where}: the prompt has {len(ids)} tokens, more than data.context_length - "
-                        f"grpo.max_completion_length = {room}; raise data.context_length or shorten it")
-
-
-def image_prompts(records: datasets.Dataset, processor: ProcessorMixin, path: str, cfg: Config) -> Prompts:
-    """Prompts with images, each rendered and encoded by the checkpoint's processor (its chat template)."""
-    if cfg.grpo.calls_tools:
-        raise DataError(f"{path}: prompts with images and grpo.tools / environments together are not built yet; "
-                        "give text prompts, or leave out the tools")
-    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+def encoded_prompts(records: datasets.Dataset, path: str, encode: Encoder, room: int, images: bool) -> Prompts:
+    """Every record's prompt through `encode`, in the data's order, each refused in one line where it leaves a
+    completion no room (more than `room` tokens); `images`: their image inputs kept (a checkpoint's images)."""
     ids, prompts, vision = [], [], []
     for index, record in enumerate(records):
         where = f"{path} record {index + 1}"
-        encoded, inputs, messages = encode_image_prompt(record, processor, folder, where)
-        check_room(encoded, cfg.prompt_room, where)
+        encoded, prompt, inputs = encode(record, where)
+        if len(encoded) > room:
+            raise DataError(f"{where}: the prompt has {len(encoded)} tokens, more than data.context_length - "
+                            f"grpo.max_completion_length = {room}; raise data.context_length or shorten it")
         ids.append(encoded)
-        prompts.append(messages)
+        prompts.append(prompt)
         vision.append(inputs)
     columns = {name: list(records[name]) for name in records.column_names if name not in RESERVED}
-    return Prompts(ids, prompts, columns, list(range(len(ids))), vision)
+    return Prompts(ids, prompts, columns, list(range(len(ids))), vision if images else None)
+
+
+def prompt_encoder(path: str, tokenizer: PreTrainedTokenizerBase, template: str, vision: ProcessorMixin | None,
+                   tools: PromptTools | None) -> Encoder:
+    """How `path`'s prompts are encoded: by `vision`, the checkpoint's processor (its chat template; image paths
+    relative to the data's folder), or as text or chat through the run's template (with `tools`: each showing its
+    record's tools)."""
+    if vision is not None:
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        return lambda record, where: encode_image_prompt(record, vision, folder, where)
+
+    def encode(record: dict[str, Any], where: str) -> tuple[list[int], Any, None]:
+        prompt, shown = tools(record, where) if tools else (record["prompt"], None)
+        return encode_prompt(prompt, tokenizer, template, where, shown), prompt, None
+    return encode
 
 
 def load_prompt_data(tokenizer: PreTrainedTokenizerBase, cfg: Config,
@@ -178,16 +166,20 @@ def load_prompt_data(tokenizer: PreTrainedTokenizerBase, cfg: Config,
                      tools: PromptTools | None = None) -> PromptData:
     """The prompts, held out as text data is (data/kinds.py): data.eval_path's prompts where given, else
     data.eval_samples of them, at most a tenth (by the seed). Where the training or the held-out records show
-    images, all go through `processor()`, the checkpoint's (data/prompt_images.py); `tools`: each record's tools,
-    for rollouts that call them."""
+    images, all go through `processor()`, the checkpoint's; `tools`: each record's tools, for rollouts that call
+    them."""
     held_out_source = eval_source(cfg.data)
     parts = [sources_of(cfg.data)] + ([[held_out_source]] if held_out_source is not None else [])
     read = [(part[0].path, read_prompts(part, cfg.data, cfg.train.seed)) for part in parts]
     shown = processor is not None and any(prompts_have_images(records) for _, records in read)
     vision = processor() if processor is not None and shown else None
-    encoded = [image_prompts(records, vision, path, cfg) if vision is not None
-               else text_prompts(records, path, tokenizer, cfg, tools) for path, records in read]
+    if vision is not None and cfg.grpo.calls_tools:
+        raise DataError(f"{read[0][0]}: prompts with images and grpo.tools / environments together are not built "
+                        "yet; give text prompts, or leave out the tools")
+    template = "processor" if vision is not None else run_template(cfg.data, tokenizer)
+    encoded = [encoded_prompts(records, path, prompt_encoder(path, tokenizer, template, vision, tools),
+                               cfg.prompt_room, vision is not None) for path, records in read]
     train, held_out = held_out_sets(encoded[0], encoded[1] if len(encoded) > 1 else None,
                                     lambda split, picked: split.subset(sorted(picked)), cfg.data.eval_samples,
                                     cfg.train.seed, "prompt")
-    return PromptData(train, held_out, "processor" if vision is not None else run_template(cfg.data, tokenizer))
+    return PromptData(train, held_out, template)

@@ -13,7 +13,6 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.agents.call_formats import PROBE_NAME, CallFormat, call_format
 from qlora_fsdp.config import DataFormat, Template, TemplateChoice
 from qlora_fsdp.data.chat_turns import (
     IGNORE_INDEX,
@@ -80,46 +79,6 @@ def conversation_ids(messages: list[Message], tokenizer: PreTrainedTokenizerBase
     if template == "chatml" and add_generation_prompt:
         segments.append(("<|im_start|>assistant\n", False))
     return encode_segments(with_bos(segments, tokenizer), tokenizer)[0]
-
-
-def tool_turn_ids(tool_messages: list[Message], tokenizer: PreTrainedTokenizerBase, template: Template) -> list[int]:
-    """The tokens from the end of an assistant's calling turn (its end-of-turn token) to the next assistant turn's
-    first: the tool results and the headers, as the template renders them. Learnt as TRL learns them: a one-call
-    conversation rendered without and with the results, the first cut after its last EOS."""
-    call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
-    calling: list[Message] = [{"role": "user", "content": "dummy"},
-                              {"role": "assistant", "content": "", "tool_calls": [call]}]
-    before = conversation_ids(calling, tokenizer, template, [], add_generation_prompt=False)
-    after = conversation_ids(calling + tool_messages, tokenizer, template, [], add_generation_prompt=True)
-    ends = [index for index, token in enumerate(before) if token == tokenizer.eos_token_id]
-    before = before[: ends[-1] + 1] if ends else before
-    if after[: len(before)] != before:
-        raise DataError("the chat template renders a tool call's turn differently once its result follows, so the "
-                        "result cannot be appended to the generated tokens; set data.template to chatml")
-    return after[len(before):]
-
-
-def tool_call_format(tokenizer: PreTrainedTokenizerBase, template: Template) -> CallFormat:
-    """How the template writes a call (agents/call_formats.py), learnt from a probe call; a template that shows no
-    tools is refused in one line."""
-    if template == "chatml":
-        return "hermes"
-    call = {"type": "function", "function": {"name": PROBE_NAME, "arguments": {"x": 1}}}
-    tool = {"type": "function", "function": {"name": PROBE_NAME, "description": "A probe.", "parameters": {
-        "type": "object", "properties": {"x": {"type": "integer", "description": "A value."}}}}}
-    messages: list[Message] = [{"role": "user", "content": "probe"},
-                               {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "content": "1"}]
-    try:
-        text = str(tokenizer.decode(conversation_ids(messages, tokenizer, template, [tool], False))) \
-            if template == "tokenizer" else ""
-    except DataError:
-        text = ""
-    form = call_format(text)
-    if form is None:
-        raise DataError(f"the {template} template shows no tool calls in a format GRPO can read back (Hermes "
-                        "<tool_call>, Llama 3 JSON, gpt-oss, Mistral); set data.template: chatml")
-    return form
 
 
 # ---- named templates ------------------------------------------------------------------------------

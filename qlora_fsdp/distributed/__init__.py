@@ -172,6 +172,17 @@ def barrier() -> None:
         time.sleep(BARRIER_POLL_S)
 
 
+@contextmanager
+def main_process_first(info: DistInfo | None) -> Iterator[None]:
+    """The node's first process does the work (tokenizing, and filling the cache); the others follow and read it."""
+    first = info is None or info.local_rank == 0
+    if not first:
+        barrier()
+    yield
+    if first and info is not None:
+        barrier()
+
+
 def all_reduce_sum(value: float | int, device: torch.device) -> float:
     """Sum a Python number over ranks (float64, so token counts stay exact)."""
     return all_reduce_sums([value], device)[0]

@@ -41,8 +41,8 @@ from qlora_fsdp.loading.sharding import sharded_meta_model
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.measure.fake_experts import plan_experts
 from qlora_fsdp.measure.step_tracker import Moment, Segment, StepMemory, run_step
-from qlora_fsdp.objectives.table import build_objective
 from qlora_fsdp.objectives.base import Objective
+from qlora_fsdp.objectives.table import build_objective
 from qlora_fsdp.optimizer import build_optimizer
 
 DEVICE = torch.device("cpu")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -29,7 +29,8 @@ from qlora_fsdp.agents.environments import reward_functions
 from qlora_fsdp.agents.recipe import rollout_tools
 from qlora_fsdp.config import Config, Template
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed, pack
-from qlora_fsdp.data.prompts import PromptData, Prompts, is_chat
+from qlora_fsdp.data.kinds import TrainingData
+from qlora_fsdp.data.prompts import Prompts, is_chat
 from qlora_fsdp.data.row_shards import one_row_per_sample, row_part
 from qlora_fsdp.distributed import all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
@@ -51,7 +52,13 @@ from qlora_fsdp.losses.policy import (
 )
 from qlora_fsdp.losses.router import grpo_router_coefficient
 from qlora_fsdp.objectives.base import Objective, PlannedGeneration, RunParts, StepResult, full_length_batches
-from qlora_fsdp.objectives.grpo_records import Generation, completion_sample, reward_metrics, sample_record
+from qlora_fsdp.objectives.grpo_records import (
+    Generation,
+    completion_sample,
+    held_out_share,
+    reward_metrics,
+    sample_record,
+)
 from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter, keeps_frozen_adapter
 from qlora_fsdp.objectives.reward_model_scores import reward_model_function
 from qlora_fsdp.objectives.rollouts import decoding
@@ -62,8 +69,8 @@ from qlora_fsdp.rewards.functions import Reward, Rollouts, combined, resolve_rew
 class Grpo(Objective):
     """GRPO (train.objective grpo): the policy generates its completions from the sampler's prompts."""
 
-    PROGRESS_METRICS = ("reward", "kl")
-    EVAL_METRICS = ("eval_reward",)
+    PROGRESS_METRICS: ClassVar[tuple[str, ...]] = ("reward", "kl")
+    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("eval_reward",)
 
     def __init__(self, cfg: Config, forward_loss: ForwardLoss, rewards: list[Reward] | None = None) -> None:
         super().__init__(cfg, forward_loss)
@@ -111,10 +118,8 @@ class Grpo(Objective):
         return self.cfg.prompt_room + self.grpo.max_completion_length
 
     @property
-    def data(self) -> PromptData:
-        data = self.parts.data
-        assert isinstance(data, PromptData), "GRPO reads prompts"
-        return data
+    def data(self) -> TrainingData[Prompts]:
+        return self.parts.data
 
     # ---- the batches ------------------------------------------------------------------------------------------
 
@@ -241,20 +246,18 @@ class Grpo(Objective):
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out prompts' rewards: each rank generates for an equal share of them (a collective: every rank
-        steps as often), num_generations completions each, sampled as in training from a generator seeded by the
-        step, so evaluating leaves training's sampling where it was (a resumed run samples the same)."""
-        held_out = self.data.eval
-        share = len(held_out) // self.info.world_size
-        if not share:
-            return {}
-        prompts = held_out.subset(list(range(self.info.rank * share, (self.info.rank + 1) * share)))
+        steps as often; a rank short of prompts repeats one, left out of the sums), num_generations completions
+        each, sampled as in training from a generator seeded by the step, so evaluating leaves training's sampling
+        where it was (a resumed run samples the same)."""
+        indices, own = held_out_share(len(self.data.eval), self.info.rank, self.info.world_size)
+        prompts = self.data.eval.subset(indices)
         devices = [self.info.device] if self.info.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.cfg.train.seed + 7919 * step + self.info.rank)
             made = self.make(prompts)
         scores = score(self.rewards, self.rollouts(prompts, made))
         metrics = reward_metrics(self.reward_names, scores, combined(scores, [r.weight for r in self.rewards]), made,
-                                 0.0, self.info)
+                                 0.0, self.info, rows=own * self.grpo.num_generations)
         kept = ["reward", "reward_std", "completion_length", "truncated_ratio"]
         kept += [f"rewards/{r.name}" for r in self.rewards]
         return {f"eval_{key}": metrics[key] for key in kept}

@@ -41,14 +41,15 @@ def completion_sample(prompt: list[int], completion: list[int], masked: bool, po
     return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets, vision)
 
 def reward_metrics(names: list[str], scores: torch.Tensor, rewards: torch.Tensor, made: Made, seconds: float,
-                   info: DistInfo, counted: int = 1) -> dict[str, float]:
-    """Over every rank's completions (`counted` 0: a split's other ranks, whose are its first's): the reward's and
-    each function's (`names`, the columns of `scores`) mean and standard deviation, the completions' mean and
-    longest length (the policy's tokens), the truncated share, generated tokens a second, and with tools TRL's
-    call and failure frequencies."""
-    columns = [("reward", rewards)] + [(f"rewards/{name}", scores[:, i]) for i, name in enumerate(names)]
-    lengths = made.lengths
-    sums: list[float] = [sum(lengths) * counted, sum(made.truncated) * counted, len(lengths) * counted, seconds]
+                   info: DistInfo, counted: int = 1, rows: int | None = None) -> dict[str, float]:
+    """Over every rank's completions (`counted` 0: a split's other ranks, whose are its first's; `rows`: the first
+    that many only, an evaluation's padding after them): the reward's and each function's (`names`, the columns of
+    `scores`) mean and standard deviation, the completions' mean and longest length (the policy's tokens), the
+    truncated share, generated tokens a second, and with tools TRL's call and failure frequencies (of every row)."""
+    kept = slice(rows)
+    columns = [("reward", rewards[kept])] + [(f"rewards/{name}", scores[kept, i]) for i, name in enumerate(names)]
+    lengths = made.lengths[kept]
+    sums: list[float] = [sum(lengths) * counted, sum(made.truncated[kept]) * counted, len(lengths) * counted, seconds]
     for _, values in columns:
         present = values[~torch.isnan(values)].double()
         sums += [present.numel() * counted, present.sum().item() * counted, (present**2).sum().item() * counted]
@@ -68,6 +69,17 @@ def reward_metrics(names: list[str], scores: torch.Tensor, rewards: torch.Tensor
         metrics.update({"tools/call_frequency": calls / n, "tools/failure_frequency": failures / max(calls, 1.0),
                         "tools/malformed_frequency": malformed / n})
     return metrics
+
+
+def held_out_share(n: int, rank: int, world_size: int) -> tuple[list[int], int]:
+    """This rank's held-out prompts, of `n`: a block of n // world_size (one more for the first n % world_size
+    ranks), padded to the most a rank has by repeating one (another rank's where it has none); and how many lead
+    that are its own. So every prompt is scored once and every rank generates as often (generation is a
+    collective)."""
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    own = list(range(start, start + base + int(rank < extra)))
+    return own + [own[0] if own else 0] * (base + int(extra > 0) - len(own)), len(own)
 
 
 def sample_record(tokenizer: PreTrainedTokenizerBase, prompts: Prompts, made: Made, rewards: torch.Tensor,

@@ -25,7 +25,7 @@ from torch import nn
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import collate_packed, pack
-from qlora_fsdp.data.pipeline import Dataset
+from qlora_fsdp.data.pipeline import TokenizedData
 from qlora_fsdp.data.row_shards import row_part
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.distributed.row_groups import RowSplit
@@ -39,7 +39,7 @@ from qlora_fsdp.run_files.checkpoints import TMP_PREFIX, sync_dir
 REFERENCE_FILE = "reference_logps.safetensors"
 
 
-def fingerprint(cfg: Config, data: Dataset) -> str:
+def fingerprint(cfg: Config, data: TokenizedData) -> str:
     """What the reference log-probabilities depend on: the tokenized pairs (datasets' fingerprints of both splits),
     the base model (its name, config.json, its weight files' names and sizes), how it is quantized and run."""
     folder = model_dir(cfg)  # a hub id's too: its fetched files are what the log-probabilities came from
@@ -63,7 +63,7 @@ def train_batches(split: datasets.Dataset, cfg: Config, rows_split: RowSplit) ->
     return [mine[i : i + per_forward] for i in range(0, len(mine), per_forward)], n_forwards
 
 
-def eval_batches(data: Dataset, cfg: Config, rows_split: RowSplit) -> tuple[list[list[list[int]]], int]:
+def eval_batches(data: TokenizedData, cfg: Config, rows_split: RowSplit) -> tuple[list[list[list[int]]], int]:
     """The held-out pairs as evaluation batches them (a pair a row), so the start's rewards tie to the bit."""
     chunks, n_batches = held_out_batches(data.samples(data.eval, list(range(len(data.eval)))),
                                          cfg.data.eval_batch_size, rows_split)
@@ -71,7 +71,7 @@ def eval_batches(data: Dataset, cfg: Config, rows_split: RowSplit) -> tuple[list
 
 
 @torch.no_grad()
-def split_reference(model: nn.Module, data: Dataset, split: datasets.Dataset, cfg: Config, pair_loss: PairLoss,
+def split_reference(model: nn.Module, data: TokenizedData, split: datasets.Dataset, cfg: Config, pair_loss: PairLoss,
                     pad_id: int, info: DistInfo, rows_split: RowSplit) -> torch.Tensor:
     """(pairs, 2): each pair's chosen and rejected log-probability under the reference, in the batches training
     (or evaluation, for the held-out pairs) runs; ranks share them."""
@@ -96,8 +96,9 @@ def split_reference(model: nn.Module, data: Dataset, split: datasets.Dataset, cf
     return table.cpu()
 
 
-def reference_logps(cfg: Config, model: nn.Module, data: Dataset, pair_loss: PairLoss, pad_id: int, info: DistInfo,
-                    out_dir: Path, step: int, rows_split: RowSplit | None = None) -> dict[str, torch.Tensor]:
+def reference_logps(cfg: Config, model: nn.Module, data: TokenizedData, pair_loss: PairLoss, pad_id: int,
+                    info: DistInfo, out_dir: Path, step: int,
+                    rows_split: RowSplit | None = None) -> dict[str, torch.Tensor]:
     """{"train": (pairs, 2), "eval": (pairs, 2)}: read from the run folder when it holds them for this data and base
     model, else computed (every rank) and written by rank 0. `step`: where the run starts (a resumed run's)."""
     path, expected = out_dir / REFERENCE_FILE, fingerprint(cfg, data)

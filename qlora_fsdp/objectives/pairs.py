@@ -18,7 +18,7 @@ from torch import nn
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Batch, Sample, collate_packed
-from qlora_fsdp.data.pipeline import Dataset
+from qlora_fsdp.data.pipeline import Dataset, TokenizedData
 from qlora_fsdp.data.row_shards import row_part
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.losses.pairs import (
@@ -37,8 +37,8 @@ from qlora_fsdp.objectives.pair_steps import accumulate_pairs, evaluate_pairs, p
 
 class Pairs(Objective):
     LOSS: ClassVar[type[PairLoss]]  # each preference objective's, below
-    PROGRESS_METRICS = ("reward_accuracy", "reward_margin")
-    EVAL_METRICS = ("eval_loss", "eval_reward_accuracy", "eval_reward_margin")
+    PROGRESS_METRICS: ClassVar[tuple[str, ...]] = ("reward_accuracy", "reward_margin")
+    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("eval_loss", "eval_reward_accuracy", "eval_reward_margin")
 
     def __init__(self, cfg: Config, forward_loss: ForwardLoss) -> None:
         super().__init__(cfg, forward_loss)
@@ -48,16 +48,13 @@ class Pairs(Objective):
 
     def attach(self, run: RunParts) -> None:
         super().attach(run)
-        assert isinstance(run.data, Dataset), "a preference objective reads pairs"
         # KTO's labels, a reward model's margins
-        self.extras = {name: Dataset.pair_extras(split) for name, split in (("train", run.data.train),
-                                                                              ("eval", run.data.eval))}
+        self.extras = {name: Dataset.pair_extras(split) for name, split in (("train", self.data.train),
+                                                                              ("eval", self.data.eval))}
 
     @property
-    def data(self) -> Dataset:
-        data = self.parts.data
-        assert isinstance(data, Dataset), "a preference objective reads pairs"
-        return data
+    def data(self) -> TokenizedData:
+        return self.parts.data
 
     # ---- the reference -----------------------------------------------------------------------------------------
 
@@ -155,8 +152,8 @@ class Simpo(Pairs):
 
 class Kto(Pairs):
     LOSS = KtoLoss
-    PROGRESS_METRICS = ("kl",)
-    EVAL_METRICS = ("eval_loss", "eval_rewards_desirable", "eval_rewards_undesirable")
+    PROGRESS_METRICS: ClassVar[tuple[str, ...]] = ("kl",)
+    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("eval_loss", "eval_rewards_desirable", "eval_rewards_undesirable")
 
 
 class RewardModel(Pairs):

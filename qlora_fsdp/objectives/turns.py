@@ -28,10 +28,11 @@ from qlora_fsdp.agents.recipe import rollout_tools
 from qlora_fsdp.agents.toolbox import run_call
 from qlora_fsdp.config import GrpoConfig, Template
 from qlora_fsdp.data.prompts import Prompts
-from qlora_fsdp.data.templates import prompt_ids, tool_call_format, tool_turn_ids
+from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import all_reduce_sums
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.objectives.rollouts import Decoder
+from qlora_fsdp.objectives.tool_templates import tool_call_format, tool_turn_ids
 
 
 @dataclass

@@ -41,9 +41,10 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.generation.layouts import Layout, graphs_for
 from qlora_fsdp.generation.room import kv_cache_bytes
-from qlora_fsdp.measure.fake_step import update_rows
+from qlora_fsdp.measure.fake_step import planned_objective, update_rows
 from qlora_fsdp.measure.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
 from qlora_fsdp.measure.step_tracker import StepMemory
+from qlora_fsdp.objectives.base import PlannedGeneration
 from qlora_fsdp.plan.decoding_step import decoding_step
 from qlora_fsdp.plan.step_time import Rates, link_seconds
 
@@ -142,9 +143,21 @@ def root_bytes(cfg: Config, hf: PretrainedConfig) -> int:
     return hf.vocab_size * hf.hidden_size * TORCH_DTYPES[cfg.model.dtype].itemsize * (1 if tied else 2)
 
 
+def planned_generation(cfg: Config) -> PlannedGeneration | None:
+    """What the recipe's objective generates a step, as it says (None: it generates nothing)."""
+    return planned_objective(cfg).planned_generation()
+
+
+def generating(cfg: Config) -> PlannedGeneration:
+    """planned_generation of an objective that generates (what the functions pricing generation are asked for)."""
+    made = planned_generation(cfg)
+    assert made is not None, f"train.objective {cfg.train.objective} generates nothing"
+    return made
+
+
 def rank_completions(cfg: Config) -> int:
-    """Completions a rank generates in a step: num_generations for each of its step's prompts."""
-    return cfg.data.micro_batch * cfg.data.grad_accum_steps * cfg.grpo.num_generations
+    """Completions a rank generates in a step."""
+    return generating(cfg).completions
 
 
 def forward_work(step: StepMemory) -> Work:
@@ -167,7 +180,7 @@ def generation_memory(cfg: Config, hf: PretrainedConfig, step: StepMemory, large
     grpo, itemsize = cfg.grpo, TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     total_rows = rank_completions(cfg)
     rows = min(grpo.generation_rows or total_rows, total_rows)
-    prompt, new = cfg.prompt_room, grpo.max_completion_length
+    prompt, new = cfg.prompt_room, generating(cfg).new_tokens
     intermediate = getattr(hf, "intermediate_size", None) or 4 * hf.hidden_size
     layer_rows = rows * (cfg.hardware.world_size if layout == "split" else 1)  # split: every rank's rows at once
     prefill = layer_rows * prompt * intermediate * itemsize * MLP_TEMPORARIES + largest_linear * itemsize

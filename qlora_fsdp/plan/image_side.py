@@ -33,6 +33,7 @@ from qlora_fsdp.loading.vision_encoder import quantized_names
 from qlora_fsdp.measure.fake_step import update_rows
 from qlora_fsdp.measure.held import planning_model, quant_state_bytes
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
+from qlora_fsdp.plan.generation import planned_generation
 
 ACTIVATIONS_PER_PATCH = 6  # hidden-sized tensors a vision layer keeps alive at once (norm, q, k, v, out, residual)
 
@@ -171,11 +172,11 @@ def side_of(cfg: Config) -> ImageSide:
 
 def rows_with_images(cfg: Config) -> int:
     """Rows whose images pass the tower at once: a micro-batch's forward (GRPO's: every completion carries its
-    prompt's images), or GRPO's largest generate call (each row's prompt re-read with its images)."""
+    prompt's images), or the largest generate call (each row's prompt re-read with its images)."""
     rows = update_rows(cfg)
-    if cfg.train.kind.generates:
-        rows = max(rows, cfg.grpo.generation_rows or cfg.data.micro_batch * cfg.data.grad_accum_steps
-                   * cfg.grpo.num_generations)
+    made = planned_generation(cfg)
+    if made is not None:
+        rows = max(rows, cfg.grpo.generation_rows or made.completions)
     return rows
 
 

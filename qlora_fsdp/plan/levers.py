@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.measure.held import Held, meta_held
+from qlora_fsdp.plan.generation import planned_generation
 from qlora_fsdp.plan.memory import GIB, Plan, gpu_spec, plan
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 
@@ -55,8 +56,9 @@ def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
 
 
 def splits_rows_further(cfg: Config) -> bool:
-    """Long rows, on a node whose GPUs do not all share each row yet (GRPO's tool rollouts are not split)."""
-    return (cfg.data.context_length > LONG_ROW and not (cfg.train.kind.generates and cfg.grpo.calls_tools)
+    """Long rows, on a node whose GPUs do not all share each row yet (rollouts with tools are not split)."""
+    tool_rollouts = planned_generation(cfg) is not None and cfg.grpo.calls_tools
+    return (cfg.data.context_length > LONG_ROW and not tool_rollouts
             and cfg.model.attn_implementation in ("auto", "sdpa_varlen")
             and cfg.hardware.gpus_per_node > cfg.fsdp.context_parallel
             and cfg.hardware.gpus_per_node % cfg.fsdp.context_parallel == 0)

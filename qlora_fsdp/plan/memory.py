@@ -24,7 +24,14 @@ from qlora_fsdp.measure.fake_world import recipe_step
 from qlora_fsdp.measure.held import Held, planned_dtypes, planning_config
 from qlora_fsdp.measure.step_tracker import Segment, StepMemory
 from qlora_fsdp.objectives.reference_adapter import keeps_frozen_adapter
-from qlora_fsdp.plan.generation import Weights, candidate_layouts, generation_memory, generation_time, root_bytes
+from qlora_fsdp.plan.generation import (
+    Weights,
+    candidate_layouts,
+    generation_memory,
+    generation_time,
+    planned_generation,
+    root_bytes,
+)
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.step_time import Rates, matmul_efficiency
 from qlora_fsdp.run.hardware import GPU, GPUS
@@ -258,15 +265,15 @@ def planned_layout(held: Held, cfg: Config, step: StepMemory) -> Layout:
 
 def with_generation_layout(cfg: Config, held: Held, step: StepMemory) -> Config:
     """GRPO with `grpo.generation_layout: auto`: the layout the plan takes, written into the planned config."""
-    if not cfg.train.kind.generates or cfg.grpo.generation_layout != "auto":
+    if planned_generation(cfg) is None or cfg.grpo.generation_layout != "auto":
         return cfg
     grpo = dataclasses.replace(cfg.grpo, generation_layout=planned_layout(held, cfg, step))
     return dataclasses.replace(cfg, grpo=grpo)
 
 
 def generating_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
-    """GRPO: the device while the policy generates (plan/generation.py), empty for other objectives."""
-    if not cfg.train.kind.generates:
+    """The device while the policy generates (plan/generation.py), empty for objectives that generate nothing."""
+    if planned_generation(cfg) is None:
         return []
     layout = planned_layout(held, cfg, step)
     return layout_rows(held, cfg, step, layout)

@@ -11,6 +11,7 @@ from qlora_fsdp.families import family_name
 from qlora_fsdp.measure.fake_world import leave_fake_world
 from qlora_fsdp.measure.held import planning_config
 from qlora_fsdp.measure.step_tracker import StepMemory
+from qlora_fsdp.plan.generation import planned_generation
 from qlora_fsdp.plan.memory import GIB, gpu_spec
 from qlora_fsdp.plan.report import RecipePlan, plan_recipe, report_text
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
@@ -48,11 +49,14 @@ def setting_words(cfg: Config) -> str:
     return ", ".join(words)
 
 
-def grpo_words(cfg: Config, step: StepMemory | None) -> str:
-    """GRPO's setting, and its step's time with what generating takes of it (the tokens/s column counts only the
-    tokens the update trains on)."""
-    grpo = cfg.grpo
-    words = f", GRPO: {grpo.num_generations} completions of up to {grpo.max_completion_length} tokens a prompt"
+def generation_words(cfg: Config, step: StepMemory | None) -> str:
+    """What the objective generates, and its step's time with what generating takes of it (the tokens/s column
+    counts only the tokens the update trains on); nothing for an objective that generates nothing."""
+    made = planned_generation(cfg)
+    if made is None:
+        return ""
+    words = (f", {cfg.train.objective.upper()}: {made.completions // made.prompts} completions of up to "
+             f"{made.new_tokens} tokens a prompt")
     if step is None or not gpu_spec(cfg).priced:
         return words
     time = recipe_time(cfg, step)
@@ -65,7 +69,7 @@ def table_row(name: str, planned: RecipePlan) -> str:
                                                    else "")
     verdict = "" if result.fits else " (DOES NOT FIT)"
     rate = f"{step_tokens(cfg) / recipe_time(cfg, result.step).total:,.0f}" if result.step is not None else ""
-    setting = setting_words(cfg) + (grpo_words(cfg, result.step) if cfg.train.kind.generates else "")
+    setting = setting_words(cfg) + generation_words(cfg, result.step)
     model_type = planning_config(cfg).model_type  # the text model's, for a multimodal checkpoint
     family = family_name(model_type)
     return (f"| `{name}` | {family} | {cfg.model.path} | {hardware_words(cfg)} | {setting} | "

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from qlora_fsdp.config import Config
 from qlora_fsdp.measure.fake_world import planning_mesh
 from qlora_fsdp.measure.held import Held, meta_held, planned_dtypes
+from qlora_fsdp.plan.generation import planned_generation
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.levers import Lever, fitting_levers
 from qlora_fsdp.plan.memory import (
@@ -70,7 +71,8 @@ def image_lines(cfg: Config, result: Plan) -> list[str]:
     if side is None:
         return []
     where = "below the peak" if result.image_forward_total <= result.update_total else "the step's peak"
-    at_once = "a generate call's or a micro-batch's, the more" if cfg.train.kind.generates else "a micro-batch's"
+    generates = planned_generation(cfg) is not None
+    at_once = "a generate call's or a micro-batch's, the more" if generates else "a micro-batch's"
     return [f"images: {side.images} at once ({at_once}) of {side.tokens_per_image} tokens each; the vision tower's "
             f"forward adds {side.forward / GIB:.2f} GiB (estimate) before the decoder's, "
             f"{result.image_forward_total / GIB:.2f} GiB in all: {where}", ""]

@@ -9,7 +9,7 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.measure.fake_step import planned_flops_per_token, update_rows
 from qlora_fsdp.measure.held import Held, planning_config
 from qlora_fsdp.measure.step_tracker import StepMemory
-from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time, rank_completions
+from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time, planned_generation
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import Rates, StepTime, matmul_efficiency, part_time, step_time
@@ -21,9 +21,9 @@ def recipe_time(cfg: Config, step: StepMemory) -> StepTime:
     """The step's time on the recipe's GPUs; GRPO's includes generating (plan/generation.py)."""
     time = step_time(step, cfg.data.grad_accum_steps, gpu_spec(cfg), cfg.fsdp.cpu_offload,
                      matmul_efficiency(cfg.hardware.gpu), cfg.hardware.host_memory_gbps)
-    if cfg.train.kind.generates:
-        time.generation = recipe_generation(cfg, step).total / cfg.grpo.num_iterations
-        time.generation += kept_logps_seconds(cfg, step) / cfg.grpo.num_iterations
+    made = planned_generation(cfg)
+    if made is not None:  # one generation serves `steps_served` steps
+        time.generation = (recipe_generation(cfg, step).total + kept_logps_seconds(cfg, step)) / made.steps_served
         time.total += time.generation
     side = image_side(cfg)
     if side is not None:  # every forward's images, before its decoder forward
@@ -33,13 +33,14 @@ def recipe_time(cfg: Config, step: StepMemory) -> StepTime:
 
 
 def images_a_step(cfg: Config) -> float:
-    """Images through the tower in a step: each micro-batch's forward; GRPO's completions each carry their prompt's
-    images, through generation's prompt forward and the kept log-probabilities' forwards too (once a generation)."""
-    forwards: float = update_rows(cfg) * cfg.data.grad_accum_steps
-    if cfg.train.kind.generates:
-        grpo = cfg.grpo
-        kept = (grpo.num_iterations > 1) + (grpo.beta != 0.0)
-        forwards += (rank_completions(cfg) + kept * update_rows(cfg) * cfg.data.grad_accum_steps) / grpo.num_iterations
+    """Images through the tower in a step: each micro-batch's forward; generated completions each carry their
+    prompt's images, through generation's prompt forward and the kept log-probabilities' forwards too (once a
+    generation)."""
+    update: float = update_rows(cfg) * cfg.data.grad_accum_steps
+    made = planned_generation(cfg)
+    forwards = update
+    if made is not None:
+        forwards += (made.completions + made.kept_forwards * update) / made.steps_served
     return forwards * cfg.data.images_per_row
 
 
@@ -56,9 +57,10 @@ def recipe_generation(cfg: Config, step: StepMemory) -> GenerationTime:
 
 
 def kept_logps_seconds(cfg: Config, step: StepMemory) -> float:
-    """The forwards over a generation's completions that compute the log-probabilities kept for the update: the
-    reference's (beta > 0) and the old policy's (num_iterations > 1), each the update's forward without backward."""
-    forwards = (cfg.grpo.beta != 0) + (cfg.grpo.num_iterations > 1)
+    """The forwards over a generation's completions that compute the log-probabilities the update keeps (GRPO's:
+    the reference's, the old policy's), each the update's forward without backward."""
+    made = planned_generation(cfg)
+    forwards = made.kept_forwards if made is not None else 0
     if not forwards:
         return 0.0
     offload = cfg.fsdp.cpu_offload
@@ -90,8 +92,9 @@ def epoch_line(cfg: Config, step_seconds: float) -> str:
     if records is None:
         return "one epoch: set data.records (and, with packing, data.mean_record_tokens) to see its time"
     rows_per_step = cfg.data.micro_batch * cfg.data.grad_accum_steps * row_takers(cfg, cfg.hardware.world_size)
-    if cfg.train.kind.generates:  # a record is a prompt; a generation serves num_iterations steps
-        steps = math.ceil(records / rows_per_step) * cfg.grpo.num_iterations
+    made = planned_generation(cfg)
+    if made is not None:  # a record is a prompt; a generation serves `steps_served` steps
+        steps = math.ceil(records / rows_per_step) * made.steps_served
         return f"one epoch of {records:,} prompts: {steps:,} steps, {hours(steps * step_seconds)}"
     if cfg.data.packing and not cfg.data.mean_record_tokens:
         steps = math.ceil(records / rows_per_step)
@@ -143,10 +146,10 @@ def mfu_words(cfg: Config, held: Held, flops_per_token: int) -> tuple[float, str
     """FLOPs of a step (trained tokens at 6N or 8N; GRPO's generated tokens at 2N, priced to their limit)."""
     trained = step_tokens(cfg) * flops_per_token * held.active_parameters
     active = ", N the active parameters" if held.active_parameters < held.base_parameters else ""
-    if not cfg.train.kind.generates:
+    made = planned_generation(cfg)
+    if made is None:
         return trained, f"{flops_per_token}N FLOP a token{active}"
-    generated = (cfg.data.micro_batch * cfg.data.grad_accum_steps * row_takers(cfg, cfg.hardware.world_size)
-                 * cfg.grpo.num_generations * cfg.grpo.max_completion_length)
+    generated = row_takers(cfg, cfg.hardware.world_size) * made.completions * made.new_tokens
     words = f"{flops_per_token}N FLOP a token, 2N a generated one{active}"
     return trained + generated * 2 * held.active_parameters, words
 
@@ -162,7 +165,7 @@ def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
     flops_per_token = planned_flops_per_token(cfg)  # DPO's reference forward: 2N more, as training counts
     flops, flop_words = mfu_words(cfg, held, flops_per_token)
     mfu = flops / time.total / (gpu.bf16_tflops * 1e12 * cfg.hardware.world_size)
-    grpo = cfg.train.kind.generates
+    grpo = planned_generation(cfg) is not None
     rows = [("matmuls (each on the roofline: FLOPs or bytes, whichever is slower)", time.matmul),
             ("attention", time.attention), ("element-wise ops (bytes read and written)", time.elementwise),
             ("4-bit dequantization", time.dequant),

@@ -16,7 +16,7 @@ from typing import Any
 import datasets
 
 from qlora_fsdp.config import SourceConfig
-from qlora_fsdp.data.pairs import PAIR, BadPair, as_turns, prompt_turns
+from qlora_fsdp.data.pair_records import PAIR, BadPair, as_turns, prompt_turns
 from qlora_fsdp.data.sources import ConversationMaker
 from qlora_fsdp.errors import DataError
 
