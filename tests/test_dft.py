@@ -4,6 +4,8 @@ and every LoRA gradient; the chunked loss equals the full one; and it is not SFT
 
 from __future__ import annotations
 
+import json
+import math
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +19,7 @@ from tests.helpers import (
     relative_difference,
     run_ranks_sequence,
     tiny_config,
+    train_here,
     transformers_nf4,
     variable_length_samples,
 )
@@ -107,3 +110,24 @@ def test_dft_equals_trls_dft_loss_over_two_ranks_chunked_or_not(tiny_model_dir, 
     assert relative_difference(chunked["grads"], full["grads"]) <= 1e-5
     # the check can fail: each token weighted by its probability (< 1) is not SFT's loss
     assert full["loss"] < 0.5 * full["sft_loss"]
+
+
+def test_the_dft_recipe_plans_trains_evaluates_and_logs(tiny_model_dir, tmp_path):
+    """The shipped recipe through the command line, no edit beyond the objective's module and its table rows: its
+    plan runs DFT's micro-step, a short run logs DFT's loss and SFT's held-out figures at the start and the end."""
+    from qlora_fsdp.config import load_config
+    from qlora_fsdp.measure.fake_step import planned_objective
+    from qlora_fsdp.objectives.dft import token_probability
+
+    assert planned_objective(load_config("tiny_cpu_dft")).forward_loss.token_weight is token_probability
+    out = tmp_path / "dft"
+    result = train_here(["--recipe", "tiny_cpu_dft", f"model.path={tiny_model_dir}", f"train.output_dir={out}",
+                         "train.max_steps=4", "train.eval_every=2", "train.save_every=0", "data.eval_samples=8"])
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in records if "eval_loss_end" in r)
+    assert summary["eval_loss_end"] < summary["eval_loss_start"]
+    assert summary["eval_ppl_end"] == pytest.approx(math.exp(summary["eval_loss_end"]))
+    steps = [r for r in records if "loss" in r and "lr" in r]
+    assert len(steps) >= 2 and all(r["loss"] < summary["eval_loss_start"] for r in steps)  # the weighted loss
+    assert any("eval_loss" in r and r.get("step") == 2 for r in records)
