@@ -151,6 +151,8 @@ def test_every_shipped_recipe_loads():
         elif name.endswith("_dpo"):  # UltraFeedback-binarized's preference split, by hub id
             assert [(s.path, s.format, s.split) for s in cfg.data.sources] == [
                 ("HuggingFaceH4/ultrafeedback_binarized", "chat", "train_prefs")] and cfg.train.objective == "dpo"
+        elif name == "tiny_cpu_dft":  # tiny_cpu's shipped instructions, each token's loss weighted (DFT)
+            assert (cfg.data.path, cfg.train.objective) == ("data/tiny_instruct.jsonl", "dft")
         elif name != "tiny_cpu":  # what Answer.AI trained on, by hub id (fetched at launch, never by a test or plan)
             assert (cfg.data.path, cfg.data.format, cfg.data.sources) == ("yahma/alpaca-cleaned", "alpaca", []), name
 
