@@ -17,10 +17,10 @@ from typing import Any
 from qlora_fsdp.config import Config
 from qlora_fsdp.config.loader import load_config
 from qlora_fsdp.measure.fake_world import leave_fake_world, recipe_step
-from qlora_fsdp.measure.held import planned_dtypes
 from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import MATMUL_EFFICIENCY, matmul_efficiency, step_time
+from qlora_fsdp.run.description import planned_run
 
 RUNS = Path(__file__).with_name("data") / "published_runs.json"
 ANSWERAI_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
@@ -43,7 +43,7 @@ def row_config(row: dict[str, Any]) -> Config:
                  "lora.compute_dtype=weights", "loss.chunked=false",
                  "model.dtype=bfloat16", "quant.compute_dtype=bfloat16"]
     overrides += [f"hardware.{key}={row[key]}" for key in ("pcie_gen", "pcie_lanes") if key in row]
-    return planned_dtypes(load_config("llama70b_2x4090", overrides))
+    return planned_run(load_config("llama70b_2x4090", overrides)).cfg
 
 
 def predicted(row: dict[str, Any], cfg: Config, step: StepMemory, efficiency: float) -> dict[str, float]:

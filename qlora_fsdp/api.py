@@ -28,8 +28,9 @@ from qlora_fsdp.loading.vision_encoder import checkpoint_config, load_processor,
 from qlora_fsdp.objectives.table import objective_class
 from qlora_fsdp.objectives.tool_templates import prompt_tools
 from qlora_fsdp.optimizer import build_optimizer, build_scheduler
-from qlora_fsdp.precision import describe_device, describe_dtypes, resolve_dtypes
+from qlora_fsdp.precision import describe_device, describe_dtypes
 from qlora_fsdp.run.batch_size import describe_batch
+from qlora_fsdp.run.description import describe_run
 from qlora_fsdp.run.hardware import peak_flops
 from qlora_fsdp.run_files.checkpoints import Checkpointer, check_world_size
 from qlora_fsdp.run_files.metrics import MetricsLogger, format_summary
@@ -60,8 +61,8 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     info = info or init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes,
                                     first_collective_timeout_s=cfg.train.first_collective_timeout_s)
     row_split(cfg.fsdp.context_parallel)  # context parallel's groups, or one line now (too few ranks)
-    device = describe_device(info.device)
-    written, cfg = cfg, resolve_dtypes(cfg, device)  # saved with checkpoints and adapter: what the run computed in
+    run = describe_run(cfg, describe_device(info.device))  # the recipe resolved once: dtypes, then its batch
+    cfg = run.cfg
     out_dir = Path(cfg.train.output_dir)
     checkpoint = decide_on_main(lambda: prepare_run_dir(out_dir, cfg.train))  # before any rank writes
     check_output_dir_shared(out_dir, info)  # across nodes: one folder every node sees, or one line now
@@ -75,12 +76,12 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     model = build_model(cfg, info)
     if images:  # the image side, frozen, beside the sharded decoder on every rank
         load_vision_encoder(model, cfg, info.device)
-    recipe = cfg  # as written (auto micro-batch, unscaled lr); cfg from here on is what this run uses
-    cfg = decide_on_main(lambda: resolve_run_batch(recipe, model, info))
+    run = run.with_batch(decide_on_main(lambda: resolve_run_batch(run.cfg, model, info)))  # auto micro-batch, lr
+    cfg = run.cfg
     trainer = make_trainer(cfg, info, model, data, tokenizer)
-    trainer.logger.write(describe_dtypes(written, cfg, device))
+    trainer.logger.write(describe_dtypes(run.written, cfg, run.device))
     trainer.logger.write(describe_attention(model))
-    trainer.logger.write(describe_batch(recipe, cfg, info.world_size))
+    trainer.logger.write(describe_batch(run.before_batch or cfg, cfg, info.world_size))
     if checkpoint is not None:
         trainer.resume(checkpoint)
     elif cfg.lora.init == "eva":  # A from the first micro-batches (a resumed run has its own in the checkpoint)

@@ -29,7 +29,8 @@ from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.fill import model_layout
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.measure.held import meta_held, planning_config
+from qlora_fsdp.measure.held import meta_held
+from qlora_fsdp.run.description import planned_run
 from qlora_fsdp.tools.generate import load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import train_tokenizer
@@ -203,7 +204,7 @@ def test_the_planner_reads_a_prequantized_checkpoint_as_its_original(tiny_prequa
     # a 70B pre-quantized repo plans from its shipped config.json (quantization_config included), not refused
     cfg = tiny_config(tiny_prequantized)
     cfg.model.path = "unsloth/Meta-Llama-3.1-70B-bnb-4bit"
-    assert planning_config(cfg).quantization_config["quant_method"] == "bitsandbytes"
+    assert planned_run(cfg).hf_config.quantization_config["quant_method"] == "bitsandbytes"
 
 
 def test_a_prequantized_multimodal_gemma3_trains_its_text_model_equal_to_transformers(tmp_path):

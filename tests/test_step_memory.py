@@ -149,23 +149,23 @@ def whole_and_shortened(info, configs, accumulating):
     """Per config: the step's figures from the whole model and from the shortened runs; then a step with three
     micro-batches (a middle one, sync off, with gradients already accumulated) against the planner's two."""
     from qlora_fsdp.measure import fake_step
-    from qlora_fsdp.measure.held import planning_config
     from qlora_fsdp.objectives.base import Objective
+    from qlora_fsdp.run.description import planned_run
 
     def figures(step):
         return step.model, step.loss, step.optimizer, step.own_loss_bytes, step.offloaded, step.peak
 
     out = []
     for cfg in configs:
-        hf_config = planning_config(cfg)
+        hf_config = planned_run(cfg).hf_config
         assert fake_step.find_repeats(fake_step.layer_kinds(cfg, hf_config)).saved > 0
         whole = fake_step.measure_fake_step(cfg, hf_config, info.mesh)
         shortened = fake_step.planned_step(cfg, hf_config, info.mesh, whole_model_layers=0)
         out.append((figures(whole), figures(shortened)))
-    two = fake_step.measure_fake_step(accumulating, planning_config(accumulating), info.mesh)
+    two = fake_step.measure_fake_step(accumulating, planned_run(accumulating).hf_config, info.mesh)
     planned_micro_batches, Objective.PLANNED_MICRO_BATCHES = Objective.PLANNED_MICRO_BATCHES, 3
     try:
-        three = fake_step.measure_fake_step(accumulating, planning_config(accumulating), info.mesh)
+        three = fake_step.measure_fake_step(accumulating, planned_run(accumulating).hf_config, info.mesh)
     finally:
         Objective.PLANNED_MICRO_BATCHES = planned_micro_batches  # the pool's worker serves other tests next
     return out, (figures(two), figures(three))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from qlora_fsdp.config import Config
+from qlora_fsdp.config import REPO_ROOT, Config
 from qlora_fsdp.errors import ModelLoadError, first_line
 from qlora_fsdp.families import text_config
 from qlora_fsdp.layers.text_decoder_lm import register_text_decoders
@@ -37,6 +37,15 @@ def model_dir(cfg: Config) -> Path:
     """The checkpoint folder model.path names: the one place model.path becomes a folder (everything that reads the
     checkpoint asks here; messages and the adapter's base_model_name_or_path keep the name as written)."""
     return fetched_folder(cfg.model.path)
+
+
+def shipped_config_folder(cfg: Config) -> Path | None:
+    """Where a plan reads a hub model's config.json: the repo's shipped copy (model_configs/<name>), so a plan needs
+    no download; None where model.path is a local folder or no copy is shipped (model_dir's, then)."""
+    shipped = REPO_ROOT / "model_configs" / cfg.model.path.rstrip("/").split("/")[-1].lower()
+    if Path(cfg.model.path).is_dir() or not (shipped / "config.json").is_file():
+        return None
+    return shipped
 
 
 def base_model_dir(cfg: Config) -> Path:

@@ -15,12 +15,12 @@ from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_hf_config
 from qlora_fsdp.loading.fill import load_weights, materialize
 from qlora_fsdp.loading.sharding import sharded_meta_model
-from qlora_fsdp.precision import describe_device, resolve_dtypes
 
 
 def build_model(cfg: Config, info: DistInfo, shard: bool = True) -> peft.PeftModel:
     """Meta build -> activation checkpointing -> fully_shard -> allocate -> stream and quantize weights."""
-    cfg = resolve_dtypes(cfg, describe_device(info.device))  # `auto` dtypes, if the caller left them
+    assert "auto" not in (cfg.model.dtype, cfg.quant.compute_dtype), (
+        "build_model takes resolved dtypes: the config of run/description.py's describe_run (or planned_run)")
     model = sharded_meta_model(cfg, load_hf_config(cfg), info.mesh, shard)
     offload = shard and cfg.fsdp.cpu_offload  # offload always comes with FSDP (sharding.uses_fsdp)
     materialize(model, info.device, torch.device("cpu") if offload else info.device)

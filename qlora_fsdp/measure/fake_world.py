@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import data_parallel_mesh, init_fake_distributed
 from qlora_fsdp.measure.fake_step import cached_step
-from qlora_fsdp.measure.held import planned_dtypes, planning_config, planning_model
 from qlora_fsdp.measure.step_tracker import StepMemory
+from qlora_fsdp.run.description import planned_run
 
 T = TypeVar("T")
 
@@ -55,8 +55,9 @@ def in_real_world() -> bool:
 
 def recipe_step(cfg: Config) -> StepMemory:
     """The recipe's step measured on fake tensors (once per setting: see fake_step.cached_step)."""
-    cfg = planned_dtypes(cfg)
+    run = planned_run(cfg)
+    cfg = run.cfg
     if in_real_world():
         return in_fake_world(cfg, recipe_step, cfg)
-    return cached_step(planning_model(cfg), planning_config(cfg),
+    return cached_step(run.built, run.hf_config,
                        planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size))

@@ -4,18 +4,15 @@ over a fake process group of the recipe's world size, so each local shard has th
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import bitsandbytes as bnb
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import PretrainedConfig
 
-from qlora_fsdp.config import REPO_ROOT, Config
+from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.families import quant_method
@@ -23,11 +20,9 @@ from qlora_fsdp.layers.decoder import decoder_layers
 from qlora_fsdp.layers.experts4bit import NESTED_BLOCKSIZE, Experts4bit
 from qlora_fsdp.layers.trained_embeddings import embedding_parameters
 from qlora_fsdp.loading.build import base_parameter_count
-from qlora_fsdp.loading.checkpoint import load_hf_config
 from qlora_fsdp.loading.sharding import sharded_meta_model
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
-from qlora_fsdp.precision import resolve_dtypes
-from qlora_fsdp.run.hardware import planned_device
+from qlora_fsdp.run.description import planned_run
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -44,30 +39,10 @@ def quant_state_bytes(n_elements: int, blocksize: int, double_quant: bool) -> in
     return blocks + nested + codebook
 
 
-def planning_model(cfg: Config) -> Config:
-    """The recipe as the planner builds it: a hub model with a shipped copy of its config.json
-    (model_configs/<name>) is read from that folder, so planning needs no download and no weights (the meta build
-    reads the checkpoint's layout from config.json too); else the model folder's own config.json."""
-    shipped = REPO_ROOT / "model_configs" / cfg.model.path.rstrip("/").split("/")[-1].lower()
-    if Path(cfg.model.path).is_dir() or not (shipped / "config.json").is_file():
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(shipped)))
-
-
-def planning_config(cfg: Config) -> PretrainedConfig:
-    """The architecture the planner builds: training's (the text model's for a multimodal checkpoint)."""
-    return load_hf_config(planning_model(cfg))
-
-
-def planned_dtypes(cfg: Config) -> Config:
-    """`auto` dtypes as the recipe's hardware resolves them (float16 on a T4, bfloat16 on an RTX 4090)."""
-    return resolve_dtypes(cfg, planned_device(cfg.hardware))
-
-
 def meta_held(cfg: Config, mesh: DeviceMesh) -> Held:
     """Exact bytes from the recipe's model built and sharded as training does it, on the meta device."""
-    cfg = planned_dtypes(cfg)
-    return held_bytes(sharded_meta_model(planning_model(cfg), planning_config(cfg), mesh), cfg)
+    run = planned_run(cfg)
+    return held_bytes(sharded_meta_model(run.built, run.hf_config, mesh), run.cfg)
 
 
 @dataclass

@@ -22,6 +22,8 @@ from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.measure.fake_step import planned_objective
 from qlora_fsdp.measure.step_tracker import StepMemory, run_step, stored_quant_state
 from qlora_fsdp.optimizer import build_optimizer
+from qlora_fsdp.precision import describe_device
+from qlora_fsdp.run.description import describe_run
 
 
 def held_quant_state_bytes(state: bnbf.QuantState) -> int:
@@ -34,6 +36,7 @@ def measured_step(cfg: Config, info: DistInfo, batches: list[Batch] | None = Non
     """The step of `cfg` run for real on this rank (random weights from config.json do: memory does not depend on
     values), counted by the tracker the planner counts with: its figures are the plan's to match. The batches
     default to the planner's own (full rows of the recipe's shape)."""
+    cfg = describe_run(cfg, describe_device(info.device)).cfg
     model = build_model(cfg, info)
     optimizer = build_optimizer(model, cfg.optim, cfg.lora)
     optimizer.materialize_state()  # the state exists from the first step on, as in the plan

@@ -30,6 +30,8 @@ from qlora_fsdp.loading.adapter import REWARD_TASK, TRAINING_CONFIG, load_adapte
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.precision import describe_device
+from qlora_fsdp.run.description import describe_run
 
 
 def as_messages(value: Any, role: str) -> list[Message]:
@@ -66,6 +68,7 @@ class RewardModelScores:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
                 torch.device("cpu"))
             alone = DistInfo(rank=0, local_rank=0, world_size=1, device=device, mesh=cast(Any, None))
+            self.cfg = describe_run(self.cfg, describe_device(device)).cfg
             model = build_model(self.cfg, alone, shard=False)
             load_adapter_into(model, self.adapter_dir)
             tokenizer = load_tokenizer(self.cfg)

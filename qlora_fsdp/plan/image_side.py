@@ -31,9 +31,10 @@ from qlora_fsdp.loading.image_side_training import under
 from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.vision_encoder import quantized_names
 from qlora_fsdp.measure.fake_step import update_rows
-from qlora_fsdp.measure.held import planning_model, quant_state_bytes
+from qlora_fsdp.measure.held import quant_state_bytes
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 from qlora_fsdp.plan.generation import planned_generation
+from qlora_fsdp.run.description import planned_run
 
 ACTIVATIONS_PER_PATCH = 6  # hidden-sized tensors a vision layer keeps alive at once (norm, q, k, v, out, residual)
 
@@ -50,7 +51,7 @@ class ImageSide:
 
 
 def full_config(cfg: Config) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(model_dir(planning_model(cfg)), trust_remote_code=cfg.model.trust_remote_code)
+    return AutoConfig.from_pretrained(model_dir(planned_run(cfg).built), trust_remote_code=cfg.model.trust_remote_code)
 
 
 def image_side_modules(full: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -139,7 +140,7 @@ def image_side(cfg: Config) -> ImageSide | None:
     if not cfg.data.images_per_row:
         return None
     data, quant = cfg.data, cfg.quant
-    key = (planning_model(cfg).model.path, data.images_per_row, rows_with_images(cfg), data.context_length,
+    key = (planned_run(cfg).built.model.path, data.images_per_row, rows_with_images(cfg), data.context_length,
            data.image_max_pixels, quant.compute_dtype, quant.blocksize, quant.double_quant, quant.vision_tower,
            cfg.lora.train_projector, cfg.lora.target_vision_tower, cfg.lora.r, cfg.lora.dtype, cfg.optim.name)
     if key not in _SIDES:

@@ -21,7 +21,7 @@ from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.generation.layouts import Layout
 from qlora_fsdp.measure.fake_step import update_rows
 from qlora_fsdp.measure.fake_world import recipe_step
-from qlora_fsdp.measure.held import Held, planned_dtypes, planning_config
+from qlora_fsdp.measure.held import Held
 from qlora_fsdp.measure.step_tracker import Segment, StepMemory
 from qlora_fsdp.objectives.reference_adapter import keeps_frozen_adapter
 from qlora_fsdp.plan.generation import (
@@ -34,6 +34,7 @@ from qlora_fsdp.plan.generation import (
 )
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.step_time import Rates, matmul_efficiency
+from qlora_fsdp.run.description import planned_run
 from qlora_fsdp.run.hardware import GPU, GPUS
 
 GIB = 2**30
@@ -228,7 +229,7 @@ def image_forward_total(held: Held, cfg: Config) -> float:
 
 
 def rank_weights(held: Held, cfg: Config) -> Weights:
-    return Weights(held.base_4bit + held.other_base + held.lora, root_bytes(cfg, planning_config(cfg)),
+    return Weights(held.base_4bit + held.other_base + held.lora, root_bytes(cfg, planned_run(cfg).hf_config),
                    cfg.hardware.world_size, cfg.fsdp.cpu_offload)
 
 
@@ -238,7 +239,8 @@ GATHERED_WORDS = {"per_token": "the root for the call, layers in turn: the updat
 
 def layout_rows(held: Held, cfg: Config, step: StepMemory, layout: Layout) -> list[Row]:
     """The device while the policy generates in `layout`."""
-    made = generation_memory(cfg, planning_config(cfg), step, held.largest_linear, layout, rank_weights(held, cfg))
+    hf = planned_run(cfg).hf_config
+    made = generation_memory(cfg, hf, step, held.largest_linear, layout, rank_weights(held, cfg))
     tokens = f"{made.rows} rows x ({made.prompt_tokens} prompt + {made.new_tokens} new) tokens"
     rows = [*gpu_resident_rows(held, cfg),
             Row(f"KV cache ({tokens}; {made.calls} call{'s' if made.calls > 1 else ''} a step)", made.kv_cache_bytes,
@@ -257,7 +259,7 @@ def planned_layout(held: Held, cfg: Config, step: StepMemory) -> Layout:
     fitting = [layout for layout in candidates if totals[layout] <= gpu_spec(cfg).memory_gib * GIB]
     if not fitting:
         return min(candidates, key=lambda layout: totals[layout])
-    hf, gpu = planning_config(cfg), gpu_spec(cfg)
+    hf, gpu = planned_run(cfg).hf_config, gpu_spec(cfg)
     rates = Rates.of(gpu, matmul_efficiency(cfg.hardware.gpu), cfg.hardware.host_memory_gbps)
     return min(fitting, key=lambda layout: generation_time(
         cfg, hf, step, generation_memory(cfg, hf, step, 0, layout), rates).total)
@@ -307,7 +309,7 @@ def parameters(n: int) -> str:
 def plan(cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
     """The plan for `cfg`, from the bytes its sharded model holds (or a config's with the same shapes) and its
     measured step (measured here unless given)."""
-    cfg = planned_dtypes(cfg)
+    cfg = planned_run(cfg).cfg
     step = step if step is not None else recipe_step(cfg)
     n = held.base_parameters
     active = f" ({parameters(held.active_parameters)} active a token)" if held.active_parameters < n else ""

@@ -9,12 +9,12 @@ from pathlib import Path
 from qlora_fsdp.config import REPO_ROOT, Config, load_config
 from qlora_fsdp.families import family_name
 from qlora_fsdp.measure.fake_world import leave_fake_world
-from qlora_fsdp.measure.held import planning_config
 from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.plan.generation import planned_generation
 from qlora_fsdp.plan.memory import GIB, gpu_spec
 from qlora_fsdp.plan.report import RecipePlan, plan_recipe, report_text
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
+from qlora_fsdp.run.description import planned_run
 
 START, END = "<!-- recipe table: made by scripts/recipe_table.py -->", "<!-- end of recipe table -->"
 HEADER = ["| recipe | family | model | hardware | setting | planned GPU memory (rank 0) | host RAM (node) "
@@ -70,7 +70,7 @@ def table_row(name: str, planned: RecipePlan) -> str:
     verdict = "" if result.fits else " (DOES NOT FIT)"
     rate = f"{step_tokens(cfg) / recipe_time(cfg, result.step).total:,.0f}" if result.step is not None else ""
     setting = setting_words(cfg) + generation_words(cfg, result.step)
-    model_type = planning_config(cfg).model_type  # the text model's, for a multimodal checkpoint
+    model_type = planned_run(cfg).hf_config.model_type  # the text model's, for a multimodal checkpoint
     family = family_name(model_type)
     return (f"| `{name}` | {family} | {cfg.model.path} | {hardware_words(cfg)} | {setting} | "
             f"{result.gpu_total / GIB:.1f} GiB of {result.capacity_gib:g}{verdict} | {host} | {rate} |")

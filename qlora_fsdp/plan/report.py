@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.measure.fake_world import planning_mesh
-from qlora_fsdp.measure.held import Held, meta_held, planned_dtypes
+from qlora_fsdp.measure.held import Held, meta_held
 from qlora_fsdp.plan.generation import planned_generation
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.levers import Lever, fitting_levers
@@ -24,6 +24,7 @@ from qlora_fsdp.plan.memory import (
 )
 from qlora_fsdp.plan.time_report import time_lines
 from qlora_fsdp.run.batch_size import describe_batch, effective_rows, resolve_batch
+from qlora_fsdp.run.description import planned_run
 
 
 @dataclass
@@ -38,7 +39,7 @@ class RecipePlan:
 def plan_recipe(cfg: Config) -> RecipePlan:
     """The plan of a recipe on its `hardware`, its auto settings resolved as a launch on that hardware would."""
     gpu_spec(cfg)  # a mistyped GPU name fails here, before the model is built
-    cfg = planned_dtypes(cfg)
+    cfg = planned_run(cfg).cfg
     mesh = planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size)
     held = meta_held(cfg, mesh)
     fits = micro_batch_fits(cfg, held)  # an auto micro-batch where none fits plans 1, to show the misfit

@@ -7,13 +7,14 @@ from pathlib import Path
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.measure.fake_step import planned_flops_per_token, update_rows
-from qlora_fsdp.measure.held import Held, planning_config
+from qlora_fsdp.measure.held import Held
 from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time, planned_generation
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import Rates, StepTime, matmul_efficiency, part_time, step_time
 from qlora_fsdp.run.batch_size import row_takers
+from qlora_fsdp.run.description import planned_run
 from qlora_fsdp.run.hardware import GPU
 
 
@@ -50,7 +51,7 @@ def rates(cfg: Config) -> Rates:
 
 def recipe_generation(cfg: Config, step: StepMemory) -> GenerationTime:
     """In the planned layout (plan/report.py writes it into the planned config; `auto` left: gathered)."""
-    hf = planning_config(cfg)
+    hf = planned_run(cfg).hf_config
     layout = "gathered" if cfg.grpo.generation_layout == "auto" else cfg.grpo.generation_layout
     memory = generation_memory(cfg, hf, step, 0, layout)  # its calls and cache; temporaries are not timed
     return generation_time(cfg, hf, step, memory, rates(cfg))

@@ -38,6 +38,8 @@ from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.image_side_training import trains_image_side
 from qlora_fsdp.loading.sharding import uses_fsdp
 from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
+from qlora_fsdp.precision import describe_device
+from qlora_fsdp.run.description import describe_run
 
 
 @dataclass
@@ -142,6 +144,7 @@ def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None =
     info = init_distributed(cfg.fsdp.shard_size, cfg.train.collective_timeout_minutes,
                             first_collective_timeout_s=cfg.train.first_collective_timeout_s)
     note_unsharded_fallback(cfg, info)
+    cfg = describe_run(cfg, describe_device(info.device)).cfg
     model = build_model(cfg, info, shard=True)  # unsharded where uses_fsdp says so (one process, no offload)
     tokenizer = load_tokenizer(cfg)
     processor = None

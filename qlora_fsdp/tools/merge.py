@@ -36,7 +36,8 @@ from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.names import PEFT_PREFIX, is_lora_tensor, weight_key
 from qlora_fsdp.loading.nf4 import as_trained
 from qlora_fsdp.loading.reader import CheckpointReader, Experts, FourBit, Piece
-from qlora_fsdp.precision import describe_device, resolve_dtypes
+from qlora_fsdp.precision import describe_device
+from qlora_fsdp.run.description import describe_run
 
 
 @dataclass
@@ -245,7 +246,7 @@ def merge_adapter(cfg: Config, adapter_dir: Path, out_dir: Path, dtype: DType = 
                   max_shard_bytes: int = 2 * 10**9, base_weights: Literal["dequantized", "original"] = "dequantized",
                   device: str = "cpu") -> int:
     """Write base + adapter to `out_dir` (which must not exist); returns the number of shards."""
-    cfg = resolve_dtypes(cfg, describe_device(torch.device(device)))  # `auto` as on the device that merges
+    cfg = describe_run(cfg, describe_device(torch.device(device))).cfg  # `auto` as on the device that merges
     meta = meta_model_to_merge_into(cfg, base_weights)
     updates = adapter_updates(adapter_dir, meta)
     targets = base_targets(meta)
