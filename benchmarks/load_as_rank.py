@@ -21,7 +21,9 @@ from qlora_fsdp.config import load_config
 from qlora_fsdp.distributed import cleanup, init_fake_distributed, local_shard
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.measure.real_step import held_quant_state_bytes
-from qlora_fsdp.run_files.metrics import proc_status_bytes
+from qlora_fsdp.outputs.metrics import proc_status_bytes
+from qlora_fsdp.precision import describe_device
+from qlora_fsdp.run.description import describe_run
 
 GB = 2**30
 
@@ -53,8 +55,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    cfg = load_config(args.recipe, args.overrides)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    cfg = describe_run(load_config(args.recipe, args.overrides), describe_device(device)).cfg
     info = init_fake_distributed(args.world_size, device)
     baseline_rss, started = proc_status_bytes("VmRSS"), time.perf_counter()
     model = build_model(cfg, info)

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from benchmarks.memory_sampler import AnonPeak, reset_peak_rss
 from qlora_fsdp.loading.weight_files import Backend
-from qlora_fsdp.run_files.metrics import proc_status_bytes
+from qlora_fsdp.outputs.metrics import proc_status_bytes
 
 GB, MB = 2**30, 2**20
 Loader = Literal["mmap", "pread", "peer"]  # our loader with each safetensors reader, then the peer
@@ -90,6 +90,8 @@ def prepare_ours(model_dir: str, reader: Backend) -> Callable[[], object]:
     from qlora_fsdp.loading import reader as loading_reader
     from qlora_fsdp.loading import weight_files
     from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.precision import describe_device
+    from qlora_fsdp.run.description import describe_run
 
     # training has one reader; only this benchmark swaps in another, in its own process
     loading_reader.stored_weight_tensors = functools.partial(weight_files.stored_weight_tensors, backend=reader)
@@ -97,6 +99,7 @@ def prepare_ours(model_dir: str, reader: Backend) -> Callable[[], object]:
     cfg = Config()
     cfg.model.path = model_dir
     cfg.activation_checkpointing.mode = "off"
+    cfg = describe_run(cfg, describe_device(info.device)).cfg
     return lambda: build_model(cfg, info)
 
 

@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from qlora_fsdp.run_files.metrics import proc_status_bytes
+from qlora_fsdp.outputs.metrics import proc_status_bytes
 
 
 def peak_rss_gib() -> float:

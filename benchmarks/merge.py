@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from benchmarks.loading import CONFIG, GB, write_checkpoint
 from benchmarks.memory_sampler import AnonPeak, reset_peak_rss
-from qlora_fsdp.run_files.metrics import proc_status_bytes
+from qlora_fsdp.outputs.metrics import proc_status_bytes
 
 RANK, ALPHA = 16, 32
 LINEARS = {"self_attn.q_proj": ("h", "h"), "self_attn.k_proj": ("kv", "h"), "self_attn.v_proj": ("kv", "h"),

@@ -28,17 +28,17 @@ from qlora_fsdp.loading.vision_encoder import checkpoint_config, load_processor,
 from qlora_fsdp.objectives.table import objective_class
 from qlora_fsdp.objectives.tool_templates import prompt_tools
 from qlora_fsdp.optimizer import build_optimizer, build_scheduler
+from qlora_fsdp.outputs.checkpoints import Checkpointer, check_world_size
+from qlora_fsdp.outputs.metrics import MetricsLogger, format_summary
+from qlora_fsdp.outputs.plots import plot_loss_curves
+from qlora_fsdp.outputs.run_dir import prepare_run_dir
+from qlora_fsdp.outputs.shared_dir import check_output_dir_shared
+from qlora_fsdp.outputs.tracking import check_available as check_trackers_available
+from qlora_fsdp.outputs.tracking import open_trackers
 from qlora_fsdp.precision import describe_device, describe_dtypes
 from qlora_fsdp.run.batch_size import describe_batch
 from qlora_fsdp.run.description import describe_run
 from qlora_fsdp.run.hardware import peak_flops
-from qlora_fsdp.run_files.checkpoints import Checkpointer, check_world_size
-from qlora_fsdp.run_files.metrics import MetricsLogger, format_summary
-from qlora_fsdp.run_files.plots import plot_loss_curves
-from qlora_fsdp.run_files.run_dir import prepare_run_dir
-from qlora_fsdp.run_files.shared_dir import check_output_dir_shared
-from qlora_fsdp.run_files.tracking import check_available as check_trackers_available
-from qlora_fsdp.run_files.tracking import open_trackers
 from qlora_fsdp.training.eva_start import EvaBatches, eva_start
 from qlora_fsdp.training.loop import Trainer
 from qlora_fsdp.training.records import MfuReference, RunSummary

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
 import qlora_fsdp.objectives.supervised as trainer_module
-import qlora_fsdp.run_files.checkpoints as checkpoint_module
+import qlora_fsdp.outputs.checkpoints as checkpoint_module
 from qlora_fsdp.commands.train import main
 from qlora_fsdp.errors import DataError
 

@@ -295,7 +295,7 @@ def command_here(main: Callable[[list[str]], int], argv: list[str], stdin: str |
 
 
 def recipe_pair_loss(cfg: Config, device: torch.device) -> Any:
-    """The recipe's pair loss (its preference objective's, objectives/pairs.py) over the recipe's forward."""
+    """The recipe's pair loss (its preference objective's, objectives/preference.py) over the recipe's forward."""
     from qlora_fsdp.losses.forward import ForwardLoss
     from qlora_fsdp.objectives.table import objective_class
 

@@ -31,7 +31,7 @@ from qlora_fsdp.loading.fill import model_layout
 from qlora_fsdp.loading.names import clean_name
 from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.losses.pairs import adapter_off
+from qlora_fsdp.losses.pair_losses import adapter_off
 from qlora_fsdp.tools.generate import Sampling, load_generator
 from qlora_fsdp.tools.merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import train_tokenizer

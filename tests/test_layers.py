@@ -28,20 +28,20 @@ ALLOWED = {
     "rewards": BASE,  # GRPO's reward functions: the recipe's, found and called (user code, never the model)
     "run": BASE | {"loading"},  # the run described once: the model's folder, batch sizes, known GPUs
     "optimizer": BASE | {"layers"},  # local-shard optimizers, their groups and schedules
-    "run_files": BASE | {"loading", "optimizer"},  # checkpoints, metrics, plots, tracking, the output folder
+    "outputs": BASE | {"loading", "optimizer"},  # checkpoints, metrics, plots, tracking, the output folder
     # one module per kind of training objective, one table (config/objectives.py) naming them
     "generation": BASE | MODEL,  # where the policy's weights are while it generates, and what that holds
-    "objectives": BASE | {"data", "rewards", *MODEL, "kernels", "generation", "run", "run_files"},
-    "training": BASE | {"data", *MODEL, "objectives", "optimizer", "run", "run_files"},  # the loop
+    "objectives": BASE | {"data", "rewards", *MODEL, "kernels", "generation", "run", "outputs"},
+    "training": BASE | {"data", *MODEL, "objectives", "optimizer", "run", "outputs"},  # the loop
     # the step measured: the objective's own micro-step on fake tensors, or on a real model
     "measure": BASE | {"data", *MODEL, "objectives", "optimizer", "run"},
     # memory and time, read off the measured step
     "plan": BASE | {"data", *MODEL, "generation", "measure", "objectives", "run"},
     "auto_batch": BASE | {"measure", "plan", "run"},  # a launched run's micro-batch, from the plan
     "tools": BASE | {"data", *MODEL, "run"},  # never api.py: the tools do not start training
-    "api": BASE | {"data", *MODEL, "rewards", "objectives", "optimizer", "run", "run_files", "training", "auto_batch"},
+    "api": BASE | {"data", *MODEL, "rewards", "objectives", "optimizer", "run", "outputs", "training", "auto_batch"},
     # the local web page: the plan, the run's files, chat through the tools; training only as a torchrun it starts
-    "studio": BASE | {"data", "loading", "plan", "run_files", "tools"},
+    "studio": BASE | {"data", "loading", "plan", "outputs", "tools"},
     "commands": BASE | {"api", "plan", "measure", "run", "data", *MODEL, "tools", "studio"},  # the command lines
     "__init__": {"api", "config"},
 }
@@ -133,7 +133,7 @@ DISPATCH_ALLOWED = {"config/objectives.py", "config/validation.py", "config/sche
 def objective_subclasses() -> set[str]:
     """The objective classes and the pair losses (besides their bases): an isinstance on one is a dispatch."""
     bases: dict[str, set[str]] = {}
-    for path in [*(PACKAGE / "objectives").glob("*.py"), PACKAGE / "losses" / "pairs.py"]:
+    for path in [*(PACKAGE / "objectives").glob("*.py"), PACKAGE / "losses" / "pair_losses.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 bases[node.name] = {b.id for b in node.bases if isinstance(b, ast.Name)}

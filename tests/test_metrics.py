@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from qlora_fsdp.run_files.metrics import (
+from qlora_fsdp.outputs.metrics import (
     StepWindow,
     format_duration,
     format_progress,

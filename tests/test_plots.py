@@ -7,7 +7,7 @@ import struct
 import sys
 from pathlib import Path
 
-from qlora_fsdp.run_files.plots import plot_loss_curves, read_series
+from qlora_fsdp.outputs.plots import plot_loss_curves, read_series
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.loading.checkpoint import load_tokenizer
 from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.placement import copy_full_into
-from qlora_fsdp.losses.pairs import as_pairs
+from qlora_fsdp.losses.pair_losses import as_pairs
 from qlora_fsdp.objectives.pair_steps import accumulate_pairs, pair_rows
 from tests.helpers import (
     REPO,

@@ -250,8 +250,8 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path
 def test_existing_run_is_refused_and_other_world_size_explained(reference, tmp_path):
     from qlora_fsdp.config import TrainConfig
     from qlora_fsdp.errors import CheckpointError, OutputExistsError
-    from qlora_fsdp.run_files.checkpoints import check_world_size
-    from qlora_fsdp.run_files.run_dir import prepare_run_dir
+    from qlora_fsdp.outputs.checkpoints import check_world_size
+    from qlora_fsdp.outputs.run_dir import prepare_run_dir
 
     run = shutil.copytree(reference, tmp_path / "run")  # resuming trims the log: leave the shared reference alone
     with pytest.raises(OutputExistsError) as refused:  # what train.py prints after `error: `, with exit code 2
@@ -287,7 +287,7 @@ def test_second_signal_exits_at_once_but_a_forwarded_copy_does_not(tmp_path):
 def test_trimmed_log_and_bad_resume_path(tmp_path):
     from qlora_fsdp.config import TrainConfig
     from qlora_fsdp.errors import CheckpointError
-    from qlora_fsdp.run_files.run_dir import choose_checkpoint, trim_metrics
+    from qlora_fsdp.outputs.run_dir import choose_checkpoint, trim_metrics
 
     log = tmp_path / "metrics.jsonl"
     lines = [{"event": "start"}, {"step": 0}, {"step": 1}, {"step": 2}, {"event": "checkpoint", "step": 2},

@@ -1,4 +1,4 @@
-"""train.output_dir on storage every node sees (run_files/shared_dir.py), and resuming across new config keys."""
+"""train.output_dir on storage every node sees (outputs/shared_dir.py), and resuming across new config keys."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import yaml
 
 from qlora_fsdp.config import Config, changed_settings, to_yaml
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.run_files.shared_dir import MARKER_PREFIX, check_shared_folder, spans_several_nodes
+from qlora_fsdp.outputs.shared_dir import MARKER_PREFIX, check_shared_folder, spans_several_nodes
 from tests.helpers import run_ranks
 
 

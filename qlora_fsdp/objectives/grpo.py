@@ -40,7 +40,7 @@ from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.layers.split_rows import model_trade
 from qlora_fsdp.losses.forward import ForwardLoss, PolicyTokens, counted_once
-from qlora_fsdp.losses.pairs import adapter_off
+from qlora_fsdp.losses.pair_losses import adapter_off
 from qlora_fsdp.losses.policy import (
     StepCounts,
     TokenTerms,

@@ -32,9 +32,9 @@ from qlora_fsdp.distributed.row_groups import RowSplit
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.weight_files import weight_files
-from qlora_fsdp.losses.pairs import PairLoss
+from qlora_fsdp.losses.pair_losses import PairLoss
 from qlora_fsdp.objectives.pair_steps import held_out_batches, idle_forwards
-from qlora_fsdp.run_files.checkpoints import TMP_PREFIX, sync_dir
+from qlora_fsdp.outputs.checkpoints import TMP_PREFIX, sync_dir
 
 REFERENCE_FILE = "reference_logps.safetensors"
 

@@ -19,7 +19,7 @@ from qlora_fsdp.data.row_shards import row_part, split_filler
 from qlora_fsdp.distributed import DistInfo, all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.distributed.row_groups import RowSplit
-from qlora_fsdp.losses.pairs import PairCounts, PairLoss, adapter_off, pair_counts
+from qlora_fsdp.losses.pair_losses import PairCounts, PairLoss, adapter_off, pair_counts
 from qlora_fsdp.objectives.base import StepResult
 
 

@@ -10,7 +10,7 @@ from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.base import Objective
 from qlora_fsdp.objectives.dft import Dft
 from qlora_fsdp.objectives.grpo import Grpo
-from qlora_fsdp.objectives.pairs import Dpo, Kto, Orpo, RewardModel, Simpo
+from qlora_fsdp.objectives.preference import Dpo, Kto, Orpo, RewardModel, Simpo
 from qlora_fsdp.objectives.supervised import Supervised
 
 OBJECTIVE_CLASSES: dict[ObjectiveName, type[Objective]] = {

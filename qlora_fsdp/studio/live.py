@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qlora_fsdp.run_files.metrics import format_duration
-from qlora_fsdp.run_files.plots import Series, complete_records, series_of
+from qlora_fsdp.outputs.metrics import format_duration
+from qlora_fsdp.outputs.plots import Series, complete_records, series_of
 
 CURVE_KEYS = ("loss", "eval_loss", "reward", "eval_reward", "tokens_per_s", "generated_tokens_per_s",
               "peak_memory_gib")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from qlora_fsdp.config import REPO_ROOT, Config
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.run_files.checkpoints import complete_checkpoints
-from qlora_fsdp.run_files.run_dir import check_run_dir
+from qlora_fsdp.outputs.checkpoints import complete_checkpoints
+from qlora_fsdp.outputs.run_dir import check_run_dir
 from qlora_fsdp.studio.draft import Draft, resolve, torchrun_command, train_arguments
 from qlora_fsdp.studio.environment import child_environment
 from qlora_fsdp.studio.plan_worker import last_error_line

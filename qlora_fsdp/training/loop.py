@@ -23,9 +23,9 @@ from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.base import Objective, RunParts
 from qlora_fsdp.objectives.table import build_objective
 from qlora_fsdp.optimizer import ShardedOptimizer, clip_grad_norm
+from qlora_fsdp.outputs.checkpoints import Checkpointer
+from qlora_fsdp.outputs.metrics import MetricsLogger, StepWindow, memory_peaks_gib, reset_memory_peaks
 from qlora_fsdp.precision import uses_loss_scaling
-from qlora_fsdp.run_files.checkpoints import Checkpointer
-from qlora_fsdp.run_files.metrics import MetricsLogger, StepWindow, memory_peaks_gib, reset_memory_peaks
 from qlora_fsdp.training.loss_scale import LossScaler
 from qlora_fsdp.training.profiling import StepProfiler
 from qlora_fsdp.training.records import MfuReference, RunSummary, StepStats

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from qlora_fsdp.config import TrainConfig
 from qlora_fsdp.errors import CheckpointError, OutputExistsError
-from qlora_fsdp.run_files.checkpoints import (
+from qlora_fsdp.outputs.checkpoints import (
     CHECKPOINTS_DIR,
     STATE_FILE,
     complete_checkpoints,

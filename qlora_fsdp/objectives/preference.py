@@ -1,5 +1,5 @@
 """The preference objectives (train.objective dpo, orpo, simpo, kto, reward): one class, a subclass each naming
-its loss (qlora_fsdp/losses/pairs.py).
+its loss (qlora_fsdp/losses/pair_losses.py).
 
 A unit is a pair (KTO: a record, read as a pair of its own and its KL sequence), laid out a pair a row (its two
 sequences side by side) or packed rows of pairs. The reference log-probabilities (DPO, KTO) are a forward with
@@ -21,7 +21,7 @@ from qlora_fsdp.data.batching import Batch, Sample, collate_packed
 from qlora_fsdp.data.pipeline import Dataset, TokenizedData
 from qlora_fsdp.data.row_shards import row_part
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.losses.pairs import (
+from qlora_fsdp.losses.pair_losses import (
     BradleyTerryLoss,
     DpoLoss,
     KtoLoss,

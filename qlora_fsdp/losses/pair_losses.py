@@ -93,7 +93,7 @@ def no_hook() -> None:
 @dataclass(frozen=True)
 class PairLoss:
     """A preference objective's loss over a micro-batch of pairs; each objective's is a subclass below (its
-    objective class, objectives/pairs.py, names it)."""
+    objective class, objectives/preference.py, names it)."""
 
     settings: PreferenceConfig
     forward: ForwardLoss

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from qlora_fsdp.run_files.tracking import Tracker, numeric
+from qlora_fsdp.outputs.tracking import Tracker, numeric
 
 
 def proc_status_bytes(field: str) -> int:
