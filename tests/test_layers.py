@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "qlora_fsdp"
 BASE = {"errors", "labels", "dtypes", "optimizer_registry", "distributed", "config", "precision", "families", "agents",
         "torch_versions"}
-MODEL = {"layers", "losses", "loading"}
+MODEL = {"layers", "vision", "losses", "loading"}
 # what each part of the package may import (besides itself)
 ALLOWED = {
     "errors": set(), "labels": set(), "dtypes": set(), "optimizer_registry": set(),
@@ -22,9 +22,10 @@ ALLOWED = {
     # prompts through the caller (objectives/tool_templates.py)
     "data": BASE - {"agents"},
     "layers": BASE,  # modules that compute, knowing nothing of files or losses
-    "losses": BASE | {"layers"},
+    "vision": BASE | {"layers"},  # the image side inside the decoder's forward: features at the image tokens
+    "losses": BASE | {"layers", "vision"},
     "kernels": BASE | {"layers"},  # Triton kernels and the generation forwards that call them
-    "loading": BASE | {"layers"},  # checkpoints -> the built, sharded, filled model
+    "loading": BASE | {"layers", "vision"},  # checkpoints -> the built, sharded, filled model
     "rewards": BASE,  # GRPO's reward functions: the recipe's, found and called (user code, never the model)
     "run": BASE | {"loading"},  # the run described once: the model's folder, batch sizes, known GPUs
     "optimizer": BASE | {"layers"},  # local-shard optimizers, their groups and schedules

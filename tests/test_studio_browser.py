@@ -6,7 +6,7 @@ the command line's words: llama.cpp does not know the tiny tokenizer; tests/test
 request the page makes must go to the studio itself (no assets from the internet). Screenshots go to
 $STUDIO_SCREENSHOTS (docs/images/studio for the docs' pictures), else the test's folder.
 
-One test, one studio, one browser: the training run is the tiny recipe cut to a few dozen steps."""
+One test, one studio, one browser: the training run is the tiny recipe cut to STEPS steps."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ from tests.rank_pool import free_port
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 pytestmark = pytest.mark.slow
+# the run's length: enough that a stop seen at step 3 to STEPS - 11 (the page shows the step every 2 s) lands
+# before the end; each step more is seconds more on a slow machine
+STEPS = 24
 
 
 def browser_or_skip() -> None:
@@ -185,12 +188,13 @@ def test_studio_in_a_browser(tmp_path):
 
         # keys changed in the generated form: the command and the YAML follow, and the plan is redrawn
         page.type_into("#extra-overrides textarea", "train.eval_every=0")
-        for key, value in (("train-max_steps", "40"), ("train-output_dir", str(run_dir)), ("train-log_every", "1")):
+        fields = (("train-max_steps", str(STEPS)), ("train-output_dir", str(run_dir)), ("train-log_every", "1"))
+        for key, value in fields:
             page.type_into(f"#field-{key} textarea, #field-{key} input", value)
         command = page.wait_text("#command", f"train.output_dir={run_dir}")
-        assert "train.max_steps=40" in command and "train.eval_every=0" in command
+        assert f"train.max_steps={STEPS}" in command and "train.eval_every=0" in command
         page.wait(lambda: not page.text("#recipe-error"), 30, "no error")
-        page.wait_text("#config-yaml", "max_steps: 40")
+        page.wait_text("#config-yaml", f"max_steps: {STEPS}")
         page.shot("recipe")
         page.tab("Plan")
         page.wait_text("#plan-status", "FITS", 120)
@@ -204,7 +208,7 @@ def test_studio_in_a_browser(tmp_path):
         page.wait_text("#run-status", "running")
         launched = "$ torchrun --nproc_per_node 2 train.py --recipe tiny_cpu"
         page.wait(lambda: launched in page.value("#run-log textarea"), 30, "the launched command atop the log")
-        page.wait(lambda: any(f"step {n}/40" in page.text("#run-progress") for n in range(3, 30)), 180,
+        page.wait(lambda: any(f"step {n}/{STEPS}" in page.text("#run-progress") for n in range(3, STEPS - 10)), 180,
                   "step 3 or later")
         page.wait(lambda: page.find("#curves-plot img"), 30, "the curves")
         page.shot("run")
@@ -220,9 +224,9 @@ def test_studio_in_a_browser(tmp_path):
         page.click("#resume")
         page.wait_text("#run-status", "running")
         page.wait_text("#run-status", "finished", 300)
-        page.wait_text("#run-progress", "step 40/40")
+        page.wait_text("#run-progress", f"step {STEPS}/{STEPS}")
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert any(r.get("event") == "resume" for r in records) and records[-1]["steps"] == 40
+        assert any(r.get("event") == "resume" for r in records) and records[-1]["steps"] == STEPS
 
         # chat with the adapter the run wrote (the page selects it once the run has finished)
         page.tab("After")

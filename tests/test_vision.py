@@ -104,13 +104,13 @@ def split_side(info, model_dir: Path, data: Path, out: Path, lora: dict | None =
     from qlora_fsdp.data.training_data import load_training_data
     from qlora_fsdp.distributed import all_reduce_sums
     from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
-    from qlora_fsdp.layers.image_embeddings import image_token_of
     from qlora_fsdp.loading.adapter import adapter_file_key
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
     from qlora_fsdp.losses.forward import ForwardLoss
+    from qlora_fsdp.vision.image_embeddings import image_token_of
     from tests.helpers import full_grads
     from tests.rank_pool import FRESH_PROCESS_SEED
     from tests.test_families import nonzero_lora_b

@@ -7,7 +7,7 @@ and loaded as every decoder here. Checkpoint keys map onto it as for Gemma 3 (lo
 Positions. Qwen-VL's decoders take [3, batch, tokens] rotary positions (temporal, height, width), plus, as a fourth
 row in front, the plain text positions that say where packed samples start. A text row is the same on every axis, so
 the plain [batch, tokens] positions training gives become the four rows here; the image tokens' own positions are
-filled in by layers/image_embeddings.py from the images' grids.
+filled in by vision/image_embeddings.py from the images' grids.
 """
 
 from __future__ import annotations

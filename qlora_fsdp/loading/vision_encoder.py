@@ -1,5 +1,5 @@
 """A vision-language checkpoint's image side, loaded: the vision tower and projector beside the causal LM that
-trains (built from `text_config`, sharded, 4-bit with LoRA); layers/image_embeddings.py puts its features in.
+trains (built from `text_config`, sharded, 4-bit with LoRA); vision/image_embeddings.py puts its features in.
 
 It is the checkpoint's own base model (`LlavaModel`, ...), built without its decoder (a one-layer one, dropped) and
 read from the checkpoint: `get_image_features` is the family's own code. Its linears are NF4 where transformers +
@@ -22,7 +22,6 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError, ModelLoadError, first_line
 from qlora_fsdp.families import IMAGE_FAMILIES, check_images_supported, full_model_class, is_multimodal
-from qlora_fsdp.layers.image_embeddings import VisionEncoder, attach_vision_encoder
 from qlora_fsdp.loading.build import make_meta_linear4bit
 from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.fill import set_quant_state
@@ -36,6 +35,7 @@ from qlora_fsdp.loading.image_side_training import (
 from qlora_fsdp.loading.layout import CheckpointLayout, layout_from_transforms, meta_full_model
 from qlora_fsdp.loading.nf4 import quantize
 from qlora_fsdp.loading.weight_files import stored_weight_tensors
+from qlora_fsdp.vision.image_embeddings import VisionEncoder, attach_vision_encoder
 
 
 def load_processor(cfg: Config) -> ProcessorMixin:

@@ -14,7 +14,6 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.distributed.split_sums import summed_over_split
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.layers.attention import attach_sample_bounds, flattens_packed_rows
-from qlora_fsdp.layers.image_embeddings import RowPart, images_in_embeddings
 from qlora_fsdp.layers.reward_head import reward_head, sequence_scores
 from qlora_fsdp.layers.split_rows import model_trade
 from qlora_fsdp.losses.router import RouterLoss, router_loss_coefficient
@@ -25,6 +24,7 @@ from qlora_fsdp.losses.tokens import (
     target_hidden_states,
     target_logps,
 )
+from qlora_fsdp.vision.image_embeddings import RowPart, images_in_embeddings
 
 
 class LossBatch(Protocol):

@@ -49,8 +49,8 @@ from qlora_fsdp.generation.room import CACHE_BUCKET
 from qlora_fsdp.kernels.decoding_loop import loop_generate
 from qlora_fsdp.kernels.fused_decoding import fused_decoding, watch
 from qlora_fsdp.layers.generation_attention import generation_attention
-from qlora_fsdp.layers.image_embeddings import image_token_of, images_in_embeddings
 from qlora_fsdp.torch_versions import fsdp_param_groups
+from qlora_fsdp.vision.image_embeddings import image_token_of, images_in_embeddings
 
 
 @dataclass(frozen=True)

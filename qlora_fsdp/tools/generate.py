@@ -31,7 +31,6 @@ from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.distributed import DistInfo, init_distributed
 from qlora_fsdp.families import attention_needs
 from qlora_fsdp.layers.generation_attention import generation_attention
-from qlora_fsdp.layers.image_embeddings import images_in_embeddings
 from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_hf_config, load_tokenizer
 from qlora_fsdp.loading.factory import build_model
@@ -40,6 +39,7 @@ from qlora_fsdp.loading.sharding import uses_fsdp
 from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
 from qlora_fsdp.precision import describe_device
 from qlora_fsdp.run.description import describe_run
+from qlora_fsdp.vision.image_embeddings import images_in_embeddings
 
 
 @dataclass

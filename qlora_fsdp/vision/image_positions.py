@@ -1,7 +1,7 @@
 """Qwen-VL's rotary positions over three axes (temporal, height, width) for a micro-batch with images: each image
 token at its place in its image's grid, the text after an image going on from the image's largest position, as the
 family's own `get_rope_index` computes them; one sample at a time, so packed rows keep each sample's own.
-layers/image_embeddings.py hooks it onto the decoder for the forwards that see images.
+vision/image_embeddings.py hooks it onto the decoder for the forwards that see images.
 """
 
 from __future__ import annotations

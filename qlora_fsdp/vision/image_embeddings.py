@@ -28,8 +28,8 @@ from torch import nn
 
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.layers.attention import sample_bounds
-from qlora_fsdp.layers.cross_attention_images import cross_attention_inputs
-from qlora_fsdp.layers.image_positions import GridPositions
+from qlora_fsdp.vision.cross_attention_images import cross_attention_inputs
+from qlora_fsdp.vision.image_positions import GridPositions
 
 
 @dataclass

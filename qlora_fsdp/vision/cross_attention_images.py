@@ -1,6 +1,6 @@
 """Llama 3.2 Vision's images, read by its decoder's cross-attention layers: the tiles' states of a micro-batch's images
 and, for every text token, which of them it reads, as each sample alone gets them from transformers (the
-processor's own masking rule); packed rows keep each token to its own sample's images. layers/image_embeddings.py
+processor's own masking rule); packed rows keep each token to its own sample's images. vision/image_embeddings.py
 hooks it onto the decoder for every forward of such a model, with images or without.
 """
 
