@@ -676,6 +676,13 @@ MUTATIONS = [
              "    state.unfinished &= ~torch.isin(state.tokens[:, 0], state.ends)\n",
              "tests/test_kernels.py::test_the_decoding_loop_equals_generate_tokens_log_probabilities_and_padding",
              quick=True),
+    Mutation("DFT's token weights carry a gradient", "qlora_fsdp/losses/tokens.py",
+             "    return (losses * weight(losses.detach())).sum()\n", "    return (losses * weight(losses)).sum()\n",
+             "tests/test_dft.py::test_dft_equals_trls_dft_loss_over_two_ranks_chunked_or_not"),
+    Mutation("DFT's held-out loss weighted too", "qlora_fsdp/objectives/dft.py",
+             "                                    self.plain_loss, run.split))\n",
+             "                                    self.forward_loss, run.split))\n",
+             "tests/test_dft.py::test_the_dft_recipe_plans_trains_evaluates_and_logs"),
     # ---- the objective boundary: each form of telling objectives apart outside the table ----------------------
     *(Mutation(f"objectives told apart by {form}", path, original, planted, OBJECTIVE_GUARD, quick=True)
       for form, path, original, planted in OBJECTIVE_DISPATCHES),
