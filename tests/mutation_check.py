@@ -683,6 +683,13 @@ MUTATIONS = [
              "                                    self.plain_loss, run.split))\n",
              "                                    self.forward_loss, run.split))\n",
              "tests/test_dft.py::test_the_dft_recipe_plans_trains_evaluates_and_logs"),
+    Mutation("the studio's Resume keeps the stop's progress line", "qlora_fsdp/studio/live.py",
+             "            state.finished = state.stopped_by_signal = False\n", "",
+             "tests/test_studio.py::"
+             "test_a_running_runs_files_are_read_by_complete_lines_as_curves_progress_and_completions", quick=True),
+    Mutation("the studio's fix under a chosen preset does nothing", "qlora_fsdp/studio/session.py",
+             "                base = load_config(recipe, preset)\n", "                pass\n",
+             "tests/test_studio.py::test_a_lever_sets_its_keys_in_the_form_and_the_form_then_means_them", quick=True),
     # ---- the objective boundary: each form of telling objectives apart outside the table ----------------------
     *(Mutation(f"objectives told apart by {form}", path, original, planted, OBJECTIVE_GUARD, quick=True)
       for form, path, original, planted in OBJECTIVE_DISPATCHES),

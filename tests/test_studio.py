@@ -75,6 +75,12 @@ def test_a_lever_sets_its_keys_in_the_form_and_the_form_then_means_them(tmp_path
                                        "data.grad_accum_steps=4", "data.micro_batch_size=2"]
     changed = load_config("tiny_cpu", list(draft.overrides))
     assert (changed.activation_checkpointing.offload, changed.data.micro_batch_size) == (True, 2)
+    # a lever under a preset the user chose (the offload fix beside fsdp_preset=full_shard) plans what it promised
+    chosen = load_config("llama70b_2x4090", ["fsdp_preset=full_shard"])
+    values, extra = studio.with_lever({"fsdp.cpu_offload": True}, studio.form_for(chosen), "fsdp_preset=full_shard")
+    draft = studio.draft("llama70b_2x4090", values, extra)[0]
+    assert draft.overrides == ("fsdp_preset=full_shard", "fsdp.cpu_offload=true")
+    assert load_config("llama70b_2x4090", list(draft.overrides)).fsdp.cpu_offload
 
 
 def test_a_draft_resolves_to_the_command_lines_config_command_and_errors():
@@ -118,8 +124,13 @@ def test_a_running_runs_files_are_read_by_complete_lines_as_curves_progress_and_
     assert (state.step, state.max_steps, state.seconds_a_step) == (4, 10, 5.0)  # since the resume
     assert state.seconds_left == 30.0 and state.latest["eval_loss"] == 2.5
     assert state.words() == "step 4/10 · loss 1.6 · eval_loss 2.5 · tokens_per_s 40 · about 30.0 s left"
-    write_lines(metrics, [start, *steps, {"time": 300.0, "event": "summary", "stopped_by_signal": True}])
+    stopped = {"time": 300.0, "event": "summary", "stopped_by_signal": True}
+    write_lines(metrics, [start, *steps, stopped])
     assert progress(complete_records(metrics)).words().endswith("stopped by a signal: resume to continue")
+    # resumed after the stop: the time left again, not the stop
+    resumed = {"time": 400.0, "event": "resume", "step": 4}
+    write_lines(metrics, [start, *steps, stopped, resumed, {"time": 403.0, "step": 5, "loss": 1.0}])
+    assert progress(complete_records(metrics)).words() == "step 5/10 · loss 1 · about 15.0 s left"
     assert complete_records(tmp_path / "none.jsonl") == [] and curves_figure(curves([])) is None
     figure = curves_figure(series)
     assert figure is not None and [ax.get_title() for ax in figure.axes if ax.get_visible()] == ["loss", "tokens/s"]

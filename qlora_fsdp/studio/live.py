@@ -58,8 +58,9 @@ def progress(records: list[dict[str, Any]]) -> Progress:
         if event == "start":
             state.max_steps = int(record["config"]["train"]["max_steps"])
             since = (0, record["time"])
-        elif event == "resume":
+        elif event == "resume":  # the run goes on: a stop before it no longer ends it
             since = (int(record["step"]), record["time"])
+            state.finished = state.stopped_by_signal = False
         elif event == "summary":
             state.finished, state.stopped_by_signal = True, bool(record.get("stopped_by_signal"))
         elif event is None and "step" in record and "loss" in record:

@@ -55,7 +55,16 @@ class Studio:
         base, error = self.load_recipe(recipe)
         if base is None:
             return Draft(recipe), error
-        return Draft(recipe, (*changed_overrides(base, self.fields, values), *extra_overrides(extra))), ""
+        extra_lines = extra_overrides(extra)
+        preset = [line for line in (*changed_overrides(base, self.fields, values), *extra_lines)
+                  if line.partition("=")[0].strip() == "fsdp_preset"][-1:]
+        if preset:  # a preset sets every fsdp key it names: the form's fsdp values count against the preset's
+            try:
+                base = load_config(recipe, preset)
+            except UserError as err:
+                return Draft(recipe), f"error: {err}"
+        rest = [line for line in (*changed_overrides(base, self.fields, values), *extra_lines) if line not in preset]
+        return Draft(recipe, (*preset, *rest)), ""
 
     def resolved(self, recipe: str, values: list[Any], extra: str) -> Resolved:
         draft, error = self.draft(recipe, values, extra)
