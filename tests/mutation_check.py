@@ -690,6 +690,9 @@ MUTATIONS = [
     Mutation("the studio's fix under a chosen preset does nothing", "qlora_fsdp/studio/session.py",
              "                base = load_config(recipe, preset)\n", "                pass\n",
              "tests/test_studio.py::test_a_lever_sets_its_keys_in_the_form_and_the_form_then_means_them", quick=True),
+    Mutation("the studio dies when its port answers late", "qlora_fsdp/studio/app.py",
+             "show_error=True, _frontend=False)\n", "show_error=True)\n",
+             "tests/test_studio.py::test_the_page_starts_when_its_port_answers_late", quick=True),
     # ---- the objective boundary: each form of telling objectives apart outside the table ----------------------
     *(Mutation(f"objectives told apart by {form}", path, original, planted, OBJECTIVE_GUARD, quick=True)
       for form, path, original, planted in OBJECTIVE_DISPATCHES),

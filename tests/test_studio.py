@@ -344,3 +344,31 @@ def test_stop_signals_each_rank_once(tmp_path):
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
+
+
+def test_the_page_starts_when_its_port_answers_late(tmp_path, monkeypatch):
+    """Gradio's few-second check that the port answers (a loaded machine fails it) does not end the page; the
+    command checks with more patience, and the page answers."""
+    import socket
+
+    import gradio.networking
+
+    from qlora_fsdp.studio.app import answers, serve
+    from qlora_fsdp.studio.session import Studio
+
+    monkeypatch.setattr(gradio.networking, "url_ok", lambda url: False)  # the port too slow to answer in time
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    studio = Studio(tmp_path)
+    refused = ""
+    try:
+        page = serve(studio, "127.0.0.1", port)
+    except ValueError as err:
+        refused = str(err)
+    assert refused == ""
+    try:
+        assert answers(f"http://127.0.0.1:{port}", seconds=60)
+    finally:
+        page.close()
+        studio.close()

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qlora_fsdp.studio.app import serve
+    from qlora_fsdp.studio.app import answers, serve
     from qlora_fsdp.studio.session import Studio
 
     studio = Studio(args.state_dir)
@@ -47,8 +47,11 @@ def run(args: argparse.Namespace) -> int:
         page = serve(studio, args.host, args.port, args.recipe)
     except OSError as err:
         raise UserError(f"cannot listen on {args.host}:{args.port} ({err}); pass --port with a free one") from err
-    print(f"studio: http://{args.host}:{args.port} (Ctrl-C stops it; a run it started is stopped with a checkpoint)",
-          flush=True)
+    url = f"http://{args.host}:{args.port}"
+    print(f"studio: {url} (Ctrl-C stops it; a run it started is stopped with a checkpoint)", flush=True)
+    if not answers(url):
+        print(f"warning: {url} has not answered for 30 s (a busy machine, or a proxy that catches local addresses: "
+              "set NO_PROXY=127.0.0.1,localhost); the page keeps listening", flush=True)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:

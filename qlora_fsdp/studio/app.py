@@ -5,6 +5,8 @@ session.py; nothing here computes."""
 from __future__ import annotations
 
 import os
+import time
+import urllib.request
 from types import SimpleNamespace
 from typing import Any
 
@@ -132,6 +134,21 @@ def build_page(studio: Studio, first_recipe: str = "tiny_cpu") -> gr.Blocks:
 def serve(studio: Studio, host: str, port: int, recipe: str = "tiny_cpu") -> gr.Blocks:
     """Start the page's server (returns at once; `page.close()` ends it)."""
     page = build_page(studio, recipe)
+    # _frontend=False: Gradio's own check that the port answers (a few seconds) would end the page on a loaded
+    # machine with a message about share links; the command checks it with more patience and only warns
     page.queue(default_concurrency_limit=4).launch(server_name=host, server_port=port, prevent_thread_lock=True,
-                                                   quiet=True, css=CSS, show_error=True)
+                                                   quiet=True, css=CSS, show_error=True, _frontend=False)
     return page
+
+
+def answers(url: str, seconds: float = 30.0) -> bool:
+    """Whether the page answers at `url` within `seconds` (a loaded machine can take a while)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
