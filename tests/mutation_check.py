@@ -693,6 +693,13 @@ MUTATIONS = [
     Mutation("the studio dies when its port answers late", "qlora_fsdp/studio/app.py",
              "show_error=True, _frontend=False)\n", "show_error=True)\n",
              "tests/test_studio.py::test_the_page_starts_when_its_port_answers_late", quick=True),
+    Mutation("the studio's error line read as HTML", "qlora_fsdp/studio/events.py",
+             "{html.escape(line)}</span>", "{line}</span>",
+             "tests/test_studio.py::test_an_error_line_shows_every_word_of_the_message", quick=True),
+    Mutation("the studio launches zero ranks", "qlora_fsdp/studio/runs.py", "        if ranks < 1:\n",
+             "        if ranks < 0:\n",
+             "tests/test_studio.py::"
+             "test_a_launch_into_a_used_folder_or_a_resume_of_nothing_is_refused_in_the_command_lines_words", quick=True),
     # ---- the objective boundary: each form of telling objectives apart outside the table ----------------------
     *(Mutation(f"objectives told apart by {form}", path, original, planted, OBJECTIVE_GUARD, quick=True)
       for form, path, original, planted in OBJECTIVE_DISPATCHES),

@@ -177,6 +177,19 @@ def test_a_launch_into_a_used_folder_or_a_resume_of_nothing_is_refused_in_the_co
     refuse_launch(load_config("tiny_cpu", [f"train.output_dir={out}", "train.resume=auto"]), resume=True)
     refuse_launch(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, overwrite=True)), resume=False)
     assert (out / "checkpoints" / "step-000005").is_dir()  # asking touched nothing
+    from qlora_fsdp.studio.runs import Runs
+
+    with pytest.raises(UserError, match=r"^ranks: 0: a run needs one process at least"):
+        Runs(tmp_path / "logs").launch(Draft("tiny_cpu", (f"train.output_dir={tmp_path / 'new'}",)), 0)
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "new").exists()
+
+
+def test_an_error_line_shows_every_word_of_the_message():
+    """A broken YAML's message names `<stream end>`: shown as text, not swallowed as an HTML tag."""
+    from qlora_fsdp.studio.events import error_markdown
+
+    shown = error_markdown("error: bad.yaml: expected ',' or ']', but got '<stream end>'")
+    assert "&lt;stream end&gt;" in shown and "<stream end>" not in shown and error_markdown("") == ""
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +21,8 @@ RUNS_ROOT = Path("outputs")  # where the After tab looks for adapters
 
 
 def error_markdown(line: str) -> str:
-    return f"<span class='error-line'>{line}</span>" if line else ""
+    """An error line as the page shows it: its text escaped (YAML's `<stream end>` is words, not a tag)."""
+    return f"<span class='error-line'>{html.escape(line)}</span>" if line else ""
 
 
 def plan_outputs(data: PlanData | None) -> Any:

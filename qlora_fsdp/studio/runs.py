@@ -80,6 +80,8 @@ class Runs:
     def launch(self, draft: Draft, ranks: int, resume: bool = False) -> Run:
         if self.current is not None and self.current.running:
             raise UserError(f"a run is going into {self.current.output_dir}: stop it before launching another")
+        if ranks < 1:
+            raise UserError(f"ranks: {ranks}: a run needs one process at least (one a GPU, or 2 on a CPU)")
         resolved = resolve(draft)
         if resolved.config is None:
             raise UserError(resolved.error.removeprefix("error: "))
