@@ -699,7 +699,8 @@ MUTATIONS = [
     Mutation("the studio launches zero ranks", "qlora_fsdp/studio/runs.py", "        if ranks < 1:\n",
              "        if ranks < 0:\n",
              "tests/test_studio.py::"
-             "test_a_launch_into_a_used_folder_or_a_resume_of_nothing_is_refused_in_the_command_lines_words", quick=True),
+             "test_a_launch_into_a_used_folder_or_a_resume_of_nothing_is_refused_in_the_command_lines_words",
+             quick=True),
     # ---- the objective boundary: each form of telling objectives apart outside the table ----------------------
     *(Mutation(f"objectives told apart by {form}", path, original, planted, OBJECTIVE_GUARD, quick=True)
       for form, path, original, planted in OBJECTIVE_DISPATCHES),
