@@ -696,11 +696,15 @@ MUTATIONS = [
     Mutation("the studio's error line read as HTML", "qlora_fsdp/studio/events.py",
              "{html.escape(line)}</span>", "{line}</span>",
              "tests/test_studio.py::test_an_error_line_shows_every_word_of_the_message", quick=True),
-    Mutation("the studio launches zero ranks", "qlora_fsdp/studio/runs.py", "        if ranks < 1:\n",
-             "        if ranks < 0:\n",
+    Mutation("the studio launches zero ranks", "qlora_fsdp/studio/preflight.py", "    if ranks < 1:\n",
+             "    if ranks < 0:\n",
              "tests/test_studio.py::"
              "test_a_launch_into_a_used_folder_or_a_resume_of_nothing_is_refused_in_the_command_lines_words",
              quick=True),
+    Mutation("the studio launches without reading the data first", "qlora_fsdp/studio/preflight.py",
+             "        if local_path(source.path):  # a hub dataset is fetched by the run itself\n",
+             "        if not local_path(source.path):\n",
+             "tests/test_studio.py::test_a_launch_checks_data_model_and_gpus_first_in_the_runs_own_words", quick=True),
     # ---- the objective boundary: each form of telling objectives apart outside the table ----------------------
     *(Mutation(f"objectives told apart by {form}", path, original, planted, OBJECTIVE_GUARD, quick=True)
       for form, path, original, planted in OBJECTIVE_DISPATCHES),

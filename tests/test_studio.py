@@ -184,6 +184,39 @@ def test_a_launch_into_a_used_folder_or_a_resume_of_nothing_is_refused_in_the_co
     assert not (tmp_path / "logs").exists() and not (tmp_path / "new").exists()
 
 
+def test_a_launch_checks_data_model_and_gpus_first_in_the_runs_own_words(tmp_path, tiny_model_dir):
+    """What the run would refuse half a minute after its processes start is refused before anything starts."""
+    from qlora_fsdp.studio.preflight import check_ranks
+    from qlora_fsdp.studio.runs import Runs
+
+    runs = Runs(tmp_path / "logs")
+    out = f"train.output_dir={tmp_path / 'new'}"
+    model = f"model.path={tiny_model_dir}"
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n')
+    refused = {}
+    for name, overrides in {"missing data": (model, "data.path=missing/records.jsonl"),
+                            "broken record": (model, f"data.path={broken}"),
+                            "unreachable model": ("model.path=nobody/no-such-model",)}.items():
+        with pytest.raises(UserError) as caught:
+            runs.launch(Draft("tiny_cpu", (out, *overrides)), 2)
+        refused[name] = str(caught.value)
+    assert refused == {
+        "missing data": "data source missing/records.jsonl does not exist",
+        "broken record": f"{broken}:2: not valid JSON (Expecting value)",
+        "unreachable model": refused["unreachable model"]}
+    assert refused["unreachable model"].startswith("model.path 'nobody/no-such-model' is neither a local folder nor "
+                                                   "reachable on the hub")
+    assert runs.current is None and not (tmp_path / "new").exists() and not (tmp_path / "logs").exists()
+    gpu_recipe = load_config("llama3_8b_1x4090")
+    with pytest.raises(UserError, match="^this machine has no GPU, and the recipe is for rtx4090: pick a tiny_cpu"):
+        check_ranks(gpu_recipe, 1, gpus=0)
+    with pytest.raises(UserError, match=r"^ranks: 2, but this machine has 1 GPU: one rank a GPU"):
+        check_ranks(gpu_recipe, 2, gpus=1)
+    check_ranks(gpu_recipe, 1, gpus=1)
+    check_ranks(load_config("tiny_cpu"), 2, gpus=0)  # a CPU recipe: two gloo ranks on any machine
+
+
 def test_an_error_line_shows_every_word_of_the_message():
     """A broken YAML's message names `<stream end>`: shown as text, not swallowed as an HTML tag."""
     from qlora_fsdp.studio.events import error_markdown

@@ -11,8 +11,7 @@ from typing import Any, Protocol, TypeVar
 from qlora_fsdp.config import OverlongPolicy
 from qlora_fsdp.errors import DataError
 
-# what a kind's train and held-out sets each are: tokenized rows (datasets.Dataset, SFT's and the pairs'), samples
-# in memory (list[Sample], with images), or GRPO's Prompts
+# a kind's train and held-out sets: tokenized rows (datasets.Dataset), list[Sample] (with images), or Prompts
 Split = TypeVar("Split", bound=Sized)
 
 

@@ -96,13 +96,19 @@ def read_records(source: SourceConfig, cache_dir: str | None) -> datasets.Datase
         return split_of(datasets.load_from_disk(str(path)), source)
     if path.exists():
         return read_files(data_files(path), cache_dir)
-    if source.path.startswith((".", "/")) or source.path.count("/") > 1 or path.suffix in FILE_BUILDERS:
+    if local_path(source.path):
         raise DataError(f"data source {source.path} does not exist")
     try:  # a hub dataset id
         return datasets.load_dataset(source.path, source.subset, split=source.split, cache_dir=cache_dir)
     except Exception as err:
         raise DataError(f"data source '{source.path}' is neither a local path nor a reachable hub dataset "
                         f"({type(err).__name__})") from None
+
+
+def local_path(path: str) -> bool:
+    """A path on this machine, not a hub dataset id (one slash at most, no data file suffix)."""
+    file = Path(path)
+    return file.exists() or path.startswith((".", "/")) or path.count("/") > 1 or file.suffix in FILE_BUILDERS
 
 
 def split_of(loaded: datasets.Dataset | datasets.DatasetDict, source: SourceConfig) -> datasets.Dataset:

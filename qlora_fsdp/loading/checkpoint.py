@@ -19,6 +19,15 @@ from qlora_fsdp.loading import stored_forms
 def fetched_folder(model_path: str) -> Path:
     """A local checkpoint folder as is; otherwise a hub id, fetched (config, tokenizer and safetensors only), once a
     process."""
+    return fetched(model_path, ["*.json", "*.safetensors", "*.model", "*.txt"])
+
+
+def check_model_path(model_path: str) -> None:
+    """What fetched_folder would refuse, known in a second: a folder here, or a hub id whose config.json comes."""
+    fetched(model_path, ["config.json"])
+
+
+def fetched(model_path: str, patterns: list[str]) -> Path:
     path = Path(model_path)
     if path.is_dir():
         return path
@@ -27,7 +36,7 @@ def fetched_folder(model_path: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        return Path(snapshot_download(model_path, allow_patterns=patterns))
     except Exception as err:  # offline, gated or unknown: say which, in one line
         raise ModelLoadError(f"model.path '{model_path}' is neither a local folder nor reachable on the hub "
                              f"({type(err).__name__}); for the tiny default run `make tiny-model`") from None

@@ -21,6 +21,7 @@ from qlora_fsdp.outputs.run_dir import check_run_dir
 from qlora_fsdp.studio.draft import Draft, resolve, torchrun_command, train_arguments
 from qlora_fsdp.studio.environment import child_environment
 from qlora_fsdp.studio.plan_worker import last_error_line
+from qlora_fsdp.studio.preflight import check_before_launch
 
 LOG_TAIL_LINES = 40
 
@@ -80,12 +81,11 @@ class Runs:
     def launch(self, draft: Draft, ranks: int, resume: bool = False) -> Run:
         if self.current is not None and self.current.running:
             raise UserError(f"a run is going into {self.current.output_dir}: stop it before launching another")
-        if ranks < 1:
-            raise UserError(f"ranks: {ranks}: a run needs one process at least (one a GPU, or 2 on a CPU)")
         resolved = resolve(draft)
         if resolved.config is None:
             raise UserError(resolved.error.removeprefix("error: "))
         cfg = resolved.config
+        check_before_launch(cfg, ranks)
         refuse_launch(cfg if not resume else load_resumed(draft), resume)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{Path(cfg.train.output_dir).name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
