@@ -15,8 +15,7 @@ import torch
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.objectives.base import eval_record
-from qlora_fsdp.objectives.supervised import Supervised, evaluate
+from qlora_fsdp.objectives.supervised import Supervised
 
 
 def token_probability(token_losses: torch.Tensor) -> torch.Tensor:
@@ -31,7 +30,6 @@ class Dft(Supervised):
         super().__init__(cfg, dataclasses.replace(forward_loss, token_weight=token_probability))
         self.plain_loss = forward_loss
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        run = self.parts
-        return eval_record(evaluate(run.model, self.held_out, self.cfg.data.eval_batch_size, run.pad_id, run.info,
-                                    self.plain_loss, run.split))
+    @property
+    def held_out_loss(self) -> ForwardLoss:
+        return self.plain_loss

@@ -40,6 +40,7 @@ def completion_sample(prompt: list[int], completion: list[int], masked: bool, po
     targets = [token if kept and not masked else IGNORE_INDEX for token, kept in zip(completion, keep, strict=True)]
     return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + targets, vision)
 
+
 def reward_metrics(names: list[str], scores: torch.Tensor, rewards: torch.Tensor, made: Made, seconds: float,
                    info: DistInfo, counted: int = 1, rows: int | None = None) -> dict[str, float]:
     """Over every rank's completions (`counted` 0: a split's other ranks, whose are its first's; `rows`: the first

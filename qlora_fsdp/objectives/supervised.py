@@ -111,10 +111,15 @@ class Supervised(Objective):
         return accumulate_gradients(self.parts.model, self.micro_batches(), self.parts.info.device,
                                     self.forward_loss, loss_factor)
 
+    @property
+    def held_out_loss(self) -> ForwardLoss:
+        """The loss the held-out record reports: the step's (DFT: the plain token loss)."""
+        return self.forward_loss
+
     def evaluate(self, step: int) -> dict[str, float]:
         run = self.parts
         return eval_record(evaluate(run.model, self.held_out, self.cfg.data.eval_batch_size, run.pad_id, run.info,
-                                    self.forward_loss, run.split))
+                                    self.held_out_loss, run.split))
 
     def planned_batches(self) -> list[Batch]:
         return full_length_batches(self.cfg, self.planned_rows())
