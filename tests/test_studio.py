@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.config import load_config, to_yaml
+from qlora_fsdp.config import RECIPES_DIR, load_config, to_yaml
 from qlora_fsdp.config.reference import render
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.studio.draft import Draft, extra_overrides, resolve, torchrun_command
@@ -247,6 +247,8 @@ def test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans
     assert total > 1.0 and f"| **total** | **{total:.2f}** | of 1 GiB |" in data["text"]
     assert data["time"] is not None and data["time"]["total"] == pytest.approx(
         sum(v for k, v in data["time"].items() if k != "total"))
+    steps = load_config("tiny_cpu").train.max_steps  # the headline's hours: the step's price times the steps
+    assert data["run_time"].endswith(f"for its {steps:,} steps ({data['time']['total']:.1f} s a step)")
     keys = [lever["overrides"] for lever in data["levers"]]
     assert {"data.micro_batch_size": 4, "data.grad_accum_steps": 2} in keys and {"data.context_length": 1024} in keys
     lever = next(lv for lv in data["levers"] if lv["overrides"] == {"data.context_length": 1024})
@@ -392,9 +394,11 @@ def test_stop_signals_each_rank_once(tmp_path):
         launcher.wait()
 
 
-def test_the_page_starts_when_its_port_answers_late(tmp_path, monkeypatch):
+def test_the_page_starts_when_its_port_answers_late_and_its_events_never_drop_an_edit(tmp_path, monkeypatch):
     """Gradio's few-second check that the port answers (a loaded machine fails it) does not end the page; the
-    command checks with more patience, and the page answers."""
+    command checks with more patience, and the page answers. Every event that leads to a plan runs for each edit
+    (Gradio's default skips a trigger while the same event runs: an edit made during a plan was never planned),
+    and a page opened later lists the adapters written since the server started."""
     import socket
 
     import gradio.networking
@@ -403,10 +407,11 @@ def test_the_page_starts_when_its_port_answers_late(tmp_path, monkeypatch):
     from qlora_fsdp.studio.session import Studio
 
     monkeypatch.setattr(gradio.networking, "url_ok", lambda url: False)  # the port too slow to answer in time
+    monkeypatch.chdir(tmp_path)  # the page looks for adapters under ./outputs
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    studio = Studio(tmp_path)
+    studio = Studio(tmp_path / "state")
     refused = ""
     try:
         page = serve(studio, "127.0.0.1", port)
@@ -415,6 +420,68 @@ def test_the_page_starts_when_its_port_answers_late(tmp_path, monkeypatch):
     assert refused == ""
     try:
         assert answers(f"http://127.0.0.1:{port}", seconds=60)
+        events = list(page.fns.values())
+        edits = [e for e in events if e.fn.__name__ == "<lambda>" and "blur" in {t[1] for t in e.targets}]
+        planning = [*edits, *(e for e in events if e.fn.__name__ in ("load", "refresh", "replan"))]
+        assert len(planning) > 20 and {e.trigger_mode for e in planning} == {"multiple"}
+        adapter = tmp_path / "outputs" / "later" / "adapter"
+        adapter.mkdir(parents=True)
+        (adapter / "adapter_config.json").write_text("{}")  # written after the page was built
+        opened = [e.fn for e in events if [t[1] for t in e.targets] == ["load"] and e.fn.__name__ == "find"]
+        assert len(opened) == 1 and opened[0]()[0]["value"] == str(Path("outputs/later/adapter"))
     finally:
         page.close()
         studio.close()
+
+
+def test_the_form_keeps_its_edits_and_the_plan_is_of_the_ranks_that_launch(tmp_path):
+    """Clearing a mistyped path (the same recipe again) or an emptied picker keeps the form's edits; a new recipe
+    loads its own. The ranks box is folded into the draft, so the plan's world, the command and the launch agree
+    (the tiny CPU recipes say one GPU and train on two ranks); a `hardware.gpus_per_node` set by hand wins."""
+    from qlora_fsdp.studio.session import Studio
+
+    studio = Studio(tmp_path)
+    assert studio.shown_recipe("tiny_cpu", "", "tiny_cpu") == (None, "", "tiny_cpu")  # the path cleared
+    cfg, error, shown = studio.shown_recipe("", "", "tiny_cpu")
+    assert (cfg, shown) == (None, "tiny_cpu") and error.startswith("error: pick a recipe")
+    cfg, error, shown = studio.shown_recipe("tiny_cpu", "nothere.yaml", "tiny_cpu")
+    assert (cfg, shown, error) == (None, "tiny_cpu", "error: recipe file not found: nothere.yaml")
+    cfg, error, shown = studio.shown_recipe("tiny_cpu_dpo", "", "tiny_cpu")
+    assert cfg is not None and cfg.train.objective == "dpo" and (error, shown) == ("", "tiny_cpu_dpo")
+    values = studio.form_for(load_config("tiny_cpu"))
+    resolved = studio.resolved("tiny_cpu", values, "", ranks=2)
+    assert resolved.config is not None and resolved.config.hardware.world_size == 2
+    assert studio.command(resolved) == ("torchrun --nproc_per_node 2 train.py --recipe tiny_cpu "
+                                        "hardware.gpus_per_node=2")
+    assert studio.resolved("tiny_cpu", values, "", ranks=1).draft.overrides == ()  # the recipe's own world
+    by_hand = studio.resolved("tiny_cpu", values, "hardware.gpus_per_node=3", ranks=2)
+    assert by_hand.config is not None and by_hand.config.hardware.gpus_per_node == 3
+    assert studio.command(by_hand).startswith("torchrun --nproc_per_node 3 ")
+    gpu = studio.resolved("llama70b_2x4090", studio.form_for(load_config("llama70b_2x4090")), "", ranks=2)
+    assert gpu.draft.overrides == () and studio.command(gpu).startswith("torchrun --nproc_per_node 2 ")
+    studio.close()
+
+
+def test_the_recipe_picker_says_each_recipes_hardware_and_its_last_plans_verdict_and_hours(tmp_path):
+    from qlora_fsdp.studio.events import plan_outputs
+    from qlora_fsdp.studio.session import Studio
+
+    studio = Studio(tmp_path)
+    labels = dict((value, label) for label, value in studio.picker_choices())
+    assert set(labels) == {p.stem for p in RECIPES_DIR.glob("*.yaml")}
+    assert labels["tiny_cpu"] == "tiny_cpu · CPU"
+    assert labels["qwen3_8b_1x24gb_grpo"] == "qwen3_8b_1x24gb_grpo · 1x rtx4090 · FITS"  # the header's verdict
+    card = studio.recipe_card("qwen3_8b_1x24gb_grpo", "")
+    assert "Qwen3 8B learns grade-school math" in card and "`Qwen/Qwen3-8B`" in card
+    assert "FITS: 17.68 GiB a GPU of 24" in card
+    planned = {"fits": False, "run_time": "3.2 h for its 100 steps (115.0 s a step)", "description": "d",
+               "levers": [], "text": "", "time": None, "gpu_rows": [{"name": "weights", "gib": 20.0, "basis": ""}], "generating_rows": [], "host_rows": [],
+               "capacity_gib": 24.0, "host_capacity_gib": 64.0}
+    studio.plan_records.record("llama70b_2x4090", ("lora.r=8",), planned)
+    assert dict((v, lb) for lb, v in Studio(tmp_path).picker_choices())["llama70b_2x4090"] == (
+        "llama70b_2x4090 · 2x rtx4090 · DOES NOT FIT 3.2 h for its 100 steps (115.0 s a step)")  # kept on disk
+    assert "last plan: DOES NOT FIT, 3.2 h for its 100 steps" in studio.recipe_card("llama70b_2x4090", "")
+    assert "with lora.r=8" in studio.recipe_card("llama70b_2x4090", "")
+    assert plan_outputs(planned)[0].startswith("**DOES NOT FIT**; the run: **3.2 h for its 100 steps")
+    assert studio.recipe_card("tiny_cpu", "my.yaml") == ""  # a file of one's own has no card
+    studio.close()

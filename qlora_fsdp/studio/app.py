@@ -16,7 +16,7 @@ import gradio as gr  # noqa: E402
 
 from qlora_fsdp.config import Config  # noqa: E402
 from qlora_fsdp.studio.chat import BASE_MODEL  # noqa: E402
-from qlora_fsdp.studio.draft import default_ranks, shipped_recipes  # noqa: E402
+from qlora_fsdp.studio.draft import default_ranks  # noqa: E402
 from qlora_fsdp.studio.events import MAX_LEVERS, RUNS_ROOT, wire_after, wire_plan, wire_recipe, wire_run  # noqa: E402
 from qlora_fsdp.studio.form import Field  # noqa: E402
 from qlora_fsdp.studio.session import Studio, adapters_under  # noqa: E402
@@ -36,9 +36,11 @@ def field_component(field: Field, value: Any) -> Any:
 
 def recipe_tab(studio: Studio, base: Config, first_recipe: str) -> SimpleNamespace:
     with gr.Row():
-        recipe = gr.Dropdown(shipped_recipes(), value=first_recipe, label="recipe", elem_id="recipe")
+        recipe = gr.Dropdown(studio.picker_choices(), value=first_recipe, label="recipe", elem_id="recipe",
+                             info="hardware, and the verdict and hours of its last plan")
         yaml_path = gr.Textbox(label="or a YAML file (path)", elem_id="yaml-path",
                                info="a recipe file of your own; Enter loads it")
+    card = gr.Markdown(studio.recipe_card(first_recipe, ""), elem_id="recipe-card")
     error = gr.Markdown(elem_id="recipe-error")
     command = gr.Code(label="the command that trains it", language="shell", elem_id="command")
     extra = gr.Textbox(label="more overrides (key=value, one a line)", lines=2, elem_id="extra-overrides",
@@ -49,8 +51,8 @@ def recipe_tab(studio: Studio, base: Config, first_recipe: str) -> SimpleNamespa
         with gr.Accordion(section, open=section in ("train", "data")):
             fields += [field_component(f, values[i]) for i, f in enumerate(studio.fields) if f.section == section]
     config_yaml = gr.Code(label="the resolved config (YAML)", language="yaml", elem_id="config-yaml")
-    return SimpleNamespace(recipe=recipe, yaml_path=yaml_path, error=error, command=command, extra=extra,
-                           fields=fields, config_yaml=config_yaml)
+    return SimpleNamespace(recipe=recipe, yaml_path=yaml_path, card=card, error=error, command=command, extra=extra,
+                           fields=fields, config_yaml=config_yaml, shown=gr.State(first_recipe))
 
 
 def plan_tab() -> SimpleNamespace:
@@ -124,10 +126,11 @@ def build_page(studio: Studio, first_recipe: str = "tiny_cpu") -> gr.Blocks:
             run = run_tab(base)
         with gr.Tab("After"):
             after = after_tab()
+        recipe.ranks = run.ranks  # the launch's ranks are the plan's world: a recipe input like the form's
         wire_recipe(studio, page, recipe, plan, run)
         wire_plan(studio, recipe, plan)
         wire_run(studio, recipe, run, after)
-        wire_after(studio, recipe, after)
+        wire_after(studio, page, recipe, after)
     return page
 
 

@@ -18,6 +18,7 @@ from qlora_fsdp.studio.session import Studio, adapters_under
 
 MAX_LEVERS = 8  # lever buttons the Plan tab holds (a plan offers fewer)
 RUNS_ROOT = Path("outputs")  # where the After tab looks for adapters
+EVERY_EDIT = "multiple"  # each edit runs its event, even while the plan of an earlier one runs
 
 
 def error_markdown(line: str) -> str:
@@ -33,7 +34,8 @@ def plan_outputs(data: PlanData | None) -> Any:
         return (error_markdown(data["error"]), None, gr.update(value=None, visible=False), "", [], "",
                 *[gr.update(visible=False)] * MAX_LEVERS)
     levers = data["levers"][:MAX_LEVERS]
-    status = f"**{'FITS' if data['fits'] else 'DOES NOT FIT'}**: {data['description']}"
+    run_time = f"; the run: **{data['run_time']}**" if data.get("run_time") else ""
+    status = f"**{'FITS' if data['fits'] else 'DOES NOT FIT'}**{run_time}: {data['description']}"
     if not data["fits"] and not levers:
         status += " (no single change makes it fit: combine them, or use more GPUs)"
     timing = time_figure(data)
@@ -47,52 +49,61 @@ def plan_outputs(data: PlanData | None) -> Any:
 
 
 def recipe_inputs(recipe: SimpleNamespace) -> list[Any]:
-    return [recipe.recipe, recipe.yaml_path, recipe.extra, *recipe.fields]
+    return [recipe.recipe, recipe.yaml_path, recipe.extra, recipe.ranks, *recipe.fields]
 
 
 def plan_components(plan: SimpleNamespace) -> list[Any]:
     return [plan.status, plan.memory, plan.timing, plan.text, plan.levers, plan.note, *plan.buttons]
 
 
-def resolved_of(studio: Studio, recipe_name: str, path: str, extra: str, *values: Any) -> Any:
-    return studio.resolved(studio.recipe_of(recipe_name, path), list(values), extra)
+def resolved_of(studio: Studio, recipe_name: str, path: str, extra: str, ranks: float | None, *values: Any) -> Any:
+    return studio.resolved(studio.recipe_of(recipe_name or "", path), list(values), extra, int(ranks or 0) or None)
 
 
 def then_refresh_and_plan(studio: Studio, event: Any, recipe: SimpleNamespace, plan: SimpleNamespace) -> None:
     """After `event`: the YAML, the command and the error line at once, then the plan (in its worker; a newer
-    request ends an older one, so the plan event runs unqueued)."""
+    request ends an older one, so the plan event runs unqueued, and each step runs for every edit: Gradio's
+    default would skip an edit made while the previous plan runs)."""
     def refresh(*inputs: Any) -> tuple[Any, ...]:
         resolved = resolved_of(studio, *inputs)
-        return error_markdown(resolved.error), studio.command(resolved), resolved.yaml
+        if resolved.config is None:
+            return error_markdown(resolved.error), "", "", gr.skip()
+        # the ranks box shows the world the draft plans (a `hardware.gpus_per_node` the user set wins over it)
+        return "", studio.command(resolved), resolved.yaml, resolved.config.hardware.gpus_per_node
 
     def replan(*inputs: Any) -> Any:
-        yield ("planning...", *[gr.skip()] * (len(plan_components(plan)) - 1))
+        yield ("planning...", *[gr.skip()] * (len(plan_components(plan)) - 1), gr.skip())
         shown = plan_outputs(studio.plan(resolved_of(studio, *inputs)))
         if shown is not None:
-            yield shown
+            yield (*shown, studio.recipe_card(*inputs[:2]))
 
-    event.then(refresh, recipe_inputs(recipe), [recipe.error, recipe.command, recipe.config_yaml]).then(
-        replan, recipe_inputs(recipe), plan_components(plan), concurrency_limit=None)
+    event.then(refresh, recipe_inputs(recipe), [recipe.error, recipe.command, recipe.config_yaml, recipe.ranks],
+               trigger_mode=EVERY_EDIT).then(replan, recipe_inputs(recipe), [*plan_components(plan), recipe.card],
+                                             concurrency_limit=None, trigger_mode=EVERY_EDIT)
 
 
 def wire_recipe(studio: Studio, page: gr.Blocks, recipe: SimpleNamespace, plan: SimpleNamespace,
                 run: SimpleNamespace) -> None:
-    def load(recipe_name: str, path: str) -> tuple[Any, ...]:
-        cfg, error = studio.load_recipe(studio.recipe_of(recipe_name, path))
-        if cfg is None:  # the form keeps what it held; the error says why
-            return (error_markdown(error), gr.skip(), *[gr.skip()] * len(recipe.fields), gr.skip())
-        return ("", "", *studio.form_for(cfg), default_ranks(cfg))
+    def load(recipe_name: str, path: str, shown: str) -> tuple[Any, ...]:
+        cfg, error, shown = studio.shown_recipe(recipe_name, path, shown)
+        card = studio.recipe_card(recipe_name, path)
+        if cfg is None:  # the form keeps what it held (the user's edits); an error says why
+            return (error_markdown(error), gr.skip(), *[gr.skip()] * len(recipe.fields), gr.skip(), shown, card)
+        return ("", "", *studio.form_for(cfg), default_ranks(cfg), shown, card)
 
-    loaded = gr.on([recipe.recipe.input, recipe.yaml_path.submit], load, [recipe.recipe, recipe.yaml_path],
-                   [recipe.error, recipe.extra, *recipe.fields, run.ranks])
-    edits = [recipe.extra.blur, recipe.extra.submit]  # text: when the user leaves the box or presses Enter
+    picked = [recipe.recipe, recipe.yaml_path, recipe.shown]
+    loaded = gr.on([recipe.recipe.input, recipe.yaml_path.submit], load, picked,
+                   [recipe.error, recipe.extra, *recipe.fields, run.ranks, recipe.shown, recipe.card],
+                   trigger_mode=EVERY_EDIT)
+    edits = [recipe.extra.blur, recipe.extra.submit, run.ranks.blur, run.ranks.submit]  # text: on leaving, or Enter
     for component in recipe.fields:
         if isinstance(component, gr.Textbox):
             edits += [component.blur, component.submit]
         else:  # a checkbox or a drop-down: each pick is one edit
             edits.append(component.input)
-    edited = gr.on(edits, lambda: None, None, None, trigger_mode="always_last")
-    for event in (loaded, edited, page.load(lambda: None, None, None)):
+    edited = gr.on(edits, lambda: None, None, None, trigger_mode=EVERY_EDIT)
+    opened = page.load(lambda: gr.update(choices=studio.picker_choices()), None, recipe.recipe)
+    for event in (loaded, edited, opened):
         then_refresh_and_plan(studio, event, recipe, plan)
 
 
@@ -112,18 +123,19 @@ def wire_plan(studio: Studio, recipe: SimpleNamespace, plan: SimpleNamespace) ->
 
 def wire_run(studio: Studio, recipe: SimpleNamespace, run: SimpleNamespace, after: SimpleNamespace) -> None:
     def start(resume: bool) -> Any:
-        def go(ranks: float, *inputs: Any) -> tuple[Any, Any]:
+        def go(*inputs: Any) -> tuple[Any, Any]:
             resolved = resolved_of(studio, *inputs)
             try:
                 if resolved.config is None:
                     return error_markdown(resolved.error), gr.skip()
-                return "", studio.runs.launch(resolved.draft, int(ranks), resume=resume).status()
+                ranks = resolved.config.hardware.gpus_per_node  # the ranks box's, folded into the draft
+                return "", studio.runs.launch(resolved.draft, ranks, resume=resume).status()
             except Exception as err:  # a UserError's words; anything else as it is
                 return error_markdown(f"error: {err}"), gr.skip()
         return go
 
-    run.launch.click(start(False), [run.ranks, *recipe_inputs(recipe)], [run.error, run.status])
-    run.resume.click(start(True), [run.ranks, *recipe_inputs(recipe)], [run.error, run.status])
+    run.launch.click(start(False), recipe_inputs(recipe), [run.error, run.status])
+    run.resume.click(start(True), recipe_inputs(recipe), [run.error, run.status])
 
     def stop() -> tuple[Any, Any]:
         try:
@@ -151,7 +163,7 @@ def settings(max_tokens: float, temperature: float, top_p: float) -> Settings:
     return Settings(int(max_tokens or 64), float(temperature or 0.0), float(top_p or 1.0))
 
 
-def wire_after(studio: Studio, recipe: SimpleNamespace, after: SimpleNamespace) -> None:
+def wire_after(studio: Studio, page: gr.Blocks, recipe: SimpleNamespace, after: SimpleNamespace) -> None:
     def chat(message: str, history: list[dict[str, Any]], adapter: str, *rest: Any) -> Any:
         if not message.strip():
             return
@@ -184,10 +196,10 @@ def wire_after(studio: Studio, recipe: SimpleNamespace, after: SimpleNamespace) 
 
     after.compare.click(compare, [after.prompt, after.adapter, after.adapter_b, *after.sampling, *picked],
                         [*after.replies, after.error])
-    wire_tools(after)
+    wire_tools(page, after)
 
 
-def wire_tools(after: SimpleNamespace) -> None:
+def wire_tools(page: gr.Blocks, after: SimpleNamespace) -> None:
     def tool(kind: str) -> Any:
         def go(adapter: str, out: str, outtype: str) -> tuple[str, str]:
             try:
@@ -206,3 +218,4 @@ def wire_tools(after: SimpleNamespace) -> None:
         return gr.update(choices=found, value=found[0]), gr.update(choices=found)
 
     after.find.click(find, None, [after.adapter, after.adapter_b])
+    page.load(find, None, [after.adapter, after.adapter_b])  # a page opened later lists what was written since

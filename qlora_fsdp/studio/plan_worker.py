@@ -39,16 +39,26 @@ def time_data(planned: Any) -> dict[str, float] | None:
             "generation": time.generation, "vision tower": time.vision, "total": time.total}
 
 
+def run_time(planned: Any, step: dict[str, float] | None) -> str:
+    """The whole run's predicted time, for the plan's headline ("" where the step has no price: a CPU)."""
+    from qlora_fsdp.plan.time_report import hours
+
+    if step is None:
+        return ""
+    steps = planned.planned.train.max_steps
+    return f"{hours(steps * step['total'])} for its {steps:,} steps ({step['total']:.1f} s a step)"
+
+
 def plan_data(draft: Draft) -> PlanData:
     """What the page draws: the memory rows, the time split, the levers and the text `--plan` prints."""
     from qlora_fsdp.plan.report import plan_levers, plan_recipe, report_text
 
     planned = plan_recipe(load_config(draft.recipe, list(draft.overrides)))
-    result, levers = planned.result, plan_levers(planned)
+    result, levers, step = planned.result, plan_levers(planned), time_data(planned)
     return {"fits": result.fits, "description": result.description, "capacity_gib": result.capacity_gib,
             "host_capacity_gib": result.host_capacity_gib, "gpu_rows": rows_data(result.gpu_rows),
             "generating_rows": rows_data(result.generating_rows), "host_rows": rows_data(result.host_rows),
-            "time": time_data(planned), "text": report_text(planned, levers),
+            "time": step, "run_time": run_time(planned, step), "text": report_text(planned, levers),
             "levers": [{"label": lever.label, "overrides": lever.overrides, "gpu_gib": lever.gpu_gib,
                         "cost": lever.cost} for lever in levers]}
 

@@ -11,11 +11,14 @@ from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.config.reference import yaml_value
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.studio.chat import ChatWorkers
-from qlora_fsdp.studio.draft import Draft, Resolved, default_ranks, extra_overrides, resolve, torchrun_command
+from qlora_fsdp.studio.draft import Draft, Resolved, extra_overrides, resolve, shipped_recipes, torchrun_command
 from qlora_fsdp.studio.form import Field, changed_overrides, form_fields, form_values
 from qlora_fsdp.studio.live import Progress, complete_records, curves, latest_completions, progress
 from qlora_fsdp.studio.plan_worker import PlanData, PlanWorker
+from qlora_fsdp.studio.recipe_cards import PlanRecords, card_markdown, picker_choices, recipe_card
 from qlora_fsdp.studio.runs import Runs
+
+RANKS_KEY = "hardware.gpus_per_node"  # the launch's ranks on one node, and the world the plan is made for
 
 
 @dataclass
@@ -38,6 +41,8 @@ class Studio:
         self.runs = Runs(state_dir / "logs")
         self.chats = ChatWorkers()
         self.announced: set[str] = set()  # the runs (by process id) whose adapter the page has offered
+        self.cards = {name: recipe_card(name) for name in shipped_recipes()}
+        self.plan_records = PlanRecords(state_dir / "plans.json")
 
     def recipe_of(self, recipe: str, yaml_path: str) -> str:
         """A YAML file given beside the picker wins over the picked name."""
@@ -50,8 +55,23 @@ class Studio:
         except UserError as err:
             return None, f"error: {err}"
 
-    def draft(self, recipe: str, values: list[Any], extra: str) -> tuple[Draft, str]:
-        """The recipe and the overrides the form and the free-text box mean; an error where the recipe cannot load."""
+    def shown_recipe(self, recipe: str, yaml_path: str, shown: str) -> tuple[Config | None, str, str]:
+        """What a pick or a path means for the form, which shows recipe `shown`: the new recipe's values to show,
+        or None where the form keeps what it holds (the same recipe again, as after clearing a mistyped path: the
+        user's edits stay; nothing picked; or the one-line error of a recipe that cannot load). Also the recipe
+        the form then shows."""
+        name = self.recipe_of(recipe or "", yaml_path)
+        if not name:
+            return None, "error: pick a recipe, or give the path of a YAML file", shown
+        if name == shown:
+            return None, "", shown
+        cfg, error = self.load_recipe(name)
+        return cfg, error, name if cfg is not None else shown
+
+    def draft(self, recipe: str, values: list[Any], extra: str, ranks: int | None = None) -> tuple[Draft, str]:
+        """The recipe and the overrides the form and the free-text box mean, and the ranks a launch starts (where
+        they differ from the recipe's GPUs, `hardware.gpus_per_node` follows them, so the plan is of the world
+        that will run); an error where the recipe cannot load."""
         base, error = self.load_recipe(recipe)
         if base is None:
             return Draft(recipe), error
@@ -64,22 +84,36 @@ class Studio:
             except UserError as err:
                 return Draft(recipe), f"error: {err}"
         rest = [line for line in (*changed_overrides(base, self.fields, values), *extra_lines) if line not in preset]
-        return Draft(recipe, (*preset, *rest)), ""
+        draft = Draft(recipe, (*preset, *rest))
+        if any(line.partition("=")[0].strip() == RANKS_KEY for line in draft.overrides):
+            return draft, ""  # set by hand: the key wins, and the ranks box shows it
+        return with_ranks(draft, ranks), ""
 
-    def resolved(self, recipe: str, values: list[Any], extra: str) -> Resolved:
-        draft, error = self.draft(recipe, values, extra)
+    def resolved(self, recipe: str, values: list[Any], extra: str, ranks: int | None = None) -> Resolved:
+        draft, error = self.draft(recipe, values, extra, ranks)
         return Resolved(draft, error=error) if error else resolve(draft)
 
-    def command(self, resolved: Resolved, ranks: int | None = None) -> str:
+    def command(self, resolved: Resolved) -> str:
         if resolved.config is None:
             return ""
-        return torchrun_command(resolved.draft, ranks or default_ranks(resolved.config))
+        return torchrun_command(resolved.draft, resolved.config.hardware.gpus_per_node)  # the draft holds the ranks
 
     def plan(self, resolved: Resolved) -> PlanData | None:
         """The plan of the draft; None where a newer request replaced this one."""
         if resolved.config is None:
             return {"error": resolved.error}
-        return self.plans.plan(resolved.draft)
+        data = self.plans.plan(resolved.draft)
+        if data is not None and resolved.draft.recipe in self.cards:
+            self.plan_records.record(resolved.draft.recipe, resolved.draft.overrides, data)
+        return data
+
+    def picker_choices(self) -> list[tuple[str, str]]:
+        return picker_choices(list(self.cards.values()), self.plan_records.read())
+
+    def recipe_card(self, recipe: str, yaml_path: str) -> str:
+        """The picked recipe's description, hardware, model and last plan ("" for a YAML file of one's own)."""
+        name = self.recipe_of(recipe or "", yaml_path)
+        return card_markdown(self.cards.get(name), self.plan_records.read().get(name))
 
     def with_lever(self, changes: dict[str, Any], values: list[Any], extra: str) -> tuple[list[Any], str]:
         """The form's values with a lever's keys set, as the form shows them (a checkbox's bool, else YAML), and
@@ -122,6 +156,18 @@ class Studio:
         self.plans.close()
         self.chats.close()
         self.runs.close()
+
+
+def with_ranks(draft: Draft, ranks: int | None) -> Draft:
+    """The draft on `ranks` processes of one node: `hardware.gpus_per_node` set where the recipe says otherwise
+    (the tiny CPU recipes say 1 and train on two ranks); a draft that does not resolve is left as it is."""
+    resolved = resolve(draft)
+    if not ranks or resolved.config is None or resolved.config.hardware.nodes != 1:
+        return draft
+    hardware = resolved.config.hardware
+    if ranks == hardware.gpus_per_node:
+        return draft
+    return draft.with_overrides([f"{RANKS_KEY}={ranks}"])
 
 
 def adapters_under(root: Path) -> list[str]:
