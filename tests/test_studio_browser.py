@@ -131,8 +131,10 @@ class Page:
         box.click()
         box.send_keys(Keys.CONTROL, "a")
         box.send_keys(choice)
-        option = self.wait(lambda: next((o for o in self.driver.find_elements(By.XPATH, "//*[@role='option']")
-                                         if o.text.strip() == choice), None), 10, f"the option {choice}")
+        options = lambda: self.driver.find_elements(By.XPATH, "//*[@role='option']")  # noqa: E731
+        # an option's label is the recipe's name, then its hardware and verdict
+        option = self.wait(lambda: next((o for o in options() if o.text.strip().split(" · ")[0] == choice), None),
+                           10, f"the option {choice}")
         option.click()
 
     def value(self, css: str) -> str:
@@ -167,7 +169,8 @@ def test_studio_in_a_browser(tmp_path):
     browser_or_skip()
     shots = Path(os.environ.get("STUDIO_SCREENSHOTS") or tmp_path / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
-    port, run_dir = free_port(), tmp_path / "run"
+    # the run goes where the page looks for runs and adapters, outputs/ (removed at the end)
+    port, run_dir = free_port(), ROOT / "outputs" / f"browser-test-{tmp_path.name}"
     studio = start_studio(port, tmp_path / "studio")
     driver = open_browser(tmp_path)
     page = Page(driver, shots)
@@ -177,15 +180,21 @@ def test_studio_in_a_browser(tmp_path):
         page.pick("#recipe input", "tiny_cpu_dpo")  # another recipe: its form, YAML and command
         page.wait_text("#command", "train.py --recipe tiny_cpu_dpo")
         page.wait_text("#config-yaml", "objective: dpo")
+        page.wait_text("#recipe-card", "preference tuning (DPO) of the tiny Llama")
         page.pick("#recipe input", "tiny_cpu")
-        page.wait(lambda: page.text("#command").endswith("--recipe tiny_cpu"), 30, "the tiny_cpu command")
+        # two CPU ranks launch, so the plan is of two: the recipe's one GPU follows the ranks box
+        tiny_command = "--recipe tiny_cpu hardware.gpus_per_node=2"
+        page.wait(lambda: page.text("#command").endswith(tiny_command), 30, "the tiny_cpu command")
 
-        # a missing file and a misspelt key: the command line's one-line errors, in the page
+        # a missing file and a misspelt key: the command line's one-line errors, in the page; an edit survives both
+        page.type_into("#field-train-max_steps textarea, #field-train-max_steps input", "77")
+        page.wait_text("#command", "train.max_steps=77")
         page.type_into("#yaml-path textarea", "recipes/no_such_recipe.yaml", enter=True)
         page.wait_text("#recipe-error", "recipe file not found: recipes/no_such_recipe.yaml")
         page.shot("error-missing-file")
-        page.type_into("#yaml-path textarea", "", enter=True)  # back to the picked recipe
+        page.type_into("#yaml-path textarea", "", enter=True)  # back to the picked recipe, the form's edits kept
         page.wait(lambda: not page.text("#recipe-error"), 30, "the error cleared")
+        assert page.value("#field-train-max_steps textarea, #field-train-max_steps input") == "77"
         page.type_into("#extra-overrides textarea", "train.max_stpes=3")
         page.wait_text("#recipe-error", "did you mean 'train.max_steps'?")
         page.shot("error-bad-key")
@@ -205,13 +214,14 @@ def test_studio_in_a_browser(tmp_path):
         page.wait_text("#plan-status", "FITS", 120)
         page.wait(lambda: page.find("#memory-plot img"), 30, "the memory bars")
         assert "micro-batch 4 x 2 accumulation steps" in page.text("#plan-text")
+        assert "world size 2" in page.text("#plan-status")  # the ranks that launch
         page.shot("plan")
 
         # launch, watch, stop (a checkpoint is kept), be refused a second launch, resume to the end
         page.tab("Run")
         page.click("#launch")
         page.wait_text("#run-status", "running")
-        launched = "$ torchrun --nproc_per_node 2 train.py --recipe tiny_cpu"
+        launched = "$ torchrun --nproc_per_node 2 train.py --recipe tiny_cpu hardware.gpus_per_node=2"
         page.wait(lambda: launched in page.value("#run-log textarea"), 30, "the launched command atop the log")
         page.wait(lambda: any(f"step {n}/{STEPS}" in page.text("#run-progress") for n in range(3, STEPS - 10)), 180,
                   "step 3 or later")
@@ -233,10 +243,16 @@ def test_studio_in_a_browser(tmp_path):
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert any(r.get("event") == "resume" for r in records) and records[-1]["steps"] == STEPS
 
-        # chat with the adapter the run wrote (the page selects it once the run has finished)
+        # chat with the adapter the run wrote (the page selects it once the run has finished, and a page opened
+        # later lists it)
         page.tab("After")
         page.wait(lambda: str(run_dir / "adapter") in page.find("#adapter input").get_attribute("value"), 30,
                   "the run's adapter selected")
+        driver.refresh()  # the newest adapter under outputs/, found when the page opens (not when it started)
+        page.wait_text("#config-yaml", "models/tiny-llama")
+        page.tab("After")
+        page.wait(lambda: page.value("#adapter input") == str(run_dir.relative_to(ROOT) / "adapter"), 30,
+                  "the run's adapter listed on a reopened page")
         page.type_into("#prompt textarea", "Reverse the letters of the word. river", enter=True)
         page.wait(lambda: len(page.driver.find_elements("css selector", "#chatbot .message")) >= 2, 120,
                   "a reply")
@@ -273,3 +289,4 @@ def test_studio_in_a_browser(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(studio.pid, signal.SIGKILL)
         shutil.rmtree(tmp_path / "chromium-profile", ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
