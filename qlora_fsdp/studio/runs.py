@@ -20,6 +20,7 @@ from qlora_fsdp.outputs.checkpoints import complete_checkpoints
 from qlora_fsdp.outputs.run_dir import check_run_dir
 from qlora_fsdp.studio.draft import Draft, resolve, torchrun_command, train_arguments
 from qlora_fsdp.studio.environment import child_environment
+from qlora_fsdp.studio.hardware import cuda_visible_devices
 from qlora_fsdp.studio.plan_worker import last_error_line
 from qlora_fsdp.studio.preflight import check_before_launch
 
@@ -35,17 +36,14 @@ class Run:
     process: subprocess.Popen[bytes]
     resumed: bool
     stop_requested: bool = False
+    visible_gpus: list[int] | None = None  # CUDA_VISIBLE_DEVICES; None: every GPU, as a terminal's torchrun
 
     @property
     def running(self) -> bool:
         return self.process.poll() is None
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        if not self.log_path.is_file():
-            return ""
-        # as a terminal shows it: a progress bar's redraws (carriage returns) leave their last state only
-        text = self.log_path.read_bytes().decode(errors="replace").rstrip("\n")  # read_text would turn \r into \n
-        return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")[-lines:])
+        return terminal_tail(self.log_path, lines)
 
     def status(self) -> str:
         """One line: running, stopped (resumable), finished, or failed with the run's own error line."""
@@ -60,6 +58,15 @@ class Run:
             return f"finished: the adapter is in {self.output_dir / 'adapter'}"
         text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
         return f"failed (exit {code}): {last_error_line(text)}"
+
+
+def terminal_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """A log's last lines as a terminal shows them: a progress bar's redraws (carriage returns) leave their last
+    state only."""
+    if not log_path.is_file():
+        return ""
+    text = log_path.read_bytes().decode(errors="replace").rstrip("\n")  # read_text would turn \r into \n
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")[-lines:])
 
 
 def refuse_launch(cfg: Config, resume: bool) -> None:
@@ -78,25 +85,29 @@ class Runs:
         self.log_dir = log_dir
         self.current: Run | None = None
 
-    def launch(self, draft: Draft, ranks: int, resume: bool = False) -> Run:
+    def launch(self, draft: Draft, ranks: int, resume: bool = False, visible_gpus: list[int] | None = None) -> Run:
         if self.current is not None and self.current.running:
             raise UserError(f"a run is going into {self.current.output_dir}: stop it before launching another")
         resolved = resolve(draft)
         if resolved.config is None:
             raise UserError(resolved.error.removeprefix("error: "))
         cfg = resolved.config
-        check_before_launch(cfg, ranks)
+        check_before_launch(cfg, ranks, None if visible_gpus is None else len(set(visible_gpus)),
+                            chosen=visible_gpus is not None)
         refuse_launch(cfg if not resume else load_resumed(draft), resume)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{Path(cfg.train.output_dir).name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                    str(REPO_ROOT / "train.py"), *train_arguments(draft, resume)]
         with log_path.open("wb") as log:
-            log.write(f"$ {torchrun_command(draft, ranks, resume)}\n".encode())  # what a terminal would run
+            gpus = cuda_visible_devices(visible_gpus) if visible_gpus is not None else {}
+            shown = "".join(f"{key}={value} " for key, value in gpus.items())
+            log.write(f"$ {shown}{torchrun_command(draft, ranks, resume)}\n".encode())  # what a terminal would run
             log.flush()
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                       env=child_environment(PYTHONUNBUFFERED="1"))
-        self.current = Run(draft, ranks, Path(cfg.train.output_dir), log_path, process, resume)
+                                       env=child_environment(PYTHONUNBUFFERED="1", **gpus))
+        self.current = Run(draft, ranks, Path(cfg.train.output_dir), log_path, process, resume,
+                           visible_gpus=visible_gpus)
         return self.current
 
     def stop(self) -> Run:
