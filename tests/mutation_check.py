@@ -709,6 +709,10 @@ MUTATIONS = [
              "        return with_ranks(draft, ranks), \"\"\n", "        return draft, \"\"\n",
              "tests/test_studio.py::test_the_form_keeps_its_edits_and_the_plan_is_of_the_ranks_that_launch",
              quick=True),
+    Mutation("the studio shows its own run in place of a followed folder", "qlora_fsdp/studio/session.py",
+             "        run = self.shown_run()\n", "        run = self.runs.current\n",
+             "tests/test_studio.py::"
+             "test_the_run_view_reads_the_files_again_only_when_they_grew_and_says_how_the_run_ended", quick=True),
     Mutation("the studio's error line read as HTML", "qlora_fsdp/studio/events.py",
              "{html.escape(line)}</span>", "{line}</span>",
              "tests/test_studio.py::test_an_error_line_shows_every_word_of_the_message", quick=True),

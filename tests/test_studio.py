@@ -320,7 +320,7 @@ def test_the_run_view_reads_the_files_again_only_when_they_grew_and_says_how_the
     from qlora_fsdp.studio.session import Studio
 
     studio = Studio(tmp_path / "studio")
-    assert studio.run_view().status == "no run launched from this page yet"
+    assert studio.run_view().status == "no run launched or followed from this page yet"
     out, log = tmp_path / "run", tmp_path / "run.log"
     out.mkdir()
     write_lines(out / "metrics.jsonl", [{"time": 1.0, "event": "start", "config": {"train": {"max_steps": 4}}},
@@ -345,6 +345,18 @@ def test_the_run_view_reads_the_files_again_only_when_they_grew_and_says_how_the
     studio.runs.current = Run(Draft("tiny_cpu"), 2, out, log, done, resumed=False)
     assert studio.run_view().status == f"finished: the adapter is in {out / 'adapter'}"
     assert studio.new_adapter() == str(out / "adapter") and studio.new_adapter() is None  # offered once a run
+    # any run folder followed (a terminal's): its curves and progress in place of the page's own run
+    other = tmp_path / "terminal-run"
+    other.mkdir()
+    write_lines(other / "metrics.jsonl", [{"time": 1.0, "event": "start", "config": {"train": {"max_steps": 9}}},
+                                          {"time": 2.0, "step": 1, "loss": 5.0}])
+    assert studio.follow(str(tmp_path)).startswith(f"error: {tmp_path} holds no metrics.jsonl: not a run folder")
+    assert studio.follow(str(other)) == ""
+    followed = studio.run_view(grown.seen)
+    assert followed.changed and followed.series["loss"] == [(1, 5.0)] and followed.progress.words().startswith(
+        "step 1/9")
+    assert followed.status.startswith("ended without a checkpoint or a summary")
+    assert studio.shown_run() is studio.followed
 
 
 def test_the_run_log_shows_a_progress_bar_as_a_terminal_does(tmp_path):
@@ -475,8 +487,9 @@ def test_the_recipe_picker_says_each_recipes_hardware_and_its_last_plans_verdict
     assert "Qwen3 8B learns grade-school math" in card and "`Qwen/Qwen3-8B`" in card
     assert "FITS: 17.68 GiB a GPU of 24" in card
     planned = {"fits": False, "run_time": "3.2 h for its 100 steps (115.0 s a step)", "description": "d",
-               "levers": [], "text": "", "time": None, "gpu_rows": [{"name": "weights", "gib": 20.0, "basis": ""}], "generating_rows": [], "host_rows": [],
-               "capacity_gib": 24.0, "host_capacity_gib": 64.0}
+               "levers": [], "text": "", "time": None, "generating_rows": [], "host_rows": [],
+               "gpu_rows": [{"name": "weights", "gib": 20.0, "basis": ""}], "capacity_gib": 24.0,
+               "host_capacity_gib": 64.0}
     studio.plan_records.record("llama70b_2x4090", ("lora.r=8",), planned)
     assert dict((v, lb) for lb, v in Studio(tmp_path).picker_choices())["llama70b_2x4090"] == (
         "llama70b_2x4090 · 2x rtx4090 · DOES NOT FIT 3.2 h for its 100 steps (115.0 s a step)")  # kept on disk

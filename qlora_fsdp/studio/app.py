@@ -19,6 +19,7 @@ from qlora_fsdp.studio.chat import BASE_MODEL  # noqa: E402
 from qlora_fsdp.studio.draft import default_ranks  # noqa: E402
 from qlora_fsdp.studio.events import MAX_LEVERS, RUNS_ROOT, wire_after, wire_plan, wire_recipe, wire_run  # noqa: E402
 from qlora_fsdp.studio.form import Field  # noqa: E402
+from qlora_fsdp.studio.hardware_tab import hardware_tab, wire_hardware  # noqa: E402
 from qlora_fsdp.studio.session import Studio, adapters_under  # noqa: E402
 
 TICK_S = 2.0
@@ -73,8 +74,14 @@ def run_tab(base: Config) -> SimpleNamespace:
         launch = gr.Button("Launch", variant="primary", elem_id="launch")
         stop = gr.Button("Stop (keeps a checkpoint)", variant="stop", elem_id="stop")
         resume = gr.Button("Resume", elem_id="resume")
+    with gr.Row():
+        folders = gr.Dropdown([], value=None, allow_custom_value=True, elem_id="run-folders", scale=4,
+                              label="or follow a run under outputs/ (or type any run folder)",
+                              info="started here, in a terminal or before a restart: its curves and progress")
+        list_runs = gr.Button("List runs", size="sm", elem_id="list-runs", scale=1)
     return SimpleNamespace(
-        ranks=ranks, launch=launch, stop=stop, resume=resume, error=gr.Markdown(elem_id="run-error"),
+        ranks=ranks, launch=launch, stop=stop, resume=resume, folders=folders, list_runs=list_runs,
+        error=gr.Markdown(elem_id="run-error"),
         status=gr.Markdown(elem_id="run-status"), progress=gr.Markdown(elem_id="run-progress"),
         curves=gr.Plot(elem_id="curves-plot", show_label=False),
         completions=gr.Dataframe(headers=["step", "prompt", "completion", "reward"], label="latest completions",
@@ -124,12 +131,15 @@ def build_page(studio: Studio, first_recipe: str = "tiny_cpu") -> gr.Blocks:
             plan = plan_tab()
         with gr.Tab("Run"):
             run = run_tab(base)
+        with gr.Tab("Hardware"):
+            hw = hardware_tab()
         with gr.Tab("After"):
             after = after_tab()
         recipe.ranks = run.ranks  # the launch's ranks are the plan's world: a recipe input like the form's
         wire_recipe(studio, page, recipe, plan, run)
         wire_plan(studio, recipe, plan)
-        wire_run(studio, recipe, run, after)
+        wire_run(studio, page, recipe, run, after, hw)
+        wire_hardware(studio, hw, run.timer, studio.shown_run)
         wire_after(studio, page, recipe, after)
     return page
 

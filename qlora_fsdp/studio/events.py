@@ -14,7 +14,7 @@ from qlora_fsdp.studio.chat import BASE_MODEL, Settings, run_tool, tool_command
 from qlora_fsdp.studio.draft import default_ranks
 from qlora_fsdp.studio.pictures import curves_figure, memory_figure, time_figure
 from qlora_fsdp.studio.plan_worker import PlanData
-from qlora_fsdp.studio.session import Studio, adapters_under
+from qlora_fsdp.studio.session import Studio, adapters_under, run_choices
 
 MAX_LEVERS = 8  # lever buttons the Plan tab holds (a plan offers fewer)
 RUNS_ROOT = Path("outputs")  # where the After tab looks for adapters
@@ -121,21 +121,25 @@ def wire_plan(studio: Studio, recipe: SimpleNamespace, plan: SimpleNamespace) ->
         then_refresh_and_plan(studio, clicked, recipe, plan)
 
 
-def wire_run(studio: Studio, recipe: SimpleNamespace, run: SimpleNamespace, after: SimpleNamespace) -> None:
+def wire_run(studio: Studio, page: gr.Blocks, recipe: SimpleNamespace, run: SimpleNamespace,
+             after: SimpleNamespace, hw: SimpleNamespace) -> None:
     def start(resume: bool) -> Any:
-        def go(*inputs: Any) -> tuple[Any, Any]:
+        def go(gpus: list[int] | None, *inputs: Any) -> tuple[Any, Any]:
             resolved = resolved_of(studio, *inputs)
             try:
                 if resolved.config is None:
                     return error_markdown(resolved.error), gr.skip()
                 ranks = resolved.config.hardware.gpus_per_node  # the ranks box's, folded into the draft
-                return "", studio.runs.launch(resolved.draft, ranks, resume=resume).status()
+                launched = studio.launch(resolved.draft, ranks, resume, hw.monitor.visible(gpus or []))
+                hw.monitor.follow(launched)  # the sampler starts with the run, whether a page looks or not
+                return "", launched.status()
             except Exception as err:  # a UserError's words; anything else as it is
                 return error_markdown(f"error: {err}"), gr.skip()
         return go
 
-    run.launch.click(start(False), recipe_inputs(recipe), [run.error, run.status])
-    run.resume.click(start(True), recipe_inputs(recipe), [run.error, run.status])
+    run.launch.click(start(False), [hw.gpus, *recipe_inputs(recipe)], [run.error, run.status])
+    run.resume.click(start(True), [hw.gpus, *recipe_inputs(recipe)], [run.error, run.status])
+    wire_follow(studio, page, run)
 
     def stop() -> tuple[Any, Any]:
         try:
@@ -157,6 +161,24 @@ def wire_run(studio: Studio, recipe: SimpleNamespace, run: SimpleNamespace, afte
 
     seen = gr.State("")  # this page's last look at the metrics file
     run.timer.tick(tick, seen, [run.status, run.progress, run.curves, run.completions, run.log, after.adapter, seen])
+
+
+def wire_follow(studio: Studio, page: gr.Blocks, run: SimpleNamespace) -> None:
+    """The runs under outputs/ (whoever started them), listed when the page opens and on request; picking one,
+    or typing any run folder, shows it in place of the page's own run."""
+    def listed() -> Any:
+        return gr.update(choices=run_choices(RUNS_ROOT))
+
+    def follow(folder: str | None) -> tuple[Any, Any]:
+        if not folder:
+            return gr.skip(), gr.skip()
+        error = studio.follow(folder)
+        run_now = studio.shown_run()
+        return error_markdown(error), run_now.status() if not error and run_now is not None else gr.skip()
+
+    page.load(listed, None, run.folders)
+    run.list_runs.click(listed, None, run.folders)
+    run.folders.input(follow, run.folders, [run.error, run.status])
 
 
 def settings(max_tokens: float, temperature: float, top_p: float) -> Settings:

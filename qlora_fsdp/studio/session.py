@@ -10,13 +10,15 @@ from typing import Any
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.config.reference import yaml_value
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.outputs.run_dir import METRICS_FILE
 from qlora_fsdp.studio.chat import ChatWorkers
 from qlora_fsdp.studio.draft import Draft, Resolved, extra_overrides, resolve, shipped_recipes, torchrun_command
 from qlora_fsdp.studio.form import Field, changed_overrides, form_fields, form_values
 from qlora_fsdp.studio.live import Progress, complete_records, curves, latest_completions, progress
 from qlora_fsdp.studio.plan_worker import PlanData, PlanWorker
 from qlora_fsdp.studio.recipe_cards import PlanRecords, card_markdown, picker_choices, recipe_card
-from qlora_fsdp.studio.runs import Runs
+from qlora_fsdp.studio.run_folders import FollowedRun, runs_under
+from qlora_fsdp.studio.runs import Run, Runs
 
 RANKS_KEY = "hardware.gpus_per_node"  # the launch's ranks on one node, and the world the plan is made for
 
@@ -41,6 +43,7 @@ class Studio:
         self.runs = Runs(state_dir / "logs")
         self.chats = ChatWorkers()
         self.announced: set[str] = set()  # the runs (by process id) whose adapter the page has offered
+        self.followed: FollowedRun | None = None  # a run folder the page follows in place of its own run
         self.cards = {name: recipe_card(name) for name in shipped_recipes()}
         self.plan_records = PlanRecords(state_dir / "plans.json")
 
@@ -132,14 +135,32 @@ class Studio:
     def run_view(self, seen: str = "") -> RunView:
         """The run's state; its files are read again only where they changed since `seen` (the page's own last
         look: each open page keeps its own, as RunView.seen)."""
-        run = self.runs.current
+        run = self.shown_run()
         if run is None:
-            return RunView("no run launched from this page yet", Progress(), {}, [], "", False, seen)
+            return RunView("no run launched or followed from this page yet", Progress(), {}, [], "", False, seen)
         metrics = run.output_dir / "metrics.jsonl"
         now = f"{metrics}:{metrics.stat().st_size if metrics.is_file() else -1}"
         records = complete_records(metrics) if now != seen else []
         return RunView(run.status(), progress(records), curves(records), latest_completions(run.output_dir),
                        run.log_tail(), now != seen, now)
+
+    def shown_run(self) -> Run | FollowedRun | None:
+        """The run the Run tab shows: a followed folder, else the page's own run."""
+        return self.followed if self.followed is not None else self.runs.current
+
+    def follow(self, folder: str) -> str:
+        """Follow any run folder (a terminal's, another studio's, one from before a restart): "" or why not."""
+        path = Path(folder.strip()).expanduser()
+        if not (path / METRICS_FILE).is_file():
+            return f"error: {path} holds no {METRICS_FILE}: not a run folder (train.output_dir of a run)"
+        self.followed = FollowedRun(path, self.runs.log_dir)
+        return ""
+
+    def launch(self, draft: Draft, ranks: int, resume: bool, visible_gpus: list[int] | None) -> Run:
+        """The page's own run, which the Run tab then shows in place of a followed one."""
+        run = self.runs.launch(draft, ranks, resume=resume, visible_gpus=visible_gpus)
+        self.followed = None
+        return run
 
     def new_adapter(self) -> str | None:
         """The adapter of the page's run once it has finished, the first time it is asked for."""
@@ -168,6 +189,11 @@ def with_ranks(draft: Draft, ranks: int | None) -> Draft:
     if ranks == hardware.gpus_per_node:
         return draft
     return draft.with_overrides([f"{RANKS_KEY}={ranks}"])
+
+
+def run_choices(root: Path) -> list[tuple[str, str]]:
+    """The runs under `root` for the follow picker: (what it is and how far it got, its folder), newest first."""
+    return [(folder.words(), str(folder.path)) for folder in runs_under(root)]
 
 
 def adapters_under(root: Path) -> list[str]:
