@@ -127,8 +127,10 @@ def test_modules_and_functions_stay_short():
 
 # where an objective's name or its kind may be looked at: the table, validation, the schema's `kind`, and the data
 # layer's choice of reader by the kind of data
+# the tables, validation, and the two places that choose the data's reader by its kind: the run's and the studio's
+# data preview (which reads and shows what that reader would)
 DISPATCH_ALLOWED = {"config/objectives.py", "config/validation.py", "config/schema.py", "objectives/table.py",
-                    "data/training_data.py"}
+                    "data/training_data.py", "studio/data_preview.py"}
 
 
 def objective_subclasses() -> set[str]:
@@ -144,30 +146,35 @@ def objective_subclasses() -> set[str]:
     return found - {"Objective", "PairLoss"}
 
 
-def names_an_objective(node: ast.AST, aliases: set[str]) -> bool:
-    """`<anything>.objective`, `<anything>.kind.<field>`, or a local name bound to one of them."""
+def names_an_objective(node: ast.AST, aliases: set[str], kinds: frozenset[str] = frozenset()) -> bool:
+    """`<anything>.objective`, `<anything>.kind.<field>`, `<a name bound to a .kind>.<field>`, or a local name bound
+    to one of them."""
     if isinstance(node, ast.Name):
         return node.id in aliases
     if not isinstance(node, ast.Attribute):
         return False
-    return node.attr == "objective" or (isinstance(node.value, ast.Attribute) and node.value.attr == "kind")
+    kind = node.value
+    return node.attr == "objective" or (isinstance(kind, ast.Attribute) and kind.attr == "kind") or (
+        isinstance(kind, ast.Name) and kind.id in kinds)
 
 
 def dispatches(tree: ast.AST, classes: set[str]) -> list[int]:
     """Lines that tell objectives apart by name or kind: a comparison, a local alias compared, `match`, a dict's
     `.get` or subscript, or isinstance/issubclass on an objective's class or pair loss."""
-    aliases = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
-               and names_an_objective(node.value, set()) for target in node.targets if isinstance(target, ast.Name)}
+    assigned = [(target.id, node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name)]
+    kinds = frozenset(name for name, value in assigned if isinstance(value, ast.Attribute) and value.attr == "kind")
+    aliases = {name for name, value in assigned if names_an_objective(value, set(), kinds)}
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
-            hit = any(names_an_objective(side, aliases) for side in (node.left, *node.comparators))
+            hit = any(names_an_objective(side, aliases, kinds) for side in (node.left, *node.comparators))
         elif isinstance(node, ast.Match):
-            hit = names_an_objective(node.subject, aliases)
+            hit = names_an_objective(node.subject, aliases, kinds)
         elif isinstance(node, ast.Subscript):
-            hit = names_an_objective(node.slice, aliases)
+            hit = names_an_objective(node.slice, aliases, kinds)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
-            hit = any(names_an_objective(arg, aliases) for arg in node.args[:1])
+            hit = any(names_an_objective(arg, aliases, kinds) for arg in node.args[:1])
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance",
                                                                                                 "issubclass"):
             checked = node.args[1] if len(node.args) > 1 else None
@@ -210,6 +217,7 @@ DISPATCH_FORMS = {
     "subscript": 'extra = {"dpo": 1}[cfg.train.objective]',
     "isinstance": 'if isinstance(loss, KtoLoss):\n    pass',
     "kind field": 'if cfg.train.kind.data == "prompts":\n    pass',
+    "kind alias": 'kind = cfg.train.kind\nread = {"prompts": 1}[kind.data]',
 }
 
 

@@ -1,5 +1,6 @@
-"""The studio's page, laid out in Gradio: Recipe (picker, schema form, YAML, command), Plan (pictures and levers),
-Run (launch, curves, completions, stop, resume) and After (chat, compare, merge, GGUF). Each action calls
+"""The studio's page, laid out in Gradio: Recipe (picker, schema form, YAML, command), Data (the records as the
+model sees them), Plan (pictures and levers), Run (launch, curves, completions, stop, resume, any run folder),
+Hardware (GPUs, host RAM, each step's peaks) and After (chat, compare, merge, GGUF). Each action calls
 session.py; nothing here computes."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import gradio as gr  # noqa: E402
 
 from qlora_fsdp.config import Config  # noqa: E402
 from qlora_fsdp.studio.chat import BASE_MODEL  # noqa: E402
+from qlora_fsdp.studio.data_tab import DATA_CSS, data_tab, wire_data  # noqa: E402
 from qlora_fsdp.studio.draft import default_ranks  # noqa: E402
 from qlora_fsdp.studio.events import MAX_LEVERS, RUNS_ROOT, wire_after, wire_plan, wire_recipe, wire_run  # noqa: E402
 from qlora_fsdp.studio.form import Field  # noqa: E402
@@ -23,7 +25,7 @@ from qlora_fsdp.studio.hardware_tab import hardware_tab, wire_hardware  # noqa: 
 from qlora_fsdp.studio.session import Studio, adapters_under  # noqa: E402
 
 TICK_S = 2.0
-CSS = ".error-line {color: #b91c1c; font-weight: 600}"
+CSS = ".error-line {color: #b91c1c; font-weight: 600} " + DATA_CSS
 
 
 def field_component(field: Field, value: Any) -> Any:
@@ -127,6 +129,8 @@ def build_page(studio: Studio, first_recipe: str = "tiny_cpu") -> gr.Blocks:
         gr.Markdown("# qlora-fsdp studio\nThe command line's recipes, plan, training and tools, on this machine.")
         with gr.Tab("Recipe"):
             recipe = recipe_tab(studio, base, first_recipe)
+        with gr.Tab("Data"):
+            data = data_tab(base)
         with gr.Tab("Plan"):
             plan = plan_tab()
         with gr.Tab("Run"):
@@ -138,6 +142,7 @@ def build_page(studio: Studio, first_recipe: str = "tiny_cpu") -> gr.Blocks:
         recipe.ranks = run.ranks  # the launch's ranks are the plan's world: a recipe input like the form's
         wire_recipe(studio, page, recipe, plan, run)
         wire_plan(studio, recipe, plan)
+        wire_data(studio, recipe, data, plan)
         wire_run(studio, page, recipe, run, after, hw)
         wire_hardware(studio, hw, run.timer, studio.shown_run)
         wire_after(studio, page, recipe, after)
