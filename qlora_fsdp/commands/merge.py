@@ -43,6 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: run(args))
 
 
+def announce_size(args: argparse.Namespace) -> None:
+    """The merged checkpoint's size, before it is written (qlora_fsdp/tools/export_size.py: an estimate from the
+    base's config); nothing where the config cannot be built on the meta device."""
+    from qlora_fsdp.tools.export_size import in_words, merged_size_bytes
+
+    try:
+        size = merged_size_bytes(args.adapter, args.dtype, args.recipe, args.overrides)
+    except Exception:  # an estimate only: the merge itself says what is wrong with the base
+        return
+    print(f"writing about {in_words(size)} ({args.dtype})", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from qlora_fsdp.loading.adapter import config_for_adapter  # PEFT and torch: not for --help or a usage error
     from qlora_fsdp.tools.merge import merge_adapter, parse_size
@@ -50,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
         raise UserError(f"{args.out} exists and is not empty: choose another --out, or pass --overwrite")
     cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
+    announce_size(args)
     started = time.perf_counter()
     shards = merge_adapter(cfg, args.adapter, args.out, args.dtype, parse_size(args.max_shard_size),
                            args.base_weights, args.device)

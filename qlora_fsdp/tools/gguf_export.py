@@ -26,7 +26,8 @@ from qlora_fsdp.errors import UserError
 
 CONVERTER_ENV = "QLORA_GGUF_CONVERTER"  # another folder holding the converter (default: beside the venv's python)
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # what the converter writes itself
-# llama.cpp's own quantizer makes these from an f16 file; we print its command and write no quantizer of ours
+# llama.cpp's own quantizer makes these from an f16 file (llama_quantize.py runs it where one is installed, else
+# its command is printed); no quantizer of ours
 LLAMA_QUANTIZE_TYPES = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_0", "q4_1", "q4_k_s", "q4_k_m", "q5_0", "q5_1",
                         "q5_k_s", "q5_k_m", "q6_k", "iq4_xs", "iq4_nl")
 INSTALL_HINT = "make gguf-converter (pip install --no-deps --target {dir} -r requirements-gguf.txt)"
@@ -137,6 +138,7 @@ def with_added_tokens(tokenizer_config: dict, folder: Path) -> dict:
 class ConverterRun:
     seconds: float
     log: str
+    quantize_seconds: float | None = None  # a k-quant: llama.cpp's quantizer's time (None: not quantized)
 
 
 def convert(folder: Path, out_file: Path, outtype: str, source: Path, mmproj: bool = False) -> ConverterRun:
