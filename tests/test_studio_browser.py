@@ -42,8 +42,27 @@ def browser_or_skip() -> None:
     pytest.skip(message)
 
 
-def start_studio(port: int, state_dir: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost"}
+def fake_gpus(path: Path, used_gib: float) -> None:
+    """Two RTX 4090s for the Hardware tab (QLORA_FAKE_NVML), GPU 0 holding `used_gib`; written whole, as the
+    studio reads it at every sample."""
+    gpus = [{"name": "NVIDIA GeForce RTX 4090", "total_gib": 24.0, "used_gib": used, "utilisation": 50.0 * (i == 0)}
+            for i, used in enumerate((used_gib, 0.5))]
+    path.with_suffix(".partial").write_text(json.dumps({"gpus": gpus}))
+    path.with_suffix(".partial").replace(path)
+
+
+def start_terminal_run(out: Path, log: Path) -> subprocess.Popen[bytes]:
+    """A run started from a terminal, not the page: one process, a few steps, for the page to follow."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    arguments = ["--recipe", "tiny_cpu", "train.max_steps=6", f"train.output_dir={out}", "train.log_every=1",
+                 "train.eval_every=0"]
+    with log.open("wb") as written:
+        return subprocess.Popen([sys.executable, "train.py", *arguments], cwd=ROOT, env=env, stdout=written,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_studio(port: int, state_dir: Path, nvml: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost", "QLORA_FAKE_NVML": str(nvml)}
     proc = subprocess.Popen([sys.executable, "-m", "qlora_fsdp.commands.studio", "--port", str(port),
                              "--state-dir", str(state_dir)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -171,7 +190,11 @@ def test_studio_in_a_browser(tmp_path):
     shots.mkdir(parents=True, exist_ok=True)
     # the run goes where the page looks for runs and adapters, outputs/ (removed at the end)
     port, run_dir = free_port(), ROOT / "outputs" / f"browser-test-{tmp_path.name}"
-    studio = start_studio(port, tmp_path / "studio")
+    terminal_dir = ROOT / "outputs" / f"browser-terminal-{tmp_path.name}"
+    terminal = start_terminal_run(terminal_dir, tmp_path / "terminal.log")
+    nvml = tmp_path / "nvml.json"
+    fake_gpus(nvml, 1.0)
+    studio = start_studio(port, tmp_path / "studio", nvml)
     driver = open_browser(tmp_path)
     page = Page(driver, shots)
     try:
@@ -185,6 +208,22 @@ def test_studio_in_a_browser(tmp_path):
         # two CPU ranks launch, so the plan is of two: the recipe's one GPU follows the ranks box
         tiny_command = "--recipe tiny_cpu hardware.gpus_per_node=2"
         page.wait(lambda: page.text("#command").endswith(tiny_command), 30, "the tiny_cpu command")
+
+        # the data step: the records as the model sees them (the prompt's tokens shaded), their lengths against the
+        # context, the held-out split; a broken record named by file and line, as the run would name it
+        page.tab("Data")
+        page.click("#data-preview")
+        page.wait_text("#data-summary", "SFT samples", 120)
+        assert "held out:" in page.text("#data-summary") and "eval /" in page.text("#data-summary")
+        page.wait(lambda: page.driver.find_elements("css selector", "#data-records .masked"), 30, "masked tokens")
+        page.wait(lambda: page.find("#data-lengths img"), 30, "the length histogram")
+        page.shot("data")
+        broken = tmp_path / "broken.jsonl"
+        broken.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output"\n')
+        page.type_into("#data-path textarea, #data-path input", str(broken))
+        page.click("#data-preview")
+        page.wait_text("#data-summary", f"{broken}:2: not valid JSON")  # (the overrides box is set anew below)
+        page.tab("Recipe")
 
         # a missing file and a misspelt key: the command line's one-line errors, in the page; an edit survives both
         page.type_into("#field-train-max_steps textarea, #field-train-max_steps input", "77")
@@ -217,13 +256,28 @@ def test_studio_in_a_browser(tmp_path):
         assert "world size 2" in page.text("#plan-status")  # the ranks that launch
         page.shot("plan")
 
+        # the hardware: the (fake) GPUs found, the first one chosen for the run
+        page.tab("Hardware")
+        page.wait_text("#hw-table", "NVIDIA GeForce RTX 4090")
+        assert "RAM" in page.text("#hw-table") and "24.0 GiB" in page.text("#hw-table")
+        page.find("#hw-gpus").find_element("xpath", ".//label[contains(., '1: NVIDIA')]").click()
+
         # launch, watch, stop (a checkpoint is kept), be refused a second launch, resume to the end
         page.tab("Run")
         page.click("#launch")
         page.wait_text("#run-status", "running")
-        launched = "$ torchrun --nproc_per_node 2 train.py --recipe tiny_cpu "
+        launched = "torchrun --nproc_per_node 2 train.py --recipe tiny_cpu "
         page.wait(lambda: launched in page.value("#run-log textarea"), 30, "the launched command atop the log")
-        assert "hardware.gpus_per_node=2" in page.value("#run-log textarea").splitlines()[0]
+        first_line = page.value("#run-log textarea").splitlines()[0]
+        assert "CUDA_VISIBLE_DEVICES=0 " in first_line and "hardware.gpus_per_node=2" in first_line
+        page.tab("Hardware")  # a brief peak while it trains: the table's highest since the last look, the curve's
+        fake_gpus(nvml, 20.0)
+        time.sleep(1.0)
+        fake_gpus(nvml, 1.0)
+        page.wait_text("#hw-table", "20.0 / 24.0 GiB", 30)
+        page.wait(lambda: page.find("#hw-peaks img"), 30, "the per-step peaks")
+        page.shot("hardware")
+        page.tab("Run")
         page.wait(lambda: any(f"step {n}/{STEPS}" in page.text("#run-progress") for n in range(3, STEPS - 10)), 180,
                   "step 3 or later")
         page.wait(lambda: page.find("#curves-plot img"), 30, "the curves")
@@ -243,6 +297,15 @@ def test_studio_in_a_browser(tmp_path):
         page.wait_text("#run-progress", f"step {STEPS}/{STEPS}")
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert any(r.get("event") == "resume" for r in records) and records[-1]["steps"] == STEPS
+
+        # the run a terminal started: listed under outputs/, followed with its curves and progress
+        assert terminal.wait(300) == 0, (tmp_path / "terminal.log").read_text()[-2000:]
+        page.click("#list-runs")
+        page.pick("#run-folders input", str(terminal_dir.relative_to(ROOT)))
+        page.wait_text("#run-status", f"finished: the adapter is in {terminal_dir.relative_to(ROOT)}")
+        page.wait_text("#run-progress", "step 6/6")
+        page.wait(lambda: page.find("#curves-plot img"), 30, "the terminal run's curves")
+        page.shot("run-followed")
 
         # chat with the adapter the run wrote (the page selects it once the run has finished, and a page opened
         # later lists it)
@@ -290,4 +353,7 @@ def test_studio_in_a_browser(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(studio.pid, signal.SIGKILL)
         shutil.rmtree(tmp_path / "chromium-profile", ignore_errors=True)
+        if terminal.poll() is None:
+            os.killpg(terminal.pid, signal.SIGKILL)
         shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(terminal_dir, ignore_errors=True)

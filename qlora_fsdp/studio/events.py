@@ -77,9 +77,13 @@ def then_refresh_and_plan(studio: Studio, event: Any, recipe: SimpleNamespace, p
         if shown is not None:
             yield (*shown, studio.recipe_card(*inputs[:2]))
 
-    event.then(refresh, recipe_inputs(recipe), [recipe.error, recipe.command, recipe.config_yaml, recipe.ranks],
-               trigger_mode=EVERY_EDIT).then(replan, recipe_inputs(recipe), [*plan_components(plan), recipe.card],
-                                             concurrency_limit=None, trigger_mode=EVERY_EDIT)
+    # one refresh at a time, in the order of the edits: run side by side, an older one could land last and show
+    # a draft without the newer edit
+    refreshed = event.then(refresh, recipe_inputs(recipe),
+                           [recipe.error, recipe.command, recipe.config_yaml, recipe.ranks],
+                           trigger_mode=EVERY_EDIT, concurrency_limit=1, concurrency_id="refresh")
+    refreshed.then(replan, recipe_inputs(recipe), [*plan_components(plan), recipe.card], concurrency_limit=None,
+                   trigger_mode=EVERY_EDIT)
 
 
 def wire_recipe(studio: Studio, page: gr.Blocks, recipe: SimpleNamespace, plan: SimpleNamespace,
