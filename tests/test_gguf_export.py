@@ -290,7 +290,7 @@ def test_q8_0_export_of_a_merged_folder_is_within_its_rounding(smol_f16, smol_me
     assert 1e-4 < relative(got, ref) < 0.06
 
 
-def test_the_size_printed_before_writing_is_the_files_but_its_tokenizer(smol_f16):
+def test_the_size_printed_before_writing_is_the_files_but_its_tokenizer(smol_f16, monkeypatch):
     """merged_size_bytes (the studio's too): the base's parameters from its config, times the type's bytes."""
     folder, stdout = smol_f16
     adapter = folder.parent / "run" / "adapter"
@@ -303,6 +303,17 @@ def test_the_size_printed_before_writing_is_the_files_but_its_tokenizer(smol_f16
     assert stdout.index(line) < stdout.index("exported")  # before anything is written
     assert merged_size_bytes(adapter, "bfloat16") == estimate and merged_size_bytes(adapter, "float32") == 2 * estimate
     assert size_bytes(10**9, "q4_k_m") == 606_250_000 and size_bytes(10**9, "q5_k_m") == 711_250_000
+    # the studio's After tab says the same before a merge or an export, and who writes a k-quant
+    from qlora_fsdp.studio import export_view
+
+    line = export_view.sizes_line(str(adapter), "q4_k_m")
+    assert line.startswith(f"Merge writes about {in_words(estimate)} (bfloat16); Export GGUF about "
+                           f"{in_words(size_bytes(parameters, 'q4_k_m'))} (q4_k_m), by llama.cpp's quantizer")
+    assert export_view.default_gguf_type() == "q4_k_m" and export_view.sizes_line(str(folder), "f16") == ""
+    monkeypatch.setattr(export_view, "find_quantizer", lambda: None)  # a machine without llama.cpp's quantizer
+    assert (f": llama.cpp's quantizer is not installed (make llama-quantize), so the f16 file "
+            f"({in_words(estimate)}) is written") in export_view.sizes_line(str(adapter), "q5_k_m")
+    assert export_view.default_gguf_type() == "f16"
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,13 @@
 """The studio in a real browser: headless Chromium (Debian's package, `make browser`) drives the page as a user
-does: pick a recipe, hit a bad key and a missing file, change keys, see the plan, launch the tiny CPU recipe, see
-its curves, stop it, be refused a second launch into its folder, resume it, chat with the adapter it wrote,
-compare it with the base, merge it (and be refused a second merge into the same folder), export GGUF (refused in
-the command line's words: llama.cpp does not know the tiny tokenizer; tests/test_gguf_export.py exports). Every
-request the page makes must go to the studio itself (no assets from the internet). Screenshots go to
-$STUDIO_SCREENSHOTS (docs/images/studio for the docs' pictures), else the test's folder.
+does: pick a recipe (its card), see the data as the model sees it and a broken record named, hit a bad key and a
+missing file (the form's edits kept), change keys, see the plan (of the two ranks that launch), see the (fake) GPUs
+and choose one, launch the tiny CPU recipe, see its curves and a brief GPU peak kept, stop it, be refused a second
+launch into its folder, resume it, follow a run a terminal started, reopen the page and find the adapter, chat with
+it, compare it with the base, merge it (and be refused a second merge into the same folder), export GGUF (refused in
+the command line's words: llama.cpp does not know the tiny tokenizer), then export a real small model's adapter as
+q4_k_m, its size said first, and run the file in llama.cpp. Every request the page makes must go to the studio
+itself (no assets from the internet). Screenshots go to $STUDIO_SCREENSHOTS (docs/images/studio for the docs'
+pictures), else the test's folder.
 
 One test, one studio, one browser: the training run is the tiny recipe cut to STEPS steps."""
 
@@ -23,6 +26,7 @@ from urllib.request import urlopen
 
 import pytest
 
+from qlora_fsdp.tools.llama_quantize import find_quantizer
 from tests.rank_pool import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,8 +188,11 @@ class Page:
 # past the default 600 s, in "Compare": its own limit gives a machine 4 to 6 times slower room; a wait that runs
 # out still names the stuck step
 @pytest.mark.timeout(1200)
-def test_studio_in_a_browser(tmp_path):
+def test_studio_in_a_browser(tmp_path, real_model_dir):
     browser_or_skip()
+    from tests.test_gguf_export import write_lora_adapter
+
+    smol_adapter = write_lora_adapter(real_model_dir, tmp_path / "smol" / "adapter")
     shots = Path(os.environ.get("STUDIO_SCREENSHOTS") or tmp_path / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
     # the run goes where the page looks for runs and adapters, outputs/ (removed at the end)
@@ -343,6 +350,21 @@ def test_studio_in_a_browser(tmp_path):
         page.click("#export")  # the tiny model's tokenizer is one llama.cpp does not know: the CLI's refusal
         page.wait_text("#after-error", "pre-tokenizer is not one llama.cpp knows", 180)
         assert not (tmp_path / "gguf").exists()  # nothing half-written left behind
+
+        # a real small model's adapter (SmolLM2) exported as q4_k_m, its size said first, then run by llama.cpp
+        page.type_into("#adapter input", str(smol_adapter))
+        page.pick("#gguf-type input", "q4_k_m")
+        page.wait_text("#export-sizes", "(q4_k_m), by llama.cpp's quantizer", 60)
+        page.type_into("#gguf-out textarea", str(tmp_path / "smol-gguf"))
+        page.click("#export")
+        page.wait(lambda: "Q4_K_M.gguf" in page.value("#tool-output textarea"), 300, "the q4_k_m export's report")
+        assert "ollama create" in page.value("#tool-output textarea")
+        quantized = next((tmp_path / "smol-gguf").glob("*-Q4_K_M.gguf"))
+        assert (tmp_path / "smol-gguf" / "Modelfile").read_text().startswith(f"FROM ./{quantized.name}\n")
+        ran = subprocess.run([sys.executable, "-m", "tests.llama_cpp_run", str(find_quantizer().lib_dir),
+                              str(quantized), "Hello", "4"], capture_output=True, text=True, cwd=ROOT)
+        assert ran.returncode == 0 and len(json.loads(ran.stdout)["generated"]) == 4, ran.stderr[-2000:]
+        page.shot("export-q4_k_m")
         page.shot("after")
         assert page.outside_requests(port) == []
     finally:

@@ -20,6 +20,7 @@ from qlora_fsdp.studio.chat import BASE_MODEL  # noqa: E402
 from qlora_fsdp.studio.data_tab import DATA_CSS, data_tab, wire_data  # noqa: E402
 from qlora_fsdp.studio.draft import default_ranks  # noqa: E402
 from qlora_fsdp.studio.events import MAX_LEVERS, RUNS_ROOT, wire_after, wire_plan, wire_recipe, wire_run  # noqa: E402
+from qlora_fsdp.studio.export_view import GGUF_TYPES, default_gguf_type  # noqa: E402
 from qlora_fsdp.studio.form import Field  # noqa: E402
 from qlora_fsdp.studio.hardware_tab import hardware_tab, wire_hardware  # noqa: E402
 from qlora_fsdp.studio.session import Studio, adapters_under  # noqa: E402
@@ -114,12 +115,16 @@ def after_tab() -> SimpleNamespace:
         merge_out = gr.Textbox(label="merge into (new folder)", elem_id="merge-out")
         merge = gr.Button("Merge", elem_id="merge")
         gguf_out = gr.Textbox(label="GGUF into (new folder)", elem_id="gguf-out")
-        gguf_type = gr.Dropdown(["f16", "bf16", "q8_0", "f32"], value="f16", label="GGUF type")
+        gguf_type = gr.Dropdown(list(GGUF_TYPES), value=default_gguf_type(), label="GGUF type", elem_id="gguf-type")
+        ollama_name = gr.Textbox(label="Ollama name (optional)", elem_id="ollama-name",
+                                 info="runs `ollama create NAME` where ollama is installed; else prints it")
         export = gr.Button("Export GGUF", elem_id="export")
-    output = gr.Textbox(label="merge / export", lines=4, elem_id="tool-output")
+    sizes = gr.Markdown(elem_id="export-sizes")
+    output = gr.Textbox(label="merge / export", lines=8, elem_id="tool-output")
     return SimpleNamespace(adapter=adapter, adapter_b=adapter_b, find=find, sampling=sampling, chatbot=chatbot,
                            prompt=prompt, compare=compare, replies=replies, error=error, merge_out=merge_out,
-                           merge=merge, gguf_out=gguf_out, gguf_type=gguf_type, export=export, output=output)
+                           merge=merge, gguf_out=gguf_out, gguf_type=gguf_type, ollama_name=ollama_name,
+                           export=export, sizes=sizes, output=output)
 
 
 def build_page(studio: Studio, first_recipe: str = "tiny_cpu") -> gr.Blocks:

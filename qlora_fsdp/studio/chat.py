@@ -112,10 +112,13 @@ def tool_command(tool: str, adapter: str, out: str, extra: list[str]) -> list[st
             *extra]
 
 
+TOOL_LINES = 12  # an export's report: the file, the Modelfile, Ollama's and llama.cpp's commands
+
+
 def run_tool(command: list[str]) -> tuple[bool, str]:
     """(succeeded, what it printed last): its result line, or its one-line error."""
     done = subprocess.run(command, capture_output=True, text=True, env=child_environment())
     if done.returncode != 0:
         return False, last_error_line(done.stderr)
     lines = done.stdout.strip().splitlines()
-    return True, "\n".join(lines[-6:])
+    return True, "\n".join(lines[-TOOL_LINES:])

@@ -12,6 +12,7 @@ import gradio as gr
 
 from qlora_fsdp.studio.chat import BASE_MODEL, Settings, run_tool, tool_command
 from qlora_fsdp.studio.draft import default_ranks
+from qlora_fsdp.studio.export_view import sizes_line
 from qlora_fsdp.studio.pictures import curves_figure, memory_figure, time_figure
 from qlora_fsdp.studio.plan_worker import PlanData
 from qlora_fsdp.studio.session import Studio, adapters_under, run_choices
@@ -227,17 +228,23 @@ def wire_after(studio: Studio, page: gr.Blocks, recipe: SimpleNamespace, after: 
 
 def wire_tools(page: gr.Blocks, after: SimpleNamespace) -> None:
     def tool(kind: str) -> Any:
-        def go(adapter: str, out: str, outtype: str) -> tuple[str, str]:
+        def go(adapter: str, out: str, outtype: str, ollama_name: str) -> tuple[str, str]:
             try:
                 extra = ["--outtype", outtype] if kind == "export" else []
+                if kind == "export" and ollama_name.strip():
+                    extra += ["--ollama-create", ollama_name.strip()]
                 ok, text = run_tool(tool_command(kind, adapter, out, extra))
             except Exception as err:
                 return error_markdown(f"error: {err}"), ""
             return ("", text) if ok else (error_markdown(text), text)
         return go
 
-    after.merge.click(tool("merge"), [after.adapter, after.merge_out, after.gguf_type], [after.error, after.output])
-    after.export.click(tool("export"), [after.adapter, after.gguf_out, after.gguf_type], [after.error, after.output])
+    tool_inputs = [after.gguf_type, after.ollama_name]
+    after.merge.click(tool("merge"), [after.adapter, after.merge_out, *tool_inputs], [after.error, after.output])
+    after.export.click(tool("export"), [after.adapter, after.gguf_out, *tool_inputs], [after.error, after.output])
+    # the sizes before anything is written, for the adapter and the type shown (also when the page picks one)
+    gr.on([after.adapter.change, after.gguf_type.change, page.load], sizes_line, [after.adapter, after.gguf_type],
+          after.sizes)
 
     def find() -> tuple[Any, Any]:
         found = [*adapters_under(RUNS_ROOT), BASE_MODEL]
