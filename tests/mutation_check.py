@@ -713,6 +713,10 @@ MUTATIONS = [
              "        run = self.shown_run()\n", "        run = self.runs.current\n",
              "tests/test_studio.py::"
              "test_the_run_view_reads_the_files_again_only_when_they_grew_and_says_how_the_run_ended", quick=True),
+    Mutation("the studio starts a plan for every edit of a burst", "qlora_fsdp/studio/plan_worker.py",
+             "            if mine != self.requests:\n                return None\n", "",
+             "tests/test_studio.py::"
+             "test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),
     Mutation("the studio's error line read as HTML", "qlora_fsdp/studio/events.py",
              "{html.escape(line)}</span>", "{line}</span>",
              "tests/test_studio.py::test_an_error_line_shows_every_word_of_the_message", quick=True),

@@ -227,7 +227,8 @@ def test_an_error_line_shows_every_word_of_the_message():
 
 @pytest.mark.slow
 def test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised():
-    """A request made while a plan is under way ends that one (its caller gets None); a misfit's levers, each
+    """A request made while a plan is under way ends that one (its caller gets None), and one followed within the
+    settling time by a newer starts no process at all (a burst of edits plans once); a misfit's levers, each
     applied as the page applies it (the keys added to the draft), plan what they promised; a bad key is one line."""
     from qlora_fsdp.studio.plan_worker import PlanWorker
 
@@ -236,12 +237,17 @@ def test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans
                                 "data.micro_batch_size=8", "data.grad_accum_steps=1",
                                 "activation_checkpointing.mode=off"))
     results: list = []
+    oldest = threading.Thread(target=lambda: results.append(worker.plan(Draft("tiny_cpu", ("lora.r=4",)))))
+    oldest.start()
+    time.sleep(0.2)  # the next edit of a burst
     older = threading.Thread(target=lambda: results.append(worker.plan(Draft("tiny_cpu"))))
     older.start()
-    time.sleep(3)  # the older plan is under way
+    time.sleep(worker.settle_s + 2)  # the older plan is under way
+    assert worker.started == 1  # the oldest request never started its worker
     data = worker.plan(misfit)
     older.join()
-    assert results == [None] and worker.superseded == 1
+    oldest.join()
+    assert results == [None, None] and worker.superseded == 1
     assert data is not None and not data["fits"], data
     total = sum(r["gib"] for r in data["gpu_rows"])
     assert total > 1.0 and f"| **total** | **{total:.2f}** | of 1 GiB |" in data["text"]

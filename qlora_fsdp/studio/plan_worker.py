@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from qlora_fsdp.config import load_config
@@ -18,6 +19,7 @@ from qlora_fsdp.studio.draft import Draft
 from qlora_fsdp.studio.environment import child_environment
 
 PlanData = dict[str, Any]
+SETTLE_S = 1.0  # a request waits this long for a newer one before its worker starts (a start costs seconds of CPU)
 
 
 def rows_data(rows: list[Any]) -> list[dict[str, Any]]:
@@ -75,16 +77,26 @@ def main(argv: list[str]) -> int:
 class PlanWorker:
     """One plan at a time; `plan` from a newer request ends the older one's process (its caller gets None)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settle_s: float = SETTLE_S) -> None:
         self.lock = threading.Lock()
         self.current: subprocess.Popen[str] | None = None
         self.superseded = 0  # plans ended by a newer request (the page's tests read it)
+        self.settle_s = settle_s
+        self.requests = 0  # every request so far: one that is no longer the latest once settled starts nothing
+        self.started = 0  # worker processes started (the page's tests read it)
 
     def plan(self, draft: Draft, timeout_s: float = 600.0) -> PlanData | None:
         with self.lock:
+            self.requests += 1
+            mine = self.requests
+        time.sleep(self.settle_s)  # edits come in bursts (a field, then the next): only the last one is planned
+        with self.lock:
+            if mine != self.requests:
+                return None
             if self.current is not None and self.current.poll() is None:
                 self.current.kill()
                 self.superseded += 1
+            self.started += 1
             proc = subprocess.Popen([sys.executable, "-m", "qlora_fsdp.studio.plan_worker", draft.recipe,
                                      *draft.overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env=child_environment())
