@@ -632,8 +632,8 @@ MUTATIONS = [
              "                                        text=True, bufsize=1)\n",
              "tests/test_studio.py::test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side_by_side"),
     Mutation("the studio's plan worker lets a superseded plan run on", "qlora_fsdp/studio/plan_worker.py",
-             "            if self.current is not None and self.current.poll() is None:\n"
-             "                self.current.kill()\n"
+             "            if self.current is not None and alive(self.current):\n"
+             "                os.kill(self.current, signal.SIGKILL)\n"
              "                self.superseded += 1\n",
              "            pass\n",
              "tests/test_studio.py::test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),

@@ -1,16 +1,26 @@
 """The plan in a worker process: the page asks for a recipe's plan as keys change, and a newer request kills the
-older worker (a 70B plan takes seconds of CPU; a superseded one is not waited for).
+older plan (a 70B plan takes seconds of CPU; a superseded one is not waited for).
+
+The worker is warm: one server process imports the planner once (torch, transformers and the planner take about 13 s
+of CPU to import, more than a tiny recipe's whole plan), then forks a child per plan, which writes its plan to a file
+and exits. A newer request kills the older child; the server stays.
 
     python -m qlora_fsdp.studio.plan_worker RECIPE [key=value ...]   # prints the plan as one JSON line
+    python -m qlora_fsdp.studio.plan_worker --serve                  # the warm server (PlanWorker starts it)
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from qlora_fsdp.config import load_config
@@ -65,25 +75,81 @@ def plan_data(draft: Draft) -> PlanData:
                         "cost": lever.cost} for lever in levers]}
 
 
-def main(argv: list[str]) -> int:
+def plan_or_error(draft: Draft) -> PlanData:
     try:
-        data = plan_data(Draft(argv[0], tuple(argv[1:])))
+        return plan_data(draft)
     except UserError as err:
-        data = {"error": f"error: {err}"}
-    print(json.dumps(data), flush=True)
+        return {"error": f"error: {err}"}
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--serve"]:
+        serve()
+        return 0
+    print(json.dumps(plan_or_error(Draft(argv[0], tuple(argv[1:])))), flush=True)
+    return 0
+
+
+def serve() -> None:
+    """Import the planner once, then fork a child for each request line on stdin ({"recipe", "overrides", "out"}):
+    the child writes its plan (or the error in one line) to `out`, whole; the server answers each line with the
+    child's pid, by which the page waits for it or kills it."""
+    import qlora_fsdp.plan.levers  # noqa: F401  (what the children run, imported before they are forked)
+    import qlora_fsdp.plan.report  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children are reaped as they end: none lingers
+    print("ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the planner waits for processes of its own
+            os._exit(write_plan(request))
+        print(pid, flush=True)
+
+
+def write_plan(request: dict[str, Any]) -> int:
+    try:
+        data = plan_or_error(Draft(request["recipe"], tuple(request["overrides"])))
+    except Exception as err:  # a planner's failure, said in one line (the page shows it; the server goes on)
+        data = {"error": f"error: the plan failed: {type(err).__name__}: {err}"}
+    out = Path(request["out"])
+    out.with_suffix(".partial").write_text(json.dumps(data))
+    out.with_suffix(".partial").replace(out)
     return 0
 
 
 class PlanWorker:
-    """One plan at a time; `plan` from a newer request ends the older one's process (its caller gets None)."""
+    """One plan at a time, in children of the warm server; `plan` from a newer request ends the older one's child
+    (its caller gets None), and a request followed within `settle_s` by a newer one starts nothing."""
 
     def __init__(self, settle_s: float = SETTLE_S) -> None:
         self.lock = threading.Lock()
-        self.current: subprocess.Popen[str] | None = None
+        self.server: subprocess.Popen[str] | None = None
+        self.current: int | None = None  # the pid of the plan under way
+        self.results = Path(tempfile.mkdtemp(prefix="qlora-studio-plans-"))
         self.superseded = 0  # plans ended by a newer request (the page's tests read it)
         self.settle_s = settle_s
         self.requests = 0  # every request so far: one that is no longer the latest once settled starts nothing
-        self.started = 0  # worker processes started (the page's tests read it)
+        self.started = 0  # plans started (the page's tests read it)
+
+    def warm_server(self) -> subprocess.Popen[str]:
+        """The server, started on the first request (and again should it have died)."""
+        if self.server is None or self.server.poll() is not None:
+            self.server = subprocess.Popen([sys.executable, "-m", "qlora_fsdp.studio.plan_worker", "--serve"],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                           text=True, bufsize=1, env=child_environment())
+            assert self.server.stdout is not None and self.server.stdout.readline().strip() == "ready", \
+                "the plan server did not start"
+        return self.server
+
+    def start(self, draft: Draft, out: Path) -> int:
+        server = self.warm_server()
+        assert server.stdin is not None and server.stdout is not None
+        request = {"recipe": draft.recipe, "overrides": list(draft.overrides), "out": str(out)}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        return int(server.stdout.readline())
 
     def plan(self, draft: Draft, timeout_s: float = 600.0) -> PlanData | None:
         with self.lock:
@@ -93,30 +159,47 @@ class PlanWorker:
         with self.lock:
             if mine != self.requests:
                 return None
-            if self.current is not None and self.current.poll() is None:
-                self.current.kill()
+            if self.current is not None and alive(self.current):
+                os.kill(self.current, signal.SIGKILL)
                 self.superseded += 1
+            out = self.results / f"{mine}.json"
+            self.current = pid = self.start(draft, out)
             self.started += 1
-            proc = subprocess.Popen([sys.executable, "-m", "qlora_fsdp.studio.plan_worker", draft.recipe,
-                                     *draft.overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env=child_environment())
-            self.current = proc
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return {"error": f"error: the plan took over {timeout_s:.0f} s and was stopped"}
-        if proc.returncode < 0:  # killed: a newer request replaced it
-            return None
-        lines = out.strip().splitlines()
-        if proc.returncode != 0 or not lines:
-            return {"error": last_error_line(err)}
-        return dict(json.loads(lines[-1]))
+        return self.result(pid, out, mine, timeout_s)
+
+    def result(self, pid: int, out: Path, mine: int, timeout_s: float) -> PlanData | None:
+        """The child's plan once written; None where a newer request ended it."""
+        deadline = time.monotonic() + timeout_s
+        while not out.is_file():
+            if not alive(pid):
+                if out.is_file():  # written just before it exited
+                    break
+                return None if mine != self.requests else {"error": "error: the plan's process ended without a "
+                                                                     "plan (out of memory?)"}
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                return {"error": f"error: the plan took over {timeout_s:.0f} s and was stopped"}
+            time.sleep(0.1)
+        data = dict(json.loads(out.read_text()))
+        out.unlink()
+        return data
 
     def close(self) -> None:
         with self.lock:
-            if self.current is not None and self.current.poll() is None:
-                self.current.kill()
+            if self.current is not None and alive(self.current):
+                os.kill(self.current, signal.SIGKILL)
+            if self.server is not None and self.server.poll() is None:
+                self.server.kill()
+                self.server.wait()
+        shutil.rmtree(self.results, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def last_error_line(stderr: str) -> str:
