@@ -11,6 +11,7 @@ and exits. A newer request kills the older child; the server stays.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -97,7 +98,8 @@ def serve() -> None:
     import qlora_fsdp.plan.levers  # noqa: F401  (what the children run, imported before they are forked)
     import qlora_fsdp.plan.report  # noqa: F401
 
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children are reaped as they end: none lingers
+    signal.signal(signal.SIGCHLD, reap)  # the children are waited for as they end: none lingers, and their CPU
+    # time counts in the server's (as a plan's own process counted in the page's)
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -106,6 +108,12 @@ def serve() -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the planner waits for processes of its own
             os._exit(write_plan(request))
         print(pid, flush=True)
+
+
+def reap(signum: int, frame: Any) -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
 
 
 def write_plan(request: dict[str, Any]) -> int:
