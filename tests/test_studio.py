@@ -264,6 +264,8 @@ def test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans
     assert lever["label"] in data["text"]
     after = worker.plan(misfit.with_overrides([f"{k}={json.dumps(v)}" for k, v in lever["overrides"].items()]))
     assert after is not None and after["fits"] and not after["levers"]
+    started = worker.started
+    assert worker.plan(misfit) == data and worker.started == started  # asked again: answered without a process
     assert sum(r["gib"] for r in after["gpu_rows"]) == pytest.approx(lever["gpu_gib"], abs=1e-6)
     assert worker.plan(Draft("tiny_cpu", ("hardware.gpu=rtx4091",)))["error"].startswith(  # type: ignore[index]
         "error: unknown hardware.gpu 'rtx4091': choose one of")

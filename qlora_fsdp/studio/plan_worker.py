@@ -30,6 +30,7 @@ from qlora_fsdp.studio.draft import Draft
 from qlora_fsdp.studio.environment import child_environment
 
 PlanData = dict[str, Any]
+KEPT_PLANS = 16  # plans answered again without a process (a tiny plan is kilobytes, a 70B's levers a few more)
 SETTLE_S = 1.0  # a request waits this long for a newer one before its worker starts (a start costs seconds of CPU)
 
 
@@ -140,6 +141,7 @@ class PlanWorker:
         self.settle_s = settle_s
         self.requests = 0  # every request so far: one that is no longer the latest once settled starts nothing
         self.started = 0  # plans started (the page's tests read it)
+        self.done: dict[tuple[Any, ...], PlanData] = {}  # the latest plans, by draft: asked again, answered at once
 
     def warm_server(self) -> subprocess.Popen[str]:
         """The server, started on the first request (and again should it have died)."""
@@ -160,20 +162,34 @@ class PlanWorker:
         return int(server.stdout.readline())
 
     def plan(self, draft: Draft, timeout_s: float = 600.0) -> PlanData | None:
+        key = planned_key(draft)
         with self.lock:
             self.requests += 1
             mine = self.requests
+            if key in self.done:  # planned before (a recipe picked again, the page reopened): no process at all
+                self.end_current()
+                return dict(self.done[key])
         time.sleep(self.settle_s)  # edits come in bursts (a field, then the next): only the last one is planned
         with self.lock:
             if mine != self.requests:
                 return None
-            if self.current is not None and alive(self.current):
-                os.kill(self.current, signal.SIGKILL)
-                self.superseded += 1
+            self.end_current()
             out = self.results / f"{mine}.json"
             self.current = pid = self.start(draft, out)
             self.started += 1
-        return self.result(pid, out, mine, timeout_s)
+        data = self.result(pid, out, mine, timeout_s)
+        if data is not None and "error" not in data:
+            with self.lock:
+                self.done[key] = data
+                while len(self.done) > KEPT_PLANS:
+                    self.done.pop(next(iter(self.done)))
+        return data
+
+    def end_current(self) -> None:
+        """A newer request ends the plan under way (its caller then gets None)."""
+        if self.current is not None and alive(self.current):
+            os.kill(self.current, signal.SIGKILL)
+            self.superseded += 1
 
     def result(self, pid: int, out: Path, mine: int, timeout_s: float) -> PlanData | None:
         """The child's plan once written; None where a newer request ended it."""
@@ -200,6 +216,13 @@ class PlanWorker:
                 self.server.kill()
                 self.server.wait()
         shutil.rmtree(self.results, ignore_errors=True)
+
+
+def planned_key(draft: Draft) -> tuple[Any, ...]:
+    """What a plan depends on: the recipe, its overrides, and the recipe file's time where it is a file of one's own
+    (edited since, it is planned again)."""
+    path = Path(draft.recipe)
+    return draft.recipe, draft.overrides, path.stat().st_mtime if path.is_file() else None
 
 
 def alive(pid: int) -> bool:
