@@ -184,7 +184,9 @@ def pair_units(cfg: Config, records: list[tuple[SourceConfig, datasets.Dataset]]
     data, unpaired = cfg.data, cfg.train.kind.unpaired
     fit = TokenizePair(tokenizer, template, data.context_length, data.overlong)  # type: ignore[arg-type]
     problems: dict[str, list[Any]] = {"problem": [], "origin": [], "record": []}
-    preview, lengths, n_units, offset = [], [], 0, 0
+    preview: list[Any] = []
+    lengths: list[int] = []
+    n_units, offset = 0, 0
     for source, part in records:
         pairs = (as_kto_pairs if unpaired else as_pairs)(part, source)
         for index, pair in enumerate(pairs):
@@ -231,7 +233,8 @@ def prompt_units(cfg: Config, records: list[tuple[SourceConfig, datasets.Dataset
                  tokenizer: PreTrainedTokenizerBase, template: str, shown: int) -> Units:
     """GRPO's prompts through the run's encoder (a prompt leaving no room for a completion is its error); a prompt
     is context only: the loss is on the completions generated at each step."""
-    preview, lengths = [], []
+    preview: list[Any] = []
+    lengths: list[int] = []
     for source, part in records:
         prompts = encoded_prompts(with_prompt_column(part, source), source.path,
                                   prompt_encoder(source.path, tokenizer, template, None, None), cfg.prompt_room, False)
@@ -270,9 +273,10 @@ def held_out_counts(cfg: Config, units: Units, preview: DataPreview) -> tuple[in
     whole = round(n_units * preview.n_total / preview.n_read) if preview.capped and preview.n_read else n_units
     held_out = eval_source(cfg.data)
     n_file = len(read_source(held_out, cfg.data.cache_dir)) if held_out is not None else None
-    if n_file is not None:
+    if held_out is not None and n_file is not None:
         preview.notes.append(f"held out: data.eval_samples of the {n_file:,} records of {held_out.path}")
-    train, held = held_out_sets(range(whole), None if n_file is None else range(n_file),
+    # only the counts matter here: a split's picked indices stand for its units
+    train, held = held_out_sets(list(range(whole)), None if n_file is None else list(range(n_file)),
                                 lambda split, picked: picked, cfg.data.eval_samples, cfg.train.seed, units.unit)
     return len(train), len(held)
 

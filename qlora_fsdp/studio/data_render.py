@@ -40,9 +40,9 @@ def decoded_runs(ids: list[int], labels: list[int], tokenizer: PreTrainedTokeniz
         masked = labels[start] == IGNORE_INDEX
         if end < len(ids) and (labels[end] == IGNORE_INDEX) == masked:
             continue
-        text = tokenizer.decode(ids[:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        piece = text[len(before):] if text.startswith(before) else tokenizer.decode(
-            ids[start:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = str(tokenizer.decode(ids[:end], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        piece = text[len(before):] if text.startswith(before) else str(tokenizer.decode(
+            ids[start:end], skip_special_tokens=False, clean_up_tokenization_spaces=False))
         out.append((piece, masked))
         start, before = end, text
     return out
