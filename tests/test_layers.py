@@ -42,7 +42,8 @@ ALLOWED = {
     "tools": BASE | {"data", *MODEL, "run"},  # never api.py: the tools do not start training
     "api": BASE | {"data", *MODEL, "rewards", "objectives", "optimizer", "run", "outputs", "training", "auto_batch"},
     # the local web page: the plan, the run's files, chat through the tools; training only as a torchrun it starts
-    "studio": BASE | {"data", "loading", "plan", "outputs", "tools"},
+    "readouts": BASE | {"data", "loading"},  # what the studio shows, without Gradio: the data, the machine's GPUs
+    "studio": BASE | {"data", "loading", "plan", "outputs", "tools", "readouts"},
     "commands": BASE | {"api", "plan", "measure", "run", "data", *MODEL, "tools", "studio"},  # the command lines
     "__init__": {"api", "config"},
 }
@@ -130,7 +131,7 @@ def test_modules_and_functions_stay_short():
 # the tables, validation, and the two places that choose the data's reader by its kind: the run's and the studio's
 # data preview (which reads and shows what that reader would)
 DISPATCH_ALLOWED = {"config/objectives.py", "config/validation.py", "config/schema.py", "objectives/table.py",
-                    "data/training_data.py", "studio/data_preview.py"}
+                    "data/training_data.py", "readouts/data_preview.py"}
 
 
 def objective_subclasses() -> set[str]:

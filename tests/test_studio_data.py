@@ -1,6 +1,7 @@
-"""The studio's data step (qlora_fsdp/studio/data_preview.py, data_tab.py): the records shown are the token ids the
-run's own pipeline trains on, masked tokens shaded where their labels are masked, the lengths, the over-long count
-and the held-out split as the run counts them, and the reader's errors in the command line's words."""
+"""The studio's data step (qlora_fsdp/readouts/data_preview.py, studio/data_tab.py): the records shown are the
+token ids the run's own pipeline trains on, masked tokens shaded where their labels are masked, the lengths, the
+over-long count and the held-out split as the run counts them, and the reader's errors in the command line's
+words."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from qlora_fsdp.data.prompts import load_prompt_data
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.studio.data_preview import (
+from qlora_fsdp.readouts.data_preview import (
     data_overrides,
     kept_upload,
     preview_data,
@@ -179,7 +180,7 @@ def test_the_data_tab_previews_the_draft_with_the_typed_path_and_a_given_file_be
         tmp_path, tiny_model_dir, monkeypatch):
     import gradio as gr
 
-    from qlora_fsdp.studio import data_preview
+    from qlora_fsdp.readouts import data_preview
     from qlora_fsdp.studio.data_tab import data_tab, previewed, uploaded, wire_data
     from qlora_fsdp.studio.events import recipe_inputs
     from qlora_fsdp.studio.session import Studio

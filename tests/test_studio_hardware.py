@@ -15,8 +15,8 @@ import pytest
 
 from qlora_fsdp.config import load_config
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.readouts.hardware import FAKE_NVML_ENV, HardwareMonitor, cuda_visible_devices, hardware_markdown
 from qlora_fsdp.studio.draft import Draft
-from qlora_fsdp.studio.hardware import FAKE_NVML_ENV, HardwareMonitor, cuda_visible_devices, hardware_markdown
 
 
 def write_gpus(path: Path, *used: tuple[float, float]) -> None:

@@ -14,7 +14,7 @@ import gradio as gr
 from matplotlib.figure import Figure
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.studio.data_preview import (
+from qlora_fsdp.readouts.data_preview import (
     DataPreview,
     data_overrides,
     data_path_of,

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Protocol
 
-from qlora_fsdp.studio.draft import shipped_recipes
+from qlora_fsdp.config import RECIPES_DIR
 
 FAKE_NVML_ENV = "QLORA_FAKE_NVML"  # a JSON file of fake GPUs (FakeNvml): the tests' machine has none
 GIB = 1024**3
@@ -251,5 +251,5 @@ def hardware_markdown(now: Sample, error: str) -> str:
     rows.append(f"| host | RAM | {now.host_used_gib:.1f} / {now.host_total_gib:.1f} GiB | |")
     if now.gpus:
         return "\n".join(rows)
-    cpu = ", ".join(name for name in shipped_recipes() if name.startswith("tiny_cpu"))
+    cpu = ", ".join(sorted(path.stem for path in RECIPES_DIR.glob("tiny_cpu*.yaml")))
     return f"no GPU found (NVML: {error or 'no device'}): the CPU recipes train here ({cpu})\n\n" + "\n".join(rows)

@@ -28,7 +28,7 @@ from qlora_fsdp.data.sources import as_conversations, eval_source, read_source, 
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.studio.data_render import PreviewRecord, records_html
+from qlora_fsdp.readouts.data_render import PreviewRecord, records_html
 
 SHOWN = 5  # records rendered token by token
 READ_AT_MOST = 2000  # records read for the lengths and the split (a preview, not a tokenization of a corpus)
