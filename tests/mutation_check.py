@@ -631,11 +631,9 @@ MUTATIONS = [
              "                                        text=True, bufsize=1, env=child_environment())\n",
              "                                        text=True, bufsize=1)\n",
              "tests/test_studio.py::test_chat_workers_stream_the_reply_qlora_generate_prints_and_two_answer_side_by_side"),
-    Mutation("the studio's plan worker lets a superseded plan run on", "qlora_fsdp/studio/plan_worker.py",
-             "        if self.current is not None and alive(self.current):\n"
-             "            os.kill(self.current, signal.SIGKILL)\n"
-             "            self.superseded += 1\n",
-             "        pass\n",
+    Mutation("the studio's plan server lets a superseded plan run on", "qlora_fsdp/studio/plan_server.py",
+             "                    os.kill(pid, signal.SIGKILL)\n                    ended += 1\n",
+             "                    pass\n",
              "tests/test_studio.py::test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),
     # ---- torch releases, flex attention, the offline GPU machine --------------------------------------------
     Mutation("flex attention lets short grouped-query rows take the decoding kernel",
@@ -719,6 +717,15 @@ MUTATIONS = [
              "test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),
     Mutation("the studio plans a draft it has planned again", "qlora_fsdp/studio/plan_worker.py",
              "            if key in self.done:", "            if False:",
+             "tests/test_studio.py::"
+             "test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),
+    Mutation("the plan server forgets the steps its plans measured", "qlora_fsdp/studio/plan_server.py",
+             "        remember_measured_steps(Path(request[\"out\"]).parent, taken=True)\n", "",
+             "tests/test_studio.py::"
+             "test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),
+    Mutation("the plan server ends the plan measuring the step a newer request needs",
+             "qlora_fsdp/studio/plan_server.py", "        awaited = children.measurer(key)\n",
+             "        awaited = None\n",
              "tests/test_studio.py::"
              "test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),
     Mutation("the studio's error line read as HTML", "qlora_fsdp/studio/events.py",

@@ -264,11 +264,31 @@ def test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans
     assert lever["label"] in data["text"]
     after = worker.plan(misfit.with_overrides([f"{k}={json.dumps(v)}" for k, v in lever["overrides"].items()]))
     assert after is not None and after["fits"] and not after["levers"]
+    # the server keeps the steps its plans measured: an edit that leaves the step alone measures nothing (its plan
+    # takes a fraction of a second), and neither does the lever's plan asked again
+    assert data["steps_measured"] > 0 and after["steps_measured"] > 0
+    retimed = worker.plan(misfit.with_overrides(["train.max_steps=7"]))
+    assert retimed is not None and retimed["steps_measured"] == 0 and retimed["gpu_rows"] == data["gpu_rows"]
+    again = worker.plan(misfit.with_overrides([f"{k}={json.dumps(v)}" for k, v in lever["overrides"].items()]
+                                              + ["train.max_steps=7"]))
+    assert again is not None and again["steps_measured"] == 0 and again["gpu_rows"] == after["gpu_rows"]
     started = worker.started
     assert worker.plan(misfit) == data and worker.started == started  # asked again: answered without a process
     assert sum(r["gib"] for r in after["gpu_rows"]) == pytest.approx(lever["gpu_gib"], abs=1e-6)
     assert worker.plan(Draft("tiny_cpu", ("hardware.gpu=rtx4091",)))["error"].startswith(  # type: ignore[index]
         "error: unknown hardware.gpu 'rtx4091': choose one of")
+    # a request needing the step a plan under way measures: that plan is not ended (its caller is answered None),
+    # and the newer one waits for its step instead of measuring it again
+    first = threading.Thread(target=lambda: results.append(worker.plan(Draft("tiny_cpu", ("lora.r=4",)))))
+    started, superseded = worker.started, worker.superseded
+    first.start()
+    while worker.started == started:
+        time.sleep(0.1)
+    time.sleep(1)  # its step is being measured (seconds)
+    second = worker.plan(Draft("tiny_cpu", ("lora.r=4", "train.max_steps=7")))
+    first.join()
+    assert results[-1] is None and worker.superseded == superseded
+    assert second is not None and second["fits"] and second["steps_measured"] == 0
     worker.close()
 
 

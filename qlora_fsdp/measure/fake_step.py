@@ -269,6 +269,17 @@ _MEASURED: dict[str, StepMemory] = {}
 def cached_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh) -> StepMemory:
     """planned_step, once per setting: the auto micro-batch and the misfit fixes plan many configs."""
     key = step_setting(cfg, hf_config)
-    if key not in _MEASURED:
-        _MEASURED[key] = planned_step(cfg, hf_config, mesh)
+    if key not in _MEASURED:  # on a copy: building the model turns its config's use_cache off, which would
+        # change the key of the same setting planned next (and measure it again)
+        _MEASURED[key] = planned_step(cfg, copy.deepcopy(hf_config), mesh)
     return _MEASURED[key]
+
+
+def measured_steps() -> dict[str, StepMemory]:
+    """The steps this process has measured, by setting (the studio's plan server hands them on to later plans)."""
+    return dict(_MEASURED)
+
+
+def remember_steps(steps: dict[str, StepMemory]) -> None:
+    """Steps measured in another process of the same code (a plan forked from the server), kept as if measured here."""
+    _MEASURED.update(steps)

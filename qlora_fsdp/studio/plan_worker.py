@@ -1,17 +1,12 @@
-"""The plan in a worker process: the page asks for a recipe's plan as keys change, and a newer request kills the
-older plan (a 70B plan takes seconds of CPU; a superseded one is not waited for).
-
-The worker is warm: one server process imports the planner once (torch, transformers and the planner take about 13 s
-of CPU to import, more than a tiny recipe's whole plan), then forks a child per plan, which writes its plan to a file
-and exits. A newer request kills the older child; the server stays.
+"""The plan in a worker process: the page asks for a recipe's plan as keys change, and a newer request ends the
+older plan (a 70B plan takes a minute of CPU; a superseded one is not waited for). The plans run in children of a
+warm server (plan_server.py), which keeps the steps they measured.
 
     python -m qlora_fsdp.studio.plan_worker RECIPE [key=value ...]   # prints the plan as one JSON line
-    python -m qlora_fsdp.studio.plan_worker --serve                  # the warm server (PlanWorker starts it)
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -85,52 +80,14 @@ def plan_or_error(draft: Draft) -> PlanData:
 
 
 def main(argv: list[str]) -> int:
-    if argv == ["--serve"]:
-        serve()
-        return 0
     print(json.dumps(plan_or_error(Draft(argv[0], tuple(argv[1:])))), flush=True)
     return 0
 
 
-def serve() -> None:
-    """Import the planner once, then fork a child for each request line on stdin ({"recipe", "overrides", "out"}):
-    the child writes its plan (or the error in one line) to `out`, whole; the server answers each line with the
-    child's pid, by which the page waits for it or kills it."""
-    import qlora_fsdp.plan.levers  # noqa: F401  (what the children run, imported before they are forked)
-    import qlora_fsdp.plan.report  # noqa: F401
-
-    signal.signal(signal.SIGCHLD, reap)  # the children are waited for as they end: none lingers, and their CPU
-    # time counts in the server's (as a plan's own process counted in the page's)
-    print("ready", flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the planner waits for processes of its own
-            os._exit(write_plan(request))
-        print(pid, flush=True)
-
-
-def reap(signum: int, frame: Any) -> None:
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-
-
-def write_plan(request: dict[str, Any]) -> int:
-    try:
-        data = plan_or_error(Draft(request["recipe"], tuple(request["overrides"])))
-    except Exception as err:  # a planner's failure, said in one line (the page shows it; the server goes on)
-        data = {"error": f"error: the plan failed: {type(err).__name__}: {err}"}
-    out = Path(request["out"])
-    out.with_suffix(".partial").write_text(json.dumps(data))
-    out.with_suffix(".partial").replace(out)
-    return 0
-
-
 class PlanWorker:
-    """One plan at a time, in children of the warm server; `plan` from a newer request ends the older one's child
-    (its caller gets None), and a request followed within `settle_s` by a newer one starts nothing."""
+    """One plan at a time, in children of the warm server; `plan` from a newer request ends the older one (its caller
+    gets None; the server lets its process finish where it measures the step the newer one needs), and a request
+    followed within `settle_s` by a newer one starts nothing."""
 
     def __init__(self, settle_s: float = SETTLE_S) -> None:
         self.lock = threading.Lock()
@@ -146,7 +103,7 @@ class PlanWorker:
     def warm_server(self) -> subprocess.Popen[str]:
         """The server, started on the first request (and again should it have died)."""
         if self.server is None or self.server.poll() is not None:
-            self.server = subprocess.Popen([sys.executable, "-m", "qlora_fsdp.studio.plan_worker", "--serve"],
+            self.server = subprocess.Popen([sys.executable, "-m", "qlora_fsdp.studio.plan_server"],
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                            text=True, bufsize=1, env=child_environment())
             assert self.server.stdout is not None and self.server.stdout.readline().strip() == "ready", \
@@ -159,7 +116,9 @@ class PlanWorker:
         request = {"recipe": draft.recipe, "overrides": list(draft.overrides), "out": str(out)}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
-        return int(server.stdout.readline())
+        answer = json.loads(server.stdout.readline())
+        self.superseded += answer["ended"]  # the plans under way it ended
+        return int(answer["pid"])
 
     def plan(self, draft: Draft, timeout_s: float = 600.0) -> PlanData | None:
         key = planned_key(draft)
@@ -173,7 +132,6 @@ class PlanWorker:
         with self.lock:
             if mine != self.requests:
                 return None
-            self.end_current()
             out = self.results / f"{mine}.json"
             self.current = pid = self.start(draft, out)
             self.started += 1
@@ -192,9 +150,11 @@ class PlanWorker:
             self.superseded += 1
 
     def result(self, pid: int, out: Path, mine: int, timeout_s: float) -> PlanData | None:
-        """The child's plan once written; None where a newer request ended it."""
+        """The child's plan once written; None once a newer request has come."""
         deadline = time.monotonic() + timeout_s
         while not out.is_file():
+            if mine != self.requests:
+                return None
             if not alive(pid):
                 if out.is_file():  # written just before it exited
                     break
@@ -213,8 +173,13 @@ class PlanWorker:
             if self.current is not None and alive(self.current):
                 os.kill(self.current, signal.SIGKILL)
             if self.server is not None and self.server.poll() is None:
-                self.server.kill()
-                self.server.wait()
+                assert self.server.stdin is not None
+                self.server.stdin.close()  # the server ends the plans under way and exits
+                try:
+                    self.server.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.server.kill()
+                    self.server.wait()
         shutil.rmtree(self.results, ignore_errors=True)
 
 

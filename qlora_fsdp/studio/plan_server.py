@@ -1,0 +1,139 @@
+"""The warm plan server the page's PlanWorker starts (`python -m qlora_fsdp.studio.plan_server`): one process imports
+the planner once (torch, transformers and the planner take about 13 s of CPU, more than a tiny recipe's whole plan)
+and forks a child per plan. The child writes its plan to a file, whole, and the steps it measured beside it; the
+server keeps those steps, so no later plan measures them again (an edit of the steps, the lr or the output folder
+plans in a fraction of a second; a step of a 70B takes tens of seconds).
+
+A request ends the plans under way, except one measuring the very step the request needs: that one finishes its
+measurement and the new plan waits for it, so a burst of such edits during a long measurement measures it once.
+Requests are lines on stdin ({"recipe", "overrides", "out"}); each is answered with {"pid", "ended"}: the new
+plan's process and how many plans under way it ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from qlora_fsdp.config import load_config
+from qlora_fsdp.studio.draft import Draft
+from qlora_fsdp.studio.plan_worker import alive, plan_or_error
+
+STEPS_SUFFIX = ".steps"  # a child's measured steps, beside its plan
+
+
+class Children:
+    """The plans under way: pid -> the step it measures (None: a plan waiting for another's, or of a known step)."""
+
+    def __init__(self) -> None:
+        self.measuring: dict[int, str | None] = {}
+
+    def measurer(self, key: str | None) -> int | None:
+        """The plan under way measuring `key`'s step, if any."""
+        return next((pid for pid, k in list(self.measuring.items()) if key is not None and k == key and alive(pid)),
+                    None)
+
+    def end_all_but(self, spared: int | None) -> int:
+        """Kill every plan under way but `spared`; how many were still running."""
+        ended = 0
+        for pid in list(self.measuring):
+            if pid != spared:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    ended += 1
+                self.measuring.pop(pid, None)
+        return ended
+
+    def reap(self, signum: int, frame: Any) -> None:
+        """Wait for the children as they end: none lingers, and their CPU time counts in the server's."""
+        with contextlib.suppress(ChildProcessError):
+            while (pid := os.waitpid(-1, os.WNOHANG)[0]) != 0:
+                self.measuring.pop(pid, None)
+
+
+def serve() -> None:
+    import qlora_fsdp.plan.levers  # noqa: F401  (what the children run, imported before they are forked)
+    import qlora_fsdp.plan.report  # noqa: F401
+
+    children = Children()
+    signal.signal(signal.SIGCHLD, children.reap)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        remember_measured_steps(Path(request["out"]).parent, taken=True)
+        key = step_key(Draft(request["recipe"], tuple(request["overrides"])))
+        awaited = children.measurer(key)
+        ended = children.end_all_but(awaited)
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the planner waits for processes of its own
+            os._exit(write_plan(request, awaited))
+        children.measuring[pid] = key if awaited is None else None
+        print(json.dumps({"pid": pid, "ended": ended}), flush=True)
+    children.end_all_but(None)  # the page closed the pipe: no plan outlives it
+
+
+def step_key(draft: Draft) -> str | None:
+    """The setting of the step the draft's plan measures first (None where the draft does not load, or the step is
+    measured already: no plan need wait for it)."""
+    from qlora_fsdp.measure.fake_step import measured_steps, step_setting
+    from qlora_fsdp.run.description import planned_run
+
+    try:
+        run = planned_run(load_config(draft.recipe, list(draft.overrides)))
+        key = step_setting(run.built, run.hf_config)
+    except Exception:  # the plan itself says what is wrong with the draft
+        return None
+    return None if key in measured_steps() else key
+
+
+def write_plan(request: dict[str, Any], awaited: int | None) -> int:
+    """The plan (a child of the server), once the plan measuring its step has ended: its data to `out`, and the
+    steps it measured beside it."""
+    from qlora_fsdp.measure.fake_step import measured_steps
+
+    out = Path(request["out"])
+    while awaited is not None and alive(awaited):
+        time.sleep(0.05)
+    remember_measured_steps(out.parent, taken=False)
+    known = set(measured_steps())
+    try:
+        data = plan_or_error(Draft(request["recipe"], tuple(request["overrides"])))
+    except Exception as err:  # a planner's failure, said in one line (the page shows it; the server goes on)
+        data = {"error": f"error: the plan failed: {type(err).__name__}: {err}"}
+    new_steps = {key: step for key, step in measured_steps().items() if key not in known}
+    data["steps_measured"] = len(new_steps)
+    if new_steps:
+        write_whole(out.with_suffix(STEPS_SUFFIX), pickle.dumps(new_steps))
+    write_whole(out, json.dumps(data).encode())
+    return 0
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """`path` appears whole or not at all (a plan killed while writing leaves only a .partial)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(data)
+    partial.replace(path)
+
+
+def remember_measured_steps(folder: Path, taken: bool) -> None:
+    """The steps finished plans measured, kept in this process (`taken`: the files removed, by the server). The files
+    are the children's own, in the worker's private folder."""
+    from qlora_fsdp.measure.fake_step import remember_steps
+
+    for path in sorted(folder.glob(f"*{STEPS_SUFFIX}")):
+        with contextlib.suppress(FileNotFoundError):  # taken by the server meanwhile: it forks the next plan
+            remember_steps(pickle.loads(path.read_bytes()))
+            if taken:
+                path.unlink()
+
+
+if __name__ == "__main__":
+    serve()
