@@ -153,7 +153,7 @@ class PlanWorker:
         """The child's plan once written; None once a newer request has come."""
         deadline = time.monotonic() + timeout_s
         while not out.is_file():
-            if mine != self.requests:
+            if mine != self.requests:  # superseded (its process ended, or spared to finish a step the newer needs)
                 return None
             if not alive(pid):
                 if out.is_file():  # written just before it exited
