@@ -720,7 +720,7 @@ MUTATIONS = [
              "tests/test_studio.py::"
              "test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),
     Mutation("the plan server forgets the steps its plans measured", "qlora_fsdp/studio/plan_server.py",
-             "        remember_measured_steps(Path(request[\"out\"]).parent, taken=True)\n", "",
+             "        take_measured_steps(Path(request[\"out\"]).parent)\n", "",
              "tests/test_studio.py::"
              "test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans_what_it_promised"),
     Mutation("the plan server ends the plan measuring the step a newer request needs",

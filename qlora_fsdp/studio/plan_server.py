@@ -30,15 +30,16 @@ STEPS_SUFFIX = ".steps"  # a child's measured steps, beside its plan
 
 
 class Children:
-    """The plans under way: pid -> the step it measures (None: a plan waiting for another's, or of a known step)."""
+    """The plans under way: pid -> the step it measures (None: a plan waiting for another's, or of a known step)
+    and the file its plan goes to."""
 
     def __init__(self) -> None:
-        self.measuring: dict[int, str | None] = {}
+        self.measuring: dict[int, tuple[str | None, Path]] = {}
 
-    def measurer(self, key: str | None) -> int | None:
-        """The plan under way measuring `key`'s step, if any."""
-        return next((pid for pid, k in list(self.measuring.items()) if key is not None and k == key and alive(pid)),
-                    None)
+    def measurer(self, key: str | None) -> tuple[int, Path] | None:
+        """The plan under way measuring `key`'s step, if any: its process and its plan's file."""
+        return next(((pid, out) for pid, (k, out) in list(self.measuring.items())
+                     if key is not None and k == key and alive(pid)), None)
 
     def end_all_but(self, spared: int | None) -> int:
         """Kill every plan under way but `spared`; how many were still running."""
@@ -67,15 +68,15 @@ def serve() -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        remember_measured_steps(Path(request["out"]).parent, taken=True)
+        take_measured_steps(Path(request["out"]).parent)
         key = step_key(Draft(request["recipe"], tuple(request["overrides"])))
         awaited = children.measurer(key)
-        ended = children.end_all_but(awaited)
+        ended = children.end_all_but(awaited[0] if awaited else None)
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the planner waits for processes of its own
             os._exit(write_plan(request, awaited))
-        children.measuring[pid] = key if awaited is None else None
+        children.measuring[pid] = (key if awaited is None else None, Path(request["out"]))
         print(json.dumps({"pid": pid, "ended": ended}), flush=True)
     children.end_all_but(None)  # the page closed the pipe: no plan outlives it
 
@@ -94,15 +95,18 @@ def step_key(draft: Draft) -> str | None:
     return None if key in measured_steps() else key
 
 
-def write_plan(request: dict[str, Any], awaited: int | None) -> int:
-    """The plan (a child of the server), once the plan measuring its step has ended: its data to `out`, and the
-    steps it measured beside it."""
-    from qlora_fsdp.measure.fake_step import measured_steps
+def write_plan(request: dict[str, Any], awaited: tuple[int, Path] | None) -> int:
+    """The plan (a child of the server): its data to `out`, and the steps it measured beside it. Where another plan
+    was measuring its step (`awaited`: its process and plan file), it plans once that one has ended, with its steps."""
+    from qlora_fsdp.measure.fake_step import measured_steps, remember_steps
 
     out = Path(request["out"])
-    while awaited is not None and alive(awaited):
-        time.sleep(0.05)
-    remember_measured_steps(out.parent, taken=False)
+    if awaited is not None:
+        while alive(awaited[0]):
+            time.sleep(0.05)
+        with contextlib.suppress(FileNotFoundError):  # none where it failed (or the server took them: only at a
+            # newer request, which ends this plan too)
+            remember_steps(pickle.loads(awaited[1].with_suffix(STEPS_SUFFIX).read_bytes()))
     known = set(measured_steps())
     try:
         data = plan_or_error(Draft(request["recipe"], tuple(request["overrides"])))
@@ -123,16 +127,14 @@ def write_whole(path: Path, data: bytes) -> None:
     partial.replace(path)
 
 
-def remember_measured_steps(folder: Path, taken: bool) -> None:
-    """The steps finished plans measured, kept in this process (`taken`: the files removed, by the server). The files
-    are the children's own, in the worker's private folder."""
+def take_measured_steps(folder: Path) -> None:
+    """The steps finished plans measured, kept in the server (the files, the children's own in the worker's private
+    folder, removed), so that every plan forked later has them."""
     from qlora_fsdp.measure.fake_step import remember_steps
 
     for path in sorted(folder.glob(f"*{STEPS_SUFFIX}")):
-        with contextlib.suppress(FileNotFoundError):  # taken by the server meanwhile: it forks the next plan
-            remember_steps(pickle.loads(path.read_bytes()))
-            if taken:
-                path.unlink()
+        remember_steps(pickle.loads(path.read_bytes()))
+        path.unlink()
 
 
 if __name__ == "__main__":
