@@ -15,6 +15,7 @@ one cache of measured steps); `{parts}` in its command becomes the fixtures the 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -52,6 +53,7 @@ class Job:
             self.start(scratch_root())
         if self.done is None:
             assert self.proc is not None
+            before = children_cpu_s()
             try:
                 stdout, stderr = self.proc.communicate(timeout=self.timeout)
             except subprocess.TimeoutExpired:
@@ -59,6 +61,7 @@ class Job:
                 stdout, stderr = self.proc.communicate()
                 stderr += f"\nbackground job {self.name} took over {self.timeout:.0f} s and was killed"
             self.done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, stdout, stderr)
+            _WAITED_CPU[0] += children_cpu_s() - before  # the job's CPU, counted once it is waited for
         return self.done
 
     def stop(self) -> None:
@@ -69,6 +72,17 @@ class Job:
 
 _JOBS: dict[str, Job] = {}
 _ROOT: list[Path] = []
+_WAITED_CPU = [0.0]  # CPU seconds of the jobs waited for so far
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def waited_cpu_s() -> float:
+    """The CPU seconds of the jobs finished and waited for so far (tests/cpu_account.py keeps them apart)."""
+    return _WAITED_CPU[0]
 
 
 def register(fixture: str, command: Sequence[str], env: dict[str, str], timeout: float = 600) -> None:

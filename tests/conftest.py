@@ -10,6 +10,7 @@ import pytest
 
 from qlora_fsdp.tools.real_model import GEMMA3_270M, SMOLLM2, RealModel, RealModelUnavailable, make_real_model
 from tests import background
+from tests.cpu_account import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401 (hooks)
 from tests.helpers import REPO, build_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network (the package index aside, below)

@@ -1,0 +1,54 @@
+"""Each test file's CPU seconds, printed at the end of the run: the test process's own and that of the processes
+it waited for (ranks, workers, the studio and its servers). A background job's CPU (tests/background.py) is its own
+line, not the share of the test that happened to wait for it first. Processes nobody waits for (the browser that
+WebDriver starts) are not counted, here or in the run's total.
+
+The studio's tests have a budget: under 12% of the suite's CPU (the share is printed with the table)."""
+
+from __future__ import annotations
+
+import resource
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import background
+
+STUDIO_BUDGET = 0.12
+SHOWN = 15  # the costliest files listed
+
+_BY_FILE: dict[str, float] = defaultdict(float)
+
+
+def cpu_seconds() -> float:
+    own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    start, jobs = cpu_seconds(), background.waited_cpu_s()
+    yield
+    jobs_cpu = background.waited_cpu_s() - jobs
+    _BY_FILE[item.nodeid.split("::")[0]] += cpu_seconds() - start - jobs_cpu
+    if jobs_cpu:
+        _BY_FILE["(background jobs: planners, real models)"] += jobs_cpu
+
+
+def is_studio(file: str) -> bool:
+    return Path(file).name.startswith("test_studio")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    total = sum(_BY_FILE.values())
+    if total < 1:
+        return
+    studio = sum(cpu for file, cpu in _BY_FILE.items() if is_studio(file))
+    terminalreporter.write_sep("=", "CPU seconds by test file (the test process and those it waited for)")
+    for file, cpu in sorted(_BY_FILE.items(), key=lambda kv: -kv[1])[:SHOWN]:
+        terminalreporter.write_line(f"{cpu:8.1f} s {cpu / total:6.1%}  {file}")
+    verdict = "within" if studio <= STUDIO_BUDGET * total else "OVER"
+    terminalreporter.write_line(f"total {total:.0f} s; the studio's tests {studio:.0f} s = {studio / total:.1%} "
+                                f"({verdict} its {STUDIO_BUDGET:.0%} budget)")
