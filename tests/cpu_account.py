@@ -7,6 +7,7 @@ The studio's tests have a budget: under 12% of the suite's CPU (the share is pri
 
 from __future__ import annotations
 
+import os
 import resource
 from collections import defaultdict
 from collections.abc import Iterator
@@ -27,6 +28,32 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
 
 
+_SESSION_START = cpu_seconds()  # conftest imports this before collection
+
+
+def live_descendants_cpu_s() -> float:
+    """CPU of the processes under this one that are still running (the rank pool's forkserver and workers, ended
+    only at exit), with that of the processes they waited for; Linux's /proc, 0 elsewhere."""
+    parent, cpu = {}, {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split() if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if fields:  # after the name: state, ppid, ..., utime, stime, cutime, cstime at 11 to 14
+            parent[int(entry.name)] = int(fields[1])
+            cpu[int(entry.name)] = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+    def under_me(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    return sum(seconds for pid, seconds in cpu.items() if under_me(pid))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     start, jobs = cpu_seconds(), background.waited_cpu_s()
@@ -42,13 +69,16 @@ def is_studio(file: str) -> bool:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    total = sum(_BY_FILE.values())
+    # the whole session: collection, the tests, and the rank pool's workers (long-lived: their CPU is counted when
+    # they end, at the session's end, in no test's figure)
+    total = cpu_seconds() - _SESSION_START + live_descendants_cpu_s()
     if total < 1:
         return
+    _BY_FILE["(the rest: collection, the rank pool's workers)"] = total - sum(_BY_FILE.values())
     studio = sum(cpu for file, cpu in _BY_FILE.items() if is_studio(file))
     terminalreporter.write_sep("=", "CPU seconds by test file (the test process and those it waited for)")
     for file, cpu in sorted(_BY_FILE.items(), key=lambda kv: -kv[1])[:SHOWN]:
         terminalreporter.write_line(f"{cpu:8.1f} s {cpu / total:6.1%}  {file}")
     verdict = "within" if studio <= STUDIO_BUDGET * total else "OVER"
-    terminalreporter.write_line(f"total {total:.0f} s; the studio's tests {studio:.0f} s = {studio / total:.1%} "
+    terminalreporter.write_line(f"the session {total:.0f} s; the studio's tests {studio:.0f} s = {studio / total:.1%} "
                                 f"({verdict} its {STUDIO_BUDGET:.0%} budget)")

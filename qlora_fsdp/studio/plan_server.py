@@ -4,8 +4,9 @@ and forks a child per plan. The child writes its plan to a file, whole, and the 
 server keeps those steps, so no later plan measures them again (an edit of the steps, the lr or the output folder
 plans in a fraction of a second; a step of a 70B takes tens of seconds).
 
-A request ends the plans under way, except one measuring the very step the request needs: that one finishes its
-measurement and the new plan waits for it, so a burst of such edits during a long measurement measures it once.
+A request ends the plans under way, except one measuring the very step the request needs: that one finishes, and
+the new plan waits for it and plans with its steps, so a burst of such edits during a long measurement measures it
+once.
 Requests are lines on stdin ({"recipe", "overrides", "out"}); each is answered with {"pid", "ended"}: the new
 plan's process and how many plans under way it ended.
 """
