@@ -52,8 +52,9 @@ VENV_OLD := .venv-torch$(OLD_TORCH)
 $(VENV_OLD)/bin/activate: requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV_OLD)
 	$(VENV_OLD)/bin/pip install --quiet --upgrade pip
-	$(VENV_OLD)/bin/pip install --quiet --no-compile torch==$(OLD_TORCH)
-	$(VENV_OLD)/bin/pip install --quiet --no-compile -e '.[dev]'
+	# --no-cache-dir: pip's cache would hold a second copy of the 3 GB of wheels it downloads, and CI's disk ran out
+	$(VENV_OLD)/bin/pip install --quiet --no-compile --no-cache-dir torch==$(OLD_TORCH)
+	$(VENV_OLD)/bin/pip install --quiet --no-compile --no-cache-dir -e '.[dev]'
 	touch $(VENV_OLD)/bin/activate
 
 data/tiny_instruct.jsonl: scripts/make_dataset.py
