@@ -95,7 +95,7 @@ def test_fake_gpus_fill_the_table_and_a_peak_between_two_looks_is_kept_as_its_st
 def test_without_nvml_the_view_says_why_in_one_line_and_offers_the_cpu_recipes(tmp_path, monkeypatch):
     import gradio as gr
 
-    from qlora_fsdp.studio.hardware_tab import hardware_tab, tick_outputs, wire_hardware
+    from qlora_fsdp.studio.hardware_tab import hardware_tab, hardware_tick, tick_outputs
     from qlora_fsdp.studio.session import Studio
 
     fake = tmp_path / "gpus.json"
@@ -107,7 +107,8 @@ def test_without_nvml_the_view_says_why_in_one_line_and_offers_the_cpu_recipes(t
     assert monitor.visible([]) is None  # a launch keeps today's environment
     with gr.Blocks():
         hw = hardware_tab(monitor)
-        wire_hardware(Studio(tmp_path / "studio"), hw, gr.Timer(2.0))
+        part = hardware_tick(Studio(tmp_path / "studio"), hw)
+    assert part.outputs[:2] == [hw.table, hw.peaks]
     assert hw.gpus.choices == [] and not hw.gpus.visible and hw.table.value.startswith("no GPU found")
     table, curve, drawn = tick_outputs(monitor, None, -1)  # no run: the table alone, no peaks to draw
     assert table.startswith("no GPU found") and curve is None and drawn == 0
@@ -215,3 +216,21 @@ def test_a_followed_run_reads_as_the_pages_own_run(tmp_path):
     studio.runs.current = FollowedRun(folders["stopped"])  # type: ignore[assignment]  # what run_view reads of it
     view = studio.run_view()
     assert view.progress.step == 2 and view.series["loss"] == [(1, 2.0), (2, 1.0)] and view.log == NO_LOG
+
+
+def test_one_tick_refreshes_both_tabs_and_paces_itself_by_whether_the_shown_run_trains():
+    import gradio as gr
+
+    from qlora_fsdp.studio.ticks import IDLE_TICK_S, TICK_S, TickPart, fast, tick_function
+
+    run_part = TickPart(lambda seen: ("running", seen + "!"), ["seen"], ["status", "seen"])
+    hardware_part = TickPart(lambda drawn: ("table", drawn + 1), ["drawn"], ["table", "drawn"])
+    live = [True]
+    tick = tick_function([run_part, hardware_part], lambda: live[0])
+    # each part gets its own inputs and fills its own outputs; then the timer's interval and the page's record of it
+    assert tick("a", 1, IDLE_TICK_S) == ("running", "a!", "table", 2, TICK_S, TICK_S)  # a run trains: faster
+    assert tick("a", 1, TICK_S)[-2:] == (gr.skip(), TICK_S)  # already fast: the timer is left alone
+    live[0] = False
+    assert tick("a", 1, TICK_S)[-2:] == (IDLE_TICK_S, IDLE_TICK_S)  # finished: slower
+    assert tick("a", 1, IDLE_TICK_S)[-2:] == (gr.skip(), IDLE_TICK_S)
+    assert fast() == (TICK_S, TICK_S) and TICK_S < IDLE_TICK_S

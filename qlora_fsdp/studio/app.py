@@ -22,10 +22,10 @@ from qlora_fsdp.studio.draft import default_ranks  # noqa: E402
 from qlora_fsdp.studio.events import MAX_LEVERS, RUNS_ROOT, wire_after, wire_plan, wire_recipe, wire_run  # noqa: E402
 from qlora_fsdp.studio.export_view import GGUF_TYPES, default_gguf_type  # noqa: E402
 from qlora_fsdp.studio.form import Field  # noqa: E402
-from qlora_fsdp.studio.hardware_tab import hardware_tab, wire_hardware  # noqa: E402
+from qlora_fsdp.studio.hardware_tab import hardware_tab, hardware_tick  # noqa: E402
 from qlora_fsdp.studio.session import Studio, adapters_under  # noqa: E402
+from qlora_fsdp.studio.ticks import IDLE_TICK_S, wire_ticks  # noqa: E402
 
-TICK_S = 2.0
 CSS = ".error-line {color: #b91c1c; font-weight: 600} " + DATA_CSS
 
 
@@ -89,8 +89,7 @@ def run_tab(base: Config) -> SimpleNamespace:
         curves=gr.Plot(elem_id="curves-plot", show_label=False),
         completions=gr.Dataframe(headers=["step", "prompt", "completion", "reward"], label="latest completions",
                                  elem_id="completions", wrap=True),
-        log=gr.Textbox(label="log (last lines)", lines=10, max_lines=10, elem_id="run-log", autoscroll=True),
-        timer=gr.Timer(TICK_S, active=True))
+        log=gr.Textbox(label="log (last lines)", lines=10, max_lines=10, elem_id="run-log", autoscroll=True))
 
 
 def after_tab() -> SimpleNamespace:
@@ -144,12 +143,15 @@ def build_page(studio: Studio, first_recipe: str = "tiny_cpu") -> gr.Blocks:
             hw = hardware_tab()
         with gr.Tab("After"):
             after = after_tab()
+        # outside the tabs: a timer inside one ticks only once that tab has been opened
+        run.timer, run.interval = gr.Timer(IDLE_TICK_S), gr.State(IDLE_TICK_S)
         recipe.ranks = run.ranks  # the launch's ranks are the plan's world: a recipe input like the form's
         wire_recipe(studio, page, recipe, plan, run)
         wire_plan(studio, recipe, plan)
         wire_data(studio, recipe, data, plan)
-        wire_run(studio, page, recipe, run, after, hw)
-        wire_hardware(studio, hw, run.timer, studio.shown_run)
+        run_part = wire_run(studio, page, recipe, run, after, hw)
+        wire_ticks(run.timer, run.interval, [run_part, hardware_tick(studio, hw, studio.shown_run)],
+                   lambda: (shown := studio.shown_run()) is not None and shown.running)
         wire_after(studio, page, recipe, after)
     return page
 

@@ -16,6 +16,7 @@ from qlora_fsdp.studio.export_view import sizes_line
 from qlora_fsdp.studio.pictures import curves_figure, memory_figure, time_figure
 from qlora_fsdp.studio.plan_worker import PlanData
 from qlora_fsdp.studio.session import Studio, adapters_under, run_choices
+from qlora_fsdp.studio.ticks import TickPart, fast
 
 MAX_LEVERS = 8  # lever buttons the Plan tab holds (a plan offers fewer)
 RUNS_ROOT = Path("outputs")  # where the After tab looks for adapters
@@ -127,23 +128,25 @@ def wire_plan(studio: Studio, recipe: SimpleNamespace, plan: SimpleNamespace) ->
 
 
 def wire_run(studio: Studio, page: gr.Blocks, recipe: SimpleNamespace, run: SimpleNamespace,
-             after: SimpleNamespace, hw: SimpleNamespace) -> None:
+             after: SimpleNamespace, hw: SimpleNamespace) -> TickPart:
+    """Launch, Stop, Resume and following a run; returns the Run tab's share of the timer's tick."""
     def start(resume: bool) -> Any:
-        def go(gpus: list[int] | None, *inputs: Any) -> tuple[Any, Any]:
+        def go(gpus: list[int] | None, *inputs: Any) -> tuple[Any, ...]:
             resolved = resolved_of(studio, *inputs)
             try:
                 if resolved.config is None:
-                    return error_markdown(resolved.error), gr.skip()
+                    return error_markdown(resolved.error), gr.skip(), gr.skip(), gr.skip()
                 ranks = resolved.config.hardware.gpus_per_node  # the ranks box's, folded into the draft
                 launched = studio.launch(resolved.draft, ranks, resume, hw.monitor.visible(gpus or []))
                 hw.monitor.follow(launched)  # the sampler starts with the run, whether a page looks or not
-                return "", launched.status()
+                return "", launched.status(), *fast()
             except Exception as err:  # a UserError's words; anything else as it is
-                return error_markdown(f"error: {err}"), gr.skip()
+                return error_markdown(f"error: {err}"), gr.skip(), gr.skip(), gr.skip()
         return go
 
-    run.launch.click(start(False), [hw.gpus, *recipe_inputs(recipe)], [run.error, run.status])
-    run.resume.click(start(True), [hw.gpus, *recipe_inputs(recipe)], [run.error, run.status])
+    paced = [run.error, run.status, run.timer, run.interval]
+    run.launch.click(start(False), [hw.gpus, *recipe_inputs(recipe)], paced)
+    run.resume.click(start(True), [hw.gpus, *recipe_inputs(recipe)], paced)
     wire_follow(studio, page, run)
 
     def stop() -> tuple[Any, Any]:
@@ -165,7 +168,7 @@ def wire_run(studio: Studio, page: gr.Blocks, recipe: SimpleNamespace, run: Simp
                 pick, view.seen)
 
     seen = gr.State("")  # this page's last look at the metrics file
-    run.timer.tick(tick, seen, [run.status, run.progress, run.curves, run.completions, run.log, after.adapter, seen])
+    return TickPart(tick, [seen], [run.status, run.progress, run.curves, run.completions, run.log, after.adapter, seen])
 
 
 def wire_follow(studio: Studio, page: gr.Blocks, run: SimpleNamespace) -> None:
@@ -174,16 +177,18 @@ def wire_follow(studio: Studio, page: gr.Blocks, run: SimpleNamespace) -> None:
     def listed() -> Any:
         return gr.update(choices=run_choices(RUNS_ROOT))
 
-    def follow(folder: str | None) -> tuple[Any, Any]:
+    def follow(folder: str | None) -> tuple[Any, ...]:
         if not folder:
-            return gr.skip(), gr.skip()
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         error = studio.follow(folder)
         run_now = studio.shown_run()
-        return error_markdown(error), run_now.status() if not error and run_now is not None else gr.skip()
+        if error or run_now is None:
+            return error_markdown(error), gr.skip(), gr.skip(), gr.skip()
+        return "", run_now.status(), *fast()
 
     page.load(listed, None, run.folders)
     run.list_runs.click(listed, None, run.folders)
-    run.folders.input(follow, run.folders, [run.error, run.status])
+    run.folders.input(follow, run.folders, [run.error, run.status, run.timer, run.interval])
 
 
 def settings(max_tokens: float, temperature: float, top_p: float) -> Settings:

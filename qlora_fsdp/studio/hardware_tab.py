@@ -1,5 +1,5 @@
 """The Hardware tab: the GPUs and host RAM (a table), which GPUs a launch uses, and the run's memory and utilisation
-as the peak of each step (hardware.py samples; this draws it on the Run tab's timer)."""
+as the peak of each step (hardware.py samples; this draws it on the page's timer, ticks.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import gradio as gr
 from matplotlib.figure import Figure
 
 from qlora_fsdp.readouts.hardware import HardwareMonitor, Sample, hardware_markdown
+from qlora_fsdp.studio.ticks import TickPart
 
 
 def gpu_choices(now: Sample) -> list[tuple[str, int]]:
@@ -63,12 +64,11 @@ def tick_outputs(monitor: HardwareMonitor, run: Any, drawn: int) -> tuple[str, A
     return hardware_markdown(now, monitor.error), peaks_figure(peaks), monitor.samples
 
 
-def wire_hardware(studio: Any, hw: SimpleNamespace, timer: gr.Timer, shown: Callable[[], Any] | None = None) -> None:
-    """The tab refreshed on the Run tab's timer, for the run the page shows (`shown()`; the studio's own run by
-    default)."""
+def hardware_tick(studio: Any, hw: SimpleNamespace, shown: Callable[[], Any] | None = None) -> TickPart:
+    """The tab's share of the page's tick, for the run the page shows (`shown()`; the studio's own run by default)."""
     seen = gr.State(-1)  # the sample count this page last drew the curve at
 
-    def tick(drawn: int) -> tuple[str, Any, int]:
+    def refresh(drawn: int) -> tuple[str, Any, int]:
         return tick_outputs(hw.monitor, shown() if shown is not None else studio.runs.current, drawn)
 
-    timer.tick(tick, seen, [hw.table, hw.peaks, seen])
+    return TickPart(refresh, [seen], [hw.table, hw.peaks, seen])
