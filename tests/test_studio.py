@@ -265,7 +265,7 @@ def test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans
     after = worker.plan(misfit.with_overrides([f"{k}={json.dumps(v)}" for k, v in lever["overrides"].items()]))
     assert after is not None and after["fits"] and not after["levers"]
     # the server keeps the steps its plans measured: an edit that leaves the step alone measures nothing (its plan
-    # takes a fraction of a second), and neither does the lever's plan asked again
+    # takes a fraction of a second), and neither does the lever's plan asked again (below; its first plan measured)
     assert data["steps_measured"] > 0 and after["steps_measured"] > 0
     retimed = worker.plan(misfit.with_overrides(["train.max_steps=7"]))
     assert retimed is not None and retimed["steps_measured"] == 0 and retimed["gpu_rows"] == data["gpu_rows"]
@@ -282,8 +282,10 @@ def test_the_plan_worker_a_newer_request_ends_an_older_and_a_lever_applied_plans
     first = threading.Thread(target=lambda: results.append(worker.plan(Draft("tiny_cpu", ("lora.r=4",)))))
     started, superseded = worker.started, worker.superseded
     first.start()
-    while worker.started == started:
+    deadline = time.monotonic() + 120  # a settling second, then a fork: seconds even on a loaded machine
+    while worker.started == started and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert worker.started > started, "the first plan did not start within 120 s"
     time.sleep(1)  # its step is being measured (seconds)
     second = worker.plan(Draft("tiny_cpu", ("lora.r=4", "train.max_steps=7")))
     first.join()

@@ -4,9 +4,12 @@ what a long-lived planner (the studio's plan server) keeps between plans made in
 from __future__ import annotations
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.measure.fake_step import measured_steps, remember_steps, step_setting
-from qlora_fsdp.measure.step_tracker import StepMemory
+from qlora_fsdp.measure.fake_step import measured_steps as kept_steps
+from qlora_fsdp.measure.fake_step import remember_steps as keep_steps
+from qlora_fsdp.measure.fake_step import step_setting
 from qlora_fsdp.run.description import planned_run
+
+__all__ = ["first_step_setting", "keep_steps", "kept_steps"]  # the studio reaches the measured steps here
 
 
 def first_step_setting(cfg: Config) -> str:
@@ -14,10 +17,3 @@ def first_step_setting(cfg: Config) -> str:
     run = planned_run(cfg)
     return step_setting(run.built, run.hf_config)
 
-
-def kept_steps() -> dict[str, StepMemory]:
-    return measured_steps()
-
-
-def keep_steps(steps: dict[str, StepMemory]) -> None:
-    remember_steps(steps)
