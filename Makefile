@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-dpo demo-grpo demo-tools studio browser test test-fast test-slow test-old-torch lint gpu-check gpu-check-quick gpu-wheels gguf-converter llama-quantize mutation-check mutation-check-quick tiny-model real-model data clean
+.PHONY: demo demo-dpo demo-grpo demo-tools studio browser test test-all recipe-plans test-fast test-slow test-old-torch lint gpu-check gpu-check-quick gpu-wheels gguf-converter llama-quantize mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
 $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyproject.toml
@@ -127,14 +127,25 @@ test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.j
 	$(BIN)/python -m pytest -q -rs --durations=20 tests
 
 # the fast lane: in-process unit tests, under 2 minutes; the slow lane (ranks, torchrun, subprocesses) is `-m slow`
+# every test with every plan made again, the record's answers aside (tests/plan_record.py): what CI's `make test`
+# skips where the planner's inputs did not change
+test-all: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl data/tiny_kto.jsonl llama-quantize
+	QLORA_REPLAN=1 $(BIN)/python -m pytest -q -rs --durations=20 tests
+
+# every recipe's plan, the 70B plans and the published runs planned in full, written with the inputs they were made
+# from into tests/fixtures/recipe_plans.json (commit it): a change to the planner, a recipe or a pin asks for this
+recipe-plans: $(BIN)/activate
+	OMP_NUM_THREADS=1 $(BIN)/python -m tests.planners --write
+
 test-fast: $(BIN)/activate
 	$(BIN)/python -m pytest -q --durations=20 -m "not slow" tests
 
-# the second lane, on torch $(OLD_TORCH) (the oldest the package admits): the fast lane, and the slow tests of paths
-# that differ between torch releases (marked old_torch: FSDP2 on uint8 shards, the planner's fake step, GRPO's
-# generation under FSDP2, FSDP2's collectives, context parallel)
+# the second lane, on torch $(OLD_TORCH) (the oldest the package admits): the tests marked old_torch, those that reach
+# torch code which differs between releases (FSDP2 on uint8 shards, fake tensors and the planner's step, the flop
+# counter, DTensor, flex attention, compile, GRPO's generation under FSDP2, context parallel); an in-process test
+# that reaches one unmarked fails the main lane (tests/version_paths.py)
 test-old-torch: $(VENV_OLD)/bin/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl
-	$(VENV_OLD)/bin/python -m pytest -q -rs --durations=10 -m "not slow or old_torch" tests
+	$(VENV_OLD)/bin/python -m pytest -q -rs --durations=10 -m old_torch tests
 
 test-slow: $(BIN)/activate tiny-model
 	$(BIN)/python -m pytest -q --durations=20 -m slow tests

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from qlora_fsdp.tools.real_model import GEMMA3_270M, SMOLLM2, RealModel, RealModelUnavailable, make_real_model
-from tests import background
+from tests import background, version_paths
 from tests.cpu_account import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401 (hooks)
 from tests.helpers import REPO, build_tiny_checkpoint
 
@@ -49,8 +49,35 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     background.start_for(item.fixturenames for item in session.items)
 
 
+# in-process tests that reach torch code which differs between releases must be marked old_torch (the 2.11 lane
+# runs only those): tests/version_paths.py notes every reach, and the session fails naming an unmarked test
+version_paths.watch()
+_UNMARKED: dict[str, set[str]] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    version_paths.reset()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    try:
+        return (yield)
+    finally:
+        reached = version_paths.reached()
+        if reached and item.get_closest_marker("old_torch") is None and item.get_closest_marker("slow") is None:
+            _UNMARKED[item.nodeid] = reached
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     background.stop_all()
+    if _UNMARKED:
+        lines = [f"  {test}: {', '.join(sorted(what))}" for test, what in sorted(_UNMARKED.items())]
+        print("\nthese tests reach torch code that differs between releases and are not marked old_torch (the "
+              "torch 2.11 lane runs only marked tests: tests/version_paths.py):\n" + "\n".join(lines))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

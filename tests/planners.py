@@ -1,14 +1,18 @@
 """The planners the tests read, in one process beside the test sequence (tests/background.py): every shipped recipe's
-plan (`scripts/recipe_table.py --json`, for tests/test_plan.py's `recipe_plans`), the 70B test's own plans
-(`plans_70b`) and the published runs planned and priced (`python -m benchmarks.published_runs --json`, for
-tests/test_step_time.py's `published_runs`).
+plan (for tests/test_plan.py's `recipe_plans`), the 70B test's own plans (`plans_70b`) and the published runs planned
+and priced (`python -m benchmarks.published_runs --json`, for tests/test_step_time.py's `published_runs`).
 
 Each part prints what its command prints; this process imports torch and the planner once for all of them (three
 processes paid that three times), and a step setting two parts plan is measured once (measure/fake_step.py's cache of
 the measured step, keyed by everything the step depends on: the 70B recipe's own plans are among the table's, the
 published runs share settings). Only the parts a selected test needs run.
 
+What the parts compute is recorded (tests/plan_record.py): where nothing they are computed from changed since, the
+record answers and only its representative recipes are planned again, each held to its recorded plan; otherwise
+(or with QLORA_REPLAN=1) every part runs in full.
+
     python -m tests.planners recipe_plans,plans_70b,published_runs WORK   # a JSON object: part -> its output
+    python -m tests.planners --write                                      # plan all, write the record
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import runpy
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from tests import plan_record
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,16 +51,18 @@ def run_as_main(argv: list[str], run: Callable[[], object]) -> None:
         sys.argv = saved
 
 
-def recipe_plans(work: Path) -> None:
-    """Every shipped recipe's figures, row and report: scripts/recipe_table.py --json."""
-    run_as_main(["scripts/recipe_table.py", "--json"],
-                lambda: runpy.run_path(str(REPO / "scripts" / "recipe_table.py"), run_name="__main__"))
+def recipe_plans(work: Path, names: tuple[str, ...] | None = None) -> None:
+    """Every shipped recipe's figures, row and report (what scripts/recipe_table.py --json prints), or those named."""
+    from qlora_fsdp.plan.recipe_table import plan_alone, plan_summary, recipe_names
+
+    print(json.dumps({name: plan_summary(name, plan_alone(name)) for name in names or recipe_names()}))
 
 
 def published_runs(work: Path) -> None:
     """The step-time model against published runs: python -m benchmarks.published_runs --json."""
-    run_as_main(["benchmarks/published_runs.py", "--json"],
-                lambda: runpy.run_module("benchmarks.published_runs", run_name="__main__", alter_sys=False))
+    import benchmarks.published_runs  # in sys.modules: the record's inputs list it
+
+    run_as_main(["benchmarks/published_runs.py", "--json"], benchmarks.published_runs.main)
 
 
 def plans_70b(work: Path) -> None:
@@ -91,7 +100,8 @@ def plans_70b(work: Path) -> None:
 
 PARTS: dict[str, Callable[[Path], None]] = {"recipe_plans": recipe_plans, "plans_70b": plans_70b,
                                             "published_runs": published_runs}
-ENV = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+# one OpenMP thread, as tests/__init__.py says of the planners: the job shares the test sequence's idle core
+ENV = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
 def register() -> None:
@@ -99,32 +109,67 @@ def register() -> None:
     from tests import background
 
     if not set(PARTS) <= background.job_names():
+        forced = {plan_record.FORCE: os.environ[plan_record.FORCE]} if plan_record.forced() else {}
         background.register_shared(list(PARTS), [sys.executable, "-m", "tests.planners", background.PARTS,
-                                                 background.WORK], ENV, timeout=900)
+                                                 background.WORK], {**ENV, **forced}, timeout=1800)
 
 
-def part(fixture: str) -> str:
-    """What the part of `fixture` printed (waits for the job)."""
+def planned(fixture: str) -> dict:
+    """The whole answer of the job that serves `fixture` (waits for it): `outputs` (part -> what it printed), `stale`
+    (what changed since the record), `replanned`, `fresh` (the recipes planned in this run), `recorded` (the
+    record's outputs, or None)."""
     from tests import background
 
     done = background.result(fixture)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)[fixture]
+    return json.loads(done.stdout)
 
 
-def main(argv: list[str]) -> int:
+def part(fixture: str) -> str:
+    """What the part of `fixture` printed (waits for the job)."""
+    return planned(fixture)["outputs"][fixture]
+
+
+def run_parts(parts: list[str], work: Path, recipes: tuple[str, ...] | None = None) -> dict[str, str]:
     from qlora_fsdp.measure.fake_world import leave_fake_world
 
-    parts, work = argv[0].split(","), Path(argv[1])
     no_fetch()
     outputs = {}
-    for part in parts:
+    for name in parts:
         leave_fake_world()  # each part plans in fake worlds of its own sizes
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            PARTS[part](work)
-        outputs[part] = printed.getvalue()
-    print(json.dumps(outputs))
+            if name == "recipe_plans":
+                recipe_plans(work, recipes)
+            else:
+                PARTS[name](work)
+        outputs[name] = printed.getvalue()
+    return outputs
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--write"]:
+        with tempfile.TemporaryDirectory() as work:
+            outputs = run_parts(list(PARTS), Path(work))
+        plan_record.write(outputs, plan_record.imported_repo_files())
+        print(f"wrote {plan_record.RECORD.relative_to(REPO)}: {len(json.loads(outputs['recipe_plans']))} recipes")
+        return 0
+    parts, work = argv[0].split(","), Path(argv[1])
+    record = plan_record.load()
+    stale = plan_record.changes(record)
+    replan = bool(stale) or plan_record.forced()
+    if replan:
+        outputs = run_parts(parts, work)
+    else:  # the record answers; the representative recipes are planned again to be held to it
+        assert record is not None
+        outputs = {**{name: record["outputs"][name] for name in parts},
+                   **run_parts([name for name in parts if name == "recipe_plans"], work, plan_record.REPRESENTATIVE)}
+    fresh = sorted(json.loads(outputs["recipe_plans"])) if "recipe_plans" in outputs else []
+    if not replan and "recipe_plans" in outputs:  # the fixture reads every recipe: the record's, today's over them
+        outputs["recipe_plans"] = json.dumps({**json.loads(record["outputs"]["recipe_plans"]),
+                                              **json.loads(outputs["recipe_plans"])})
+    print(json.dumps({"outputs": outputs, "stale": stale, "replanned": replan, "fresh": fresh,
+                      "recorded": record["outputs"] if record else None}))
     return 0
 
 

@@ -38,3 +38,16 @@ def test_every_relative_link_lands_on_a_file_and_heading():
             if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors(linked)):
                 broken.append(f"{page.relative_to(REPO)} -> {target}")
     assert broken == []
+
+
+def test_the_readme_says_what_the_suite_took_when_last_measured():
+    """README.md's figures for `make test` and `.ci/run` are within 25% of the latest fresh-clone measurement that
+    docs/benchmarks/test-suite.md records (its first table), so neither goes stale silently when the suite grows."""
+    readme = (REPO / "README.md").read_text()
+    said = re.search(r"about (\d+) minutes on 2 cores, `CI=true bash \.ci/run` about (\d+)", readme)
+    assert said, "README.md's `make test` line says its minutes and .ci/run's"
+    latest = (REPO / "docs" / "benchmarks" / "test-suite.md").read_text().split("## Latest", 1)[1]
+    measured = {name: float(wall) for name, wall in
+                re.findall(r"^\| `([^`]+)` \| ([\d.]+) min \|", latest, re.M)}
+    for name, minutes in zip(("make test", "CI=true bash .ci/run"), said.groups(), strict=True):
+        assert abs(float(minutes) - measured[name]) <= 0.25 * measured[name], (name, minutes, measured[name])

@@ -46,6 +46,7 @@ def lora_linear(in_features: int, out_features: int, bias: bool, rank: int = 6) 
     base = bnb.nn.Linear4bit(in_features, out_features, bias=bias, compute_dtype=torch.float32, quant_type="nf4")
     base.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, quant_type="nf4", blocksize=64,
                                     compress_statistics=True)._quantize("cpu")
+    base.support_avx512bf16_for_cpu = False  # the portable kernel, as training's (DESIGN.md, CPU eval trap)
     if bias:
         base.bias = nn.Parameter(dense.bias.data * 10)
     holder = nn.Sequential()

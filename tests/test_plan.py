@@ -107,7 +107,8 @@ def test_planned_sizes_equal_measured(tiny_model_dir, tmp_path):
 
 # every shipped recipe's plan (scripts/recipe_table.py --json) and the 70B test's own plans (tests/planners.py, with
 # test_step_time's published runs, in one process): minutes of a core, so they run beside the tests before them
-# (tests/background.py)
+# (tests/background.py), and only the representative recipes where the record's inputs are today's
+# (tests/plan_record.py)
 planners.register()
 
 
@@ -119,6 +120,26 @@ def recipe_plans() -> dict:
 @pytest.fixture(scope="module")
 def plans_70b() -> str:
     return planners.part("plans_70b")
+
+
+@pytest.mark.slow
+def test_the_recorded_plans_are_current_and_equal_todays(recipe_plans):
+    """The planner job answered from tests/fixtures/recipe_plans.json only where every input it lists (the repo's
+    modules the planner imported, the recipes and model configs, the pinned packages) is unchanged; the
+    representative recipes planned today equal their recorded plans to the last digit (an input the fingerprint
+    missed would show here), all of them under QLORA_REPLAN=1."""
+    from tests.plan_record import REPRESENTATIVE
+
+    job = planners.planned("recipe_plans")
+    assert not job["stale"], ("the recorded plans are stale (" + ", ".join(job["stale"][:6]) + "): run "
+                              "`make recipe-plans` and commit tests/fixtures/recipe_plans.json")
+    assert set(REPRESENTATIVE) <= set(job["fresh"]) and set(REPRESENTATIVE) <= set(recipe_plans)
+    recorded = json.loads(job["recorded"]["recipe_plans"])
+    for name in job["fresh"]:
+        assert recipe_plans[name] == recorded[name], f"{name}: planned today unlike its record, with the same inputs"
+    if job["replanned"]:  # forced: every part the selected tests read, not only the recipes
+        for part in set(job["outputs"]) - {"recipe_plans"}:
+            assert job["outputs"][part] == job["recorded"][part], part
 
 
 @pytest.mark.slow

@@ -30,6 +30,10 @@ from qlora_fsdp.torch_versions import (
 aten = torch.ops.aten
 
 
+# every patch held to the newer torch's behaviour in both lanes (make test-old-torch runs marked tests only)
+pytestmark = pytest.mark.old_torch
+
+
 def test_releases_below_2_11_are_refused_in_one_line():
     with pytest.raises(ModelLoadError, match=r"^torch 2\.10\.2\+cu128 is too old: .*pip install torch==2\.13\.0"):
         require_supported("2.10.2+cu128")
