@@ -99,6 +99,12 @@ def register_shared(fixtures: Sequence[str], command: Sequence[str], env: dict[s
         _JOBS[fixture] = job
 
 
+def running_pids() -> frozenset[int]:
+    """The jobs' processes not yet waited for (their CPU is counted apart from the tests')."""
+    jobs = {id(job): job for job in _JOBS.values()}.values()
+    return frozenset(job.proc.pid for job in jobs if job.proc is not None and job.done is None)
+
+
 def job_names() -> set[str]:
     return set(_JOBS)
 

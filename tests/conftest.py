@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from qlora_fsdp.tools.real_model import GEMMA3_270M, SMOLLM2, RealModel, RealModelUnavailable, make_real_model
-from tests import background, version_paths
+from tests import background, planners, version_paths
 from tests.cpu_account import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401 (hooks)
 from tests.helpers import REPO, build_tiny_checkpoint
 
@@ -40,9 +40,15 @@ register_real_model("real_gemma_dir", GEMMA3_270M)
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that wait for a background job (the recipes' plans, the real models) run after all the others, in their
-    own order: their jobs get the whole sequence's idle core to finish in (they waited 7 min in a 27-min run)."""
-    jobs = background.job_names()
-    items.sort(key=lambda item: bool(jobs & set(getattr(item, "fixturenames", ()))))
+    own order: their jobs get the whole sequence's idle core to finish in (they waited 7 min in a 27-min run). Those
+    of the planner job come last: it starts with the real models' conversions and finishes after them."""
+    jobs, planner = background.job_names(), set(planners.PARTS)
+
+    def waits(item: pytest.Item) -> tuple[bool, bool]:
+        used = set(getattr(item, "fixturenames", ()))
+        return bool(jobs & used), bool(planner & used)
+
+    items.sort(key=waits)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,5 +1,6 @@
-"""Each test file's CPU seconds, printed at the end of the run: the test process's own and that of the processes
-it waited for (ranks, workers, the studio and its servers). A background job's CPU (tests/background.py) is its own
+"""Each test file's CPU seconds, printed at the end of the run: the test process's own, that of the processes it
+waited for (ranks, workers, the studio and its servers) and that the rank pool's long-lived workers spent while its
+tests ran (read from /proc before and after each test). A background job's CPU (tests/background.py) is its own
 line, not the share of the test that happened to wait for it first. Processes nobody waits for (the browser that
 WebDriver starts) are not counted, here or in the run's total.
 
@@ -21,6 +22,7 @@ STUDIO_BUDGET = 0.12
 SHOWN = 15  # the costliest files listed
 
 _BY_FILE: dict[str, float] = defaultdict(float)
+_BY_TEST: dict[str, float] = {}
 
 
 def cpu_seconds() -> float:
@@ -31,9 +33,10 @@ def cpu_seconds() -> float:
 _SESSION_START = cpu_seconds()  # conftest imports this before collection
 
 
-def live_descendants_cpu_s() -> float:
+def live_descendants_cpu_s(apart: frozenset[int] = frozenset()) -> float:
     """CPU of the processes under this one that are still running (the rank pool's forkserver and workers, ended
-    only at exit), with that of the processes they waited for; Linux's /proc, 0 elsewhere."""
+    only at exit), with that of the processes they waited for, but those under the pids `apart` (background jobs);
+    Linux's /proc, 0 elsewhere."""
     parent, cpu = {}, {}
     for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
         try:
@@ -45,7 +48,7 @@ def live_descendants_cpu_s() -> float:
             cpu[int(entry.name)] = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
     def under_me(pid: int) -> bool:
-        while pid > 1:
+        while pid > 1 and pid not in apart:
             pid = parent.get(pid, 0)
             if pid == os.getpid():
                 return True
@@ -54,12 +57,19 @@ def live_descendants_cpu_s() -> float:
     return sum(seconds for pid, seconds in cpu.items() if under_me(pid))
 
 
+def with_pool_workers_cpu_s() -> float:
+    """This process's CPU, its finished children's and its live ones' (the rank pool's workers run a test's ranks
+    and live on), the background jobs' aside while they run (a finished one is counted by `background`)."""
+    return cpu_seconds() + live_descendants_cpu_s(background.running_pids())
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    start, jobs = cpu_seconds(), background.waited_cpu_s()
+    start, jobs = with_pool_workers_cpu_s(), background.waited_cpu_s()
     yield
     jobs_cpu = background.waited_cpu_s() - jobs
-    _BY_FILE[item.nodeid.split("::")[0]] += cpu_seconds() - start - jobs_cpu
+    _BY_TEST[item.nodeid] = with_pool_workers_cpu_s() - start - jobs_cpu
+    _BY_FILE[item.nodeid.split("::")[0]] += _BY_TEST[item.nodeid]
     if jobs_cpu:
         _BY_FILE["(background jobs: planners, real models)"] += jobs_cpu
 
@@ -74,11 +84,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     total = cpu_seconds() - _SESSION_START + live_descendants_cpu_s()
     if total < 1:
         return
-    _BY_FILE["(the rest: collection, the rank pool's workers)"] = total - sum(_BY_FILE.values())
+    _BY_FILE["(the rest: collection, the rank pool's start)"] = total - sum(_BY_FILE.values())
     studio = sum(cpu for file, cpu in _BY_FILE.items() if is_studio(file))
-    terminalreporter.write_sep("=", "CPU seconds by test file (the test process and those it waited for)")
+    terminalreporter.write_sep("=", "CPU seconds by test file (the test process, those it waited for, the pool's "
+                                    "workers)")
     for file, cpu in sorted(_BY_FILE.items(), key=lambda kv: -kv[1])[:SHOWN]:
         terminalreporter.write_line(f"{cpu:8.1f} s {cpu / total:6.1%}  {file}")
+    terminalreporter.write_line("the costliest tests:")
+    for test, cpu in sorted(_BY_TEST.items(), key=lambda kv: -kv[1])[:SHOWN]:
+        terminalreporter.write_line(f"{cpu:8.1f} s {cpu / total:6.1%}  {test}")
     verdict = "within" if studio <= STUDIO_BUDGET * total else "OVER"
     terminalreporter.write_line(f"the session {total:.0f} s; the studio's tests {studio:.0f} s = {studio / total:.1%} "
                                 f"({verdict} its {STUDIO_BUDGET:.0%} budget)")
