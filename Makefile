@@ -126,7 +126,6 @@ browser:
 test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl data/tiny_kto.jsonl llama-quantize
 	$(BIN)/python -m pytest -q -rs --durations=20 tests
 
-# the fast lane: in-process unit tests, under 2 minutes; the slow lane (ranks, torchrun, subprocesses) is `-m slow`
 # every test with every plan made again, the record's answers aside (tests/plan_record.py): what CI's `make test`
 # skips where the planner's inputs did not change
 test-all: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl data/tiny_kto.jsonl llama-quantize
@@ -137,6 +136,7 @@ test-all: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_promp
 recipe-plans: $(BIN)/activate
 	OMP_NUM_THREADS=1 $(BIN)/python -m tests.planners --write
 
+# the fast lane: in-process unit tests, under 2 minutes; the slow lane (ranks, torchrun, subprocesses) is `-m slow`
 test-fast: $(BIN)/activate
 	$(BIN)/python -m pytest -q --durations=20 -m "not slow" tests
 

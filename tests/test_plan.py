@@ -138,8 +138,12 @@ def test_the_recorded_plans_are_current_and_equal_todays(recipe_plans):
     for name in job["fresh"]:
         assert recipe_plans[name] == recorded[name], f"{name}: planned today unlike its record, with the same inputs"
     if job["replanned"]:  # forced: every part the selected tests read, not only the recipes
+
+        def unplaced(text: str) -> str:  # the 70B part's 8B config lives in a scratch folder of each run
+            return re.sub(r"\S*/(8b-2-layers)", r"\1", text)
+
         for part in set(job["outputs"]) - {"recipe_plans"}:
-            assert job["outputs"][part] == job["recorded"][part], part
+            assert unplaced(job["outputs"][part]) == unplaced(job["recorded"][part]), part
 
 
 @pytest.mark.slow
