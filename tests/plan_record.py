@@ -1,14 +1,14 @@
 """The shipped recipes' plans, recorded with a fingerprint of everything they were computed from.
 
-Planning every GPU recipe takes a core for most of half an hour (the fake steps of 36 recipes). The plans change only
-when what they are computed from changes: the recipes, the model and FSDP configs, the repo's modules the planner
-imports (listed in the record as the planner found them in `sys.modules`: a module it does not import cannot change a
-plan) and the pinned packages. So tests/fixtures/recipe_plans.json keeps every recipe's plan beside a hash of each of
-those files and versions, and the planner job (tests/planners.py) plans:
+Planning every GPU recipe, the 70B plans and the published runs takes a core 18 minutes (1,068 s of CPU,
+2026-12-01). The plans change only when what they are computed from changes: the recipes, the model and FSDP configs,
+the repo's modules the planner imports (listed in the record as the planner found them in `sys.modules`: a module it
+does not import cannot change a plan) and the pinned packages. So tests/fixtures/recipe_plans.json keeps every part's
+output beside a hash of each of those files and versions, and the planner job (tests/planners.py) plans:
 
-- all recipes where the record is missing or any input differs (the tests then read today's plans, and
-  `test_the_recorded_plans_are_current` fails naming what changed: `make recipe-plans` rewrites the record), or where
-  `QLORA_REPLAN=1` forces it (`make test-all`);
+- everything where the record is missing or any input differs (the tests then read today's plans, and
+  `test_the_recorded_plans_are_current_and_equal_todays` fails naming what changed: `make recipe-plans` rewrites
+  the record), or where `QLORA_REPLAN=1` forces it (`make test-all`);
 - otherwise only REPRESENTATIVE, every run, each held equal to its recorded plan: a fingerprint that missed an input
   would show as a difference there.
 
