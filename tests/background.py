@@ -25,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 NICENESS = 10
+PLANNER_TIMEOUT_S = 1800  # a test that waits for a whole replan (18 minutes of a core): the job's own limit too
 WORK = "{work}"  # in a job's command: its own scratch folder
 PARTS = "{parts}"  # in a shared job's command: the fixtures it serves that a selected test uses, comma-separated
 

@@ -49,6 +49,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return bool(jobs & used), bool(planner & used)
 
     items.sort(key=waits)
+    for item in items:  # a whole replan (a stale record, QLORA_REPLAN=1) in a short session is a long wait
+        if waits(item)[1]:
+            item.add_marker(pytest.mark.timeout(background.PLANNER_TIMEOUT_S))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
