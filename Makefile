@@ -121,15 +121,16 @@ browser:
 		--no-install-recommends chromium chromium-driver; \
 	else echo "make browser: run as root (or: sudo apt-get install chromium chromium-driver)"; exit 1; fi
 
-# all tests, both lanes; the 20 slowest are listed at the end (tests/README.md: where the time goes), and each
-# skipped test's reason (-rs), so a real-model test that skipped shows in CI's log
+# all tests, as two pytest sessions side by side, one a core (tests/lanes.py: which files run where); each lists
+# its 20 slowest at the end (tests/README.md: where the time goes), and each skipped test's reason (-rs), so a
+# real-model test that skipped shows in CI's log
 test: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl data/tiny_kto.jsonl llama-quantize
-	$(BIN)/python -m pytest -q -rs --durations=20 tests
+	$(BIN)/python -m tests.lanes -q -rs --durations=20
 
 # every test with every plan made again, the record's answers aside (tests/plan_record.py): what CI's `make test`
 # skips where the planner's inputs did not change
 test-all: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_prompts.jsonl data/tiny_kto.jsonl llama-quantize
-	QLORA_REPLAN=1 $(BIN)/python -m pytest -q -rs --durations=20 tests
+	QLORA_REPLAN=1 $(BIN)/python -m tests.lanes -q -rs --durations=20
 
 # every recipe's plan, the 70B plans and the published runs planned in full, written with the inputs they were made
 # from into tests/fixtures/recipe_plans.json (commit it): a change to the planner, a recipe or a pin asks for this

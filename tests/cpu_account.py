@@ -4,10 +4,13 @@ tests ran (read from /proc before and after each test). A background job's CPU (
 line, not the share of the test that happened to wait for it first. Processes nobody waits for (the browser that
 WebDriver starts) are not counted, here or in the run's total.
 
-The studio's tests have a budget: under 12% of the suite's CPU (the share is printed with the table)."""
+The studio's tests have a budget: under 12% of the suite's CPU (the share is printed with the table). Where
+$QLORA_CPU_ACCOUNT names a file, the figures are also written there as JSON: tests/lanes.py sums its two sessions'
+into one table."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 from collections import defaultdict
@@ -78,6 +81,21 @@ def is_studio(file: str) -> bool:
     return Path(file).name.startswith("test_studio")
 
 
+def summary_lines(by_file: dict[str, float], by_test: dict[str, float], total: float) -> list[str]:
+    """The table: the costliest files and tests, and the studio's share against its budget."""
+    studio = sum(cpu for file, cpu in by_file.items() if is_studio(file))
+    lines = [f"{cpu:8.1f} s {cpu / total:6.1%}  {file}" for file, cpu in sorted(by_file.items(), key=lambda kv: -kv[1])]
+    lines = lines[:SHOWN] + ["the costliest tests:"]
+    lines += [f"{cpu:8.1f} s {cpu / total:6.1%}  {test}" for test, cpu in sorted(by_test.items(),
+                                                                                key=lambda kv: -kv[1])[:SHOWN]]
+    verdict = "within" if studio <= STUDIO_BUDGET * total else "OVER"
+    return lines + [f"the session {total:.0f} s; the studio's tests {studio:.0f} s = {studio / total:.1%} "
+                    f"({verdict} its {STUDIO_BUDGET:.0%} budget)"]
+
+
+TITLE = "CPU seconds by test file (the test process, those it waited for, the pool's workers)"
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     # the whole session: collection, the tests, and the rank pool's workers (long-lived: their CPU is counted when
     # they end, at the session's end, in no test's figure)
@@ -85,14 +103,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if total < 1:
         return
     _BY_FILE["(the rest: collection, the rank pool's start)"] = total - sum(_BY_FILE.values())
-    studio = sum(cpu for file, cpu in _BY_FILE.items() if is_studio(file))
-    terminalreporter.write_sep("=", "CPU seconds by test file (the test process, those it waited for, the pool's "
-                                    "workers)")
-    for file, cpu in sorted(_BY_FILE.items(), key=lambda kv: -kv[1])[:SHOWN]:
-        terminalreporter.write_line(f"{cpu:8.1f} s {cpu / total:6.1%}  {file}")
-    terminalreporter.write_line("the costliest tests:")
-    for test, cpu in sorted(_BY_TEST.items(), key=lambda kv: -kv[1])[:SHOWN]:
-        terminalreporter.write_line(f"{cpu:8.1f} s {cpu / total:6.1%}  {test}")
-    verdict = "within" if studio <= STUDIO_BUDGET * total else "OVER"
-    terminalreporter.write_line(f"the session {total:.0f} s; the studio's tests {studio:.0f} s = {studio / total:.1%} "
-                                f"({verdict} its {STUDIO_BUDGET:.0%} budget)")
+    terminalreporter.write_sep("=", TITLE)
+    for line in summary_lines(_BY_FILE, _BY_TEST, total):
+        terminalreporter.write_line(line)
+    if os.environ.get("QLORA_CPU_ACCOUNT"):
+        Path(os.environ["QLORA_CPU_ACCOUNT"]).write_text(json.dumps({"by_file": _BY_FILE, "by_test": _BY_TEST,
+                                                                     "total": total}))

@@ -300,3 +300,28 @@ def recipe_pair_loss(cfg: Config, device: torch.device) -> Any:
     from qlora_fsdp.objectives.table import objective_class
 
     return cast(Any, objective_class(cfg)).LOSS.with_forward(cfg, ForwardLoss.for_config(cfg, device))
+
+
+def shortened_checkpoint(source: Path, out: Path, layers: int) -> Path:
+    """`source`'s first `layers` decoder layers as a checkpoint folder of its own: the real weights, tokenizer and
+    template of a real model, at the cost of a few layers. For checks of numbers (ours against transformers, a
+    GGUF against its source) that every layer repeats the same way; not for what the whole model knows."""
+    import json
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy2(path, out / path.name)
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:layers]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {name: tensor for name, tensor in load_file(source / "model.safetensors").items()
+            if not (found := re.search(r"\.layers\.(\d+)\.", name)) or int(found.group(1)) < layers}
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -196,7 +196,7 @@ def real_pissa_adapter(info, model_dir, out):
     return ids, logits
 
 
-def test_a_pissa_adapter_of_a_real_model_exports_to_gguf(real_model_dir, tmp_path):
+def test_a_pissa_adapter_of_a_real_model_exports_to_gguf(short_real_model_dir, tmp_path):
     """SmolLM2's PiSSA adapter exported (merged as trained, then llama.cpp's converter, f16): the GGUF read back by
     transformers gives the live 4-bit model's logits to float16's rounding."""
     from gguf import GGUFReader  # noqa: F401 (the export's own dependency: present)
@@ -204,7 +204,7 @@ def test_a_pissa_adapter_of_a_real_model_exports_to_gguf(real_model_dir, tmp_pat
 
     from qlora_fsdp.commands.export import main as export_main
 
-    ids, live = run_ranks_sequence([(real_pissa_adapter, (real_model_dir, tmp_path / "adapter"))], 1, tmp_path)[0]
+    ids, live = run_ranks_sequence([(real_pissa_adapter, (short_real_model_dir, tmp_path / "adapter"))], 1, tmp_path)[0]
     exported = command_here(export_main, ["--adapter", tmp_path / "adapter", "--out", tmp_path / "gguf"])
     assert exported.returncode == 0, exported.stderr[-2000:]
     (gguf,) = list((tmp_path / "gguf").glob("*.gguf"))

@@ -1,11 +1,12 @@
 """Pre-quantized bitsandbytes 4-bit checkpoints (the hub's `*-bnb-4bit` repos), trained from as stored.
 
-Each checkpoint here is made as such repos are: transformers + bitsandbytes load a model in NF4 (double quantization,
-from bf16) and `save_pretrained` it. Two of them: SmolLM2-135M (real weights, uint8 storage, one file) and a tiny
-tied Qwen3 (bf16 storage, sharded with an index). For each, in one pool task per world size: the held-out loss
-before training equals transformers' own model loaded from that same checkpoint (its 4-bit values are fixed, so
-relative 1e-5 in fp32), at world sizes 1 and 2; two steps lower it; the adapter, loaded by PEFT onto transformers'
-pre-quantized model, gives our logits; the merge dequantizes the stored weights and gives them too.
+Each checkpoint here is made as such repos are: transformers + bitsandbytes load a model in NF4 (double
+quantization, from bf16) and `save_pretrained` it. Two of them: SmolLM2-135M's first 6 layers (real weights, uint8
+storage, one file; tests/conftest.py: `short_real_model_dir`) and a tiny tied Qwen3 (bf16 storage, sharded with an
+index). For each, in one pool task per world size: the held-out loss before training equals transformers' own model
+loaded from that same checkpoint (its 4-bit values are fixed, so relative 1e-5 in fp32), at world sizes 1 and 2; two
+steps lower it; the adapter, loaded by PEFT onto transformers' pre-quantized model, gives our logits; the merge
+dequantizes the stored weights and gives them too.
 """
 
 from __future__ import annotations
@@ -141,8 +142,8 @@ def tiny_prequantized(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def smollm2_prequantized(real_model_dir, tmp_path_factory) -> Path:
-    return prequantize(real_model_dir, tmp_path_factory.mktemp("smollm2") / "bnb-4bit", torch.uint8)
+def smollm2_prequantized(short_real_model_dir, tmp_path_factory) -> Path:
+    return prequantize(short_real_model_dir, tmp_path_factory.mktemp("smollm2") / "bnb-4bit", torch.uint8)
 
 
 def check_against_transformers(model_dir: Path, result: dict, tmp_path: Path, name: str) -> None:

@@ -188,11 +188,11 @@ class Page:
 # past the default 600 s, in "Compare": its own limit gives a machine 4 to 6 times slower room; a wait that runs
 # out still names the stuck step
 @pytest.mark.timeout(1200)
-def test_studio_in_a_browser(tmp_path, real_model_dir):
+def test_studio_in_a_browser(tmp_path, short_real_model_dir):
     browser_or_skip()
     from tests.test_gguf_export import write_lora_adapter
 
-    smol_adapter = write_lora_adapter(real_model_dir, tmp_path / "smol" / "adapter")
+    smol_adapter = write_lora_adapter(short_real_model_dir, tmp_path / "smol" / "adapter")
     shots = Path(os.environ.get("STUDIO_SCREENSHOTS") or tmp_path / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
     # the run goes where the page looks for runs and adapters, outputs/ (removed at the end)

