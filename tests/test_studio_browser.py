@@ -338,7 +338,9 @@ def test_studio_in_a_browser(tmp_path, short_real_model_dir):
         page.type_into("#prompt textarea", "Reverse the letters of the word. river")
         page.click("#compare")
         page.wait(lambda: page.value("#reply-a textarea") and page.value("#reply-b textarea"), 120, "two replies")
-        assert page.value("#reply-a textarea").split() == reply.split()  # the chat's greedy reply, from its worker
+        # the chat's greedy reply, from its worker, once it has streamed whole (read above, it may have been a part)
+        page.wait(lambda: page.driver.find_elements("css selector", "#chatbot .message")[-1].text.split()
+                  == page.value("#reply-a textarea").split(), 60, "the chat's whole reply equal to the comparison's")
         page.wait(lambda: not page.text("#after-error"), 10, "the error cleared")
         page.type_into("#merge-out textarea", str(tmp_path / "merged"))
         page.click("#merge")
