@@ -182,6 +182,11 @@ def test_runs_under_finds_every_run_folder_with_its_state_whoever_started_it(tmp
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "train.py", "--recipe",
                                 "tiny_cpu", "train.output_dir=outputs/b/c/running"], cwd=tmp_path)
     try:
+        # a vfork()ed child runs on before the kernel has set its new command line: /proc shows it empty meanwhile
+        # (under load, long enough for the scan to miss it)
+        cmdline, deadline = Path(f"/proc/{process.pid}/cmdline"), time.monotonic() + 30
+        while b"train.py" not in cmdline.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         found = runs_under(root)
     finally:
         process.kill()
