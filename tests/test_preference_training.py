@@ -187,13 +187,16 @@ def test_precomputed_reference_trains_as_the_adapter_off_one_and_a_stale_one_is_
     reference."""
     common = [f"model.path={tiny_model_dir}", "train.max_steps=4", "train.eval_every=2", "data.eval_samples=16",
               f"data.cache_dir={tmp_path / 'cache'}", "train.save_every=2"]
-    for recipe in ("tiny_cpu_kto", "tiny_cpu_dpo"):
+    # the first 200 records of each file: the precomputed pass reads every training record, and 4 steps need few
+    data = {"tiny_cpu_kto": "tiny_kto.jsonl", "tiny_cpu_dpo": "tiny_preferences.jsonl"}
+    for recipe, name in data.items():
+        (tmp_path / name).write_text("".join(list((REPO / "data" / name).open())[:200]))
         runs = {}
         for reference in ("adapter_off", "precomputed"):
             out = tmp_path / f"{recipe}_{reference}"
             split = (["fsdp.context_parallel=2", "data.micro_batch_size=4"]
                      if (recipe, reference) == ("tiny_cpu_kto", "precomputed") else [])
-            results = run_cli(["--recipe", recipe, *common, f"train.output_dir={out}",
+            results = run_cli(["--recipe", recipe, *common, f"train.output_dir={out}", f"data.path={tmp_path / name}",
                                f"preference.reference={reference}", *split], 2, tmp_path)
             assert results[0].returncode == 0, results[0].stderr[-2000:]
             runs[reference] = losses_of(out)
@@ -210,7 +213,7 @@ def test_precomputed_reference_trains_as_the_adapter_off_one_and_a_stale_one_is_
         assert any(record.get(moved, 0.0) != 0.0 for record in runs["adapter_off"])
 
     other = tmp_path / "other.jsonl"
-    other.write_text("".join(list((REPO / "data" / "tiny_preferences.jsonl").open())[100:1100]))
+    other.write_text("".join(list((REPO / "data" / "tiny_preferences.jsonl").open())[200:400]))
     resumed = run_cli(["--recipe", "tiny_cpu_dpo", *common, "train.max_steps=6",
                        f"train.output_dir={tmp_path / 'tiny_cpu_dpo_precomputed'}",
                        "preference.reference=precomputed", f"data.path={other}", "--resume"], 2, tmp_path)
