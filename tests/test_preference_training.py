@@ -246,7 +246,10 @@ def test_dpo_from_an_sft_adapter_compares_against_it_and_its_adapter_merges_and_
     sft = run_cli(["--recipe", "tiny_cpu", f"model.path={tiny_model_dir}", "train.max_steps=6", "optim.lr=1e-2",
                    f"train.output_dir={tmp_path / 'sft'}", cache], 2, tmp_path)
     assert sft[0].returncode == 0, sft[0].stderr[-2000:]
-    base_args = ["--recipe", "tiny_cpu_dpo", f"model.path={tiny_model_dir}", "data.eval_samples=16", cache]
+    pairs = tmp_path / "pairs.jsonl"  # a small file keeps the two reference passes short
+    pairs.write_text("".join(list(open(PREFERENCES))[:200]))
+    base_args = ["--recipe", "tiny_cpu_dpo", f"model.path={tiny_model_dir}", f"data.path={pairs}",
+                 "data.eval_samples=16", cache]
     dpo_args = [*base_args, f"model.adapter={tmp_path / 'sft' / 'adapter'}", "train.max_steps=2",
                 f"train.output_dir={tmp_path / 'dpo'}"]
     dpo = run_cli(dpo_args, 2, tmp_path)
