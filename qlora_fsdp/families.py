@@ -114,6 +114,8 @@ class AttentionNeeds:
     softcap: bool = False  # Gemma 2's attn_logit_softcapping
     sinks: bool = False  # gpt-oss
     sdpa: bool = True  # transformers runs this family under sdpa
+    windowed: bool = False  # sliding-window layers (Mistral, Gemma 2 and 3, gpt-oss)
+    dropout: float = 0.0  # config.json's attention_dropout, applied in training (Seed-OSS ships 0.1)
 
     @property
     def sdpa_exact(self) -> bool:
@@ -131,6 +133,8 @@ def attention_needs(config: PretrainedConfig) -> AttentionNeeds:
         softcap=getattr(config, "attn_logit_softcapping", None) is not None,
         sinks=config.model_type in SINK_FAMILIES,
         sdpa=bool(getattr(model_class, "_supports_sdpa", True)),
+        windowed=getattr(config, "sliding_window", None) is not None,
+        dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
     )
 
 

@@ -64,6 +64,9 @@ FAMILIES: dict[str, Callable[[PreTrainedTokenizerFast], PretrainedConfig]] = {
     "gemma3_multimodal": gemma3_multimodal,
     "phi3": lambda tok: _config("phi3", tok),
     "olmo2": lambda tok: _config("olmo2", tok),
+    # Seed-OSS: biased q, k and v; its dropouts (0.1 as shipped) off here, so one step's gradients can equal PEFT's
+    # (tests/test_attention.py holds the attention dropout to transformers' under one seed)
+    "seed_oss": lambda tok: _config("seed_oss", tok, head_dim=16, attention_dropout=0.0, residual_dropout=0.0),
 }
 
 

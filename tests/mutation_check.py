@@ -458,8 +458,8 @@ MUTATIONS = [
              "tests/test_config.py::test_yes_no_on_off_are_strings_where_strings_are_expected", quick=True),
     # ---- model family code: build.py, loading.py, attention.py, weight_files.py, names.py, tools/tiny_model.py ----
     Mutation("sliding windows ignored by per-sample attention", "qlora_fsdp/layers/attention.py",
-             '        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"))\n',
-             '        return cls(None, kwargs.get("softcap"), kwargs.get("s_aux"))\n',
+             '        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"), dropout)\n',
+             '        return cls(None, kwargs.get("softcap"), kwargs.get("s_aux"), dropout)\n',
              "tests/test_attention.py::test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_"
              "family_defines_them[gemma2]", quick=True),
     Mutation("attention sinks take no softmax mass", "qlora_fsdp/layers/blockwise_attention.py",
@@ -471,9 +471,16 @@ MUTATIONS = [
              "tests/test_attention.py::test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_"
              "family_defines_them[gemma2]", quick=True),
     Mutation("sdpa picked for a family whose sinks it cannot compute", "qlora_fsdp/layers/attention.py",
-             '            return "sdpa" if needs.sdpa_exact else VARLEN_SDPA\n', '            return "sdpa"\n',
+             '            return "sdpa" if needs.sdpa_exact else refuse_blockwise_dropout(VARLEN_SDPA, needs)\n',
+             '            return "sdpa"\n',
              "tests/test_attention.py::test_a_kernel_that_cannot_compute_the_family_is_never_picked_and_refused_"
              "when_asked_for", quick=True),
+    Mutation("per-sample attention drops no probabilities in training (Seed-OSS's attention dropout)",
+             "qlora_fsdp/layers/attention.py",
+             "        return causal_sdpa(query, key, value, scaling, options.dropout)\n",
+             "        return causal_sdpa(query, key, value, scaling)\n",
+             "tests/test_attention.py::test_attention_dropout_is_applied_as_transformers_sdpa_applies_it_and_refused_"
+             "where_our_kernel_has_none", quick=True),
     Mutation("a packed row's samples share the Gated DeltaNet's state", "qlora_fsdp/layers/decoder.py",
              "    if bounds is None or all(len(row) == 1 for row in bounds)", "    if True or bounds is None",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[qwen3_5]"),

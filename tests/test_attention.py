@@ -178,6 +178,40 @@ def test_a_kernel_that_cannot_compute_the_family_is_never_picked_and_refused_whe
     assert generation_attention("eager", softcap) == "eager"  # asked for: as it is
 
 
+def test_attention_dropout_is_applied_as_transformers_sdpa_applies_it_and_refused_where_our_kernel_has_none():
+    """Seed-OSS trains with attention_dropout 0.1: in training, a sample alone in its row drops the same
+    probabilities as transformers' sdpa under the same seed (one call of the same shape), and a packed row's samples
+    those of transformers' calls one sample at a time. Where the family needs the blockwise kernel (windows,
+    soft-capping, sinks), dropout is refused at load in one line."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module, scaling = torch.nn.Module(), 8 ** -0.5
+    query, key, value = (torch.randn(1, 4, 12, 8) for _ in range(3))
+
+    def ours(positions: list[int], dropout: float) -> torch.Tensor:
+        torch.manual_seed(0)
+        return varlen_sdpa_forward(module, query, key, value, None, scaling, dropout,
+                                   position_ids=torch.tensor([positions]))[0]
+
+    def theirs(bounds: list[tuple[int, int]], dropout: float) -> torch.Tensor:
+        torch.manual_seed(0)
+        return torch.cat([sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                                                 dropout, scaling)[0] for a, b in bounds], dim=1)
+
+    alone, packed = list(range(12)), [*range(7), *range(5)]
+    assert torch.equal(ours(alone, 0.1), theirs([(0, 12)], 0.1))
+    assert torch.equal(ours(packed, 0.1), theirs([(0, 7), (7, 12)], 0.1))
+    assert not torch.allclose(ours(packed, 0.1), ours(packed, 0.0))  # probabilities were dropped
+    assert torch.equal(ours(packed, 0.0), theirs([(0, 7), (7, 12)], 0.0))
+    plain = AttentionNeeds("seed_oss", dropout=0.1)
+    assert resolve_attention("auto", packing=True, device_type="cpu", needs=plain) == VARLEN_SDPA
+    windowed = AttentionNeeds("mistral", windowed=True, dropout=0.1)
+    with pytest.raises(ConfigError, match="mistral's config.json sets attention_dropout 0.1, which sdpa_varlen "
+                                          "applies to plain causal attention only"):
+        resolve_attention("auto", packing=True, device_type="cpu", needs=windowed)
+    assert resolve_attention("auto", packing=False, device_type="cpu", needs=windowed) == "sdpa"  # transformers'
+
+
 def test_per_sample_attention_refuses_a_kv_cache():
     query, key = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4)
     with pytest.raises(RuntimeError, match="generate with sdpa"):

@@ -54,10 +54,12 @@ def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ((sample[:, :, None] == sample[:, None, :]) & causal)[:, None]
 
 
-def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                dropout: float = 0.0) -> torch.Tensor:
     """Causal attention of [batch, heads, tokens, dim] tensors; grouped queries share key/value heads without
-    copies (5-10% faster than repeating them on CPU, bf16, 150-1,024 tokens)."""
-    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+    copies (5-10% faster than repeating them on CPU, bf16, 150-1,024 tokens). `dropout`: on the attention
+    probabilities, as transformers' sdpa applies the family's attention_dropout in training."""
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, dropout_p=dropout,
                                           enable_gqa=query.shape[1] != key.shape[1])
 
 
@@ -68,10 +70,11 @@ class AttentionOptions:
     window: int | None = None  # a query sees itself and the window-1 tokens before it (transformers' definition)
     softcap: float | None = None  # Gemma 2: scores become softcap * tanh(scores / softcap) before the softmax
     sinks: torch.Tensor | None = None  # gpt-oss: one learned logit a head that takes softmax mass and gives no value
+    dropout: float = 0.0  # transformers passes the family's attention_dropout in training, 0 in evaluation
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> AttentionOptions:
-        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"))
+    def from_kwargs(cls, kwargs: dict[str, Any], dropout: float = 0.0) -> AttentionOptions:
+        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"), dropout)
 
     def plain(self, n_tokens: int) -> bool:
         """Nothing but a causal mask for a sample of n_tokens: the fused kernel applies."""
@@ -84,7 +87,9 @@ def family_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     Plain causal attention goes to the fused kernel; windows, soft-capping and sinks to the blockwise one, which
     never holds more than a block of scores (the softmax in fp32, as transformers' eager attention has it)."""
     if options.plain(query.shape[2]):
-        return causal_sdpa(query, key, value, scaling)
+        return causal_sdpa(query, key, value, scaling, options.dropout)
+    if options.dropout:  # refused at load (resolve_attention): the blockwise kernel has no dropout
+        raise RuntimeError(f"{VARLEN_SDPA} applies attention dropout to plain causal attention only")
     return blockwise_attention(query, key, value, scaling, options.window, options.softcap, options.sinks)
 
 
@@ -119,14 +124,12 @@ def per_sample_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          attention_mask: torch.Tensor | None, scaling: float | None, dropout: float,
                          **kwargs: Any) -> torch.Tensor:
     """Each sample's attention on its own (the bounds from the position ids), [batch, tokens, heads, dim] out."""
-    if dropout:
-        raise RuntimeError(f"{VARLEN_SDPA} has no attention dropout; use sdpa or eager")
-    options = AttentionOptions.from_kwargs(kwargs)
+    options = AttentionOptions.from_kwargs(kwargs, dropout)
     if isinstance(attention_mask, torch.Tensor):  # a mask made for the batch (images seen both ways, or the
         if options.softcap is not None or options.sinks is not None:  # image states a cross-attention reads): dense
             raise RuntimeError(f"{VARLEN_SDPA} reads a given mask only for plain attention")
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                             enable_gqa=query.shape[1] != key.shape[1])
+                                             dropout_p=dropout, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous()
     if query.shape[2] != key.shape[2]:
         raise RuntimeError(f"{VARLEN_SDPA} is for training and evaluation (no KV cache); generate with sdpa")
@@ -160,9 +163,9 @@ def resolve_attention(choice: str, packing: bool, device_type: str, needs: Atten
     ours computes windows, soft-capping and sinks, packed or not)."""
     if choice == "auto":
         if not packing:
-            return "sdpa" if needs.sdpa_exact else VARLEN_SDPA
+            return "sdpa" if needs.sdpa_exact else refuse_blockwise_dropout(VARLEN_SDPA, needs)
         flash = device_type == "cuda" and flash_attn_installed() and not needs.sinks
-        return "flash_attention_2" if flash else VARLEN_SDPA
+        return "flash_attention_2" if flash else refuse_blockwise_dropout(VARLEN_SDPA, needs)
     if choice == "sdpa" and not needs.sdpa_exact:
         raise ConfigError(f"'model.attn_implementation: sdpa' cannot compute {needs.family}'s attention "
                           f"({'attention sinks' if needs.sinks else 'logit soft-capping'}); use auto")
@@ -175,7 +178,17 @@ def resolve_attention(choice: str, packing: bool, device_type: str, needs: Atten
     if choice == "flash_attention_2" and not flash_attn_installed():
         raise ConfigError("'model.attn_implementation: flash_attention_2' needs the flash-attn package "
                           "(pip install flash-attn); or use auto")
-    return choice
+    return refuse_blockwise_dropout(choice, needs)
+
+
+def refuse_blockwise_dropout(kernel: str, needs: AttentionNeeds) -> str:
+    """Our kernel applies attention dropout where attention is plain causal (Seed-OSS), as sdpa does; windows,
+    soft-capping and sinks go to the blockwise kernel, which has none: refused before a weight is read."""
+    if kernel == VARLEN_SDPA and needs.dropout and (needs.windowed or needs.softcap or needs.sinks):
+        raise ConfigError(f"{needs.family}'s config.json sets attention_dropout {needs.dropout:g}, which {VARLEN_SDPA} "
+                          "applies to plain causal attention only (this family has windows, soft-capping or "
+                          "sinks): set attention_dropout to 0 in config.json")
+    return kernel
 
 
 def transformers_name(kernel: str) -> str:

@@ -13,7 +13,7 @@ from qlora_fsdp.config import Config, FSDPConfig
 from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.families import attention_needs, router_loss_coefficient
-from qlora_fsdp.layers.attention import VARLEN_SDPA, resolve_attention
+from qlora_fsdp.layers.attention import VARLEN_SDPA, refuse_blockwise_dropout, resolve_attention
 from qlora_fsdp.layers.checkpointing import apply_activation_checkpointing, layer_slots
 from qlora_fsdp.layers.decoder import decoder_layers
 from qlora_fsdp.layers.split_rows import HeadTrade, split_attention
@@ -65,11 +65,11 @@ def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMes
     """Meta build -> checkpointing -> fully_shard (where FSDP is used): the model as this rank will hold it,
     before a byte is allocated. Training then allocates and loads it; the planner only measures it."""
     device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    attention = resolve_attention(cfg.model.attn_implementation, cfg.several_samples_a_row, device_type,
-                                  attention_needs(hf_config))
+    needs = attention_needs(hf_config)
+    attention = resolve_attention(cfg.model.attn_implementation, cfg.several_samples_a_row, device_type, needs)
     split = row_split(cfg.fsdp.context_parallel)
     if split.splits:  # the per-sample kernel is the one that trades the row's parts for heads around it
-        attention = VARLEN_SDPA
+        attention = refuse_blockwise_dropout(VARLEN_SDPA, needs)
     model = build_meta_model(cfg, hf_config, attention)
     if split.splits:
         assert split.group is not None, "a split has its group"
