@@ -259,8 +259,9 @@ def test_studio_in_a_browser(tmp_path, short_real_model_dir):
         page.tab("Plan")
         page.wait_text("#plan-status", "FITS", 120)
         page.wait(lambda: page.find("#memory-plot img"), 30, "the memory bars")
-        assert "micro-batch 4 x 2 accumulation steps" in page.text("#plan-text")
-        assert "world size 2" in page.text("#plan-status")  # the ranks that launch
+        # waited for, not read once: a plan redrawn after FITS showed (the last edit's) says "planning..." a while
+        page.wait_text("#plan-status", "world size 2", 120)  # the ranks that launch
+        page.wait_text("#plan-text", "micro-batch 4 x 2 accumulation steps", 60)
         page.shot("plan")
 
         # the hardware: the (fake) GPUs found, the first one chosen for the run
