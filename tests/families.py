@@ -49,6 +49,15 @@ def gemma3_multimodal(tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
     return config
 
 
+GEMMA4 = dict(head_dim=16, global_head_dim=32, sliding_window=WINDOW, hidden_size_per_layer_input=8,
+              layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0)
+# DeepSeek-V3's multi-head latent attention: queries and keys+values through low-rank projections (q_a/q_b, kv_a/kv_b)
+MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+           num_key_value_heads=4)
+# a shared expert beside 4 routed ones, the first layer dense, routing corrected by a persistent fp32 buffer
+DEEPSEEK_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32)
+
+
 FAMILIES: dict[str, Callable[[PreTrainedTokenizerFast], PretrainedConfig]] = {
     "llama": lambda tok: _config("llama", tok),
     "qwen2": lambda tok: _config("qwen2", tok, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
@@ -67,6 +76,9 @@ FAMILIES: dict[str, Callable[[PreTrainedTokenizerFast], PretrainedConfig]] = {
     # Seed-OSS: biased q, k and v; its dropouts (0.1 as shipped) off here, so one step's gradients can equal PEFT's
     # (tests/test_attention.py holds the attention dropout to transformers' under one seed)
     "seed_oss": lambda tok: _config("seed_oss", tok, head_dim=16, attention_dropout=0.0, residual_dropout=0.0),
+    # Gemma 4: per-layer inputs (a second embedding, gated into every layer), wider heads and proportional rotary in
+    # its full-attention layers, a persistent `layer_scalar` buffer in every layer, soft-capped logits
+    "gemma4": lambda tok: _config("gemma4_text", tok, **GEMMA4, vocab_size_per_layer_input=len(tok)),
 }
 
 
@@ -84,6 +96,20 @@ MOE_FAMILIES: dict[str, Callable[[PreTrainedTokenizerFast], PretrainedConfig]] =
                                        layer_types=["linear_attention", "full_attention"], num_experts=4,
                                        num_experts_per_tok=2, moe_intermediate_size=32,
                                        shared_expert_intermediate_size=64, tie_word_embeddings=True),
+    # Qwen3-Next-80B-A3B's shape (the same layer kinds, untied)
+    "qwen3_next": lambda tok: _config("qwen3_next", tok, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                                      linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+                                      layer_types=["linear_attention", "full_attention"], num_experts_per_tok=2,
+                                      moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    # Gemma 4 26B-A4B's shape: a routed-experts block beside each layer's dense MLP
+    "gemma4_moe": lambda tok: _config("gemma4_text", tok, **GEMMA4, vocab_size_per_layer_input=len(tok),
+                                      enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+    "glm4_moe": lambda tok: _config("glm4_moe", tok, head_dim=16, **DEEPSEEK_MOE, first_k_dense_replace=1, n_group=1,
+                                    topk_group=1),  # GLM-4.5/4.6/4.7
+    "deepseek_v3": lambda tok: _config("deepseek_v3", tok, **MLA, **DEEPSEEK_MOE, first_k_dense_replace=1, n_group=1,
+                                       topk_group=1),  # Kimi K2, Moonlight
+    "glm4_moe_lite": lambda tok: _config("glm4_moe_lite", tok, **MLA, **DEEPSEEK_MOE,
+                                         mlp_layer_types=["dense", "sparse"]),  # GLM-4.7-Flash: MLA and experts
 }
 
 

@@ -98,7 +98,7 @@ def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: P
         (off,) = all_reduce_sums([summed(model, packed, info)], info.device)
     q_runs = [0]  # the first attention layer's query projection's 4-bit matmuls in the step (Phi-3's fused qkv)
     query = next(m for name, m in model.named_modules()
-                 if re.search(r"layers\.\d+\.(.+\.)?(q|qkv)_proj\.base_layer$", name))
+                 if re.search(r"layers\.\d+\.(.+\.)?(q|qkv|q_a)_proj\.base_layer$", name))
     handle = query.register_forward_hook(lambda *_: q_runs.__setitem__(0, q_runs[0] + 1))
     train_loss = ForwardLoss.for_config(cfg, info.device)(model, packed, info.device) / n_targets
     train_loss.backward()  # training's loss: chunked, checkpointed, one sample at a time in each packed row
@@ -183,7 +183,7 @@ def expected_adapter_keys(base: torch.nn.Module) -> set[str]:
     """What one step must give a gradient to, read off transformers' model rather than our adapter's config: LoRA on
     every decoder linear, and where the family trains them, the experts' LoRA (PEFT nests gate_up_proj's under
     base_layer) and every router parameter."""
-    keys = decoder_lora_keys(base)
+    keys = {key for key in decoder_lora_keys(base) if not read_as_experts_by_peft(base, key)}
     if base.config.model_type not in TRAINS_EXPERTS:
         return keys
     for name, module in base.named_modules():
@@ -193,6 +193,16 @@ def expected_adapter_keys(base: torch.nn.Module) -> set[str]:
         elif type(module).__name__.endswith("TopKRouter"):
             keys |= {f"base_model.model.{name}.{param}" for param, _ in module.named_parameters()}
     return keys
+
+
+def read_as_experts_by_peft(base: torch.nn.Module, key: str) -> bool:
+    """PEFT moves a target named as a transformers 4 expert projection (DeepSeek-V3's `gate_proj`, whatever module it
+    names: a dense MLP's, a shared expert's) onto the fused experts: no adapter can hold LoRA there for the family."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    pattern = conversion._MODEL_TO_CONVERSION_PATTERN.get(base.config.model_type)
+    leaf = key.split(".lora_")[0].rsplit(".", 1)[-1]
+    return leaf in conversion._MOE_TARGET_MODULE_MAPPING.get(pattern, {})
 
 
 def reference_side(model_dir: Path, adapter: Path, samples: list[Sample]) -> dict:

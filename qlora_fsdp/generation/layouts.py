@@ -95,6 +95,7 @@ class RelayedLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         rank = dist.get_rank(self.group)
         per_row: dict[str, Any] = {key: kwargs[key] for key in PER_ROW_ARGUMENTS if key in kwargs}
+        per_row |= {f"#{index}": value for index, value in enumerate(args)}  # Gemma 4's per-layer input, by position
         rows = hidden_states.shape[0]
         flat = flat_tensors(hidden_states, per_row)
         # a tensor of one row a batch row comes from every rank; others (shared positions) are the same on all
@@ -108,7 +109,8 @@ class RelayedLayer(nn.Module):
         joined = iter([torch.cat(parts) if parts is not None else t for parts, t in zip(gathered, flat, strict=True)])
         hidden = next(joined)
         rebuilt: dict[str, Any] = {key: rebuild(value, joined) for key, value in per_row.items()}
-        result = self.layer(hidden, *args, **{**kwargs, **rebuilt})
+        positional = [rebuilt.pop(f"#{index}") for index in range(len(args))]
+        result = self.layer(hidden, *positional, **{**kwargs, **rebuilt})
         output = result[0] if isinstance(result, tuple) else result
         parts = [part.contiguous() for part in output.split(rows)]
         mine = torch.empty_like(parts[rank])

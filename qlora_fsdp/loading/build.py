@@ -55,6 +55,7 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
             hf_config, dtype=TORCH_DTYPES[cfg.model.dtype], trust_remote_code=cfg.model.trust_remote_code,
             attn_implementation=transformers_name(attention),
         )
+    keep_buffers_in_fp32(model)
     model.tie_weights()  # transformers ties the head to the embeddings only when it made the parameters itself
     layout = checkpoint_layout(checkpoint_folder(cfg), model, cfg.model.trust_remote_code)
     run_mixers_per_sample(decoder_layers(model))
@@ -74,6 +75,20 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
                            TORCH_DTYPES[cfg.lora.dtype])
     vars(peft_model)["checkpoint_layout"] = layout  # a plain attribute: read by loading, the adapter and merge
     return peft_model
+
+
+def keep_buffers_in_fp32(model: nn.Module) -> None:
+    """The buffers transformers keeps in float32 whatever the model's dtype (DeepSeek-V3's router score correction,
+    which a bf16 default would round), as its loading keeps them."""
+    names = [*(getattr(model, "_keep_in_fp32_modules_strict", None) or []),
+             *(getattr(model, "_keep_in_fp32_modules", None) or [])]
+    if not names:
+        return
+    pattern = re.compile("|".join(re.escape(name) for name in names))
+    for module_name, module in model.named_modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_floating_point() and pattern.search(f"{module_name}.{name}"):
+                module._buffers[name] = buffer.float()
 
 
 def stored_4bit_linears(folder: Path | None, layout: CheckpointLayout) -> set[str] | None:
@@ -141,6 +156,7 @@ def attach_lora(model: nn.Module, lora: LoraConfig, attention_tiled: bool = Fals
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=targets,
+        exclude_modules=outside_the_layers(model) if lora.target_modules == "all-linear" else None,
         use_dora=lora.use_dora,
         use_rslora=lora.use_rslora,  # saved in adapter_config.json, so PEFT and the merge scale alike
         bias="none",
@@ -172,12 +188,34 @@ def add_expert_training(model: peft.PeftModel, lora: LoraConfig) -> None:
 
 
 def lora_targets(model: nn.Module, targets: str | list[str]) -> str | list[str]:
-    """all-linear on a mixture of experts means its linear layers (attention, dense MLPs): PEFT would otherwise add
-    the experts and the router, as the linear layers of the model's transformers 4 layout."""
+    """all-linear on a mixture of experts means its linear layers (attention, dense MLPs, shared experts): PEFT would
+    otherwise add the experts and the router, as the linear layers of the model's transformers 4 layout. Where PEFT
+    reads a projection's name as an expert's of that layout (DeepSeek-V3's, GLM-4.5's and Qwen3-Next's `gate_proj`,
+    `up_proj`, `down_proj`), the dense MLPs and shared experts keep no LoRA: PEFT would load it onto the experts."""
     if targets != "all-linear" or not any(isinstance(m, Experts4bit) for m in model.modules()):
         return targets
+    read_as_experts = peft_expert_names(getattr(getattr(model, "config", None), "model_type", ""))
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"})
+                   if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in {"lm_head", *read_as_experts}})
+
+
+def outside_the_layers(model: nn.Module) -> list[str] | None:
+    """The linears all-linear leaves without LoRA: those outside the decoder layers (Gemma 4's
+    per_layer_model_projection). Their LoRA would sit in FSDP2's root group, which stays gathered after a forward
+    without backward, and an adapter saved then at world size 2 held zeros for it (tests/test_families.py)."""
+    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and id(module) not in inside and not name.endswith("lm_head")]
+    return names or None
+
+
+def peft_expert_names(model_type: str) -> set[str]:
+    """The transformers 4 module names PEFT turns into a fused experts parameter for this family (a list entry or a
+    dotted suffix with such a name is moved to `target_parameters`, whichever module it named)."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    pattern = getattr(conversion, "_MODEL_TO_CONVERSION_PATTERN", {}).get(model_type)
+    return set(getattr(conversion, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern, {}))
 
 
 def refuse_expert_lora(model: peft.PeftModel, targets: str | list[str]) -> None:

@@ -32,7 +32,7 @@ from qlora_fsdp.layers.experts4bit import EXPERT_MATRICES, ExpertMatrix, Experts
 from qlora_fsdp.layers.lora_math import dora_magnitude
 from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.initial_adapter import initialized, lora_layer_of, start_of
-from qlora_fsdp.loading.layout import CheckpointLayout
+from qlora_fsdp.loading.layout import CheckpointLayout, persistent_buffers
 from qlora_fsdp.loading.names import REWARD_HEAD_KEY, clean_name, is_lora_tensor, weight_key
 from qlora_fsdp.loading.nf4 import quantize
 from qlora_fsdp.loading.placement import copy_full_into, copy_rows_into, shard_row_range
@@ -46,38 +46,42 @@ _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
 class Target:
     """Where one checkpoint tensor goes."""
 
-    param: nn.Parameter
+    param: torch.Tensor  # a parameter, or a persistent buffer (a router's score correction, a layer's scalar)
     quantized_module: bnb.nn.Linear4bit | None = None
     dora_magnitude: nn.Parameter | None = None  # filled from the dequantized weight's row norms
     experts: ExpertMatrix | None = None  # a fused experts parameter: one row of 4-bit bytes an expert
     lora_layer: nn.Module | None = None  # the LoRA layer around a 4-bit linear (lora.init computes its start)
     key: str = ""  # the checkpoint key (seeds a randomized init)
+    buffer: bool = False  # read whole into every rank, in the buffer's own dtype (fp32 where transformers keeps it)
 
 
 def materialize(model: nn.Module, device: torch.device, param_device: torch.device) -> None:
-    """Allocate real (uninitialized) storage, keeping the buffers that checkpoints do not hold."""
+    """Allocate real (uninitialized) storage, keeping the values of the buffers."""
     computed = computed_buffers(model)
     tied = tied_parameter_slots(model)
     model.to_empty(device=param_device)
     retie(tied)
     for (module, name), value in computed.items():
-        module.register_buffer(name, value.to(device), persistent=False)
+        persistent = name not in module._non_persistent_buffers_set
+        module.register_buffer(name, value.to(device), persistent=persistent)
 
 
 BufferSlot = tuple[nn.Module, str]
 
 
 def computed_buffers(model: nn.Module) -> dict[BufferSlot, torch.Tensor]:
-    """The values of every non-persistent buffer (rotary `inv_freq`, Gemma's `embed_scale`), which `to_empty`
-    would turn into garbage (the loss turns NaN). build_meta_model leaves buffers real, computed by the model's
-    own code; a module built with meta buffers anyway is re-created from its config, if it has one."""
+    """The values of every buffer, which `to_empty` would turn into garbage (the loss turns NaN): the computed ones
+    (rotary `inv_freq`, Gemma's `embed_scale`) and the model's own start of the persistent ones, which the
+    checkpoint's values replace at load. build_meta_model leaves buffers real, computed by the model's own code; a
+    computed buffer built on the meta device anyway is re-created from its module's config, if it has one."""
     values: dict[BufferSlot, torch.Tensor] = {}
     for module in model.modules():
-        for name in sorted(getattr(module, "_non_persistent_buffers_set", set())):
-            buffer = module._buffers.get(name)
+        for name, buffer in sorted(module._buffers.items()):
             if buffer is None:
                 continue
             if buffer.is_meta:
+                if name not in module._non_persistent_buffers_set:
+                    continue  # the checkpoint holds it: allocated by to_empty, filled by load_weights
                 buffer = rebuilt_buffer(module, name)
             values[(module, name)] = buffer.detach().clone()
     return values
@@ -130,6 +134,8 @@ def base_targets(model: nn.Module) -> dict[str, Target]:
         if isinstance(module, Experts4bit) and attr in EXPERT_MATRICES:
             target.experts = module.expert_matrices[attr]
         targets[key] = target
+    for name, buffer in persistent_buffers(model):
+        targets[weight_key(name)] = Target(buffer, key=weight_key(name), buffer=True)
     return targets
 
 
@@ -155,7 +161,9 @@ def random_pieces(targets: dict[str, Target], std: float, seed: int, device: tor
         seen.add(id(target.param))
         module = target.quantized_module
         shape = (module.out_features, module.in_features) if module is not None else tuple(target.param.shape)
-        if target.experts is not None:
+        if target.buffer:  # the model's own start (ones for a scalar, zeros for a correction)
+            yield Plain(key, key, key, InMemoryTensor(target.param.detach().clone()), "random init")
+        elif target.experts is not None:
             draw = functools.partial(random_expert, target.experts.shape, std, seed, key, device)
             yield Experts(key, key, range(target.param.shape[0]), draw, "random init")
         elif key.endswith("bias"):
@@ -270,7 +278,7 @@ def place_four_bit(piece: FourBit, target: Target, device: torch.device, cfg: Co
 
 
 def load_tensor(target: Target, stored: StoredTensor, cfg: Config, device: torch.device) -> None:
-    dtype = TORCH_DTYPES[cfg.model.dtype]
+    dtype = target.param.dtype if target.buffer else TORCH_DTYPES[cfg.model.dtype]
     if target.quantized_module is None:
         if cfg.model.add_tokens and grows_rows(stored, target.param):
             copy_rows_into(target.param, grown_rows(stored, target.param).to(device=device, dtype=dtype))

@@ -8,11 +8,13 @@ the full model's names, so PEFT loads it onto the multimodal model.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from qlora_fsdp.errors import ModelLoadError
@@ -142,9 +144,18 @@ def layout_from_transforms(model: PreTrainedModel) -> CheckpointLayout:
         renamings=[t for t in transforms if isinstance(t, WeightRenaming)],
         converters=[t for t in transforms if isinstance(t, WeightConverter)],
         prefix=model.base_model_prefix,
-        full_keys=dict.fromkeys((name for name, _ in model.named_parameters(remove_duplicate=False)), True),
+        full_keys=dict.fromkeys([*(name for name, _ in model.named_parameters(remove_duplicate=False)),
+                                 *(name for name, _ in persistent_buffers(model))], True),
         model_type=model.config.model_type,
     )
+
+
+def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds (Gemma 4's `layer_scalar`, DeepSeek-V3's router `e_score_correction_bias`)."""
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield f"{module_name}.{name}" if module_name else name, buffer
 
 
 def lora_target_regex(layout: CheckpointLayout, lora_module_names: list[str]) -> str | None:
