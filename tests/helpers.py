@@ -325,3 +325,11 @@ def shortened_checkpoint(source: Path, out: Path, layers: int) -> Path:
             if not (found := re.search(r"\.layers\.(\d+)\.", name)) or int(found.group(1)) < layers}
     save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+def head_of(name: str, lines: int, folder: Path) -> Path:
+    """The first `lines` records of a shipped data file, written to `folder` under its own name (a small file: a run's
+    pipeline reads it whole, a precomputed reference passes over every record)."""
+    out = folder / name
+    out.write_text("".join((REPO / "data" / name).read_text().splitlines(keepends=True)[:lines]))
+    return out

@@ -26,6 +26,7 @@ from tests.helpers import (
     REPO,
     command_here,
     full_grads,
+    head_of,
     rank_units,
     recipe_pair_loss,
     relative_difference,
@@ -190,7 +191,7 @@ def test_precomputed_reference_trains_as_the_adapter_off_one_and_a_stale_one_is_
     # the first 200 records of each file: the precomputed pass reads every training record, and 4 steps need few
     data = {"tiny_cpu_kto": "tiny_kto.jsonl", "tiny_cpu_dpo": "tiny_preferences.jsonl"}
     for recipe, name in data.items():
-        (tmp_path / name).write_text("".join(list((REPO / "data" / name).open())[:200]))
+        head_of(name, 200, tmp_path)
         runs = {}
         for reference in ("adapter_off", "precomputed"):
             out = tmp_path / f"{recipe}_{reference}"
@@ -246,8 +247,7 @@ def test_dpo_from_an_sft_adapter_compares_against_it_and_its_adapter_merges_and_
     sft = run_cli(["--recipe", "tiny_cpu", f"model.path={tiny_model_dir}", "train.max_steps=6", "optim.lr=1e-2",
                    f"train.output_dir={tmp_path / 'sft'}", cache], 2, tmp_path)
     assert sft[0].returncode == 0, sft[0].stderr[-2000:]
-    pairs = tmp_path / "pairs.jsonl"  # a small file keeps the two reference passes short
-    pairs.write_text("".join(list(open(PREFERENCES))[:200]))
+    pairs = head_of("tiny_preferences.jsonl", 200, tmp_path)  # a small file keeps the two reference passes short
     base_args = ["--recipe", "tiny_cpu_dpo", f"model.path={tiny_model_dir}", f"data.path={pairs}",
                  "data.eval_samples=16", cache]
     dpo_args = [*base_args, f"model.adapter={tmp_path / 'sft' / 'adapter'}", "train.max_steps=2",
@@ -281,8 +281,7 @@ def test_a_dpo_run_killed_hard_and_resumed_equals_the_uninterrupted_one(tiny_mod
     """torchrun, 2 ranks, the reference precomputed: killed with SIGKILL (torchrun and both ranks) at a random step
     after its first checkpoint, then resumed. The resumed run reads the stored reference (not recomputed), and its
     losses, rewards and final adapter are the uninterrupted run's, bit for bit."""
-    subset = tmp_path / "pairs.jsonl"  # a small file keeps the reference pass short
-    subset.write_text("".join(list(open(PREFERENCES))[:300]))
+    subset = head_of("tiny_preferences.jsonl", 300, tmp_path)  # a small file keeps the reference pass short
     common = ["--recipe", "tiny_cpu_dpo", f"model.path={tiny_model_dir}", f"data.path={subset}",
               "data.eval_samples=16", "train.max_steps=6", "train.save_every=2", "train.eval_every=3",
               f"data.cache_dir={tmp_path / 'cache'}", "preference.reference=precomputed"]

@@ -27,16 +27,10 @@ from qlora_fsdp.readouts.data_preview import (
     with_overrides_replaced,
 )
 from qlora_fsdp.studio.preflight import check_before_launch
+from tests.helpers import head_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SPAN = re.compile(r"<span class='masked'>(.*?)</span>|([^<]+)", re.S)
-
-
-def head_of(name: str, lines: int, folder: Path) -> Path:
-    """The first `lines` records of a shipped data file (a small file: the run's pipeline reads it whole here)."""
-    out = folder / name
-    out.write_text("".join((ROOT / "data" / name).read_text().splitlines(keepends=True)[:lines]))
-    return out
 
 
 def config(recipe: str, model: Path, data: Path, tmp: Path, *more: str):
