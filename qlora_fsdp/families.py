@@ -116,6 +116,10 @@ class AttentionNeeds:
     sdpa: bool = True  # transformers runs this family under sdpa
     windowed: bool = False  # sliding-window layers (Mistral, Gemma 2 and 3, gpt-oss)
     dropout: float = 0.0  # config.json's attention_dropout, applied in training (Seed-OSS ships 0.1)
+    chunked: bool = False  # Llama 4's chunked-attention layers: a query sees its own chunk of the sample only
+    # Llama 4's layers without rotary scale their queries by the position in the row from this position on
+    # (attn_temperature_tuning, floor_scale), whatever sample of a packed row the token belongs to
+    row_position_scaling_from: int | None = None
 
     @property
     def sdpa_exact(self) -> bool:
@@ -135,7 +139,17 @@ def attention_needs(config: PretrainedConfig) -> AttentionNeeds:
         sdpa=bool(getattr(model_class, "_supports_sdpa", True)),
         windowed=getattr(config, "sliding_window", None) is not None,
         dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        chunked="chunked_attention" in (getattr(config, "layer_types", None) or []),
+        row_position_scaling_from=row_position_scaling_from(config),
     )
+
+
+def row_position_scaling_from(config: PretrainedConfig) -> int | None:
+    """Llama 4: with attn_temperature_tuning its NoPE layers (no_rope_layers 0) multiply a query by
+    1 + attn_scale * log1p(floor((p + 1) / floor_scale)), p its index in the row: 1 below floor_scale - 1."""
+    if not getattr(config, "attn_temperature_tuning", False) or all(getattr(config, "no_rope_layers", None) or [1]):
+        return None
+    return int(config.floor_scale) - 1
 
 
 def softcaps_logits(config: PretrainedConfig | None) -> bool:

@@ -110,6 +110,13 @@ MOE_FAMILIES: dict[str, Callable[[PreTrainedTokenizerFast], PretrainedConfig]] =
                                        topk_group=1),  # Kimi K2, Moonlight
     "glm4_moe_lite": lambda tok: _config("glm4_moe_lite", tok, **MLA, **DEEPSEEK_MOE,
                                          mlp_layer_types=["dense", "sparse"]),  # GLM-4.7-Flash: MLA and experts
+    # Llama 4 Scout's layer kinds: chunked attention with rotary, then a layer without (NoPE); experts stored
+    # [E, hidden, 2*inner], called with every expert's rows scaled by a sigmoid router (top-1); Maverick's dense
+    # layer between the MoE ones
+    "llama4": lambda tok: _config("llama4_text", tok, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                                  intermediate_size=32, intermediate_size_mlp=128, attention_chunk_size=WINDOW,
+                                  layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0],
+                                  moe_layers=[1]),
 }
 
 

@@ -17,6 +17,7 @@ from qlora_fsdp.layers import attention as attention_module
 from qlora_fsdp.layers import blockwise_attention as blockwise
 from qlora_fsdp.layers.attention import (
     VARLEN_SDPA,
+    refuse_row_position_scaling,
     resolve_attention,
     sample_bounds,
     transformers_name,
@@ -176,6 +177,18 @@ def test_a_kernel_that_cannot_compute_the_family_is_never_picked_and_refused_whe
         BLOCKWISE_GENERATION)
     assert generation_attention("auto", softcap) == BLOCKWISE_GENERATION and generation_attention("auto") == "sdpa"
     assert generation_attention("eager", softcap) == "eager"  # asked for: as it is
+    # Llama 4's chunked layers: our kernel cuts each sample into chunks; flash and flex do not, nor do transformers'
+    # masks of a packed row (chunks counted from the row's start)
+    chunked = AttentionNeeds("llama4_text", chunked=True, row_position_scaling_from=8191)
+    assert resolve_attention("auto", packing=True, device_type="cuda", needs=chunked) == VARLEN_SDPA
+    assert resolve_attention("sdpa", packing=False, device_type="cuda", needs=chunked) == "sdpa"
+    for choice, packing in (("flash_attention_2", False), ("sdpa", True), ("eager", True)):
+        with pytest.raises(ConfigError, match="does not keep llama4_text's chunked-attention layers to their chunks"):
+            resolve_attention(choice, packing=packing, device_type="cuda", needs=chunked)
+    refuse_row_position_scaling(chunked, several_samples_a_row=True, context_length=8191)
+    refuse_row_position_scaling(chunked, several_samples_a_row=False, context_length=16384)
+    with pytest.raises(ConfigError, match="set data.context_length to 8191 or less, or data.packing: false"):
+        refuse_row_position_scaling(chunked, several_samples_a_row=True, context_length=8192)
 
 
 def test_attention_dropout_is_applied_as_transformers_sdpa_applies_it_and_refused_where_our_kernel_has_none():

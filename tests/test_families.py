@@ -58,9 +58,10 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return train_tokenizer(REPO / "data" / "tiny_instruct.jsonl", 512)
 
 
-# the mixtures of experts whose matrix runs train LoRA on the experts and the routers too (one stores its experts
-# [out, in], the other [in, out] with biases and a router bias); the others keep LoRA on attention alone
-TRAINS_EXPERTS = ("qwen3_moe", "gpt_oss")
+# the mixtures of experts whose matrix runs train LoRA on the experts and the routers too (Qwen3-MoE stores its
+# experts [out, in], gpt-oss [in, out] with biases and a router bias, Llama 4 [in, out] called stacked, its router
+# an nn.Linear); the others keep LoRA on attention alone
+TRAINS_EXPERTS = ("qwen3_moe", "gpt_oss", "llama4_text")
 
 
 def family_config(model_dir: Path, out: Path, attention_tiles: int = 0):
@@ -187,10 +188,10 @@ def expected_adapter_keys(base: torch.nn.Module) -> set[str]:
     if base.config.model_type not in TRAINS_EXPERTS:
         return keys
     for name, module in base.named_modules():
-        if name.endswith(".mlp.experts"):
+        if name.endswith(".experts") and getattr(module, "gate_up_proj", None) is not None:
             keys |= {f"base_model.model.{name}.{nested}lora_{part}.weight" for nested in ("", "base_layer.")
                      for part in "AB"}
-        elif type(module).__name__.endswith("TopKRouter"):
+        elif type(module).__name__.endswith(("TopKRouter", "Llama4Router")):
             keys |= {f"base_model.model.{name}.{param}" for param, _ in module.named_parameters()}
     return keys
 

@@ -140,13 +140,16 @@ def rebuild(value: Any, joined: Iterator[torch.Tensor]) -> Any:
 
 
 def gather_to(tensor: torch.Tensor, owner: int, group: Any) -> list[torch.Tensor] | None:
-    """Every rank's tensor (the same shape on all) on the owner, in rank order; None elsewhere."""
-    is_bool = tensor.dtype == torch.bool  # gloo has no bool collectives
-    sent = (tensor.to(torch.uint8) if is_bool else tensor).contiguous()
+    """Every rank's tensor (the same shape on all) on the owner, in rank order; None elsewhere. gloo has neither bool
+    nor complex collectives: bools travel as bytes, complex numbers (Llama 4's rotary) as their real pairs."""
+    is_bool, is_complex = tensor.dtype == torch.bool, tensor.is_complex()
+    sent = (tensor.to(torch.uint8) if is_bool else torch.view_as_real(tensor) if is_complex else tensor).contiguous()
     rank = dist.get_rank(group)
     parts = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))] if rank == owner else None
     dist.gather(sent, parts, dst=owner, group=group)
-    return [part.bool() for part in parts] if is_bool and parts is not None else parts
+    if parts is None or not (is_bool or is_complex):
+        return parts
+    return [part.bool() if is_bool else torch.view_as_complex(part) for part in parts]
 
 
 def count_cached_tokens(cache: Any, index: int, hidden: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ are real, and padding is never a target. So `sdpa_varlen` is exact for padded ro
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -71,10 +71,11 @@ class AttentionOptions:
     softcap: float | None = None  # Gemma 2: scores become softcap * tanh(scores / softcap) before the softmax
     sinks: torch.Tensor | None = None  # gpt-oss: one learned logit a head that takes softmax mass and gives no value
     dropout: float = 0.0  # transformers passes the family's attention_dropout in training, 0 in evaluation
+    chunk: int | None = None  # Llama 4's chunked layers: the sample cut into chunks of this many, each on its own
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any], dropout: float = 0.0) -> AttentionOptions:
-        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"), dropout)
+    def from_kwargs(cls, kwargs: dict[str, Any], dropout: float = 0.0, chunk: int | None = None) -> AttentionOptions:
+        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"), dropout, chunk)
 
     def plain(self, n_tokens: int) -> bool:
         """Nothing but a causal mask for a sample of n_tokens: the fused kernel applies."""
@@ -85,7 +86,15 @@ def family_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      options: AttentionOptions) -> torch.Tensor:
     """Causal attention of one sample (or rows of one length) as the family defines it, [batch, heads, tokens, dim].
     Plain causal attention goes to the fused kernel; windows, soft-capping and sinks to the blockwise one, which
-    never holds more than a block of scores (the softmax in fp32, as transformers' eager attention has it)."""
+    never holds more than a block of scores (the softmax in fp32, as transformers' eager attention has it). In a
+    chunked layer a query sees the tokens of its chunk only (chunks counted from the sample's start), so each chunk
+    is a sample of its own."""
+    if options.chunk is not None and query.shape[2] > options.chunk:
+        within = replace(options, chunk=None)
+        return torch.cat([family_attention(query[:, :, start : start + options.chunk],
+                                           key[:, :, start : start + options.chunk],
+                                           value[:, :, start : start + options.chunk], scaling, within)
+                          for start in range(0, query.shape[2], options.chunk)], dim=2)
     if options.plain(query.shape[2]):
         return causal_sdpa(query, key, value, scaling, options.dropout)
     if options.dropout:  # refused at load (resolve_attention): the blockwise kernel has no dropout
@@ -109,24 +118,34 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     """transformers' attention-function interface: [batch, heads, tokens, dim] in, [batch, tokens, heads, dim] out.
     Under context parallel (a HeadTrade on the module), the row's parts are traded for heads around it."""
     trade = trade_of(module)
+    chunk = attention_chunk(module)
     if trade is None:
-        return per_sample_attention(query, key, value, attention_mask, scaling, dropout, **kwargs), None
+        return per_sample_attention(query, key, value, attention_mask, scaling, dropout, chunk, **kwargs), None
     position_ids = kwargs.get("position_ids")
     if position_ids is not None and not (kwargs.get("sample_bounds") or hasattr(position_ids, "sample_bounds")):
         raise RuntimeError("context parallel attention needs the whole row's sample bounds on the position ids "
                            "(its own part's positions cannot tell where the other parts' samples start)")
     out = per_sample_attention(trade.whole_row(query), trade.whole_row(key), trade.whole_row(value), attention_mask,
-                               scaling, dropout, **own_head_kwargs(trade, kwargs))
+                               scaling, dropout, chunk, **own_head_kwargs(trade, kwargs))
     return trade.own_part(out.transpose(1, 2)).transpose(1, 2).contiguous(), None
+
+
+def attention_chunk(module: nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama 4's `layer_types` and `attention_chunk_size`), else None."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    layer_types = getattr(config, "layer_types", None)
+    if index is None or not layer_types or layer_types[index] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
 
 
 def per_sample_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, scaling: float | None, dropout: float,
-                         **kwargs: Any) -> torch.Tensor:
+                         chunk: int | None = None, **kwargs: Any) -> torch.Tensor:
     """Each sample's attention on its own (the bounds from the position ids), [batch, tokens, heads, dim] out."""
-    options = AttentionOptions.from_kwargs(kwargs, dropout)
+    options = AttentionOptions.from_kwargs(kwargs, dropout, chunk)
     if isinstance(attention_mask, torch.Tensor):  # a mask made for the batch (images seen both ways, or the
-        if options.softcap is not None or options.sinks is not None:  # image states a cross-attention reads): dense
+        if options.softcap is not None or options.sinks is not None or chunk:  # image states ...): dense
             raise RuntimeError(f"{VARLEN_SDPA} reads a given mask only for plain attention")
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                              dropout_p=dropout, enable_gqa=query.shape[1] != key.shape[1])
@@ -164,11 +183,14 @@ def resolve_attention(choice: str, packing: bool, device_type: str, needs: Atten
     if choice == "auto":
         if not packing:
             return "sdpa" if needs.sdpa_exact else refuse_blockwise_dropout(VARLEN_SDPA, needs)
-        flash = device_type == "cuda" and flash_attn_installed() and not needs.sinks
+        flash = device_type == "cuda" and flash_attn_installed() and not (needs.sinks or needs.chunked)
         return "flash_attention_2" if flash else refuse_blockwise_dropout(VARLEN_SDPA, needs)
     if choice == "sdpa" and not needs.sdpa_exact:
         raise ConfigError(f"'model.attn_implementation: sdpa' cannot compute {needs.family}'s attention "
                           f"({'attention sinks' if needs.sinks else 'logit soft-capping'}); use auto")
+    if needs.chunked and (choice in ("flash_attention_2", "flex_attention") or packing and choice != VARLEN_SDPA):
+        raise ConfigError(f"'model.attn_implementation: {choice}' does not keep {needs.family}'s chunked-attention "
+                          f"layers to their chunks{' in packed rows' if packing else ''}; use auto")
     if choice == "flash_attention_2" and needs.sinks:
         raise ConfigError(f"'model.attn_implementation: flash_attention_2' has no attention sinks, which "
                           f"{needs.family} needs; use auto")
@@ -179,6 +201,15 @@ def resolve_attention(choice: str, packing: bool, device_type: str, needs: Atten
         raise ConfigError("'model.attn_implementation: flash_attention_2' needs the flash-attn package "
                           "(pip install flash-attn); or use auto")
     return refuse_blockwise_dropout(choice, needs)
+
+
+def refuse_row_position_scaling(needs: AttentionNeeds, several_samples_a_row: bool, context_length: int) -> None:
+    """A sample later in a packed row would have its queries scaled by its place in the row, not in the sample."""
+    start = needs.row_position_scaling_from
+    if several_samples_a_row and start is not None and context_length > start:
+        raise ConfigError(f"{needs.family} scales the queries of its layers without rotary by their position in the "
+                          f"row from token {start} on, so rows of {context_length} tokens cannot hold several "
+                          f"samples: set data.context_length to {start} or less, or data.packing: false")
 
 
 def refuse_blockwise_dropout(kernel: str, needs: AttentionNeeds) -> str:

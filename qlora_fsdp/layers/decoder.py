@@ -5,6 +5,7 @@ and the start-up line that says what a family's attention computes."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -84,3 +85,38 @@ def per_sample_forward(mixer: nn.Module, forward: Callable[..., torch.Tensor], h
         parts = [forward(hidden_states[row : row + 1, start:end], *args, **kwargs) for start, end in row_bounds]
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows)
+
+
+def attention_modules(layer: nn.Module) -> list[nn.Module]:
+    """A decoder layer's attention modules, by transformers' naming (LlamaAttention, Llama4TextAttention, ...), whose
+    forward passes extra keywords on to the kernel."""
+    return [m for m in layer.modules() if type(m).__name__.endswith("Attention") and takes_keywords(m.forward)]
+
+
+def takes_keywords(function: Callable[..., Any]) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(function).parameters.values())
+
+
+def give_attention_the_positions(layers: list[nn.Module]) -> None:
+    """Packed rows reach the attention kernel with their position ids, which mark where a sample starts. Some
+    families' decoder layers take them and do not pass them on (Llama 4's); without them the kernel would attend
+    across the samples of a row. A layer's pre-hook keeps them, its attention's pre-hook adds them where missing."""
+    for layer in layers:
+        attentions = attention_modules(layer)
+        if not attentions:
+            continue
+        layer.register_forward_pre_hook(functools.partial(keep_positions_for, attentions), with_kwargs=True)
+        for attention in attentions:
+            attention.register_forward_pre_hook(add_kept_positions, with_kwargs=True)
+
+
+def keep_positions_for(attentions: list[nn.Module], _layer: nn.Module, args: tuple, kwargs: dict) -> None:
+    for attention in attentions:
+        vars(attention)["kept_position_ids"] = kwargs.get("position_ids")  # a plain attribute, read below
+
+
+def add_kept_positions(attention: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    kept = getattr(attention, "kept_position_ids", None)
+    if kept is None or kwargs.get("position_ids") is not None:
+        return None
+    return args, {**kwargs, "position_ids": kept}

@@ -28,10 +28,13 @@ class ExpertLora(nn.Module):
     """LoRA on one fused expert parameter, in PEFT's layout; `enabled` is switched off for DPO's reference."""
 
     def __init__(self, n_experts: int, in_features: int, out_features: int, lora: LoraConfig,
-                 transposed: bool) -> None:
+                 transposed: bool, x_meets_b_first: bool = False) -> None:
         super().__init__()
         self.n_experts, self.r = n_experts, lora.r
-        self.transposed = transposed  # the experts store [in, out] (gpt-oss), as the merge needs to know
+        self.transposed = transposed  # PEFT reads the experts as [in, out] (gpt-oss), as the merge needs to know
+        # PEFT reads the matrix the other way round from how the forward multiplies it (Llama 4's, stored [in, out]
+        # without transformers' flag that says so): x's update is then s (x B_e) A_e, the delta still B_e A_e
+        self.x_meets_b_first = x_meets_b_first
         self.scaling = lora_scale(lora.r, lora.alpha, lora.use_rslora)
         self.compute_in_base_dtype = lora.compute_dtype == "base"
         dtype = TORCH_DTYPES[lora.dtype]
@@ -43,15 +46,22 @@ class ExpertLora(nn.Module):
         """One update an expert (or a group of `group` experts), cast once to the dtype lora.compute_dtype says."""
         dtype = base_dtype if self.compute_in_base_dtype else self.lora_A.dtype
         a, b = expert_factors(self.lora_A.to(dtype), self.lora_B.to(dtype), self.n_experts)
+        if self.x_meets_b_first:
+            a, b = b, a
         pieces = zip(a.unbind(), b.unbind(), strict=True) if group is None else zip(a.split(group), b.split(group),
                                                                                       strict=True)
         return [LoraUpdate(a_part, b_part, self.scaling) for a_part, b_part in pieces]
 
 
 def peft_features(module: Experts4bit, name: str) -> tuple[int, int]:
-    """(in, out) of an expert matrix as PEFT reads them: transformers 5 stores [out, in], gpt-oss [in, out]."""
+    """(in, out) of an expert matrix as PEFT reads them: transformers 5 stores [out, in], gpt-oss [in, out] and says
+    so; Llama 4 stores [in, out] and does not, so PEFT reads it as [out, in]."""
     rows, cols = module.expert_matrices[name].shape
-    return (rows, cols) if module.is_transposed else (cols, rows)
+    return (rows, cols) if peft_reads_transposed(module) else (cols, rows)
+
+
+def peft_reads_transposed(module: Experts4bit) -> bool:
+    return getattr(module, "peft_is_transposed", module.is_transposed)
 
 
 def attach_expert_lora(model: nn.Module, lora: LoraConfig) -> int:
@@ -65,8 +75,10 @@ def attach_expert_lora(model: nn.Module, lora: LoraConfig) -> int:
                                   f"{list(EXPERT_MATRICES)}; leave lora.target_experts off for this model")
             for name in module.expert_matrices:
                 n_experts = getattr(module, name).shape[0]
+                peft_transposed = peft_reads_transposed(module)
                 module.add_module(name + LORA_SUFFIX, ExpertLora(n_experts, *peft_features(module, name), lora,
-                                                                        module.is_transposed))
+                                                                 peft_transposed,
+                                                                 peft_transposed != module.is_transposed))
                 attached += 1
     return attached
 

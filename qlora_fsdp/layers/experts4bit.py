@@ -14,6 +14,7 @@ copy of the experts outlives one expert's matmul. The router, the expert biases 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -202,6 +203,31 @@ class Experts4bit(nn.Module):
         return y
 
 
+class StackedExperts4bit(Experts4bit):
+    """Experts called with every expert's rows stacked, each row already scaled by its router score and zero where
+    the router did not pick the expert (Llama 4: `[E * tokens, hidden]` in, the same out). Only the nonzero rows are
+    run: a zero row gives a zero output and a zero gradient (act(0) = 0 for the families' activations), so this is
+    the dense computation's result without its E-fold work."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return up * self.act_fn(gate)  # as Llama4TextExperts multiplies
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        n_experts = self.gate_up_proj.shape[0]
+        with torch.no_grad():
+            picked = hidden_states.view(n_experts, -1, hidden_states.shape[-1]).ne(0).any(-1)
+            counts = picked.sum(-1).tolist()  # the one sync
+            rows = picked.flatten().nonzero().squeeze(1)
+        grouped = hidden_states.index_select(0, rows).split(counts)
+        updates = self.lora_updates(hidden_states.dtype)
+        outputs = [self.expert_mlp(expert, x, {name: per_expert[expert] for name, per_expert in updates.items()})
+                   for expert, x in enumerate(grouped) if counts[expert]]
+        if not outputs:
+            return torch.zeros_like(hidden_states)
+        return torch.zeros_like(hidden_states).index_copy(0, rows, torch.cat(outputs).to(hidden_states.dtype))
+
+
 @dataclass
 class LoraUpdate:
     """s (x A_e^T) B_e^T of one expert (a [r, in], b [r, out]) or of a planner's group (a [group, r, in], ...)."""
@@ -248,15 +274,37 @@ def quantize_experts(model: nn.Module, quant: QuantConfig) -> int:
     swapped = 0
     for name, module in model.named_modules():
         if is_experts_module(module):
+            if is_stacked(module):
+                adopt_stacked_layout(module, model.config.get_text_config())
             check_supported(name, module)
             make_4bit(module, quant)
             swapped += 1
     return swapped
 
 
+def is_stacked(module: nn.Module) -> bool:
+    """Experts whose forward takes one argument, the stacked rows of every expert (Llama 4's), not transformers'
+    (hidden_states, top_k_index, top_k_weights)."""
+    return list(inspect.signature(type(module).forward).parameters) == ["self", "hidden_states"]
+
+
+def adopt_stacked_layout(module: nn.Module, config: Any) -> None:
+    """The layout flags transformers' decorated experts carry, for a stacked class that lacks them: checked against
+    the shapes, `[E, hidden, 2 * inner]` then `[E, inner, hidden]` (x @ W), gate before up, no biases."""
+    gate_up, down = module.gate_up_proj.shape, module.down_proj.shape
+    if not (gate_up[1] == down[2] and gate_up[2] == 2 * down[1]) or hasattr(module, "gate_up_proj_bias"):
+        raise ModelLoadError(f"{type(module).__name__}: stacked experts of shapes {tuple(gate_up)} and {tuple(down)} "
+                             "are not the [E, hidden, 2*inner] / [E, inner, hidden] layout read in 4-bit")
+    # PEFT, finding no flag, reads such experts as [E, out, in] (its adapters for them are laid out so)
+    vars(module).update(has_gate=True, has_bias=False, is_transposed=True, is_concatenated=True,
+                        peft_is_transposed=False)
+    vars(module).setdefault("config", config)  # the top-k that idle_parameters counts with
+
+
 def check_supported(name: str, module: nn.Module) -> None:
     family = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
-    if not hasattr(module, "_apply_gate") or not getattr(module, "has_gate", False):
+    has_gate_function = hasattr(module, "_apply_gate") or is_stacked(module)  # the stacked ones get ours
+    if not has_gate_function or not getattr(module, "has_gate", False):
         raise ModelLoadError(f"{family}: experts without a gated projection ('{name}') are not supported in 4-bit")
     if getattr(module, "has_post_expert_norm", False):
         raise ModelLoadError(f"{family}: experts with a norm after each expert ('{name}') are not supported in 4-bit")
@@ -280,7 +328,8 @@ def make_4bit(module: nn.Module, quant: QuantConfig) -> None:
     vars(module)["expert_matrices"] = matrices
     base = type(module)
     if base not in _CLASSES:
-        _CLASSES[base] = type(f"{base.__name__}4bit", (Experts4bit, base), {})
+        ours = StackedExperts4bit if is_stacked(module) else Experts4bit
+        _CLASSES[base] = type(f"{base.__name__}4bit", (ours, base), {})
     module.__class__ = _CLASSES[base]
 
 

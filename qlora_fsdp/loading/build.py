@@ -26,8 +26,8 @@ from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.families import refuse_mxfp4_dense
 from qlora_fsdp.layers import expert_lora
 from qlora_fsdp.layers.attention import transformers_name
-from qlora_fsdp.layers.decoder import decoder_layers, run_mixers_per_sample
-from qlora_fsdp.layers.experts4bit import Experts4bit, quantize_experts
+from qlora_fsdp.layers.decoder import decoder_layers, give_attention_the_positions, run_mixers_per_sample
+from qlora_fsdp.layers.experts4bit import Experts4bit, quantize_experts, router_class
 from qlora_fsdp.layers.fused_lora import fuse_lora_projections, shared_input_groups
 from qlora_fsdp.layers.reward_head import attach_reward_head
 from qlora_fsdp.layers.trained_embeddings import train_embeddings
@@ -59,6 +59,7 @@ def build_meta_model(cfg: Config, hf_config: PretrainedConfig, attention: str = 
     model.tie_weights()  # transformers ties the head to the embeddings only when it made the parameters itself
     layout = checkpoint_layout(checkpoint_folder(cfg), model, cfg.model.trust_remote_code)
     run_mixers_per_sample(decoder_layers(model))
+    give_attention_the_positions(decoder_layers(model))
     swap_linears_for_4bit(model, cfg.quant, stored_4bit_linears(checkpoint_folder(cfg), layout))
     quantize_experts(model, cfg.quant)
     refuse_mxfp4_dense(hf_config, has_experts=any(isinstance(m, Experts4bit) for m in model.modules()))
@@ -105,7 +106,7 @@ def swap_linears_for_4bit(model: nn.Module, quant: QuantConfig, stored_4bit: set
     """Replace every nn.Linear but the skipped ones with a meta `Linear4bit` of the packed shape; for a pre-quantized
     checkpoint exactly those it stores in 4-bit (the others it keeps unquantized, and so does training)."""
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
+        if type(module) is not nn.Linear:  # as transformers' swap: a subclass (Llama 4's router) keeps its forward
             continue
         skipped = name.rsplit(".", 1)[-1] in quant.skip_modules if stored_4bit is None else name not in stored_4bit
         if skipped:
@@ -189,14 +190,17 @@ def add_expert_training(model: peft.PeftModel, lora: LoraConfig) -> None:
 
 def lora_targets(model: nn.Module, targets: str | list[str]) -> str | list[str]:
     """all-linear on a mixture of experts means its linear layers (attention, dense MLPs, shared experts): PEFT would
-    otherwise add the experts and the router, as the linear layers of the model's transformers 4 layout. Where PEFT
+    otherwise add the experts and the router, as the linear layers of the model's transformers 4 layout (a router that
+    subclasses nn.Linear, Llama 4's, is left out too). Where PEFT
     reads a projection's name as an expert's of that layout (DeepSeek-V3's, GLM-4.5's and Qwen3-Next's `gate_proj`,
     `up_proj`, `down_proj`), the dense MLPs and shared experts keep no LoRA: PEFT would load it onto the experts."""
     if targets != "all-linear" or not any(isinstance(m, Experts4bit) for m in model.modules()):
         return targets
     read_as_experts = peft_expert_names(getattr(getattr(model, "config", None), "model_type", ""))
+    router = (router_class(model) or (type(None),))[0]
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in {"lm_head", *read_as_experts}})
+                   if isinstance(module, nn.Linear) and not isinstance(module, router)
+                   and name.rsplit(".", 1)[-1] not in {"lm_head", *read_as_experts}})
 
 
 def outside_the_layers(model: nn.Module) -> list[str] | None:

@@ -13,7 +13,12 @@ from qlora_fsdp.config import Config, FSDPConfig
 from qlora_fsdp.distributed.row_groups import row_split
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.families import attention_needs, router_loss_coefficient
-from qlora_fsdp.layers.attention import VARLEN_SDPA, refuse_blockwise_dropout, resolve_attention
+from qlora_fsdp.layers.attention import (
+    VARLEN_SDPA,
+    refuse_blockwise_dropout,
+    refuse_row_position_scaling,
+    resolve_attention,
+)
 from qlora_fsdp.layers.checkpointing import apply_activation_checkpointing, layer_slots
 from qlora_fsdp.layers.decoder import decoder_layers
 from qlora_fsdp.layers.split_rows import HeadTrade, split_attention
@@ -60,13 +65,16 @@ def uses_fsdp(fsdp: FSDPConfig, world_size: int) -> bool:
     return world_size > 1 or fsdp.cpu_offload or fsdp.param_dtype is not None
 
 
-def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh,
-                       shard: bool = True) -> peft.PeftModel:
+def sharded_meta_model(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh, shard: bool = True,
+                       sampling: bool = False) -> peft.PeftModel:
     """Meta build -> checkpointing -> fully_shard (where FSDP is used): the model as this rank will hold it,
-    before a byte is allocated. Training then allocates and loads it; the planner only measures it."""
+    before a byte is allocated. Training then allocates and loads it; the planner only measures it. `sampling`:
+    for the sampler, whose rows hold one prompt each, whatever the recipe packs."""
     device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     needs = attention_needs(hf_config)
-    attention = resolve_attention(cfg.model.attn_implementation, cfg.several_samples_a_row, device_type, needs)
+    several = cfg.several_samples_a_row and not sampling
+    attention = resolve_attention(cfg.model.attn_implementation, several, device_type, needs)
+    refuse_row_position_scaling(needs, several, cfg.data.context_length)
     split = row_split(cfg.fsdp.context_parallel)
     if split.splits:  # the per-sample kernel is the one that trades the row's parts for heads around it
         attention = refuse_blockwise_dropout(VARLEN_SDPA, needs)

@@ -14,7 +14,7 @@ import bitsandbytes.functional as bnbf
 import torch
 from torch import nn
 
-from qlora_fsdp.layers.experts4bit import ExpertMatrix, Experts4bit, LoraUpdate, shaped_quant_state
+from qlora_fsdp.layers.experts4bit import ExpertMatrix, Experts4bit, LoraUpdate, StackedExperts4bit, shaped_quant_state
 
 GROUP = 16  # experts one op of the planner's fake step stands for
 
@@ -23,8 +23,28 @@ def plan_experts(model: nn.Module) -> int:
     """Give every 4-bit experts module of a fake model the planner's forward; how many."""
     found = [module for module in model.modules() if isinstance(module, Experts4bit)]
     for module in found:
-        module.forward = functools.partial(planned_forward, module)  # type: ignore[method-assign]
+        planned = planned_stacked_forward if isinstance(module, StackedExperts4bit) else planned_forward
+        module.forward = functools.partial(planned, module)  # type: ignore[method-assign]
     return len(found)
+
+
+def planned_stacked_forward(module: StackedExperts4bit, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Llama 4's call (every expert's rows stacked, zero where not picked): as planned_forward, every expert runs an
+    equal share of the routed rows, the first ones of its block; the other rows' outputs are zeros."""
+    n_experts = module.gate_up_proj.shape[0]
+    stacked = hidden_states.view(n_experts, -1, hidden_states.shape[-1])
+    top_k = getattr(module.config, "num_experts_per_tok", 1)
+    per_expert = math.ceil(stacked.shape[1] * top_k / n_experts)
+    grouped = stacked[:, :per_expert].split(GROUP)
+    updates = module.lora_updates(hidden_states.dtype, GROUP)
+    outputs = []
+    for index, rows in enumerate(grouped):
+        experts = slice(index * GROUP, (index + 1) * GROUP)
+        lora = {name: group[index] for name, group in updates.items()}
+        hidden = group_linear(module, "gate_up_proj", experts, rows, lora.get("gate_up_proj"))
+        outputs.append(group_linear(module, "down_proj", experts, module._apply_gate(hidden), lora.get("down_proj")))
+    idle = stacked.new_zeros(n_experts, stacked.shape[1] - per_expert, stacked.shape[2])
+    return torch.cat([torch.cat(outputs).to(hidden_states.dtype), idle], dim=1).view_as(hidden_states)
 
 
 def planned_forward(module: Experts4bit, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -145,7 +145,7 @@ def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None =
                             first_collective_timeout_s=cfg.train.first_collective_timeout_s)
     note_unsharded_fallback(cfg, info)
     cfg = describe_run(cfg, describe_device(info.device)).cfg
-    model = build_model(cfg, info, shard=True)  # unsharded where uses_fsdp says so (one process, no offload)
+    model = build_model(cfg, info, shard=True, sampling=True)  # unsharded where uses_fsdp says so (one process)
     tokenizer = load_tokenizer(cfg)
     processor = None
     if images or trains_image_side(cfg):  # a trained image side's weights are in the adapter: built first
