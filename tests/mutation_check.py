@@ -458,8 +458,8 @@ MUTATIONS = [
              "tests/test_config.py::test_yes_no_on_off_are_strings_where_strings_are_expected", quick=True),
     # ---- model family code: build.py, loading.py, attention.py, weight_files.py, names.py, tools/tiny_model.py ----
     Mutation("sliding windows ignored by per-sample attention", "qlora_fsdp/layers/attention.py",
-             '        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"), dropout)\n',
-             '        return cls(None, kwargs.get("softcap"), kwargs.get("s_aux"), dropout)\n',
+             '        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"), dropout, chunk)\n',
+             '        return cls(None, kwargs.get("softcap"), kwargs.get("s_aux"), dropout, chunk)\n',
              "tests/test_attention.py::test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_"
              "family_defines_them[gemma2]", quick=True),
     Mutation("attention sinks take no softmax mass", "qlora_fsdp/layers/blockwise_attention.py",
@@ -488,6 +488,13 @@ MUTATIONS = [
              "        module.register_buffer(name, value.to(device), persistent=persistent)\n",
              "        module.register_buffer(name, torch.zeros_like(value).to(device), persistent=persistent)\n",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[gemma3]"),
+    Mutation("a layer that drops the position ids leaves its attention without them", "qlora_fsdp/layers/decoder.py",
+             "    if kept is None or kwargs.get(\"position_ids\") is not None:", "    if True:",
+             "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[llama4]"),
+    Mutation("chunked attention's chunks ignored", "qlora_fsdp/layers/attention.py",
+             "    if options.chunk is not None and query.shape[2] > options.chunk:",
+             "    if False:",
+             "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[llama4]"),
     Mutation("a multimodal decoder's keys left under language_model", "qlora_fsdp/loading/layout.py",
              "            return self.decoder_prefix + key.removeprefix(self.text_prefix)\n",
              "            return key\n",  # the family test's loading refuses it (an error): this one asserts the keys
