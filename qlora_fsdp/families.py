@@ -13,6 +13,7 @@ a family's name itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -199,3 +200,16 @@ def router_loss_coefficient(config: PretrainedConfig | None, grpo: bool = False)
     if grpo:
         return coefficient if hasattr(text, "output_router_logits") and coefficient else None
     return coefficient if getattr(text, "output_router_logits", False) else None
+
+
+# the config key a family names its experts per token by (Gemma 4: top_k_experts; most: num_experts_per_tok)
+EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_top_k", "moe_topk", "num_experts_per_token")
+
+
+def experts_per_token(config: Any, default: int) -> int:
+    """How many experts a token is routed to, by whichever name the family's config gives it."""
+    for key in EXPERTS_PER_TOKEN_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return default

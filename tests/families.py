@@ -101,9 +101,11 @@ MOE_FAMILIES: dict[str, Callable[[PreTrainedTokenizerFast], PretrainedConfig]] =
                                       linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
                                       layer_types=["linear_attention", "full_attention"], num_experts_per_tok=2,
                                       moe_intermediate_size=32, shared_expert_intermediate_size=64),
-    # Gemma 4 26B-A4B's shape: a routed-experts block beside each layer's dense MLP
-    "gemma4_moe": lambda tok: _config("gemma4_text", tok, **GEMMA4, vocab_size_per_layer_input=len(tok),
-                                      enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+    # Gemma 4 26B-A4B's shape: a routed-experts block beside each layer's dense MLP, no per-layer inputs, the
+    # full-attention layers' values their keys (attention_k_eq_v: no v_proj there) with fewer key heads
+    "gemma4_moe": lambda tok: _config("gemma4_text", tok, **{**GEMMA4, "hidden_size_per_layer_input": 0},
+                                      attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True,
+                                      num_experts=4, top_k_experts=2, moe_intermediate_size=32),
     "glm4_moe": lambda tok: _config("glm4_moe", tok, head_dim=16, **DEEPSEEK_MOE, first_k_dense_replace=1, n_group=1,
                                     topk_group=1),  # GLM-4.5/4.6/4.7
     "deepseek_v3": lambda tok: _config("deepseek_v3", tok, **MLA, **DEEPSEEK_MOE, first_k_dense_replace=1, n_group=1,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig
+from transformers import Glm4MoeConfig, LlamaConfig
 
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.measure.fake_step import find_repeats, position
@@ -175,7 +175,8 @@ def whole_and_shortened(info, configs, accumulating):
 def test_shortened_runs_give_the_whole_models_figures(tmp_path):
     """12 layers measured with their repeated block 2 and 3 times (4 and 5 under activation offload) and continued:
     every phase's peak, the loss's own bytes and the offloaded bytes equal the whole model's, for a uniform policy
-    with activation offload, an edged and a periodic one (one edge repeat was measured to differ under offload). And
+    with activation offload, an edged and a periodic one (one edge repeat was measured to differ under offload), and
+    a mixture of experts whose first layer is dense (its layers differ in shape, not in type or policy). And
     a third micro-batch (sync off, gradients accumulated) reaches no higher than the planner's two."""
     model_dir = architecture(tmp_path / "twelve", layers=12, hidden=64, heads=2, kv_heads=1, vocab=512)
     configs = [
@@ -185,6 +186,13 @@ def test_shortened_runs_give_the_whole_models_figures(tmp_path):
         step_config(model_dir, 128, 1, "activation_checkpointing.mode=every_nth", "activation_checkpointing.every_n=2",
                     "fsdp_preset=full_shard_cpu_offload"),
     ]
+    # a dense first layer before 7 MoE ones (GLM-4.5's, DeepSeek-V3's): the block is the MoE layer, the dense one's
+    # neighbour an edge repeat of its own
+    Glm4MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+                  n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                  vocab_size=512).save_pretrained(tmp_path / "dense_first")
+    configs.append(step_config(tmp_path / "dense_first", 128, 1))
     four = architecture(tmp_path / "four", layers=4, hidden=64, heads=2, kv_heads=1, vocab=512)
     accumulating = step_config(four, 128, 3, "activation_checkpointing.offload=true")
     results, (two, three) = run_ranks(whole_and_shortened, 2, configs, accumulating, tmp_dir=tmp_path, fake=True)[0]

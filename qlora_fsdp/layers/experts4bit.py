@@ -27,6 +27,7 @@ from torch import nn
 
 from qlora_fsdp.config import QuantConfig
 from qlora_fsdp.errors import ModelLoadError
+from qlora_fsdp.families import experts_per_token
 
 EXPERT_MATRICES = ("gate_up_proj", "down_proj")
 LORA_SUFFIX = "_lora"  # an expert matrix's LoRA (expert_lora.ExpertLora) sits beside it: `down_proj_lora`
@@ -173,7 +174,7 @@ class Experts4bit(nn.Module):
     def idle_parameters(self) -> int:
         """Expert elements a token does not use (all but top-k of the experts): what `active` parameters leave out."""
         n_experts = self.gate_up_proj.shape[0]
-        top_k = getattr(getattr(self, "config", None), "num_experts_per_tok", n_experts)
+        top_k = experts_per_token(getattr(self, "config", None), n_experts)
         return (n_experts - top_k) * sum(matrix.numel for matrix in self.expert_matrices.values())
 
     def lora_updates(self, dtype: torch.dtype, group: int | None = None) -> dict[str, list[LoraUpdate]]:

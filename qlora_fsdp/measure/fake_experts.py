@@ -14,6 +14,7 @@ import bitsandbytes.functional as bnbf
 import torch
 from torch import nn
 
+from qlora_fsdp.families import experts_per_token
 from qlora_fsdp.layers.experts4bit import ExpertMatrix, Experts4bit, LoraUpdate, StackedExperts4bit, shaped_quant_state
 
 GROUP = 16  # experts one op of the planner's fake step stands for
@@ -33,7 +34,7 @@ def planned_stacked_forward(module: StackedExperts4bit, hidden_states: torch.Ten
     equal share of the routed rows, the first ones of its block; the other rows' outputs are zeros."""
     n_experts = module.gate_up_proj.shape[0]
     stacked = hidden_states.view(n_experts, -1, hidden_states.shape[-1])
-    top_k = getattr(module.config, "num_experts_per_tok", 1)
+    top_k = experts_per_token(module.config, 1)
     per_expert = math.ceil(stacked.shape[1] * top_k / n_experts)
     grouped = stacked[:, :per_expert].split(GROUP)
     updates = module.lora_updates(hidden_states.dtype, GROUP)

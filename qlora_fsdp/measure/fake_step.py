@@ -27,14 +27,16 @@ from typing import Any
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
+from accelerate import init_empty_weights
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from qlora_fsdp.config import CheckpointedLayers, Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
+from qlora_fsdp.layers.decoder import decoder_layers
 from qlora_fsdp.layers.experts4bit import shaped_quant_state
 from qlora_fsdp.loading.fill import materialize
 from qlora_fsdp.loading.sharding import sharded_meta_model
@@ -125,7 +127,9 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
 
 # ---- a long model, measured shorter ---------------------------------------------------------------------------
 
-Kind = tuple[bool, object]  # a decoder layer as the step sees it: checkpointed or not, and its layer type
+# a decoder layer as the step sees it: checkpointed or not, its layer type, and which of the model's layer shapes it
+# has (GLM-4.5's and DeepSeek-V3's dense first layers, Maverick's dense layers between MoE ones)
+Kind = tuple[bool, object, int]
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,35 @@ def layer_kinds(cfg: Config, hf_config: PretrainedConfig) -> tuple[Kind, ...]:
     types = getattr(hf_config, "layer_types", None) or [None] * n
     if set(types) <= ATTENTION_SPANS:  # a window changes which scores count, not what a layer holds: one kind
         types = [None] * n
-    return tuple((cfg.activation_checkpointing.wraps(index, n), types[index]) for index in range(n))
+    shapes = layer_shapes(hf_config, cfg.model.trust_remote_code)
+    return tuple((cfg.activation_checkpointing.wraps(index, n), types[index], shapes[index]) for index in range(n))
+
+
+_SHAPES: dict[str, tuple[int, ...]] = {}
+
+
+def layer_shapes(hf_config: PretrainedConfig, trust_remote_code: bool) -> tuple[int, ...]:
+    """Per decoder layer, which of the distinct parameter layouts it has (numbered in order of first appearance),
+    read off the model built on the meta device (a tenth of a second for a 100B), once per architecture: the layer
+    types do not say where a family puts its dense layers among the MoE ones."""
+    key = hf_config.to_json_string(use_diff=False)
+    if key not in _SHAPES:
+        with init_empty_weights(include_buffers=True):
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+        layers = text_decoder_layers(model, hf_config.num_hidden_layers)
+        layouts = [tuple((name, tuple(param.shape)) for name, param in layer.named_parameters()) for layer in layers]
+        numbered = {layout: index for index, layout in enumerate(dict.fromkeys(layouts))}
+        _SHAPES[key] = tuple(numbered[layout] for layout in layouts)
+    return _SHAPES[key]
+
+
+def text_decoder_layers(model: nn.Module, n: int) -> list[nn.Module]:
+    """The n decoder layers of the text model (a multimodal model's vision tower has layers of its own)."""
+    layers = decoder_layers(model)
+    by_class: dict[type, list[nn.Module]] = {}
+    for layer in layers:
+        by_class.setdefault(type(layer), []).append(layer)
+    return next((found for found in by_class.values() if len(found) == n), layers[:n])
 
 
 def find_repeats(kinds: tuple[Kind, ...], max_block: int = 8, edge: int = EDGE) -> Repeats:
@@ -183,13 +215,25 @@ def find_repeats(kinds: tuple[Kind, ...], max_block: int = 8, edge: int = EDGE) 
     return best
 
 
+def neighbours_counted(repeats: Repeats) -> Repeats:
+    """One edge repeat more where the block meets a layer of other shapes (a dense first layer): the edge repeat
+    next to it prefetches or reduce-scatters that layer's bytes, not a repeat's, so it no longer stands for a middle
+    one (measured: a middle repeat's backward held the step's peak, above both edges')."""
+    def shape(kinds: tuple[Kind, ...], at: int) -> int:
+        return kinds[at][2]
+
+    head_differs = bool(repeats.head) and shape(repeats.head, -1) != shape(repeats.block, 0)
+    tail_differs = bool(repeats.tail) and shape(repeats.tail, 0) != shape(repeats.block, -1)
+    return dataclasses.replace(repeats, edge=repeats.edge + 1) if head_differs or tail_differs else repeats
+
+
 def shortened(cfg: Config, hf_config: PretrainedConfig, kinds: tuple[Kind, ...]) -> tuple[Config, PretrainedConfig]:
     """The recipe and architecture with exactly these layers, in this order."""
     short_hf = copy.deepcopy(hf_config)
     short_hf.num_hidden_layers = len(kinds)
     if getattr(hf_config, "layer_types", None):  # attention spans alone were one kind: all full attention
-        short_hf.layer_types = [layer_type or "full_attention" for _, layer_type in kinds]
-    wrapped = [index for index, (checkpointed, _) in enumerate(kinds) if checkpointed]
+        short_hf.layer_types = [layer_type or "full_attention" for _, layer_type, _ in kinds]
+    wrapped = [index for index, (checkpointed, *_) in enumerate(kinds) if checkpointed]
     mode: CheckpointedLayers = "every_layer" if len(wrapped) == len(kinds) else "layers" if wrapped else "off"
     policy = dataclasses.replace(cfg.activation_checkpointing, mode=mode, layers=wrapped)
     return dataclasses.replace(cfg, activation_checkpointing=policy), short_hf
@@ -246,11 +290,13 @@ def extrapolated(shorter: StepMemory, longer: StepMemory, repeats: Repeats) -> S
 def planned_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh,
                  whole_model_layers: int = WHOLE_MODEL_LAYERS) -> StepMemory:
     """The measured step of `cfg`: the whole model when it is short, else the shortened runs continued."""
-    repeats = find_repeats(layer_kinds(cfg, hf_config), edge=edge_repeats(cfg))
+    repeats = neighbours_counted(find_repeats(layer_kinds(cfg, hf_config), edge=edge_repeats(cfg)))
     if hf_config.num_hidden_layers <= whole_model_layers or repeats.saved <= 0:
         return measure_fake_step(cfg, hf_config, mesh)
-    shorter, longer = (measure_fake_step(*shortened(cfg, hf_config, repeats.layers(count)), mesh)
-                       for count in repeats.short_counts)
+    runs = [shortened(cfg, hf_config, repeats.layers(count)) for count in repeats.short_counts]
+    if any(layer_kinds(*run) != repeats.layers(count) for run, count in zip(runs, repeats.short_counts, strict=True)):
+        return measure_fake_step(cfg, hf_config, mesh)  # the config cannot be cut to those layers: all of them
+    shorter, longer = (measure_fake_step(*run, mesh) for run in runs)
     return extrapolated(shorter, longer, repeats)
 
 
