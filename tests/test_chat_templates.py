@@ -66,6 +66,17 @@ FAMILIES = {
                           "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>",
                           "<｜tool▁output▁end｜>"), bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>",
                           added=("<think>", "</think>")),
+    "gemma-4": Family("gemma-4-31b-it.jinja", ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|channel>",
+                      "<channel|>", "<|think|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>",
+                      "<|tool_response>", "<tool_response|>", '<|"|>'), bos="<bos>", eos="<turn|>"),
+    "glm-4.7": Family("glm-4.7-flash.jinja", ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>",
+                      "<|assistant|>", "<|observation|>"), bos=None, eos="<|user|>",
+                      added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                             "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>")),
+    "deepseek-v3.1": Family("deepseek-v3.1.jinja", ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
+                            "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                            "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
+                            bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", added=("<think>", "</think>")),
     "chatml": Family(None, ("<s>", "</s>", "<|im_start|>", "<|im_end|>"), bos="<s>", eos="</s>"),
     "gpt-oss": Family("gpt-oss-20b.jinja", ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
                       "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>"), bos=None, eos="<|return|>"),
@@ -146,6 +157,9 @@ EXPECTED = {  # (conversation, target runs, text that must be rendered yet never
                 "<start_of_turn>user\nAnother one?<end_of_turn>\n<start_of_turn>model\n"),
     "phi-3.5": ([SYSTEM, *CHAT], ["Blue.<|end|>", "Green, like grass.<|end|>"],
                 "<|system|>\nYou are terse.<|end|>\n<|user|>\nName a color.<|end|>\n<|assistant|>\n"),
+    # thinking off: every turn opens '<｜Assistant｜></think>' (the header), the reply ends with the end of sentence
+    "deepseek-v3.1": ([SYSTEM, *CHAT], ["Blue.<｜end▁of▁sentence｜>", "Green, like grass.<｜end▁of▁sentence｜>"],
+                      "<｜begin▁of▁sentence｜>You are terse.<｜User｜>Name a color.<｜Assistant｜></think>"),
 }
 
 
@@ -260,6 +274,29 @@ def test_deepseek_r1_prompts_a_thinking_turn_its_training_text_never_shows():
     assert_targets(tokenizer, messages, ["Blue.<｜end▁of▁sentence｜>", "\n\nGreen, like grass.<｜end▁of▁sentence｜>"])
     opening = tokenizer("<｜Assistant｜><think>\n", add_special_tokens=False)["input_ids"]
     assert prompt_ids(messages[:-1], tokenizer, "tokenizer")[-len(opening) :] == opening
+
+
+def test_gemma_4_trains_each_reply_with_its_turn_end_and_prompts_an_empty_thought_its_training_text_never_shows():
+    """Gemma 4's turns are '<|turn>model\n' ... '<turn|>'; with thinking off its generation prompt adds an empty
+    thought channel that no rendered turn has, so a prompt is the training ids up to the turn plus that channel."""
+    tokenizer = family_tokenizer("gemma-4")
+    messages = [SYSTEM, *CHAT]
+    ids = assert_targets(tokenizer, messages, ["Blue.<turn|>", "Green, like grass.<turn|>"])
+    assert "<|turn>system\nYou are terse.<turn|>\n<|turn>user\nName a color.<turn|>" in tokenizer.decode(ids)
+    empty_thought = tokenizer("<|channel>thought\n<channel|>", add_special_tokens=False)["input_ids"]
+    prompt = prompt_ids(messages[:-1], tokenizer, "tokenizer")
+    opening = tokenizer("<|turn>model\n", add_special_tokens=False)["input_ids"]
+    assert prompt[-len(empty_thought):] == empty_thought
+    assert prompt[: -len(empty_thought)] == ids[: len(prompt) - len(empty_thought)]
+    assert prompt[-len(empty_thought) - len(opening) : -len(empty_thought)] == opening
+
+
+def test_glms_published_template_is_refused_in_one_line():
+    """GLM-4.7-Flash's template ends a reply with no token of its own (the next '<|user|>' closes it; the last reply
+    has nothing after it), so the turn cannot be located as the data layer locates them: refused, naming the way
+    out, never trained without a stop."""
+    with pytest.raises(DataError, match="does not show assistant turn 2 .* set data.template to chatml"):
+        encode([SYSTEM, *CHAT], family_tokenizer("glm-4.7"), "tokenizer", False)
 
 
 def test_a_reply_in_segments_with_two_end_tokens():
