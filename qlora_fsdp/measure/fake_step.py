@@ -294,10 +294,19 @@ def planned_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh,
     if hf_config.num_hidden_layers <= whole_model_layers or repeats.saved <= 0:
         return measure_fake_step(cfg, hf_config, mesh)
     runs = [shortened(cfg, hf_config, repeats.layers(count)) for count in repeats.short_counts]
-    if any(layer_kinds(*run) != repeats.layers(count) for run, count in zip(runs, repeats.short_counts, strict=True)):
+    if not all(cuts_to(run, repeats.layers(count)) for run, count in zip(runs, repeats.short_counts, strict=True)):
         return measure_fake_step(cfg, hf_config, mesh)  # the config cannot be cut to those layers: all of them
     shorter, longer = (measure_fake_step(*run, mesh) for run in runs)
     return extrapolated(shorter, longer, repeats)
+
+
+def cuts_to(run: tuple[Config, PretrainedConfig], kinds: tuple[Kind, ...]) -> bool:
+    """Whether the shortened config builds those layers (Gemma 4's per-layer settings, fixed for its own layer
+    types, refuse a config of other types: transformers raises ValueError)."""
+    try:
+        return layer_kinds(*run) == kinds
+    except ValueError:
+        return False
 
 
 def step_setting(cfg: Config, hf_config: PretrainedConfig) -> str:
