@@ -222,6 +222,8 @@ def neighbours_counted(repeats: Repeats) -> Repeats:
     def shape(kinds: tuple[Kind, ...], at: int) -> int:
         return kinds[at][2]
 
+    if not repeats.block:  # nothing repeats: the whole model runs
+        return repeats
     head_differs = bool(repeats.head) and shape(repeats.head, -1) != shape(repeats.block, 0)
     tail_differs = bool(repeats.tail) and shape(repeats.tail, 0) != shape(repeats.block, -1)
     return dataclasses.replace(repeats, edge=repeats.edge + 1) if head_differs or tail_differs else repeats
