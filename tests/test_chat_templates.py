@@ -291,12 +291,23 @@ def test_gemma_4_trains_each_reply_with_its_turn_end_and_prompts_an_empty_though
     assert prompt[-len(empty_thought) - len(opening) : -len(empty_thought)] == opening
 
 
-def test_glms_published_template_is_refused_in_one_line():
-    """GLM-4.7-Flash's template ends a reply with no token of its own (the next '<|user|>' closes it; the last reply
-    has nothing after it), so the turn cannot be located as the data layer locates them: refused, naming the way
-    out, never trained without a stop."""
-    with pytest.raises(DataError, match="does not show assistant turn 2 .* set data.template to chatml"):
-        encode([SYSTEM, *CHAT], family_tokenizer("glm-4.7"), "tokenizer", False)
+def test_glm_replies_end_with_the_token_that_opens_the_next_turn_and_the_last_one_too():
+    """GLM-4.7-Flash's template gives a reply no end of its own: the next '<|user|>' closes it (a stop token of GLM's
+    generation config), and the last reply has nothing after it. Each reply trains through that '<|user|>', the
+    last one's written after it (as the template renders it once another turn follows), so the model learns to
+    stop; past turns open with the template's '</think>' (thinking closed), which is trained on as the reply's."""
+    tokenizer = family_tokenizer("glm-4.7")
+    messages = [SYSTEM, *CHAT]
+    ids, labels = encode(messages, tokenizer, "tokenizer", False)
+    assert target_runs(tokenizer, ids, labels) == ["</think>Blue.<|user|>", "</think>Green, like grass.<|user|>"]
+    rendered = render_chat(messages, tokenizer)
+    assert rendered.startswith("[gMASK]<sop><|system|>You are terse.<|user|>Name a color.<|assistant|>")
+    assert tokenizer.decode(ids) == rendered + "<|user|>"  # the template's text, the last reply closed
+    with_next = render_chat([*messages, {"role": "user", "content": "More?"}], tokenizer)
+    assert with_next.startswith(tokenizer.decode(ids))  # what the template writes once a user turn follows
+    one_turn = encode(messages[:3], tokenizer, "tokenizer", False)
+    assert target_runs(tokenizer, *one_turn) == ["</think>Blue.<|user|>"]  # a single reply learns to stop too
+    assert tokenizer.decode(prompt_ids(messages[:-1], tokenizer, "tokenizer")).endswith("<|assistant|><think>")
 
 
 def test_a_reply_in_segments_with_two_end_tokens():

@@ -58,7 +58,7 @@ def encode_with_chat_template(messages: list[Message], tools: list[dict[str, Any
     messages = as_the_template_wants(messages, markers)
     if GENERATION_TAG.search(template):
         return encode_with_generation_marks(messages, tools, tokenizer)
-    full = render_chat(messages, tokenizer, tools=tools)
+    full = with_closing_opener(render_chat(messages, tokenizer, tools=tools), messages, markers)
     spans = assistant_spans(messages, full, markers)
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"]
@@ -67,6 +67,14 @@ def encode_with_chat_template(messages: list[Message], tools: list[dict[str, Any
         for token, (start, _) in zip(ids, encoded["offset_mapping"], strict=True)
     ]
     return ids, labels
+
+
+def with_closing_opener(full: str, messages: list[Message], markers: TurnMarkers) -> str:
+    """A conversation ending in a reply that a GLM-style template leaves open: closed by the token that closes the
+    earlier replies (the next turn's opener), which the turn's target then ends with."""
+    if markers.closing_opener is None or not messages or messages[-1]["role"] != "assistant":
+        return full
+    return full.rstrip() + markers.closing_opener
 
 
 def encode_with_generation_marks(messages: list[Message], tools: list[dict[str, Any]],
@@ -92,6 +100,10 @@ class TurnMarkers:
     ends: tuple[str, ...]  # the special tokens that end a reply (gpt-oss: <|end|>, <|return|> for the last, <|call|>)
     specials: tuple[str, ...]  # the tokenizer's special tokens, longest first
     text_arguments: bool = False  # tool call arguments as JSON text, not an object (DeepSeek-V3's, Hermes')
+    # GLM's: a reply has no end of its own, the next turn's opening token closes it (a stop token of its generation
+    # config) and the last reply is followed by nothing; that token is written after the last reply too, so the
+    # model learns to stop (as the template renders the conversation once another turn follows)
+    closing_opener: str | None = None
 
 
 def as_the_template_wants(messages: list[Message], markers: TurnMarkers) -> list[Message]:
@@ -139,7 +151,9 @@ def probe_markers(tokenizer: PreTrainedTokenizerBase, template: str, specials: t
     opener = answered[answered.rfind(PROBE_QUESTION, 0, reply_at) + len(PROBE_QUESTION) : reply_at]
     ends = reply_ends(render, answered, specials)
     text_arguments, call_end = call_markers(render, ends, specials)
-    return TurnMarkers(header_starts(header, plain, specials), opener, ends + call_end, specials, text_arguments)
+    closing = ends[0] if ends and answered.rstrip().endswith(PROBE_REPLY) else None  # nothing after the last reply
+    return TurnMarkers(header_starts(header, plain, specials), opener, ends + call_end, specials, text_arguments,
+                       closing)
 
 
 def header_starts(header: str, plain: str, specials: tuple[str, ...]) -> tuple[str, ...]:
