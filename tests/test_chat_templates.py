@@ -70,7 +70,7 @@ FAMILIES = {
                       "<channel|>", "<|think|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>",
                       "<|tool_response>", "<tool_response|>", '<|"|>'), bos="<bos>", eos="<turn|>"),
     "glm-4.7": Family("glm-4.7-flash.jinja", ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>",
-                      "<|assistant|>", "<|observation|>"), bos=None, eos="<|user|>",
+                      "<|assistant|>", "<|observation|>"), bos=None, eos="<|endoftext|>",
                       added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
                              "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>")),
     "deepseek-v3.1": Family("deepseek-v3.1.jinja", ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
