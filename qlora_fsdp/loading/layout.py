@@ -121,6 +121,10 @@ def checkpoint_layout(path: Path | None, built: PreTrainedModel, trust_remote_co
     full = meta_full_model(config) if is_multimodal(config) else built
     layout = layout_from_transforms(full)
     if full is not built:
+        if not hasattr(built, built.base_model_prefix):  # Llama 4: the text model is `model`, its prefix another name
+            raise ModelLoadError(f"{config.model_type}: a multimodal {type(full).__name__} checkpoint, whose text "
+                                 f"model {type(built).__name__} names its decoder otherwise than its prefix "
+                                 f"'{built.base_model_prefix}', is not supported yet; use a text-only checkpoint")
         decoder_type = type(getattr(built, built.base_model_prefix))
         found = [name for name, module in full.named_modules() if type(module) is decoder_type]
         if not found:
