@@ -458,7 +458,8 @@ MUTATIONS = [
              "tests/test_config.py::test_yes_no_on_off_are_strings_where_strings_are_expected", quick=True),
     # ---- model family code: build.py, loading.py, attention.py, weight_files.py, names.py, tools/tiny_model.py ----
     Mutation("sliding windows ignored by per-sample attention", "qlora_fsdp/layers/attention.py",
-             '        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"), dropout, chunk)\n',
+             '        return cls(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"), '
+             'dropout, chunk)\n',
              '        return cls(None, kwargs.get("softcap"), kwargs.get("s_aux"), dropout, chunk)\n',
              "tests/test_attention.py::test_per_sample_attention_computes_windows_sinks_and_soft_capping_as_the_"
              "family_defines_them[gemma2]", quick=True),
@@ -500,7 +501,8 @@ MUTATIONS = [
              "        _SHAPES[key] = tuple(0 for layout in layouts)",
              "tests/test_step_memory.py::test_shortened_runs_give_the_whole_models_figures"),
     Mutation("the repeat beside a dense layer taken for a middle one", "qlora_fsdp/measure/fake_step.py",
-             "    return dataclasses.replace(repeats, edge=repeats.edge + 1) if head_differs or tail_differs else repeats",
+             "    return dataclasses.replace(repeats, edge=repeats.edge + 1) if head_differs or tail_differs "
+             "else repeats",
              "    return repeats",
              "tests/test_step_memory.py::test_shortened_runs_give_the_whole_models_figures"),
     Mutation("a multimodal decoder's keys left under language_model", "qlora_fsdp/loading/layout.py",

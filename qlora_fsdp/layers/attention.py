@@ -134,7 +134,7 @@ def attention_chunk(module: nn.Module) -> int | None:
     """The chunk size of a chunked-attention layer (Llama 4's `layer_types` and `attention_chunk_size`), else None."""
     config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
     layer_types = getattr(config, "layer_types", None)
-    if index is None or not layer_types or layer_types[index] != "chunked_attention":
+    if config is None or index is None or not layer_types or layer_types[index] != "chunked_attention":
         return None
     return int(config.attention_chunk_size)
 

@@ -210,6 +210,8 @@ class StackedExperts4bit(Experts4bit):
     run: a zero row gives a zero output and a zero gradient (act(0) = 0 for the families' activations), so this is
     the dense computation's result without its E-fold work."""
 
+    act_fn: Callable[[torch.Tensor], torch.Tensor]  # the family's own (an annotation: it must not shadow it)
+
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return up * self.act_fn(gate)  # as Llama4TextExperts multiplies
@@ -273,10 +275,11 @@ def is_experts_module(module: nn.Module) -> bool:
 def quantize_experts(model: nn.Module, quant: QuantConfig) -> int:
     """Give every experts module meta rows of bytes and our forward; the number of experts modules swapped."""
     swapped = 0
+    built: Any = model  # a transformers model: its config
     for name, module in model.named_modules():
         if is_experts_module(module):
             if is_stacked(module):
-                adopt_stacked_layout(module, model.config.get_text_config())
+                adopt_stacked_layout(module, built.config.get_text_config())
             check_supported(name, module)
             make_4bit(module, quant)
             swapped += 1
@@ -292,7 +295,8 @@ def is_stacked(module: nn.Module) -> bool:
 def adopt_stacked_layout(module: nn.Module, config: Any) -> None:
     """The layout flags transformers' decorated experts carry, for a stacked class that lacks them: checked against
     the shapes, `[E, hidden, 2 * inner]` then `[E, inner, hidden]` (x @ W), gate before up, no biases."""
-    gate_up, down = module.gate_up_proj.shape, module.down_proj.shape
+    experts: Any = module  # its 3-D parameters, found by is_experts_module
+    gate_up, down = experts.gate_up_proj.shape, experts.down_proj.shape
     if not (gate_up[1] == down[2] and gate_up[2] == 2 * down[1]) or hasattr(module, "gate_up_proj_bias"):
         raise ModelLoadError(f"{type(module).__name__}: stacked experts of shapes {tuple(gate_up)} and {tuple(down)} "
                              "are not the [E, hidden, 2*inner] / [E, inner, hidden] layout read in 4-bit")

@@ -24,8 +24,10 @@ def plan_experts(model: nn.Module) -> int:
     """Give every 4-bit experts module of a fake model the planner's forward; how many."""
     found = [module for module in model.modules() if isinstance(module, Experts4bit)]
     for module in found:
-        planned = planned_stacked_forward if isinstance(module, StackedExperts4bit) else planned_forward
-        module.forward = functools.partial(planned, module)  # type: ignore[method-assign]
+        if isinstance(module, StackedExperts4bit):
+            module.forward = functools.partial(planned_stacked_forward, module)  # type: ignore[method-assign]
+        else:
+            module.forward = functools.partial(planned_forward, module)  # type: ignore[method-assign]
     return len(found)
 
 
