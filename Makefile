@@ -6,7 +6,7 @@ TINY_MODEL := models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-dpo demo-grpo demo-tools studio browser test test-all recipe-plans test-fast test-slow test-old-torch lint gpu-check gpu-check-quick gpu-wheels gguf-converter llama-quantize mutation-check mutation-check-quick tiny-model real-model data clean
+.PHONY: support-matrix demo demo-dpo demo-grpo demo-tools studio browser test test-all recipe-plans test-fast test-slow test-old-torch lint gpu-check gpu-check-quick gpu-wheels gguf-converter llama-quantize mutation-check mutation-check-quick tiny-model real-model data clean
 
 # pyproject.toml too: a checkout whose venv predates the package gets the editable install on its next make
 $(BIN)/activate: requirements.txt requirements-dev.txt requirements-gguf.txt pyproject.toml
@@ -136,6 +136,11 @@ test-all: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_promp
 # from into tests/fixtures/recipe_plans.json (commit it): a change to the planner, a recipe or a pin asks for this
 recipe-plans: $(BIN)/activate
 	OMP_NUM_THREADS=1 $(BIN)/python -m tests.planners --write
+
+# every causal LM of transformers, built tiny and held to transformers + bitsandbytes (about 20 minutes):
+# tests/fixtures/support_matrix.json and docs/model-families.md's table (tests/support_matrix.py)
+support-matrix: $(BIN)/activate
+	$(BIN)/python -m tests.support_matrix
 
 # the fast lane: in-process unit tests, under 2 minutes; the slow lane (ranks, torchrun, subprocesses) is `-m slow`
 test-fast: $(BIN)/activate

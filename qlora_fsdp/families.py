@@ -213,3 +213,30 @@ def experts_per_token(config: Any, default: int) -> int:
         if isinstance(value, int):
             return value
     return default
+
+
+# the checkpoints' model types checked against transformers + bitsandbytes NF4, gated on the checkpoint's own type
+# (a multimodal one's, not its text model's): those the support matrix (tests/support_matrix.py) finds exact, which
+# hold tests/test_families.py's; tests/test_support_matrix.py holds this set to the matrix's record
+CHECKED_FAMILIES = frozenset({
+    "afmoe", "apertus", "arcee", "aria_text", "bitnet", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm",
+    "deepseek_v3", "diffllama", "doge", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon",
+    "flex_olmo", "flint", "fuyu", "gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text",
+    "gemma4_unified_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "got_ocr2", "gpt-sw3", "gpt2",
+    "gpt_bigcode", "gpt_neox", "gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa",
+    "granitemoeshared", "hy_v3", "hyperclovax", "inkling_text", "internlm3", "iquestcoder", "jais2", "kolibri1",
+    "laguna", "lfm2", "llama", "llama4_text", "mellum", "minimax", "minimax_m2", "minimax_m3_vl_text",
+    "ministral3", "mistral", "mixtral", "mllama", "moshi", "nanochat", "nemotron", "olmo", "olmo2", "olmo3",
+    "olmoe", "opt", "persimmon", "phi", "phi3", "phi4_multimodal", "phimoe", "qwen2", "qwen2_moe", "qwen3",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3", "solar_open",
+    "stablelm", "starcoder2", "vaultgemma", "zaya",
+}) | {"llava", "mllama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}  # images: tests/test_vision.py
+
+
+def refuse_unchecked_family(config: PretrainedConfig, allowed: bool) -> None:
+    """A family no test holds to transformers could train to a silently different loss: refused unless asked for."""
+    if allowed or config.model_type in CHECKED_FAMILIES:
+        return
+    raise ModelLoadError(f"{config.model_type}: this model family is not checked against transformers + bitsandbytes "
+                         "(docs/model-families.md, the support matrix); set model.unchecked_family=true to train it "
+                         "anyway")

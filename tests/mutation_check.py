@@ -83,6 +83,10 @@ OBJECTIVE_DISPATCHES = [
 
 MUTATIONS = [
     # ---- the training step, optimizer, sharding, precision -------------------------------------------------
+    Mutation("every family let past the support matrix's gate", "qlora_fsdp/families.py",
+             "    if allowed or config.model_type in CHECKED_FAMILIES:", "    if True:",
+             "tests/test_support_matrix.py::test_a_family_not_checked_is_refused_at_load_in_one_line_unless_asked_for",
+             quick=True),
     Mutation("each micro-batch's gradients dropped before the next", "qlora_fsdp/objectives/supervised.py",
              "        return accumulate_gradients(self.parts.model, self.micro_batches(), self.parts.info.device,\n"
              "                                    self.forward_loss, loss_factor)\n",

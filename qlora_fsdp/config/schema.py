@@ -55,6 +55,9 @@ class ModelConfig:
     # mask (exact, slower); flex_attention trains on CUDA only. See qlora_fsdp/layers/attention.py
     attn_implementation: AttnImplementation = "auto"
     allow_pickle: bool = False  # .bin/.pt weights can run code when unpickled; refused unless this is true
+    # train a family that is not checked against transformers + bitsandbytes (docs/model-families.md's support
+    # matrix); refused at load unless this is true, since its loss could differ silently
+    unchecked_family: bool = False
     # a PEFT adapter folder to start from (an SFT run's `adapter/`), trained further with the recipe's LoRA
     # settings; under DPO, and GRPO with beta > 0, the reference is then the base plus this adapter, frozen
     adapter: str | None = None

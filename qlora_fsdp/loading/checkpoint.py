@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from qlora_fsdp.config import REPO_ROOT, Config
 from qlora_fsdp.errors import ModelLoadError, first_line
-from qlora_fsdp.families import text_config
+from qlora_fsdp.families import refuse_unchecked_family, text_config
 from qlora_fsdp.layers.text_decoder_lm import register_text_decoders
 from qlora_fsdp.loading import stored_forms
 
@@ -79,6 +79,7 @@ def load_hf_config(cfg: Config) -> PretrainedConfig:
     stored_forms.refuse_untrainable_form(config, path / "config.json")
     stored_forms.refuse_contradicting_recipe(config, cfg.quant, path / "config.json")
     register_text_decoders()  # Qwen-VL's text models get a causal LM (transformers has none)
+    refuse_unchecked_family(config, cfg.model.unchecked_family)
     text = text_config(config)  # a multimodal checkpoint trains its text model
     if text is not config and getattr(config, "quantization_config", None) is not None:
         text.quantization_config = config.quantization_config  # how the whole checkpoint is stored
