@@ -137,7 +137,7 @@ test-all: $(BIN)/activate tiny-model data/tiny_preferences.jsonl data/tiny_promp
 recipe-plans: $(BIN)/activate
 	OMP_NUM_THREADS=1 $(BIN)/python -m tests.planners --write
 
-# every causal LM of transformers, built tiny and held to transformers + bitsandbytes (about 20 minutes):
+# every causal LM of transformers, built tiny and held to transformers + bitsandbytes (about 8 minutes):
 # tests/fixtures/support_matrix.json and docs/model-families.md's table (tests/support_matrix.py)
 support-matrix: $(BIN)/activate
 	$(BIN)/python -m tests.support_matrix

@@ -230,7 +230,7 @@ CHECKED_FAMILIES = frozenset({
     "olmoe", "opt", "persimmon", "phi", "phi3", "phi4_multimodal", "phimoe", "qwen2", "qwen2_moe", "qwen3",
     "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3", "solar_open",
     "stablelm", "starcoder2", "vaultgemma", "zaya",
-}) | {"llava", "mllama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}  # images: tests/test_vision.py
+}) | {"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}  # images: tests/test_vision.py (mllama: the matrix)
 
 
 def refuse_unchecked_family(config: PretrainedConfig, allowed: bool) -> None:

@@ -1,7 +1,7 @@
 """The support matrix: every decoder-only causal LM of transformers' MODEL_FOR_CAUSAL_LM_MAPPING, built from a tiny
 config (tests/families.py's sizes), loaded by our code at world size 1 and held to transformers + bitsandbytes NF4.
 
-`python -m tests.support_matrix [model_type ...]` (make support-matrix: all, about 20 minutes on 2 cores; named
+`python -m tests.support_matrix [model_type ...]` (make support-matrix: all, about 8 minutes on 2 cores; named
 ones re-run into the record; `--defaults`: the defaults alone, after CHECKED_FAMILIES changed) writes
 tests/fixtures/support_matrix.json and the generated table of docs/model-families.md; it exits non-zero if any
 family differs silently or ends in a traceback. tests/test_support_matrix.py holds the record to the installed
