@@ -225,7 +225,7 @@ CHECKED_FAMILIES = frozenset({
     "gemma4_unified_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "got_ocr2", "gpt-sw3", "gpt2",
     "gpt_bigcode", "gpt_neox", "gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa",
     "granitemoeshared", "hy_v3", "hyperclovax", "inkling_text", "internlm3", "iquestcoder", "jais2", "kolibri1",
-    "laguna", "lfm2", "llama", "llama4_text", "mellum", "minimax", "minimax_m2", "minimax_m3_vl_text",
+    "laguna", "lfm2", "llama", "llama4", "llama4_text", "mellum", "minimax", "minimax_m2", "minimax_m3_vl_text",
     "ministral3", "mistral", "mixtral", "mllama", "moshi", "nanochat", "nemotron", "olmo", "olmo2", "olmo3",
     "olmoe", "opt", "persimmon", "phi", "phi3", "phi4_multimodal", "phimoe", "qwen2", "qwen2_moe", "qwen3",
     "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3", "solar_open",

@@ -45,8 +45,22 @@ def gemma3_multimodal(tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
                                 image_size=28, patch_size=14)
     config = Gemma3Config(text_config=Gemma3TextConfig(**_gemma3_text(tokenizer)), vision_config=vision,
                           mm_tokens_per_image=4, image_token_index=tokenizer.unk_token_id,
-                          boi_token_index=tokenizer.bos_token_id, eoi_token_index=tokenizer.eos_token_id)
+                          boi_token_index=tokenizer.bos_token_id, eoi_token_index=tokenizer.eos_token_id,
+                          architectures=["Gemma3ForConditionalGeneration"])
     return config
+
+
+def llama4_multimodal(tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """Llama 4 Scout's and Maverick's checkpoints: the text model (`language_model.model.`, its head
+    `language_model.lm_head.`) beside a vision model and a projector."""
+    from transformers import Llama4Config, Llama4VisionConfig
+
+    vision = Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                                projector_output_dim=32)
+    text = MOE_FAMILIES["llama4"](tokenizer)
+    return Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                        image_token_index=tokenizer.unk_token_id, architectures=["Llama4ForConditionalGeneration"])
 
 
 GEMMA4 = dict(head_dim=16, global_head_dim=32, sliding_window=WINDOW, hidden_size_per_layer_input=8,
@@ -119,6 +133,7 @@ MOE_FAMILIES: dict[str, Callable[[PreTrainedTokenizerFast], PretrainedConfig]] =
                                   intermediate_size=32, intermediate_size_mlp=128, attention_chunk_size=WINDOW,
                                   layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0],
                                   moe_layers=[1]),
+    "llama4_multimodal": llama4_multimodal,
 }
 
 
@@ -126,10 +141,10 @@ def write_family_model(out: Path, family: str, tokenizer: PreTrainedTokenizerFas
     """Build the family's tiny model with seeded random weights and save it (bf16, as the hub ships them)."""
     config = {**FAMILIES, **MOE_FAMILIES}[family](tokenizer)
     torch.manual_seed(seed)
-    if family == "gemma3_multimodal":
-        from transformers import Gemma3ForConditionalGeneration
+    if family.endswith("multimodal"):
+        from qlora_fsdp.families import full_model_class
 
-        model: torch.nn.Module = Gemma3ForConditionalGeneration(config)
+        model: torch.nn.Module = full_model_class(config)(config)
     else:
         model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # transformers starts biases at zero, where a dropped bias would go unnoticed

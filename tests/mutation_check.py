@@ -513,6 +513,10 @@ MUTATIONS = [
              "            return self.decoder_prefix + key.removeprefix(self.text_prefix)\n",
              "            return key\n",  # the family test's loading refuses it (an error): this one asserts the keys
              "tests/test_families.py::test_both_multimodal_layouts_are_read_through_transformers_rules"),
+    Mutation("a multimodal checkpoint's head left under language_model (Llama 4)", "qlora_fsdp/loading/layout.py",
+             "            return self.head_name + key.removeprefix(self.full_head_name)\n",
+             "            return key\n",
+             "tests/test_families.py::test_both_multimodal_layouts_are_read_through_transformers_rules"),
     Mutation("a multimodal adapter's targets match the vision tower too", "qlora_fsdp/loading/adapter.py",
              "    if decoder_only is not None:", "    if False:",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2"

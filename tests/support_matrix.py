@@ -55,6 +55,7 @@ def tiny_model(model_type: str, out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from qlora_fsdp.families import full_model_class
     from qlora_fsdp.tools.tiny_model import train_tokenizer
     from tests.families import FAMILIES, MOE_FAMILIES, SMALL, _tokens
 
@@ -63,8 +64,8 @@ def tiny_model(model_type: str, out: Path) -> Path:
         from tests.vision_models import write_tiny_mllama
 
         return write_tiny_mllama(out, tokenizer)
-    # tests/test_families.py's own config where it has one (MLA's ranks, Llama 4's layer kinds): the family's
-    # defaults do not all fit hidden size 64
+    # tests/test_families.py's own config where it has one (MLA's ranks, Llama 4's layer kinds and its multimodal
+    # checkpoint): the family's defaults do not all fit hidden size 64
     builders = {**FAMILIES, **MOE_FAMILIES}.values()
     known = {config.model_type: config for config in (build(tokenizer) for build in builders)}
     if model_type == "gemma4":  # the multimodal checkpoint Gemma 4 ships: the tiny text model, a tiny vision tower
@@ -73,7 +74,8 @@ def tiny_model(model_type: str, out: Path) -> Path:
     if getattr(config, "is_encoder_decoder", False):
         raise NotDecoderOnly("an encoder-decoder config")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    # a config that names its architecture (Llama 4's multimodal one) is built as that class, as the hub stores it
+    model = full_model_class(config)(config) if config.architectures else AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # nonzero biases, as tests/families.py makes them
         for name, param in model.named_parameters():
             if name.endswith("bias"):

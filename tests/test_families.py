@@ -60,8 +60,8 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 # the mixtures of experts whose matrix runs train LoRA on the experts and the routers too (Qwen3-MoE stores its
 # experts [out, in], gpt-oss [in, out] with biases and a router bias, Llama 4 [in, out] called stacked, its router
-# an nn.Linear); the others keep LoRA on attention alone
-TRAINS_EXPERTS = ("qwen3_moe", "gpt_oss", "llama4_text")
+# an nn.Linear, the multimodal checkpoint's too); the others keep LoRA on attention alone
+TRAINS_EXPERTS = ("qwen3_moe", "gpt_oss", "llama4_text", "llama4")
 
 
 def family_config(model_dir: Path, out: Path, attention_tiles: int = 0):
@@ -344,7 +344,7 @@ def in_memory_gemma3_key(key: str) -> str:
 
 def test_both_multimodal_layouts_are_read_through_transformers_rules(tokenizer, tmp_path):
     """The stored layout and the model's own map every decoder tensor to the same key of our text model, and the
-    vision tower to none."""
+    vision tower to none; Llama 4's layout, head included, likewise."""
     from qlora_fsdp.loading.build import build_meta_model
     from qlora_fsdp.loading.checkpoint import load_hf_config
 
@@ -358,6 +358,18 @@ def test_both_multimodal_layouts_are_read_through_transformers_rules(tokenizer, 
     assert all((ours is None) == ("vision_tower" in key or "multi_modal_projector" in key)
                for key, ours in mapped.items())
     assert mapped["language_model.model.layers.0.self_attn.q_proj.weight"] == "model.layers.0.self_attn.q_proj.weight"
+
+    # Llama 4's: the text model's head under `language_model.` too, its decoder's prefix naming no attribute of it
+    model_dir = write_family_model(tmp_path / "llama4", "llama4_multimodal", tokenizer)
+    cfg = family_config(model_dir, tmp_path / "out")
+    layout = model_layout(build_meta_model(cfg, load_hf_config(cfg)))
+    mapped = {key: layout.model_key(key)[0] for key in stored_keys(model_dir)}
+    assert all((ours is None) == key.startswith(("vision_model.", "multi_modal_projector."))
+               for key, ours in mapped.items())
+    assert mapped["language_model.lm_head.weight"] == "lm_head.weight"
+    assert mapped["language_model.model.layers.1.feed_forward.experts.gate_up_proj"] == \
+        "model.layers.1.feed_forward.experts.gate_up_proj"
+    assert layout.full_from_ours("lm_head.weight") == "language_model.lm_head.weight"
 
 
 def plain_copy(model_dir: Path, out: Path, **loading) -> Path:

@@ -76,6 +76,7 @@ class CheckpointLayout:
     text_prefix: str | None = None  # multimodal: where the decoder sits in the full model ("model.language_model.")
     decoder_prefix: str = "model."  # where it sits in the causal LM we build
     head_name: str = "lm_head."
+    full_head_name: str = "lm_head."  # the head in the checkpoint's model (Llama 4's: "language_model.lm_head.")
     model_type: str = ""
 
     def full_key(self, stored_key: str) -> tuple[str, ExpertPart | None]:
@@ -97,8 +98,10 @@ class CheckpointLayout:
         return self.ours_from_full(key), part
 
     def ours_from_full(self, key: str) -> str | None:
-        if self.text_prefix is None or key.startswith(self.head_name):
+        if self.text_prefix is None:
             return key
+        if key.startswith(self.full_head_name):
+            return self.head_name + key.removeprefix(self.full_head_name)
         if key.startswith(self.text_prefix):
             return self.decoder_prefix + key.removeprefix(self.text_prefix)
         return None
@@ -108,6 +111,8 @@ class CheckpointLayout:
         side's (loading/image_side_training.py) is the full model's base model's."""
         if key.startswith(IMAGE_SIDE + "."):
             return f"{self.prefix}.{key.removeprefix(IMAGE_SIDE + '.')}"
+        if self.text_prefix is not None and key.startswith(self.head_name):
+            return self.full_head_name + key.removeprefix(self.head_name)
         if self.text_prefix is None or not key.startswith(self.decoder_prefix):
             return key
         return self.text_prefix + key.removeprefix(self.decoder_prefix)
@@ -121,17 +126,35 @@ def checkpoint_layout(path: Path | None, built: PreTrainedModel, trust_remote_co
     full = meta_full_model(config) if is_multimodal(config) else built
     layout = layout_from_transforms(full)
     if full is not built:
-        if not hasattr(built, built.base_model_prefix):  # Llama 4: the text model is `model`, its prefix another name
-            raise ModelLoadError(f"{config.model_type}: a multimodal {type(full).__name__} checkpoint, whose text "
-                                 f"model {type(built).__name__} names its decoder otherwise than its prefix "
-                                 f"'{built.base_model_prefix}', is not supported yet; use a text-only checkpoint")
-        decoder_type = type(getattr(built, built.base_model_prefix))
+        decoder = decoder_name(built)
+        decoder_type = type(getattr(built, decoder))
         found = [name for name, module in full.named_modules() if type(module) is decoder_type]
         if not found:
             raise ModelLoadError(f"{config.model_type}: its {type(full).__name__} holds no {decoder_type.__name__}; "
                                  "this multimodal family is not supported yet")
-        layout.text_prefix, layout.decoder_prefix = found[0] + ".", built.base_model_prefix + "."
+        layout.text_prefix, layout.decoder_prefix = found[0] + ".", decoder + "."
+        layout.full_head_name = head_name(full) + "."
     return layout
+
+
+def decoder_name(built: PreTrainedModel) -> str:
+    """The attribute of our causal LM that holds its decoder: its base_model_prefix, or where that names no attribute
+    (Llama 4's text model keeps `model` under the prefix `language_model`, the name it has in the multimodal model)
+    its one child that is a pretrained model."""
+    if hasattr(built, built.base_model_prefix):
+        return built.base_model_prefix
+    found = [name for name, child in built.named_children() if isinstance(child, PreTrainedModel)]
+    if len(found) != 1:
+        raise ModelLoadError(f"{built.config.model_type}: {type(built).__name__} holds its decoder neither under "
+                             f"'{built.base_model_prefix}' nor as its one pretrained child ({found}); this "
+                             "multimodal family is not supported yet")
+    return found[0]
+
+
+def head_name(full: PreTrainedModel) -> str:
+    """Where the multimodal model keeps the output layer: `lm_head` (Gemma 3), `language_model.lm_head` (Llama 4)."""
+    head = full.get_output_embeddings()
+    return next((name for name, module in full.named_modules() if module is head), "lm_head")
 
 
 def meta_full_model(config: PretrainedConfig) -> PreTrainedModel:
