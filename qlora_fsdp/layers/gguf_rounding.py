@@ -1,0 +1,206 @@
+"""llama.cpp's quantizers as rounding in torch: a weight in, the values llama.cpp's GGUF will hold for it out.
+
+`export.target` trains the adapter through the export: each weight the forward reads is the merged weight as
+llama.cpp's quantizer stores it (q8_0, q4_0, q5_0, q4_K, q5_K, q6_K: the types q4_k_m, q5_k_m, q4_0 and q8_0 files
+are made of). Rounding that only resembles the export's gains nothing (pytorch/ao#2419), so each function here
+follows llama.cpp's reference quantizer (ggml-quants.c, no importance matrix: what llama-quantize runs without
+--imatrix) step for step in float32: the same sums in the same order (llama.cpp adds the 32 or 16 elements of a
+block one after another; a tree sum rounds differently and can pick another scale), the same divisions, its
+rounding (`nearest_int`: to even; q8_0's `roundf`: away from zero; q4_0's truncation after adding 8.5) and the
+scales stored in float16. tests/test_gguf_rounding.py holds every type to llama.cpp's own library, value for value,
+on real weights.
+
+Rows are the weight's rows (llama.cpp quantizes along the input dimension: blocks of 32, super-blocks of 256).
+The block search runs every candidate scale at once ([candidates, blocks, elements]) and only the additions walk
+the elements in order, so a weight costs a few hundred vector operations whatever its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+QK_K = 256  # a k-quant's super-block
+GROUP_MAX_EPS = 1e-15  # below this, llama.cpp takes a q6_K block for all zeros
+
+
+def f32(value: float) -> torch.Tensor:
+    """A C float constant (0.1f is not 0.1). A number over a tensor is written f32(number) / tensor: torch computes
+    `number / tensor` as the tensor's reciprocal times the number, which rounds twice."""
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def as_half(x: torch.Tensor) -> torch.Tensor:
+    """A scale stored in float16 and read back (GGML_FP32_TO_FP16: to nearest, ties to even)."""
+    return x.to(torch.float16).to(torch.float32)
+
+
+def nearest_int(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's nearest_int (adding 1.5 * 2^23 and reading the mantissa): to nearest, ties to even."""
+    return torch.round(x)
+
+
+def roundf(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf: halves away from zero (x - trunc(x) is exact, so no addition rounds first)."""
+    whole = torch.trunc(x)
+    return whole + torch.sign(x) * ((x - whole).abs() >= 0.5)
+
+
+def ordered_sum(terms: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension one element after another, as a C loop adds in float32."""
+    total = terms[..., 0]
+    for index in range(1, terms.shape[-1]):
+        total = total + terms[..., index]
+    return total
+
+
+def signed_absmax(x: torch.Tensor) -> torch.Tensor:
+    """Each block's value of largest magnitude, the first one where several tie (llama.cpp's `amax < fabsf(v)`)."""
+    return x.gather(-1, x.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+
+
+def blocks_of(w: torch.Tensor, size: int) -> torch.Tensor:
+    if w.ndim != 2 or w.shape[1] % size:
+        raise ValueError(f"a [rows, n] weight with n a multiple of {size} is needed, got {tuple(w.shape)}")
+    return w.float().reshape(-1, size)
+
+
+def q8_0(w: torch.Tensor) -> torch.Tensor:
+    """quantize_row_q8_0_ref: blocks of 32, d = absmax / 127, q = roundf(x / d) (gguf-py's q8_0 is the same)."""
+    x = blocks_of(w, 32)
+    d = x.abs().amax(dim=-1, keepdim=True) / f32(127)
+    inverse = torch.where(d != 0, f32(1) / d, torch.zeros_like(d))
+    return (roundf(x * inverse) * as_half(d)).reshape(w.shape)
+
+
+def symmetric_4_or_5(w: torch.Tensor, half_range: int) -> torch.Tensor:
+    """q4_0 (half_range 8) and q5_0 (16): d = the block's signed absmax / -half_range, q = trunc(x / d + half + .5)."""
+    x = blocks_of(w, 32)
+    d = (signed_absmax(x) / f32(-half_range)).unsqueeze(-1)
+    inverse = torch.where(d != 0, f32(1) / d, torch.zeros_like(d))
+    q = torch.trunc(x * inverse + (half_range + 0.5)).clamp(max=2 * half_range - 1)
+    return ((q - half_range) * as_half(d)).reshape(w.shape)
+
+
+def q4_0(w: torch.Tensor) -> torch.Tensor:
+    return symmetric_4_or_5(w, 8)
+
+
+def q5_0(w: torch.Tensor) -> torch.Tensor:
+    return symmetric_4_or_5(w, 16)
+
+
+def search_scale_and_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float, rdelta: float,
+                         nstep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """make_qkx2_quants (squared error) for blocks x [B, n]: the scale and the min (as llama.cpp returns it: minus
+    the offset) of the best of nstep + 1 candidate grids, each fitted by weighted least squares. Each candidate's
+    grid starts at the best offset so far, so the candidates run one after another."""
+    offset = torch.minimum(x.amin(dim=-1), torch.zeros(()))
+    high = x.amax(dim=-1)
+    sum_w, sum_x = ordered_sum(weights), ordered_sum(weights * x)
+    flat = high == offset  # llama.cpp: scale 0, min minus the offset
+    ones = torch.ones_like(high)
+
+    def grid(inverse_scale: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        return nearest_int(inverse_scale.unsqueeze(-1) * (x - start.unsqueeze(-1))).clamp(0, nmax)
+
+    def weighted_error(scale: torch.Tensor, start: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        diff = scale.unsqueeze(-1) * levels + start.unsqueeze(-1) - x
+        return ordered_sum(weights * (diff * diff))
+
+    inverse = f32(nmax) / torch.where(flat, ones, high - offset)
+    scale = f32(1) / inverse
+    best_error = weighted_error(scale, offset, grid(inverse, offset))
+    for step in range(nstep + 1):
+        span = torch.where(flat, ones, high - offset)
+        levels = grid((f32(rmin) + f32(rdelta) * step + nmax) / span, offset)
+        sum_l = ordered_sum(weights * levels)
+        sum_l2 = ordered_sum(weights * levels * levels)
+        sum_xl = ordered_sum(weights * levels * x)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        usable = det > 0
+        det = torch.where(usable, det, ones)
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_offset = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        clipped = this_offset > 0  # the grid may not start above zero: the scale refitted alone
+        this_scale = torch.where(clipped, sum_xl / torch.where(clipped, sum_l2, ones), this_scale)
+        this_offset = torch.where(clipped, torch.zeros_like(this_offset), this_offset)
+        error = weighted_error(this_scale, this_offset, levels)
+        better = usable & (error < best_error) & ~flat  # the first strictly better candidate wins
+        best_error = torch.where(better, error, best_error)
+        scale = torch.where(better, this_scale, scale)
+        offset = torch.where(better, this_offset, offset)
+    return torch.where(flat, torch.zeros_like(scale), scale), -offset
+
+
+def k_quant_with_min(w: torch.Tensor, nmax: int, rmin: float, nstep: int) -> torch.Tensor:
+    """quantize_row_q4_K_ref (nmax 15) and q5_K (31): super-blocks of 8 blocks of 32, each block's scale and min
+    searched, then both stored as 6-bit multiples of the super-block's float16 d and dmin."""
+    x = blocks_of(w, 32)
+    av_x = torch.sqrt(ordered_sum(x * x) / f32(32)).unsqueeze(-1)
+    scales, mins = search_scale_and_min(x, av_x + x.abs(), nmax, rmin, 0.1, nstep)
+    scales, mins = scales.reshape(-1, QK_K // 32), mins.reshape(-1, QK_K // 32)
+    max_scale = scales.amax(dim=-1, keepdim=True).clamp(min=0)
+    max_min = mins.amax(dim=-1, keepdim=True).clamp(min=0)
+    ls = nearest_int(torch.where(max_scale > 0, f32(63) / max_scale, 0) * scales).clamp(max=63)
+    lm = nearest_int(torch.where(max_min > 0, f32(63) / max_min, 0) * mins).clamp(max=63)
+    d = (as_half(max_scale / f32(63)) * ls).reshape(-1, 1)  # each block's step, as the dequantizer forms it
+    dm = (as_half(max_min / f32(63)) * lm).reshape(-1, 1)
+    safe = torch.where(d != 0, d, torch.ones_like(d))
+    q = nearest_int((x + dm) / safe).clamp(0, nmax)
+    return (d * q - dm).reshape(w.shape)
+
+
+def q4_k(w: torch.Tensor) -> torch.Tensor:
+    return k_quant_with_min(w, 15, -1.0, 20)
+
+
+def q5_k(w: torch.Tensor) -> torch.Tensor:
+    return k_quant_with_min(w, 31, -0.5, 15)
+
+
+def symmetric_block_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
+    """make_qx_quants with weights x^2 (rmse_type 1) for blocks x [B, n]: the best of 19 grids around nmax / max."""
+    peak = signed_absmax(x)
+    safe_peak = torch.where(peak != 0, peak, torch.ones_like(peak))
+    tries = torch.tensor([0, *range(-9, 0), *range(1, 10)], dtype=torch.float32)
+    inverses = torch.cat([(f32(-nmax) / safe_peak).unsqueeze(0), -(nmax + f32(0.1) * tries[1:]).unsqueeze(-1) / safe_peak])
+    levels = nearest_int(inverses.unsqueeze(-1) * x).clamp(-nmax, nmax - 1)  # [19, B, n]
+    weights = x * x
+    sum_lx = ordered_sum(weights * x * levels)
+    sum_l2 = ordered_sum(weights * levels * levels)
+    scale = torch.where(sum_l2 != 0, sum_lx / torch.where(sum_l2 != 0, sum_l2, torch.ones_like(sum_l2)), 0)[0]
+    best = scale * sum_lx[0]
+    for step in range(1, len(tries)):  # the first candidate that beats the best so far, in llama.cpp's order
+        better = (sum_l2[step] > 0) & (sum_lx[step] * sum_lx[step] > best * sum_l2[step])
+        scale = torch.where(better, sum_lx[step] / torch.where(better, sum_l2[step], 1), scale)
+        best = torch.where(better, scale * sum_lx[step], best)
+    return torch.where(peak.abs() < GROUP_MAX_EPS, torch.zeros_like(scale), scale)
+
+
+def q6_k(w: torch.Tensor) -> torch.Tensor:
+    """quantize_row_q6_K_ref: super-blocks of 16 blocks of 16, each block's signed scale searched, stored as an
+    8-bit multiple of the super-block's float16 d; values in [-32, 31]."""
+    x = blocks_of(w, 16)
+    scales = symmetric_block_scale(x, 32).reshape(-1, QK_K // 16)
+    peak = signed_absmax(scales).unsqueeze(-1)
+    zero = peak.abs() < GROUP_MAX_EPS
+    inverse = f32(-128) / torch.where(zero, torch.ones_like(peak), peak)
+    d = as_half(f32(1) / inverse)
+    sc = nearest_int(inverse * scales).clamp(max=127)
+    step = torch.where(zero, torch.zeros_like(d), d * sc).reshape(-1, 1)
+    q = nearest_int(x / torch.where(step != 0, step, torch.ones_like(step))).clamp(-32, 31)
+    return (step * q).reshape(w.shape)
+
+
+ROUNDINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "q8_0": q8_0, "q4_0": q4_0, "q5_0": q5_0, "q4_K": q4_k, "q5_K": q5_k, "q6_K": q6_k,
+}
+
+
+def rounded(w: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """`w` ([rows, n], the GGUF's float16 values) as llama.cpp stores it in `ggml_type`, read back in float32."""
+    if ggml_type in ("f16", "f32"):
+        return w.float()
+    return ROUNDINGS[ggml_type](w)
