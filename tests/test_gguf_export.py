@@ -409,18 +409,6 @@ def tiny_family(family: str, tokenizer, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def sp_tokenizer(tmp_path_factory):
-    """tests/sentencepiece_tokenizer.py's tokenizer (Gemma's released form, 600 pieces), made where sentencepiece is
-    installed (the converter's folder): built here, and one the converter knows by its format."""
-    out = tmp_path_factory.mktemp("sentencepiece")
-    env = {**os.environ, "PYTHONPATH": str(converter_dir())}
-    script, data = REPO / "tests" / "sentencepiece_tokenizer.py", REPO / "data" / "tiny_instruct.jsonl"
-    made = subprocess.run([sys.executable, str(script), str(data), str(out)], env=env, capture_output=True, text=True)
-    assert made.returncode == 0, made.stderr[-2000:]
-    return AutoTokenizer.from_pretrained(out)
-
-
 @pytest.mark.parametrize(("family", "outtype"), [("llama", "q4_k_m"), ("qwen3", "f16"), ("gemma3", "bf16")])
 def test_tiny_families_export_and_read_back_equal(family, outtype, sp_tokenizer, tmp_path, monkeypatch):
     """bf16 holds the checkpoint's bf16 weights exactly, f16 as float16 rounds them (only subnormals change); a

@@ -22,6 +22,8 @@ from qlora_fsdp.config.schema import (
     DpoLossType,
     DType,
     DTypeChoice,
+    ExportConfig,
+    ExportTarget,
     FSDPConfig,
     GrpoConfig,
     GrpoLossType,
@@ -47,7 +49,8 @@ from qlora_fsdp.config.validation import validate
 
 __all__ = [
     "ActivationCheckpointingConfig", "CheckpointScope", "CheckpointedLayers", "Config", "DType", "DTypeChoice",
-    "DataConfig", "DataFormat", "DpoLossType", "FSDPConfig", "FSDP_CONFIGS_DIR", "GrpoConfig", "GrpoLossType",
+    "DataConfig", "DataFormat", "DpoLossType", "ExportConfig", "ExportTarget", "FSDPConfig", "FSDP_CONFIGS_DIR",
+    "GrpoConfig", "GrpoLossType",
     "HardwareConfig", "LoggingConfig", "LoraConfig", "LossConfig", "ModelConfig", "OBJECTIVES", "Objective",
     "ObjectiveKind", "OptimConfig", "OverlongPolicy", "PreferenceConfig", "ProfileConfig",
     "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "RewardConfig",

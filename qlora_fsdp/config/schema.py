@@ -356,6 +356,19 @@ class ProfileConfig:
     steps: int = 3  # steps profiled
 
 
+# what `qlora-export` will write (its default --outtype): the llama.cpp types the forward trains through
+ExportTarget = Literal["none", "q4_k_m", "q5_k_m", "q4_0", "q8_0"]
+
+
+@dataclass
+class ExportConfig:
+    # the GGUF type this run will be exported as: with a type, every weight the forward reads is the merged weight as
+    # llama.cpp's quantizer will store it (the type it picks per tensor, as llama-quantize picks it), LoRA's
+    # gradients passed straight through the rounding, so what the fine-tune learned survives the export
+    # (docs/after-training.md); none: train the 4-bit model as it is
+    target: ExportTarget = "none"
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -373,6 +386,7 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     @property
     def several_samples_a_row(self) -> bool:

@@ -62,6 +62,7 @@ def validate(config: Config) -> Config:
     _validate_compile(config)
     _validate_checkpointing(config)
     _validate_context_parallel(config)
+    _validate_export(config)
     if config.train.log_every < 1:
         raise ConfigError(f"'train.log_every' must be 1 (every step) or more, got {config.train.log_every}")
     if config.train.save_every < 0:
@@ -247,3 +248,18 @@ def _validate_warmup(config: Config) -> None:
     if optim.warmup_steps and optim.warmup_ratio:
         raise ConfigError(f"'optim.warmup_steps: {optim.warmup_steps}' and 'optim.warmup_ratio: "
                           f"{optim.warmup_ratio}' are both set: keep one (the other 0)")
+
+
+def _validate_export(config: Config) -> None:
+    """export.target trains through the merged weight, which exists for plain LoRA on the 4-bit linears only."""
+    if config.export.target == "none":
+        return
+    lora = config.lora
+    blockers = {"lora.dropout > 0 (the exported weight has no dropout)": lora.dropout > 0,
+                "lora.use_dora": lora.use_dora, "lora.train_embeddings": lora.train_embeddings,
+                "lora.target_experts": lora.target_experts, "lora.train_router": lora.train_router,
+                "lora.target_vision_tower": lora.target_vision_tower, "lora.train_projector": lora.train_projector}
+    found = [name for name, on in blockers.items() if on]
+    if found:
+        raise ConfigError(f"export.target: {config.export.target} trains through the merged 4-bit linears, which "
+                          f"{found[0]} leaves; turn that off or set export.target: none")

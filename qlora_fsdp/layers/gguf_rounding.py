@@ -2,16 +2,16 @@
 
 `export.target` trains the adapter through the export: each weight the forward reads is the merged weight as
 llama.cpp's quantizer stores it (q8_0, q4_0, q5_0, q4_K, q5_K, q6_K: the types q4_k_m, q5_k_m, q4_0 and q8_0 files
-are made of). Rounding that only resembles the export's gains nothing (pytorch/ao#2419), so each function here
-follows llama.cpp's reference quantizer (ggml-quants.c, no importance matrix: what llama-quantize runs without
---imatrix) step for step in float32: the same sums in the same order (llama.cpp adds the 32 or 16 elements of a
-block one after another; a tree sum rounds differently and can pick another scale), the same divisions, its
-rounding (`nearest_int`: to even; q8_0's `roundf`: away from zero; q4_0's truncation after adding 8.5) and the
-scales stored in float16. tests/test_gguf_rounding.py holds every type to llama.cpp's own library, value for value,
+are made of; and q5_1, q5_K's fallback). Rounding that only resembles the export's gains nothing (pytorch/ao#2419),
+so each function here follows llama.cpp's reference quantizer (ggml-quants.c without an importance matrix: what
+llama-quantize runs without --imatrix) step for step in float32: the same sums in the same order (llama.cpp adds a
+block's elements one after another; a tree sum rounds differently and can pick another scale), the same divisions,
+its rounding (`nearest_int`: to even; q8_0's `roundf`: away from zero; q4_0's truncation after adding 8.5) and the
+scales stored in float16. tests/test_export_target.py holds every type to llama.cpp's own library, value for value,
 on real weights.
 
 Rows are the weight's rows (llama.cpp quantizes along the input dimension: blocks of 32, super-blocks of 256).
-The block search runs every candidate scale at once ([candidates, blocks, elements]) and only the additions walk
+Candidate scales that do not depend on each other run at once ([candidates, blocks, elements]); the additions walk
 the elements in order, so a weight costs a few hundred vector operations whatever its size.
 """
 
@@ -91,6 +91,17 @@ def q5_0(w: torch.Tensor) -> torch.Tensor:
     return symmetric_4_or_5(w, 16)
 
 
+def q5_1(w: torch.Tensor) -> torch.Tensor:
+    """quantize_row_q5_1_ref (q5_K's fallback for rows not a multiple of 256): blocks of 32 from min to max,
+    q = trunc((x - min) / d + .5) with the unrounded d and min, both then stored in float16."""
+    x = blocks_of(w, 32)
+    low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+    d = (high - low) / f32(31)
+    inverse = torch.where(d != 0, f32(1) / d, torch.zeros_like(d))
+    q = torch.trunc((x - low) * inverse + 0.5)
+    return (q * as_half(d) + as_half(low)).reshape(w.shape)
+
+
 def search_scale_and_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float, rdelta: float,
                          nstep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """make_qkx2_quants (squared error) for blocks x [B, n]: the scale and the min (as llama.cpp returns it: minus
@@ -165,7 +176,8 @@ def symmetric_block_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
     peak = signed_absmax(x)
     safe_peak = torch.where(peak != 0, peak, torch.ones_like(peak))
     tries = torch.tensor([0, *range(-9, 0), *range(1, 10)], dtype=torch.float32)
-    inverses = torch.cat([(f32(-nmax) / safe_peak).unsqueeze(0), -(nmax + f32(0.1) * tries[1:]).unsqueeze(-1) / safe_peak])
+    first = (f32(-nmax) / safe_peak).unsqueeze(0)
+    inverses = torch.cat([first, -(nmax + f32(0.1) * tries[1:]).unsqueeze(-1) / safe_peak])
     levels = nearest_int(inverses.unsqueeze(-1) * x).clamp(-nmax, nmax - 1)  # [19, B, n]
     weights = x * x
     sum_lx = ordered_sum(weights * x * levels)
@@ -195,7 +207,7 @@ def q6_k(w: torch.Tensor) -> torch.Tensor:
 
 
 ROUNDINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "q8_0": q8_0, "q4_0": q4_0, "q5_0": q5_0, "q4_K": q4_k, "q5_K": q5_k, "q6_K": q6_k,
+    "q8_0": q8_0, "q4_0": q4_0, "q5_0": q5_0, "q5_1": q5_1, "q4_K": q4_k, "q5_K": q5_k, "q6_K": q6_k,
 }
 
 

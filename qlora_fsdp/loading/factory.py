@@ -13,6 +13,7 @@ from qlora_fsdp.layers.decoder import decoder_layers
 from qlora_fsdp.layers.embedding_noise import add_embedding_noise
 from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_hf_config
+from qlora_fsdp.loading.export_target import train_through_export
 from qlora_fsdp.loading.fill import load_weights, materialize
 from qlora_fsdp.loading.sharding import sharded_meta_model
 
@@ -28,6 +29,7 @@ def build_model(cfg: Config, info: DistInfo, shard: bool = True, sampling: bool 
     load_weights(model, cfg, info.device)
     if cfg.model.adapter:  # training goes on from a saved adapter (an SFT run's, for preference tuning)
         load_adapter_into(model, Path(cfg.model.adapter))
+    train_through_export(model, cfg)  # export.target: the forward computes with the exported GGUF's weights
     if cfg.train.neftune_alpha:
         add_embedding_noise(model, cfg.train.neftune_alpha)
     if cfg.train.compile:

@@ -1,0 +1,95 @@
+"""Training through the export (`export.target`): every weight the forward reads is the one the exported GGUF holds.
+
+What llama.cpp will run is the merged weight W + s B A (W the dequantized 4-bit base, as the merge writes it), stored
+in float16 by the converter, then rounded by llama-quantize to the type it picks for that tensor. Without this, the
+adapter's update is smaller than a q4_K step in many blocks and the rounding erases part of the fine-tune. Here the
+forward multiplies by exactly that rounded weight (layers/gguf_rounding.py, equal to llama.cpp's quantizer), and the
+backward treats the rounding as the identity (straight-through): the input's gradient is the rounded weight's, and A
+and B get LoRA's usual gradients, computed from the thin products (x A^T, g B), never from a full-size gradient.
+
+Linears without LoRA (a target list that leaves some out) round their 4-bit base the same way; the embeddings and
+an unquantized head are frozen, so they are rounded once, in place, when the run starts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import bitsandbytes.functional as bnbf
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qlora_fsdp.layers.gguf_rounding import rounded
+
+
+def exported_weight(base: torch.Tensor, delta: torch.Tensor | None, ggml_type: str) -> torch.Tensor:
+    """The merge's weight (fp32 sum, written float16 for the converter) rounded as llama-quantize stores it."""
+    merged = base.float() if delta is None else base.float() + delta
+    return rounded(merged.to(torch.float16).float(), ggml_type)
+
+
+class ThroughExport(torch.autograd.Function):
+    """y = x round(W + s B A)^T (+ bias); the backward is LoRA's, with the rounded weight for the input's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, base: torch.Tensor,
+                bias: torch.Tensor | None, scale: float, ggml_type: str) -> torch.Tensor:
+        delta = scale * (lora_b.detach().float() @ lora_a.detach().float())
+        weight = exported_weight(base, delta, ggml_type).to(x.dtype)
+        ctx.save_for_backward(x, lora_a, lora_b, weight)
+        ctx.scale = scale
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, lora_a, lora_b, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        g, inputs = grad.reshape(-1, grad.shape[-1]).to(lora_a.dtype), x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
+        grad_b = ctx.scale * (g.t() @ (inputs @ lora_a.t())) if ctx.needs_input_grad[2] else None
+        grad_a = ctx.scale * ((g @ lora_b).t() @ inputs) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_a, grad_b, None, None, None, None
+
+
+def dequantized_base(linear4bit: nn.Module) -> torch.Tensor:
+    """The 4-bit base's weight as the 4-bit model computes with it (and the merge writes it)."""
+    # the module keeps the whole weight's state (loading/fill.py): FSDP2's gathered weight is a plain Parameter
+    return bnbf.dequantize_4bit(linear4bit.weight.data, linear4bit.quant_state)
+
+
+def lora_forward(module: Any, ggml_type: str, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A PEFT LoRA linear over a Linear4bit, computing with its exported weight."""
+    (adapter,) = [a for a in module.active_adapters if a in module.lora_A]
+    base_layer = module.get_base_layer()
+    if module.disable_adapters:  # DPO's reference forward: the base alone, as it would be exported unmerged
+        return frozen_forward(base_layer, ggml_type, x)
+    return ThroughExport.apply(x, module.lora_A[adapter].weight, module.lora_B[adapter].weight,
+                               dequantized_base(base_layer), base_layer.bias, module.scaling[adapter], ggml_type)
+
+
+def frozen_forward(linear4bit: nn.Module, ggml_type: str, x: torch.Tensor, *args: Any, **kwargs: Any
+                   ) -> torch.Tensor:
+    """A Linear4bit without LoRA, with its exported weight (frozen: only the input gets a gradient)."""
+    with torch.no_grad():
+        weight = exported_weight(dequantized_base(linear4bit), None, ggml_type).to(x.dtype)
+    bias = linear4bit.bias
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def install_lora(module: nn.Module, ggml_type: str) -> None:
+    """The forward of a LoRA linear (an instance attribute, as layers/fused_lora.py installs its own)."""
+    module.forward = functools.partial(lora_forward, module, ggml_type)  # type: ignore[method-assign]
+
+
+def install_frozen(linear4bit: nn.Module, ggml_type: str) -> None:
+    linear4bit.forward = functools.partial(frozen_forward, linear4bit, ggml_type)  # type: ignore[method-assign]
+
+
+@torch.no_grad()
+def round_in_place(weight: torch.Tensor, ggml_type: str) -> None:
+    """A frozen unquantized weight (embeddings, head) as exported; each rank rounds its own rows (FSDP2 shards the
+    rows, and llama.cpp's blocks run along a row)."""
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    if local.numel():
+        local.copy_(exported_weight(local, None, ggml_type).to(local.dtype))

@@ -1,0 +1,217 @@
+"""export.target: training through the GGUF llama.cpp will run.
+
+- every type's rounding equals llama.cpp's own quantizer (its libggml-base) value for value on real SmolLM2 weights;
+- the straight-through backward gives LoRA's gradients (the rounded weight for the input's);
+- end to end, on a tiny llama with rows of 256 and 512 (so q4_K, q5_K and q6_K apply, not only their fallbacks):
+  the held-out loss our model computes with export.target at world sizes 1 and 2 equals transformers' on the GGUF
+  that qlora-export writes from the same adapter and llama-quantize quantizes (read back by transformers), for each
+  target; and each tensor's type in those files is the one training chose (qlora_fsdp/gguf_types.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qlora_fsdp.gguf_types import ModelShape, tensor_type
+from qlora_fsdp.layers.export_rounding import ThroughExport, exported_weight
+from qlora_fsdp.layers.gguf_rounding import ROUNDINGS, rounded
+from tests.ggml_quants import libggml, llama_cpp_rounded
+
+TARGETS = ("q4_k_m", "q5_k_m", "q4_0", "q8_0")
+# (key, rows): real SmolLM2 weights; the down projection's rows 448-575 hold a block whose scale lands on a tie of
+# q4_K's 6-bit rounding (59.5: an implementation that divides differently picks 59, llama.cpp 60)
+REAL_TENSORS = (("model.layers.0.mlp.down_proj.weight", slice(448, 576)),
+                ("model.layers.11.self_attn.v_proj.weight", slice(0, 64)),
+                ("model.layers.29.mlp.gate_proj.weight", slice(0, 64)),
+                ("model.embed_tokens.weight", slice(1000, 1128)))
+
+
+def needs_libggml() -> None:
+    if libggml() is None:
+        pytest.skip("no libggml-base (make llama-quantize)")
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_each_type_is_llama_cpps_rounding_on_real_weights(real_model_dir):
+    from safetensors import safe_open
+
+    needs_libggml()
+    tensors = {}
+    for file in sorted(real_model_dir.glob("*.safetensors")):
+        with safe_open(file, "pt") as stored:
+            tensors |= {key: stored.get_tensor(key) for key, _ in REAL_TENSORS if key in stored.keys()}
+    for key, rows in REAL_TENSORS:
+        weight = tensors[key][rows].to(torch.float16).float()  # the converter's f16 file, as llama-quantize reads it
+        for ggml_type in ROUNDINGS:
+            w = weight[:, : weight.shape[1] // 256 * 256] if ggml_type.endswith("_K") else weight
+            assert torch.equal(rounded(w, ggml_type), llama_cpp_rounded(w, ggml_type)), (key, ggml_type)
+
+
+def test_the_backward_is_loras_through_the_rounded_weight():
+    """Forward: x times the rounded merged weight, exactly. Backward: the input's gradient through that weight, A's
+    and B's as a LoRA over the frozen base (rounded weight - s B A) gets them."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 256, requires_grad=True)
+    a, b = (0.05 * torch.randn(4, 256)).requires_grad_(), (0.05 * torch.randn(64, 4)).requires_grad_()
+    base, scale = 0.02 * torch.randn(64, 256), 2.0
+    out = ThroughExport.apply(x, a, b, base, None, scale, "q4_K")
+    weight = exported_weight(base, scale * (b @ a).detach(), "q4_K")
+    assert torch.equal(out, F.linear(x, weight))
+    assert not torch.equal(weight, (base + scale * (b @ a)).detach())  # the rounding did something
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    x2, a2, b2 = (t.detach().clone().requires_grad_() for t in (x, a, b))
+    frozen = (weight - scale * (b2 @ a2)).detach()
+    (F.linear(x2, frozen) + scale * F.linear(F.linear(x2, a2), b2)).backward(grad)
+    for ours, lora in ((x.grad, x2.grad), (a.grad, a2.grad), (b.grad, b2.grad)):
+        assert relative(ours, lora) < 1e-5
+
+
+def tiny_wide_llama(out: Path, tokenizer) -> Path:
+    """4 layers (llama.cpp's more-bits layers 2 and 3), rows of 256 and 512, an untied head; a sentencepiece
+    tokenizer llama.cpp's converter knows (tests/conftest.py's sp_tokenizer)."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    shutil.copy(Path(tokenizer.name_or_path) / "tokenizer.model", out)  # what the converter reads the vocabulary from
+    return out
+
+
+def export_config(model_dir: Path, out: Path, target: str):
+    from tests.helpers import tiny_config
+
+    return tiny_config(model_dir, train={"output_dir": str(out)}, lora={"r": 4, "dropout": 0.0},
+                       export={"target": target})
+
+
+def through_export_side(info, model_dir: Path, out: Path, samples: list, adapter: Path | None) -> dict:
+    """Each target's held-out loss of the same adapter (B seeded by name, so every world size holds the same one);
+    the adapter saved once."""
+    from qlora_fsdp.config.loader import to_yaml
+    from qlora_fsdp.data.batching import collate
+    from qlora_fsdp.distributed import all_reduce_sums
+    from qlora_fsdp.loading.adapter import export_adapter
+    from qlora_fsdp.loading.checkpoint import load_tokenizer
+    from qlora_fsdp.loading.factory import build_model
+    from tests.test_families import nonzero_lora_b, summed
+
+    n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
+    mine = samples[info.rank :: info.world_size]
+    losses = {}
+    for target in (*TARGETS, "none"):
+        cfg = export_config(model_dir, out / target, target)
+        model = build_model(cfg, info)
+        nonzero_lora_b(model)
+        (losses[target],) = all_reduce_sums([summed(model, collate(mine, 0), info)], info.device)
+        losses[target] /= n_targets
+        if adapter is not None and target == "none":
+            export_adapter(model, load_tokenizer(cfg), adapter, str(model_dir), info.is_main, to_yaml(cfg))
+    return losses
+
+
+def gguf_files(adapter: Path, work: Path) -> dict[str, Path]:
+    """qlora-export's files of the adapter for every target (one merge and f16 file, quantized by llama.cpp;
+    q8_0 written by the converter itself, as qlora-export writes it)."""
+    from qlora_fsdp.commands.export import main as export_main
+    from qlora_fsdp.tools.llama_quantize import find_quantizer, quantize
+
+    assert export_main(["--adapter", str(adapter), "--out", str(work / "f16"), "--name", "m", "--keep-merged"]) == 0
+    f16 = work / "f16" / "m-F16.gguf"
+    quantizer = find_quantizer()
+    assert quantizer is not None
+    files = {}
+    for target in ("q4_k_m", "q5_k_m", "q4_0"):
+        files[target] = work / f"m-{target}.gguf"
+        quantize(quantizer, f16, files[target], target)
+    assert export_main(["--model", str(work / "f16" / "merged"), "--out", str(work / "q8"), "--name", "m",
+                        "--outtype", "q8_0"]) == 0
+    files["q8_0"] = work / "q8" / "m-Q8_0.gguf"
+    return files
+
+
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+def our_name(gguf_name: str) -> str | None:
+    """model.layers.1.self_attn.v_proj for blk.1.attn_v.weight; None for a norm."""
+    if gguf_name in ("token_embd.weight", "output.weight"):
+        return {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head"}[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] != "blk" or parts[2] not in GGUF_NAMES:
+        return None
+    return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}"
+
+
+def gguf_types(file: Path) -> dict[str, tuple[str, int]]:
+    """Each weight's type in the file, and its row length, by our module name."""
+    from gguf import GGUFReader
+
+    found = {}
+    for tensor in GGUFReader(file).tensors:
+        name = our_name(tensor.name)
+        if name is not None:
+            found[name] = (tensor.tensor_type.name, int(tensor.shape[0]))
+    return found
+
+
+def transformers_loss(file: Path, samples: list) -> float:
+    """transformers' held-out loss on the GGUF file (its weights as llama.cpp stores them, read back)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
+    total = 0.0
+    with torch.no_grad():
+        for sample in samples:
+            logits = model(input_ids=torch.tensor([sample.input_ids])).logits[0, :-1]
+            total += float(F.cross_entropy(logits, torch.tensor(sample.labels[1:]), ignore_index=-100,
+                                           reduction="sum"))
+    return total / n_targets
+
+
+@pytest.mark.slow
+def test_training_computes_with_the_gguf_llama_cpp_writes(sp_tokenizer, tmp_path):
+    from qlora_fsdp.tools.llama_quantize import find_quantizer
+    from tests.helpers import run_ranks, variable_length_samples
+
+    needs_libggml()
+    if find_quantizer() is None:
+        pytest.skip("no llama.cpp quantizer (make llama-quantize)")
+    model_dir = tiny_wide_llama(tmp_path / "model", sp_tokenizer)
+    samples = variable_length_samples(export_config(model_dir, tmp_path / "cfg", "none"), 4)
+    adapter = tmp_path / "adapter"
+    one = run_ranks(through_export_side, 1, model_dir, tmp_path / "one", samples, None, tmp_dir=tmp_path)[0]
+    two = run_ranks(through_export_side, 2, model_dir, tmp_path / "two", samples, adapter, tmp_dir=tmp_path)[0]
+    files = gguf_files(adapter, tmp_path / "gguf")
+    shape = ModelShape(n_layers=4, tied_head=False)
+    print(json.dumps({"ours ws1": one, "ours ws2": two}))
+    for target, file in files.items():
+        reference = transformers_loss(file, samples)
+        print(f"{target}: transformers on llama.cpp's file {reference:.7f}")
+        for ours in (one, two):
+            assert ours[target] == pytest.approx(reference, rel=2e-6), target
+            assert abs(ours[target] - ours["none"]) > 1e-4 * ours["none"]  # the export changes the loss
+        chosen = {name: tensor_type(target, name, row, shape) for name, (_, row) in gguf_types(file).items()}
+        stored = {name: kind for name, (kind, _) in gguf_types(file).items()}
+        assert {name: kind.lower() for name, kind in chosen.items()} == {n: k.lower() for n, k in stored.items()}
+        if target == "q4_k_m":  # the mix: q6_K where llama.cpp keeps more bits, q4_K elsewhere
+            assert stored["model.layers.2.mlp.down_proj"] == "Q6_K" and stored["model.layers.1.mlp.down_proj"] == "Q4_K"
+            assert stored["lm_head"] == "Q6_K"
