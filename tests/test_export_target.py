@@ -101,8 +101,8 @@ def export_config(model_dir: Path, out: Path, target: str):
 
 
 def through_export_side(info, model_dir: Path, out: Path, samples: list, adapter: Path | None) -> dict:
-    """Each target's held-out loss of the same adapter (B seeded by name, so every world size holds the same one);
-    the adapter saved once."""
+    """Each target's held-out loss of the same adapter (B seeded by name, so every world size and target holds the
+    same one); the adapter saved once, from the q4_k_m run."""
     from qlora_fsdp.config.loader import to_yaml
     from qlora_fsdp.data.batching import collate
     from qlora_fsdp.distributed import all_reduce_sums
@@ -120,26 +120,28 @@ def through_export_side(info, model_dir: Path, out: Path, samples: list, adapter
         nonzero_lora_b(model)
         (losses[target],) = all_reduce_sums([summed(model, collate(mine, 0), info)], info.device)
         losses[target] /= n_targets
-        if adapter is not None and target == "none":
+        if adapter is not None and target == "q4_k_m":  # its training_config.yaml names the target
             export_adapter(model, load_tokenizer(cfg), adapter, str(model_dir), info.is_main, to_yaml(cfg))
     return losses
 
 
 def gguf_files(adapter: Path, work: Path) -> dict[str, Path]:
-    """qlora-export's files of the adapter for every target (one merge and f16 file, quantized by llama.cpp;
-    q8_0 written by the converter itself, as qlora-export writes it)."""
+    """qlora-export's files of the adapter for every target: its q4_k_m (the run's export.target, the default type)
+    keeping the merge and the f16 file, which llama.cpp quantizes to the others; q8_0 written by the converter itself,
+    as qlora-export writes it."""
     from qlora_fsdp.commands.export import main as export_main
     from qlora_fsdp.tools.llama_quantize import find_quantizer, quantize
 
-    assert export_main(["--adapter", str(adapter), "--out", str(work / "f16"), "--name", "m", "--keep-merged"]) == 0
-    f16 = work / "f16" / "m-F16.gguf"
+    # no --outtype: the run's export.target, q4_k_m
+    assert export_main(["--adapter", str(adapter), "--out", str(work / "q4"), "--name", "m", "--keep-merged",
+                        "--keep-f16"]) == 0
+    files = {"q4_k_m": work / "q4" / "m-Q4_K_M.gguf"}
     quantizer = find_quantizer()
     assert quantizer is not None
-    files = {}
-    for target in ("q4_k_m", "q5_k_m", "q4_0"):
+    for target in ("q5_k_m", "q4_0"):
         files[target] = work / f"m-{target}.gguf"
-        quantize(quantizer, f16, files[target], target)
-    assert export_main(["--model", str(work / "f16" / "merged"), "--out", str(work / "q8"), "--name", "m",
+        quantize(quantizer, work / "q4" / "m-F16.gguf", files[target], target)
+    assert export_main(["--model", str(work / "q4" / "merged"), "--out", str(work / "q8"), "--name", "m",
                         "--outtype", "q8_0"]) == 0
     files["q8_0"] = work / "q8" / "m-Q8_0.gguf"
     return files
@@ -215,3 +217,38 @@ def test_training_computes_with_the_gguf_llama_cpp_writes(sp_tokenizer, tmp_path
         if target == "q4_k_m":  # the mix: q6_K where llama.cpp keeps more bits, q4_K elsewhere
             assert stored["model.layers.2.mlp.down_proj"] == "Q6_K" and stored["model.layers.1.mlp.down_proj"] == "Q4_K"
             assert stored["lm_head"] == "Q6_K"
+
+
+def test_what_training_through_the_export_cannot_do_is_refused_in_one_line():
+    """LoRA settings whose exported weight is not the merged 4-bit linear; a mixture of experts; a module whose
+    llama.cpp type is not known here; rows llama-quantize refuses for q4_0."""
+    from torch import nn
+    from transformers import LlamaConfig
+
+    from qlora_fsdp.config import load_config
+    from qlora_fsdp.errors import ConfigError
+    from qlora_fsdp.layers.experts4bit import Experts4bit
+    from qlora_fsdp.loading.export_target import train_through_export
+
+    for setting, named in (("lora.dropout=0.1", "lora.dropout"), ("lora.use_dora=true", "lora.use_dora"),
+                           ("lora.target_experts=true", "lora.target_experts")):
+        with pytest.raises(ConfigError, match=named):
+            load_config("tiny_cpu", ["export.target=q4_k_m", setting])
+
+    class WithExperts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = LlamaConfig(num_hidden_layers=2)
+            self.experts = Experts4bit()
+
+    with pytest.raises(ConfigError, match="experts.*export.target: none"):
+        train_through_export(WithExperts(), load_config("tiny_cpu", ["export.target=q4_k_m"]))
+    shape = ModelShape(n_layers=2, tied_head=True)
+    with pytest.raises(ConfigError, match="model.layers.0.attn.c_attn is not known"):
+        tensor_type("q4_k_m", "model.layers.0.attn.c_attn", 256, shape)
+    with pytest.raises(ConfigError, match="rows of 48"):
+        tensor_type("q4_0", "model.layers.0.self_attn.q_proj", 48, shape)
+    assert tensor_type("q4_k_m", "model.embed_tokens", 576, shape) == "q8_0"  # tied: the head's q6_K, fallen back
+    assert tensor_type("q4_k_m", "model.layers.1.mlp.down_proj", 1536, shape) == "q6_K"  # the last eighth
+    assert tensor_type("q4_k_m", "model.layers.0.mlp.down_proj", 1536, shape) == "q4_K"
+    assert tensor_type("q4_k_m", "model.layers.1.mlp.gate_proj", 576, shape) == "q5_0"  # q4_K's fallback

@@ -1,7 +1,7 @@
 """Export to GGUF (llama.cpp, Ollama): an adapter merged into its base, or a merged checkpoint, as one GGUF file
 with its tokenizer and chat template, and an Ollama Modelfile beside it.
 
-    qlora-export --adapter outputs/demo/adapter --out outputs/demo/gguf                  # f16
+    qlora-export --adapter outputs/demo/adapter --out outputs/demo/gguf                  # f16, or its export.target
     python scripts/export_gguf.py --adapter outputs/demo/adapter --out outputs/demo/gguf --outtype q8_0
     python scripts/export_gguf.py --model outputs/demo/merged --out outputs/demo/gguf --outtype bf16
     python scripts/export_gguf.py --adapter ADAPTER --out OUT --outtype q4_k_m --ollama-create mymodel
@@ -55,9 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     source.add_argument("--adapter", type=Path, help="an adapter folder written by train.py (OUTPUT_DIR/adapter)")
     source.add_argument("--model", type=Path, help="a merged (or any Hugging Face) checkpoint folder")
     parser.add_argument("--out", type=Path, required=True, help="new folder for the GGUF file and its Modelfile")
-    parser.add_argument("--outtype", default="f16", type=str.lower, choices=[*OUTTYPES, *LLAMA_QUANTIZE_TYPES],
-                        help="f16 (default), bf16, q8_0, f32; a k-quant (q4_k_m...) is written by llama.cpp's "
-                             "quantizer from an f16 file")
+    parser.add_argument("--outtype", type=str.lower, choices=[*OUTTYPES, *LLAMA_QUANTIZE_TYPES],
+                        help="f16, bf16, q8_0, f32; a k-quant (q4_k_m...) is written by llama.cpp's quantizer from "
+                             "an f16 file. Default: the type the run trained through (its export.target), else f16")
     parser.add_argument("--name", help="the model's name in Ollama and in the file name (default: the run's folder)")
     parser.add_argument("--recipe", help="the run's recipe, where the adapter has no training_config.yaml")
     parser.add_argument("--base-weights", default="dequantized", choices=["dequantized", "original"],
@@ -77,7 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: run(args))
 
 
+def trained_for(args: argparse.Namespace) -> str | None:
+    """The type the adapter's run trained through (its export.target), where it has one."""
+    if args.adapter is None:
+        return None
+    from qlora_fsdp.loading.adapter import config_for_adapter
+
+    target = config_for_adapter(args.adapter, args.recipe, args.overrides).export.target
+    return None if target == "none" else target
+
+
+def chosen_outtype(args: argparse.Namespace) -> str:
+    """--outtype, else the run's export.target, else f16; a note where --outtype is not what the run trained for."""
+    target = trained_for(args)
+    if args.outtype is not None and target is not None and args.outtype != target:
+        print(f"note: the adapter was trained through {target} (export.target); writing {args.outtype} keeps less of "
+              "what it learned", flush=True)
+    return args.outtype or target or "f16"
+
+
 def run(args: argparse.Namespace) -> int:
+    args.outtype = chosen_outtype(args)
     outtype = "f16" if args.outtype in LLAMA_QUANTIZE_TYPES else args.outtype
     converter_script()  # installed? (before anything is merged)
     quantizer = find_quantizer() if args.outtype in LLAMA_QUANTIZE_TYPES else None
