@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from qlora_fsdp.gguf_types import ModelShape, tensor_type
 from qlora_fsdp.layers.export_rounding import ThroughExport, exported_weight
-from qlora_fsdp.layers.gguf_rounding import ROUNDINGS, rounded
+from qlora_fsdp.layers.gguf_rounding import TYPES, rounded
 from tests.ggml_quants import libggml, llama_cpp_rounded
 
 TARGETS = ("q4_k_m", "q5_k_m", "q4_0", "q8_0")
@@ -50,7 +50,7 @@ def test_each_type_is_llama_cpps_rounding_on_real_weights(real_model_dir):
             tensors |= {key: stored.get_tensor(key) for key, _ in REAL_TENSORS if key in stored.keys()}
     for key, rows in REAL_TENSORS:
         weight = tensors[key][rows].to(torch.float16).float()  # the converter's f16 file, as llama-quantize reads it
-        for ggml_type in ROUNDINGS:
+        for ggml_type in TYPES:
             w = weight[:, : weight.shape[1] // 256 * 256] if ggml_type.endswith("_K") else weight
             assert torch.equal(rounded(w, ggml_type), llama_cpp_rounded(w, ggml_type)), (key, ggml_type)
 
@@ -73,6 +73,24 @@ def test_the_backward_is_loras_through_the_rounded_weight():
     (F.linear(x2, frozen) + scale * F.linear(F.linear(x2, a2), b2)).backward(grad)
     for ours, lora in ((x.grad, x2.grad), (a.grad, a2.grad), (b.grad, b2.grad)):
         assert relative(ours, lora) < 1e-5
+
+
+def test_the_block_search_is_made_again_once_the_adapter_changes():
+    """The micro-batches of one optimizer step reuse a linear's k-quant block search; an update of A or B (in place,
+    as the optimizer makes it) searches again, so the forward is the uncached rounding of the new merged weight."""
+    from qlora_fsdp.layers.export_rounding import SearchCache
+
+    torch.manual_seed(1)
+    x, base, scale = torch.randn(4, 512), 0.02 * torch.randn(32, 512), 2.0
+    a, b = 0.05 * torch.randn(4, 512), 0.05 * torch.randn(32, 4)
+    cache = SearchCache()
+    for _ in range(2):  # the second call is served by the cache
+        out = ThroughExport.apply(x, a, b, base, None, scale, "q4_K", cache)
+        assert torch.equal(out, F.linear(x, exported_weight(base, scale * (b @ a), "q4_K")))
+    with torch.no_grad():
+        b.add_(0.05 * torch.randn_like(b))
+    out = ThroughExport.apply(x, a, b, base, None, scale, "q4_K", cache)
+    assert torch.equal(out, F.linear(x, exported_weight(base, scale * (b @ a), "q4_K")))
 
 
 def tiny_wide_llama(out: Path, tokenizer) -> Path:

@@ -9,6 +9,11 @@ and B get LoRA's usual gradients, computed from the thin products (x A^T, g B), 
 
 Linears without LoRA (a target list that leaves some out) round their 4-bit base the same way; the embeddings and
 an unquantized head are frozen, so they are rounded once, in place, when the run starts.
+
+A k-quant's block search is the costly part of its rounding, and its result changes only with the adapter: each
+linear keeps its last search's block steps (0.25 bytes a weight: one or two floats a block of 16 or 32) with a copy
+of the A and B it was made for, so the micro-batches of one optimizer step and their checkpointed recomputes search
+once. The rounding itself (a few element-wise passes) runs in every forward.
 """
 
 from __future__ import annotations
@@ -21,13 +26,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qlora_fsdp.layers.gguf_rounding import rounded
+from qlora_fsdp.layers.gguf_rounding import Steps, block_steps, rounded
 
 
-def exported_weight(base: torch.Tensor, delta: torch.Tensor | None, ggml_type: str) -> torch.Tensor:
-    """The merge's weight (fp32 sum, written float16 for the converter) rounded as llama-quantize stores it."""
-    merged = base.float() if delta is None else base.float() + delta
-    return rounded(merged.to(torch.float16).float(), ggml_type)
+class SearchCache:
+    """One linear's last k-quant block search, with the adapter (A, B) it was made for."""
+
+    def __init__(self) -> None:
+        self.made_for: tuple[torch.Tensor, ...] | None = None
+        self.steps: Steps | None = None
+
+    def steps_for(self, merged: torch.Tensor, ggml_type: str, adapter: tuple[torch.Tensor, ...]) -> Steps | None:
+        if self.made_for is None or not all(torch.equal(a, b) for a, b in zip(self.made_for, adapter, strict=True)):
+            self.steps = block_steps(merged, ggml_type)
+            self.made_for = tuple(t.detach().clone() for t in adapter)
+        return self.steps
+
+
+def exported_weight(base: torch.Tensor, delta: torch.Tensor | None, ggml_type: str,
+                    cache: SearchCache | None = None, adapter: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """The merge's weight (fp32 sum, written float16 for the converter) rounded as llama-quantize stores it; with a
+    cache, a k-quant's block search is reused while `adapter` (the tensors `delta` was made from) is unchanged."""
+    merged = (base.float() if delta is None else base.float() + delta).to(torch.float16).float()
+    steps = cache.steps_for(merged, ggml_type, adapter) if cache is not None else None
+    return rounded(merged, ggml_type, steps)
 
 
 class ThroughExport(torch.autograd.Function):
@@ -35,9 +57,10 @@ class ThroughExport(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, base: torch.Tensor,
-                bias: torch.Tensor | None, scale: float, ggml_type: str) -> torch.Tensor:
+                bias: torch.Tensor | None, scale: float, ggml_type: str, cache: SearchCache | None = None
+                ) -> torch.Tensor:
         delta = scale * (lora_b.detach().float() @ lora_a.detach().float())
-        weight = exported_weight(base, delta, ggml_type).to(x.dtype)
+        weight = exported_weight(base, delta, ggml_type, cache, (lora_a, lora_b)).to(x.dtype)
         ctx.save_for_backward(x, lora_a, lora_b, weight)
         ctx.scale = scale
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
@@ -49,7 +72,7 @@ class ThroughExport(torch.autograd.Function):
         g, inputs = grad.reshape(-1, grad.shape[-1]).to(lora_a.dtype), x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
         grad_b = ctx.scale * (g.t() @ (inputs @ lora_a.t())) if ctx.needs_input_grad[2] else None
         grad_a = ctx.scale * ((g @ lora_b).t() @ inputs) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_a, grad_b, None, None, None, None
+        return grad_x, grad_a, grad_b, None, None, None, None, None
 
 
 def dequantized_base(linear4bit: nn.Module) -> torch.Tensor:
@@ -58,32 +81,38 @@ def dequantized_base(linear4bit: nn.Module) -> torch.Tensor:
     return bnbf.dequantize_4bit(linear4bit.weight.data, linear4bit.quant_state)
 
 
-def lora_forward(module: Any, ggml_type: str, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """A PEFT LoRA linear over a Linear4bit, computing with its exported weight."""
+def lora_forward(module: Any, ggml_type: str, caches: tuple[SearchCache, SearchCache], x: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+    """A PEFT LoRA linear over a Linear4bit, computing with its exported weight (its own search cache, and one for
+    the base alone)."""
     (adapter,) = [a for a in module.active_adapters if a in module.lora_A]
     base_layer = module.get_base_layer()
     if module.disable_adapters:  # DPO's reference forward: the base alone, as it would be exported unmerged
-        return frozen_forward(base_layer, ggml_type, x)
+        return frozen_forward(base_layer, ggml_type, caches[1], x)
     return ThroughExport.apply(x, module.lora_A[adapter].weight, module.lora_B[adapter].weight,
-                               dequantized_base(base_layer), base_layer.bias, module.scaling[adapter], ggml_type)
+                               dequantized_base(base_layer), base_layer.bias, module.scaling[adapter], ggml_type,
+                               caches[0])
 
 
-def frozen_forward(linear4bit: nn.Module, ggml_type: str, x: torch.Tensor, *args: Any, **kwargs: Any
-                   ) -> torch.Tensor:
-    """A Linear4bit without LoRA, with its exported weight (frozen: only the input gets a gradient)."""
+def frozen_forward(linear4bit: nn.Module, ggml_type: str, cache: SearchCache, x: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> torch.Tensor:
+    """A Linear4bit without LoRA, with its exported weight (frozen: only the input gets a gradient; its block search
+    made once)."""
     with torch.no_grad():
-        weight = exported_weight(dequantized_base(linear4bit), None, ggml_type).to(x.dtype)
+        weight = exported_weight(dequantized_base(linear4bit), None, ggml_type, cache).to(x.dtype)
     bias = linear4bit.bias
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
 def install_lora(module: nn.Module, ggml_type: str) -> None:
     """The forward of a LoRA linear (an instance attribute, as layers/fused_lora.py installs its own)."""
-    module.forward = functools.partial(lora_forward, module, ggml_type)  # type: ignore[method-assign]
+    caches = (SearchCache(), SearchCache())
+    module.forward = functools.partial(lora_forward, module, ggml_type, caches)  # type: ignore[method-assign]
 
 
 def install_frozen(linear4bit: nn.Module, ggml_type: str) -> None:
-    linear4bit.forward = functools.partial(frozen_forward, linear4bit, ggml_type)  # type: ignore[method-assign]
+    linear4bit.forward = functools.partial(  # type: ignore[method-assign]
+        frozen_forward, linear4bit, ggml_type, SearchCache())
 
 
 @torch.no_grad()

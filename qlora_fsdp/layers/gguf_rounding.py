@@ -48,22 +48,27 @@ def roundf(x: torch.Tensor) -> torch.Tensor:
 
 
 def ordered_sum(terms: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dimension one element after another, as a C loop adds in float32."""
-    total = terms[..., 0]
-    for index in range(1, terms.shape[-1]):
-        total = total + terms[..., index]
+    """Sum over the elements ([..., elements, blocks]) one after another, as a C loop adds in float32."""
+    total = terms[..., 0, :]
+    for index in range(1, terms.shape[-2]):
+        total = total + terms[..., index, :]
     return total
 
 
-def signed_absmax(x: torch.Tensor) -> torch.Tensor:
+def signed_absmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Each block's value of largest magnitude, the first one where several tie (llama.cpp's `amax < fabsf(v)`)."""
-    return x.gather(-1, x.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    return x.gather(dim, x.abs().argmax(dim=dim, keepdim=True)).squeeze(dim)
 
 
 def blocks_of(w: torch.Tensor, size: int) -> torch.Tensor:
     if w.ndim != 2 or w.shape[1] % size:
         raise ValueError(f"a [rows, n] weight with n a multiple of {size} is needed, got {tuple(w.shape)}")
     return w.float().reshape(-1, size)
+
+
+def elements_first(w: torch.Tensor, size: int) -> torch.Tensor:
+    """Blocks as [elements, blocks]: the in-order sums then add whole contiguous rows."""
+    return blocks_of(w, size).t().contiguous()
 
 
 def q8_0(w: torch.Tensor) -> torch.Tensor:
@@ -104,20 +109,20 @@ def q5_1(w: torch.Tensor) -> torch.Tensor:
 
 def search_scale_and_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float, rdelta: float,
                          nstep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """make_qkx2_quants (squared error) for blocks x [B, n]: the scale and the min (as llama.cpp returns it: minus
+    """make_qkx2_quants (squared error) for blocks x [n, B]: the scale and the min (as llama.cpp returns it: minus
     the offset) of the best of nstep + 1 candidate grids, each fitted by weighted least squares. Each candidate's
     grid starts at the best offset so far, so the candidates run one after another."""
-    offset = torch.minimum(x.amin(dim=-1), torch.zeros(()))
-    high = x.amax(dim=-1)
-    sum_w, sum_x = ordered_sum(weights), ordered_sum(weights * x)
+    offset = torch.minimum(x.amin(dim=0), torch.zeros(()))
+    high = x.amax(dim=0)
+    sum_w, sum_x = ordered_sum(torch.stack([weights, weights * x]))
     flat = high == offset  # llama.cpp: scale 0, min minus the offset
     ones = torch.ones_like(high)
 
     def grid(inverse_scale: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        return nearest_int(inverse_scale.unsqueeze(-1) * (x - start.unsqueeze(-1))).clamp(0, nmax)
+        return nearest_int(inverse_scale * (x - start)).clamp(0, nmax)
 
     def weighted_error(scale: torch.Tensor, start: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-        diff = scale.unsqueeze(-1) * levels + start.unsqueeze(-1) - x
+        diff = scale * levels + start - x
         return ordered_sum(weights * (diff * diff))
 
     inverse = f32(nmax) / torch.where(flat, ones, high - offset)
@@ -126,9 +131,8 @@ def search_scale_and_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin
     for step in range(nstep + 1):
         span = torch.where(flat, ones, high - offset)
         levels = grid((f32(rmin) + f32(rdelta) * step + nmax) / span, offset)
-        sum_l = ordered_sum(weights * levels)
-        sum_l2 = ordered_sum(weights * levels * levels)
-        sum_xl = ordered_sum(weights * levels * x)
+        weighted = weights * levels
+        sum_l, sum_l2, sum_xl = ordered_sum(torch.stack([weighted, weighted * levels, weighted * x]))
         det = sum_w * sum_l2 - sum_l * sum_l
         usable = det > 0
         det = torch.where(usable, det, ones)
@@ -145,43 +149,43 @@ def search_scale_and_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin
     return torch.where(flat, torch.zeros_like(scale), scale), -offset
 
 
-def k_quant_with_min(w: torch.Tensor, nmax: int, rmin: float, nstep: int) -> torch.Tensor:
-    """quantize_row_q4_K_ref (nmax 15) and q5_K (31): super-blocks of 8 blocks of 32, each block's scale and min
-    searched, then both stored as 6-bit multiples of the super-block's float16 d and dmin."""
-    x = blocks_of(w, 32)
-    av_x = torch.sqrt(ordered_sum(x * x) / f32(32)).unsqueeze(-1)
+# q4_K and q5_K: (nmax, rmin, nstep) of their block search
+WITH_MIN = {"q4_K": (15, -1.0, 20), "q5_K": (31, -0.5, 15)}
+
+
+def steps_with_min(w: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_row_q4_K_ref / q5_K's search: super-blocks of 8 blocks of 32, each block's scale and min searched,
+    both then stored as 6-bit multiples of the super-block's float16 d and dmin; each block's step and offset as
+    the dequantizer forms them ([blocks])."""
+    nmax, rmin, nstep = WITH_MIN[ggml_type]
+    x = elements_first(w, 32)
+    av_x = torch.sqrt(ordered_sum(x * x) / f32(32))
     scales, mins = search_scale_and_min(x, av_x + x.abs(), nmax, rmin, 0.1, nstep)
     scales, mins = scales.reshape(-1, QK_K // 32), mins.reshape(-1, QK_K // 32)
     max_scale = scales.amax(dim=-1, keepdim=True).clamp(min=0)
     max_min = mins.amax(dim=-1, keepdim=True).clamp(min=0)
     ls = nearest_int(torch.where(max_scale > 0, f32(63) / max_scale, 0) * scales).clamp(max=63)
     lm = nearest_int(torch.where(max_min > 0, f32(63) / max_min, 0) * mins).clamp(max=63)
-    d = (as_half(max_scale / f32(63)) * ls).reshape(-1, 1)  # each block's step, as the dequantizer forms it
-    dm = (as_half(max_min / f32(63)) * lm).reshape(-1, 1)
-    safe = torch.where(d != 0, d, torch.ones_like(d))
-    q = nearest_int((x + dm) / safe).clamp(0, nmax)
+    return (as_half(max_scale / f32(63)) * ls).reshape(-1), (as_half(max_min / f32(63)) * lm).reshape(-1)
+
+
+def with_min(w: torch.Tensor, ggml_type: str, d: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """q4_K / q5_K values from each block's step and offset: q = nearest((x + dm) / d) in [0, nmax]."""
+    x, d, dm = blocks_of(w, 32), d.unsqueeze(-1), dm.unsqueeze(-1)
+    q = nearest_int((x + dm) / torch.where(d != 0, d, torch.ones_like(d))).clamp(0, WITH_MIN[ggml_type][0])
     return (d * q - dm).reshape(w.shape)
 
 
-def q4_k(w: torch.Tensor) -> torch.Tensor:
-    return k_quant_with_min(w, 15, -1.0, 20)
-
-
-def q5_k(w: torch.Tensor) -> torch.Tensor:
-    return k_quant_with_min(w, 31, -0.5, 15)
-
-
 def symmetric_block_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
-    """make_qx_quants with weights x^2 (rmse_type 1) for blocks x [B, n]: the best of 19 grids around nmax / max."""
-    peak = signed_absmax(x)
+    """make_qx_quants with weights x^2 (rmse_type 1) for blocks x [n, B]: the best of 19 grids around nmax / max."""
+    peak = signed_absmax(x, dim=0)
     safe_peak = torch.where(peak != 0, peak, torch.ones_like(peak))
     tries = torch.tensor([0, *range(-9, 0), *range(1, 10)], dtype=torch.float32)
     first = (f32(-nmax) / safe_peak).unsqueeze(0)
-    inverses = torch.cat([first, -(nmax + f32(0.1) * tries[1:]).unsqueeze(-1) / safe_peak])
-    levels = nearest_int(inverses.unsqueeze(-1) * x).clamp(-nmax, nmax - 1)  # [19, B, n]
+    inverses = torch.cat([first, -(nmax + f32(0.1) * tries[1:]).unsqueeze(-1) / safe_peak])  # [19, B]
+    levels = nearest_int(inverses.unsqueeze(1) * x).clamp(-nmax, nmax - 1)  # [19, n, B]
     weights = x * x
-    sum_lx = ordered_sum(weights * x * levels)
-    sum_l2 = ordered_sum(weights * levels * levels)
+    sum_lx, sum_l2 = ordered_sum(torch.stack([weights * x * levels, weights * levels * levels]))
     scale = torch.where(sum_l2 != 0, sum_lx / torch.where(sum_l2 != 0, sum_l2, torch.ones_like(sum_l2)), 0)[0]
     best = scale * sum_lx[0]
     for step in range(1, len(tries)):  # the first candidate that beats the best so far, in llama.cpp's order
@@ -191,28 +195,49 @@ def symmetric_block_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
     return torch.where(peak.abs() < GROUP_MAX_EPS, torch.zeros_like(scale), scale)
 
 
-def q6_k(w: torch.Tensor) -> torch.Tensor:
-    """quantize_row_q6_K_ref: super-blocks of 16 blocks of 16, each block's signed scale searched, stored as an
-    8-bit multiple of the super-block's float16 d; values in [-32, 31]."""
-    x = blocks_of(w, 16)
-    scales = symmetric_block_scale(x, 32).reshape(-1, QK_K // 16)
+def q6_k_steps(w: torch.Tensor) -> torch.Tensor:
+    """quantize_row_q6_K_ref's search: super-blocks of 16 blocks of 16, each block's signed scale searched, stored
+    as an 8-bit multiple of the super-block's float16 d; each block's step ([blocks])."""
+    scales = symmetric_block_scale(elements_first(w, 16), 32).reshape(-1, QK_K // 16)
     peak = signed_absmax(scales).unsqueeze(-1)
     zero = peak.abs() < GROUP_MAX_EPS
     inverse = f32(-128) / torch.where(zero, torch.ones_like(peak), peak)
     d = as_half(f32(1) / inverse)
     sc = nearest_int(inverse * scales).clamp(max=127)
-    step = torch.where(zero, torch.zeros_like(d), d * sc).reshape(-1, 1)
+    return torch.where(zero, torch.zeros_like(d), d * sc).reshape(-1)
+
+
+def with_q6_k_steps(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """q6_K values from each block's step: q = nearest(x / step) in [-32, 31]."""
+    x, step = blocks_of(w, 16), step.unsqueeze(-1)
     q = nearest_int(x / torch.where(step != 0, step, torch.ones_like(step))).clamp(-32, 31)
     return (step * q).reshape(w.shape)
 
 
-ROUNDINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "q8_0": q8_0, "q4_0": q4_0, "q5_0": q5_0, "q5_1": q5_1, "q4_K": q4_k, "q5_K": q5_k, "q6_K": q6_k,
-}
+SEARCHED = ("q4_K", "q5_K", "q6_K")  # a block search, then a cheap rounding by its result
+SINGLE_PASS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "q8_0": q8_0, "q4_0": q4_0, "q5_0": q5_0, "q5_1": q5_1}
+TYPES = (*SINGLE_PASS, *SEARCHED)
+Steps = tuple[torch.Tensor, ...]
 
 
-def rounded(w: torch.Tensor, ggml_type: str) -> torch.Tensor:
-    """`w` ([rows, n], the GGUF's float16 values) as llama.cpp stores it in `ggml_type`, read back in float32."""
+def block_steps(w: torch.Tensor, ggml_type: str) -> Steps | None:
+    """A k-quant's searched block steps (q4_K, q5_K: step and offset; q6_K: step), the costly part of its rounding;
+    None for the types without a search."""
+    if ggml_type == "q6_K":
+        return (q6_k_steps(w),)
+    if ggml_type in WITH_MIN:
+        return steps_with_min(w, ggml_type)
+    return None
+
+
+def rounded(w: torch.Tensor, ggml_type: str, steps: Steps | None = None) -> torch.Tensor:
+    """`w` ([rows, n], the GGUF's float16 values) as llama.cpp stores it in `ggml_type`, read back in float32; a
+    k-quant's `steps` where they were searched already for this very `w` (block_steps)."""
     if ggml_type in ("f16", "f32"):
         return w.float()
-    return ROUNDINGS[ggml_type](w)
+    if ggml_type in SINGLE_PASS:
+        return SINGLE_PASS[ggml_type](w)
+    steps = steps or block_steps(w, ggml_type)
+    assert steps is not None
+    return with_q6_k_steps(w, *steps) if ggml_type == "q6_K" else with_min(w, ggml_type, *steps)
