@@ -120,27 +120,36 @@ def export_config(model_dir: Path, out: Path, target: str):
 
 def through_export_side(info, model_dir: Path, out: Path, samples: list, adapter: Path | None) -> dict:
     """Each target's held-out loss of the same adapter (B seeded by name, so every world size and target holds the
-    same one); the adapter saved once, from the q4_k_m run."""
+    same one), and for q4_k_m: the loss with the shards offloaded to host memory, and one training step's LoRA
+    gradients (training's loss, every layer checkpointed); the adapter saved once, from the q4_k_m run."""
     from qlora_fsdp.config.loader import to_yaml
     from qlora_fsdp.data.batching import collate
     from qlora_fsdp.distributed import all_reduce_sums
     from qlora_fsdp.loading.adapter import export_adapter
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.losses.forward import ForwardLoss
+    from tests.helpers import full_grads
     from tests.test_families import nonzero_lora_b, summed
 
     n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
-    mine = samples[info.rank :: info.world_size]
-    losses = {}
-    for target in (*TARGETS, "none"):
-        cfg = export_config(model_dir, out / target, target)
+    mine = collate(samples[info.rank :: info.world_size], 0)
+    result: dict = {}
+    for target in (*TARGETS, "none", "offloaded"):
+        cfg = export_config(model_dir, out / target, "q4_k_m" if target == "offloaded" else target)
+        cfg.fsdp.cpu_offload = target == "offloaded"
         model = build_model(cfg, info)
         nonzero_lora_b(model)
-        (losses[target],) = all_reduce_sums([summed(model, collate(mine, 0), info)], info.device)
-        losses[target] /= n_targets
-        if adapter is not None and target == "q4_k_m":  # its training_config.yaml names the target
+        (loss,) = all_reduce_sums([summed(model, mine, info)], info.device)
+        result[target] = loss / n_targets
+        if target != "q4_k_m":
+            continue
+        assert cfg.activation_checkpointing.mode == "every_layer"
+        (ForwardLoss.for_config(cfg, info.device)(model, mine, info.device) / n_targets).backward()
+        result["grads"] = full_grads(model)
+        if adapter is not None:  # its training_config.yaml names the target
             export_adapter(model, load_tokenizer(cfg), adapter, str(model_dir), info.is_main, to_yaml(cfg))
-    return losses
+    return result
 
 
 def gguf_files(adapter: Path, work: Path) -> dict[str, Path]:
@@ -222,7 +231,12 @@ def test_training_computes_with_the_gguf_llama_cpp_writes(sp_tokenizer, tmp_path
     two = run_ranks(through_export_side, 2, model_dir, tmp_path / "two", samples, adapter, tmp_dir=tmp_path)[0]
     files = gguf_files(adapter, tmp_path / "gguf")
     shape = ModelShape(n_layers=4, tied_head=False)
-    print(json.dumps({"ours ws1": one, "ours ws2": two}))
+    print(json.dumps({name: {k: v for k, v in run.items() if k != "grads"} for name, run in (("ws1", one),
+                                                                                            ("ws2", two))}))
+    assert two["offloaded"] == pytest.approx(two["q4_k_m"], rel=1e-6)
+    assert one["grads"].keys() == two["grads"].keys() and len(one["grads"]) == 4 * 7 * 2  # A and B, 7 linears
+    for name, grad in one["grads"].items():  # one step's gradients through the rounding: the same on two ranks
+        assert grad.abs().sum() > 0 and relative(two["grads"][name], grad) < 1e-5, name
     for target, file in files.items():
         reference = transformers_loss(file, samples)
         print(f"{target}: transformers on llama.cpp's file {reference:.7f}")

@@ -24,7 +24,6 @@ from typing import Any
 import bitsandbytes.functional as bnbf
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from qlora_fsdp.layers.gguf_rounding import Steps, block_steps, rounded
 
@@ -75,7 +74,7 @@ class ThroughExport(torch.autograd.Function):
         return grad_x, grad_a, grad_b, None, None, None, None, None
 
 
-def dequantized_base(linear4bit: nn.Module) -> torch.Tensor:
+def dequantized_base(linear4bit: Any) -> torch.Tensor:
     """The 4-bit base's weight as the 4-bit model computes with it (and the merge writes it)."""
     # the module keeps the whole weight's state (loading/fill.py): FSDP2's gathered weight is a plain Parameter
     return bnbf.dequantize_4bit(linear4bit.weight.data, linear4bit.quant_state)
@@ -94,7 +93,7 @@ def lora_forward(module: Any, ggml_type: str, caches: tuple[SearchCache, SearchC
                                caches[0])
 
 
-def frozen_forward(linear4bit: nn.Module, ggml_type: str, cache: SearchCache, x: torch.Tensor, *args: Any,
+def frozen_forward(linear4bit: Any, ggml_type: str, cache: SearchCache, x: torch.Tensor, *args: Any,
                    **kwargs: Any) -> torch.Tensor:
     """A Linear4bit without LoRA, with its exported weight (frozen: only the input gets a gradient; its block search
     made once)."""
@@ -104,15 +103,14 @@ def frozen_forward(linear4bit: nn.Module, ggml_type: str, cache: SearchCache, x:
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
-def install_lora(module: nn.Module, ggml_type: str) -> None:
+def install_lora(module: Any, ggml_type: str) -> None:
     """The forward of a LoRA linear (an instance attribute, as layers/fused_lora.py installs its own)."""
     caches = (SearchCache(), SearchCache())
-    module.forward = functools.partial(lora_forward, module, ggml_type, caches)  # type: ignore[method-assign]
+    module.forward = functools.partial(lora_forward, module, ggml_type, caches)
 
 
-def install_frozen(linear4bit: nn.Module, ggml_type: str) -> None:
-    linear4bit.forward = functools.partial(  # type: ignore[method-assign]
-        frozen_forward, linear4bit, ggml_type, SearchCache())
+def install_frozen(linear4bit: Any, ggml_type: str) -> None:
+    linear4bit.forward = functools.partial(frozen_forward, linear4bit, ggml_type, SearchCache())
 
 
 @torch.no_grad()

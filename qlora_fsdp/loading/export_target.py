@@ -4,9 +4,10 @@ weight at the type llama-quantize picks for it (gguf_types.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import bitsandbytes as bnb
 import peft
-from torch import nn
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ConfigError
@@ -18,7 +19,7 @@ from qlora_fsdp.loading.names import weight_key
 LoraLinear = peft.tuners.lora.LoraLayer
 
 
-def model_shape(model: nn.Module) -> ModelShape:
+def model_shape(model: Any) -> ModelShape:
     config = model.config.get_text_config()
     n_layers, heads = config.num_hidden_layers, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -27,7 +28,7 @@ def model_shape(model: nn.Module) -> ModelShape:
     return ModelShape(n_layers, bool(getattr(config, "tie_word_embeddings", False)), llama_70b)
 
 
-def train_through_export(model: nn.Module, cfg: Config) -> dict[str, str]:
+def train_through_export(model: Any, cfg: Config) -> dict[str, str]:
     """Install the exported weights' forward on every 4-bit linear and round the embeddings and an unquantized
     head in place; the GGUF type of each weight, by its checkpoint key."""
     target = cfg.export.target
@@ -56,7 +57,7 @@ def train_through_export(model: nn.Module, cfg: Config) -> dict[str, str]:
     return types
 
 
-def unique_frozen(model: nn.Module) -> list[nn.Module]:
+def unique_frozen(model: Any) -> list[Any]:
     """The input embeddings, and the head where it is an unquantized matrix of its own (not tied to them)."""
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     frozen = [embeddings]
