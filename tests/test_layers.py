@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qlora_fsdp"
 BASE = {"errors", "labels", "dtypes", "optimizer_registry", "distributed", "config", "precision", "families", "agents",
-        "torch_versions"}
+        "torch_versions", "gguf_types"}
 MODEL = {"layers", "vision", "losses", "loading"}
 # what each part of the package may import (besides itself)
 ALLOWED = {
@@ -17,6 +17,7 @@ ALLOWED = {
     "precision": {"config", "dtypes", "errors", "optimizer_registry"},
     "families": {"errors"},  # what differs between model families, asked by everything above
     "torch_versions": {"errors"},  # the torch releases run on, and an older one's missing fixes patched in
+    "gguf_types": {"errors"},  # which llama.cpp type each exported weight gets (export.target)
     "agents": {"errors", "config"},  # GRPO's tools and environments: user code, found, run and read back
     # never the model's packages (data and model do not know each other), nor agents/: GRPO's tools reach the
     # prompts through the caller (objectives/tool_templates.py)

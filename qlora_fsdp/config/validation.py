@@ -63,11 +63,16 @@ def validate(config: Config) -> Config:
     _validate_checkpointing(config)
     _validate_context_parallel(config)
     _validate_export(config)
+    _validate_cadence(config)
+    return config
+
+
+def _validate_cadence(config: Config) -> None:
+    """How often a run logs and saves."""
     if config.train.log_every < 1:
         raise ConfigError(f"'train.log_every' must be 1 (every step) or more, got {config.train.log_every}")
     if config.train.save_every < 0:
         raise ConfigError(f"'train.save_every' must be 0 (only at the end) or more, got {config.train.save_every}")
-    return config
 
 
 def _validate_init(config: Config) -> None:
