@@ -254,7 +254,7 @@ def test_studio_in_a_browser(tmp_path, short_real_model_dir):
         command = page.wait_text("#command", f"train.output_dir={run_dir}")
         assert f"train.max_steps={STEPS}" in command and "train.eval_every=0" in command
         page.wait(lambda: not page.text("#recipe-error"), 30, "no error")
-        page.wait_text("#config-yaml", f"max_steps: {STEPS}")
+        page.wait_text("#config-yaml", f"max_steps: {STEPS}", seconds=150)  # a loaded CI machine once took over 60 s
         page.shot("recipe")
         page.tab("Plan")
         page.wait_text("#plan-status", "FITS", 120)
