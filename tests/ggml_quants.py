@@ -1,6 +1,6 @@
 """llama.cpp's own quantizer and dequantizer for the tests, through ctypes: `ggml_quantize_chunk` (what llama-quantize
 calls for every tensor; no importance matrix) and `dequantize_row_*` of the libggml-base that `make llama-quantize`
-installs. The reference qlora_fsdp/layers/gguf_rounding.py is held to."""
+installs. The reference qlora_fsdp/gguf_target/quantizers.py is held to."""
 
 from __future__ import annotations
 

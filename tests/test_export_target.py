@@ -5,7 +5,7 @@
 - end to end, on a tiny llama with rows of 256 and 512 (so q4_K, q5_K and q6_K apply, not only their fallbacks):
   the held-out loss our model computes with export.target at world sizes 1 and 2 equals transformers' on the GGUF
   that qlora-export writes from the same adapter and llama-quantize quantizes (read back by transformers), for each
-  target; and each tensor's type in those files is the one training chose (qlora_fsdp/gguf_types.py).
+  target; and each tensor's type in those files is the one training chose (qlora_fsdp/gguf_target/tensor_types.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qlora_fsdp.gguf_types import ModelShape, tensor_type
-from qlora_fsdp.layers.export_rounding import ThroughExport, exported_weight
-from qlora_fsdp.layers.gguf_rounding import TYPES, rounded
+from qlora_fsdp.gguf_target.quantizers import TYPES, rounded
+from qlora_fsdp.gguf_target.tensor_types import ModelShape, tensor_type
+from qlora_fsdp.gguf_target.through_export import ThroughExport, exported_weight
 from tests.ggml_quants import libggml, llama_cpp_rounded
 
 TARGETS = ("q4_k_m", "q5_k_m", "q4_0", "q8_0")
@@ -78,7 +78,7 @@ def test_the_backward_is_loras_through_the_rounded_weight():
 def test_the_block_search_is_made_again_once_the_adapter_changes():
     """The micro-batches of one optimizer step reuse a linear's k-quant block search; an update of A or B (in place,
     as the optimizer makes it) searches again, so the forward is the uncached rounding of the new merged weight."""
-    from qlora_fsdp.layers.export_rounding import SearchCache
+    from qlora_fsdp.gguf_target.through_export import SearchCache
 
     torch.manual_seed(1)
     x, base, scale = torch.randn(4, 512), 0.02 * torch.randn(32, 512), 2.0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qlora_fsdp"
 BASE = {"errors", "labels", "dtypes", "optimizer_registry", "distributed", "config", "precision", "families", "agents",
-        "torch_versions", "gguf_types"}
+        "torch_versions"}
 MODEL = {"layers", "vision", "losses", "loading"}
 # what each part of the package may import (besides itself)
 ALLOWED = {
@@ -17,16 +17,17 @@ ALLOWED = {
     "precision": {"config", "dtypes", "errors", "optimizer_registry"},
     "families": {"errors"},  # what differs between model families, asked by everything above
     "torch_versions": {"errors"},  # the torch releases run on, and an older one's missing fixes patched in
-    "gguf_types": {"errors"},  # which llama.cpp type each exported weight gets (export.target)
     "agents": {"errors", "config"},  # GRPO's tools and environments: user code, found, run and read back
     # never the model's packages (data and model do not know each other), nor agents/: GRPO's tools reach the
     # prompts through the caller (objectives/tool_templates.py)
     "data": BASE - {"agents"},
     "layers": BASE,  # modules that compute, knowing nothing of files or losses
+    # training through the export: llama.cpp's quantizers in torch, each tensor's type, the rounded forward
+    "gguf_target": BASE,
     "vision": BASE | {"layers"},  # the image side inside the decoder's forward: features at the image tokens
     "losses": BASE | {"layers", "vision"},
     "kernels": BASE | {"layers"},  # Triton kernels and the generation forwards that call them
-    "loading": BASE | {"layers", "vision"},  # checkpoints -> the built, sharded, filled model
+    "loading": BASE | {"layers", "vision", "gguf_target"},  # checkpoints -> the built, sharded, filled model
     "rewards": BASE,  # GRPO's reward functions: the recipe's, found and called (user code, never the model)
     "run": BASE | {"loading"},  # the run described once: the model's folder, batch sizes, known GPUs
     "optimizer": BASE | {"layers"},  # local-shard optimizers, their groups and schedules

@@ -1,6 +1,6 @@
 """`export.target`: the loaded model made to compute with its weights as the exported GGUF will hold them (each
-LoRA linear and 4-bit linear through layers/export_rounding.py, the frozen embeddings and head rounded once), each
-weight at the type llama-quantize picks for it (gguf_types.py)."""
+LoRA linear and 4-bit linear through gguf_target/through_export.py, the frozen embeddings and head rounded once), each
+weight at the type llama-quantize picks for it (gguf_target/tensor_types.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import peft
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.gguf_types import ModelShape, tensor_type
+from qlora_fsdp.gguf_target.tensor_types import ModelShape, tensor_type
+from qlora_fsdp.gguf_target.through_export import install_frozen, install_lora, round_in_place
 from qlora_fsdp.layers.experts4bit import Experts4bit
-from qlora_fsdp.layers.export_rounding import install_frozen, install_lora, round_in_place
 from qlora_fsdp.loading.names import weight_key
 
 LoraLinear = peft.tuners.lora.LoraLayer

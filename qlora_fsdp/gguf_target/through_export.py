@@ -3,7 +3,7 @@
 What llama.cpp will run is the merged weight W + s B A (W the dequantized 4-bit base, as the merge writes it), stored
 in float16 by the converter, then rounded by llama-quantize to the type it picks for that tensor. Without this, the
 adapter's update is smaller than a q4_K step in many blocks and the rounding erases part of the fine-tune. Here the
-forward multiplies by exactly that rounded weight (layers/gguf_rounding.py, equal to llama.cpp's quantizer), and the
+forward multiplies by exactly that rounded weight (gguf_target/quantizers.py, equal to llama.cpp's quantizer), and the
 backward treats the rounding as the identity (straight-through): the input's gradient is the rounded weight's, and A
 and B get LoRA's usual gradients, computed from the thin products (x A^T, g B), never from a full-size gradient.
 
@@ -25,7 +25,7 @@ import bitsandbytes.functional as bnbf
 import torch
 import torch.nn.functional as F
 
-from qlora_fsdp.layers.gguf_rounding import Steps, block_steps, rounded
+from qlora_fsdp.gguf_target.quantizers import Steps, block_steps, rounded
 
 
 class SearchCache:
