@@ -2,7 +2,7 @@
 of `make llama-quantize`, through ctypes): each sample in one batch with logits at every position, its memory cleared
 between samples. Run as a subprocess, so that llama.cpp's log and any crash stay out of the caller:
 
-    python -m benchmarks.llama_cpp_nll LIB_DIR FILE.gguf SAMPLES.json    # prints {"nll": ..., "tokens": ...}
+    python -m benchmarks.llama_cpp_nll LIB_DIR FILE.gguf SAMPLES.json [LORA.gguf]   # {"nll": ..., "tokens": ...}
 
 SAMPLES.json: a list of {"input_ids": [...], "labels": [...]} (labels -100 where not a target), as training encodes
 them, so llama.cpp sees the very token ids training saw (no tokenizer of its own in between).
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from qlora_fsdp.tools.llama_quantize import library_file, load_llama
-from tests.llama_cpp_run import Batch, declare
+from tests.llama_cpp_run import Batch, apply_lora, declare
 
 
 def declare_batches(llama: C.CDLL) -> None:
@@ -48,7 +48,7 @@ def log_softmax_at(logits: np.ndarray, token: int) -> float:
     return float(logits[token]) - peak - math.log(float(np.exp(logits.astype(np.float64) - peak).sum()))
 
 
-def nll(lib_dir: Path, gguf: Path, samples: list[dict]) -> dict:
+def nll(lib_dir: Path, gguf: Path, samples: list[dict], lora: Path | None = None) -> dict:
     ggml = C.CDLL(str(library_file(lib_dir, "libggml")), mode=C.RTLD_GLOBAL)
     ggml.ggml_backend_load_all_from_path.argtypes = [C.c_char_p]
     ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
@@ -60,6 +60,7 @@ def nll(lib_dir: Path, gguf: Path, samples: list[dict]) -> dict:
     assert model, f"llama.cpp could not load {gguf}"
     context = llama.llama_init_from_model(model, llama.llama_context_default_params())
     llama.llama_set_n_threads(context, 2, 2)
+    apply_lora(llama, model, context, lora)
     n_vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))
     longest = max(len(sample["input_ids"]) for sample in samples)
     batch = llama.llama_batch_init(longest, 0, 1)
@@ -79,5 +80,6 @@ def nll(lib_dir: Path, gguf: Path, samples: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    lib, file, samples_file = sys.argv[1:]
-    print(json.dumps(nll(Path(lib), Path(file), json.loads(Path(samples_file).read_text()))))
+    lib, file, samples_file, *lora_file = sys.argv[1:]
+    print(json.dumps(nll(Path(lib), Path(file), json.loads(Path(samples_file).read_text()),
+                         Path(lora_file[0]) if lora_file else None)))

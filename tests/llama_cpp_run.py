@@ -1,7 +1,8 @@
 """llama.cpp itself running a GGUF, for the tests: its library (qlora_fsdp/tools/llama_quantize.py's load_llama:
 `make llama-quantize`'s prebuilt build) loads the file, tokenizes with the file's own tokenizer and generates greedily,
-through ctypes. Run as a subprocess (`python -m tests.llama_cpp_run LIB GGUF PROMPT N`, JSON on stdout), so that
-llama.cpp's log and any crash stay out of the test process.
+through ctypes. Run as a subprocess (`python -m tests.llama_cpp_run LIB GGUF PROMPT N [LORA.gguf]`, JSON on stdout),
+so that llama.cpp's log and any crash stay out of the test process. A LoRA GGUF is applied at scale 1 as
+`llama-cli --lora` applies it (llama_adapter_lora_init, llama_set_adapters_lora).
 
 What is used of llama.h: the model and context are made with llama.cpp's own default params (structs returned by
 value into buffers larger than any release's, passed back by value as the last argument: only their head is read);
@@ -39,12 +40,24 @@ def declare(llama: C.CDLL) -> None:
         "llama_batch_get_one": ([C.POINTER(i32), i32], Batch), "llama_decode": ([ptr, Batch], i32),
         "llama_get_logits_ith": ([ptr, i32], C.POINTER(C.c_float)),
         "llama_set_n_threads": ([ptr, i32, i32], None),
+        "llama_adapter_lora_init": ([ptr, C.c_char_p], ptr),
+        "llama_set_adapters_lora": ([ptr, C.POINTER(ptr), C.c_size_t, C.POINTER(C.c_float)], i32),
     }
     for name, (args, result) in signatures.items():
         getattr(llama, name).argtypes, getattr(llama, name).restype = args, result
 
 
-def run(lib_dir: Path, gguf: Path, prompt: str, new_tokens: int, threads: int = 1) -> dict:
+def apply_lora(llama: C.CDLL, model: int, context: int, lora: Path | None) -> None:
+    """The LoRA GGUF on the context at scale 1 (nothing where `lora` is None)."""
+    if lora is None:
+        return
+    adapter = llama.llama_adapter_lora_init(model, str(lora).encode())
+    assert adapter, f"llama.cpp could not load the LoRA {lora}"
+    adapters, scales = (C.c_void_p * 1)(adapter), (C.c_float * 1)(1.0)
+    assert llama.llama_set_adapters_lora(context, adapters, 1, scales) == 0, "llama_set_adapters_lora failed"
+
+
+def run(lib_dir: Path, gguf: Path, prompt: str, new_tokens: int, threads: int = 1, lora: Path | None = None) -> dict:
     """The file's tokens for `prompt` (special tokens parsed, no BOS added: a chat template writes its own), the
     logits after it, and `new_tokens` greedy tokens."""
     ggml = C.CDLL(str(library_file(lib_dir, "libggml")), mode=C.RTLD_GLOBAL)
@@ -57,6 +70,7 @@ def run(lib_dir: Path, gguf: Path, prompt: str, new_tokens: int, threads: int = 
     assert model, f"llama.cpp could not load {gguf}"
     context = llama.llama_init_from_model(model, llama.llama_context_default_params())
     llama.llama_set_n_threads(context, threads, threads)  # ggml's threads spin: no more than the cores to spare
+    apply_lora(llama, model, context, lora)
     vocab = llama.llama_model_get_vocab(model)
     n_vocab, text = llama.llama_vocab_n_tokens(vocab), prompt.encode()
     ids = (C.c_int32 * (len(text) + 8))()
@@ -75,5 +89,5 @@ def run(lib_dir: Path, gguf: Path, prompt: str, new_tokens: int, threads: int = 
 
 
 if __name__ == "__main__":
-    lib, file, prompt_text, n = sys.argv[1:]
-    print(json.dumps(run(Path(lib), Path(file), prompt_text, int(n))))
+    lib, file, prompt_text, n, *lora_file = sys.argv[1:]
+    print(json.dumps(run(Path(lib), Path(file), prompt_text, int(n), lora=Path(lora_file[0]) if lora_file else None)))

@@ -216,6 +216,40 @@ def transformers_loss(file: Path, samples: list) -> float:
     return total / n_targets
 
 
+def lora_gguf_runs_as_its_merge(adapter: Path, model_dir: Path, work: Path) -> None:
+    """qlora-export --lora-only: llama.cpp running the original base's f32 GGUF with the LoRA GGUF gives the logits
+    of the adapter merged into that base (f32); over the base's q4_k_m it loads, runs and moves the logits toward the
+    merge; the Modelfile is FROM the base, with the file as its ADAPTER."""
+    from qlora_fsdp.commands.export import main as export_main
+    from qlora_fsdp.tools.llama_quantize import find_quantizer, quantize
+    from tests.test_gguf_export import run_in_llama_cpp
+
+    quantizer = find_quantizer()
+    assert quantizer is not None
+    assert export_main(["--model", str(model_dir), "--out", str(work / "base"), "--name", "b", "--outtype", "f32"]) == 0
+    assert export_main(["--adapter", str(adapter), "--out", str(work / "merged"), "--name", "m", "--outtype", "f32",
+                        "--base-weights", "original"]) == 0
+    base = work / "base" / "b-F32.gguf"
+    quantize(quantizer, base, work / "b-Q4_K_M.gguf", "q4_k_m")
+    assert export_main(["--adapter", str(adapter), "--out", str(work / "lora"), "--name", "m", "--lora-only",
+                        "--base-gguf", str(work / "b-Q4_K_M.gguf")]) == 0
+    lora = work / "lora" / "m-lora-F32.gguf"
+    assert (work / "lora" / "Modelfile").read_text().startswith(
+        f"FROM {(work / 'b-Q4_K_M.gguf').resolve()}\nADAPTER ./m-lora-F32.gguf\n")
+    prompt = "the quick brown fox"
+
+    def logits(gguf: Path, with_lora: Path | None = None) -> torch.Tensor:
+        return torch.tensor(run_in_llama_cpp(quantizer, gguf, prompt, with_lora)["logits"])
+
+    merged, plain, with_adapter = logits(work / "merged" / "m-F32.gguf"), logits(base), logits(base, lora)
+    gap = (merged - with_adapter).abs().max()
+    print(f"LoRA GGUF over the f32 base vs the merge: max |logit difference| {gap:.2e}, the adapter moves them "
+          f"{(merged - plain).abs().max():.2e}")
+    assert gap < 1e-3 and (merged - plain).abs().max() > 100 * gap
+    quantized, quantized_with = logits(work / "b-Q4_K_M.gguf"), logits(work / "b-Q4_K_M.gguf", lora)
+    assert relative(quantized_with, merged) < 0.5 * relative(quantized, merged)
+
+
 @pytest.mark.slow
 def test_training_computes_with_the_gguf_llama_cpp_writes(sp_tokenizer, tmp_path):
     from qlora_fsdp.tools.llama_quantize import find_quantizer
@@ -249,6 +283,7 @@ def test_training_computes_with_the_gguf_llama_cpp_writes(sp_tokenizer, tmp_path
         if target == "q4_k_m":  # the mix: q6_K where llama.cpp keeps more bits, q4_K elsewhere
             assert stored["model.layers.2.mlp.down_proj"] == "Q6_K" and stored["model.layers.1.mlp.down_proj"] == "Q4_K"
             assert stored["lm_head"] == "Q6_K"
+    lora_gguf_runs_as_its_merge(adapter, model_dir, tmp_path / "lora")
 
 
 def test_what_training_through_the_export_cannot_do_is_refused_in_one_line():
@@ -284,3 +319,67 @@ def test_what_training_through_the_export_cannot_do_is_refused_in_one_line():
     assert tensor_type("q4_k_m", "model.layers.1.mlp.down_proj", 1536, shape) == "q6_K"  # the last eighth
     assert tensor_type("q4_k_m", "model.layers.0.mlp.down_proj", 1536, shape) == "q4_K"
     assert tensor_type("q4_k_m", "model.layers.1.mlp.gate_proj", 576, shape) == "q5_0"  # q4_K's fallback
+
+
+def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[int, ...]]) -> Path:
+    """A GGUF holding zero tensors of the given (torch-order) shapes."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, arch)
+    for name, shape in tensors.items():
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_lora_gguf_refuses_what_it_cannot_carry(tmp_path, capsys):
+    """--lora-only: the file's alpha is PEFT's scaling times r (rsLoRA kept); DoRA, a tensor trained in full and
+    per-module ranks refused; a --base-gguf that is not the adapter's base refused in one line; the flags that do
+    not go together."""
+    from safetensors.torch import save_file
+
+    from qlora_fsdp.commands.export import main as export_main
+    from qlora_fsdp.tools.gguf_export import GgufExportError
+    from qlora_fsdp.tools.lora_gguf import check_base_gguf, lora_pairs
+
+    module = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {f"{module}.lora_A.weight": torch.ones(4, 8), f"{module}.lora_B.weight": torch.ones(6, 4)}
+
+    def adapter(name: str, config: dict, extra: dict | None = None) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, **config}))
+        save_file({**tensors, **(extra or {})}, folder / "adapter_model.safetensors")
+        return folder
+
+    rslora = lora_pairs(adapter("rslora", {"use_rslora": True}))
+    assert rslora.alpha == pytest.approx(16.0)  # llama.cpp's alpha / r = 8 / sqrt(4), PEFT's scaling
+    assert sorted(rslora.pairs) == ["model.layers.0.self_attn.q_proj.weight.lora_a",
+                                    "model.layers.0.self_attn.q_proj.weight.lora_b"]
+    assert lora_pairs(adapter("plain", {})).alpha == pytest.approx(8.0)
+    for name, config, extra, message in (
+            ("dora", {"use_dora": True}, None, "DoRA's magnitudes"),
+            ("full", {}, {"base_model.model.lm_head.weight": torch.ones(6, 8)}, "'base_model.model.lm_head.weight'"),
+            ("pattern", {"rank_pattern": {"q_proj": 2}}, None, "rank_pattern")):
+        with pytest.raises(GgufExportError, match=message):
+            lora_pairs(adapter(name, config, extra))
+    lora = write_gguf(tmp_path / "lora.gguf", "llama", {"blk.0.attn_q.weight.lora_a": (4, 8),
+                                                        "blk.0.attn_q.weight.lora_b": (6, 4)})
+    check_base_gguf(write_gguf(tmp_path / "base.gguf", "llama", {"blk.0.attn_q.weight": (6, 8)}), lora)
+    for name, arch, shape, message in (("narrow", "llama", {"blk.0.attn_q.weight": (6, 4)}, r"\[8, 6\].*\[4, 6\]"),
+                                       ("none", "llama", {"blk.0.attn_k.weight": (6, 8)}, "no such tensor"),
+                                       ("qwen", "qwen2", {"blk.0.attn_q.weight": (6, 8)}, "qwen2 model")):
+        with pytest.raises(GgufExportError, match=message):
+            check_base_gguf(write_gguf(tmp_path / f"{name}.gguf", arch, shape), lora)
+    out = str(tmp_path / "out")
+    for argv, message in ((["--model", str(tmp_path), "--lora-only"], "name it with --adapter"),
+                          (["--adapter", str(tmp_path / "plain"), "--lora-only", "--outtype", "q4_k_m"],
+                           "f32 or f16, not q4_k_m"),
+                          (["--model", str(tmp_path), "--base-gguf", str(lora)], "goes with --lora-only")):
+        assert export_main([*argv, "--out", out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err

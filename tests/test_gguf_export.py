@@ -329,13 +329,15 @@ def llama_quantizer() -> Quantizer:
     return quantizer
 
 
-def run_in_llama_cpp(quantizer: Quantizer, gguf: Path, prompt: str) -> dict:
-    """llama.cpp's own run of the file (tests/llama_cpp_run.py, a subprocess): its tokens for the prompt, the logits
-    after it, 8 greedy tokens; skips where the quantizer is a binary (no library to run with)."""
+def run_in_llama_cpp(quantizer: Quantizer, gguf: Path, prompt: str, lora: Path | None = None) -> dict:
+    """llama.cpp's own run of the file (tests/llama_cpp_run.py, a subprocess), with a LoRA GGUF where given: its
+    tokens for the prompt, the logits after it, 8 greedy tokens; skips where the quantizer is a binary (no library to
+    run with)."""
     if quantizer.lib_dir is None:
         pytest.skip(f"llama.cpp's quantizer is a binary ({quantizer.binary}): no library to run the file with")
-    done = subprocess.run([sys.executable, "-m", "tests.llama_cpp_run", str(quantizer.lib_dir), str(gguf), prompt, "8"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    command = [sys.executable, "-m", "tests.llama_cpp_run", str(quantizer.lib_dir), str(gguf), prompt, "8"]
+    done = subprocess.run(command + ([str(lora)] if lora else []), capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 

