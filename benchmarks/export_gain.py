@@ -12,6 +12,10 @@ targets' negative log-likelihood a token (benchmarks/llama_cpp_nll.py) on the to
 
 The gain of a file type is the base's NLL minus the fine-tune's in that type; its share is that over the gain of the
 untargeted run's merge in float32 in transformers (what the fine-tune learned before any export).
+
+The other route: the untargeted adapter as a LoRA GGUF (qlora-export --lora-only) applied by llama.cpp over the
+base's own files (f16, q8_0, q4_k_m, q4_0, q3_k_m), as one would over a quantized base from the hub. --reuse keeps
+the runs and files an earlier call left in --out (their step times from its results.json) and measures what is new.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ MODULES = ("textwrap", "json", "string", "random", "statistics", "itertools", "f
            "urllib.parse", "email.utils", "gzip", "struct", "array", "weakref", "types", "inspect", "ast",
            "tokenize", "traceback", "warnings", "sqlite3", "socket", "threading", "queue", "subprocess", "platform")
 EXPORTED = ("q8_0", "q4_k_m", "q4_0", "q3_k_m")
+REUSE = False  # --reuse
 TRAIN_RECORDS, HELD_OUT = 400, 40
 
 
@@ -89,6 +94,8 @@ def overrides(model: Path, train: Path, held: Path, steps: int) -> list[str]:
 
 def train(run: Path, settings: list[str], target: str) -> float:
     """One run on two ranks; its seconds a step (the median of the steps after the first)."""
+    if REUSE and (run / "adapter").is_dir():
+        return float(json.loads((run.parent / "results.json").read_text())["step_seconds"][target])
     command = [str(REPO / ".venv" / "bin" / "torchrun"), "--nproc_per_node", "2", str(REPO / "train.py"), "--recipe",
                "tiny_cpu", *settings, f"train.output_dir={run}", "train.overwrite=true", f"export.target={target}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -105,20 +112,30 @@ def export(source: list[str], out: Path, name: str) -> dict[str, Path]:
     from qlora_fsdp.commands.export import main as export_main
     from qlora_fsdp.tools.llama_quantize import find_quantizer, quantize
 
+    f16 = out / "q4_k_m" / f"{name}-F16.gguf"
+    files = {"q4_k_m": out / "q4_k_m" / f"{name}-Q4_K_M.gguf", "q4_0": out / f"{name}-Q4_0.gguf",
+             "q3_k_m": out / f"{name}-Q3_K_M.gguf", "q8_0": out / "q8_0" / f"{name}-Q8_0.gguf", "f16": f16}
+    if REUSE and all(file.is_file() for file in files.values()):
+        return files
     assert export_main([*source, "--out", str(out / "q4_k_m"), "--name", name, "--outtype", "q4_k_m",
                         "--keep-f16", "--keep-merged", "--overwrite"]) == 0
-    f16 = out / "q4_k_m" / f"{name}-F16.gguf"
-    files = {"q4_k_m": out / "q4_k_m" / f"{name}-Q4_K_M.gguf"}
     quantizer = find_quantizer()
     assert quantizer is not None, "make llama-quantize"
     for kind in ("q4_0", "q3_k_m"):
-        files[kind] = out / f"{name}-{kind.upper()}.gguf"
         quantize(quantizer, f16, files[kind], kind)
     merged = out / "q4_k_m" / "merged" if (out / "q4_k_m" / "merged").is_dir() else Path(source[-1])
     assert export_main(["--model", str(merged), "--out", str(out / "q8_0"), "--name", name, "--outtype", "q8_0",
                         "--overwrite"]) == 0
-    files["q8_0"] = out / "q8_0" / f"{name}-Q8_0.gguf"
     return files
+
+
+def lora_gguf(adapter: Path, out: Path) -> Path:
+    """The adapter as a LoRA GGUF (f32), to run over the base's files."""
+    from qlora_fsdp.commands.export import main as export_main
+
+    assert export_main(["--adapter", str(adapter), "--out", str(out), "--name", "ft", "--lora-only",
+                        "--overwrite"]) == 0
+    return out / "ft-lora-F32.gguf"
 
 
 def held_out_samples(model: Path, train_file: Path, held: Path, steps: int, out: Path) -> Path:
@@ -135,11 +152,11 @@ def held_out_samples(model: Path, train_file: Path, held: Path, steps: int, out:
     return path
 
 
-def llama_cpp_nll(gguf: Path, samples: Path) -> float:
+def llama_cpp_nll(gguf: Path, samples: Path, lora: Path | None = None) -> float:
     from qlora_fsdp.tools.llama_quantize import default_lib_dir
 
-    done = subprocess.run([sys.executable, "-m", "benchmarks.llama_cpp_nll", str(default_lib_dir()), str(gguf),
-                           str(samples)], cwd=REPO, capture_output=True, text=True,
+    command = [sys.executable, "-m", "benchmarks.llama_cpp_nll", str(default_lib_dir()), str(gguf), str(samples)]
+    done = subprocess.run(command + ([str(lora)] if lora else []), cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     if done.returncode != 0:
         raise SystemExit(f"llama.cpp failed on {gguf}:\n{done.stderr[-2000:]}")
@@ -178,7 +195,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "export-gain")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--targets", nargs="*", default=["q4_k_m", "q4_0"])
+    parser.add_argument("--reuse", action="store_true", help="keep the runs and files an earlier call left in --out")
     args = parser.parse_args()
+    global REUSE
+    REUSE = args.reuse
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.time()
     train_file, held = write_data(args.out / "data")
@@ -187,6 +207,7 @@ def main() -> int:
     base_files = export(["--model", str(args.model.resolve())], args.out / "base", "base")
     nll = {("base", "fp32"): transformers_nll(args.model, samples)}
     nll |= {("base", kind): llama_cpp_nll(file, samples) for kind, file in base_files.items()}
+    lora: Path | None = None
     step_seconds = {}
     for target in ("none", *args.targets):
         run = args.out / f"run-{target}"
@@ -194,6 +215,10 @@ def main() -> int:
         nll[(target, "fp32")] = transformers_nll(merged_fp32(run / "adapter", run / "merged-fp32"), samples)
         files = export(["--adapter", str(run / "adapter")], run / "gguf", "ft")
         nll |= {(target, kind): llama_cpp_nll(file, samples) for kind, file in files.items()}
+        if target == "none":
+            lora = lora_gguf(run / "adapter", run / "lora-gguf")
+    assert lora is not None
+    nll |= {("lora", kind): llama_cpp_nll(file, samples, lora) for kind, file in base_files.items()}
     reference_gain = nll[("base", "fp32")] - nll[("none", "fp32")]
     print(f"\nheld-out NLL a target token, {len(json.loads(samples.read_text()))} samples; gain = base - fine-tuned; "
           f"share = gain / {reference_gain:.4f} (transformers, untargeted run merged in float32)\n")
@@ -207,6 +232,13 @@ def main() -> int:
             cells.append(f"{nll[(target, kind)]:.4f}, {gain:.4f}, **{gain / reference_gain:.3f}**")
         name = "transformers fp32" if kind == "fp32" else f"llama.cpp {kind}"
         print(f"| {name} | {nll[('base', kind)]:.4f} | " + " | ".join(cells) + " |")
+    print("\nthe untargeted adapter as a LoRA GGUF (f32) over the base's own file, in llama.cpp:\n")
+    print("| base file | base NLL | with the LoRA GGUF: NLL, gain, share |")
+    print("| --- | ---: | ---: |")
+    for kind in ("f16", *EXPORTED):
+        gain = nll[("base", kind)] - nll[("lora", kind)]
+        print(f"| llama.cpp {kind} | {nll[('base', kind)]:.4f} | {nll[('lora', kind)]:.4f}, {gain:.4f}, "
+              f"**{gain / reference_gain:.3f}** |")
     print("\nseconds a step (median, 2 CPU ranks): " + ", ".join(
         f"{target} {seconds:.2f} ({seconds / step_seconds['none']:.2f}x)" for target, seconds in step_seconds.items()))
     print(f"total {time.time() - started:.0f} s")
