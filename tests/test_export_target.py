@@ -40,8 +40,11 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def test_each_type_is_llama_cpps_rounding_on_real_weights(real_model_dir):
+def test_each_type_is_llama_cpps_rounding_on_real_weights(real_model_dir, monkeypatch):
+    """Whole, and in chunks of 3 rows (the last one shorter): what a large weight is rounded in."""
     from safetensors import safe_open
+
+    from qlora_fsdp.gguf_target import quantizers
 
     needs_libggml()
     tensors = {}
@@ -52,7 +55,11 @@ def test_each_type_is_llama_cpps_rounding_on_real_weights(real_model_dir):
         weight = tensors[key][rows].to(torch.float16).float()  # the converter's f16 file, as llama-quantize reads it
         for ggml_type in TYPES:
             w = weight[:, : weight.shape[1] // 256 * 256] if ggml_type.endswith("_K") else weight
-            assert torch.equal(rounded(w, ggml_type), llama_cpp_rounded(w, ggml_type)), (key, ggml_type)
+            expected = llama_cpp_rounded(w, ggml_type)
+            assert torch.equal(rounded(w, ggml_type), expected), (key, ggml_type)
+            monkeypatch.setattr(quantizers, "CHUNK_ELEMENTS", 3 * w.shape[1] + 1)
+            assert w.shape[0] % 3 and torch.equal(rounded(w, ggml_type), expected), (key, ggml_type, "chunks")
+            monkeypatch.undo()
 
 
 def test_the_backward_is_loras_through_the_rounded_weight():

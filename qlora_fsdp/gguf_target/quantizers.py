@@ -10,9 +10,10 @@ its rounding (`nearest_int`: to even; q8_0's `roundf`: away from zero; q4_0's tr
 scales stored in float16. tests/test_export_target.py holds every type to llama.cpp's own library, value for value,
 on real weights.
 
-Rows are the weight's rows (llama.cpp quantizes along the input dimension: blocks of 32, super-blocks of 256).
-Candidate scales that do not depend on each other run at once ([candidates, blocks, elements]); the additions walk
-the elements in order, so a weight costs a few hundred vector operations whatever its size.
+Rows are the weight's rows (llama.cpp quantizes along the input dimension: blocks of 32, super-blocks of 256), so
+a weight is rounded in chunks of whole rows: a search holds several float32 copies of what it searches (q4_K about
+ten), and a chunk bounds them (CHUNK_ELEMENTS) where a whole 8B down projection would need gigabytes. The additions
+walk a block's elements in order, so a chunk costs a few thousand vector operations whatever its size.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 QK_K = 256  # a k-quant's super-block
 GROUP_MAX_EPS = 1e-15  # below this, llama.cpp takes a q6_K block for all zeros
+CHUNK_ELEMENTS = 1 << 24  # rows rounded together: 64 MB a float32 copy
 
 
 def f32(value: float) -> torch.Tensor:
@@ -177,21 +179,25 @@ def with_min(w: torch.Tensor, ggml_type: str, d: torch.Tensor, dm: torch.Tensor)
 
 
 def symmetric_block_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
-    """make_qx_quants with weights x^2 (rmse_type 1) for blocks x [n, B]: the best of 19 grids around nmax / max."""
+    """make_qx_quants with weights x^2 (rmse_type 1) for blocks x [n, B]: the best of 19 grids around nmax / max,
+    tried one after another (all at once would hold 19 copies of the blocks)."""
     peak = signed_absmax(x, dim=0)
     safe_peak = torch.where(peak != 0, peak, torch.ones_like(peak))
-    tries = torch.tensor([0, *range(-9, 0), *range(1, 10)], dtype=torch.float32)
-    first = (f32(-nmax) / safe_peak).unsqueeze(0)
-    inverses = torch.cat([first, -(nmax + f32(0.1) * tries[1:]).unsqueeze(-1) / safe_peak])  # [19, B]
-    levels = nearest_int(inverses.unsqueeze(1) * x).clamp(-nmax, nmax - 1)  # [19, n, B]
     weights = x * x
-    sum_lx, sum_l2 = ordered_sum(torch.stack([weights * x * levels, weights * levels * levels]))
-    scale = torch.where(sum_l2 != 0, sum_lx / torch.where(sum_l2 != 0, sum_l2, torch.ones_like(sum_l2)), 0)[0]
-    best = scale * sum_lx[0]
-    for step in range(1, len(tries)):  # the first candidate that beats the best so far, in llama.cpp's order
-        better = (sum_l2[step] > 0) & (sum_lx[step] * sum_lx[step] > best * sum_l2[step])
-        scale = torch.where(better, sum_lx[step] / torch.where(better, sum_l2[step], 1), scale)
-        best = torch.where(better, scale * sum_lx[step], best)
+
+    def sums(inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        levels = nearest_int(inverse * x).clamp(-nmax, nmax - 1)
+        sum_lx, sum_l2 = ordered_sum(torch.stack([weights * x * levels, weights * levels * levels]))
+        return sum_lx, sum_l2
+
+    sum_lx, sum_l2 = sums(f32(-nmax) / safe_peak)
+    scale = torch.where(sum_l2 != 0, sum_lx / torch.where(sum_l2 != 0, sum_l2, torch.ones_like(sum_l2)), 0)
+    best = scale * sum_lx
+    for tried in (*range(-9, 0), *range(1, 10)):  # the first candidate that beats the best so far, in llama.cpp's order
+        sum_lx, sum_l2 = sums(-(nmax + f32(0.1) * tried) / safe_peak)
+        better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
+        scale = torch.where(better, sum_lx / torch.where(better, sum_l2, 1), scale)
+        best = torch.where(better, scale * sum_lx, best)
     return torch.where(peak.abs() < GROUP_MAX_EPS, torch.zeros_like(scale), scale)
 
 
@@ -221,14 +227,28 @@ TYPES = (*SINGLE_PASS, *SEARCHED)
 Steps = tuple[torch.Tensor, ...]
 
 
+def row_chunks(w: torch.Tensor) -> list[torch.Tensor]:
+    """Whole rows, at most CHUNK_ELEMENTS a chunk (one row where a row is longer)."""
+    return list(w.split(max(1, CHUNK_ELEMENTS // max(1, w.shape[-1]))))
+
+
+def chunk_steps(w: torch.Tensor, ggml_type: str) -> Steps:
+    return (q6_k_steps(w),) if ggml_type == "q6_K" else steps_with_min(w, ggml_type)
+
+
 def block_steps(w: torch.Tensor, ggml_type: str) -> Steps | None:
-    """A k-quant's searched block steps (q4_K, q5_K: step and offset; q6_K: step), the costly part of its rounding;
-    None for the types without a search."""
-    if ggml_type == "q6_K":
-        return (q6_k_steps(w),)
-    if ggml_type in WITH_MIN:
-        return steps_with_min(w, ggml_type)
-    return None
+    """A k-quant's searched block steps (q4_K, q5_K: step and offset; q6_K: step), the costly part of its rounding,
+    searched a chunk of rows at a time; None for the types without a search."""
+    if ggml_type not in SEARCHED:
+        return None
+    searched = [chunk_steps(chunk, ggml_type) for chunk in row_chunks(w)]
+    return tuple(torch.cat(parts) for parts in zip(*searched, strict=True))
+
+
+def rounded_chunk(w: torch.Tensor, ggml_type: str, steps: Steps) -> torch.Tensor:
+    if ggml_type in SINGLE_PASS:
+        return SINGLE_PASS[ggml_type](w)
+    return with_q6_k_steps(w, *steps) if ggml_type == "q6_K" else with_min(w, ggml_type, *steps)
 
 
 def rounded(w: torch.Tensor, ggml_type: str, steps: Steps | None = None) -> torch.Tensor:
@@ -236,8 +256,15 @@ def rounded(w: torch.Tensor, ggml_type: str, steps: Steps | None = None) -> torc
     k-quant's `steps` where they were searched already for this very `w` (block_steps)."""
     if ggml_type in ("f16", "f32"):
         return w.float()
-    if ggml_type in SINGLE_PASS:
-        return SINGLE_PASS[ggml_type](w)
-    steps = steps or block_steps(w, ggml_type)
-    assert steps is not None
-    return with_q6_k_steps(w, *steps) if ggml_type == "q6_K" else with_min(w, ggml_type, *steps)
+    if ggml_type in SEARCHED:
+        steps = steps or block_steps(w, ggml_type)
+        assert steps is not None
+    out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    row, block = 0, 0
+    blocks_a_row = w.shape[-1] // (16 if ggml_type == "q6_K" else 32)
+    for chunk in row_chunks(w):
+        count = chunk.shape[0] * blocks_a_row
+        out[row:row + chunk.shape[0]] = rounded_chunk(chunk, ggml_type, tuple(s[block:block + count]
+                                                                             for s in steps or ()))
+        row, block = row + chunk.shape[0], block + count
+    return out

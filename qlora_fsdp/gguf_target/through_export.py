@@ -24,6 +24,7 @@ from typing import Any
 import bitsandbytes.functional as bnbf
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from qlora_fsdp.gguf_target.quantizers import Steps, block_steps, rounded
 
@@ -36,10 +37,17 @@ class SearchCache:
         self.steps: Steps | None = None
 
     def steps_for(self, merged: torch.Tensor, ggml_type: str, adapter: tuple[torch.Tensor, ...]) -> Steps | None:
-        if self.made_for is None or not all(torch.equal(a, b) for a, b in zip(self.made_for, adapter, strict=True)):
+        if self.made_for is None or self.changed(adapter):
             self.steps = block_steps(merged, ggml_type)
             self.made_for = tuple(t.detach().clone() for t in adapter)
         return self.steps
+
+    def changed(self, adapter: tuple[torch.Tensor, ...]) -> bool:
+        # the planner's fake tensors have no values: within its one measured step the adapter is unchanged, as in
+        # a real step, whose optimizer changes A and B after the last micro-batch
+        if any(is_fake(a) for a in adapter):
+            return False
+        return not all(torch.equal(a, b) for a, b in zip(self.made_for or (), adapter, strict=True))
 
 
 def exported_weight(base: torch.Tensor, delta: torch.Tensor | None, ggml_type: str,

@@ -38,6 +38,7 @@ from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
 from qlora_fsdp.layers.decoder import decoder_layers
 from qlora_fsdp.layers.experts4bit import shaped_quant_state
+from qlora_fsdp.loading.export_target import train_through_export
 from qlora_fsdp.loading.fill import materialize
 from qlora_fsdp.loading.sharding import sharded_meta_model
 from qlora_fsdp.losses.forward import ForwardLoss
@@ -114,6 +115,7 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
     with FakeTensorMode(allow_non_fake_inputs=True):  # meta and real inputs become fake
         materialize(model, DEVICE, DEVICE)
         give_quant_states(model, cfg)
+        train_through_export(model, cfg)  # export.target: the rounding's ops and saved weights, as the run has them
         plan_experts(model)  # routing has no values here: every expert takes its share
         # real: bitsandbytes builds its 8-bit code tables from Python numbers, collate counts the targets
         objective = planned_objective(cfg, planning_forward_loss(cfg))
@@ -314,7 +316,7 @@ def cuts_to(run: tuple[Config, PretrainedConfig], kinds: tuple[Kind, ...]) -> bo
 def step_setting(cfg: Config, hf_config: PretrainedConfig) -> str:
     """What the step's memory depends on; plans that differ elsewhere (a GPU size, the host RAM, the lr) share it."""
     data = cfg.data
-    return repr((hf_config.to_json_string(use_diff=False), cfg.model, cfg.quant, cfg.lora, cfg.fsdp,
+    return repr((hf_config.to_json_string(use_diff=False), cfg.model, cfg.quant, cfg.lora, cfg.fsdp, cfg.export,
                  cfg.activation_checkpointing, cfg.loss, cfg.optim.name, update_rows(cfg), data.context_length,
                  data.packing, min(data.grad_accum_steps, Objective.PLANNED_MICRO_BATCHES), cfg.hardware.world_size,
                  cfg.train.objective, planned_objective(cfg).planned_extra_forwards()))

@@ -103,10 +103,6 @@ def report_text(planned: RecipePlan, levers: list[Lever] | None = None) -> str:
         fixes = plan_levers(planned) if levers is None else levers
         lines += ["changes that make it fit, most throughput kept first:", *[f"  - {f}" for f in fixes]] if fixes \
             else ["no single change makes it fit; combine them, or use more GPUs"]
-    if cfg.export.target != "none":  # the fake step does not round: say so rather than under-price
-        lines.append(f"export.target {cfg.export.target}: its rounding is not in this plan (memory: a float32 copy of "
-                     "the largest linear in the forward, and 0.25 bytes a k-quant weight of cached block steps; time:"
-                     " docs/benchmarks/export.md)")
     if result.step is not None:
         lines += time_lines(cfg, held, result.step)
     return "\n".join(lines)
