@@ -390,3 +390,34 @@ def test_a_lora_gguf_refuses_what_it_cannot_carry(tmp_path, capsys):
         assert export_main([*argv, "--out", out]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_the_planner_prices_a_search_once_a_step(monkeypatch):
+    """On fake tensors the first chunk is searched and the rest priced as its repeats, the whole once an optimizer
+    step (the plan counts the first micro-batch `counted_for` times); a frozen weight's search, once a run, at
+    nothing; the steps held have the whole weight's size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qlora_fsdp.gguf_target import quantizers
+    from qlora_fsdp.gguf_target.through_export import planned_search
+
+    class Markers(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.repeats: list[float] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.qlora_fsdp.tile_work_end.default:
+                self.repeats.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(quantizers, "CHUNK_ELEMENTS", 100 * 256)  # 10 chunks of 100 rows
+    real = quantizers.block_steps(torch.randn(1000, 256), "q4_K")
+    with FakeTensorMode(), Markers() as markers:
+        weight = torch.randn(1000, 256)
+        steps = planned_search(weight, "q4_K", counted_for=4)
+        frozen = planned_search(weight, "q6_K", counted_for=0)
+    assert real is not None and steps is not None and frozen is not None
+    assert [s.shape for s in steps] == [s.shape for s in real] and frozen[0].shape == (1000 * 256 // 16,)
+    assert markers.repeats == [pytest.approx(10 / 4 - 1), -1.0]

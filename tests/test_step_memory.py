@@ -76,7 +76,7 @@ def test_planned_peak_is_the_real_steps(tmp_path):
     """Two scales (benchmarks/planner_memory.py runs larger ones: 36 settings up to 8 layers at 4,096 tokens), the
     loss, checkpointing, both offloads, tiles and DPO's step varied, in bf16 as on a GPU: the planned peak of live
     tensor bytes is within 10% of the real step's (it comes out equal to a few KB: the same code runs, only the
-    values differ).
+    values differ). export.target's rounding too: the planner's fake step rounds as the run does.
     Rows of 256 and 512 tokens: bf16 has no hardware on our CPUs, and the real step is most of the test's time."""
     small = architecture(tmp_path / "small", layers=4, hidden=256, heads=4, kv_heads=2, vocab=8192)
     medium = architecture(tmp_path / "medium", layers=6, hidden=384, heads=6, kv_heads=2, vocab=16384)
@@ -92,6 +92,8 @@ def test_planned_peak_is_the_real_steps(tmp_path):
             "activation_checkpointing.scope=attention"),
         "small, DPO: the reference forward (adapter off, no grad) then the policy's, pair losses": step_config(
             small, 256, 2, "train.objective=dpo", "preference.reference=adapter_off", "loss.chunk_tokens=64"),
+        "small, export.target q4_k_m: each linear's rounded weight, its searches and their temporaries": step_config(
+            small, 256, 2, "loss.chunk_tokens=64", "export.target=q4_k_m", "lora.dropout=0.0"),
         "small, the attention side and the MLP in 64-token tiles": step_config(
             small, 256, 1, "activation_checkpointing.attention_tile_tokens=64",
             "activation_checkpointing.mlp_tile_tokens=64"),

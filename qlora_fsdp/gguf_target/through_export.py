@@ -26,19 +26,24 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from qlora_fsdp.gguf_target.quantizers import Steps, block_steps, rounded
+from qlora_fsdp.gguf_target.quantizers import Steps, block_steps, rounded, row_chunks
+from qlora_fsdp.layers.tiled_mlp import tile_work_begin, tile_work_end
 
 
 class SearchCache:
-    """One linear's last k-quant block search, with the adapter (A, B) it was made for."""
+    """One linear's last k-quant block search, with the adapter (A, B) it was made for. `counted_for`: on the
+    planner's fake tensors, how many micro-batches the plan counts the first one's work for (its search runs once
+    an optimizer step all the same); 0 for a weight that never changes (searched once a run: priced at nothing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, counted_for: int = 1) -> None:
         self.made_for: tuple[torch.Tensor, ...] | None = None
         self.steps: Steps | None = None
+        self.counted_for = counted_for
 
     def steps_for(self, merged: torch.Tensor, ggml_type: str, adapter: tuple[torch.Tensor, ...]) -> Steps | None:
         if self.made_for is None or self.changed(adapter):
-            self.steps = block_steps(merged, ggml_type)
+            self.steps = planned_search(merged, ggml_type, self.counted_for) if is_fake(merged) \
+                else block_steps(merged, ggml_type)
             self.made_for = tuple(t.detach().clone() for t in adapter)
         return self.steps
 
@@ -48,6 +53,20 @@ class SearchCache:
         if any(is_fake(a) for a in adapter):
             return False
         return not all(torch.equal(a, b) for a, b in zip(self.made_for or (), adapter, strict=True))
+
+
+def planned_search(merged: torch.Tensor, ggml_type: str, counted_for: int) -> Steps | None:
+    """block_steps on fake tensors: the first chunk's search run (its temporaries, as every chunk's), the other
+    chunks priced as its repeats (tiled_mlp's markers), the whole counted once a step where the plan counts this
+    micro-batch `counted_for` times; the steps of the whole weight, to be held as the run holds them."""
+    chunks = row_chunks(merged)
+    tile_work_begin(merged)
+    first = block_steps(chunks[0], ggml_type)
+    tile_work_end(merged, len(chunks) / counted_for - 1 if counted_for else -1.0)
+    if first is None:
+        return None
+    per_row = first[0].numel() // chunks[0].shape[0]
+    return tuple(torch.cat([part, part.new_empty(per_row * merged.shape[0] - part.numel())]) for part in first)
 
 
 def exported_weight(base: torch.Tensor, delta: torch.Tensor | None, ggml_type: str,
@@ -111,14 +130,16 @@ def frozen_forward(linear4bit: Any, ggml_type: str, cache: SearchCache, x: torch
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
-def install_lora(module: Any, ggml_type: str) -> None:
-    """The forward of a LoRA linear (an instance attribute, as layers/fused_lora.py installs its own)."""
-    caches = (SearchCache(), SearchCache())
+def install_lora(module: Any, ggml_type: str, counted_for: int = 1) -> None:
+    """The forward of a LoRA linear (an instance attribute, as layers/fused_lora.py installs its own); the cache of
+    the base alone (DPO's reference forward) searches once a run."""
+    caches = (SearchCache(counted_for), SearchCache(0))
     module.forward = functools.partial(lora_forward, module, ggml_type, caches)
 
 
 def install_frozen(linear4bit: Any, ggml_type: str) -> None:
-    linear4bit.forward = functools.partial(frozen_forward, linear4bit, ggml_type, SearchCache())
+    """A linear without LoRA: its weight never changes, so its search runs once a run."""
+    linear4bit.forward = functools.partial(frozen_forward, linear4bit, ggml_type, SearchCache(0))
 
 
 @torch.no_grad()

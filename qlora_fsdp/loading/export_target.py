@@ -28,9 +28,9 @@ def model_shape(model: Any) -> ModelShape:
     return ModelShape(n_layers, bool(getattr(config, "tie_word_embeddings", False)), llama_70b)
 
 
-def train_through_export(model: Any, cfg: Config) -> dict[str, str]:
+def train_through_export(model: Any, cfg: Config, counted_for: int = 1) -> dict[str, str]:
     """Install the exported weights' forward on every 4-bit linear and round the embeddings and an unquantized
-    head in place; the GGUF type of each weight, by its checkpoint key."""
+    head in place; the GGUF type of each weight, by its checkpoint key. `counted_for`: the planner's (SearchCache)."""
     target = cfg.export.target
     if target == "none":
         return {}
@@ -46,7 +46,7 @@ def train_through_export(model: Any, cfg: Config) -> dict[str, str]:
                 raise ConfigError(f"export.target: {weight_key(name)} is a LoRA target that is not a 4-bit linear; "
                                   "set export.target: none")
             types[weight_key(name)] = tensor_type(target, weight_key(name), base.in_features, shape)
-            install_lora(module, types[weight_key(name)])
+            install_lora(module, types[weight_key(name)], counted_for)
         elif isinstance(module, bnb.nn.Linear4bit) and ".base_layer" not in name:
             types[weight_key(name)] = tensor_type(target, weight_key(name), module.in_features, shape)
             install_frozen(module, types[weight_key(name)])

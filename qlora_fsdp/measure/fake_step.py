@@ -86,6 +86,12 @@ def planned_objective(cfg: Config, forward_loss: ForwardLoss | None = None) -> O
     return build_objective(cfg, forward_loss or ForwardLoss())
 
 
+def first_micro_batch_weight(accumulation: int) -> int:
+    """How many micro-batches of a step the first measured one stands for in the plan's time (every one but the
+    last, which syncs the gradients and is measured as the second)."""
+    return accumulation - 1 if min(accumulation, Objective.PLANNED_MICRO_BATCHES) > 1 else 1
+
+
 def update_rows(cfg: Config) -> int:
     """Rows of a micro-batch's forward (GRPO's: num_generations completions of each of its prompts)."""
     return planned_objective(cfg).planned_rows()
@@ -115,7 +121,8 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
     with FakeTensorMode(allow_non_fake_inputs=True):  # meta and real inputs become fake
         materialize(model, DEVICE, DEVICE)
         give_quant_states(model, cfg)
-        train_through_export(model, cfg)  # export.target: the rounding's ops and saved weights, as the run has them
+        # export.target: the rounding's ops and saved weights, as the run has them
+        train_through_export(model, cfg, first_micro_batch_weight(cfg.data.grad_accum_steps))
         plan_experts(model)  # routing has no values here: every expert takes its share
         # real: bitsandbytes builds its 8-bit code tables from Python numbers, collate counts the targets
         objective = planned_objective(cfg, planning_forward_loss(cfg))
@@ -319,7 +326,9 @@ def step_setting(cfg: Config, hf_config: PretrainedConfig) -> str:
     return repr((hf_config.to_json_string(use_diff=False), cfg.model, cfg.quant, cfg.lora, cfg.fsdp, cfg.export,
                  cfg.activation_checkpointing, cfg.loss, cfg.optim.name, update_rows(cfg), data.context_length,
                  data.packing, min(data.grad_accum_steps, Objective.PLANNED_MICRO_BATCHES), cfg.hardware.world_size,
-                 cfg.train.objective, planned_objective(cfg).planned_extra_forwards()))
+                 cfg.train.objective, planned_objective(cfg).planned_extra_forwards(),
+                 # the export's search is priced once a step: its share of the first micro-batch depends on this
+                 data.grad_accum_steps if cfg.export.target != "none" else None))
 
 
 _MEASURED: dict[str, StepMemory] = {}

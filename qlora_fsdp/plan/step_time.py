@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from qlora_fsdp.measure.fake_step import first_micro_batch_weight
 from qlora_fsdp.measure.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
 from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.objectives.base import Objective
@@ -122,7 +123,7 @@ def step_time(step: StepMemory, accumulation: int, gpu: GPU, offload: bool,
     gradients), then the update (on offloaded shards: at `host_memory_gbps`, hardware.host_memory_gbps)."""
     rates = Rates.of(gpu, matmul_efficiency, host_memory_gbps)
     measured = min(accumulation, Objective.PLANNED_MICRO_BATCHES)  # micro-batch `measured` is the update
-    times = {0: accumulation - 1, 1: 1} if measured > 1 else {0: 1}
+    times = {0: first_micro_batch_weight(accumulation), 1: 1} if measured > 1 else {0: 1}
     times[measured] = 1
     total = StepTime()
     for (micro, part), work in step.work.items():
