@@ -386,7 +386,9 @@ def test_a_lora_gguf_refuses_what_it_cannot_carry(tmp_path, capsys):
     for argv, message in ((["--model", str(tmp_path), "--lora-only"], "name it with --adapter"),
                           (["--adapter", str(tmp_path / "plain"), "--lora-only", "--outtype", "q4_k_m"],
                            "f32 or f16, not q4_k_m"),
-                          (["--model", str(tmp_path), "--base-gguf", str(lora)], "goes with --lora-only")):
+                          (["--model", str(tmp_path), "--base-gguf", str(lora)], "goes with --lora-only"),
+                          (["--adapter", str(tmp_path / "plain"), "--lora-only", "--ollama-create", "m"],
+                           "needs --base-gguf")):
         assert export_main([*argv, "--out", out]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err

@@ -149,6 +149,8 @@ def run_lora_only(args: argparse.Namespace) -> int:
     """The adapter as a LoRA GGUF in OUT, and a Modelfile FROM --base-gguf with it as ADAPTER."""
     if args.adapter is None:
         raise GgufExportError("--lora-only writes an adapter: name it with --adapter")
+    if args.ollama_create and args.base_gguf is None:
+        raise GgufExportError("--ollama-create with --lora-only needs --base-gguf: Ollama's ADAPTER goes FROM a base")
     outtype = args.outtype or "f32"
     if outtype not in LORA_OUTTYPES:
         raise GgufExportError(f"--lora-only writes f32 or f16, not {outtype}: the base GGUF it runs over is the "
@@ -169,8 +171,9 @@ def run_lora_only(args: argparse.Namespace) -> int:
         shutil.rmtree(work / "stage")
         if args.base_gguf is not None:
             check_base_gguf(args.base_gguf, work / file)
+            saved_tokenizer = (args.adapter / "tokenizer_config.json").is_file()  # train.py saves it there
             note = write_modelfile(work, str(args.base_gguf.resolve()), config_folder, adapter_file=file,
-                                   tokenizer_folder=args.adapter)
+                                   tokenizer_folder=args.adapter if saved_tokenizer else None)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
