@@ -46,6 +46,9 @@ def test_pyproject_pins_exactly_the_requirements():
 # transformers, and says so in one line when the package is missing): a dev requirement. Triton: CUDA builds of torch
 # ship it (the GPU kernels' home); the CPU build does not, and the tests run the kernels in its interpreter
 DEV_ONLY_IMPORTS = {"gguf", "triton"}
+# imported only by tools/lora_gguf_writer.py, which runs under llama.cpp's converter in a folder of its own
+# (requirements-gguf.txt), never in the package's interpreter
+CONVERTER_IMPORTS = {"conversion"}
 TOOLS = {"pytest", "ruff", "mypy", "trl", "psutil", "pytest-timeout"}
 
 
@@ -68,7 +71,7 @@ def test_runtime_dependencies_are_what_the_package_imports():
     """Every module the package imports comes with a runtime requirement (the test tools do not: they are the `dev`
     extra), and every runtime requirement is imported (torch's CPU build aside, nothing rides along)."""
     runtime = {distribution(line) for line in requirement_lines("requirements.txt")}
-    modules = third_party_imports("qlora_fsdp") - DEV_ONLY_IMPORTS
+    modules = third_party_imports("qlora_fsdp") - DEV_ONLY_IMPORTS - CONVERTER_IMPORTS
     providers = importlib.metadata.packages_distributions()
     needed = {distribution(providers[module][0]) for module in modules}
     assert needed == runtime
