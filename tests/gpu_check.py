@@ -95,6 +95,7 @@ CHECKS = (
     Check("long_rows", 300, cuda_only=False),
     Check("one_gpu_70b_offload", 240, cuda_only=True),
     Check("training_speed", 240, cuda_only=False),
+    Check("export_rounding", 90, cuda_only=False),
     Check("nan_canary", 60, cuda_only=False),
     Check("memory_levers", 200, cuda_only=False),
     Check("packed_attention", 90, cuda_only=False),

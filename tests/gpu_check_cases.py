@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import io
 import json
@@ -824,11 +825,54 @@ def training_speed(ctx: Context) -> list[Row]:
     return measure_training_speed(ctx, arch_dir(ctx, None, ARCH_8B))
 
 
+# ---- export_rounding: export.target's rounding on the device, against the CPU's -------------------------------
+
+def timed_ms(device: torch.device, work: Callable[[], object], repeats: int = 3) -> float:
+    work()  # warm: kernels compiled, the allocator's blocks cut
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        work()
+    synchronize(device)
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
+def export_rounding(ctx: Context) -> list[Row]:
+    """Each llama.cpp type's rounding (gguf_target/quantizers.py) of a 4096 x 4096 weight (448 x 512 on the CPU) on
+    the device, bit for bit against the CPU's, which tests/test_export_target.py holds to llama.cpp's library: CUDA's
+    division and the absence of fused multiply-adds across torch's element-wise kernels decide it. And its
+    milliseconds: the rounding with searched steps (every forward of export.target) and the k-quants' block search
+    (once an optimizer step), beside the bf16 matmul of 8,192 tokens by that weight."""
+    from qlora_fsdp.gguf_target.quantizers import TYPES, block_steps, rounded
+
+    rows, cols = (448, 512) if ctx.small else (4096, 4096)
+    weight = (0.02 * torch.randn(rows, cols)).half().float()  # the converter's f16 values
+    on_device = weight.to(ctx.device)
+    figures: dict[str, Any] = {"shape": [rows, cols]}
+    differing = []
+    for ggml_type in TYPES:
+        steps = block_steps(on_device, ggml_type)
+        equal = torch.equal(rounded(on_device, ggml_type, steps).cpu(), rounded(weight, ggml_type))
+        differing += [] if equal else [ggml_type]
+        rounding = functools.partial(rounded, on_device, ggml_type, steps)
+        search = functools.partial(block_steps, on_device, ggml_type)
+        figures[ggml_type] = {"equal": equal, "round_ms": timed_ms(ctx.device, rounding),
+                              "search_ms": timed_ms(ctx.device, search, 1)}
+    x = torch.randn(8192 if not ctx.small else 256, cols, device=ctx.device, dtype=torch.bfloat16)
+    figures["matmul_ms"] = timed_ms(ctx.device, lambda: x @ on_device.to(torch.bfloat16).t())
+    q4k = figures["q4_K"]
+    result = (f"{len(TYPES) - len(differing)} of {len(TYPES)} types bit-equal to the CPU's"
+              + (f" (differing: {', '.join(differing)})" if differing else "")
+              + f"; q4_K {q4k['round_ms']:.1f} ms a rounding, {q4k['search_ms']:.1f} ms a search, against "
+              f"{figures['matmul_ms']:.2f} ms for the matmul")
+    return [Row("export_rounding", "failed" if differing else "passed", result, figures)]
+
+
 CASES: dict[str, Callable[[Context], list[Row]]] = {
     "nan_canary": nan_canary, "fsdp_real_path": fsdp_real_path, "plan_vs_measured_70b": plan_vs_measured_70b,
     "one_gpu_70b_offload": one_gpu_70b_offload, "memory_levers": memory_levers, "merge_device": merge_device,
     "generate": generate, "packed_attention": packed_attention, "moe_experts": moe_experts, "long_rows": long_rows,
-    "grpo_generation": grpo_generation, "training_speed": training_speed}
+    "grpo_generation": grpo_generation, "training_speed": training_speed, "export_rounding": export_rounding}
 
 
 def environment(device: torch.device) -> dict[str, Any]:

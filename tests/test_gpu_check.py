@@ -59,7 +59,7 @@ def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
         "moe_experts (4-bit, grouped (ours))": "info", "moe_experts (4-bit, grouped matmul)": "info",
         "long_rows (llama3_8b_1x4090_long)": "passed", "long_rows (gpt_oss_20b_1x24gb_long)": "passed",
         "grpo_generation (8 rows, gathered:on:auto)": "info",
-        "grpo_generation (8 rows, gathered:off:auto)": "info", "training_speed": "passed"}
+        "grpo_generation (8 rows, gathered:off:auto)": "info", "training_speed": "passed", "export_rounding": "passed"}
     for check in gpu_check.CHECKS:  # a check added later is in this run too, and runs unless it needs CUDA
         assert check.cuda_only == ("needs a CUDA device" in rows.get(check.name, ("", ""))[0]), check.name
     figures = {c["check"]: c["figures"] for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
@@ -76,6 +76,7 @@ def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
     for recipe in ("llama3_8b_1x4090_long", "gpt_oss_20b_1x24gb_long"):
         assert [row["tokens"] for row in figures[f"long_rows ({recipe})"]["rows"] if row["trained"]] == [256, 512]
     assert figures["moe_experts (4-bit, grouped (ours))"]["tokens_per_s"] > 0
+    assert all(figures["export_rounding"][kind]["equal"] for kind in ("q8_0", "q4_0", "q4_K", "q6_K"))
     assert all(figures[f"grpo_generation (8 rows, gathered:{graphs}:auto)"]["ratio"] > 0 for graphs in ("on", "off"))
     speed = figures["training_speed"]  # both trainers ran the same steps; the plan priced ours
     assert speed["ours_tokens_per_s"] > 0 and speed["trainer_tokens_per_s"] > 0 and speed["plan_tokens_per_s"] > 0
