@@ -141,15 +141,20 @@ class ConverterRun:
     quantize_seconds: float | None = None  # a k-quant: llama.cpp's quantizer's time (None: not quantized)
 
 
+def converter_env() -> dict[str, str]:
+    """The environment a script runs in beside the converter: its folder first on PYTHONPATH (its own `gguf`)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(converter_script().parent),
+                                                                      os.environ.get("PYTHONPATH")]))}
+
+
 def convert(folder: Path, out_file: Path, outtype: str, source: Path, mmproj: bool = False) -> ConverterRun:
     """Run llama.cpp's converter on a (staged) checkpoint folder (`mmproj`: its vision projector file); its failure
     becomes one line naming the source folder and the converter's own reason."""
     script = converter_script()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent),
-                                                                     os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
     command = [sys.executable, str(script), str(folder), "--outtype", outtype, "--outfile", str(out_file)]
-    done = subprocess.run(command + (["--mmproj"] if mmproj else []), env=env, capture_output=True, text=True)
+    done = subprocess.run(command + (["--mmproj"] if mmproj else []), env=converter_env(), capture_output=True,
+                          text=True)
     log = done.stdout + done.stderr
     if done.returncode != 0:
         raise GgufExportError(f"llama.cpp's converter failed on {source}: {converter_reason(log)}")

@@ -10,7 +10,6 @@ tensors trained in full, per-module ranks or alphas.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from safetensors.torch import save_file
 from qlora_fsdp.layers.lora_math import lora_scale
 from qlora_fsdp.loading.adapter import read_adapter
 from qlora_fsdp.loading.names import PEFT_PREFIX
-from qlora_fsdp.tools.gguf_export import ConverterRun, GgufExportError, converter_reason, converter_script
+from qlora_fsdp.tools.gguf_export import ConverterRun, GgufExportError, converter_env, converter_reason
 
 LORA_OUTTYPES = ("f32", "f16")  # a LoRA file is small: no quantized types
 LORA_PARTS = (".lora_A.weight", ".lora_B.weight")
@@ -66,13 +65,10 @@ def write_lora_gguf(adapter_dir: Path, base_folder: Path, out_file: Path, outtyp
     lora = lora_pairs(adapter_dir)
     pairs_file = work / "lora_pairs.safetensors"
     save_file(lora.pairs, pairs_file)
-    script = converter_script()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent),
-                                                                     os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
     command = [sys.executable, str(Path(__file__).with_name("lora_gguf_writer.py")), str(base_folder),
                str(pairs_file), repr(lora.alpha), outtype, str(out_file)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, env=converter_env(), capture_output=True, text=True)
     pairs_file.unlink()
     log = done.stdout + done.stderr
     if done.returncode != 0:
