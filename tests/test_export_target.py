@@ -62,16 +62,23 @@ def test_each_type_is_llama_cpps_rounding_on_real_weights(real_model_dir, monkey
             monkeypatch.undo()
 
 
-def test_the_backward_is_loras_through_the_rounded_weight():
-    """Forward: x times the rounded merged weight, exactly. Backward: the input's gradient through that weight, A's
-    and B's as a LoRA over the frozen base (rounded weight - s B A) gets them."""
+def test_the_backward_is_loras_through_the_rounded_weight(monkeypatch):
+    """Forward: x times the rounded merged weight, exactly (made a chunk of rows at a time, equal to the whole
+    merge rounded). Backward: the input's gradient through that weight, A's and B's as a LoRA over the frozen base
+    (rounded weight - s B A) gets them."""
+    from qlora_fsdp.gguf_target import quantizers
+
     torch.manual_seed(0)
     x = torch.randn(3, 5, 256, requires_grad=True)
     a, b = (0.05 * torch.randn(4, 256)).requires_grad_(), (0.05 * torch.randn(64, 4)).requires_grad_()
     base, scale = 0.02 * torch.randn(64, 256), 2.0
     out = ThroughExport.apply(x, a, b, base, None, scale, "q4_K")
-    weight = exported_weight(base, scale * (b @ a).detach(), "q4_K")
+    weight = exported_weight(base, "q4_K", (a, b, scale))
     assert torch.equal(out, F.linear(x, weight))
+    assert torch.equal(weight, rounded((base + scale * (b @ a)).detach().half().float(), "q4_K"))
+    monkeypatch.setattr(quantizers, "CHUNK_ELEMENTS", 5 * 256)  # 13 chunks, the last of 4 rows
+    assert torch.equal(exported_weight(base, "q4_K", (a, b, scale)), weight)
+    monkeypatch.undo()
     assert not torch.equal(weight, (base + scale * (b @ a)).detach())  # the rounding did something
     grad = torch.randn_like(out)
     out.backward(grad)
@@ -93,11 +100,11 @@ def test_the_block_search_is_made_again_once_the_adapter_changes():
     cache = SearchCache()
     for _ in range(2):  # the second call is served by the cache
         out = ThroughExport.apply(x, a, b, base, None, scale, "q4_K", cache)
-        assert torch.equal(out, F.linear(x, exported_weight(base, scale * (b @ a), "q4_K")))
+        assert torch.equal(out, F.linear(x, exported_weight(base, "q4_K", (a, b, scale))))
     with torch.no_grad():
         b.add_(0.05 * torch.randn_like(b))
     out = ThroughExport.apply(x, a, b, base, None, scale, "q4_K", cache)
-    assert torch.equal(out, F.linear(x, exported_weight(base, scale * (b @ a), "q4_K")))
+    assert torch.equal(out, F.linear(x, exported_weight(base, "q4_K", (a, b, scale))))
 
 
 def tiny_wide_llama(out: Path, tokenizer) -> Path:
@@ -403,7 +410,7 @@ def test_the_planner_prices_a_search_once_a_step(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from qlora_fsdp.gguf_target import quantizers
-    from qlora_fsdp.gguf_target.through_export import planned_search
+    from qlora_fsdp.gguf_target.through_export import SearchCache
 
     class Markers(TorchDispatchMode):
         def __init__(self) -> None:
@@ -417,10 +424,14 @@ def test_the_planner_prices_a_search_once_a_step(monkeypatch):
 
     monkeypatch.setattr(quantizers, "CHUNK_ELEMENTS", 100 * 256)  # 10 chunks of 100 rows
     real = quantizers.block_steps(torch.randn(1000, 256), "q4_K")
+    trained, frozen = SearchCache(counted_for=4), SearchCache(0)
     with FakeTensorMode(), Markers() as markers:
-        weight = torch.randn(1000, 256)
-        steps = planned_search(weight, "q4_K", counted_for=4)
-        frozen = planned_search(weight, "q6_K", counted_for=0)
-    assert real is not None and steps is not None and frozen is not None
-    assert [s.shape for s in steps] == [s.shape for s in real] and frozen[0].shape == (1000 * 256 // 16,)
+        weight, lora_a, lora_b = torch.randn(1000, 256), torch.randn(4, 256), torch.randn(1000, 4)
+        for _ in range(2):  # the second micro-batch reuses the search
+            exported_weight(weight, "q4_K", (lora_a, lora_b, 2.0), trained)
+        exported_weight(weight, "q6_K", None, frozen)
+    assert real is not None
+    assert [s.shape for s in trained.steps] == [s.shape for s in real]
+    assert [s.dtype for s in trained.steps] == [torch.float16, torch.int8] * 2
+    assert [s.shape for s in frozen.steps] == [(1000, 1), (1000, 16)]
     assert markers.repeats == [pytest.approx(10 / 4 - 1), -1.0]

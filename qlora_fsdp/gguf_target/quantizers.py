@@ -18,6 +18,7 @@ walk a block's elements in order, so a chunk costs a few thousand vector operati
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -25,6 +26,7 @@ import torch
 QK_K = 256  # a k-quant's super-block
 GROUP_MAX_EPS = 1e-15  # below this, llama.cpp takes a q6_K block for all zeros
 CHUNK_ELEMENTS = 1 << 24  # rows rounded together: 64 MB a float32 copy
+Steps = tuple[torch.Tensor, ...]
 
 
 def f32(value: float) -> torch.Tensor:
@@ -155,10 +157,10 @@ def search_scale_and_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin
 WITH_MIN = {"q4_K": (15, -1.0, 20), "q5_K": (31, -0.5, 15)}
 
 
-def steps_with_min(w: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+def steps_with_min(w: torch.Tensor, ggml_type: str) -> Steps:
     """quantize_row_q4_K_ref / q5_K's search: super-blocks of 8 blocks of 32, each block's scale and min searched,
-    both then stored as 6-bit multiples of the super-block's float16 d and dmin; each block's step and offset as
-    the dequantizer forms them ([blocks])."""
+    both then stored as 6-bit multiples of the super-block's float16 d and dmin; as stored: (d, the scales'
+    multiples, dmin, the mins' multiples), a row each."""
     nmax, rmin, nstep = WITH_MIN[ggml_type]
     x = elements_first(w, 32)
     av_x = torch.sqrt(ordered_sum(x * x) / f32(32))
@@ -168,14 +170,29 @@ def steps_with_min(w: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch
     max_min = mins.amax(dim=-1, keepdim=True).clamp(min=0)
     ls = nearest_int(torch.where(max_scale > 0, f32(63) / max_scale, 0) * scales).clamp(max=63)
     lm = nearest_int(torch.where(max_min > 0, f32(63) / max_min, 0) * mins).clamp(max=63)
-    return (as_half(max_scale / f32(63)) * ls).reshape(-1), (as_half(max_min / f32(63)) * lm).reshape(-1)
+    return stored(w, max_scale / f32(63), ls) + stored(w, max_min / f32(63), lm)
 
 
-def with_min(w: torch.Tensor, ggml_type: str, d: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """q4_K / q5_K values from each block's step and offset: q = nearest((x + dm) / d) in [0, nmax]."""
-    x, d, dm = blocks_of(w, 32), d.unsqueeze(-1), dm.unsqueeze(-1)
-    q = nearest_int((x + dm) / torch.where(d != 0, d, torch.ones_like(d))).clamp(0, WITH_MIN[ggml_type][0])
-    return (d * q - dm).reshape(w.shape)
+def stored(w: torch.Tensor, d: torch.Tensor, multiples: torch.Tensor) -> Steps:
+    """A super-block's float16 d and its blocks' small integer multiples of it, a row of `w` each: what the GGUF
+    stores (0.07-0.08 bytes a weight, where the float32 steps take 0.25), and exactly the steps once multiplied."""
+    rows = w.shape[0]
+    return d.to(torch.float16).reshape(rows, -1), multiples.to(torch.int8).reshape(rows, -1)
+
+
+def block_values(d: torch.Tensor, multiples: torch.Tensor) -> torch.Tensor:
+    """Each block's step (or offset) from stored(): d times its multiple in float32, as the dequantizer forms it."""
+    per_super = multiples.shape[-1] // d.shape[-1]
+    return (d.float().unsqueeze(-1) * multiples.float().reshape(*d.shape, per_super)).reshape(-1)
+
+
+def with_min(w: torch.Tensor, ggml_type: str, d: torch.Tensor, ls: torch.Tensor, dmin: torch.Tensor,
+             lm: torch.Tensor) -> torch.Tensor:
+    """q4_K / q5_K values from the stored steps: q = nearest((x + offset) / step) in [0, nmax]."""
+    step, offset = block_values(d, ls).unsqueeze(-1), block_values(dmin, lm).unsqueeze(-1)
+    x = blocks_of(w, 32)
+    q = nearest_int((x + offset) / torch.where(step != 0, step, torch.ones_like(step))).clamp(0, WITH_MIN[ggml_type][0])
+    return (step * q - offset).reshape(w.shape)
 
 
 def symmetric_block_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
@@ -201,21 +218,20 @@ def symmetric_block_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
     return torch.where(peak.abs() < GROUP_MAX_EPS, torch.zeros_like(scale), scale)
 
 
-def q6_k_steps(w: torch.Tensor) -> torch.Tensor:
+def q6_k_steps(w: torch.Tensor) -> Steps:
     """quantize_row_q6_K_ref's search: super-blocks of 16 blocks of 16, each block's signed scale searched, stored
-    as an 8-bit multiple of the super-block's float16 d; each block's step ([blocks])."""
+    as an 8-bit multiple of the super-block's float16 d; as stored: (d, the multiples), a row each."""
     scales = symmetric_block_scale(elements_first(w, 16), 32).reshape(-1, QK_K // 16)
     peak = signed_absmax(scales).unsqueeze(-1)
     zero = peak.abs() < GROUP_MAX_EPS
     inverse = f32(-128) / torch.where(zero, torch.ones_like(peak), peak)
-    d = as_half(f32(1) / inverse)
     sc = nearest_int(inverse * scales).clamp(max=127)
-    return torch.where(zero, torch.zeros_like(d), d * sc).reshape(-1)
+    return stored(w, torch.where(zero, 0, f32(1) / inverse), torch.where(zero, 0, sc))
 
 
-def with_q6_k_steps(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """q6_K values from each block's step: q = nearest(x / step) in [-32, 31]."""
-    x, step = blocks_of(w, 16), step.unsqueeze(-1)
+def with_q6_k_steps(w: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """q6_K values from the stored steps: q = nearest(x / step) in [-32, 31]."""
+    x, step = blocks_of(w, 16), block_values(d, sc).unsqueeze(-1)
     q = nearest_int(x / torch.where(step != 0, step, torch.ones_like(step))).clamp(-32, 31)
     return (step * q).reshape(w.shape)
 
@@ -224,25 +240,40 @@ SEARCHED = ("q4_K", "q5_K", "q6_K")  # a block search, then a cheap rounding by 
 SINGLE_PASS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "q8_0": q8_0, "q4_0": q4_0, "q5_0": q5_0, "q5_1": q5_1}
 TYPES = (*SINGLE_PASS, *SEARCHED)
-Steps = tuple[torch.Tensor, ...]
 
 
-def row_chunks(w: torch.Tensor) -> list[torch.Tensor]:
-    """Whole rows, at most CHUNK_ELEMENTS a chunk (one row where a row is longer)."""
-    return list(w.split(max(1, CHUNK_ELEMENTS // max(1, w.shape[-1]))))
+def row_slices(w: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+    """Whole rows, at most CHUNK_ELEMENTS a chunk (one row where a row is longer): (their rows, the chunk)."""
+    chunks = w.split(max(1, CHUNK_ELEMENTS // max(1, w.shape[-1])))
+    starts = [0, *itertools.accumulate(chunk.shape[0] for chunk in chunks)]
+    return [(slice(start, start + chunk.shape[0]), chunk) for start, chunk in zip(starts, chunks, strict=False)]
 
 
 def chunk_steps(w: torch.Tensor, ggml_type: str) -> Steps:
-    return (q6_k_steps(w),) if ggml_type == "q6_K" else steps_with_min(w, ggml_type)
+    return q6_k_steps(w) if ggml_type == "q6_K" else steps_with_min(w, ggml_type)
+
+
+def empty_steps(w: torch.Tensor, ggml_type: str) -> Steps:
+    """Room for a searched type's stored steps of the whole of `w` (stored()); () for the types without a search."""
+    if ggml_type not in SEARCHED:
+        return ()
+    rows, cols = w.shape
+    block = 16 if ggml_type == "q6_K" else 32
+    pairs = 1 if ggml_type == "q6_K" else 2
+    return tuple(torch.empty((rows, cols // size), dtype=dtype, device=w.device) for _ in range(pairs)
+                 for size, dtype in ((QK_K, torch.float16), (block, torch.int8)))
 
 
 def block_steps(w: torch.Tensor, ggml_type: str) -> Steps | None:
-    """A k-quant's searched block steps (q4_K, q5_K: step and offset; q6_K: step), the costly part of its rounding,
-    searched a chunk of rows at a time; None for the types without a search."""
+    """A k-quant's searched block steps, as stored (q4_K, q5_K: d, scales, dmin, mins; q6_K: d, scales), the
+    costly part of its rounding, searched a chunk of rows at a time; None for the types without a search."""
     if ggml_type not in SEARCHED:
         return None
-    searched = [chunk_steps(chunk, ggml_type) for chunk in row_chunks(w)]
-    return tuple(torch.cat(parts) for parts in zip(*searched, strict=True))
+    steps = empty_steps(w, ggml_type)
+    for rows, chunk in row_slices(w):
+        for whole, part in zip(steps, chunk_steps(chunk, ggml_type), strict=True):
+            whole[rows] = part
+    return steps
 
 
 def rounded_chunk(w: torch.Tensor, ggml_type: str, steps: Steps) -> torch.Tensor:
@@ -260,11 +291,6 @@ def rounded(w: torch.Tensor, ggml_type: str, steps: Steps | None = None) -> torc
         steps = steps or block_steps(w, ggml_type)
         assert steps is not None
     out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
-    row, block = 0, 0
-    blocks_a_row = w.shape[-1] // (16 if ggml_type == "q6_K" else 32)
-    for chunk in row_chunks(w):
-        count = chunk.shape[0] * blocks_a_row
-        out[row:row + chunk.shape[0]] = rounded_chunk(chunk, ggml_type, tuple(s[block:block + count]
-                                                                             for s in steps or ()))
-        row, block = row + chunk.shape[0], block + count
+    for rows, chunk in row_slices(w):
+        out[rows] = rounded_chunk(chunk, ggml_type, tuple(s[rows] for s in steps or ()))
     return out

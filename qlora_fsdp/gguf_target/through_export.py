@@ -11,9 +11,10 @@ Linears without LoRA (a target list that leaves some out) round their 4-bit base
 an unquantized head are frozen, so they are rounded once, in place, when the run starts.
 
 A k-quant's block search is the costly part of its rounding, and its result changes only with the adapter: each
-linear keeps its last search's block steps (0.25 bytes a weight: one or two floats a block of 16 or 32) with a copy
-of the A and B it was made for, so the micro-batches of one optimizer step and their checkpointed recomputes search
-once. The rounding itself (a few element-wise passes) runs in every forward.
+linear keeps its last search's block steps as the GGUF stores them (a float16 a super-block of 256 and a small
+integer a block: 0.07-0.08 bytes a weight) with a copy of the A and B it was made for, so the micro-batches of one
+optimizer step and their checkpointed recomputes search once. The rounding itself (a few element-wise passes) runs
+in every forward, a chunk of rows at a time, so no float32 copy of a whole weight is ever made.
 """
 
 from __future__ import annotations
@@ -26,26 +27,28 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from qlora_fsdp.gguf_target.quantizers import Steps, block_steps, rounded, row_chunks
+from qlora_fsdp.gguf_target.quantizers import SEARCHED, Steps, chunk_steps, empty_steps, rounded_chunk, row_slices
 from qlora_fsdp.layers.tiled_mlp import tile_work_begin, tile_work_end
+
+Lora = tuple[torch.Tensor, torch.Tensor, float]  # (A, B, scale): the delta s B A
 
 
 class SearchCache:
-    """One linear's last k-quant block search, with the adapter (A, B) it was made for. `counted_for`: on the
-    planner's fake tensors, how many micro-batches the plan counts the first one's work for (its search runs once
-    an optimizer step all the same); 0 for a weight that never changes (searched once a run: priced at nothing)."""
+    """One linear's last k-quant block search (as the GGUF stores it: 0.07-0.08 bytes a weight), with the adapter
+    (A, B) it was made for. `counted_for`: on the planner's fake tensors, how many micro-batches the plan counts the
+    first one's work for (its search runs once an optimizer step all the same); 0 for a weight that never changes
+    (searched once a run: priced at nothing)."""
 
     def __init__(self, counted_for: int = 1) -> None:
         self.made_for: tuple[torch.Tensor, ...] | None = None
-        self.steps: Steps | None = None
+        self.steps: Steps = ()
         self.counted_for = counted_for
 
-    def steps_for(self, merged: torch.Tensor, ggml_type: str, adapter: tuple[torch.Tensor, ...]) -> Steps | None:
-        if self.made_for is None or self.changed(adapter):
-            self.steps = planned_search(merged, ggml_type, self.counted_for) if is_fake(merged) \
-                else block_steps(merged, ggml_type)
-            self.made_for = tuple(t.detach().clone() for t in adapter)
-        return self.steps
+    def stale(self, adapter: tuple[torch.Tensor, ...]) -> bool:
+        return self.made_for is None or self.changed(adapter)
+
+    def keep(self, steps: Steps, adapter: tuple[torch.Tensor, ...]) -> None:
+        self.steps, self.made_for = steps, tuple(t.detach().clone() for t in adapter)
 
     def changed(self, adapter: tuple[torch.Tensor, ...]) -> bool:
         # the planner's fake tensors have no values: within its one measured step the adapter is unchanged, as in
@@ -55,27 +58,49 @@ class SearchCache:
         return not all(torch.equal(a, b) for a, b in zip(self.made_for or (), adapter, strict=True))
 
 
-def planned_search(merged: torch.Tensor, ggml_type: str, counted_for: int) -> Steps | None:
-    """block_steps on fake tensors: the first chunk's search run (its temporaries, as every chunk's), the other
-    chunks priced as its repeats (tiled_mlp's markers), the whole counted once a step where the plan counts this
-    micro-batch `counted_for` times; the steps of the whole weight, to be held as the run holds them."""
-    chunks = row_chunks(merged)
-    tile_work_begin(merged)
-    first = block_steps(chunks[0], ggml_type)
-    tile_work_end(merged, len(chunks) / counted_for - 1 if counted_for else -1.0)
-    if first is None:
-        return None
-    per_row = first[0].numel() // chunks[0].shape[0]
-    return tuple(torch.cat([part, part.new_empty(per_row * merged.shape[0] - part.numel())]) for part in first)
+def search_into(steps: Steps, merged: torch.Tensor, ggml_type: str, chunk: int, chunks: int,
+                counted_for: int | None) -> None:
+    """A chunk's block search, written into its rows of `steps`. On the planner's fake tensors with a cache, only the
+    first chunk's search runs (its temporaries, as every chunk's) and tiled_mlp's markers price the others as its
+    repeats, the whole counted once a step where the plan counts this micro-batch `counted_for` times."""
+    planned = counted_for is not None and is_fake(merged)
+    if planned and chunk > 0:
+        return
+    if planned:
+        tile_work_begin(merged)
+    for whole, part in zip(steps, chunk_steps(merged, ggml_type), strict=True):
+        whole.copy_(part)
+    if planned:
+        tile_work_end(merged, chunks / counted_for - 1 if counted_for else -1.0)
 
 
-def exported_weight(base: torch.Tensor, delta: torch.Tensor | None, ggml_type: str,
-                    cache: SearchCache | None = None, adapter: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-    """The merge's weight (fp32 sum, written float16 for the converter) rounded as llama-quantize stores it; with a
-    cache, a k-quant's block search is reused while `adapter` (the tensors `delta` was made from) is unchanged."""
-    merged = (base.float() if delta is None else base.float() + delta).to(torch.float16).float()
-    steps = cache.steps_for(merged, ggml_type, adapter) if cache is not None else None
-    return rounded(merged, ggml_type, steps)
+def merged_rows(base: torch.Tensor, lora: Lora | None, rows: slice) -> torch.Tensor:
+    """Rows of the merge's weight: the fp32 sum, written float16 for the converter, read back."""
+    merged = base.float()
+    if lora is not None:
+        lora_a, lora_b, scale = lora
+        merged = merged + scale * (lora_b[rows].detach().float() @ lora_a.detach().float())
+    return merged.to(torch.float16).float()
+
+
+def exported_weight(base: torch.Tensor, ggml_type: str, lora: Lora | None = None, cache: SearchCache | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The merge's weight rounded as llama-quantize stores it, in `dtype`, made a chunk of rows at a time (no
+    full-size float32 temporaries); with a cache, a k-quant's block search is reused while A and B are unchanged."""
+    adapter = lora[:2] if lora is not None else ()
+    search = ggml_type in SEARCHED and (cache is None or cache.stale(adapter))
+    steps = empty_steps(base, ggml_type) if search or cache is None else cache.steps
+    out = torch.empty(base.shape, dtype=dtype, device=base.device)
+    slices = row_slices(base)
+    for chunk, (rows, part) in enumerate(slices):
+        merged = merged_rows(part, lora, rows)
+        rows_steps = tuple(s[rows] for s in steps)
+        if search:
+            search_into(rows_steps, merged, ggml_type, chunk, len(slices), None if cache is None else cache.counted_for)
+        out[rows] = rounded_chunk(merged, ggml_type, rows_steps)
+    if search and cache is not None:
+        cache.keep(steps, adapter)
+    return out
 
 
 class ThroughExport(torch.autograd.Function):
@@ -85,8 +110,7 @@ class ThroughExport(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, base: torch.Tensor,
                 bias: torch.Tensor | None, scale: float, ggml_type: str, cache: SearchCache | None = None
                 ) -> torch.Tensor:
-        delta = scale * (lora_b.detach().float() @ lora_a.detach().float())
-        weight = exported_weight(base, delta, ggml_type, cache, (lora_a, lora_b)).to(x.dtype)
+        weight = exported_weight(base, ggml_type, (lora_a, lora_b, scale), cache, x.dtype)
         ctx.save_for_backward(x, lora_a, lora_b, weight)
         ctx.scale = scale
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
@@ -125,7 +149,7 @@ def frozen_forward(linear4bit: Any, ggml_type: str, cache: SearchCache, x: torch
     """A Linear4bit without LoRA, with its exported weight (frozen: only the input gets a gradient; its block search
     made once)."""
     with torch.no_grad():
-        weight = exported_weight(dequantized_base(linear4bit), None, ggml_type, cache).to(x.dtype)
+        weight = exported_weight(dequantized_base(linear4bit), ggml_type, None, cache, x.dtype)
     bias = linear4bit.bias
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
@@ -148,4 +172,4 @@ def round_in_place(weight: torch.Tensor, ggml_type: str) -> None:
     rows, and llama.cpp's blocks run along a row)."""
     local = weight.to_local() if hasattr(weight, "to_local") else weight
     if local.numel():
-        local.copy_(exported_weight(local, None, ggml_type).to(local.dtype))
+        local.copy_(exported_weight(local, ggml_type, dtype=local.dtype))
