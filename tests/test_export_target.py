@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from qlora_fsdp.gguf_target.quantizers import TYPES, rounded
 from qlora_fsdp.gguf_target.tensor_types import ModelShape, tensor_type
 from qlora_fsdp.gguf_target.through_export import ThroughExport, exported_weight
+from qlora_fsdp.kernels.export_rounding import export_rounded
 from tests.ggml_quants import libggml, llama_cpp_rounded
 
 TARGETS = ("q4_k_m", "q5_k_m", "q4_0", "q8_0")
@@ -60,6 +61,40 @@ def test_each_type_is_llama_cpps_rounding_on_real_weights(real_model_dir, monkey
             monkeypatch.setattr(quantizers, "CHUNK_ELEMENTS", 3 * w.shape[1] + 1)
             assert w.shape[0] % 3 and torch.equal(rounded(w, ggml_type), expected), (key, ggml_type, "chunks")
             monkeypatch.undo()
+            kernel_out = torch.empty_like(w)  # the GPU's one kernel (interpreted here), from the searched steps
+            export_rounded(kernel_out, w, None, 1.0, ggml_type, list(quantizers.block_steps(w, ggml_type) or ()))
+            assert torch.equal(kernel_out, expected), (key, ggml_type, "kernel")
+
+
+def test_the_rounding_kernel_is_the_torch_rounding(monkeypatch):
+    """kernels/export_rounding.py (under TRITON_INTERPRET=1) against quantizers.py, value for value: every type, the
+    merge formed in the kernel (bf16 base + s B A) or given, float32 and bfloat16 weights out, blocks of zeros, of
+    a magnitude tied between signs and of exact halves; through exported_weight with a cache and in chunks."""
+    from qlora_fsdp.gguf_target import quantizers
+    from qlora_fsdp.gguf_target.through_export import SearchCache
+
+    torch.manual_seed(3)
+    base = (0.02 * torch.randn(24, 512)).bfloat16()
+    base[0, :32] = 0  # a block of zeros
+    base[1, :32], base[1, 5], base[1, 9] = 0.01, -0.03, 0.03  # the signed absmax's first of a tie
+    base[2, :32] = torch.cat([torch.arange(31) + 0.5, torch.tensor([127.0])]) / 1024  # q8_0: x / d is k + 0.5
+    a, b, scale = 0.05 * torch.randn(4, 512), 0.05 * torch.randn(24, 4), 2.0
+    b[:3] = 0  # those rows as built
+    product = b @ a
+    merged = (base.float() + scale * product).half().float()
+    for ggml_type in TYPES:
+        steps = quantizers.block_steps(merged, ggml_type)
+        expected = rounded(merged, ggml_type, steps)
+        for dtype in (torch.float32, torch.bfloat16):
+            out = torch.empty(base.shape, dtype=dtype)
+            export_rounded(out, base, product, scale, ggml_type, list(steps or ()))
+            assert torch.equal(out, expected.to(dtype)), (ggml_type, dtype)
+        monkeypatch.setattr(quantizers, "CHUNK_ELEMENTS", 5 * 512)  # 5 chunks, the last of 4 rows
+        cache = SearchCache()
+        for _ in range(2):  # searched, then from the cache
+            fused = exported_weight(base, ggml_type, (a, b, scale), cache, torch.bfloat16, fused=True)
+            assert torch.equal(fused, expected.to(torch.bfloat16)), (ggml_type, "exported_weight")
+        monkeypatch.undo()
 
 
 def test_the_backward_is_loras_through_the_rounded_weight(monkeypatch):
@@ -300,7 +335,7 @@ def test_training_computes_with_the_gguf_llama_cpp_writes(sp_tokenizer, tmp_path
     lora_gguf_runs_as_its_merge(adapter, model_dir, tmp_path / "lora")
 
 
-def test_what_training_through_the_export_cannot_do_is_refused_in_one_line():
+def test_what_training_through_the_export_cannot_do_is_refused_in_one_line(monkeypatch):
     """LoRA settings whose exported weight is not the merged 4-bit linear; a mixture of experts; a module whose
     llama.cpp type is not known here; rows llama-quantize refuses for q4_0."""
     from torch import nn
@@ -324,6 +359,10 @@ def test_what_training_through_the_export_cannot_do_is_refused_in_one_line():
 
     with pytest.raises(ConfigError, match="experts.*export.target: none"):
         train_through_export(WithExperts(), load_config("tiny_cpu", ["export.target=q4_k_m"]))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU as a user's: the kernel does not run here
+    with pytest.raises(ConfigError, match="export.rounding_kernel: fused needs a CUDA GPU"):
+        train_through_export(nn.Linear(2, 2), load_config("tiny_cpu", ["export.target=q4_k_m",
+                                                                         "export.rounding_kernel=fused"]))
     shape = ModelShape(n_layers=2, tied_head=True)
     with pytest.raises(ConfigError, match="model.layers.0.attn.c_attn is not known"):
         tensor_type("q4_k_m", "model.layers.0.attn.c_attn", 256, shape)

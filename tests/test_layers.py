@@ -23,7 +23,7 @@ ALLOWED = {
     "data": BASE - {"agents"},
     "layers": BASE,  # modules that compute, knowing nothing of files or losses
     # training through the export: llama.cpp's quantizers in torch, each tensor's type, the rounded forward
-    "gguf_target": BASE | {"layers"},
+    "gguf_target": BASE | {"layers", "kernels"},
     "vision": BASE | {"layers"},  # the image side inside the decoder's forward: features at the image tokens
     "losses": BASE | {"layers", "vision"},
     "kernels": BASE | {"layers"},  # Triton kernels and the generation forwards that call them

@@ -362,11 +362,11 @@ ExportTarget = Literal["none", "q4_k_m", "q5_k_m", "q4_0", "q8_0"]
 
 @dataclass
 class ExportConfig:
-    # the GGUF type this run will be exported as: with a type, every weight the forward reads is the merged weight as
-    # llama.cpp's quantizer will store it (the type it picks per tensor, as llama-quantize picks it), LoRA's
-    # gradients passed straight through the rounding, so what the fine-tune learned survives the export
-    # (docs/after-training.md); none: train the 4-bit model as it is
+    # the GGUF type this run will be exported as: the forward then computes with each merged weight as llama.cpp will
+    # store it, gradients straight through (docs/after-training.md); none: train the 4-bit model as it is
     target: ExportTarget = "none"
+    # its rounding: one Triton kernel on CUDA (auto; fused: refused elsewhere) or plain torch, to the same values
+    rounding_kernel: Literal["auto", "fused", "torch"] = "auto"
 
 
 @dataclass

@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.gguf_target.quantizers import SEARCHED, Steps, chunk_steps, empty_steps, rounded_chunk, row_slices
+from qlora_fsdp.kernels.export_rounding import available, export_rounded
 from qlora_fsdp.layers.tiled_mlp import tile_work_begin, tile_work_end
 
 Lora = tuple[torch.Tensor, torch.Tensor, float]  # (A, B, scale): the delta s B A
@@ -84,20 +86,28 @@ def merged_rows(base: torch.Tensor, lora: Lora | None, rows: slice) -> torch.Ten
 
 
 def exported_weight(base: torch.Tensor, ggml_type: str, lora: Lora | None = None, cache: SearchCache | None = None,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    dtype: torch.dtype = torch.float32, fused: bool = False) -> torch.Tensor:
     """The merge's weight rounded as llama-quantize stores it, in `dtype`, made a chunk of rows at a time (no
-    full-size float32 temporaries); with a cache, a k-quant's block search is reused while A and B are unchanged."""
+    full-size float32 temporaries); with a cache, a k-quant's block search is reused while A and B are unchanged.
+    `fused`: the rounding by kernels/export_rounding.py's one kernel (the same values), else in plain torch."""
     adapter = lora[:2] if lora is not None else ()
     search = ggml_type in SEARCHED and (cache is None or cache.stale(adapter))
     steps = empty_steps(base, ggml_type) if search or cache is None else cache.steps
     out = torch.empty(base.shape, dtype=dtype, device=base.device)
     slices = row_slices(base)
     for chunk, (rows, part) in enumerate(slices):
-        merged = merged_rows(part, lora, rows)
         rows_steps = tuple(s[rows] for s in steps)
+        if fused and not search:  # the kernel forms the merge from the base's rows and B A
+            product = None if lora is None else lora[1][rows].detach().float() @ lora[0].detach().float()
+            export_rounded(out[rows], part, product, 1.0 if lora is None else lora[2], ggml_type, list(rows_steps))
+            continue
+        merged = merged_rows(part, lora, rows)
         if search:
             search_into(rows_steps, merged, ggml_type, chunk, len(slices), None if cache is None else cache.counted_for)
-        out[rows] = rounded_chunk(merged, ggml_type, rows_steps)
+        if fused:
+            export_rounded(out[rows], merged, None, 1.0, ggml_type, list(rows_steps))
+        else:
+            out[rows] = rounded_chunk(merged, ggml_type, rows_steps)
     if search and cache is not None:
         cache.keep(steps, adapter)
     return out
@@ -108,9 +118,9 @@ class ThroughExport(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, base: torch.Tensor,
-                bias: torch.Tensor | None, scale: float, ggml_type: str, cache: SearchCache | None = None
-                ) -> torch.Tensor:
-        weight = exported_weight(base, ggml_type, (lora_a, lora_b, scale), cache, x.dtype)
+                bias: torch.Tensor | None, scale: float, ggml_type: str, cache: SearchCache | None = None,
+                fused: bool = False) -> torch.Tensor:
+        weight = exported_weight(base, ggml_type, (lora_a, lora_b, scale), cache, x.dtype, fused)
         ctx.save_for_backward(x, lora_a, lora_b, weight)
         ctx.scale = scale
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
@@ -122,7 +132,7 @@ class ThroughExport(torch.autograd.Function):
         g, inputs = grad.reshape(-1, grad.shape[-1]).to(lora_a.dtype), x.reshape(-1, x.shape[-1]).to(lora_a.dtype)
         grad_b = ctx.scale * (g.t() @ (inputs @ lora_a.t())) if ctx.needs_input_grad[2] else None
         grad_a = ctx.scale * ((g @ lora_b).t() @ inputs) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_a, grad_b, None, None, None, None, None
+        return grad_x, grad_a, grad_b, None, None, None, None, None, None
 
 
 def dequantized_base(linear4bit: Any) -> torch.Tensor:
@@ -131,39 +141,39 @@ def dequantized_base(linear4bit: Any) -> torch.Tensor:
     return bnbf.dequantize_4bit(linear4bit.weight.data, linear4bit.quant_state)
 
 
-def lora_forward(module: Any, ggml_type: str, caches: tuple[SearchCache, SearchCache], x: torch.Tensor, *args: Any,
-                 **kwargs: Any) -> torch.Tensor:
+def lora_forward(module: Any, ggml_type: str, caches: tuple[SearchCache, SearchCache], fused: bool, x: torch.Tensor,
+                 *args: Any, **kwargs: Any) -> torch.Tensor:
     """A PEFT LoRA linear over a Linear4bit, computing with its exported weight (its own search cache, and one for
-    the base alone)."""
+    the base alone); `fused`: rounded by the one kernel."""
     (adapter,) = [a for a in module.active_adapters if a in module.lora_A]
     base_layer = module.get_base_layer()
     if module.disable_adapters:  # DPO's reference forward: the base alone, as it would be exported unmerged
-        return frozen_forward(base_layer, ggml_type, caches[1], x)
+        return frozen_forward(base_layer, ggml_type, caches[1], fused, x)
     return ThroughExport.apply(x, module.lora_A[adapter].weight, module.lora_B[adapter].weight,
                                dequantized_base(base_layer), base_layer.bias, module.scaling[adapter], ggml_type,
-                               caches[0])
+                               caches[0], fused)
 
 
-def frozen_forward(linear4bit: Any, ggml_type: str, cache: SearchCache, x: torch.Tensor, *args: Any,
+def frozen_forward(linear4bit: Any, ggml_type: str, cache: SearchCache, fused: bool, x: torch.Tensor, *args: Any,
                    **kwargs: Any) -> torch.Tensor:
     """A Linear4bit without LoRA, with its exported weight (frozen: only the input gets a gradient; its block search
     made once)."""
     with torch.no_grad():
-        weight = exported_weight(dequantized_base(linear4bit), ggml_type, None, cache, x.dtype)
+        weight = exported_weight(dequantized_base(linear4bit), ggml_type, None, cache, x.dtype, fused)
     bias = linear4bit.bias
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
-def install_lora(module: Any, ggml_type: str, counted_for: int = 1) -> None:
+def install_lora(module: Any, ggml_type: str, counted_for: int = 1, fused: bool = False) -> None:
     """The forward of a LoRA linear (an instance attribute, as layers/fused_lora.py installs its own); the cache of
     the base alone (DPO's reference forward) searches once a run."""
     caches = (SearchCache(counted_for), SearchCache(0))
-    module.forward = functools.partial(lora_forward, module, ggml_type, caches)
+    module.forward = functools.partial(lora_forward, module, ggml_type, caches, fused)
 
 
-def install_frozen(linear4bit: Any, ggml_type: str) -> None:
+def install_frozen(linear4bit: Any, ggml_type: str, fused: bool = False) -> None:
     """A linear without LoRA: its weight never changes, so its search runs once a run."""
-    linear4bit.forward = functools.partial(frozen_forward, linear4bit, ggml_type, SearchCache(0))
+    linear4bit.forward = functools.partial(frozen_forward, linear4bit, ggml_type, SearchCache(0), fused)
 
 
 @torch.no_grad()
@@ -173,3 +183,13 @@ def round_in_place(weight: torch.Tensor, ggml_type: str) -> None:
     local = weight.to_local() if hasattr(weight, "to_local") else weight
     if local.numel():
         local.copy_(exported_weight(local, ggml_type, dtype=local.dtype))
+
+
+def rounding_kernel(choice: str) -> bool:
+    """export.rounding_kernel on this machine: the one kernel where it runs (CUDA with Triton); `fused` refused
+    elsewhere in one line."""
+    runs = available(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if choice == "fused" and not runs:
+        raise ConfigError("export.rounding_kernel: fused needs a CUDA GPU with Triton, which this machine lacks; "
+                          "set it to auto or torch")
+    return runs and choice != "torch"

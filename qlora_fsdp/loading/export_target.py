@@ -12,7 +12,7 @@ import peft
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.gguf_target.tensor_types import ModelShape, tensor_type
-from qlora_fsdp.gguf_target.through_export import install_frozen, install_lora, round_in_place
+from qlora_fsdp.gguf_target.through_export import install_frozen, install_lora, round_in_place, rounding_kernel
 from qlora_fsdp.layers.experts4bit import Experts4bit
 from qlora_fsdp.loading.names import weight_key
 
@@ -28,12 +28,14 @@ def model_shape(model: Any) -> ModelShape:
     return ModelShape(n_layers, bool(getattr(config, "tie_word_embeddings", False)), llama_70b)
 
 
-def train_through_export(model: Any, cfg: Config, counted_for: int = 1) -> dict[str, str]:
+def train_through_export(model: Any, cfg: Config, counted_for: int = 1, fused: bool | None = None) -> dict[str, str]:
     """Install the exported weights' forward on every 4-bit linear and round the embeddings and an unquantized
-    head in place; the GGUF type of each weight, by its checkpoint key. `counted_for`: the planner's (SearchCache)."""
+    head in place; the GGUF type of each weight, by its checkpoint key. `counted_for`: the planner's (SearchCache);
+    `fused`: the rounding kernel's (the planner's: as on the GPU it plans for), else by export.rounding_kernel."""
     target = cfg.export.target
     if target == "none":
         return {}
+    fused = rounding_kernel(cfg.export.rounding_kernel) if fused is None else fused
     shape = model_shape(model)
     types: dict[str, str] = {}
     for name, module in model.named_modules():
@@ -46,10 +48,10 @@ def train_through_export(model: Any, cfg: Config, counted_for: int = 1) -> dict[
                 raise ConfigError(f"export.target: {weight_key(name)} is a LoRA target that is not a 4-bit linear; "
                                   "set export.target: none")
             types[weight_key(name)] = tensor_type(target, weight_key(name), base.in_features, shape)
-            install_lora(module, types[weight_key(name)], counted_for)
+            install_lora(module, types[weight_key(name)], counted_for, fused)
         elif isinstance(module, bnb.nn.Linear4bit) and ".base_layer" not in name:
             types[weight_key(name)] = tensor_type(target, weight_key(name), module.in_features, shape)
-            install_frozen(module, types[weight_key(name)])
+            install_frozen(module, types[weight_key(name)], fused)
     for layer in unique_frozen(model):
         key = next(weight_key(n) for n, m in model.named_modules() if m is layer)
         types[key] = tensor_type(target, key, layer.weight.shape[1], shape)

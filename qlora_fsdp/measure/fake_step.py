@@ -122,7 +122,8 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
         materialize(model, DEVICE, DEVICE)
         give_quant_states(model, cfg)
         # export.target: the rounding's ops and saved weights, as the run has them
-        train_through_export(model, cfg, first_micro_batch_weight(cfg.data.grad_accum_steps))
+        train_through_export(model, cfg, first_micro_batch_weight(cfg.data.grad_accum_steps),
+                             fused=cfg.export.rounding_kernel != "torch")  # as on the GPU the plan is for
         plan_experts(model)  # routing has no values here: every expert takes its share
         # real: bitsandbytes builds its 8-bit code tables from Python numbers, collate counts the targets
         objective = planned_objective(cfg, planning_forward_loss(cfg))
