@@ -444,22 +444,27 @@ def test_a_lora_gguf_refuses_what_it_cannot_carry(tmp_path, capsys):
 def test_the_planner_prices_a_search_once_a_step(monkeypatch):
     """On fake tensors the first chunk is searched and the rest priced as its repeats, the whole once an optimizer
     step (the plan counts the first micro-batch `counted_for` times); a frozen weight's search, once a run, at
-    nothing; the steps held have the whole weight's size."""
+    nothing; the steps held have the whole weight's size. A forward's rounding with the kernel is priced at about 10
+    bytes an element (bf16 base and weight, the float32 B A; `out` counted read too), in plain torch at 98."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from qlora_fsdp.gguf_target import quantizers
     from qlora_fsdp.gguf_target.through_export import SearchCache
+    from qlora_fsdp.measure.op_work import op_work
 
     class Markers(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.repeats: list[float] = []
+            self.traffic = 0.0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.qlora_fsdp.tile_work_end.default:
                 self.repeats.append(args[1])
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            self.traffic += op_work(func, args, kwargs or {}, out, "forward", False, None).memory_bytes
+            return out
 
     monkeypatch.setattr(quantizers, "CHUNK_ELEMENTS", 100 * 256)  # 10 chunks of 100 rows
     real = quantizers.block_steps(torch.randn(1000, 256), "q4_K")
@@ -474,3 +479,12 @@ def test_the_planner_prices_a_search_once_a_step(monkeypatch):
     assert [s.dtype for s in trained.steps] == [torch.float16, torch.int8] * 2
     assert [s.shape for s in frozen.steps] == [(1000, 1), (1000, 16)]
     assert markers.repeats == [pytest.approx(10 / 4 - 1), -1.0]
+    bytes_an_element, trained = {}, SearchCache()
+    with FakeTensorMode():
+        weight, lora_a, lora_b = torch.randn(1000, 256).bfloat16(), torch.randn(4, 256), torch.randn(1000, 4)
+        exported_weight(weight, "q4_K", (lora_a, lora_b, 2.0), trained, torch.bfloat16)  # searched once
+        for fused in (True, False):
+            with Markers() as counted:
+                exported_weight(weight, "q4_K", (lora_a, lora_b, 2.0), trained, torch.bfloat16, fused)
+            bytes_an_element[fused] = counted.traffic / weight.numel()
+    assert 8 <= bytes_an_element[True] < 14 and bytes_an_element[False] > 5 * bytes_an_element[True], bytes_an_element
