@@ -840,31 +840,47 @@ def timed_ms(device: torch.device, work: Callable[[], object], repeats: int = 3)
 def export_rounding(ctx: Context) -> list[Row]:
     """Each llama.cpp type's rounding (gguf_target/quantizers.py) of a 4096 x 4096 weight (448 x 512 on the CPU) on
     the device, bit for bit against the CPU's, which tests/test_export_target.py holds to llama.cpp's library: CUDA's
-    division and the absence of fused multiply-adds across torch's element-wise kernels decide it. And its
-    milliseconds: the rounding with searched steps (every forward of export.target) and the k-quants' block search
-    (once an optimizer step), beside the bf16 matmul of 8,192 tokens by that weight."""
+    division and the absence of fused multiply-adds across torch's element-wise kernels decide it; and the one
+    kernel of kernels/export_rounding.py (a bf16 base + s B A in, the bf16 weight out), bit for bit against the
+    same. Their milliseconds: the rounding with searched steps in torch and in the kernel (every forward of
+    export.target), the k-quants' block search (once an optimizer step), the bf16 matmul of 8,192 tokens by it."""
     from qlora_fsdp.gguf_target.quantizers import TYPES, block_steps, rounded
+    from qlora_fsdp.kernels.export_rounding import available, export_rounded
 
     rows, cols = (448, 512) if ctx.small else (4096, 4096)
-    weight = (0.02 * torch.randn(rows, cols)).half().float()  # the converter's f16 values
-    on_device = weight.to(ctx.device)
-    figures: dict[str, Any] = {"shape": [rows, cols]}
+    base = (0.02 * torch.randn(rows, cols)).bfloat16()  # a dequantized 4-bit base, as training hands it over
+    product = 1e-3 * torch.randn(rows, cols)  # B A
+    weight = (base.float() + product).half().float()  # the converter's f16 values of the merge
+    on_device, base_on, product_on = weight.to(ctx.device), base.to(ctx.device), product.to(ctx.device)
+    kernel = available(on_device.device)
+    figures: dict[str, Any] = {"shape": [rows, cols], "kernel": kernel}
     differing = []
     for ggml_type in TYPES:
+        cpu_steps = block_steps(weight, ggml_type)
+        expected = rounded(weight, ggml_type, cpu_steps)
         steps = block_steps(on_device, ggml_type)
-        equal = torch.equal(rounded(on_device, ggml_type, steps).cpu(), rounded(weight, ggml_type))
+        equal = torch.equal(rounded(on_device, ggml_type, steps).cpu(), expected)
         differing += [] if equal else [ggml_type]
         rounding = functools.partial(rounded, on_device, ggml_type, steps)
         search = functools.partial(block_steps, on_device, ggml_type)
         figures[ggml_type] = {"equal": equal, "round_ms": timed_ms(ctx.device, rounding),
                               "search_ms": timed_ms(ctx.device, search, 1)}
+        if kernel:
+            out = torch.empty(rows, cols, dtype=torch.bfloat16, device=ctx.device)
+            fused = functools.partial(export_rounded, out, base_on, product_on, 1.0, ggml_type,
+                                      [s.to(ctx.device) for s in cpu_steps or ()])
+            fused()
+            kernel_equal = torch.equal(out.cpu(), expected.bfloat16())
+            differing += [] if kernel_equal else [f"{ggml_type} kernel"]
+            figures[ggml_type] |= {"kernel_equal": kernel_equal, "kernel_ms": timed_ms(ctx.device, fused)}
     x = torch.randn(8192 if not ctx.small else 256, cols, device=ctx.device, dtype=torch.bfloat16)
     figures["matmul_ms"] = timed_ms(ctx.device, lambda: x @ on_device.to(torch.bfloat16).t())
     q4k = figures["q4_K"]
     result = (f"{len(TYPES) - len(differing)} of {len(TYPES)} types bit-equal to the CPU's"
               + (f" (differing: {', '.join(differing)})" if differing else "")
-              + f"; q4_K {q4k['round_ms']:.1f} ms a rounding, {q4k['search_ms']:.1f} ms a search, against "
-              f"{figures['matmul_ms']:.2f} ms for the matmul")
+              + f"; q4_K {q4k['round_ms']:.1f} ms a rounding in torch"
+              + (f", {q4k['kernel_ms']:.2f} ms in the kernel" if kernel else ", the kernel not run here")
+              + f", {q4k['search_ms']:.1f} ms a search, against {figures['matmul_ms']:.2f} ms for the matmul")
     return [Row("export_rounding", "failed" if differing else "passed", result, figures)]
 
 

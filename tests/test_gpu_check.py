@@ -76,7 +76,8 @@ def test_dry_run_passes_and_skips_what_needs_cuda(tmp_path):
     for recipe in ("llama3_8b_1x4090_long", "gpt_oss_20b_1x24gb_long"):
         assert [row["tokens"] for row in figures[f"long_rows ({recipe})"]["rows"] if row["trained"]] == [256, 512]
     assert figures["moe_experts (4-bit, grouped (ours))"]["tokens_per_s"] > 0
-    assert all(figures["export_rounding"][kind]["equal"] for kind in ("q8_0", "q4_0", "q4_K", "q6_K"))
+    assert all(figures["export_rounding"][kind]["equal"] and figures["export_rounding"][kind]["kernel_equal"]
+               for kind in ("q8_0", "q4_0", "q4_K", "q6_K"))  # the kernel interpreted here
     assert all(figures[f"grpo_generation (8 rows, gathered:{graphs}:auto)"]["ratio"] > 0 for graphs in ("on", "off"))
     speed = figures["training_speed"]  # both trainers ran the same steps; the plan priced ours
     assert speed["ours_tokens_per_s"] > 0 and speed["trainer_tokens_per_s"] > 0 and speed["plan_tokens_per_s"] > 0
