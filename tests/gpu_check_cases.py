@@ -840,12 +840,13 @@ def timed_ms(device: torch.device, work: Callable[[], object], repeats: int = 3)
 def export_rounding(ctx: Context) -> list[Row]:
     """Each llama.cpp type's rounding (gguf_target/quantizers.py) of a 4096 x 4096 weight (448 x 512 on the CPU) on
     the device, bit for bit against the CPU's, which tests/test_export_target.py holds to llama.cpp's library: CUDA's
-    division and the absence of fused multiply-adds across torch's element-wise kernels decide it; and the one
-    kernel of kernels/export_rounding.py (a bf16 base + s B A in, the bf16 weight out), bit for bit against the
-    same. Their milliseconds: the rounding with searched steps in torch and in the kernel (every forward of
-    export.target), the k-quants' block search (once an optimizer step), the bf16 matmul of 8,192 tokens by it."""
-    from qlora_fsdp.gguf_target.quantizers import TYPES, block_steps, rounded
-    from qlora_fsdp.kernels.export_rounding import available, export_rounded
+    division and the absence of fused multiply-adds across torch's element-wise kernels decide it; and the
+    kernels of kernels/export_rounding.py (the rounding: a bf16 base + s B A in, the bf16 weight out; the k-quants'
+    block search: the stored steps), bit for bit against the same. Their milliseconds: the rounding with searched
+    steps in torch and in the kernel (every forward of export.target), the block search in torch and in its kernel
+    (once an optimizer step), the bf16 matmul of 8,192 tokens by that weight."""
+    from qlora_fsdp.gguf_target.quantizers import TYPES, block_steps, candidate_numerators, empty_steps, rounded
+    from qlora_fsdp.kernels.export_rounding import available, export_rounded, export_searched, search_in_kernel
 
     rows, cols = (448, 512) if ctx.small else (4096, 4096)
     base = (0.02 * torch.randn(rows, cols)).bfloat16()  # a dequantized 4-bit base, as training hands it over
@@ -873,6 +874,15 @@ def export_rounding(ctx: Context) -> list[Row]:
             kernel_equal = torch.equal(out.cpu(), expected.bfloat16())
             differing += [] if kernel_equal else [f"{ggml_type} kernel"]
             figures[ggml_type] |= {"kernel_equal": kernel_equal, "kernel_ms": timed_ms(ctx.device, fused)}
+        if kernel and cpu_steps is not None and search_in_kernel():  # the search's kernel (not interpreted: slow)
+            searched = empty_steps(on_device, ggml_type)
+            kernel_search = functools.partial(export_searched, list(searched), on_device,
+                                              candidate_numerators(ggml_type), ggml_type)
+            kernel_search()
+            search_equal = all(torch.equal(a.cpu(), b) for a, b in zip(searched, cpu_steps, strict=True))
+            differing += [] if search_equal else [f"{ggml_type} search kernel"]
+            figures[ggml_type] |= {"search_kernel_equal": search_equal,
+                                   "search_kernel_ms": timed_ms(ctx.device, kernel_search, 1)}
     x = torch.randn(8192 if not ctx.small else 256, cols, device=ctx.device, dtype=torch.bfloat16)
     figures["matmul_ms"] = timed_ms(ctx.device, lambda: x @ on_device.to(torch.bfloat16).t())
     q4k = figures["q4_K"]
@@ -880,7 +890,9 @@ def export_rounding(ctx: Context) -> list[Row]:
               + (f" (differing: {', '.join(differing)})" if differing else "")
               + f"; q4_K {q4k['round_ms']:.1f} ms a rounding in torch"
               + (f", {q4k['kernel_ms']:.2f} ms in the kernel" if kernel else ", the kernel not run here")
-              + f", {q4k['search_ms']:.1f} ms a search, against {figures['matmul_ms']:.2f} ms for the matmul")
+              + f", {q4k['search_ms']:.1f} ms a search"
+              + (f" ({q4k['search_kernel_ms']:.2f} ms in its kernel)" if "search_kernel_ms" in q4k else "")
+              + f", against {figures['matmul_ms']:.2f} ms for the matmul")
     return [Row("export_rounding", "failed" if differing else "passed", result, figures)]
 
 

@@ -69,9 +69,11 @@ def test_each_type_is_llama_cpps_rounding_on_real_weights(real_model_dir, monkey
 def test_the_rounding_kernel_is_the_torch_rounding(monkeypatch):
     """kernels/export_rounding.py (under TRITON_INTERPRET=1) against quantizers.py, value for value: every type, the
     merge formed in the kernel (bf16 base + s B A) or given, float32 and bfloat16 weights out, blocks of zeros, of
-    a magnitude tied between signs and of exact halves; through exported_weight with a cache and in chunks."""
-    from qlora_fsdp.gguf_target import quantizers
+    a magnitude tied between signs and of exact halves; the k-quants' block search kernel's stored steps; through
+    exported_weight with a cache and in chunks."""
+    from qlora_fsdp.gguf_target import quantizers, through_export
     from qlora_fsdp.gguf_target.through_export import SearchCache
+    from qlora_fsdp.kernels.export_rounding import export_searched
 
     torch.manual_seed(3)
     base = (0.02 * torch.randn(24, 512)).bfloat16()
@@ -85,11 +87,18 @@ def test_the_rounding_kernel_is_the_torch_rounding(monkeypatch):
     for ggml_type in TYPES:
         steps = quantizers.block_steps(merged, ggml_type)
         expected = rounded(merged, ggml_type, steps)
+        if steps is not None:  # the block search's kernel: the same stored steps
+            searched = quantizers.empty_steps(merged, ggml_type)
+            export_searched(list(searched), merged, quantizers.candidate_numerators(ggml_type), ggml_type)
+            assert all(torch.equal(ours, theirs) for ours, theirs in zip(searched, steps, strict=True)), ggml_type
         for dtype in (torch.float32, torch.bfloat16):
             out = torch.empty(base.shape, dtype=dtype)
             export_rounded(out, base, product, scale, ggml_type, list(steps or ()))
             assert torch.equal(out, expected.to(dtype)), (ggml_type, dtype)
         monkeypatch.setattr(quantizers, "CHUNK_ELEMENTS", 5 * 512)  # 5 chunks, the last of 4 rows
+        # a run's search in its kernel, as on a GPU (the tests' runs search in torch: the interpreter is slow)
+        in_kernel = ggml_type == "q6_K"  # its kernel the quickest interpreted
+        monkeypatch.setattr(through_export, "search_in_kernel", lambda: in_kernel)  # noqa: B023 (undone below)
         cache = SearchCache()
         for _ in range(2):  # searched, then from the cache
             fused = exported_weight(base, ggml_type, (a, b, scale), cache, torch.bfloat16, fused=True)

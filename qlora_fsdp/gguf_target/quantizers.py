@@ -132,9 +132,9 @@ def search_scale_and_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin
     inverse = f32(nmax) / torch.where(flat, ones, high - offset)
     scale = f32(1) / inverse
     best_error = weighted_error(scale, offset, grid(inverse, offset))
-    for step in range(nstep + 1):
+    for numerator in with_min_numerators(nmax, rmin, rdelta, nstep):
         span = torch.where(flat, ones, high - offset)
-        levels = grid((f32(rmin) + f32(rdelta) * step + nmax) / span, offset)
+        levels = grid(numerator / span, offset)
         weighted = weights * levels
         sum_l, sum_l2, sum_xl = ordered_sum(torch.stack([weighted, weighted * levels, weighted * x]))
         det = sum_w * sum_l2 - sum_l * sum_l
@@ -155,6 +155,23 @@ def search_scale_and_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin
 
 # q4_K and q5_K: (nmax, rmin, nstep) of their block search
 WITH_MIN = {"q4_K": (15, -1.0, 20), "q5_K": (31, -0.5, 15)}
+
+
+def with_min_numerators(nmax: int, rmin: float, rdelta: float, nstep: int) -> torch.Tensor:
+    """make_qkx2_quants' candidates: iscale = (rmin + rdelta * step + nmax) / span, the numerators in float32."""
+    return torch.stack([f32(rmin) + f32(rdelta) * step + nmax for step in range(nstep + 1)])
+
+
+def symmetric_numerators(nmax: int) -> torch.Tensor:
+    """make_qx_quants' 18 further grids, in llama.cpp's order: iscale = -(nmax + 0.1 * tried) / peak."""
+    return torch.stack([-(nmax + f32(0.1) * tried) for tried in (*range(-9, 0), *range(1, 10))])
+
+
+def candidate_numerators(ggml_type: str) -> torch.Tensor:
+    if ggml_type == "q6_K":
+        return symmetric_numerators(32)
+    nmax, rmin, nstep = WITH_MIN[ggml_type]
+    return with_min_numerators(nmax, rmin, 0.1, nstep)
 
 
 def steps_with_min(w: torch.Tensor, ggml_type: str) -> Steps:
@@ -210,8 +227,8 @@ def symmetric_block_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
     sum_lx, sum_l2 = sums(f32(-nmax) / safe_peak)
     scale = torch.where(sum_l2 != 0, sum_lx / torch.where(sum_l2 != 0, sum_l2, torch.ones_like(sum_l2)), 0)
     best = scale * sum_lx
-    for tried in (*range(-9, 0), *range(1, 10)):  # the first candidate that beats the best so far, in llama.cpp's order
-        sum_lx, sum_l2 = sums(-(nmax + f32(0.1) * tried) / safe_peak)
+    for numerator in symmetric_numerators(nmax):  # the first candidate that beats the best so far
+        sum_lx, sum_l2 = sums(numerator / safe_peak)
         better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
         scale = torch.where(better, sum_lx / torch.where(better, sum_l2, 1), scale)
         best = torch.where(better, scale * sum_lx, best)

@@ -28,8 +28,16 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.gguf_target.quantizers import SEARCHED, Steps, chunk_steps, empty_steps, rounded_chunk, row_slices
-from qlora_fsdp.kernels.export_rounding import available, export_rounded
+from qlora_fsdp.gguf_target.quantizers import (
+    SEARCHED,
+    Steps,
+    candidate_numerators,
+    chunk_steps,
+    empty_steps,
+    rounded_chunk,
+    row_slices,
+)
+from qlora_fsdp.kernels.export_rounding import available, export_rounded, export_searched, search_in_kernel
 from qlora_fsdp.layers.tiled_mlp import tile_work_begin, tile_work_end
 
 Lora = tuple[torch.Tensor, torch.Tensor, float]  # (A, B, scale): the delta s B A
@@ -61,7 +69,7 @@ class SearchCache:
 
 
 def search_into(steps: Steps, merged: torch.Tensor, ggml_type: str, chunk: int, chunks: int,
-                counted_for: int | None) -> None:
+                counted_for: int | None, fused: bool = False) -> None:
     """A chunk's block search, written into its rows of `steps`. On the planner's fake tensors with a cache, only the
     first chunk's search runs (its temporaries, as every chunk's) and tiled_mlp's markers price the others as its
     repeats, the whole counted once a step where the plan counts this micro-batch `counted_for` times."""
@@ -70,8 +78,11 @@ def search_into(steps: Steps, merged: torch.Tensor, ggml_type: str, chunk: int, 
         return
     if planned:
         tile_work_begin(merged)
-    for whole, part in zip(steps, chunk_steps(merged, ggml_type), strict=True):
-        whole.copy_(part)
+    if fused and search_in_kernel():
+        export_searched(list(steps), merged, candidate_numerators(ggml_type), ggml_type)
+    else:
+        for whole, part in zip(steps, chunk_steps(merged, ggml_type), strict=True):
+            whole.copy_(part)
     if planned:
         tile_work_end(merged, chunks / counted_for - 1 if counted_for else -1.0)
 
@@ -103,7 +114,8 @@ def exported_weight(base: torch.Tensor, ggml_type: str, lora: Lora | None = None
             continue
         merged = merged_rows(part, lora, rows)
         if search:
-            search_into(rows_steps, merged, ggml_type, chunk, len(slices), None if cache is None else cache.counted_for)
+            search_into(rows_steps, merged, ggml_type, chunk, len(slices), None if cache is None else cache.counted_for,
+                        fused)
         if fused:
             export_rounded(out[rows], merged, None, 1.0, ggml_type, list(rows_steps))
         else:

@@ -35,6 +35,13 @@ def available(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or interpreting())
 
 
+def search_in_kernel() -> bool:
+    """Whether the block search runs in its kernel where the rounding does: not under the interpreter, where one
+    call takes seconds (its sums are unrolled loops of small operations); the tests' runs search in torch, to the
+    same values (tests/test_export_target.py holds the kernel to it)."""
+    return not interpreting()
+
+
 if triton is not None:
 
     @triton.jit
@@ -110,6 +117,136 @@ if triton is not None:
             tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def column(x_ptr, blocks, live, j, BS: tl.constexpr):
+        """Element j of each block (a vector over the program's blocks): sums walk a block's elements in order."""
+        return tl.load(x_ptr + blocks * BS + j, mask=live, other=0.0)
+
+    @triton.jit
+    def grid_level(x, inverse, start, NMAX: tl.constexpr):
+        return nearest(tl.minimum(tl.maximum(inverse * (x - start), 0.0), NMAX))
+
+    @triton.jit
+    def weighted_error(x_ptr, blocks, live, av, scale, start, inverse, grid_start, NMAX: tl.constexpr):
+        """sum of w (scale l + start - x)^2 over a block of 32, in order; l on the grid (inverse, grid_start)."""
+        x = column(x_ptr, blocks, live, 0, 32)
+        diff = scale * grid_level(x, inverse, grid_start, NMAX) + start - x
+        total = (av + tl.abs(x)) * (diff * diff)
+        for j in range(1, 32):
+            x = column(x_ptr, blocks, live, j, 32)
+            diff = scale * grid_level(x, inverse, grid_start, NMAX) + start - x
+            total = total + (av + tl.abs(x)) * (diff * diff)
+        return total
+
+    @triton.jit
+    def with_min_search_kernel(x_ptr, candidates_ptr, d_ptr, ls_ptr, dmin_ptr, lm_ptr, n_blocks,
+                               NMAX: tl.constexpr, NSTEP: tl.constexpr, BP: tl.constexpr):
+        """quantizers.steps_with_min (make_qkx2_quants, then the super-block's 6-bit scales) for BP blocks of 32."""
+        blocks = tl.program_id(0) * BP + tl.arange(0, BP)
+        live = blocks < n_blocks
+        x = column(x_ptr, blocks, live, 0, 32)
+        squares, low, high = x * x, x, x
+        for j in range(1, 32):
+            x = column(x_ptr, blocks, live, j, 32)
+            squares, low, high = squares + x * x, tl.minimum(low, x), tl.maximum(high, x)
+        av = tl.sqrt_rn(tl.math.div_rn(squares, tl.full((BP,), 32.0, tl.float32)))
+        x = column(x_ptr, blocks, live, 0, 32)
+        sum_w, sum_x = av + tl.abs(x), (av + tl.abs(x)) * x
+        for j in range(1, 32):
+            x = column(x_ptr, blocks, live, j, 32)
+            sum_w, sum_x = sum_w + (av + tl.abs(x)), sum_x + (av + tl.abs(x)) * x
+        offset = tl.minimum(low, 0.0)
+        flat = high == offset
+        inverse = tl.math.div_rn(tl.full((BP,), NMAX, tl.float32), tl.where(flat, 1.0, high - offset))
+        scale = tl.math.div_rn(tl.full((BP,), 1.0, tl.float32), inverse)
+        best = weighted_error(x_ptr, blocks, live, av, scale, offset, inverse, offset, NMAX)
+        for step in range(NSTEP + 1):
+            iscale = tl.math.div_rn(tl.load(candidates_ptr + step) + tl.zeros((BP,), tl.float32),
+                                    tl.where(flat, 1.0, high - offset))
+            x = column(x_ptr, blocks, live, 0, 32)
+            level = grid_level(x, iscale, offset, NMAX)
+            weighted = (av + tl.abs(x)) * level
+            sum_l, sum_l2, sum_xl = weighted, weighted * level, weighted * x
+            for j in range(1, 32):
+                x = column(x_ptr, blocks, live, j, 32)
+                level = grid_level(x, iscale, offset, NMAX)
+                weighted = (av + tl.abs(x)) * level
+                sum_l, sum_l2, sum_xl = sum_l + weighted, sum_l2 + weighted * level, sum_xl + weighted * x
+            det = sum_w * sum_l2 - sum_l * sum_l
+            usable = det > 0
+            det = tl.where(usable, det, 1.0)
+            this_scale = tl.math.div_rn(sum_w * sum_xl - sum_x * sum_l, det)
+            this_offset = tl.math.div_rn(sum_l2 * sum_x - sum_l * sum_xl, det)
+            clipped = this_offset > 0
+            this_scale = tl.where(clipped, tl.math.div_rn(sum_xl, tl.where(clipped, sum_l2, 1.0)), this_scale)
+            this_offset = tl.where(clipped, 0.0, this_offset)
+            error = weighted_error(x_ptr, blocks, live, av, this_scale, this_offset, iscale, offset, NMAX)
+            better = usable & (error < best) & (flat == 0)
+            best = tl.where(better, error, best)
+            scale = tl.where(better, this_scale, scale)
+            offset = tl.where(better, this_offset, offset)
+        store_super_blocks(d_ptr, ls_ptr, tl.where(flat, 0.0, scale), blocks, live, n_blocks, BP)
+        store_super_blocks(dmin_ptr, lm_ptr, -offset, blocks, live, n_blocks, BP)
+
+    @triton.jit
+    def store_super_blocks(d_ptr, multiples_ptr, values, blocks, live, n_blocks, BP: tl.constexpr):
+        """q4_K / q5_K: a super-block's d = its largest value / 63 in float16, each block's multiple of it."""
+        grouped = tl.reshape(values, (BP // 8, 8))
+        largest = tl.maximum(tl.max(grouped, axis=1), 0.0)
+        factor = tl.where(largest > 0, tl.math.div_rn(tl.full((BP // 8,), 63.0, tl.float32),
+                                                      tl.where(largest > 0, largest, 1.0)), 0.0)
+        multiples = tl.reshape(nearest(tl.minimum(factor[:, None] * grouped, 63.0)), (BP,))
+        supers = tl.program_id(0) * (BP // 8) + tl.arange(0, BP // 8)
+        d = tl.math.div_rn(largest, tl.full((BP // 8,), 63.0, tl.float32))
+        tl.store(d_ptr + supers, d.to(tl.float16), mask=supers < n_blocks // 8)
+        tl.store(multiples_ptr + blocks, multiples.to(tl.int8), mask=live)
+
+    @triton.jit
+    def symmetric_sums(x_ptr, blocks, live, inverse):
+        """q6_K's candidate grid: sum of w x l and of w l l over a block of 16 (w = x^2), in order."""
+        x = column(x_ptr, blocks, live, 0, 16)
+        level = nearest(tl.minimum(tl.maximum(inverse * x, -32.0), 31.0))
+        sum_lx, sum_l2 = (x * x) * x * level, (x * x) * level * level
+        for j in range(1, 16):
+            x = column(x_ptr, blocks, live, j, 16)
+            level = nearest(tl.minimum(tl.maximum(inverse * x, -32.0), 31.0))
+            sum_lx, sum_l2 = sum_lx + (x * x) * x * level, sum_l2 + (x * x) * level * level
+        return sum_lx, sum_l2
+
+    @triton.jit
+    def q6_k_search_kernel(x_ptr, candidates_ptr, d_ptr, sc_ptr, n_blocks, N_CANDIDATES: tl.constexpr,
+                           BP: tl.constexpr):
+        """quantizers.q6_k_steps (make_qx_quants' 19 grids, then the super-block's 8-bit scales) for BP blocks."""
+        blocks = tl.program_id(0) * BP + tl.arange(0, BP)
+        live = blocks < n_blocks
+        peak = column(x_ptr, blocks, live, 0, 16)
+        for j in range(1, 16):  # the first element of the largest magnitude
+            x = column(x_ptr, blocks, live, j, 16)
+            peak = tl.where(tl.abs(x) > tl.abs(peak), x, peak)
+        safe = tl.where(peak != 0, peak, 1.0)
+        sum_lx, sum_l2 = symmetric_sums(x_ptr, blocks, live, tl.math.div_rn(tl.full((BP,), -32.0, tl.float32), safe))
+        scale = tl.where(sum_l2 != 0, tl.math.div_rn(sum_lx, tl.where(sum_l2 != 0, sum_l2, 1.0)), 0.0)
+        best = scale * sum_lx
+        for tried in range(N_CANDIDATES):
+            numerator = tl.load(candidates_ptr + tried) + tl.zeros((BP,), tl.float32)
+            sum_lx, sum_l2 = symmetric_sums(x_ptr, blocks, live, tl.math.div_rn(numerator, safe))
+            better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
+            scale = tl.where(better, tl.math.div_rn(sum_lx, tl.where(better, sum_l2, 1.0)), scale)
+            best = tl.where(better, scale * sum_lx, best)
+        scale = tl.where(tl.abs(peak) < 1e-15, 0.0, scale)
+        grouped = tl.reshape(scale, (BP // 16, 16))
+        top = signed_absmax(grouped, tl.arange(0, 16), 16)
+        zero = tl.abs(top) < 1e-15
+        inverse = tl.math.div_rn(tl.full((BP // 16,), -128.0, tl.float32), tl.where(zero, 1.0, top))
+        multiples = tl.where(zero[:, None], 0.0, nearest(tl.minimum(inverse[:, None] * grouped, 127.0)))
+        d = tl.where(zero, 0.0, tl.math.div_rn(tl.full((BP // 16,), 1.0, tl.float32), inverse))
+        supers = tl.program_id(0) * (BP // 16) + tl.arange(0, BP // 16)
+        tl.store(d_ptr + supers, d.to(tl.float16), mask=supers < n_blocks // 16)
+        tl.store(sc_ptr + blocks, tl.reshape(multiples, (BP,)).to(tl.int8), mask=live)
+
+
 @torch.library.custom_op("qlora_fsdp::export_rounded", mutates_args=("out",))
 def export_rounded(out: torch.Tensor, base: torch.Tensor, product: torch.Tensor | None, scale: float,
                    ggml_type: str, steps: list[torch.Tensor]) -> None:
@@ -132,4 +269,27 @@ def export_rounded(out: torch.Tensor, base: torch.Tensor, product: torch.Tensor 
 def _(out: torch.Tensor, base: torch.Tensor, product: torch.Tensor | None, scale: float, ggml_type: str,
       steps: list[torch.Tensor]) -> None:
     # the planner's fake step: the op's bytes (inputs read, `out` written) are what it prices
+    return None
+
+
+@torch.library.custom_op("qlora_fsdp::export_searched", mutates_args=("steps",))
+def export_searched(steps: list[torch.Tensor], merged: torch.Tensor, candidates: torch.Tensor, ggml_type: str) -> None:
+    """Write into `steps` (quantizers.empty_steps of these rows) a k-quant's block search of `merged` ([rows, n],
+    float32, n a multiple of 256): quantizers.block_steps' values, the candidates' numerators given
+    (quantizers.candidate_numerators)."""
+    kind, block, number = KINDS[ggml_type]
+    n_blocks = merged.numel() // block
+    per_program = INTERPRETED_BLOCKS_A_PROGRAM if interpreting() else BLOCKS_A_PROGRAM
+    grid = (triton.cdiv(n_blocks, per_program),)
+    candidates = candidates.to(merged.device)
+    if kind == Q6_K:
+        q6_k_search_kernel[grid](merged.contiguous(), candidates, *steps, n_blocks, N_CANDIDATES=candidates.numel(),
+                                 BP=per_program, enable_fp_fusion=False)
+    else:
+        with_min_search_kernel[grid](merged.contiguous(), candidates, *steps, n_blocks, NMAX=number,
+                                     NSTEP=candidates.numel() - 1, BP=per_program, enable_fp_fusion=False)
+
+
+@export_searched.register_fake
+def _searched(steps: list[torch.Tensor], merged: torch.Tensor, candidates: torch.Tensor, ggml_type: str) -> None:
     return None
