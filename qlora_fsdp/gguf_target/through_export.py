@@ -20,6 +20,7 @@ in every forward, a chunk of rows at a time, so no float32 copy of a whole weigh
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import bitsandbytes.functional as bnbf
@@ -68,23 +69,25 @@ class SearchCache:
         return not all(torch.equal(a, b) for a, b in zip(self.made_for or (), adapter, strict=True))
 
 
-def search_into(steps: Steps, merged: torch.Tensor, ggml_type: str, chunk: int, chunks: int,
+def search_into(steps: Steps, merge: Callable[[], torch.Tensor], ggml_type: str, chunk: int, chunks: int,
                 counted_for: int | None, fused: bool = False) -> None:
-    """A chunk's block search, written into its rows of `steps`. On the planner's fake tensors with a cache, only the
-    first chunk's search runs (its temporaries, as every chunk's) and tiled_mlp's markers price the others as its
-    repeats, the whole counted once a step where the plan counts this micro-batch `counted_for` times."""
-    planned = counted_for is not None and is_fake(merged)
+    """A chunk's block search of the merge `merge` makes, written into its rows of `steps`. On the planner's fake
+    tensors with a cache, only the first chunk's merge and search run (their temporaries, as every chunk's) and
+    tiled_mlp's markers price the others as its repeats, the whole counted once a step where the plan counts this
+    micro-batch `counted_for` times."""
+    planned = counted_for is not None and is_fake(steps[0])
     if planned and chunk > 0:
         return
     if planned:
-        tile_work_begin(merged)
+        tile_work_begin(steps[0])
+    merged = merge()
     if fused and search_in_kernel():
         export_searched(list(steps), merged, candidate_numerators(ggml_type), ggml_type)
     else:
         for whole, part in zip(steps, chunk_steps(merged, ggml_type), strict=True):
             whole.copy_(part)
     if planned:
-        tile_work_end(merged, chunks / counted_for - 1 if counted_for else -1.0)
+        tile_work_end(steps[0], chunks / counted_for - 1 if counted_for else -1.0)
 
 
 def merged_rows(base: torch.Tensor, lora: Lora | None, rows: slice) -> torch.Tensor:
@@ -106,20 +109,20 @@ def exported_weight(base: torch.Tensor, ggml_type: str, lora: Lora | None = None
     steps = empty_steps(base, ggml_type) if search or cache is None else cache.steps
     out = torch.empty(base.shape, dtype=dtype, device=base.device)
     slices = row_slices(base)
+    counted_for = None if cache is None else cache.counted_for
     for chunk, (rows, part) in enumerate(slices):
         rows_steps = tuple(s[rows] for s in steps)
-        if fused and not search:  # the kernel forms the merge from the base's rows and B A
+        if fused:  # the search (if due) merges in torch; the rounding kernel forms the merge from B A itself
+            if search:
+                merge = functools.partial(merged_rows, part, lora, rows)
+                search_into(rows_steps, merge, ggml_type, chunk, len(slices), counted_for, fused)
             product = None if lora is None else lora[1][rows].detach().float() @ lora[0].detach().float()
             export_rounded(out[rows], part, product, 1.0 if lora is None else lora[2], ggml_type, list(rows_steps))
             continue
         merged = merged_rows(part, lora, rows)
         if search:
-            search_into(rows_steps, merged, ggml_type, chunk, len(slices), None if cache is None else cache.counted_for,
-                        fused)
-        if fused:
-            export_rounded(out[rows], merged, None, 1.0, ggml_type, list(rows_steps))
-        else:
-            out[rows] = rounded_chunk(merged, ggml_type, rows_steps)
+            search_into(rows_steps, lambda: merged, ggml_type, chunk, len(slices), counted_for)  # noqa: B023
+        out[rows] = rounded_chunk(merged, ggml_type, rows_steps)
     if search and cache is not None:
         cache.keep(steps, adapter)
     return out
