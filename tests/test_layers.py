@@ -37,7 +37,7 @@ ALLOWED = {
     "objectives": BASE | {"data", "rewards", *MODEL, "kernels", "generation", "run", "outputs"},
     "training": BASE | {"data", *MODEL, "objectives", "optimizer", "run", "outputs"},  # the loop
     # the step measured: the objective's own micro-step on fake tensors, or on a real model
-    "measure": BASE | {"data", *MODEL, "objectives", "optimizer", "run"},
+    "measure": BASE | {"data", *MODEL, "objectives", "optimizer", "run", "kernels"},
     # memory and time, read off the measured step
     "plan": BASE | {"data", *MODEL, "generation", "measure", "objectives", "run"},
     "auto_batch": BASE | {"measure", "plan", "run"},  # a launched run's micro-batch, from the plan

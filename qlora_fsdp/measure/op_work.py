@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+import qlora_fsdp.kernels.export_rounding  # noqa: F401  (registers torch.ops.qlora_fsdp.export_rounded)
 import qlora_fsdp.layers.blockwise_attention  # noqa: F401  (registers torch.ops.qlora_fsdp.skipped_attention_work)
 import qlora_fsdp.layers.tiled_mlp  # noqa: F401  (registers torch.ops.qlora_fsdp.tile_work_begin and _end)
 
@@ -32,6 +33,7 @@ ALL_GATHER_COPY_IN = torch.ops.fsdp.all_gather_copy_in.default
 SKIPPED_ATTENTION = torch.ops.qlora_fsdp.skipped_attention_work.default
 TILE_WORK_BEGIN = torch.ops.qlora_fsdp.tile_work_begin.default
 TILE_WORK_END = torch.ops.qlora_fsdp.tile_work_end.default
+EXPORT_ROUNDED = torch.ops.qlora_fsdp.export_rounded.default  # writes its `out` without reading it
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default  # context parallel's trades around attention
 # a dequantized 4-bit weight: half a byte read and two written an element (bf16/fp16; the absmax is 1/64 of that)
 DEQUANT_BYTES_PER_ELEMENT = 2.5
@@ -209,6 +211,8 @@ def op_work(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, 
         return Work()
     if func is ALL_GATHER_COPY_IN:  # reads the shards, writes them into the flat input; the output is allocated
         traffic = 2 * sum(nbytes(t) for t in tensors(args[0]))
+    elif func is EXPORT_ROUNDED:
+        traffic = memory_traffic(func, args, kwargs, out) - nbytes(args[0])
     else:
         traffic = memory_traffic(func, args, kwargs, out)
     return Work(optimizer_bytes=traffic) if part == "optimizer" else Work(memory_bytes=traffic)
