@@ -13,8 +13,9 @@ an unquantized head are frozen, so they are rounded once, in place, when the run
 A k-quant's block search is the costly part of its rounding, and its result changes only with the adapter: each
 linear keeps its last search's block steps as the GGUF stores them (a float16 a super-block of 256 and a small
 integer a block: 0.07-0.08 bytes a weight) with a copy of the A and B it was made for, so the micro-batches of one
-optimizer step and their checkpointed recomputes search once. The rounding itself (a few element-wise passes) runs
-in every forward, a chunk of rows at a time, so no float32 copy of a whole weight is ever made.
+optimizer step and their checkpointed recomputes search once. The rounding itself runs in every forward, a chunk of
+rows at a time, so no float32 copy of a whole weight is ever made: on CUDA in one Triton kernel a chunk (about 8
+bytes an element, kernels/export_rounding.py, which also searches), elsewhere as a few element-wise torch passes.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def exported_weight(base: torch.Tensor, ggml_type: str, lora: Lora | None = None
                     dtype: torch.dtype = torch.float32, fused: bool = False) -> torch.Tensor:
     """The merge's weight rounded as llama-quantize stores it, in `dtype`, made a chunk of rows at a time (no
     full-size float32 temporaries); with a cache, a k-quant's block search is reused while A and B are unchanged.
-    `fused`: the rounding by kernels/export_rounding.py's one kernel (the same values), else in plain torch."""
+    `fused`: the rounding (and the search, off Triton's interpreter) by kernels/export_rounding.py's kernels, to the
+    same values, else in plain torch."""
     adapter = lora[:2] if lora is not None else ()
     search = ggml_type in SEARCHED and (cache is None or cache.stale(adapter))
     steps = empty_steps(base, ggml_type) if search or cache is None else cache.steps
@@ -159,7 +161,7 @@ def dequantized_base(linear4bit: Any) -> torch.Tensor:
 def lora_forward(module: Any, ggml_type: str, caches: tuple[SearchCache, SearchCache], fused: bool, x: torch.Tensor,
                  *args: Any, **kwargs: Any) -> torch.Tensor:
     """A PEFT LoRA linear over a Linear4bit, computing with its exported weight (its own search cache, and one for
-    the base alone); `fused`: rounded by the one kernel."""
+    the base alone); `fused`: rounded by the kernels."""
     (adapter,) = [a for a in module.active_adapters if a in module.lora_A]
     base_layer = module.get_base_layer()
     if module.disable_adapters:  # DPO's reference forward: the base alone, as it would be exported unmerged
@@ -201,7 +203,7 @@ def round_in_place(weight: torch.Tensor, ggml_type: str) -> None:
 
 
 def rounding_kernel(choice: str) -> bool:
-    """export.rounding_kernel on this machine: the one kernel where it runs (CUDA with Triton); `fused` refused
+    """export.rounding_kernel on this machine: the kernels where they run (CUDA with Triton); `fused` refused
     elsewhere in one line."""
     runs = available(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if choice == "fused" and not runs:
