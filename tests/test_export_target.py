@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -450,6 +451,32 @@ def test_a_lora_gguf_refuses_what_it_cannot_carry(tmp_path, capsys):
 
 
 @pytest.mark.old_torch  # reaches torch code that differs between releases (tests/version_paths.py)
+def test_the_kernels_compile_for_cuda_with_exact_float_instructions():
+    """The rounding and search kernels compiled for sm_90 here (Triton's own ptxas; tests/kernel_ptx.py): every
+    float32 add, subtract, multiply, divide and square root rounds to nearest on its own (`.rn`), no fused or
+    approximate instruction, float16 written to nearest: the order the interpreter checks against the torch
+    rounding is the order the GPU computes in. With Triton's default fusion the same kernel holds FMAs."""
+    import os
+    import subprocess
+    import sys
+
+    def instructions(*flags: str) -> dict[str, list[str]]:
+        done = subprocess.run([sys.executable, "-m", "tests.kernel_ptx", *flags], capture_output=True, text=True,
+                              env=os.environ | {"TRITON_INTERPRET": "0"}, cwd=Path(__file__).parent.parent, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    compiled = instructions()
+    assert len(compiled) == len(TYPES) + 3
+    for name, found in compiled.items():
+        arithmetic = [i for i in found if not i.startswith("cvt.")]
+        exact = [i for i in arithmetic if re.fullmatch(r"(add|sub|mul|div|sqrt)\.rn\.f32", i)]
+        assert arithmetic and exact == arithmetic, (name, found)
+        assert not [i for i in found if re.search(r"approx|ftz|full|sat", i)], (name, found)
+        assert "cvt.rn.f16.f32" in found, (name, found)  # the merge written as float16, to nearest even
+    assert any(i.startswith("fma.rn.f32") for i in instructions("--fusion")["rounding q4_K"])
+
+
 def test_the_planner_prices_a_search_once_a_step(monkeypatch):
     """On fake tensors the first chunk is searched and the rest priced as its repeats, the whole once an optimizer
     step (the plan counts the first micro-batch `counted_for` times); a frozen weight's search, once a run, at

@@ -1,4 +1,4 @@
-"""`export.target`'s rounding in one Triton kernel: the merged weight as llama.cpp stores it, in one pass.
+"""`export.target`'s rounding in Triton kernels: the merged weight as llama.cpp stores it, in one pass.
 
 gguf_target/quantizers.py rounds in plain torch: a dozen element-wise kernels a chunk, each reading and writing
 float32 copies, in every forward and checkpointed recompute of every linear (the planner: 67 of 88 seconds of an 8B
@@ -9,9 +9,10 @@ quantizer does and writes the weight in the compute dtype: about 8 bytes an elem
 It must equal quantizers.py bit for bit, so it computes in its order: each division exact (`div_rn`, where CUDA's
 `/` is an approximation), no fused multiply-add (`enable_fp_fusion=False`: a product and the sum after it round
 separately, as torch's separate kernels do), rounding to nearest even by adding and subtracting 1.5 * 2^23 (as
-llama.cpp's nearest_int), truncation by a cast to int32. The block search of the k-quants stays in torch (once an
-optimizer step, its result reused: through_export.py's cache). tests/test_export_target.py runs this kernel under
-TRITON_INTERPRET=1 against quantizers.py; the GPU check's export_rounding case runs it on a device.
+llama.cpp's nearest_int), truncation by a cast to int32. A second kernel makes the k-quants' block search (once an
+optimizer step, its result kept: through_export.py's cache), its sums in llama.cpp's order (a block's elements
+loaded one column at a time, each sum a chain of additions). tests/test_export_target.py runs both under
+TRITON_INTERPRET=1 against quantizers.py; the GPU check's export_rounding case runs them on a device.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from qlora_fsdp.kernels.nf4_matmul import interpreting, tl, triton
 Q8_0, SYMMETRIC, Q5_1, WITH_MIN, Q6_K = range(5)
 KINDS = {"q8_0": (Q8_0, 32, 0), "q4_0": (SYMMETRIC, 32, 8), "q5_0": (SYMMETRIC, 32, 16), "q5_1": (Q5_1, 32, 0),
          "q4_K": (WITH_MIN, 32, 15), "q5_K": (WITH_MIN, 32, 31), "q6_K": (Q6_K, 16, 0)}
-QK_K = 256
-ROUNDING_MAGIC = 12582912.0  # 1.5 * 2^23: x + it - it is x rounded to the nearest integer, ties to even
+# 1.5 * 2^23: x + it - it is x rounded to the nearest integer, ties to even (a kernel reads only constexpr globals)
+ROUNDING_MAGIC = tl.constexpr(12582912.0) if tl is not None else 12582912.0
+# every launch: a product and the sum after it rounded apart, as torch's kernels do (Triton fuses them by default)
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 BLOCKS_A_PROGRAM = 64  # 2,048 elements a program on a GPU
 INTERPRETED_BLOCKS_A_PROGRAM = 2048  # the interpreter pays per program: few large ones (numpy's arrays)
 
@@ -262,7 +265,7 @@ def export_rounded(out: torch.Tensor, base: torch.Tensor, product: torch.Tensor 
     export_rounding_kernel[grid](
         out.view(torch.int16) if bf16 else out, base.contiguous(), product, scale, *pointers, n_blocks,
         KIND=kind, HAS_PRODUCT=has_product, BS=block, NUMBER=number, BP=per_program, BF16_BITS=bf16,
-        enable_fp_fusion=False)
+        **LAUNCH_OPTIONS)
 
 
 @export_rounded.register_fake
@@ -284,10 +287,10 @@ def export_searched(steps: list[torch.Tensor], merged: torch.Tensor, candidates:
     candidates = candidates.to(merged.device)
     if kind == Q6_K:
         q6_k_search_kernel[grid](merged.contiguous(), candidates, *steps, n_blocks, N_CANDIDATES=candidates.numel(),
-                                 BP=per_program, enable_fp_fusion=False)
+                                 BP=per_program, **LAUNCH_OPTIONS)
     else:
         with_min_search_kernel[grid](merged.contiguous(), candidates, *steps, n_blocks, NMAX=number,
-                                     NSTEP=candidates.numel() - 1, BP=per_program, enable_fp_fusion=False)
+                                     NSTEP=candidates.numel() - 1, BP=per_program, **LAUNCH_OPTIONS)
 
 
 @export_searched.register_fake
