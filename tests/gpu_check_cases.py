@@ -281,7 +281,7 @@ def gathered_bytes_case(ctx: Context, arch: Path, storage: torch.dtype, offload:
 
 def emulated_cuda_copy() -> contextlib.AbstractContextManager[None]:
     """FSDP2's copy-in as CUDA sm80+ runs it (bf16 NaNs rewritten as 0x7FFF): the CPU's positive control."""
-    from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
+    from tests.cuda_copy import cuda_bf16_copy_emulated
 
     return cuda_bf16_copy_emulated()
 

@@ -628,7 +628,7 @@ MUTATIONS = [
     Mutation("bf16 packed storage", "qlora_fsdp/loading/build.py", "QUANT_STORAGE = torch.uint8\n",
              "QUANT_STORAGE = torch.bfloat16\n",
              "tests/test_numerics.py::test_packed_weights_survive_cuda_copy_behaviour"),
-    Mutation("the emulated CUDA copy rewrites float16's NaNs but not bf16's", "qlora_fsdp/tools/cuda_copy.py",
+    Mutation("the emulated CUDA copy rewrites float16's NaNs but not bf16's", "tests/cuda_copy.py",
              "READ_THROUGH_FLOAT = (torch.bfloat16, torch.float16)\n", "READ_THROUGH_FLOAT = (torch.float16,)\n",
              "tests/test_cuda_copy.py::test_the_emulated_copy_rewrites_nans_as_cudas_fused_copy_does", quick=True),
     Mutation("rsLoRA not passed to PEFT", "qlora_fsdp/loading/build.py",

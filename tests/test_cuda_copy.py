@@ -1,4 +1,4 @@
-"""The CPU's stand-in for CUDA's copy (qlora_fsdp/tools/cuda_copy.py), which the check of the packed 4-bit storage
+"""The CPU's stand-in for CUDA's copy (tests/cuda_copy.py), which the check of the packed 4-bit storage
 (tests/test_numerics.py: test_packed_weights_survive_cuda_copy_behaviour) and the GPU check's dry run rely on.
 
 Held to what `torch._foreach_copy_` did on an H100 (torch 2.11, CUDA 13), written out here: a list of one dtype
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
+from tests.cuda_copy import cuda_bf16_copy_emulated
 
 CUDA_NAN = 0x7FFF
 NANS = [0x7FC0, 0x7FC1, 0x7F81, 0xFFC0, 0xFFFF, 0x7FFF]  # quiet and signalling, either sign, payloads

@@ -21,7 +21,7 @@ from qlora_fsdp.loading.factory import build_model
 from qlora_fsdp.loading.names import weight_key
 from qlora_fsdp.loading.weight_files import weight_files
 from qlora_fsdp.objectives.supervised import accumulate_gradients
-from qlora_fsdp.tools.cuda_copy import cuda_bf16_copy_emulated
+from tests.cuda_copy import cuda_bf16_copy_emulated
 from tests.helpers import (
     FSDP2_REDUCE_SCATTER,
     batches,

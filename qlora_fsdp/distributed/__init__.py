@@ -196,11 +196,6 @@ def all_reduce_sums(values: list[float | int], device: torch.device) -> list[flo
     return tensor.tolist()
 
 
-def print0(*args: object) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, flush=True)
-
-
 def all_reduce_max(value: float, device: torch.device) -> float:
     return all_reduce_maxes([value], device)[0]
 

@@ -9,7 +9,7 @@ the file is closed; `benchmarks/loading.py` measures both (docs/benchmarks/loadi
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,17 +41,6 @@ class InMemoryTensor(StoredTensor):
 
     def read(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self.tensor if rows is None else self.tensor[rows[0] : rows[1]]
-
-
-class LazyTensor(StoredTensor):
-    """A tensor made only when read (a random expert that only the rank keeping it draws)."""
-
-    def __init__(self, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> None:
-        self.shape, self.make = shape, make
-
-    def read(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        tensor = self.make()
-        return tensor if rows is None else tensor[rows[0] : rows[1]]
 
 
 @dataclass

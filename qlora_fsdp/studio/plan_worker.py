@@ -79,11 +79,6 @@ def plan_or_error(draft: Draft) -> PlanData:
         return {"error": f"error: {err}"}
 
 
-def main(argv: list[str]) -> int:
-    print(json.dumps(plan_or_error(Draft(argv[0], tuple(argv[1:])))), flush=True)
-    return 0
-
-
 class PlanWorker:
     """One plan at a time, in children of the warm server; `plan` from a newer request ends the older one (its caller
     gets None; the server lets its process finish where it measures the step the newer one needs), and a request
@@ -204,6 +199,3 @@ def last_error_line(stderr: str) -> str:
     errors = [line for line in lines if line.startswith("error:")]
     return errors[-1] if errors else (lines[-1] if lines else "error: the plan stopped without a word")
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
