@@ -450,7 +450,6 @@ def test_a_lora_gguf_refuses_what_it_cannot_carry(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and message in err, err
 
 
-@pytest.mark.old_torch  # reaches torch code that differs between releases (tests/version_paths.py)
 def test_the_kernels_compile_for_cuda_with_exact_float_instructions():
     """The rounding and search kernels compiled for sm_90 here (Triton's own ptxas; tests/kernel_ptx.py): every
     float32 add, subtract, multiply, divide and square root rounds to nearest on its own (`.rn`), no fused or
@@ -477,6 +476,7 @@ def test_the_kernels_compile_for_cuda_with_exact_float_instructions():
     assert any(i.startswith("fma.rn.f32") for i in instructions("--fusion")["rounding q4_K"])
 
 
+@pytest.mark.old_torch  # reaches torch code that differs between releases (tests/version_paths.py)
 def test_the_planner_prices_a_search_once_a_step(monkeypatch):
     """On fake tensors the first chunk is searched and the rest priced as its repeats, the whole once an optimizer
     step (the plan counts the first micro-batch `counted_for` times); a frozen weight's search, once a run, at
