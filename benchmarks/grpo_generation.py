@@ -128,7 +128,8 @@ def world() -> tuple[int, int]:
 def ours(folder: Path, prompts: list[list[int]], layouts: list[str], args: argparse.Namespace, device: torch.device,
          info: Any) -> dict[str, Timed]:
     """Our model as training holds it (FSDP2 over the ranks), each layout timed on this rank's share of the rows."""
-    from qlora_fsdp.config import GrpoConfig, load_config
+    from qlora_fsdp.config import GenerationConfig, load_config
+    from qlora_fsdp.generation.plan import GenerationPlan
     from qlora_fsdp.loading.factory import build_model
     from qlora_fsdp.objectives.rollouts import generate
 
@@ -145,9 +146,10 @@ def ours(folder: Path, prompts: list[list[int]], layouts: list[str], args: argpa
         layout, graphs, kernels = parts(name, args)
 
         def run(new_tokens: int, layout: str = layout, graphs: str = graphs, kernels: str = kernels) -> int:
-            grpo = GrpoConfig(num_generations=args.rows // len(prompts), max_completion_length=new_tokens,
-                              generation_layout=layout, generation_graphs=graphs,  # type: ignore[arg-type]
-                              generation_kernels=kernels)  # type: ignore[arg-type]
+            grpo = GenerationPlan(GenerationConfig(
+                num_generations=args.rows // len(prompts), max_completion_length=new_tokens,
+                layout=layout, graphs=graphs, kernels=kernels),  # type: ignore[arg-type]
+                prompts=len(mine), prompt_tokens=0)
             width = max(len(ids) for ids in prompts)  # one cache length for every call: one compiled step
             made = generate(model, tokenizer, mine, grpo, device, size, cache_tokens=width + 1 + args.new_tokens)
             counted = torch.tensor(float(generated_tokens(made.ids, tokenizer.eos_token_id)))
@@ -209,9 +211,9 @@ def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gp
         f"model.path={folder}", "model.dtype=bfloat16", "quant.compute_dtype=bfloat16", f"hardware.gpu={gpu}",
         f"hardware.gpus_per_node={size}", "activation_checkpointing.mode=off",
         f"data.micro_batch_size={max(len(prompts) // size, 1)}", "data.grad_accum_steps=1",
-        f"data.context_length={width + args.new_tokens}", f"grpo.max_completion_length={args.new_tokens}",
-        f"grpo.num_generations={args.rows // len(prompts)}", f"grpo.generation_layout={layout}",
-        f"grpo.generation_graphs={graphs}", f"grpo.generation_kernels={kernels}"])
+        f"data.context_length={width + args.new_tokens}", f"generation.max_completion_length={args.new_tokens}",
+        f"generation.num_generations={args.rows // len(prompts)}", f"generation.layout={layout}",
+        f"generation.graphs={graphs}", f"generation.kernels={kernels}"])
     recipe = plan_recipe(cfg)
     leave_fake_world()
     assert recipe.result.step is not None
@@ -315,10 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--layouts", default="all", help="comma-separated layouts, or all the world size has")
     parser.add_argument("--graphs", choices=["auto", "on", "off", "both"], default="auto",
-                        help="grpo.generation_graphs: the decoding step as a CUDA graph (auto: on a GPU; both: the "
+                        help="generation.graphs: the decoding step as a CUDA graph (auto: on a GPU; both: the "
                         "gathered layout measured with and without)")
     parser.add_argument("--kernels", choices=["auto", "fused", "off", "both"], default="auto",
-                        help="grpo.generation_kernels: the fused NF4 + LoRA and decode attention kernels (auto: on "
+                        help="generation.kernels: the fused NF4 + LoRA and decode attention kernels (auto: on "
                         "sm86/89/90 GPUs; both: each generator measured with and without)")
     parser.add_argument("--work", type=Path, default=Path("outputs/bench-grpo-generation"))
     parser.add_argument("--plan-on", metavar="GPU", help="also print what --plan predicts on GPU (a hardware.gpu "

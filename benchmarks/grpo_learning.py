@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> Path:
     out = work / "run"
     overrides = [f"model.path={args.model}", "model.dtype=float32", "quant.compute_dtype=float32",
                  f"data.path={prompts}", "data.context_length=96", "data.micro_batch_size=2", "data.eval_samples=8",
-                 "grpo.num_generations=8", "grpo.max_completion_length=12", "grpo.rewards=[{function: math_answer}]",
+                 "generation.num_generations=8", "generation.max_completion_length=12",
+                 "grpo.rewards=[{function: math_answer}]",
                  "optim.lr=5e-4", f"train.max_steps={args.steps}", f"train.output_dir={out}", "train.overwrite=true",
                  "logging.plot=false"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

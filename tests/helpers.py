@@ -333,3 +333,12 @@ def head_of(name: str, lines: int, folder: Path) -> Path:
     out = folder / name
     out.write_text("".join((REPO / "data" / name).read_text().splitlines(keepends=True)[:lines]))
     return out
+
+
+def generation_plan(**settings: Any) -> Any:
+    """A GenerationPlan for direct decoding calls (objectives/rollouts.py's generate): the `generation` section's
+    settings, for one prompt."""
+    from qlora_fsdp.config import GenerationConfig
+    from qlora_fsdp.generation.plan import GenerationPlan
+
+    return GenerationPlan(GenerationConfig(**settings), prompts=1, prompt_tokens=0)

@@ -174,7 +174,7 @@ def test_every_kind_of_data_holds_out_a_tenth_at_most_or_the_eval_files_records(
     def loaded(**keys):
         cfg = tiny_config(tiny_model_dir, data={"path": str(train), "cache_dir": str(tmp_path / "cache"),
                                                 **data_keys, **keys}, train=train_keys,
-                          grpo={"max_completion_length": 8})
+                          generation={"max_completion_length": 8})
         data = load_training_data(tokenizer, cfg, None, lambda: pytest.fail("text records need no processor"))
         return len(data.train), len(data.eval)
 

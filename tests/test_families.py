@@ -127,9 +127,9 @@ def generation_prompts(samples: list[Sample]) -> list[list[int]]:
 def completions_by_layout(model, cfg, info, samples: list[Sample]) -> dict:
     """GRPO's generation of both prompts in each layout the world size has: greedy, and sampled from one seed; for
     the fused kernels' families, both again through the kernels."""
-    from qlora_fsdp.config import GrpoConfig
     from qlora_fsdp.generation.layouts import LAYOUTS
     from qlora_fsdp.objectives.rollouts import generate
+    from tests.helpers import generation_plan
 
     tokenizer = load_tokenizer(cfg)
     mine = generation_prompts(samples)[info.rank :: info.world_size]
@@ -142,8 +142,8 @@ def completions_by_layout(model, cfg, info, samples: list[Sample]) -> dict:
     before = dict(KERNEL_CALLS)
     for layout in LAYOUTS if info.world_size > 1 else ("gathered",):
         for kind, kernel in ((kind, kernel) for kind in ("greedy", "sampled") for kernel in kernels):
-            grpo = GrpoConfig(num_generations=2, max_completion_length=GENERATED, temperature=0.9, top_k=50,
-                              top_p=0.95, generation_kernels=kernel)
+            grpo = generation_plan(num_generations=2, max_completion_length=GENERATED, temperature=0.9, top_k=50,
+                                   top_p=0.95, kernels=kernel)
             torch.manual_seed(7 + info.rank)
             made = generate(model, tokenizer, mine, grpo, info.device, info.world_size, layout, kind == "greedy")
             every_rank: list = [None] * info.world_size

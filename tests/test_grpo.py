@@ -22,13 +22,14 @@ from typing import Any
 import pytest
 import torch
 
-from qlora_fsdp.config import GrpoConfig
+from qlora_fsdp.config import GenerationConfig, GrpoConfig
 from qlora_fsdp.losses.policy import group_advantages
 from tests.helpers import (
     FSDP2_ALL_GATHER,
     build_tiny_checkpoint,
     decoder_lora_keys,
     full_grads,
+    generation_plan,
     run_cli,
     run_ranks,
     run_ranks_sequence,
@@ -66,9 +67,12 @@ def completions(eos: int) -> tuple[list[list[int]], list[list[int]], list[bool]]
     return prompts, ids, truncated
 
 
+GENERATION = GenerationConfig(num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION,
+                              temperature=TEMPERATURE)
+
+
 def grpo_settings(name: str) -> GrpoConfig:
-    return GrpoConfig(num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE,
-                      **SETTINGS[name])
+    return GrpoConfig(**SETTINGS[name])
 
 
 def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None, packed: bool,
@@ -115,7 +119,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
         grpo = grpo_settings(name)
         masked = [grpo.mask_truncated_completions and truncated[i] for i in rows]
         samples = [completion_sample(prompts[i // GENERATIONS], ids[i], m) for i, m in zip(rows, masked, strict=True)]
-        steps = Grpo(dataclasses.replace(cfg, grpo=grpo), ForwardLoss(), rewards=[])
+        steps = Grpo(dataclasses.replace(cfg, grpo=grpo, generation=GENERATION), ForwardLoss(), rewards=[])
         steps.attach(RunParts(info, model, None, tokenizer.pad_token_id, None, rows_split, tokenizer))
         if old_ref is None:  # our own log-probabilities, moved: both sides' old and reference
             noise = torch.Generator().manual_seed(1)
@@ -384,10 +388,10 @@ def test_rewards_built_in_and_errors_in_one_line(tmp_path, monkeypatch):
         "def short(completions, **kw):\n    return [1.0]\n"
         "def nan(completions, **kw):\n    return [float('nan')] * len(completions)\n"
         "def partial(completions, **kw):\n    return [None, 2.0] * (len(completions) // 2)\n")
-    grpo = GrpoConfig(num_generations=2, rewards=[RewardConfig("user_rewards:partial"), RewardConfig("format", 0.5)])
+    rewards = [RewardConfig("user_rewards:partial"), RewardConfig("format", 0.5)]
     rollouts = Rollouts(["p", "p", "q", "q"], ["x", "<think>a</think><answer>b</answer>", "boom", "y"],
                         [[1], [2], [3], [4]], [7, 7, 9, 9], {"answer": ["1", "1", "2", "2"]})
-    scores = score(resolve_rewards(grpo), rollouts)
+    scores = score(resolve_rewards(rewards, GenerationConfig()), rollouts)
     assert torch.equal(torch.isnan(scores[:, 0]), torch.tensor([True, False, True, False]))
     assert combined(scores, [1.0, 0.5]).tolist() == [0.0, 2.5, 0.0, 2.0]  # None skipped, not zeroed
     assert torch.isnan(combined(torch.tensor([[float("nan"), float("nan")]]), [1.0, 1.0])).all()
@@ -396,12 +400,12 @@ def test_rewards_built_in_and_errors_in_one_line(tmp_path, monkeypatch):
               "nan": "reward function user_rewards:nan returned nan for a completion of prompt 7 of the dataset"}
     for name, message in errors.items():
         with pytest.raises(RewardError) as raised:
-            score(resolve_rewards(GrpoConfig(rewards=[RewardConfig(f"user_rewards:{name}")])), rollouts)
+            score(resolve_rewards([RewardConfig(f"user_rewards:{name}")], GenerationConfig()), rollouts)
         assert str(raised.value).startswith(message) and "\n" not in str(raised.value), raised.value
     for function, message in (("nowhere:fn", "cannot import nowhere"), ("user_rewards:absent", "has no function"),
                               ("exact", "unknown reward function 'exact'")):
         with pytest.raises(ConfigError, match=message):
-            resolve_rewards(GrpoConfig(rewards=[RewardConfig(function)]))
+            resolve_rewards([RewardConfig(function)], GenerationConfig())
 
 
 # ---- runs: generate, score, update -----------------------------------------------------------------------------------
@@ -420,7 +424,7 @@ def generate_with_stops(info, model_dir: Path) -> dict:
     model = build_model(cfg, info)
     torch.manual_seed(info.rank)
     prompt = tokenizer(["Reverse the letters of the word.", "How many words are in the text?"][info.rank])
-    grpo = GrpoConfig(num_generations=4, max_completion_length=12, stop=["e"], generation_rows=3)  # calls of 3, 1
+    grpo = generation_plan(num_generations=4, max_completion_length=12, stop=["e"], rows=3)  # calls of 3, 1
     made = generate(model, tokenizer, [prompt["input_ids"]], grpo, info.device, info.world_size, layout="split")
     texts = [tokenizer.decode(ids) for ids in made.ids]
     return {"update_grads": backward_of(model, prompt["input_ids"], made.ids, tokenizer.pad_token_id, info),
@@ -452,14 +456,14 @@ def generated_and_recomputed_logps(model, tokenizer, prompts: list[list[int]], i
     from qlora_fsdp.objectives.grpo import completion_sample
     from qlora_fsdp.objectives.rollouts import generate
 
-    grpo = GrpoConfig(num_generations=3, max_completion_length=8, temperature=0.7)
+    grpo = generation_plan(num_generations=3, max_completion_length=8, temperature=0.7)
     torch.manual_seed(3 + info.rank)
     made = generate(model, tokenizer, prompts, grpo, info.device, info.world_size, logps=True)
     samples = [completion_sample(prompts[0], ids, False) for ids in made.ids]
     batch = collate(samples, tokenizer.pad_token_id)
     model.eval()  # no LoRA dropout, as in generation
     with torch.no_grad():
-        flat = ForwardLoss().token_logps(model, batch, info.device, grpo.temperature).logps
+        flat = ForwardLoss().token_logps(model, batch, info.device, grpo.settings.temperature).logps
     model.train()
     pieces = flat.split(batch.targets_per_sample().tolist())
     return {"generated": made.logps, "recomputed": [piece.tolist() for piece in pieces]}
@@ -476,7 +480,7 @@ def greedy_with_and_without_graphs(model, tokenizer, prompts: list[list[int]], i
     out: dict = {}
     for graphs in ("off", "on"):
         before = counters["stats"]["unique_graphs"]
-        grpo = GrpoConfig(num_generations=2, max_completion_length=6, generation_graphs=graphs)
+        grpo = generation_plan(num_generations=2, max_completion_length=6, graphs=graphs)
         out[graphs] = generate(model, tokenizer, prompts, grpo, info.device, info.world_size, greedy=True).ids
         out[f"{graphs}_graphs"] = counters["stats"]["unique_graphs"] - before
 
@@ -486,7 +490,7 @@ def greedy_with_and_without_graphs(model, tokenizer, prompts: list[list[int]], i
     rollouts.GRAPHS_BACKEND, backend = failing_backend, rollouts.GRAPHS_BACKEND
     torch._dynamo.reset()
     try:  # the run goes on eagerly, says why once, and later calls do not try again
-        grpo = GrpoConfig(num_generations=2, max_completion_length=6, generation_graphs="on")
+        grpo = generation_plan(num_generations=2, max_completion_length=6, graphs="on")
         out["fallback"] = generate(model, tokenizer, prompts, grpo, info.device, info.world_size, greedy=True).ids
         out["failure"] = list(rollouts.GRAPHS_FAILED)
         out["later"] = generate(model, tokenizer, prompts, grpo, info.device, info.world_size, greedy=True).ids
@@ -517,7 +521,7 @@ def bytes_gathered_by_layout(model, tokenizer, prompts: list[list[int]], info) -
         for layout in LAYOUTS:
             for new in (2, 10):
                 counted[0] = 0
-                grpo = GrpoConfig(num_generations=2, max_completion_length=new, generation_rows=1)  # calls of a row
+                grpo = generation_plan(num_generations=2, max_completion_length=new, rows=1)  # calls of a row
                 generate(model, tokenizer, prompts, grpo, info.device, info.world_size, layout)
                 out[layout, new] = counted[0]
     finally:
@@ -638,7 +642,7 @@ def test_prompt_data_errors_name_the_file_and_record(tiny_model_dir, tmp_path):
     def config(path: Path, context: int = 64, **data):
         return tiny_config(tiny_model_dir, data={"path": str(path), "format": "prompt", "context_length": context,
                                                  "eval_samples": 1, **data},
-                           train={"objective": "grpo"}, grpo={"max_completion_length": 16})
+                           train={"objective": "grpo"}, generation={"max_completion_length": 16})
 
     records = tmp_path / "prompts.jsonl"
     records.write_text("\n".join(json.dumps(r) for r in (
@@ -647,7 +651,7 @@ def test_prompt_data_errors_name_the_file_and_record(tiny_model_dir, tmp_path):
         {"prompt": "word " * 200, "answer": "#### 3"})) + "\n")
     tokenizer = load_tokenizer(config(records))
     with pytest.raises(DataError, match=r"prompts.jsonl record 3: the prompt has \d+ tokens, more than "
-                                        r"data.context_length - grpo.max_completion_length = 112"):
+                                        r"data.context_length - generation.max_completion_length = 112"):
         load_prompt_data(tokenizer, config(records, context=128))
     data = load_prompt_data(tokenizer, config(records, context=512))
     assert len(data.train) + len(data.eval) == 3 and data.train.columns.keys() == {"answer"}
@@ -754,8 +758,8 @@ def our_whole_step(info, model_dir: Path, adapter: Path, packed: bool) -> dict:
         cfg = tiny_config(model_dir, data={"packing": packed, "context_length": 64, "format": "prompt",
                                            "micro_batch_size": 1},
                           train={"objective": "grpo"})
-        cfg = dataclasses.replace(cfg, grpo=GrpoConfig(num_generations=E2E_GENERATIONS, max_completion_length=E2E_MAX,
-                                                       temperature=TEMPERATURE, **setting))
+        cfg = dataclasses.replace(cfg, grpo=GrpoConfig(**setting), generation=GenerationConfig(
+            num_generations=E2E_GENERATIONS, max_completion_length=E2E_MAX, temperature=TEMPERATURE))
         tokenizer = load_tokenizer(cfg)
         model = build_model(cfg, info)
         load_adapter_into(model, adapter)

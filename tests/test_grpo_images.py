@@ -20,9 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlora_fsdp.config import GrpoConfig
+from qlora_fsdp.config import GenerationConfig, GrpoConfig
 from qlora_fsdp.tools.tiny_model import train_tokenizer
-from tests.helpers import REPO, full_grads, run_ranks, run_ranks_sequence, tiny_config, transformers_nf4
+from tests.helpers import (
+    REPO,
+    full_grads,
+    generation_plan,
+    run_ranks,
+    run_ranks_sequence,
+    tiny_config,
+    transformers_nf4,
+)
 from tests.test_grpo import ReplayedGenerate, fixed_completions, parity_reward, relative, trl_cut
 from tests.vision_models import write_image_records, write_tiny_gemma3, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
 
@@ -75,8 +83,8 @@ def our_side(info, model_dir: Path, data: Path, adapter: Path, split: bool = Fal
                                        "micro_batch_size": 1, "packing": packed}, train={"objective": "grpo"},
                       fsdp={"context_parallel": info.world_size if split else 1})
     rows_split = row_split(cfg.fsdp.context_parallel)
-    cfg = dataclasses.replace(cfg, grpo=GrpoConfig(num_generations=GENERATIONS, max_completion_length=MAX_NEW,
-                                                   temperature=TEMPERATURE, beta=BETA))
+    cfg = dataclasses.replace(cfg, grpo=GrpoConfig(beta=BETA), generation=GenerationConfig(
+        num_generations=GENERATIONS, max_completion_length=MAX_NEW, temperature=TEMPERATURE))
     tokenizer = load_tokenizer(cfg)
     data = load_training_data(tokenizer, cfg, info, lambda: load_processor(cfg))
     assert data.has_images
@@ -92,7 +100,7 @@ def our_side(info, model_dir: Path, data: Path, adapter: Path, split: bool = Fal
     takers, taker = rows_split.data_ranks, rows_split.data_rank
     mine = list(range(taker * n // takers, (taker + 1) * n // takers))
     layout = "split" if info.world_size > 1 else None
-    greedy_grpo = dataclasses.replace(cfg.grpo, max_completion_length=GREEDY_TOKENS)
+    greedy_grpo = generation_plan(**{**dataclasses.asdict(cfg.generation), "max_completion_length": GREEDY_TOKENS})
     rows = [prompts.ids[p] for p in mine]
     with decoding(model, tokenizer, greedy_grpo, info.device, info.world_size, len(rows), max(map(len, rows)),
                   layout=layout, greedy=True) as decode:
@@ -268,8 +276,12 @@ def test_image_prompt_forms_and_bad_input_in_one_line(tiny_model_dir, tmp_path):
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         cfg = tiny_config(model, data={"path": str(path), "context_length": 512, "eval_samples": 0, **data},
                           train={"objective": "grpo"})
-        cfg = dataclasses.replace(cfg, grpo=GrpoConfig(num_generations=2, max_completion_length=8, **(grpo or {})))
-        return load_training_data(load_tokenizer(cfg), cfg, None, lambda: load_processor(cfg))
+        cfg = dataclasses.replace(cfg, grpo=GrpoConfig(**(grpo or {})),
+                                  generation=GenerationConfig(num_generations=2, max_completion_length=8))
+        def shown(record: dict, where: str) -> tuple:  # the tools a run's prompts would show (none listed here)
+            return record["prompt"], []
+        tools = shown if cfg.grpo.calls_tools else None
+        return load_training_data(load_tokenizer(cfg), cfg, None, lambda: load_processor(cfg), tools)
 
     image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
     forms = load([{"question": "Colour?", "picture": "red.png"},

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from qlora_fsdp.config import GrpoConfig
+from qlora_fsdp.config import GenerationConfig, GrpoConfig
 from tests.helpers import build_tiny_checkpoint, full_grads, run_ranks, tiny_config
 
 PROMPTS, GENERATIONS, MAX_COMPLETION = 4, 3, 400
@@ -211,13 +211,14 @@ def our_rollouts_and_step(info, model_dir: Path, adapter: Path, packed: bool, re
         tools = [f"{here}:lookup", f"{here}:add"] if not env else [f"{here}:add"]
         extra = {"environment": f"{here}:make_counter"} if env else {}
         if layout:
-            extra["generation_layout"] = layout
+            extra["layout"] = layout
         cfg = tiny_config(model_dir, data={"packing": packed, "context_length": 1280, "format": "prompt",
                                            "micro_batch_size": 1, "template": "tokenizer"},
                           train={"objective": "grpo"})
-        grpo = GrpoConfig(num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION, temperature=0.7,
-                          tools=tools, **extra, **setting)
-        cfg = dataclasses.replace(cfg, grpo=grpo)
+        grpo = GrpoConfig(tools=tools, **{k: v for k, v in extra.items() if k != "layout"}, **setting)
+        generation = GenerationConfig(num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION,
+                                      temperature=0.7, layout=extra.get("layout", "auto"))
+        cfg = dataclasses.replace(cfg, grpo=grpo, generation=generation)
         tokenizer = load_tokenizer(cfg)
         model = build_model(cfg, info)
         load_adapter_into(model, adapter)
@@ -436,7 +437,7 @@ def test_bad_tools_environments_and_calls_fail_in_one_line_or_as_the_tools_messa
             load_environments(GrpoConfig(environment=spec))
     cfg = Config()
     cfg.train.objective, cfg.data.format = "grpo", "prompt"
-    cfg.grpo.environment, cfg.grpo.environments, cfg.grpo.max_completion_length = "a:b", {"x": "a:b"}, 64
+    cfg.grpo.environment, cfg.grpo.environments, cfg.generation.max_completion_length = "a:b", {"x": "a:b"}, 64
     with pytest.raises(ConfigError, match="set one of them"):
         validate(cfg)
 
@@ -512,7 +513,7 @@ def test_prompts_are_read_with_their_environments_tools(tmp_path, monkeypatch):
         cfg = Config()
         cfg.train.objective, cfg.data.format, cfg.data.path = "grpo", "prompt", str(path)
         cfg.data.context_length, cfg.data.eval_samples, cfg.data.template = 4096, 0, "tokenizer"
-        cfg.grpo.max_completion_length, cfg.grpo.tools = 64, [f"{__name__}:add"]
+        cfg.generation.max_completion_length, cfg.grpo.tools = 64, [f"{__name__}:add"]
         cfg.grpo.environments = {"counter": f"{__name__}:make_counter", "plain": f"{__name__}:make_plain"}
         return cfg
 
@@ -561,7 +562,8 @@ def test_a_tool_run_from_the_command_line_on_two_ranks(tiny_model_dir, tmp_path)
     out = tmp_path / "run"
     argv = ["--recipe", "tiny_cpu_grpo", f"model.path={tiny_model_dir}", f"train.output_dir={out}",
             "train.max_steps=2", "logging.plot=false", "data.template=chatml", "data.context_length=1024",
-            "data.eval_samples=0", "grpo.max_completion_length=12", "grpo.tools=[examples/agent_tools.py:calculate]",
+            "data.eval_samples=0", "generation.max_completion_length=12",
+            "grpo.tools=[examples/agent_tools.py:calculate]",
             "grpo.environment=examples.agent_tools:make_counter", "grpo.max_tool_calling_iterations=2",
             "grpo.rewards=[]"]  # the environment's get_reward is the reward (the recipe's reads plain-text completions)
     results = run_cli(argv, 2, tmp_path)
@@ -579,16 +581,15 @@ def test_a_tool_run_from_the_command_line_on_two_ranks(tiny_model_dir, tmp_path)
 
 def test_a_rounds_rows_are_split_into_calls_the_cache_holds():
     """A later round's rows differ in context and room left: a call's longest context and largest room fit the
-    run's KV cache together (each row alone does), at most generation_rows a call, the rows kept in order."""
-    from types import SimpleNamespace
-
+    run's KV cache together (each row alone does), at most generation.rows a call, the rows kept in order."""
     from qlora_fsdp.objectives.rollouts import Decoder
+    from tests.helpers import generation_plan
 
     decoder = Decoder.__new__(Decoder)  # calls_of reads the settings only
-    decoder.grpo, decoder.cache_tokens = SimpleNamespace(generation_rows=None), 100
+    decoder.plan, decoder.cache_tokens = generation_plan(), 100
     assert decoder.calls_of([[1] * 10, [1] * 8, [1] * 60], [40, 40, 40]) == [[0, 1, 2]]  # a first round: one call
     assert decoder.calls_of([[1] * 90, [1] * 30, [1] * 85, [1] * 80], [10, 70, 15, 15]) == [[0], [1], [2, 3]]
-    decoder.grpo = SimpleNamespace(generation_rows=2)
+    decoder.plan = generation_plan(rows=2)
     assert decoder.calls_of([[1] * 10] * 5, [4] * 5) == [[0, 1], [2, 3], [4]]
 
 

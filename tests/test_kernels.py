@@ -112,7 +112,7 @@ def test_where_the_kernels_run_and_the_one_line_otherwise(monkeypatch, capsys):
     assert said == ["GRPO generation: decoding through bitsandbytes and sdpa on a CPU (the kernels run on sm86, "
                     "sm89 and sm90 GPUs)"]
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ConfigError, match="^grpo.generation_kernels: fused cannot run on a CPU") as raised:
+    with pytest.raises(ConfigError, match="^generation.kernels: fused cannot run on a CPU") as raised:
         fused_decoding.kernels_wanted("fused", cpu)
     assert "\n" not in str(raised.value)
 

@@ -132,7 +132,8 @@ def test_modules_and_functions_stay_short():
 # layer's choice of reader by the kind of data
 # the tables, validation, and the two places that choose the data's reader by its kind: the run's and the studio's
 # data preview (which reads and shows what that reader would)
-DISPATCH_ALLOWED = {"config/objectives.py", "config/validation.py", "config/schema.py", "objectives/table.py",
+DISPATCH_ALLOWED = {"config/objectives.py", "config/validation.py", "config/generating_checks.py", "config/schema.py",
+                    "objectives/table.py",
                     "data/training_data.py", "readouts/data_preview.py"}
 
 
@@ -195,12 +196,12 @@ def test_objectives_are_told_apart_in_the_table_and_validation_only():
     or a kind's field, through a local alias, `match`, a dict lookup, or isinstance on an objective's class."""
     from typing import get_args
 
-    from qlora_fsdp.config.objectives import OBJECTIVES, Objective
+    from qlora_fsdp.config.objectives import OBJECTIVES, ObjectiveName
     from qlora_fsdp.objectives.table import OBJECTIVE_CLASSES
 
-    assert set(OBJECTIVES) == set(get_args(Objective)) == set(OBJECTIVE_CLASSES)
+    assert set(OBJECTIVES) == set(get_args(ObjectiveName)) == set(OBJECTIVE_CLASSES)
     classes = objective_subclasses()
-    assert {"Supervised", "Dft", "Grpo", "Dpo", "Kto", "KtoLoss", "DpoLoss"} <= classes
+    assert {"Supervised", "Dft", "Grpo", "Rloo", "Dpo", "Kto", "KtoLoss", "DpoLoss"} <= classes
     found = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
              if str(path.relative_to(PACKAGE)) not in DISPATCH_ALLOWED
              for line in dispatches(ast.parse(path.read_text()), classes)]
@@ -210,6 +211,22 @@ def test_objectives_are_told_apart_in_the_table_and_validation_only():
                for path in sorted((PACKAGE / folder).glob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.Attribute) and node.attr == "kind"]
     assert reading == [], "the planner and the loop ask the objective (objectives/base.py), not cfg.train.kind"
+
+
+def objective_section_reads(tree: ast.AST) -> list[int]:
+    """Lines reading a generating objective's own section (`x.grpo`, `x.rloo`)."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in ("grpo", "rloo")]
+
+
+def test_a_generating_objectives_settings_are_read_in_objectives_and_config_only():
+    """GRPO's and RLOO's own sections are theirs: the planner, the run, the data and the studio read the generation
+    plan (generation/plan.py) or an objective's method; the guard catches a read."""
+    assert objective_section_reads(ast.parse("rows = cfg.grpo.num_iterations")) == [1]
+    assert objective_section_reads(ast.parse("rows = cfg.generation.rows")) == []
+    found = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+             if path.relative_to(PACKAGE).parts[0] not in ("objectives", "config")
+             for line in objective_section_reads(ast.parse(path.read_text()))]
+    assert found == [], "read the generation plan or ask the objective"
 
 
 DISPATCH_FORMS = {

@@ -202,7 +202,7 @@ def test_grpo_scores_completions_with_the_trained_reward_model(tiny_model_dir, r
     """`grpo.rewards: [{function: reward_model, options: {adapter: ...}}]`: resolved as GRPO resolves its rewards,
     it scores prompt + completion (GRPO's chat shape) as PEFT's classifier scores that text under the run's
     template; a folder that is no reward model's is refused in one line."""
-    from qlora_fsdp.config import GrpoConfig, RewardConfig
+    from qlora_fsdp.config import GenerationConfig, RewardConfig
     from qlora_fsdp.data.pipeline import run_template
     from qlora_fsdp.data.templates import encode
     from qlora_fsdp.errors import ConfigError
@@ -210,8 +210,8 @@ def test_grpo_scores_completions_with_the_trained_reward_model(tiny_model_dir, r
     from qlora_fsdp.rewards.functions import resolve_rewards
 
     adapter, cfg = reward_runs["adapter"], reward_runs["cfg"]
-    grpo = GrpoConfig(rewards=[RewardConfig(function="reward_model", options={"adapter": str(adapter)})])
-    (reward,) = resolve_rewards(grpo, {"reward_model": reward_model_function})
+    rewards = [RewardConfig(function="reward_model", options={"adapter": str(adapter)})]
+    (reward,) = resolve_rewards(rewards, GenerationConfig(), "grpo", {"reward_model": reward_model_function})
     records = [json.loads(line) for line in (REPO / "data" / "tiny_preferences.jsonl").read_text().splitlines()[:3]]
     prompts = [r["prompt"] for r in records]
     completions = [r["chosen"] for r in records]

@@ -1,5 +1,6 @@
 """Recipe configuration: the schema (`schema.py`) and its loader (`loader.py`)."""
 
+from qlora_fsdp.config.generation import GenerationConfig, GenerationLayout
 from qlora_fsdp.config.loader import (
     RUN_CONTROL_KEYS,
     changed_settings,
@@ -8,9 +9,19 @@ from qlora_fsdp.config.loader import (
     to_dict,
     to_yaml,
 )
+from qlora_fsdp.config.objectives import (
+    OBJECTIVES,
+    DpoLossType,
+    GrpoConfig,
+    GrpoLossType,
+    ObjectiveKind,
+    ObjectiveName,
+    PreferenceConfig,
+    RewardConfig,
+    RlooConfig,
+)
 from qlora_fsdp.config.schema import (
     FSDP_CONFIGS_DIR,
-    OBJECTIVES,
     RECIPES_DIR,
     REPO_ROOT,
     ActivationCheckpointingConfig,
@@ -19,27 +30,20 @@ from qlora_fsdp.config.schema import (
     Config,
     DataConfig,
     DataFormat,
-    DpoLossType,
     DType,
     DTypeChoice,
     ExportConfig,
     ExportTarget,
     FSDPConfig,
-    GrpoConfig,
-    GrpoLossType,
     HardwareConfig,
     LoggingConfig,
     LoraConfig,
     LossConfig,
     ModelConfig,
-    Objective,
-    ObjectiveKind,
     OptimConfig,
     OverlongPolicy,
-    PreferenceConfig,
     ProfileConfig,
     QuantConfig,
-    RewardConfig,
     SourceConfig,
     Template,
     TemplateChoice,
@@ -50,10 +54,10 @@ from qlora_fsdp.config.validation import validate
 __all__ = [
     "ActivationCheckpointingConfig", "CheckpointScope", "CheckpointedLayers", "Config", "DType", "DTypeChoice",
     "DataConfig", "DataFormat", "DpoLossType", "ExportConfig", "ExportTarget", "FSDPConfig", "FSDP_CONFIGS_DIR",
-    "GrpoConfig", "GrpoLossType",
-    "HardwareConfig", "LoggingConfig", "LoraConfig", "LossConfig", "ModelConfig", "OBJECTIVES", "Objective",
+    "GenerationConfig", "GenerationLayout", "GrpoConfig", "GrpoLossType",
+    "HardwareConfig", "LoggingConfig", "LoraConfig", "LossConfig", "ModelConfig", "OBJECTIVES", "ObjectiveName",
     "ObjectiveKind", "OptimConfig", "OverlongPolicy", "PreferenceConfig", "ProfileConfig",
-    "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "RewardConfig",
+    "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "RewardConfig", "RlooConfig",
     "SourceConfig", "Template", "TemplateChoice", "TrainConfig", "changed_settings", "load_config",
     "resolve_recipe_path", "to_dict", "to_yaml", "validate",
 ]

@@ -14,6 +14,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from qlora_fsdp.config.generation import MOVED_TO_GENERATION
 from qlora_fsdp.config.schema import (
     FSDP_CONFIGS_DIR,
     RECIPES_DIR,
@@ -210,8 +211,15 @@ RENAMED_VALUES = {("model.init", "checkpoint"): "pretrained"}
 
 
 def upgraded(tree: dict[str, Any]) -> dict[str, Any]:
-    """A run's saved config with renamed values under their new names (`model.init: checkpoint`: pretrained)."""
+    """A run's saved config with renamed values under their new names (`model.init: checkpoint`: pretrained) and
+    moved keys in their new sections (`grpo.temperature`: generation.temperature)."""
     tree = copy.deepcopy(tree)
+    for old, new in MOVED_TO_GENERATION.items():
+        old_section, old_leaf = old.split(".")
+        new_section, new_leaf = new.split(".")
+        section = tree.get(old_section)
+        if isinstance(section, dict) and old_leaf in section:
+            tree.setdefault(new_section, {})[new_leaf] = section.pop(old_leaf)
     for (dotted, old), new in RENAMED_VALUES.items():
         *sections, leaf = dotted.split(".")
         node: Any = tree
@@ -226,6 +234,8 @@ def _unknown_key_message(dotted: str, source: str, candidates: list[str] | None 
     section, dot, rest = dotted.partition(".")
     if section in RENAMED_KEYS:
         return f"'{dotted}' in {source} is now '{RENAMED_KEYS[section]}{dot}{rest}': rename it"
+    if dotted in MOVED_TO_GENERATION:
+        return f"'{dotted}' in {source} is now '{MOVED_TO_GENERATION[dotted]}' (the generation section): move it"
     candidates = candidates or _all_keys(Config)
     best = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.5)
     if not best:  # a typo in the section name: compare the last part alone

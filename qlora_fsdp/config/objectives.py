@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Objective = Literal["sft", "dft", "dpo", "orpo", "simpo", "kto", "reward", "grpo"]
+ObjectiveName = Literal["sft", "dft", "dpo", "orpo", "simpo", "kto", "reward", "grpo", "rloo"]
 DataKind = Literal["samples", "pairs", "prompts"]
 
 
@@ -42,6 +42,7 @@ OBJECTIVES: dict[str, ObjectiveKind] = {
     "kto": ObjectiveKind("pairs", reference=True, default_beta=0.1, unpaired=True),
     "reward": ObjectiveKind("pairs", reward_head=True),
     "grpo": ObjectiveKind("prompts", generates=True),
+    "rloo": ObjectiveKind("prompts", generates=True),
 }
 
 
@@ -72,7 +73,7 @@ class PreferenceConfig:
     # the run sees every pair at least once (then it is never dearer), else adapter_off (docs/benchmarks/preference.md)
     reference: Literal["auto", "adapter_off", "precomputed"] = "auto"
 
-    def resolved_beta(self, objective: Objective) -> float:
+    def resolved_beta(self, objective: ObjectiveName) -> float:
         if self.beta is not None:
             return self.beta
         return OBJECTIVES[objective].default_beta or 0.1
@@ -94,30 +95,10 @@ GrpoLossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
 
 @dataclass
 class GrpoConfig:
-    """train.objective grpo: the policy generates `num_generations` completions per prompt, rewards score them,
-    and the update follows TRL 1.16's GRPOTrainer (qlora_fsdp/losses/policy.py has the formulas; the defaults
-    are TRL's, but max_completion_length)."""
+    """train.objective grpo: the policy generates `generation.num_generations` completions per prompt (the
+    `generation` section), rewards score them, and the update follows TRL 1.16's GRPOTrainer
+    (qlora_fsdp/losses/policy.py has the formulas; the defaults are TRL's)."""
 
-    num_generations: int = 8  # completions per prompt: a group, whose rewards are compared with each other
-    max_completion_length: int = 256  # new tokens at most; dr_grpo's constant normalizer too
-    temperature: float = 1.0  # sampling, and the log-probabilities the update computes (logits / temperature)
-    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens whose probability reaches it; 1.0: off
-    top_k: int = 0  # sampling among the k likeliest tokens; 0: off
-    stop: list[str] = field(default_factory=list)  # strings that end a completion besides EOS
-    # completions generated together (the KV cache holds this many rows); None: all of a rank's step in one call
-    generation_rows: int | None = None
-    # where the weights are while generating (qlora_fsdp/generation/layouts.py): gathered (the whole model, once a
-    # step), split (each rank holds its share of the layers) or per_token (gathered layer by layer every token, as
-    # training holds them); auto: the fastest that fits (--plan names it; a run takes gathered where the whole
-    # model and the KV cache fit every GPU's free memory, else split)
-    generation_layout: Literal["auto", "gathered", "split", "per_token"] = "auto"
-    # a preallocated KV cache and a decoding step replayed as one CUDA graph (transformers' static cache with
-    # torch.compile's reduce-overhead mode); auto: on CUDA; eager on a CPU either way
-    generation_graphs: Literal["auto", "on", "off"] = "auto"
-    # the decoding step's 4-bit linears (LoRA in the epilogue) and attention as fused Triton kernels
-    # (qlora_fsdp/kernels/); auto: on RTX 3090/4090 and H100/H200, else bitsandbytes and sdpa (said once); fused:
-    # refused where they cannot run; off: bitsandbytes and sdpa
-    generation_kernels: Literal["auto", "fused", "off"] = "auto"
     rewards: list[RewardConfig] = field(default_factory=list)  # one at least; their weighted sum is the reward
     scale_rewards: Literal["group", "batch", "none"] = "group"  # the standard deviation advantages divide by
     # how the step's token losses are averaged: dapo, bnpo over every token; grpo per completion, then over them;
@@ -141,6 +122,31 @@ class GrpoConfig:
     @property
     def calls_tools(self) -> bool:
         return bool(self.tools or self.environment or self.environments)
+
+    @property
+    def resolved_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass
+class RlooConfig:
+    """train.objective rloo: REINFORCE Leave-One-Out as TRL 1.16's RLOOTrainer (qlora_fsdp/objectives/rloo.py has
+    the formulas): each completion's advantage is its reward less the mean of its group's other rewards, the KL to
+    the reference a penalty on the reward, and the update a clipped ratio of whole-sequence probabilities. The
+    completions are the `generation` section's; the defaults are TRL's."""
+
+    rewards: list[RewardConfig] = field(default_factory=list)  # one at least; their weighted sum is the reward
+    beta: float = 0.05  # the KL penalty's weight: beta times the completion's summed log-ratio to the reference
+    epsilon: float = 0.2  # the sequence ratio's clip below 1
+    epsilon_high: float | None = None  # and above 1; None: epsilon
+    num_iterations: int = 1  # updates per generated batch; above 1 the log-probabilities at generation are kept
+    normalize_advantages: bool = False  # advantages less their mean over the step, over their std (+1e-4)
+    reward_clip_range: list[float] | None = None  # [low, high]: each reward clamped before the baseline
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length count in no loss
+
+    @property
+    def calls_tools(self) -> bool:
+        return False  # TRL's RLOO has no multi-turn rollouts
 
     @property
     def resolved_epsilon_high(self) -> float:

@@ -6,31 +6,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+# the objective and generation sections live in their own modules (config/__init__.py exports them)
+from qlora_fsdp.config.generation import GenerationConfig
 from qlora_fsdp.config.objectives import (
-    OBJECTIVES as OBJECTIVES,
-)
-
-# the objective sections live in objectives.py; re-exported here, the schema's one import point
-from qlora_fsdp.config.objectives import (
-    DpoLossType as DpoLossType,
-)
-from qlora_fsdp.config.objectives import (
-    GrpoConfig as GrpoConfig,
-)
-from qlora_fsdp.config.objectives import (
-    GrpoLossType as GrpoLossType,
-)
-from qlora_fsdp.config.objectives import (
-    Objective as Objective,
-)
-from qlora_fsdp.config.objectives import (
-    ObjectiveKind as ObjectiveKind,
-)
-from qlora_fsdp.config.objectives import (
-    PreferenceConfig as PreferenceConfig,
-)
-from qlora_fsdp.config.objectives import (
-    RewardConfig as RewardConfig,
+    OBJECTIVES,
+    GrpoConfig,
+    ObjectiveKind,
+    ObjectiveName,
+    PreferenceConfig,
+    RlooConfig,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -283,7 +267,7 @@ class TrainConfig:
     # sft: next-token loss on the targets; dpo, orpo, simpo: preference pairs, kto: records labelled desirable or
     # not (the `preference` section); reward: a reward model (a scalar head beside LoRA) on preference pairs; grpo:
     # rewards of generated completions (the `grpo` section)
-    objective: Objective = "sft"
+    objective: ObjectiveName = "sft"
     eval_every: int = 0  # 0: evaluate only at start and end
     # steps a metrics.jsonl record (and a TensorBoard/W&B point) covers: their mean loss, summed tokens; eval steps,
     # checkpoints and a skipped step end one early
@@ -379,7 +363,9 @@ class Config:
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    rloo: RlooConfig = field(default_factory=RlooConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -394,7 +380,12 @@ class Config:
         return self.data.packing or self.train.kind.pairs
 
     @property
+    def multi_turn_rollouts(self) -> bool:
+        """The objective's rollouts call tools (GRPO's tools and environments; validation refuses them elsewhere)."""
+        return self.train.kind.generates and self.grpo.calls_tools
+
+    @property
     def prompt_room(self) -> int:
-        """GRPO: the tokens a prompt may take; the rest of the context is its completion's."""
-        return self.data.context_length - self.grpo.max_completion_length
+        """A generating objective: the tokens a prompt may take; the rest of the context is its completion's."""
+        return self.data.context_length - self.generation.max_completion_length
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qlora_fsdp.config.generating_checks import validate_generating
 from qlora_fsdp.config.schema import LORA_INITS, PISSA_FAST, Config, changes_base
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
@@ -58,7 +59,7 @@ def validate(config: Config) -> Config:
     _validate_batch(config)
     _validate_warmup(config)
     _validate_preference(config)
-    _validate_grpo(config)
+    validate_generating(config)
     _validate_compile(config)
     _validate_checkpointing(config)
     _validate_context_parallel(config)
@@ -141,7 +142,7 @@ def _validate_context_parallel(config: Config) -> None:
     degree = config.fsdp.context_parallel
     if degree == 1:
         return
-    if config.train.kind.generates and config.grpo.calls_tools:
+    if config.multi_turn_rollouts:
         raise ConfigError(f"'fsdp.context_parallel: {degree}' with GRPO's tools or environments: multi-turn rollouts "
                           "across a split are not built yet; use fsdp.context_parallel: 1")
     if config.model.attn_implementation not in ("auto", "sdpa_varlen"):
@@ -174,46 +175,6 @@ def _validate_preference(config: Config) -> None:
     if kind.whole_samples and config.data.train_on_inputs:
         raise ConfigError("'data.train_on_inputs: true' trains on prompts, which a preference objective never "
                           "does; remove it")
-
-
-def _validate_grpo(config: Config) -> None:
-    grpo, grpo_run = config.grpo, config.train.kind.data == "prompts"
-    if grpo_run != (config.data.format == "prompt"):
-        raise ConfigError("'train.objective: grpo' reads prompts ('data.format: prompt'), and prompts are for grpo "
-                          f"only; got objective {config.train.objective} with format {config.data.format}")
-    if not grpo_run:
-        return
-    environment_rewards = bool(grpo.environment or grpo.environments)  # get_reward(), checked when it is found
-    if (not grpo.rewards and not environment_rewards) or not all(reward.function for reward in grpo.rewards):
-        raise ConfigError("'train.objective: grpo' needs reward functions: grpo.rewards: [{function: math_answer}] "
-                          "(a built-in: math_answer, format, length_penalty) or [{function: my_module:my_function}]")
-    if grpo.num_generations < 2:
-        raise ConfigError(f"'grpo.num_generations' must be at least 2 (a group compares its completions), got "
-                          f"{grpo.num_generations}")
-    if not 0 < grpo.max_completion_length < config.data.context_length:
-        raise ConfigError(f"'grpo.max_completion_length' must be positive and below data.context_length "
-                          f"({config.data.context_length}), which also holds the prompt; got "
-                          f"{grpo.max_completion_length}")
-    checks = {"grpo.temperature": grpo.temperature, "grpo.epsilon": grpo.epsilon, "grpo.top_p": grpo.top_p,
-              "grpo.num_iterations": grpo.num_iterations, "grpo.epsilon_high": grpo.resolved_epsilon_high}
-    for key, value in checks.items():
-        if value <= 0:
-            raise ConfigError(f"'{key}' must be positive, got {value}")
-    if grpo.generation_rows is not None and grpo.generation_rows < 1:
-        raise ConfigError(f"'grpo.generation_rows' must be at least 1 or null, got {grpo.generation_rows}")
-    if grpo.environment and grpo.environments:
-        raise ConfigError("'grpo.environment' names one environment for every record, 'grpo.environments' several "
-                          "chosen by each record's `environment` column: set one of them")
-    if (grpo.max_tool_calling_iterations or 0) < 0 or grpo.tool_timeout_s <= 0:
-        raise ConfigError("'grpo.max_tool_calling_iterations' must be 0 or more (or null: no limit) and "
-                          f"'grpo.tool_timeout_s' positive; got {grpo.max_tool_calling_iterations}, "
-                          f"{grpo.tool_timeout_s}")
-    if grpo.beta < 0 or grpo.top_k < 0 or (grpo.delta is not None and grpo.delta <= 1):
-        raise ConfigError("'grpo.beta' and 'grpo.top_k' must be 0 or more, 'grpo.delta' null or above 1; got "
-                          f"{grpo.beta}, {grpo.top_k}, {grpo.delta}")
-    if grpo.beta > 0 and (config.model.adapter or config.lora.train_router):
-        raise ConfigError("'grpo.beta' > 0 compares against the base with the adapter off, which a run that starts "
-                          "from an adapter or trains routers does not have; set grpo.beta: 0")
 
 
 def _validate_compile(config: Config) -> None:

@@ -2,8 +2,8 @@
 generation prompt, as TRL does) and any other columns, which reach the reward functions as keyword arguments.
 
 Plain text is tokenized as it is (the tokenizer's own BOS and nothing else: TRL's way); give chat messages to have
-the chat template applied. Prompts longer than data.context_length - grpo.max_completion_length tokens leave no
-room for a completion and are refused in one line naming the record.
+the chat template applied. Prompts longer than data.context_length - generation.max_completion_length tokens leave
+no room for a completion and are refused in one line naming the record.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def encoded_prompts(records: datasets.Dataset, path: str, encode: Encoder, room:
         encoded, prompt, inputs = encode(record, where)
         if len(encoded) > room:
             raise DataError(f"{where}: the prompt has {len(encoded)} tokens, more than data.context_length - "
-                            f"grpo.max_completion_length = {room}; raise data.context_length or shorten it")
+                            f"generation.max_completion_length = {room}; raise data.context_length or shorten it")
         ids.append(encoded)
         prompts.append(prompt)
         vision.append(inputs)
@@ -173,7 +173,7 @@ def load_prompt_data(tokenizer: PreTrainedTokenizerBase, cfg: Config,
     read = [(part[0].path, read_prompts(part, cfg.data, cfg.train.seed)) for part in parts]
     shown = processor is not None and any(prompts_have_images(records) for _, records in read)
     vision = processor() if processor is not None and shown else None
-    if vision is not None and cfg.grpo.calls_tools:
+    if vision is not None and tools is not None:
         raise DataError(f"{read[0][0]}: prompts with images and grpo.tools / environments together are not built "
                         "yet; give text prompts, or leave out the tools")
     template = "processor" if vision is not None else run_template(cfg.data, tokenizer)

@@ -23,19 +23,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from qlora_fsdp.config import GrpoConfig
+from qlora_fsdp.generation.plan import GenerationPlan, Layout, chosen_layout
 from qlora_fsdp.generation.room import gathered_fits
 from qlora_fsdp.layers.checkpointing import layer_slots
 from qlora_fsdp.torch_versions import fsdp_param_groups
 
-Layout = Literal["per_token", "gathered", "split"]
 LAYOUTS: tuple[Layout, ...] = ("per_token", "gathered", "split")
 
 
@@ -207,7 +206,7 @@ def generation_layout(model: nn.Module, layout: Layout) -> Iterator[None]:
 
 
 def graphs_for(setting: str, on_gpu: bool, layout: Layout, images: bool = False) -> bool:
-    """Whether the decoding step is replayed as a CUDA graph (`grpo.generation_graphs`; auto: on a GPU): for the
+    """Whether the decoding step is replayed as a CUDA graph (`generation.graphs`; auto: on a GPU): for the
     gathered layout only, since split and per_token run collectives inside the step; not for a policy that sees
     images (its decoding steps' positions come from a hook that holds each row's offset in Python: a graph would
     replay the first call's)."""
@@ -219,13 +218,10 @@ def steps_together(layout: Layout, world_size: int) -> bool:
     return world_size > 1 and layout != "gathered"
 
 
-def resolved_layout(model: nn.Module, grpo: GrpoConfig, rows: int, prompt_tokens: int,
+def resolved_layout(model: nn.Module, plan: GenerationPlan, rows: int, prompt_tokens: int,
                     device: torch.device) -> Layout:
-    """The recipe's layout, or for `auto` gathered where the whole model and the KV cache fit every rank's free
-    memory now, else split (the plan prices both and says which a recipe gets)."""
-    if grpo.generation_layout != "auto":
-        return grpo.generation_layout
-    if not fsdp_modules(model) or not dist.is_initialized() or dist.get_world_size() == 1:
-        return "gathered"
-    tokens = prompt_tokens + grpo.max_completion_length
-    return "gathered" if gathered_fits(model, rows, tokens, device) else "split"
+    """The plan's layout rule (generation/plan.py) over this GPU's free memory now, for calls of `rows` rows of
+    `prompt_tokens` prompt tokens."""
+    world = dist.get_world_size() if fsdp_modules(model) and dist.is_initialized() else 1
+    tokens = prompt_tokens + plan.new_tokens
+    return chosen_layout(plan.settings.layout, world, lambda: gathered_fits(model, rows, tokens, device))

@@ -1,4 +1,4 @@
-"""GRPO's decoding through the fused kernels (`grpo.generation_kernels`): for one generation call, every 4-bit
+"""GRPO's decoding through the fused kernels (`generation.kernels`): for one generation call, every 4-bit
 linear (with its LoRA adapter) runs `nf4_lora_matmul` at decoding's row counts, and a decoding step's attention
 runs over the live part of the cache (`decode_attention`).
 
@@ -55,7 +55,7 @@ def kernels_unavailable(device: torch.device, forced: bool = False) -> str | Non
 
 
 def kernels_wanted(setting: str, device: torch.device) -> bool:
-    """`grpo.generation_kernels`: off; auto (where they run, else said once); fused (refused where they cannot;
+    """`generation.kernels`: off; auto (where they run, else said once); fused (refused where they cannot;
     on a CPU only under TRITON_INTERPRET=1, as the tests run them)."""
     if setting == "off":
         return False
@@ -63,7 +63,7 @@ def kernels_wanted(setting: str, device: torch.device) -> bool:
     if reason is None:
         return True
     if setting == "fused":
-        raise ConfigError(f"grpo.generation_kernels: fused cannot run on {reason}; set it to auto or off")
+        raise ConfigError(f"generation.kernels: fused cannot run on {reason}; set it to auto or off")
     if reason not in SAID:
         SAID.append(reason)
         print(f"GRPO generation: decoding through bitsandbytes and sdpa on {reason}", flush=True)
@@ -209,7 +209,7 @@ BOOLEAN_MASK_KERNELS = ("sdpa", BLOCKWISE_GENERATION)  # the kernels the fused a
 
 @contextmanager
 def fused_decoding(model: nn.Module, setting: str, device: torch.device) -> Iterator[LiveCache | None]:
-    """The kernels for one generation layout's calls, where `grpo.generation_kernels` and the device allow; yields
+    """The kernels for one generation layout's calls, where `generation.kernels` and the device allow; yields
     the LiveCache each call hands its cache to (None: today's path)."""
     if not kernels_wanted(setting, device):
         yield None

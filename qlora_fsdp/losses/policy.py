@@ -120,15 +120,16 @@ def token_losses(terms: TokenTerms, grpo: GrpoConfig) -> torch.Tensor:
     return losses
 
 
-def step_share(terms: TokenTerms, grpo: GrpoConfig, counts: StepCounts) -> torch.Tensor:
-    """This micro-batch's share of the step's loss (the shares of all micro-batches and ranks sum to it; over a
+def step_share(terms: TokenTerms, grpo: GrpoConfig, counts: StepCounts, completion_tokens: int) -> torch.Tensor:
+    """This micro-batch's share of the step's loss (`completion_tokens`: generation.max_completion_length, dr_grpo's
+    constant) (the shares of all micro-batches and ranks sum to it; over a
     split, each rank's is its tokens' part, or the whole on the first part alone)."""
     losses = token_losses(terms, grpo)
     if grpo.loss_type == "grpo":
         means = per_sample_mean(losses, terms.sample_ids, terms.n_samples, terms.split)
         return means.sum() / max(counts.completions, 1.0) * (1.0 if terms.first_part else 0.0)
     if grpo.loss_type == "dr_grpo":
-        return losses.sum() / (counts.completions * grpo.max_completion_length)
+        return losses.sum() / (counts.completions * completion_tokens)
     if grpo.loss_type == "bnpo":  # TRL's: the micro-batch's own token mean, averaged over micro-batches and ranks
         tokens = losses.new_tensor(float(losses.numel()))
         if terms.split is not None:  # the micro-batch's tokens on every rank of the split

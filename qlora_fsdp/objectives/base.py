@@ -25,6 +25,7 @@ from qlora_fsdp.data.kinds import TrainingData
 from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.distributed.row_groups import RowSplit
+from qlora_fsdp.generation.plan import GenerationPlan
 from qlora_fsdp.losses.forward import ForwardLoss
 
 
@@ -38,17 +39,6 @@ class StepResult:
     n_samples: float
     n_positions: float = 0.0  # tokens the model ran, real and padding
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class PlannedGeneration:
-    """What an objective that generates its completions asks of each step, as the planner prices it."""
-
-    prompts: int  # a rank's prompts a step (a record each)
-    completions: int  # the completions a rank generates for them
-    new_tokens: int  # each completion's most
-    steps_served: int  # optimizer steps one generation serves
-    kept_forwards: int  # forwards over a generation's completions whose log-probabilities the update keeps
 
 
 @dataclass
@@ -144,7 +134,7 @@ class Objective:
         """extra_forwards as a plan counts them, without the data (the larger where the data decides)."""
         return 0
 
-    def planned_generation(self) -> PlannedGeneration | None:
+    def planned_generation(self) -> GenerationPlan | None:
         """What the objective generates each step (the plan prices its memory and time); None: nothing."""
         return None
 

@@ -27,16 +27,17 @@ from torch import nn
 
 from qlora_fsdp.agents.environments import reward_functions
 from qlora_fsdp.agents.recipe import rollout_tools
-from qlora_fsdp.config import Config, Template
+from qlora_fsdp.config import Config, GrpoConfig, RlooConfig, Template
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed, pack
 from qlora_fsdp.data.kinds import TrainingData
-from qlora_fsdp.data.prompts import Prompts, is_chat
+from qlora_fsdp.data.prompts import Prompts
 from qlora_fsdp.data.row_shards import one_row_per_sample, row_part
 from qlora_fsdp.distributed import all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.distributed.row_groups import RowSplit
 from qlora_fsdp.distributed.split_sums import from_first_part, gathered_over_split
 from qlora_fsdp.errors import ConfigError
+from qlora_fsdp.generation.plan import GenerationPlan
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.layers.split_rows import model_trade
 from qlora_fsdp.losses.forward import ForwardLoss, PolicyTokens, counted_once
@@ -51,19 +52,22 @@ from qlora_fsdp.losses.policy import (
     step_share,
 )
 from qlora_fsdp.losses.router import grpo_router_coefficient
-from qlora_fsdp.objectives.base import Objective, PlannedGeneration, RunParts, StepResult, full_length_batches
+from qlora_fsdp.objectives.base import Objective, RunParts, StepResult, full_length_batches
 from qlora_fsdp.objectives.grpo_records import (
     Generation,
     completion_sample,
     held_out_share,
+    loaded_generation,
     reward_metrics,
+    reward_rollouts,
     sample_record,
+    saved_generation,
 )
 from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter, keeps_frozen_adapter
 from qlora_fsdp.objectives.reward_model_scores import reward_model_function
 from qlora_fsdp.objectives.rollouts import decoding
 from qlora_fsdp.objectives.turns import Made, ToolRollouts
-from qlora_fsdp.rewards.functions import Reward, Rollouts, combined, resolve_rewards, score
+from qlora_fsdp.rewards.functions import Reward, combined, resolve_rewards, score
 
 
 class Grpo(Objective):
@@ -71,10 +75,13 @@ class Grpo(Objective):
 
     PROGRESS_METRICS: ClassVar[tuple[str, ...]] = ("reward", "kl")
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("eval_reward",)
+    SECTION: ClassVar[str] = "grpo"  # the recipe section of the objective's own settings
+    CLIPPED_PER: ClassVar[str] = "tokens"  # what the clip ratios count (RLOO's ratio is a completion's)
 
     def __init__(self, cfg: Config, forward_loss: ForwardLoss, rewards: list[Reward] | None = None) -> None:
         super().__init__(cfg, forward_loss)
-        self.grpo = cfg.grpo
+        self.grpo, self.generation = cfg.grpo, cfg.generation
+        self.settings = self.section_of(cfg)  # what GRPO shares with RLOO: rewards, beta, clip, iterations
         self.rewards = rewards or []  # given (tests), or the recipe's, found when a run attaches
         self.given_rewards = rewards is not None
         self.current: Generation | None = None
@@ -82,14 +89,19 @@ class Grpo(Objective):
         self.uses = 0  # optimizer steps the current generation has served
 
     @classmethod
+    def section_of(cls, cfg: Config) -> GrpoConfig | RlooConfig:
+        return cfg.grpo
+
+    @classmethod
     def check_before_loading(cls, cfg: Config) -> None:
         """Unknown reward functions, tools or environments, a tool without type hints: one line, before loading."""
-        if cfg.grpo.calls_tools:
+        settings = cls.section_of(cfg)
+        if settings.calls_tools:
             tooling = rollout_tools(cfg.grpo)
             if not cfg.grpo.rewards and not reward_functions(tooling.environments):
                 raise ConfigError("GRPO needs a reward: grpo.rewards, or an environment with a get_reward() method")
-        if cfg.grpo.rewards:
-            resolve_rewards(cfg.grpo, {"reward_model": reward_model_function})
+        if settings.rewards:
+            resolve_rewards(settings.rewards, cfg.generation, cls.SECTION, {"reward_model": reward_model_function})
 
     def attach(self, run: RunParts) -> None:
         super().attach(run)
@@ -99,23 +111,24 @@ class Grpo(Objective):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.router_coefficient = grpo_router_coefficient(run.model)
         if not self.given_rewards:
-            self.rewards = (resolve_rewards(self.cfg.grpo, {"reward_model": reward_model_function})
-                            if self.cfg.grpo.rewards else [])
+            self.rewards = (resolve_rewards(self.settings.rewards, self.generation, self.SECTION,
+                                            {"reward_model": reward_model_function}) if self.settings.rewards else [])
         # starting from an adapter, the KL term's reference is that adapter, frozen (TRL's); else the adapter off
         self.reference = frozen_adapter(run.model) if keeps_frozen_adapter(self.cfg) else None
         self.tool_rollouts: ToolRollouts | None = None
-        if self.grpo.calls_tools:
+        if self.settings.calls_tools:
             config = getattr(run.model.config, "text_config", run.model.config)
             positions = getattr(config, "max_position_embeddings", None) or 1 << 30
             self.tool_rollouts = ToolRollouts(self.grpo, tokenizer, cast(Template, self.data.template), positions,
-                                              self.cfg.prompt_room, run.info.device)
+                                              self.cfg.prompt_room, self.generation.max_completion_length,
+                                              run.info.device)
             self.rewards += [Reward(name, function, 1.0)
                              for name, function in reward_functions(self.tool_rollouts.tooling.environments)]
 
     @property
     def cache_tokens(self) -> int:
         """A row's longest prompt and completion: one KV cache length for every generation call of the run."""
-        return self.cfg.prompt_room + self.grpo.max_completion_length
+        return self.cfg.prompt_room + self.generation.max_completion_length
 
     @property
     def data(self) -> TrainingData[Prompts]:
@@ -143,7 +156,7 @@ class Grpo(Objective):
         """Each completion's target log-probabilities (no gradients), under the policy or the reference."""
         batch, order = self.batch([generation_samples[i] for i in indices])
         with torch.no_grad(), (nullcontext() if adapter else self.reference_model()):
-            flat = self.forward_loss.token_logps(self.model, batch, self.info.device, self.grpo.temperature).logps
+            flat = self.forward_loss.token_logps(self.model, batch, self.info.device, self.generation.temperature).logps
         if self.split.group is not None:  # the parts' targets, in the row's order
             flat = gathered_over_split(flat, self.split.group)
         pieces = torch.split(flat.detach(), batch.targets_per_sample().tolist())
@@ -156,25 +169,11 @@ class Grpo(Objective):
 
     # ---- generation and rewards -------------------------------------------------------------------------------
 
-    def rollouts(self, prompts: Prompts, made: Made) -> Rollouts:
-        """What the reward functions get, as TRL calls them: for a multi-turn rollout its messages (replies and
-        tool results) as the completion, and the environments' instances as `environments`."""
-        g = self.grpo.num_generations
-        texts = self.tokenizer.batch_decode(made.ids, skip_special_tokens=True)
-        chat = [is_chat(p) for p in prompts.prompts for _ in range(g)]
-        plain: list[Any] = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat, strict=True)]
-        completions: list[Any] = list(made.messages) if made.messages else plain
-        columns = {name: [v for v in values for _ in range(g)] for name, values in prompts.columns.items()}
-        if made.environments is not None:
-            columns["environments"] = made.environments
-        return Rollouts(made.reward_prompts or [p for p in prompts.prompts for _ in range(g)], completions, made.ids,
-                        [r for r in prompts.records for _ in range(g)], columns)
-
     def make(self, prompts: Prompts) -> Made:
         """The step's completions of `prompts`: single replies, or multi-turn rollouts with the recipe's tools,
         the weights placed for generating once for all their turns."""
-        g = self.grpo.num_generations
-        with decoding(self.model, self.tokenizer, self.grpo, self.info.device, self.info.world_size,
+        g = self.generation.num_generations
+        with decoding(self.model, self.tokenizer, self.planned_generation(), self.info.device, self.info.world_size,
                       len(prompts) * g, max(len(ids) for ids in prompts.ids), cache_tokens=self.cache_tokens) as decode:
             if self.tool_rollouts is not None:
                 return self.tool_rollouts.make(decode, prompts, g)
@@ -186,9 +185,12 @@ class Grpo(Objective):
         """Each completion's prompt images (num_generations rows a prompt), or None for text prompts."""
         if prompts.vision is None:
             return None
-        return [prompts.images_of(p) for p in range(len(prompts)) for _ in range(self.grpo.num_generations)]
+        return [prompts.images_of(p) for p in range(len(prompts)) for _ in range(self.generation.num_generations)]
 
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+    def advantages(self, rewards: torch.Tensor, old: list[torch.Tensor] | None,
+                   ref: list[torch.Tensor] | None) -> torch.Tensor:
+        """Each completion's advantage from the rewards (`old`, `ref`: each completion's kept log-probabilities at
+        generation, the policy's and the reference's, where the update keeps them)."""
         scale = self.grpo.scale_rewards
         batch_std = None
         if scale == "batch":  # over every rank's completions of the step
@@ -196,20 +198,20 @@ class Grpo(Objective):
             sums = all_reduce_sums([present.numel() * self.counts_once, present.sum().item(),
                                     (present**2).sum().item()], self.info.device)
             batch_std = std_from_sums(*sums)
-        return group_advantages(rewards, self.grpo.num_generations, scale, batch_std)
+        return group_advantages(rewards, self.generation.num_generations, scale, batch_std)
 
     def generate(self, units: list[list[int]]) -> Generation:
-        g = self.grpo.num_generations
+        g = self.generation.num_generations
         flat_units = [u for micro in units for u in micro]
         prompts = self.data.train.subset(flat_units)
         started = time.perf_counter()
         made = self.make(prompts)
         seconds = time.perf_counter() - started
-        scores = score(self.rewards, self.rollouts(prompts, made)) if self.counts_once else None
+        scores = score(self.rewards, reward_rollouts(self.tokenizer, prompts, made, g)) if self.counts_once else None
         if self.split.group is not None:  # the split's ranks update on the same completions: its first rank's
             made, scores = from_first_part((made, scores), self.split.group)
         assert scores is not None, "the first rank of a split scores its completions"
-        mask = self.grpo.mask_truncated_completions
+        mask = self.settings.mask_truncated_completions
         policy: list[list[int] | None] = list(made.policy) if made.policy else [None] * len(made.ids)
         images = self.row_images(prompts) or [None] * len(made.ids)
         samples = [completion_sample(prompt, ids, mask and cut, kept, vision) for prompt, ids, cut, kept, vision
@@ -228,9 +230,9 @@ class Grpo(Objective):
         completions, n_tokens = all_reduce_sums([len(samples) * self.counts_once, tokens * self.counts_once],
                                                 self.info.device)
         metrics = reward_metrics(self.reward_names, scores, rewards, made, seconds, self.info, self.counts_once)
-        return Generation(samples, micro_batches, self.advantages(rewards), old, ref,
+        return Generation(samples, micro_batches, self.advantages(rewards, old, ref), old, ref,
                           StepCounts(completions, n_tokens, len(micro_batches) * self.split.data_ranks), metrics,
-                          sample_record(self.tokenizer, prompts, made, rewards, self.grpo.num_generations))
+                          sample_record(self.tokenizer, prompts, made, rewards, g))
 
     @property
     def reward_names(self) -> list[str]:
@@ -255,9 +257,10 @@ class Grpo(Objective):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.cfg.train.seed + 7919 * step + self.info.rank)
             made = self.make(prompts)
-        scores = score(self.rewards, self.rollouts(prompts, made))
+        g = self.generation.num_generations
+        scores = score(self.rewards, reward_rollouts(self.tokenizer, prompts, made, g))
         metrics = reward_metrics(self.reward_names, scores, combined(scores, [r.weight for r in self.rewards]), made,
-                                 0.0, self.info, rows=own * self.grpo.num_generations)
+                                 0.0, self.info, rows=own * g)
         kept = ["reward", "reward_std", "completion_length", "truncated_ratio"]
         kept += [f"rewards/{r.name}" for r in self.rewards]
         return {f"eval_{key}": metrics[key] for key in kept}
@@ -265,7 +268,7 @@ class Grpo(Objective):
     # ---- the update -------------------------------------------------------------------------------------------
 
     def next_generation(self) -> Generation:
-        if self.current is None or self.uses >= self.grpo.num_iterations:
+        if self.current is None or self.uses >= self.settings.num_iterations:
             sampler = self.parts.sampler
             assert sampler is not None, "a training run's objective draws from the loop's sampler"
             self.current, self.uses = self.generate(sampler.next_step()), 0
@@ -280,7 +283,7 @@ class Grpo(Objective):
         batch, order = self.batch([generation.samples[i] for i in indices])
         picked = [indices[i] for i in order]
         device = self.info.device
-        forward = self.forward_loss.token_logps(self.model, batch, device, self.grpo.temperature,
+        forward = self.forward_loss.token_logps(self.model, batch, device, self.generation.temperature,
                                                 router_aux=self.router_coefficient is not None)
         logps = forward.logps
 
@@ -292,11 +295,21 @@ class Grpo(Objective):
         terms = TokenTerms(logps, flat(generation.old_logps), flat(generation.ref_logps),
                            generation.advantages[picked].to(device), batch.target_samples().to(device),
                            batch.numbered_samples(), self.split.group, batch.counts_once())
-        share = step_share(terms, self.grpo, generation.counts)
+        share = self.update_share(terms, generation.counts)
         if forward.router_aux is not None and self.router_coefficient is not None:
             micro_batches = len(generation.micro_batches) * self.split.data_ranks
             share = share + counted_once(self.router_coefficient * forward.router_aux / micro_batches, batch)
         return share, terms, forward
+
+    def update_share(self, terms: TokenTerms, counts: StepCounts) -> torch.Tensor:
+        """The micro-batch's share of the step's loss: TRL's GRPO loss (losses/policy.py)."""
+        return step_share(terms, self.grpo, counts, self.generation.max_completion_length)
+
+    def clipped(self, terms: TokenTerms) -> tuple[float, float]:
+        return clip_fractions(terms, self.grpo)
+
+    def kl_of(self, terms: TokenTerms) -> float:  # the micro-batch's, summed over tokens (`kl` logs its mean)
+        return kl_sum(terms)
 
     def step(self, loss_factor: float = 1.0) -> StepResult:
         """One optimizer step's gradients (generating first where the last generation is used up)."""
@@ -309,15 +322,16 @@ class Grpo(Objective):
             aux += float(forward.router_aux) if forward.router_aux is not None else 0.0
             (share * loss_factor if loss_factor != 1.0 else share).backward()
             local += share.item()
-            clipped = clip_fractions(terms, self.grpo)
-            low, high, kl = low + clipped[0], high + clipped[1], kl + kl_sum(terms)
+            clipped = self.clipped(terms)
+            low, high, kl = low + clipped[0], high + clipped[1], kl + self.kl_of(terms)
             n_tokens += sum(len(generation.samples[i].input_ids) for i in indices) * self.counts_once
         loss, low, high, kl, entropy, aux, tokens = all_reduce_sums(
             [local, low, high, kl, entropy, aux, n_tokens], self.info.device)
         counts = generation.counts
-        metrics = {**generation.metrics, "clip_ratio_low": low / max(counts.tokens, 1.0),
-                   "clip_ratio_high": high / max(counts.tokens, 1.0), "entropy": entropy / max(counts.tokens, 1.0)}
-        if self.grpo.beta != 0.0:
+        clip_unit = counts.tokens if self.CLIPPED_PER == "tokens" else counts.completions
+        metrics = {**generation.metrics, "clip_ratio_low": low / max(clip_unit, 1.0),
+                   "clip_ratio_high": high / max(clip_unit, 1.0), "entropy": entropy / max(counts.tokens, 1.0)}
+        if self.settings.beta != 0.0:
             metrics["kl"] = kl / max(counts.tokens, 1.0)
         if self.router_coefficient is not None:  # every rank of a split holds its rows' whole
             metrics["router_aux_loss"] = aux / (len(generation.micro_batches) * self.info.world_size)
@@ -326,24 +340,14 @@ class Grpo(Objective):
     def state(self) -> dict[str, Any]:
         """The generation still in use (num_iterations > 1), for a checkpoint: a resumed run updates on the very
         completions the uninterrupted one does."""
-        g = self.current
-        if g is None or self.uses >= self.grpo.num_iterations:
+        if self.current is None or self.uses >= self.settings.num_iterations:
             return {"uses": 0}
-        return {"uses": self.uses, "ids": [s.input_ids for s in g.samples], "labels": [s.labels for s in g.samples],
-                "vision": [s.vision for s in g.samples],
-                "micro_batches": g.micro_batches, "advantages": g.advantages, "old_logps": g.old_logps,
-                "ref_logps": g.ref_logps, "counts": [g.counts.completions, g.counts.tokens, g.counts.micro_batches],
-                "metrics": g.metrics}
+        return {"uses": self.uses, **saved_generation(self.current)}
 
     def load_state(self, state: dict[str, Any] | None) -> None:
         if not state or not state["uses"]:
             return
-        vision = state.get("vision") or [None] * len(state["ids"])  # a checkpoint from before images
-        samples = [Sample(ids, labels, images) for ids, labels, images
-                   in zip(state["ids"], state["labels"], vision, strict=True)]
-        self.current = Generation(samples, state["micro_batches"], state["advantages"], state["old_logps"],
-                                  state["ref_logps"], StepCounts(*state["counts"]), state["metrics"])
-        self.uses = state["uses"]
+        self.current, self.uses = loaded_generation(state), state["uses"]
 
     def take_sample(self) -> dict[str, Any] | None:
         """The current generation's completions record, once (rank 0 writes it)."""
@@ -355,22 +359,25 @@ class Grpo(Objective):
     def planned_rows(self) -> int:
         """A micro-batch's forward holds num_generations completions of each of its prompts, each up to the whole
         context (packing puts shorter ones together; the plan takes the longest)."""
-        return self.cfg.data.micro_batch * self.grpo.num_generations
+        return self.cfg.data.micro_batch * self.generation.num_generations
 
-    def planned_generation(self) -> PlannedGeneration:
-        """The step's prompts, num_generations completions each; one generation serves num_iterations steps."""
+    def planned_generation(self) -> GenerationPlan:
+        """The step's prompts, num_generations completions each; one generation serves num_iterations steps; with
+        tools, up to max_tool_calling_iterations rounds of tool results (1 where it sets none)."""
         prompts = self.cfg.data.micro_batch * self.cfg.data.grad_accum_steps
         kept = self.keeps_old_logps() + self.keeps_reference_logps()
-        return PlannedGeneration(prompts, prompts * self.grpo.num_generations, self.grpo.max_completion_length,
-                                 self.grpo.num_iterations, kept)
+        limit = self.grpo.max_tool_calling_iterations
+        rounds = (1 if limit is None else limit) if self.settings.calls_tools else 0
+        return GenerationPlan(self.generation, prompts, self.cfg.prompt_room, self.settings.num_iterations, kept,
+                              self.settings.calls_tools, rounds)
 
     def keeps_old_logps(self) -> bool:
         """The log-probabilities at generation, the ratio's denominator, kept where a generation serves steps."""
-        return self.grpo.num_iterations > 1
+        return self.settings.num_iterations > 1
 
     def keeps_reference_logps(self) -> bool:
         """The reference's (KL's), computed at generation."""
-        return self.grpo.beta != 0.0
+        return self.settings.beta != 0.0
 
     def planned_batches(self) -> list[Batch]:
         return full_length_batches(self.cfg, self.planned_rows())
@@ -379,7 +386,7 @@ class Grpo(Objective):
         """The update's micro-step: the policy's log-probabilities at the temperature, TRL's loss over them (the
         kept and reference log-probabilities where the recipe keeps them, advantages of zero) and its backward."""
         coefficient = grpo_router_coefficient(model)
-        forward = self.forward_loss.token_logps(model, batch, device, self.grpo.temperature,
+        forward = self.forward_loss.token_logps(model, batch, device, self.generation.temperature,
                                                 router_aux=coefficient is not None)
         kept = forward.logps.detach() if self.keeps_old_logps() else None
         reference = forward.logps.detach() if self.keeps_reference_logps() else None
@@ -387,7 +394,7 @@ class Grpo(Objective):
         terms = TokenTerms(forward.logps, kept, reference, torch.zeros(batch.numbered_samples(), device=device),
                            batch.target_samples().to(device), batch.numbered_samples(),
                            trade.group if trade is not None else None, batch.counts_once())
-        share = step_share(terms, self.grpo, StepCounts(batch.numbered_samples(), max(batch.n_targets, 1)))
+        share = self.update_share(terms, StepCounts(batch.numbered_samples(), max(batch.n_targets, 1)))
         if forward.router_aux is not None and coefficient is not None:
             share = share + counted_once(coefficient * forward.router_aux, batch)
         share.backward()

@@ -11,11 +11,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from qlora_fsdp.data.batching import Sample
-from qlora_fsdp.data.prompts import Prompts
+from qlora_fsdp.data.prompts import Prompts, is_chat
 from qlora_fsdp.distributed import DistInfo, all_reduce_maxes, all_reduce_sums
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.losses.policy import StepCounts, std_from_sums
 from qlora_fsdp.objectives.turns import Made
+from qlora_fsdp.rewards.functions import Rollouts
 
 
 @dataclass
@@ -89,3 +90,33 @@ def sample_record(tokenizer: PreTrainedTokenizerBase, prompts: Prompts, made: Ma
     texts = tokenizer.batch_decode(made.ids[:generations], skip_special_tokens=True)
     shown = made.messages[:generations] if made.messages is not None else texts  # a multi-turn rollout's messages
     return {"prompt": prompts.prompts[0], "completions": shown, "rewards": rewards[:generations].tolist()}
+
+
+def saved_generation(g: Generation) -> dict[str, Any]:
+    """A generation still in use, for a checkpoint (its `uses` beside it)."""
+    return {"ids": [s.input_ids for s in g.samples], "labels": [s.labels for s in g.samples],
+            "vision": [s.vision for s in g.samples], "micro_batches": g.micro_batches, "advantages": g.advantages,
+            "old_logps": g.old_logps, "ref_logps": g.ref_logps,
+            "counts": [g.counts.completions, g.counts.tokens, g.counts.micro_batches], "metrics": g.metrics}
+
+
+def loaded_generation(state: dict[str, Any]) -> Generation:
+    vision = state.get("vision") or [None] * len(state["ids"])  # a checkpoint from before images
+    samples = [Sample(ids, labels, images) for ids, labels, images
+               in zip(state["ids"], state["labels"], vision, strict=True)]
+    return Generation(samples, state["micro_batches"], state["advantages"], state["old_logps"], state["ref_logps"],
+                      StepCounts(*state["counts"]), state["metrics"])
+
+
+def reward_rollouts(tokenizer: PreTrainedTokenizerBase, prompts: Prompts, made: Made, g: int) -> Rollouts:
+    """What the reward functions get, as TRL calls them (`g` completions a prompt): for a multi-turn rollout its
+    messages (replies and tool results) as the completion, and the environments' instances as `environments`."""
+    texts = tokenizer.batch_decode(made.ids, skip_special_tokens=True)
+    chat = [is_chat(p) for p in prompts.prompts for _ in range(g)]
+    plain: list[Any] = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat, strict=True)]
+    completions: list[Any] = list(made.messages) if made.messages else plain
+    columns = {name: [v for v in values for _ in range(g)] for name, values in prompts.columns.items()}
+    if made.environments is not None:
+        columns["environments"] = made.environments
+    return Rollouts(made.reward_prompts or [p for p in prompts.prompts for _ in range(g)], completions, made.ids,
+                    [r for r in prompts.records for _ in range(g)], columns)

@@ -5,17 +5,18 @@ of this is imported (the data it reads, its default beta) is its row in config/o
 from __future__ import annotations
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.config.objectives import Objective as ObjectiveName
+from qlora_fsdp.config.objectives import ObjectiveName
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.base import Objective
 from qlora_fsdp.objectives.dft import Dft
 from qlora_fsdp.objectives.grpo import Grpo
 from qlora_fsdp.objectives.preference import Dpo, Kto, Orpo, RewardModel, Simpo
+from qlora_fsdp.objectives.rloo import Rloo
 from qlora_fsdp.objectives.supervised import Supervised
 
 OBJECTIVE_CLASSES: dict[ObjectiveName, type[Objective]] = {
     "sft": Supervised, "dft": Dft, "dpo": Dpo, "orpo": Orpo, "simpo": Simpo, "kto": Kto, "reward": RewardModel,
-    "grpo": Grpo}
+    "grpo": Grpo, "rloo": Rloo}
 
 
 def objective_class(cfg: Config) -> type[Objective]:

@@ -65,7 +65,7 @@ def prompt_tools(tokenizer: PreTrainedTokenizerBase, cfg: Config) -> PromptTools
     prompt, plain text as the user's message (the chat template shows the tools, so GSM8K's `question` text works
     as it is), and the schemas of grpo.tools and of the record's environment. The run's template is checked to
     write calls first, so one that cannot is refused in one line before the model loads."""
-    if not (cfg.train.kind.generates and cfg.grpo.calls_tools):
+    if not cfg.multi_turn_rollouts:
         return None
     tooling = rollout_tools(cfg.grpo)
     tool_call_format(tokenizer, run_template(cfg.data, tokenizer))

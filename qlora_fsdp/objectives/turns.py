@@ -74,6 +74,7 @@ class Turns:
     template: Template
     form: CallFormat
     grpo: GrpoConfig
+    completion_tokens: int  # generation.max_completion_length: a rollout's replies and tool turns together
     max_positions: int  # the model's: a rollout's context stays below it (TRL's check)
     device: torch.device
 
@@ -93,7 +94,7 @@ class Turns:
         messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
         suffix = tool_turn_ids(messages, self.tokenizer, self.template)
         used = rollout.room + len(suffix)
-        if used > self.grpo.max_completion_length or len(rollout.prompt) + used >= self.max_positions:
+        if used > self.completion_tokens or len(rollout.prompt) + used >= self.max_positions:
             return None
         rollout.messages += messages
         rollout.ids += suffix
@@ -121,7 +122,7 @@ def run_rollouts(decode: Decoder, turns: Turns, prompts: list[list[int]],
             rollouts[i].calls = []
         if not turns.any_rank(len(kept)):
             break
-        budgets = {i: turns.grpo.max_completion_length - rollouts[i].room for i in kept}
+        budgets = {i: turns.completion_tokens - rollouts[i].room for i in kept}
         going = [i for i in kept if budgets[i] > 0]
         for i in set(kept) - set(going):  # no room left for a reply: it ends on the tool turn, cut
             rollouts[i].reply([], True, None)
@@ -165,10 +166,11 @@ class ToolRollouts:
     """A run's multi-turn rollouts: its tools, its environments' instances, and how its template reads calls."""
 
     def __init__(self, grpo: GrpoConfig, tokenizer: PreTrainedTokenizerBase, template: Template, max_positions: int,
-                 prompt_room: int, device: torch.device) -> None:
+                 prompt_room: int, completion_tokens: int, device: torch.device) -> None:
         self.tooling = rollout_tools(grpo)
         self.pool = EnvironmentPool(self.tooling.environments)
-        self.turns = Turns(tokenizer, template, tool_call_format(tokenizer, template), grpo, max_positions, device)
+        self.turns = Turns(tokenizer, template, tool_call_format(tokenizer, template), grpo, completion_tokens,
+                           max_positions, device)
         self.prompt_room = prompt_room
 
     def row_prompt(self, prompts: Prompts, index: int, environment: Any, name: str | None) -> tuple[list[int], Any]:
@@ -185,7 +187,7 @@ class ToolRollouts:
         ids = prompt_ids(messages, self.turns.tokenizer, self.turns.template, self.tooling.schemas(name))
         if len(ids) > self.prompt_room:
             raise DataError(f"{where}: with its environment's reset text the prompt has {len(ids)} tokens, more than "
-                            f"data.context_length - grpo.max_completion_length = {self.prompt_room}")
+                            f"data.context_length - generation.max_completion_length = {self.prompt_room}")
         return ids, messages
 
     def make(self, decode: Decoder, prompts: Prompts, generations: int) -> Made:

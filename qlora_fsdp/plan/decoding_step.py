@@ -1,6 +1,6 @@
 """A decoding step of GRPO's generation on the GPU, priced by what its kernels move and how many of them run.
 
-Two paths, by `grpo.generation_kernels` and the card (qlora_fsdp/kernels/fused_decoding.py):
+Two paths, by `generation.kernels` and the card (qlora_fsdp/kernels/fused_decoding.py):
 - bitsandbytes and sdpa: every 4-bit weight is dequantized into a 16-bit buffer that cuBLAS reads back (half a
   byte and the absmax's 1/64 read, two bytes written, two read, an element); LoRA's fp32 matrices are cast every
   step and multiplied apart; the static cache is read whole as allocated, its keys and values first expanded to
@@ -63,7 +63,7 @@ class DecodingStep:
 
 def kernels_fused(cfg: Config) -> bool:
     """Whether the recipe's card decodes through the fused kernels (`auto` and `fused` on sm86/89/90 cards)."""
-    return cfg.grpo.generation_kernels != "off" and cfg.hardware.gpu in FUSED_KERNEL_GPUS
+    return cfg.generation.kernels != "off" and cfg.hardware.gpu in FUSED_KERNEL_GPUS
 
 
 def lora_parameters(cfg: Config, hf: PretrainedConfig) -> int:

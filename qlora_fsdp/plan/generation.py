@@ -1,6 +1,7 @@
-"""GRPO's generation in the plan: what a rank holds while the policy samples its completions, and how long that
-takes on the recipe's GPUs, in each layout of the weights (qlora_fsdp/generation/layouts.py); the plan takes the
-fastest that fits (objectives/rollouts.py generates; the update is the measured step).
+"""A generating objective's generation in the plan (generation/plan.py's GenerationPlan, as the run reads it):
+what a rank holds while the policy samples its completions, and how long that takes on the recipe's GPUs, in each
+layout of the weights (qlora_fsdp/generation/layouts.py); `auto` takes the layout the run would (GenerationPlan's
+rule; objectives/rollouts.py generates; the update is the measured step).
 
 Memory while generating, above what the rank holds all step (its shards, LoRA, optimizer state, quantization
 state; the gradients are freed by the last update):
@@ -21,30 +22,29 @@ H100, see DECODE_HOST_SECONDS_PER_LAYER), whichever is slower; replayed as a CUD
 kernel's launch gap plus the sampling between replays. Then what the layout puts on the link:
 - `per_token`: every layer gathered every step (the forward's all-gather bytes), overlapping the compute;
 - `gathered`: the model once a step; the ranks decode their own rows at once; with CUDA graphs (the recipe's
-  `grpo.generation_graphs`, on a GPU) the step is replayed;
+  `generation.graphs`, on a GPU) the step is replayed;
 - `split`: the model once a step; each decoding step passes every rank's rows through the ranks in turn, so the
   ranks' shares of the weights are read one after another, every layer's hidden states cross the link twice, and
   the step runs eagerly (the relay is a collective between layers).
 Every row is priced to max_completion_length: a plan cannot know the lengths. With tools, a rollout's replies and
 tool turns share that length (the decoding steps stay as many), and each round of tool results adds a call whose
-prompts are the contexts so far (grpo.max_tool_calling_iterations rounds; the tools' own time is not counted).
+prompts are the contexts so far (GRPO's grpo.max_tool_calling_iterations rounds; the tools' own time is not counted).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
-from qlora_fsdp.generation.layouts import Layout, graphs_for
+from qlora_fsdp.generation.layouts import graphs_for
+from qlora_fsdp.generation.plan import GenerationPlan, Layout
 from qlora_fsdp.generation.room import kv_cache_bytes
 from qlora_fsdp.measure.fake_step import planned_objective, update_rows
 from qlora_fsdp.measure.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
 from qlora_fsdp.measure.step_tracker import StepMemory
-from qlora_fsdp.objectives.base import PlannedGeneration
 from qlora_fsdp.plan.decoding_step import decoding_step
 from qlora_fsdp.plan.step_time import Rates, link_seconds
 
@@ -108,7 +108,7 @@ class GenerationTime:
     decode_link: float
     decode_gpu: float
     decode_host: float
-    rounds: int = 0  # rounds of tool results a rollout may take (grpo.max_tool_calling_iterations)
+    rounds: int = 0  # rounds of tool results a rollout may take (GenerationPlan.tool_rounds)
     round_prefill: float = 0.0  # a round's forward over the context so far (prompt and completion: re-read)
     fused: bool = False  # the decoding step runs the fused kernels (plan/decoding_step.py)
 
@@ -118,46 +118,22 @@ class GenerationTime:
                                           + self.new_tokens * self.decode_step)
 
 
-def tool_rounds(cfg: Config) -> int:
-    """The rounds of tool results a plan prices: grpo.max_tool_calling_iterations (1 where it sets none). The
-    replies and tool turns share max_completion_length, so the decoding steps stay that many (the rows moving
-    together); each round adds a call whose prompt is the context so far."""
-    if not cfg.grpo.calls_tools:
-        return 0
-    limit = cfg.grpo.max_tool_calling_iterations
-    return 1 if limit is None else limit
-
-
-def candidate_layouts(cfg: Config) -> tuple[Layout, ...]:
-    """The layouts a recipe's hardware has: one rank without offload holds the whole model anyway."""
-    if cfg.grpo.generation_layout != "auto":
-        return (cfg.grpo.generation_layout,)
-    if cfg.hardware.world_size == 1:
-        return ("gathered", "per_token") if cfg.fsdp.cpu_offload else ("gathered",)
-    return ("gathered", "split", "per_token")
-
-
 def root_bytes(cfg: Config, hf: PretrainedConfig) -> int:
     """The embeddings and the head, whole, in the weights' dtype (the final norm is a rounding error)."""
     tied = bool(getattr(hf, "tie_word_embeddings", False))
     return hf.vocab_size * hf.hidden_size * TORCH_DTYPES[cfg.model.dtype].itemsize * (1 if tied else 2)
 
 
-def planned_generation(cfg: Config) -> PlannedGeneration | None:
+def planned_generation(cfg: Config) -> GenerationPlan | None:
     """What the recipe's objective generates a step, as it says (None: it generates nothing)."""
     return planned_objective(cfg).planned_generation()
 
 
-def generating(cfg: Config) -> PlannedGeneration:
+def generating(cfg: Config) -> GenerationPlan:
     """planned_generation of an objective that generates (what the functions pricing generation are asked for)."""
     made = planned_generation(cfg)
     assert made is not None, f"train.objective {cfg.train.objective} generates nothing"
     return made
-
-
-def rank_completions(cfg: Config) -> int:
-    """Completions a rank generates in a step."""
-    return generating(cfg).completions
 
 
 def forward_work(step: StepMemory) -> Work:
@@ -177,16 +153,14 @@ def gathered_while_forward(step: StepMemory) -> int:
 def generation_memory(cfg: Config, hf: PretrainedConfig, step: StepMemory, largest_linear: int, layout: Layout,
                       weights: Weights | None = None) -> GenerationMemory:
     """`weights`: the rank's, for what `gathered` and `split` hold (None: time only, the memory's bytes unused)."""
-    grpo, itemsize = cfg.grpo, TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
-    total_rows = rank_completions(cfg)
-    rows = min(grpo.generation_rows or total_rows, total_rows)
-    prompt, new = cfg.prompt_room, generating(cfg).new_tokens
+    made, itemsize = generating(cfg), TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
+    rows, prompt, new = made.rows, made.prompt_tokens, made.new_tokens
     intermediate = getattr(hf, "intermediate_size", None) or 4 * hf.hidden_size
     layer_rows = rows * (cfg.hardware.world_size if layout == "split" else 1)  # split: every rank's rows at once
     prefill = layer_rows * prompt * intermediate * itemsize * MLP_TEMPORARIES + largest_linear * itemsize
     sampling = rows * hf.vocab_size * SAMPLING_BYTES_PER_LOGIT
     gathered = weights.gathered(layout, gathered_while_forward(step)) if weights is not None else 0
-    return GenerationMemory(layout, rows, math.ceil(total_rows / rows), prompt, new,
+    return GenerationMemory(layout, rows, made.calls, prompt, new,
                             kv_cache_bytes(hf, rows, prompt + new, itemsize), gathered, max(prefill, sampling))
 
 
@@ -205,14 +179,15 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     turns = world if layout == "split" else 1
     gpu = moved.bandwidth_seconds(rates.memory, turns) + turns * flops_per_token * rows / rates.flops
     host = layers * (DECODE_HOST_SECONDS_PER_LAYER + turns * rows * DECODE_SECONDS_PER_ROW_LAYER)
-    if graphs_for(cfg.grpo.generation_graphs, True, layout, cfg.data.images_per_row > 0):  # a plan is of GPUs
+    rounds = generating(cfg).tool_rounds
+    if graphs_for(cfg.generation.graphs, True, layout, cfg.data.images_per_row > 0):  # a plan is of GPUs
         host = moved.launch_seconds  # after the replay's kernels, not beside them: the sampling waits for them
         gpu += host
     prompt_flops = turns * flops_per_token * rows * prompt / rates.flops
     if layout == "per_token":
         decode = max(gpu, gather, host) + min(gpu, gather) / max(layers, 1)  # the first gather hides behind nothing
         prefill = prompt_flops + gather + dequant
-        return GenerationTime(layout, memory.calls, new, 0.0, prefill, decode, gather, gpu, host, tool_rounds(cfg),
+        return GenerationTime(layout, memory.calls, new, 0.0, prefill, decode, gather, gpu, host, rounds,
                               prefill + prompt_flops * new / prompt, moved.fused)
     relay = hop = 0.0
     if layout == "split":  # each layer's hidden states to its owner and back, between the layers
@@ -222,4 +197,4 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     prefill = prompt_flops + dequant + prompt_relay
     longer = (prompt + new) / prompt  # a round re-reads the prompt and the completion so far
     return GenerationTime(layout, memory.calls, new, gather, prefill, max(gpu, host) + relay, relay, gpu, host,
-                          tool_rounds(cfg), dequant + (prompt_flops + prompt_relay) * longer, moved.fused)
+                          rounds, dequant + (prompt_flops + prompt_relay) * longer, moved.fused)

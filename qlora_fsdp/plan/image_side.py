@@ -177,7 +177,7 @@ def rows_with_images(cfg: Config) -> int:
     rows = update_rows(cfg)
     made = planned_generation(cfg)
     if made is not None:
-        rows = max(rows, cfg.grpo.generation_rows or made.completions)
+        rows = max(rows, made.rows)
     return rows
 
 

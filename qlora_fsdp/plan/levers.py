@@ -57,7 +57,8 @@ def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
 
 def splits_rows_further(cfg: Config) -> bool:
     """Long rows, on a node whose GPUs do not all share each row yet (rollouts with tools are not split)."""
-    tool_rollouts = planned_generation(cfg) is not None and cfg.grpo.calls_tools
+    made = planned_generation(cfg)
+    tool_rollouts = made is not None and made.multi_turn
     return (cfg.data.context_length > LONG_ROW and not tool_rollouts
             and cfg.model.attn_implementation in ("auto", "sdpa_varlen")
             and cfg.hardware.gpus_per_node > cfg.fsdp.context_parallel

@@ -18,7 +18,7 @@ from typing import Literal
 from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.generation.layouts import Layout
+from qlora_fsdp.generation.plan import Layout, chosen_layout
 from qlora_fsdp.measure.fake_step import update_rows
 from qlora_fsdp.measure.fake_world import recipe_step
 from qlora_fsdp.measure.held import Held
@@ -26,14 +26,11 @@ from qlora_fsdp.measure.step_tracker import Segment, StepMemory
 from qlora_fsdp.objectives.reference_adapter import keeps_frozen_adapter
 from qlora_fsdp.plan.generation import (
     Weights,
-    candidate_layouts,
     generation_memory,
-    generation_time,
     planned_generation,
     root_bytes,
 )
 from qlora_fsdp.plan.image_side import image_side
-from qlora_fsdp.plan.step_time import Rates, matmul_efficiency
 from qlora_fsdp.run.description import planned_run
 from qlora_fsdp.run.hardware import GPU, GPUS
 
@@ -253,24 +250,20 @@ def layout_rows(held: Held, cfg: Config, step: StepMemory, layout: Layout) -> li
 
 
 def planned_layout(held: Held, cfg: Config, step: StepMemory) -> Layout:
-    """The recipe's layout, or the fastest that fits the GPU (none fitting: the one that holds least)."""
-    candidates = candidate_layouts(cfg)
-    totals = {layout: sum(r.bytes for r in layout_rows(held, cfg, step, layout)) for layout in candidates}
-    fitting = [layout for layout in candidates if totals[layout] <= gpu_spec(cfg).memory_gib * GIB]
-    if not fitting:
-        return min(candidates, key=lambda layout: totals[layout])
-    hf, gpu = planned_run(cfg).hf_config, gpu_spec(cfg)
-    rates = Rates.of(gpu, matmul_efficiency(cfg.hardware.gpu), cfg.hardware.host_memory_gbps)
-    return min(fitting, key=lambda layout: generation_time(
-        cfg, hf, step, generation_memory(cfg, hf, step, 0, layout), rates).total)
+    """The layout the run takes (generation/plan.py's one rule), asked of the planned bytes: gathered where the
+    device while generating fits the GPU."""
+    def gathered_fits() -> bool:
+        return sum(r.bytes for r in layout_rows(held, cfg, step, "gathered")) <= gpu_spec(cfg).memory_gib * GIB
+
+    return chosen_layout(cfg.generation.layout, cfg.hardware.world_size, gathered_fits)
 
 
 def with_generation_layout(cfg: Config, held: Held, step: StepMemory) -> Config:
-    """GRPO with `grpo.generation_layout: auto`: the layout the plan takes, written into the planned config."""
-    if planned_generation(cfg) is None or cfg.grpo.generation_layout != "auto":
+    """`generation.layout: auto`: the layout the plan takes, written into the planned config (its time reads it)."""
+    if planned_generation(cfg) is None or cfg.generation.layout != "auto":
         return cfg
-    grpo = dataclasses.replace(cfg.grpo, generation_layout=planned_layout(held, cfg, step))
-    return dataclasses.replace(cfg, grpo=grpo)
+    generation = dataclasses.replace(cfg.generation, layout=planned_layout(held, cfg, step))
+    return dataclasses.replace(cfg, generation=generation)
 
 
 def generating_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:

@@ -243,7 +243,7 @@ def prompt_units(cfg: Config, records: list[tuple[SourceConfig, datasets.Dataset
                 preview.append(PreviewRecord(len(lengths), [("prompt", Sample(ids, [IGNORE_INDEX] * len(ids)))]))
             lengths.append(len(ids))
     notes = ["a plain-text prompt is tokenized as it is; chat prompts get the template's generation prompt"]
-    if cfg.grpo.calls_tools:
+    if cfg.multi_turn_rollouts:
         notes.append("the tools' listing is added to each prompt at launch (not shown here)")
     return Units(preview, lengths, len(lengths), sum(n > cfg.prompt_room for n in lengths), cfg.prompt_room,
                  "refused: the run stops with an error naming the record", "prompt", notes)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from qlora_fsdp.agents.user_code import import_function
-from qlora_fsdp.config import GrpoConfig, RewardConfig
+from qlora_fsdp.config import GenerationConfig, RewardConfig
 from qlora_fsdp.errors import ConfigError, UserError
 from qlora_fsdp.rewards.builtin import BUILTINS, RewardFunction, builtin
 
@@ -37,11 +37,11 @@ class Reward:
 BuiltinFactory = Callable[[dict[str, Any]], RewardFunction]
 
 
-def resolve(config: RewardConfig, grpo: GrpoConfig, factories: dict[str, BuiltinFactory]) -> Reward:
+def resolve(config: RewardConfig, generation: GenerationConfig, factories: dict[str, BuiltinFactory]) -> Reward:
     if config.function in factories:
         return Reward(config.function, factories[config.function](config.options), config.weight)
     if ":" not in config.function:
-        found = builtin(config.function, config.options, grpo.max_completion_length)
+        found = builtin(config.function, config.options, generation.max_completion_length)
         if found is None:
             raise ConfigError(f"unknown reward function {config.function!r}: a built-in "
                               f"({', '.join([*BUILTINS, *factories])}) or module:function")
@@ -51,12 +51,13 @@ def resolve(config: RewardConfig, grpo: GrpoConfig, factories: dict[str, Builtin
     return Reward(config.function, import_function(config.function, "reward function"), config.weight)
 
 
-def resolve_rewards(grpo: GrpoConfig, factories: dict[str, BuiltinFactory] | None = None) -> list[Reward]:
-    """Every reward function of the recipe, or a ConfigError naming the first that cannot be had. `factories`: the
-    built-ins made elsewhere (api.py gives `reward_model`)."""
-    if not grpo.rewards:
-        raise ConfigError("train.objective grpo needs at least one reward function in grpo.rewards")
-    return [resolve(config, grpo, factories or {}) for config in grpo.rewards]
+def resolve_rewards(rewards: list[RewardConfig], generation: GenerationConfig, section: str = "grpo",
+                    factories: dict[str, BuiltinFactory] | None = None) -> list[Reward]:
+    """Every reward function of the recipe's objective section (`section`.rewards), or a ConfigError naming the
+    first that cannot be had. `factories`: the built-ins made elsewhere (api.py gives `reward_model`)."""
+    if not rewards:
+        raise ConfigError(f"train.objective {section} needs at least one reward function in {section}.rewards")
+    return [resolve(config, generation, factories or {}) for config in rewards]
 
 
 @dataclass(frozen=True)

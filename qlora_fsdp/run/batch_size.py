@@ -104,10 +104,10 @@ def describe_batch(before: Config, after: Config, world_size: int) -> str:
     line = (f"batch: micro-batch {data.micro_batch_size}{how} x {data.grad_accum_steps} accumulation steps x {ranks} "
             f"= {rows} rows a step (at most {rows * data.context_length:,} tokens)")
     if after.train.kind.generates:  # a row is a prompt; its completions are the update's rows
-        completions = rows * after.grpo.num_generations
+        completions = rows * after.generation.num_generations
         prompts = f"prompt{'s' if data.micro_batch > 1 else ''}"
         line = (f"batch: micro-batch {data.micro_batch_size}{how} {prompts} x {data.grad_accum_steps} accumulation "
-                f"steps x {ranks} = {rows} prompts a step, {after.grpo.num_generations} completions each: "
+                f"steps x {ranks} = {rows} prompts a step, {after.generation.num_generations} completions each: "
                 f"{completions} completions (at most {completions * data.context_length:,} tokens)")
     if before.optim.lr_scaling != "none":
         line += (f"; lr {after.optim.lr:.3g} ({before.optim.lr_scaling} scaling of {before.optim.lr:g} "

@@ -68,7 +68,7 @@ GPUS = {
     "v100-16gb": GPU(15.8, 125.0, bf16=False, memory_gbps=900, pcie_gen=3, nvlink_gbps=150),
     "cpu": GPU(math.inf, 0.0),
 }
-# the cards GRPO's fused decoding kernels are built for (grpo.generation_kernels): sm86 (RTX 3090, A5000, A6000),
+# the cards GRPO's fused decoding kernels are built for (generation.kernels): sm86 (RTX 3090, A5000, A6000),
 # sm89 (RTX 4080/4090, 6000 Ada, L4, L40, L40S), sm90 (H100, H200)
 FUSED_KERNEL_GPUS = frozenset({"rtx3090", "rtxa5000", "rtxa6000", "rtx4080", "rtx4090", "rtx6000ada", "l4", "l40",
                                "l40s", "h100", "h100-pcie", "h100-nvl", "h200"})
