@@ -317,8 +317,9 @@ def test_a_run_continuing_an_adapter_keeps_it_frozen_as_the_reference_and_the_pl
     attached (TRL's "ref" copy), the trained values come back after it, and the plan holds the copy's bytes; with a
     fresh adapter or no KL term, nothing is kept."""
     from qlora_fsdp.config import Config
+    from qlora_fsdp.measure.fake_step import planned_objective
     from qlora_fsdp.measure.held import Held
-    from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter, keeps_frozen_adapter
+    from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter
     from qlora_fsdp.plan.memory import resident_rows
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
@@ -335,16 +336,18 @@ def test_a_run_continuing_an_adapter_keeps_it_frozen_as_the_reference_and_the_pl
         assert torch.equal(model[1].weight, trained["1.weight"])
     assert all(torch.equal(param, trained[name]) for name, param in model.named_parameters())
 
-    def config(adapter: str | None, beta: float) -> Config:
+    def config(objective: str, adapter: str | None, beta: float) -> Config:
         cfg = Config()
-        cfg.train.objective, cfg.model.adapter, cfg.grpo.beta = "grpo", adapter, beta
+        cfg.train.objective, cfg.model.adapter, cfg.grpo.beta, cfg.rloo.beta = objective, adapter, beta, beta
         return cfg
 
     held = Held(lora=12345)
-    for adapter, beta, kept in ((None, 0.04, False), ("sft/adapter", 0.0, False), ("sft/adapter", 0.04, True)):
-        cfg = config(adapter, beta)
+    cases = ((None, 0.04, False), ("sft/adapter", 0.0, False), ("sft/adapter", 0.04, True))
+    for objective, (adapter, beta, kept) in ((o, case) for o in ("grpo", "rloo") for case in cases):
+        cfg = config(objective, adapter, beta)
         copies = [row.bytes for row in resident_rows(held, cfg) if "reference" in row.name]
-        assert keeps_frozen_adapter(cfg) == kept and copies == ([12345] if kept else []), (adapter, beta)
+        kept_here = planned_objective(cfg).keeps_reference_adapter()
+        assert kept_here == kept and copies == ([12345] if kept else []), (objective, adapter, beta)
 
 
 def test_advantages_are_trls_group_and_batch_normalization():

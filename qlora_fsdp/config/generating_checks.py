@@ -50,9 +50,11 @@ def _positive(section: str, values: dict[str, float]) -> None:
 
 
 def _reference_free_start(section: str, beta: float, config: Config) -> None:
-    if beta > 0 and (config.model.adapter or config.lora.train_router):
+    """The KL term's reference is the base (the adapter off) or the starting adapter kept frozen; a run that
+    trains routers changes the base itself."""
+    if beta > 0 and config.lora.train_router:
         raise ConfigError(f"'{section}.beta' > 0 compares against the base with the adapter off, which a run that "
-                          f"starts from an adapter or trains routers does not have; set {section}.beta: 0")
+                          f"trains routers does not have; set {section}.beta: 0")
 
 
 def _validate_grpo(grpo: GrpoConfig, config: Config) -> None:

@@ -134,6 +134,10 @@ class Objective:
         """extra_forwards as a plan counts them, without the data (the larger where the data decides)."""
         return 0
 
+    def keeps_reference_adapter(self) -> bool:
+        """Whether the starting adapter is kept frozen beside the trained one all run (a KL term's reference)."""
+        return False
+
     def planned_generation(self) -> GenerationPlan | None:
         """What the objective generates each step (the plan prices its memory and time); None: nothing."""
         return None

@@ -63,7 +63,7 @@ from qlora_fsdp.objectives.grpo_records import (
     sample_record,
     saved_generation,
 )
-from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter, keeps_frozen_adapter
+from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter
 from qlora_fsdp.objectives.reward_model_scores import reward_model_function
 from qlora_fsdp.objectives.rollouts import decoding
 from qlora_fsdp.objectives.turns import Made, ToolRollouts
@@ -114,7 +114,7 @@ class Grpo(Objective):
             self.rewards = (resolve_rewards(self.settings.rewards, self.generation, self.SECTION,
                                             {"reward_model": reward_model_function}) if self.settings.rewards else [])
         # starting from an adapter, the KL term's reference is that adapter, frozen (TRL's); else the adapter off
-        self.reference = frozen_adapter(run.model) if keeps_frozen_adapter(self.cfg) else None
+        self.reference = frozen_adapter(run.model) if self.keeps_reference_adapter() else None
         self.tool_rollouts: ToolRollouts | None = None
         if self.settings.calls_tools:
             config = getattr(run.model.config, "text_config", run.model.config)
@@ -370,6 +370,9 @@ class Grpo(Objective):
         rounds = (1 if limit is None else limit) if self.settings.calls_tools else 0
         return GenerationPlan(self.generation, prompts, self.cfg.prompt_room, self.settings.num_iterations, kept,
                               self.settings.calls_tools, rounds)
+
+    def keeps_reference_adapter(self) -> bool:  # a run from model.adapter with a KL term: TRL's "ref" copy
+        return bool(self.cfg.model.adapter) and self.settings.beta != 0.0
 
     def keeps_old_logps(self) -> bool:
         """The log-probabilities at generation, the ratio's denominator, kept where a generation serves steps."""

@@ -16,13 +16,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from qlora_fsdp.config import Config
-
-
-def keeps_frozen_adapter(cfg: Config) -> bool:
-    """Whether GRPO's reference is a frozen copy of the starting adapter (held beside the trained one all run)."""
-    return cfg.train.kind.generates and bool(cfg.model.adapter) and cfg.grpo.beta != 0.0
-
 
 def local(param: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of a parameter (its shard under FSDP2)."""

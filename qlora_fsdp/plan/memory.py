@@ -19,11 +19,10 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.generation.plan import Layout, chosen_layout
-from qlora_fsdp.measure.fake_step import update_rows
+from qlora_fsdp.measure.fake_step import planned_objective, update_rows
 from qlora_fsdp.measure.fake_world import recipe_step
 from qlora_fsdp.measure.held import Held
 from qlora_fsdp.measure.step_tracker import Segment, StepMemory
-from qlora_fsdp.objectives.reference_adapter import keeps_frozen_adapter
 from qlora_fsdp.plan.generation import (
     Weights,
     generation_memory,
@@ -109,8 +108,8 @@ def resident_rows(held: Held, cfg: Config) -> list[Row]:
             Row("other base weights: embeddings, norms, head (shard)", held.other_base, "exact"),
             Row(f"LoRA weights (shard, {cfg.lora.dtype})", held.lora, "exact"),
             Row(f"optimizer state ({cfg.optim.name})", held.optimizer, "exact"),
-            *([Row("GRPO's reference: the starting adapter, frozen (shard)", held.lora, "exact")]
-              if keeps_frozen_adapter(cfg) else [])]
+            *([Row("the KL term's reference: the starting adapter, frozen (shard)", held.lora, "exact")]
+              if planned_objective(cfg).keeps_reference_adapter() else [])]
 
 
 def checkpointing_words(cfg: Config) -> str:
