@@ -260,7 +260,7 @@ def test_every_shipped_recipe_plans_its_time(recipe_plans):
         adding = [float(x) for x in re.findall(r"^\| (?:matmuls|attention|element-wise|4-bit|optimizer|transfers left"
                                               r"|generation|the vision tower)[^|]*\| ([\d.]+) \|$", report, re.M)]
         cfg = load_config(name)
-        grpo = cfg.train.objective == "grpo"  # generating is a part of its step
+        grpo = cfg.train.kind.generates  # generating is a part of its step (GRPO, RLOO)
         images = bool(cfg.data.images_per_row)  # so is the vision tower's forward
         assert len(adding) == 6 + grpo + images and sum(adding) == pytest.approx(step, abs=0.05), name
         line = re.search(r"^([\d,]+) (?:trained )?tokens a step: ([\d,]+) tokens/s, MFU \d+% .*train.max_steps (\d+): "

@@ -24,7 +24,6 @@ class GenerationPlan:
     prompt_tokens: int  # the longest prompt a recipe allows (the context less max_completion_length)
     steps_served: int = 1  # optimizer steps one generation serves
     kept_forwards: int = 0  # forwards over a generation's completions whose log-probabilities the update keeps
-    multi_turn: bool = False  # rollouts call tools (GRPO's tools and environments): their rows are not split
     tool_rounds: int = 0  # rounds of tool results a rollout may take (the plan prices them)
 
     @property

@@ -369,7 +369,7 @@ class Grpo(Objective):
         limit = self.grpo.max_tool_calling_iterations
         rounds = (1 if limit is None else limit) if self.settings.calls_tools else 0
         return GenerationPlan(self.generation, prompts, self.cfg.prompt_room, self.settings.num_iterations, kept,
-                              self.settings.calls_tools, rounds)
+                              rounds)
 
     def keeps_reference_adapter(self) -> bool:  # a run from model.adapter with a KL term: TRL's "ref" copy
         return bool(self.cfg.model.adapter) and self.settings.beta != 0.0

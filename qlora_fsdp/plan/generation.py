@@ -86,10 +86,7 @@ class GenerationMemory:
     """One rank's generation calls in a step, and what a call holds above the step's resident bytes."""
 
     layout: Layout
-    rows: int  # completions a call generates together
-    calls: int
-    prompt_tokens: int  # the longest prompt a recipe allows (the context less max_completion_length)
-    new_tokens: int
+    made: GenerationPlan  # the rows a call, the calls, the prompt and new tokens
     kv_cache_bytes: int
     gathered_bytes: int
     temporaries_bytes: int
@@ -129,13 +126,6 @@ def planned_generation(cfg: Config) -> GenerationPlan | None:
     return planned_objective(cfg).planned_generation()
 
 
-def generating(cfg: Config) -> GenerationPlan:
-    """planned_generation of an objective that generates (what the functions pricing generation are asked for)."""
-    made = planned_generation(cfg)
-    assert made is not None, f"train.objective {cfg.train.objective} generates nothing"
-    return made
-
-
 def forward_work(step: StepMemory) -> Work:
     """The first micro-batch's forward through the model (embeddings, layers, final norm): its gathers and its
     dequantized weights are what each decoding step repeats."""
@@ -153,14 +143,15 @@ def gathered_while_forward(step: StepMemory) -> int:
 def generation_memory(cfg: Config, hf: PretrainedConfig, step: StepMemory, largest_linear: int, layout: Layout,
                       weights: Weights | None = None) -> GenerationMemory:
     """`weights`: the rank's, for what `gathered` and `split` hold (None: time only, the memory's bytes unused)."""
-    made, itemsize = generating(cfg), TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
+    made, itemsize = planned_generation(cfg), TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
+    assert made is not None, f"train.objective {cfg.train.objective} generates nothing"
     rows, prompt, new = made.rows, made.prompt_tokens, made.new_tokens
     intermediate = getattr(hf, "intermediate_size", None) or 4 * hf.hidden_size
     layer_rows = rows * (cfg.hardware.world_size if layout == "split" else 1)  # split: every rank's rows at once
     prefill = layer_rows * prompt * intermediate * itemsize * MLP_TEMPORARIES + largest_linear * itemsize
     sampling = rows * hf.vocab_size * SAMPLING_BYTES_PER_LOGIT
     gathered = weights.gathered(layout, gathered_while_forward(step)) if weights is not None else 0
-    return GenerationMemory(layout, rows, made.calls, prompt, new,
+    return GenerationMemory(layout, made,
                             kv_cache_bytes(hf, rows, prompt + new, itemsize), gathered, max(prefill, sampling))
 
 
@@ -168,7 +159,8 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
                     rates: Rates) -> GenerationTime:
     itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize
     layout, world = memory.layout, cfg.hardware.world_size
-    rows, prompt, new, layers = memory.rows, memory.prompt_tokens, memory.new_tokens, hf.num_hidden_layers
+    made, layers = memory.made, hf.num_hidden_layers
+    rows, prompt, new = made.rows, made.prompt_tokens, made.new_tokens
     forward = forward_work(step)
     flops_per_token = forward.matmul_flops / (update_rows(cfg) * cfg.data.context_length)  # as the update's forward
     _, _, gather = link_seconds(Work(gather_bytes=forward.gather_bytes, to_gpu_bytes=forward.to_gpu_bytes), rates)
@@ -179,7 +171,7 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     turns = world if layout == "split" else 1
     gpu = moved.bandwidth_seconds(rates.memory, turns) + turns * flops_per_token * rows / rates.flops
     host = layers * (DECODE_HOST_SECONDS_PER_LAYER + turns * rows * DECODE_SECONDS_PER_ROW_LAYER)
-    rounds = generating(cfg).tool_rounds
+    rounds = made.tool_rounds
     if graphs_for(cfg.generation.graphs, True, layout, cfg.data.images_per_row > 0):  # a plan is of GPUs
         host = moved.launch_seconds  # after the replay's kernels, not beside them: the sampling waits for them
         gpu += host
@@ -187,7 +179,7 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     if layout == "per_token":
         decode = max(gpu, gather, host) + min(gpu, gather) / max(layers, 1)  # the first gather hides behind nothing
         prefill = prompt_flops + gather + dequant
-        return GenerationTime(layout, memory.calls, new, 0.0, prefill, decode, gather, gpu, host, rounds,
+        return GenerationTime(layout, made.calls, new, 0.0, prefill, decode, gather, gpu, host, rounds,
                               prefill + prompt_flops * new / prompt, moved.fused)
     relay = hop = 0.0
     if layout == "split":  # each layer's hidden states to its owner and back, between the layers
@@ -196,5 +188,5 @@ def generation_time(cfg: Config, hf: PretrainedConfig, step: StepMemory, memory:
     prompt_relay = 2 * layers * (RELAY_LATENCY_SECONDS + hop * prompt) if layout == "split" else 0.0
     prefill = prompt_flops + dequant + prompt_relay
     longer = (prompt + new) / prompt  # a round re-reads the prompt and the completion so far
-    return GenerationTime(layout, memory.calls, new, gather, prefill, max(gpu, host) + relay, relay, gpu, host,
+    return GenerationTime(layout, made.calls, new, gather, prefill, max(gpu, host) + relay, relay, gpu, host,
                           rounds, dequant + (prompt_flops + prompt_relay) * longer, moved.fused)

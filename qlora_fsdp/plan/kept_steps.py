@@ -4,12 +4,10 @@ what a long-lived planner (the studio's plan server) keeps between plans made in
 from __future__ import annotations
 
 from qlora_fsdp.config import Config
-from qlora_fsdp.measure.fake_step import measured_steps as kept_steps
-from qlora_fsdp.measure.fake_step import remember_steps as keep_steps
-from qlora_fsdp.measure.fake_step import step_setting
+from qlora_fsdp.measure.fake_step import measured_steps, remember_steps, step_setting
 from qlora_fsdp.run.description import planned_run
 
-__all__ = ["first_step_setting", "keep_steps", "kept_steps"]  # the studio reaches the measured steps here
+__all__ = ["first_step_setting", "measured_steps", "remember_steps"]  # the studio reaches the measured steps here
 
 
 def first_step_setting(cfg: Config) -> str:

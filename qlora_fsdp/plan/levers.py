@@ -10,7 +10,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.measure.held import Held, meta_held
-from qlora_fsdp.plan.generation import planned_generation
 from qlora_fsdp.plan.memory import GIB, Plan, gpu_spec, plan
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 
@@ -57,8 +56,7 @@ def memory_levers(cfg: Config) -> list[tuple[str, dict[str, object]]]:
 
 def splits_rows_further(cfg: Config) -> bool:
     """Long rows, on a node whose GPUs do not all share each row yet (rollouts with tools are not split)."""
-    made = planned_generation(cfg)
-    tool_rollouts = made is not None and made.multi_turn
+    tool_rollouts = cfg.multi_turn_rollouts
     return (cfg.data.context_length > LONG_ROW and not tool_rollouts
             and cfg.model.attn_implementation in ("auto", "sdpa_varlen")
             and cfg.hardware.gpus_per_node > cfg.fsdp.context_parallel

@@ -237,9 +237,10 @@ def layout_rows(held: Held, cfg: Config, step: StepMemory, layout: Layout) -> li
     """The device while the policy generates in `layout`."""
     hf = planned_run(cfg).hf_config
     made = generation_memory(cfg, hf, step, held.largest_linear, layout, rank_weights(held, cfg))
-    tokens = f"{made.rows} rows x ({made.prompt_tokens} prompt + {made.new_tokens} new) tokens"
+    plan = made.made
+    tokens = f"{plan.rows} rows x ({plan.prompt_tokens} prompt + {plan.new_tokens} new) tokens"
     rows = [*gpu_resident_rows(held, cfg),
-            Row(f"KV cache ({tokens}; {made.calls} call{'s' if made.calls > 1 else ''} a step)", made.kv_cache_bytes,
+            Row(f"KV cache ({tokens}; {plan.calls} call{'s' if plan.calls > 1 else ''} a step)", made.kv_cache_bytes,
                 "exact"),
             Row(f"weights gathered while generating, {layout} ({GATHERED_WORDS[layout]})", made.gathered_bytes,
                 "measured" if layout == "per_token" else "exact"),
@@ -269,8 +270,7 @@ def generating_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
     """The device while the policy generates (plan/generation.py), empty for objectives that generate nothing."""
     if planned_generation(cfg) is None:
         return []
-    layout = planned_layout(held, cfg, step)
-    return layout_rows(held, cfg, step, layout)
+    return layout_rows(held, cfg, step, planned_layout(held, cfg, step))
 
 
 def loading_bytes(held: Held, cfg: Config) -> int:

@@ -45,19 +45,18 @@ def plan_recipe(cfg: Config) -> RecipePlan:
     fits = micro_batch_fits(cfg, held)  # an auto micro-batch where none fits plans 1, to show the misfit
     planned = resolve_batch(cfg, cfg.hardware.world_size, lambda micro: micro == 1 or fits(micro))
     result = plan(planned, held)
-    if result.step is not None:  # GRPO's generation layout, where the recipe leaves it to the plan
+    if result.step is not None:  # generation.layout: auto, resolved as the run resolves it
         planned = with_generation_layout(planned, held, result.step)
     return RecipePlan(cfg, planned, held, mesh, result)
 
 
 def report(cfg: Config) -> tuple[str, bool]:
     """The planner's table and verdict for a recipe; (text, fits)."""
-    planned = plan_recipe(cfg)
-    return report_text(planned), planned.result.fits
+    return report_text(planned := plan_recipe(cfg)), planned.result.fits
 
 
 def generating_lines(result: Plan) -> list[str]:
-    """GRPO: the device while the policy generates, and which of the two phases is the step's peak."""
+    """A generating objective: the device while the policy generates, and which phase is the step's peak."""
     if not result.generating_rows:
         return []
     peak = "generation" if result.generating_total > result.update_total else "the update"

@@ -50,11 +50,10 @@ def rates(cfg: Config) -> Rates:
 
 
 def recipe_generation(cfg: Config, step: StepMemory) -> GenerationTime:
-    """In the planned layout (plan/report.py writes it into the planned config; a config the plan has not
-    resolved takes the rule's first choice, gathered)."""
-    hf = planned_run(cfg).hf_config
-    layout = "gathered" if cfg.generation.layout == "auto" else cfg.generation.layout
-    memory = generation_memory(cfg, hf, step, 0, layout)  # its calls and cache; temporaries are not timed
+    """In the planned layout (plan/report.py writes it into the planned config; unresolved: gathered, the rule's
+    first choice). Its memory's calls and cache; temporaries are not timed."""
+    hf, layout = planned_run(cfg).hf_config, cfg.generation.layout
+    memory = generation_memory(cfg, hf, step, 0, "gathered" if layout == "auto" else layout)
     return generation_time(cfg, hf, step, memory, rates(cfg))
 
 

@@ -85,19 +85,19 @@ def serve() -> None:
 def step_key(draft: Draft) -> str | None:
     """The setting of the step the draft's plan measures first (None where the draft does not load, or the step is
     measured already: no plan need wait for it)."""
-    from qlora_fsdp.plan.kept_steps import first_step_setting, kept_steps
+    from qlora_fsdp.plan.kept_steps import first_step_setting, measured_steps
 
     try:
         key = first_step_setting(load_config(draft.recipe, list(draft.overrides)))
     except Exception:  # the plan itself says what is wrong with the draft
         return None
-    return None if key in kept_steps() else key
+    return None if key in measured_steps() else key
 
 
 def write_plan(request: dict[str, Any], awaited: tuple[int, Path] | None) -> int:
     """The plan (a child of the server): its data to `out`, and the steps it measured beside it. Where another plan
     was measuring its step (`awaited`: its process and plan file), it plans once that one has ended, with its steps."""
-    from qlora_fsdp.plan.kept_steps import keep_steps, kept_steps
+    from qlora_fsdp.plan.kept_steps import measured_steps, remember_steps
 
     out = Path(request["out"])
     if awaited is not None:
@@ -105,13 +105,13 @@ def write_plan(request: dict[str, Any], awaited: tuple[int, Path] | None) -> int
             time.sleep(0.05)
         with contextlib.suppress(FileNotFoundError):  # none where it failed (or the server took them: only at a
             # newer request, which ends this plan too)
-            keep_steps(pickle.loads(awaited[1].with_suffix(STEPS_SUFFIX).read_bytes()))
-    known = set(kept_steps())
+            remember_steps(pickle.loads(awaited[1].with_suffix(STEPS_SUFFIX).read_bytes()))
+    known = set(measured_steps())
     try:
         data = plan_or_error(Draft(request["recipe"], tuple(request["overrides"])))
     except Exception as err:  # a planner's failure, said in one line (the page shows it; the server goes on)
         data = {"error": f"error: the plan failed: {type(err).__name__}: {err}"}
-    new_steps = {key: step for key, step in kept_steps().items() if key not in known}
+    new_steps = {key: step for key, step in measured_steps().items() if key not in known}
     data["steps_measured"] = len(new_steps)
     if new_steps:
         write_whole(out.with_suffix(STEPS_SUFFIX), pickle.dumps(new_steps))
@@ -129,10 +129,10 @@ def write_whole(path: Path, data: bytes) -> None:
 def take_measured_steps(folder: Path) -> None:
     """The steps finished plans measured, kept in the server (the files, the children's own in the worker's private
     folder, removed), so that every plan forked later has them."""
-    from qlora_fsdp.plan.kept_steps import keep_steps
+    from qlora_fsdp.plan.kept_steps import remember_steps
 
     for path in sorted(folder.glob(f"*{STEPS_SUFFIX}")):
-        keep_steps(pickle.loads(path.read_bytes()))
+        remember_steps(pickle.loads(path.read_bytes()))
         path.unlink()
 
 
