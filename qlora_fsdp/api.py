@@ -109,7 +109,9 @@ def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Train
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     trackers = open_trackers(cfg.logging, out_dir, to_dict(cfg)) if info.is_main else []
     logger = MetricsLogger(out_dir, cfg.train.max_steps, enabled=info.is_main, trackers=trackers)
-    logger.log({"event": "start", "world_size": info.world_size, "config": to_dict(cfg)})
+    objective = objective_class(cfg)  # its metrics' names: both plotters draw what it logs
+    logger.log({"event": "start", "world_size": info.world_size, "config": to_dict(cfg),
+                "metrics": {"progress": list(objective.PROGRESS_METRICS), "eval": list(objective.EVAL_METRICS)}})
     trainable, base = count_parameters(model)
     logger.write(f"world size {info.world_size} on {info.device.type}; data: "
                  f"{data.describe(cfg.data.context_length, cfg.data.overlong)}")

@@ -218,5 +218,6 @@ def test_an_rloo_recipe_trains_and_logs_its_metrics(tiny_model_dir, tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward" in r and "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
+    assert records[0]["metrics"] == {"progress": ["reward", "kl"], "eval": ["eval_reward"]}  # what the plotters draw
     assert all(0 <= r["clip_ratio_low"] <= 1 and "kl" in r and "entropy" in r for r in steps), steps
     assert (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -1,5 +1,6 @@
-"""loss_curves.png from metrics.jsonl: training loss (and its running mean) and held-out loss against step; for
-preference pairs a second panel of reward accuracy and margin, in training and held out."""
+"""loss_curves.png from metrics.jsonl: training loss (and its running mean) and held-out loss against step, then a
+panel for each metric the run's objective names in its start record (objectives/base.py's PROGRESS_METRICS and
+EVAL_METRICS), in training and held out. The studio's curves group them alike (studio/pictures.py)."""
 
 from __future__ import annotations
 
@@ -65,13 +66,30 @@ def plot_held_out(ax: Any, points: Series, color: str, label: str) -> None:
     ax.plot(steps, values, "o-", color=color, label=label)
 
 
-REWARD_KEYS = ("reward_accuracy", "eval_reward_accuracy", "reward_margin", "eval_reward_margin")
+def objective_metrics(records: list[dict[str, Any]]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The objective's progress and held-out metric names, as the run's start record names them (none in a run
+    written before the record held them)."""
+    start = next((r for r in records if r.get("event") == "start"), {})
+    named = start.get("metrics") or {}
+    return tuple(named.get("progress", ())), tuple(named.get("eval", ()))
+
+
+def metric_panels(progress: tuple[str, ...], evals: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """A panel a metric: its training values with their held-out twin (`eval_<name>`), then the held-out metrics
+    without one; eval_loss and eval_ppl belong to the loss."""
+    panels: list[tuple[str, tuple[str, ...]]] = [
+        (name, (name, f"eval_{name}") if f"eval_{name}" in evals else (name,)) for name in progress]
+    twins = {f"eval_{name}" for name in progress} | {"eval_loss", "eval_ppl"}
+    return panels + [(name, (name,)) for name in evals if name not in twins]
 
 
 def plot_loss_curves(metrics: Path, png: Path) -> Path | None:
-    """Write the PNG; None when there is nothing to plot yet, or no matplotlib (an offline GPU machine's carried
-    wheels leave it out: the run's metrics.jsonl holds every figure)."""
-    series = read_series(metrics, ("loss", "eval_loss", *REWARD_KEYS))
+    """Write the PNG: the loss, then a panel for each of the objective's metrics the run logged (GRPO's reward and
+    KL, DPO's reward accuracy and margin, ...); None when there is nothing to plot yet, or no matplotlib (an offline
+    GPU machine's carried wheels leave it out: the run's metrics.jsonl holds every figure)."""
+    records = complete_records(metrics)
+    wanted = metric_panels(*objective_metrics(records))
+    series = series_of(records, ("loss", "eval_loss", *(key for _, keys in wanted for key in keys)))
     if not series["loss"] and not series["eval_loss"]:
         return None
     try:
@@ -82,40 +100,31 @@ def plot_loss_curves(metrics: Path, png: Path) -> Path | None:
     matplotlib.use("Agg")  # files only: no display needed on a cluster node
     import matplotlib.pyplot as plt
 
-    pairs = bool(series["reward_accuracy"] or series["eval_reward_accuracy"])
-    fig, axes = plt.subplots(2 if pairs else 1, 1, figsize=(8, 8 if pairs else 4.5), dpi=100, squeeze=False)
+    panels = [(title, keys) for title, keys in wanted if any(series[key] for key in keys)]
+    fig, axes = plt.subplots(1 + len(panels), 1, figsize=(8, 4.5 + 3 * len(panels)), dpi=100, squeeze=False)
     loss_ax = axes[0][0]
     if series["loss"]:
         plot_training(loss_ax, series["loss"], "tab:blue", "training loss")
     if series["eval_loss"]:
         plot_held_out(loss_ax, series["eval_loss"], "tab:orange", "held-out loss")
-    loss_ax.set(xlabel="optimizer step", ylabel="loss (per pair)" if pairs else "loss (per target token)",
-                title=metrics.parent.name)
+    loss_ax.set(xlabel="optimizer step", ylabel="loss", title=metrics.parent.name)
     loss_ax.grid(alpha=0.3)
     loss_ax.legend()
-    if pairs:
-        plot_rewards(axes[1][0], series)
+    for (title, keys), row in zip(panels, axes[1:], strict=True):
+        plot_metric(row[0], title, keys, series)
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
     return png
 
 
-def plot_rewards(ax: Any, series: dict[str, Series]) -> None:
-    """Reward accuracy (left axis) and margin (right axis): training's running mean, held-out points."""
-    for key, color, label in (("reward_accuracy", "tab:green", "training reward accuracy"),
-                              ("eval_reward_accuracy", "tab:red", "held-out reward accuracy")):
+def plot_metric(ax: Any, title: str, keys: tuple[str, ...], series: dict[str, Series]) -> None:
+    """One metric: training's values and running mean, held-out points."""
+    for key, color in zip(keys, ("tab:green", "tab:red"), strict=False):
         if series[key]:
-            (plot_training if key == "reward_accuracy" else plot_held_out)(ax, series[key], color, label)
-    ax.set(xlabel="optimizer step", ylabel="reward accuracy (ties count half)", ylim=(-0.02, 1.02))
+            held_out = key.startswith("eval_")
+            (plot_held_out if held_out else plot_training)(ax, series[key], color,
+                                                           f"{'held-out' if held_out else 'training'} {title}")
+    ax.set(xlabel="optimizer step", ylabel=title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="center right")
-    margin_ax = ax.twinx()
-    for key, style, label in (("reward_margin", "-", "training reward margin"),
-                              ("eval_reward_margin", "s--", "held-out reward margin")):
-        if series[key]:
-            steps, values = zip(*series[key], strict=True)
-            margin_ax.plot(steps, values, style, color="tab:purple", alpha=0.6, linewidth=1, label=label)
-    margin_ax.set(ylabel="reward margin (chosen - rejected)")
-    if series["reward_margin"] or series["eval_reward_margin"]:
-        margin_ax.legend(loc="lower right")
+    ax.legend()

@@ -9,15 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from qlora_fsdp.outputs.metrics import format_duration
-from qlora_fsdp.outputs.plots import Series, complete_records, series_of
+from qlora_fsdp.outputs.plots import Series, complete_records, metric_panels, objective_metrics, series_of
 
-CURVE_KEYS = ("loss", "eval_loss", "reward", "eval_reward", "tokens_per_s", "generated_tokens_per_s",
-              "peak_memory_gib")
+CURVE_KEYS = ("loss", "eval_loss", "tokens_per_s", "generated_tokens_per_s", "peak_memory_gib")
 
 
 def curves(records: list[dict[str, Any]]) -> dict[str, Series]:
-    """The studio's curves: loss and eval loss, reward, tokens/s and memory, by step."""
-    return series_of(records, CURVE_KEYS)
+    """The studio's curves by step: loss and eval loss, each metric the run's objective names in its start record
+    (GRPO's reward and KL, DPO's reward accuracy, KTO's KL, ...), tokens/s and memory."""
+    named = tuple(key for _, keys in metric_panels(*objective_metrics(records)) for key in keys)
+    return series_of(records, (*CURVE_KEYS, *named))
 
 
 @dataclass

@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # the page renders figures to images; no display
 from matplotlib.figure import Figure  # noqa: E402
 
+from qlora_fsdp.outputs.plots import metric_panels  # noqa: E402
 from qlora_fsdp.studio.live import Series  # noqa: E402
 
 SMALLEST_SHOWN_GIB = 0.005  # components below this are left out of the bars (their legend would be noise)
@@ -89,9 +90,19 @@ def time_figure(plan: dict[str, Any]) -> Figure | None:
     return figure
 
 
+def curve_panels(series: dict[str, Series]) -> list[tuple[str, tuple[str, ...]]]:
+    """Loss, then each of the objective's metrics (loss_curves.png's grouping), then tokens/s and memory."""
+    fixed = {key for _, keys in CURVE_PANELS for key in keys}
+    named = [key for key in series if key not in fixed]
+    metrics = metric_panels(tuple(k for k in named if not k.startswith("eval_")),
+                            tuple(k for k in named if k.startswith("eval_")))
+    return [CURVE_PANELS[0], *metrics, *CURVE_PANELS[1:]]
+
+
 def curves_figure(series: dict[str, Series]) -> Figure | None:
-    """The run's curves, one small panel each (loss with eval loss, reward, tokens/s, memory); None before any."""
-    panels = [(title, keys) for title, keys in CURVE_PANELS if any(series.get(key) for key in keys)]
+    """The run's curves, one small panel each (loss with eval loss, the objective's metrics, tokens/s, memory);
+    None before any."""
+    panels = [(title, keys) for title, keys in curve_panels(series) if any(series.get(key) for key in keys)]
     if not panels:
         return None
     figure = Figure(figsize=(9, 2.6 * math.ceil(len(panels) / 2)), layout="constrained")
@@ -111,5 +122,5 @@ def curves_figure(series: dict[str, Series]) -> Figure | None:
     return figure
 
 
-CURVE_PANELS = (("loss", ("loss", "eval_loss")), ("reward", ("reward", "eval_reward")),
-                ("tokens/s", ("tokens_per_s", "generated_tokens_per_s")), ("memory (GiB)", ("peak_memory_gib",)))
+CURVE_PANELS = (("loss", ("loss", "eval_loss")), ("tokens/s", ("tokens_per_s", "generated_tokens_per_s")),
+                ("memory (GiB)", ("peak_memory_gib",)))
