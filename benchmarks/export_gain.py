@@ -182,7 +182,7 @@ def transformers_nll(folder: Path, samples: Path) -> float:
 
 def merged_fp32(adapter: Path, out: Path) -> Path:
     from qlora_fsdp.loading.adapter import config_for_adapter
-    from qlora_fsdp.tools.merge import merge_adapter
+    from qlora_fsdp.tools.adapter_merge import merge_adapter
 
     if not out.is_dir():
         merge_adapter(config_for_adapter(adapter, None, []), adapter, out, "float32")

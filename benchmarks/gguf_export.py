@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qlora_fsdp.config import Config, to_yaml
 from qlora_fsdp.loading.adapter import TRAINING_CONFIG, config_for_adapter
-from qlora_fsdp.tools.merge import merge_adapter
+from qlora_fsdp.tools.adapter_merge import merge_adapter
 
 TYPES = ("f16", "bf16", "q8_0")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -130,13 +130,13 @@ def ours(folder: Path, prompts: list[list[int]], layouts: list[str], args: argpa
     """Our model as training holds it (FSDP2 over the ranks), each layout timed on this rank's share of the rows."""
     from qlora_fsdp.config import GenerationConfig, load_config
     from qlora_fsdp.generation.plan import GenerationPlan
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.objectives.rollouts import generate
 
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     cfg = load_config("tiny_cpu", [f"model.path={folder}", f"model.dtype={dtype}", f"quant.compute_dtype={dtype}",
                                    "data.packing=false", "activation_checkpointing.mode=off"])
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     model.generation_config.eos_token_id = None  # the tokenizer's (never sampled) ends a row, on both sides
     tokenizer: Any = IdsOnly(model.config.vocab_size)
     rank, size = world()
@@ -376,7 +376,7 @@ def measure(args: argparse.Namespace) -> Measured | None:
     width = max(len(ids) for ids in prompts)
     title = (f"GRPO generation, {folder.name} (NF4 + LoRA r16), {args.rows} rows x {width} prompt tokens at most, "
              f"{args.new_tokens} new tokens, {size} rank{'s' if size > 1 else ''} on {name}, graphs {args.graphs}")
-    from qlora_fsdp.run.hardware import GPUS
+    from qlora_fsdp.run.accelerators import GPUS
 
     rows = args.rows // size
     bound = bandwidth_bound_ms(folder, rows, width, args.new_tokens, GPUS[args.plan_on].memory_gbps * 1e9) \
@@ -413,7 +413,7 @@ def report(measured: Measured) -> str:
 
 def plan_only(args: argparse.Namespace) -> str:
     """The plan's figures and the datasheet's bound for the generators, from config.json alone."""
-    from qlora_fsdp.run.hardware import GPUS
+    from qlora_fsdp.run.accelerators import GPUS
 
     folder = args.model or write_checkpoint(args.arch, args.work / f"{args.arch}-config", weights=False)
     prompts = prompt_ids(folder, args.arch, max(args.rows // 8, 1), args.prompt_tokens)

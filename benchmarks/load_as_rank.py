@@ -19,7 +19,7 @@ import torch
 import qlora_fsdp  # noqa: F401, I001  (first: it quiets a bitsandbytes CPU notice)
 from qlora_fsdp.config import load_config
 from qlora_fsdp.distributed import cleanup, init_fake_distributed, local_shard
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.measure.real_step import held_quant_state_bytes
 from qlora_fsdp.outputs.metrics import proc_status_bytes
 from qlora_fsdp.precision import describe_device
@@ -59,7 +59,7 @@ def main() -> None:
     cfg = describe_run(load_config(args.recipe, args.overrides), describe_device(device)).cfg
     info = init_fake_distributed(args.world_size, device)
     baseline_rss, started = proc_status_bytes("VmRSS"), time.perf_counter()
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     seconds = time.perf_counter() - started
     rows = [(kind, size(n_bytes)) for kind, n_bytes in held_bytes(model).items()]
     rows.append(("load time", f"{seconds:.0f} s"))

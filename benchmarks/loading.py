@@ -89,7 +89,7 @@ def prepare_ours(model_dir: str, reader: Backend) -> Callable[[], object]:
     from qlora_fsdp.distributed import init_distributed
     from qlora_fsdp.loading import reader as loading_reader
     from qlora_fsdp.loading import weight_files
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.precision import describe_device
     from qlora_fsdp.run.description import describe_run
 
@@ -100,7 +100,7 @@ def prepare_ours(model_dir: str, reader: Backend) -> Callable[[], object]:
     cfg.model.path = model_dir
     cfg.activation_checkpointing.mode = "off"
     cfg = describe_run(cfg, describe_device(info.device)).cfg
-    return lambda: build_model(cfg, info)
+    return lambda: build_sharded_model(cfg, info)
 
 
 def prepare_peer(model_dir: str) -> Callable[[], object]:

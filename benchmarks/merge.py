@@ -58,7 +58,7 @@ def write_adapter(model_dir: Path, out: Path) -> None:
 def merge_ours(adapter: Path, out: Path, base_weights: Literal["dequantized", "original"],
                shard_bytes: int) -> None:
     from qlora_fsdp.loading.adapter import config_for_adapter
-    from qlora_fsdp.tools.merge import merge_adapter
+    from qlora_fsdp.tools.adapter_merge import merge_adapter
 
     merge_adapter(config_for_adapter(adapter, None, []), adapter, out, "bfloat16", shard_bytes, base_weights)
 
@@ -77,7 +77,7 @@ def worker(which: str, model_dir: str, adapter: str, out: str, shard_bytes: int,
     import peft  # noqa: F401
     import transformers  # noqa: F401
 
-    import qlora_fsdp.tools.merge  # noqa: F401  (same imports on both paths before the baseline)
+    import qlora_fsdp.tools.adapter_merge  # noqa: F401  (same imports on both paths before the baseline)
 
     baseline, baseline_anon = proc_status_bytes("VmRSS"), proc_status_bytes("RssAnon")
     reset_peak_rss()
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/bench-merge"))
     parser.add_argument("--max-shard-size", default="500MB", help="output shard size, for both paths")
     args = parser.parse_args()
-    from qlora_fsdp.tools.merge import parse_size
+    from qlora_fsdp.tools.adapter_merge import parse_size
 
     shard_bytes = parse_size(args.max_shard_size)
     model_dir, adapter = args.out_dir / "model", args.out_dir / "adapter"

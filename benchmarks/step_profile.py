@@ -47,7 +47,7 @@ def profile_step(work: Path, settings: list[str]) -> dict[str, float]:
     from qlora_fsdp.data.pipeline import load_dataset
     from qlora_fsdp.distributed import init_distributed
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.losses.forward import ForwardLoss
 
     plan = Plan.from_json((work / "plan.json").read_text())
@@ -56,7 +56,7 @@ def profile_step(work: Path, settings: list[str]) -> dict[str, float]:
                                    f"data.context_length={CONTEXT}", f"lora.r={SETTINGS['r']}",
                                    f"lora.alpha={SETTINGS['alpha']}", "model.attn_implementation=auto"])
     info = init_distributed()
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     data = load_dataset(load_tokenizer(cfg), cfg.data, SETTINGS["seed"])
     samples = data.samples(data.train, list(range(len(data.train))))
     rows = pack([len(s.input_ids) for s in samples], CONTEXT)[:plan.rows_per_micro_batch]

@@ -24,7 +24,7 @@ import qlora_fsdp.loading.build
 from qlora_fsdp.config import load_config
 from qlora_fsdp.data.batching import Sample, collate
 from qlora_fsdp.distributed import DistInfo, cleanup, init_fake_distributed
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import loss_sum
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,7 +48,7 @@ def step_times(model_dir: Path, storage: torch.dtype, offload: bool, info: DistI
                                    "quant.compute_dtype=bfloat16", "lora.dtype=bfloat16",
                                    "fsdp.param_dtype=bfloat16", f"fsdp.cpu_offload={str(offload).lower()}"])
     qlora_fsdp.loading.build.QUANT_STORAGE = storage  # loading follows the dtype the model was built with
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(10, VOCAB_SIZE, (tokens,), generator=generator).tolist()
     batch = collate([Sample(ids, ids)], pad_id=0)

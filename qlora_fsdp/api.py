@@ -22,7 +22,7 @@ from qlora_fsdp.layers.decoder import describe_attention
 from qlora_fsdp.loading.adapter import export_adapter
 from qlora_fsdp.loading.build import base_parameter_count
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.image_side_training import trains_image_side
 from qlora_fsdp.loading.vision_encoder import checkpoint_config, load_processor, load_vision_encoder
 from qlora_fsdp.objectives.table import objective_class
@@ -36,9 +36,9 @@ from qlora_fsdp.outputs.shared_dir import check_output_dir_shared
 from qlora_fsdp.outputs.tracking import check_available as check_trackers_available
 from qlora_fsdp.outputs.tracking import open_trackers
 from qlora_fsdp.precision import describe_device, describe_dtypes
+from qlora_fsdp.run.accelerators import peak_flops
 from qlora_fsdp.run.batch_size import describe_batch
 from qlora_fsdp.run.description import describe_run
-from qlora_fsdp.run.hardware import peak_flops
 from qlora_fsdp.training.eva_start import EvaBatches, eva_start
 from qlora_fsdp.training.loop import Trainer
 from qlora_fsdp.training.records import MfuReference, RunSummary
@@ -73,7 +73,7 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     data = load_training_data(tokenizer, cfg, info, lambda: load_processor(cfg), prompt_tools(tokenizer, cfg))
     images = data.has_images
     check_image_levers(cfg, images)
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     if images:  # the image side, frozen, beside the sharded decoder on every rank
         load_vision_encoder(model, cfg, info.device)
     run = run.with_batch(decide_on_main(lambda: resolve_run_batch(run.cfg, model, info)))  # auto micro-batch, lr

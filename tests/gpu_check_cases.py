@@ -48,7 +48,7 @@ from qlora_fsdp.layers.attention import (
     varlen_sdpa_forward,
 )
 from qlora_fsdp.loading.adapter import config_for_adapter
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.measure.held import held_bytes
 from qlora_fsdp.objectives.supervised import accumulate_gradients
@@ -56,8 +56,8 @@ from qlora_fsdp.optimizer import build_optimizer, clip_grad_norm
 from qlora_fsdp.outputs.metrics import proc_status_bytes, reset_memory_peaks
 from qlora_fsdp.plan.memory import Plan, format_rows, gpu_spec, plan
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
-from qlora_fsdp.run.hardware import GPUS, detect_gpu
-from qlora_fsdp.tools.merge import merge_adapter
+from qlora_fsdp.run.accelerators import GPUS, detect_gpu
+from qlora_fsdp.tools.adapter_merge import merge_adapter
 from qlora_fsdp.tools.tiny_model import TinyModelSpec, write_tiny_model
 from tests.gpu_check import Row
 from tests.gpu_check_speed import training_speed as measure_training_speed
@@ -265,7 +265,7 @@ def gathered_bytes_case(ctx: Context, arch: Path, storage: torch.dtype, offload:
     try:
         with quant_storage(storage):
             cfg = fsdp_path_config(arch, offload)
-            model = build_model(resolved(cfg, info), info)
+            model = build_sharded_model(resolved(cfg, info), info)
         watch = GatherWatch(model, ctx.device)
         ids = torch.randint(model.config.vocab_size, (1, 16 if ctx.small else 128), device=ctx.device)
         with emulated_cuda_copy() if emulate_cuda_copy else contextlib.nullcontext():
@@ -336,7 +336,7 @@ def load_capped(cfg: Config, info: DistInfo) -> tuple[peft.PeftModel, dict[str, 
     then the peaks are reset, so the figures that follow are the training steps'."""
     cap_gpu_memory(info.device, gpu_spec(cfg).memory_gib)
     started = time.perf_counter()
-    model = build_model(resolved(cfg, info), info)
+    model = build_sharded_model(resolved(cfg, info), info)
     figures = {"load_s": time.perf_counter() - started}
     if info.device.type == "cuda":
         figures["load_peak_reserved_gib"] = torch.cuda.max_memory_reserved(info.device) / GIB
@@ -445,7 +445,7 @@ def lever_row(ctx: Context, label: str, overrides: list[str]) -> dict[str, Any]:
     info = init_distributed()
     model = None  # freed in `finally` even when building it fails
     try:
-        model = build_model(resolved(cfg, info), info)
+        model = build_sharded_model(resolved(cfg, info), info)
         reset_memory_peaks(info.device)
         times = train_steps(model, cfg, info, steps=2)
         measured = gpu_memory(ctx.device)
@@ -728,7 +728,7 @@ def long_row(ctx: Context, recipe: str, tokens: int) -> dict[str, Any]:
     model = None  # freed in `finally` even when building it fails
     try:
         cap_gpu_memory(ctx.device, gpu_spec(cfg).memory_gib)
-        model = build_model(resolved(cfg, info), info)
+        model = build_sharded_model(resolved(cfg, info), info)
         reset_memory_peaks(info.device)
         times = train_steps(model, cfg, info, steps=1)
         measured = {"recipe": recipe, "tokens": tokens, "trained": True, "tokens_per_s": times.tokens_per_s(),
@@ -784,7 +784,7 @@ def grpo_generation(ctx: Context) -> list[Row]:
     plan and the bandwidth bound; a fused run passes when the plan is within 25% of its step. On a CPU the tiny
     shapes, a few tokens, bitsandbytes' path (the interpreter's kernels are the test suite's)."""
     from benchmarks.grpo_generation import measure, parse_args, report
-    from qlora_fsdp.run.hardware import detect_gpu
+    from qlora_fsdp.run.accelerators import detect_gpu
 
     gpu = detect_gpu(ctx.device) if ctx.device.type == "cuda" else None
     common = ["--work", str(ctx.work / "grpo-generation"), "--device", ctx.device.type]
@@ -945,7 +945,7 @@ if __name__ == "__main__":
 
 
 def resolved(cfg: Config, info: DistInfo) -> Config:
-    """The recipe's `auto` dtypes for this GPU, as a run resolves them (build_model takes them resolved)."""
+    """The recipe's `auto` dtypes for this GPU, as a run resolves them (build_sharded_model takes them resolved)."""
     from qlora_fsdp.precision import describe_device
     from qlora_fsdp.run.description import describe_run
 

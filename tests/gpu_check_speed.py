@@ -18,7 +18,7 @@ from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.measure.fake_world import leave_fake_world
 from qlora_fsdp.plan.report import plan_recipe
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
-from qlora_fsdp.run.hardware import detect_gpu
+from qlora_fsdp.run.accelerators import detect_gpu
 from tests.gpu_check import Row
 
 SPEED_GOAL = 1.5

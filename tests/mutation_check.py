@@ -153,10 +153,10 @@ MUTATIONS = [
              "                       alpha=scaling)\n", "                       alpha=1.0)\n",
              "tests/test_fused_lora.py::test_fused_projections_give_peft_s_loss_and_gradients"),
     # ---- preference tuning: the losses, the pair step, pair encoding, the precomputed reference --------------
-    Mutation("IPO regresses summed log-ratios, not per-token averages", "qlora_fsdp/losses/preference.py",
+    Mutation("IPO regresses summed log-ratios, not per-token averages", "qlora_fsdp/losses/pair_formulas.py",
              "    if loss_type == \"ipo\":\n        policy, reference = policy.averaged(), reference.averaged()\n", "",
              "tests/test_preference_loss.py::test_dpo_losses_are_the_published_formulas", quick=True),
-    Mutation("a tied pair counts as a wrong preference", "qlora_fsdp/losses/preference.py",
+    Mutation("a tied pair counts as a wrong preference", "qlora_fsdp/losses/pair_formulas.py",
              "        return (self.chosen > self.rejected).float() + 0.5 * (self.chosen == self.rejected).float()\n",
              "        return (self.chosen > self.rejected).float()\n",
              "tests/test_preference_loss.py::test_dpo_is_log_2_where_policy_equals_reference", quick=True),
@@ -294,7 +294,7 @@ MUTATIONS = [
              "    if True:\n        return\n",
              "tests/test_vision.py::test_equals_transformers_nf4_with_images_at_world_sizes_1_and_2[llava]"),
     Mutation("merge adds the tower's LoRA to its stored weights, not the 4-bit ones it trained on",
-             "qlora_fsdp/tools/merge.py", '    return {key for key in updates.linear if key in four_bit and '
+             "qlora_fsdp/tools/adapter_merge.py", '    return {key for key in updates.linear if key in four_bit and '
              '"language_model" not in key}\n', "    return set()\n",
              "tests/test_vision.py::test_train_py_learns_from_images_with_a_trained_image_side_and_merges_it"),
     Mutation("quant.vision_tower: unquantized ignored (the tower made 4-bit anyway)",
@@ -391,7 +391,7 @@ MUTATIONS = [
              "ends = [row * width + end - 1 for row", "ends = [row * width + end - 2 for row",
              "tests/test_reward_model.py::test_reward_model_equals_trls_reward_trainer_and_accumulates_and_shards_"
              "exactly"),
-    Mutation("a reward pair's margin added instead of subtracted", "qlora_fsdp/losses/preference.py",
+    Mutation("a reward pair's margin added instead of subtracted", "qlora_fsdp/losses/pair_formulas.py",
              "gap = chosen - rejected - (margin", "gap = chosen - rejected + (margin",
              "tests/test_reward_model.py::test_reward_model_equals_trls_reward_trainer_and_accumulates_and_shards_"
              "exactly"),
@@ -413,7 +413,7 @@ MUTATIONS = [
     Mutation("LoftQ's factors left unscaled", "qlora_fsdp/layers/lora_inits.py",
              "    root = scale ** 0.5\n", "    root = 1.0\n",
              "tests/test_lora_inits.py::test_loftq_starts_at_the_weight_at_any_alpha"),
-    Mutation("a tied head's second name refused by the merge", "qlora_fsdp/tools/merge.py",
+    Mutation("a tied head's second name refused by the merge", "qlora_fsdp/tools/adapter_merge.py",
              "*(set(self.replaced) - written_twice)", "*self.replaced",
              "tests/test_peer_options.py::test_a_tied_head_trains_as_one_tensor_saved_under_both_names_and_merges"),
     Mutation("EVA reads the inputs of the tokens before the targets", "qlora_fsdp/training/eva_start.py",
@@ -613,7 +613,7 @@ MUTATIONS = [
              "qlora_fsdp/layers/lora_math.py",  # one definition: training's update and the merge's delta both read it
              "b.unflatten(1, (r, n_experts)).permute(2, 1, 0)", "b.unflatten(1, (n_experts, r)).permute(1, 2, 0)",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[qwen3_moe]"),
-    Mutation("the merge leaves out the experts' LoRA", "qlora_fsdp/tools/merge.py",
+    Mutation("the merge leaves out the experts' LoRA", "qlora_fsdp/tools/adapter_merge.py",
              "        return delta.merged(expert, weight).to(weight.dtype)\n", "        return weight\n",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[gpt_oss]"),
     Mutation("trained routers zeroed by the LoRA init after loading", "qlora_fsdp/loading/fill.py",
@@ -644,7 +644,7 @@ MUTATIONS = [
     Mutation("every rank copies rank 0's rows of a pre-quantized weight", "qlora_fsdp/loading/reader.py",
              "        rows = self.packed.read((first // itemsize, -(-last // itemsize)))",
              "        rows = self.packed.read((0, -(-(last - first) // itemsize)))", PREQUANTIZED_TINY),
-    Mutation("the merge writes a stored 4-bit weight without its LoRA update", "qlora_fsdp/tools/merge.py",
+    Mutation("the merge writes a stored 4-bit weight without its LoRA update", "qlora_fsdp/tools/adapter_merge.py",
              "        return [(piece.stored_key, updated_linear(updates, piece.full_key, piece.dequantized()))]",
              "        return [(piece.stored_key, (updated_linear(updates, piece.full_key, piece.dequantized()), "
              "piece.dequantized())[1])]", PREQUANTIZED_TINY),

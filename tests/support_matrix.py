@@ -122,14 +122,14 @@ def our_loss(model_dir: Path, samples: list, out: Path) -> float:
 
     from qlora_fsdp.data.batching import collate
     from qlora_fsdp.distributed import init_distributed
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.losses.forward import ForwardLoss
     from tests.helpers import tiny_config
 
     cfg = tiny_config(model_dir, train={"output_dir": str(out)}, lora={"r": 4, "dropout": 0.0},
                       model={"unchecked_family": True})  # what the family does past the gate
     info = init_distributed()
-    model = build_model(cfg, info).eval()  # no dropout: the reference is in eval mode
+    model = build_sharded_model(cfg, info).eval()  # no dropout: the reference is in eval mode
     n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
     with torch.no_grad():
         return float(ForwardLoss()(model, collate(samples, 0), info.device)) / n_targets

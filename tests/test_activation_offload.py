@@ -12,7 +12,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import loss_sum
 from tests.helpers import batches, full_grads, run_ranks_sequence, tiny_config, variable_length_samples
 
@@ -187,7 +187,7 @@ def test_runs_under_fake_tensor_mode(host):
 
 def offloaded_step(info, cfg, micro_batches_per_rank, offload):
     """One micro-batch's forward, loss and backward, the forward under the offloader or not."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     offloader = ActivationOffloader(info.device, min_bytes=0)
     batch = micro_batches_per_rank[info.rank][0]
     with offloader.offloading() if offload else contextlib.nullcontext():

@@ -26,7 +26,7 @@ from qlora_fsdp.data.pipeline import Tokenize
 from qlora_fsdp.data.templates import IGNORE_INDEX, encode, prompt_ids
 from qlora_fsdp.data.tool_calls import template_messages, tools_of
 from qlora_fsdp.errors import DataError
-from qlora_fsdp.tools.generate import readable_reply
+from qlora_fsdp.tools.adapter_sampling import readable_reply
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 CORPUS = ["You are terse. Name a color. Blue. Another one? Green, like grass. The sky is blue. Grass is green.",

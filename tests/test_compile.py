@@ -9,7 +9,7 @@ import torch
 
 from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.layers.attention import REGISTERED_NAME
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import ForwardLoss
 from tests.helpers import full_grads, relative_difference, run_ranks, tiny_config, variable_length_samples
 from tests.test_fused_lora import lora_forward, nonzero_b
@@ -21,7 +21,7 @@ def loss_and_grads(info, model_dir, compile_layers: bool, fuse: bool = True):
     cfg = tiny_config(model_dir, data={"packing": True}, train={"compile": compile_layers},
                       lora=lora_forward(fuse))
     torch.manual_seed(0)
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     nonzero_b(model, info.rank)  # so that the A products reach the loss
     samples = variable_length_samples(cfg, 8)
     mine = samples[info.rank * 4 : info.rank * 4 + 4]

@@ -7,7 +7,7 @@ import pytest
 from qlora_fsdp.config import changed_settings, load_config, to_yaml
 from qlora_fsdp.config.loader import read_yaml_text
 from qlora_fsdp.errors import ConfigError
-from qlora_fsdp.run.hardware import GPUS
+from qlora_fsdp.run.accelerators import GPUS
 from tests.helpers import REPO, CliResult, train_here
 
 

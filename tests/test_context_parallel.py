@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from qlora_fsdp.data.batching import collate, collate_packed
 from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.supervised import accumulate_gradients
 from qlora_fsdp.tools.tiny_model import train_tokenizer
@@ -46,7 +46,7 @@ def split_batches(samples, packed, index):
 
 
 def loss_and_grads(info, cfg, samples, packed):
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     batches = whole_batches(samples, packed) if info.world_size == 1 else split_batches(samples, packed, info.rank)
     result = accumulate_gradients(model, batches, info.device, ForwardLoss.for_config(cfg, info.device))
     return {"loss": result.loss, "targets": result.n_targets, "tokens": result.n_tokens, "grads": full_grads(model),

@@ -35,7 +35,7 @@ def our_dft_step(info, model_dir: Path, chunked: bool) -> dict:
     writes the adapter (its B matrices seeded off zero, so every LoRA tensor has a gradient)."""
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.loading.placement import copy_full_into
     from qlora_fsdp.losses.forward import ForwardLoss
@@ -44,7 +44,7 @@ def our_dft_step(info, model_dir: Path, chunked: bool) -> dict:
 
     cfg = tiny_config(model_dir, train={"objective": "dft"}, loss={"chunked": chunked, "chunk_tokens": 7})
     cfg.lora.dropout = 0.0
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     generator = torch.Generator().manual_seed(0)
     for name, param in model.named_parameters():
         if "lora_B" in name:

@@ -186,7 +186,7 @@ def through_export_side(info, model_dir: Path, out: Path, samples: list, adapter
     from qlora_fsdp.distributed import all_reduce_sums
     from qlora_fsdp.loading.adapter import export_adapter
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.losses.forward import ForwardLoss
     from tests.helpers import full_grads
     from tests.test_families import nonzero_lora_b, summed
@@ -197,7 +197,7 @@ def through_export_side(info, model_dir: Path, out: Path, samples: list, adapter
     for target in (*TARGETS, "none", "offloaded"):
         cfg = export_config(model_dir, out / target, "q4_k_m" if target == "offloaded" else target)
         cfg.fsdp.cpu_offload = target == "offloaded"
-        model = build_model(cfg, info)
+        model = build_sharded_model(cfg, info)
         nonzero_lora_b(model)
         (loss,) = all_reduce_sums([summed(model, mine, info)], info.device)
         result[target] = loss / n_targets

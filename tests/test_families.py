@@ -26,14 +26,14 @@ from qlora_fsdp.data.batching import Sample, collate, collate_packed
 from qlora_fsdp.distributed import all_reduce_sums
 from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, peft_adapter_key
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.fill import model_layout
 from qlora_fsdp.loading.names import clean_name
 from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.losses.pair_losses import adapter_off
-from qlora_fsdp.tools.generate import Sampling, load_generator
-from qlora_fsdp.tools.merge import merge_adapter
+from qlora_fsdp.tools.adapter_merge import merge_adapter
+from qlora_fsdp.tools.adapter_sampling import Sampling, load_generator
 from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.families import FAMILIES, MOE_FAMILIES, write_family_model
 from tests.helpers import (
@@ -89,7 +89,7 @@ def our_side(info, model_dir: Path, out: Path, samples: list[Sample], adapter: P
              attention_tiles: int = 0) -> dict:
     """Everything our code computes for one family at one world size (a pool task)."""
     cfg = family_config(model_dir, out, attention_tiles)
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     mine = samples[info.rank :: info.world_size]
     packed, padded = collate_packed([mine[: len(mine) // 2], mine[len(mine) // 2 :]], 0), collate(mine, 0)
     n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
@@ -398,7 +398,7 @@ def experts_side(info, pairs: list[tuple[Path, Path]], out: Path) -> dict:
     rows = []
     for pair in pairs:
         for model_dir in pair:
-            model = build_model(family_config(model_dir, out), info)
+            model = build_sharded_model(family_config(model_dir, out), info)
             rows.append({name: param.to_local().clone() for name, param in model.named_parameters()
                          if name.endswith(("gate_up_proj", "down_proj"))})
     modules = [m for m in model.modules() if isinstance(m, Experts4bit)]
@@ -466,11 +466,11 @@ def router_loss_side(info, model_dir: Path, out: Path, samples: list[Sample]) ->
     from qlora_fsdp.objectives.supervised import accumulate_gradients
 
     cfg = family_config(model_dir, out)
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     result = accumulate_gradients(model, [collate(samples, 0)], info.device, ForwardLoss.for_config(cfg, info.device))
     # in bf16, as on a GPU: the trained routers (fp32, lora.dtype) take the bf16 hidden states and train
     cfg.model.dtype = cfg.quant.compute_dtype = "bfloat16"
-    bf16 = build_model(cfg, info)
+    bf16 = build_sharded_model(cfg, info)
     accumulate_gradients(bf16, [collate(samples[:1], 0)], info.device, ForwardLoss.for_config(cfg, info.device))
     router_grads = [param.grad for name, param in bf16.named_parameters() if name.endswith("mlp.gate.weight")]
     return {"loss": result.loss, "aux": result.metrics.get("router_aux_loss"), "bf16_router_grads": router_grads}

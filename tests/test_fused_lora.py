@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.layers.fused_lora import SharedInput
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.supervised import accumulate_gradients
 from tests.helpers import (
@@ -78,7 +78,7 @@ def nonzero_b(model: torch.nn.Module, rank: int) -> None:
 
 def loss_and_grads(info, model_dir, sections, per_rank):
     cfg = tiny_config(model_dir, **sections)
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     nonzero_b(model, info.rank)
     torch.manual_seed(info.rank)  # dropout's masks: the same draws in both runs
     result = accumulate_gradients(model, per_rank[info.rank], info.device, ForwardLoss(None))
@@ -115,7 +115,7 @@ def test_fused_projections_give_peft_s_loss_and_gradients(tiny_model_dir, per_ra
 def dtypes_and_grads(info, model_dir, compute_dtype, dora=False):
     cfg = tiny_config(model_dir, lora={"compute_dtype": compute_dtype, "use_dora": dora})
     cfg.model.dtype = cfg.quant.compute_dtype = "bfloat16"
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     nonzero_b(model, info.rank)
     seen: set[torch.dtype] = set()
     hook = torch.nn.functional.linear

@@ -85,7 +85,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
     from qlora_fsdp.distributed.row_groups import row_split
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, load_adapter_into
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.losses.forward import ForwardLoss
     from qlora_fsdp.losses.policy import StepCounts
@@ -97,7 +97,7 @@ def our_update(info, model_dir: Path, adapter: Path | None, old_ref: dict | None
                       train={"objective": "grpo"}, lora=lora or {},
                       fsdp={"context_parallel": info.world_size if split else 1})
     tokenizer = load_tokenizer(cfg)
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     if adapter is None:
         generator = torch.Generator().manual_seed(0)
         for name, param in model.named_parameters():
@@ -419,12 +419,12 @@ def generate_with_stops(info, model_dir: Path) -> dict:
     ever runs is the split layout's (as a run's first step generates first): the update's backward after it must
     find the ranks' gathers in step."""
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.objectives.rollouts import generate
 
     cfg = tiny_config(model_dir)
     tokenizer = load_tokenizer(cfg)
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     torch.manual_seed(info.rank)
     prompt = tokenizer(["Reverse the letters of the word.", "How many words are in the text?"][info.rank])
     grpo = generation_plan(num_generations=4, max_completion_length=12, stop=["e"], rows=3)  # calls of 3, 1
@@ -596,7 +596,7 @@ def assert_merged_equals_peft(adapter: Path, model_dir: Path, merged_dir: Path) 
     from transformers import AutoModelForCausalLM
 
     from qlora_fsdp.loading.adapter import config_for_adapter
-    from qlora_fsdp.tools.merge import merge_adapter
+    from qlora_fsdp.tools.adapter_merge import merge_adapter
     from tests.helpers import transformers_nf4
 
     merge_adapter(config_for_adapter(adapter, None, []), adapter, merged_dir, "float32")
@@ -749,7 +749,7 @@ def our_whole_step(info, model_dir: Path, adapter: Path, packed: bool) -> dict:
     from qlora_fsdp.distributed.row_groups import RowSplit
     from qlora_fsdp.loading.adapter import adapter_file_key, load_adapter_into
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.losses.forward import ForwardLoss
     from qlora_fsdp.objectives.base import RunParts
@@ -764,7 +764,7 @@ def our_whole_step(info, model_dir: Path, adapter: Path, packed: bool) -> dict:
         cfg = dataclasses.replace(cfg, grpo=GrpoConfig(**setting), generation=GenerationConfig(
             num_generations=E2E_GENERATIONS, max_completion_length=E2E_MAX, temperature=TEMPERATURE))
         tokenizer = load_tokenizer(cfg)
-        model = build_model(cfg, info)
+        model = build_sharded_model(cfg, info)
         load_adapter_into(model, adapter)
         model.train()
         prompts, rows = e2e_rollouts(tokenizer.eos_token_id)

@@ -68,7 +68,7 @@ def our_side(info, model_dir: Path, data: Path, adapter: Path, split: bool = Fal
     from qlora_fsdp.distributed.row_groups import row_split
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, load_adapter_into
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
     from qlora_fsdp.losses.forward import ForwardLoss
@@ -88,7 +88,7 @@ def our_side(info, model_dir: Path, data: Path, adapter: Path, split: bool = Fal
     tokenizer = load_tokenizer(cfg)
     data = load_training_data(tokenizer, cfg, info, lambda: load_processor(cfg))
     assert data.has_images
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     load_vision_encoder(model, cfg, info.device)
     if info.world_size == 1:
         nonzero_lora_b(model)

@@ -197,7 +197,7 @@ def our_rollouts_and_step(info, model_dir: Path, adapter: Path, packed: bool, re
     from qlora_fsdp.labels import IGNORE_INDEX
     from qlora_fsdp.loading.adapter import adapter_file_key, load_adapter_into
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.losses.forward import ForwardLoss
     from qlora_fsdp.objectives.base import RunParts
@@ -220,7 +220,7 @@ def our_rollouts_and_step(info, model_dir: Path, adapter: Path, packed: bool, re
                                       temperature=0.7, layout=extra.get("layout", "auto"))
         cfg = dataclasses.replace(cfg, grpo=grpo, generation=generation)
         tokenizer = load_tokenizer(cfg)
-        model = build_model(cfg, info)
+        model = build_sharded_model(cfg, info)
         load_adapter_into(model, adapter)
         model.train()
         scripted = ScriptedGenerate(model, tokenizer, real)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qlora_fsdp.run.hardware import GPUS, detect_gpu, peak_flops
+from qlora_fsdp.run.accelerators import GPUS, detect_gpu, peak_flops
 
 # torch.cuda.get_device_name as these cards report it -> the table's key
 REPORTED = {

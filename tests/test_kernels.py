@@ -125,12 +125,12 @@ def test_the_decoding_loop_equals_generate_tokens_log_probabilities_and_padding(
 
     from qlora_fsdp.distributed import DistInfo
     from qlora_fsdp.kernels.decoding_loop import loop_generate
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.objectives.rollouts import SampledLogps, generating
     from tests.helpers import build_tiny_checkpoint, tiny_config
 
     cfg = tiny_config(build_tiny_checkpoint(tmp_path / "model", layers=1), lora={"r": 4, "dropout": 0.0})
-    model = build_model(cfg, DistInfo(0, 0, 1, torch.device("cpu"), None), shard=False)
+    model = build_sharded_model(cfg, DistInfo(0, 0, 1, torch.device("cpu"), None), shard=False)
     torch.manual_seed(0)
     for name, param in model.named_parameters():
         if "lora_B" in name:

@@ -15,7 +15,7 @@ from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.errors import DataError
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.objectives.pair_steps import accumulate_pairs, pair_rows
 from tests.helpers import (
@@ -64,7 +64,7 @@ def kto_records(cfg):
 def kto_step(info, cfg, per_batch: int):
     """One accumulated step over this rank's share of the first records (the adapter set off zero)."""
     torch.manual_seed(0)
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     set_adapter(model)
     rows, labels = kto_records(cfg)
     mine, pad_id = rank_units(N_RECORDS, cfg, info.rank, info.world_size), load_tokenizer(cfg).pad_token_id

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from qlora_fsdp.distributed import local_shard
 from qlora_fsdp.errors import ModelLoadError
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import loss_sum
 from tests.helpers import (
     batches,
@@ -30,7 +30,7 @@ PAD = 2
 
 
 def sharded_loss(info, cfg, batch):
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     with torch.no_grad():
         return loss_sum(model, batch, info.device).item() / batch.n_targets
 
@@ -80,7 +80,7 @@ def test_random_init_needs_only_config_and_is_world_size_independent(tiny_model_
 
 def local_shards(info, cfg):
     """Every base parameter's local shard on this rank, as raw bytes (plus each layer's quantization state)."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     shards = {name: local_shard(p).detach().clone()
               for name, p in model.named_parameters() if not p.requires_grad}
     shards.update({f"{name}.absmax": m.quant_state.absmax.clone() for name, m in model.named_modules()
@@ -102,7 +102,7 @@ def test_fake_world_rank_holds_what_the_real_rank_holds(tiny_model_dir, tmp_path
 
 def _loader_error(info, cfg):
     try:
-        build_model(cfg, info)
+        build_sharded_model(cfg, info)
     except ModelLoadError as err:
         return str(err)
     return None

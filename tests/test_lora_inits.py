@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from qlora_fsdp.config import to_yaml
 from qlora_fsdp.loading.adapter import export_adapter, gather_trainable_state
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.names import clean_name, weight_key
 from tests.helpers import add_whole, command_here, relative_difference, run_ranks_sequence, tiny_config
 
@@ -61,7 +61,7 @@ def loaded_inits(info, model_dir, adapter_root):
     results = {}
     for init in INITS:
         cfg = init_config(model_dir, init)
-        model = build_model(cfg, info)
+        model = build_sharded_model(cfg, info)
         results[init] = {"adapter": gather_trainable_state(model), "bases": dequantized_bases(model)}
         if init in ("pissa", "loftq"):
             nudge(model)
@@ -81,7 +81,7 @@ def reloaded_logits(info, model_dir, adapter_root):
     out = {}
     for init in ("pissa", "loftq"):
         cfg = init_config(model_dir, init)
-        model = build_model(cfg, info)
+        model = build_sharded_model(cfg, info)
         load_adapter_into(model, adapter_root / init)
         ids = torch.tensor([load_tokenizer(cfg)("The capital of Peru is Lima.")["input_ids"]])
         with torch.no_grad():
@@ -187,7 +187,7 @@ def test_the_saved_adapter_is_peft_rank_2r_and_merges_to_the_live_logits(tiny_mo
 def real_pissa_adapter(info, model_dir, out):
     """SmolLM2 loaded with a randomized-SVD PiSSA start, A and B moved, saved; the live model's logits."""
     cfg = tiny_config(model_dir, lora={"init": "pissa_niter_4", "r": R, "alpha": 2 * R, "dropout": 0.0})
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     nudge(model)
     ids = torch.tensor([load_tokenizer(cfg)("The capital of Peru is Lima.")["input_ids"]])
     with torch.no_grad():
@@ -234,7 +234,7 @@ def eva_on_our_model(info, model_dir, per_rank):
     from qlora_fsdp.training.eva_start import eva_inputs, eva_start
 
     cfg = tiny_config(model_dir, lora={"init": "eva", "r": R, "alpha": 2 * R, "dropout": 0.0})
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     filled = eva_start(model, [eva_inputs(model, batch, info.device) for batch in per_rank[info.rank]])
     return filled, gather_trainable_state(model)
 

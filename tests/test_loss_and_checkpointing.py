@@ -8,7 +8,7 @@ import re
 import pytest
 
 from qlora_fsdp.data.batching import collate_packed
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.supervised import accumulate_gradients
 from tests.helpers import (
@@ -44,7 +44,7 @@ POLICIES = [
 def loss_and_grads(info, cfg, micro_batches_per_rank, chunk_tokens):
     """The step's loss and gradients, and how often the first layer's MLP ran its down projection and its attention
     the 4-bit matmul of its query projection (once a tile)."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     # the modules under whatever wrappers checkpointing and FSDP2 put around the layer or its sub-layers
     calls = {"mlp_runs": 0, "q_runs": 0}
     for key, pattern in (("mlp_runs", r"down_proj$"), ("q_runs", r"q_proj\.base_layer$")):
@@ -63,7 +63,7 @@ def activation_bytes(info, cfg, batch):
             # its gradient hooks need every parameter to require grad; the frozen 4-bit base does not
             return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
 
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     tracker = ForwardTracker()
     tracker.track_external(model)
     with tracker:

@@ -15,9 +15,9 @@ from qlora_fsdp.config import to_yaml
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.loading.adapter import config_for_adapter, export_adapter
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
-from qlora_fsdp.tools.generate import Sampling, load_generator
-from qlora_fsdp.tools.merge import LoraDelta, merge_adapter
+from qlora_fsdp.loading.factory import build_sharded_model
+from qlora_fsdp.tools.adapter_merge import LoraDelta, merge_adapter
+from qlora_fsdp.tools.adapter_sampling import Sampling, load_generator
 from tests.helpers import CliResult, command_here, fsdp_params, run_ranks, run_ranks_sequence, tiny_config
 
 PROMPT = "Reverse the word: planet"
@@ -25,7 +25,7 @@ PROMPT = "Reverse the word: planet"
 
 def adapter_and_logits(info, cfg, adapter_dir, input_ids):
     """A LoRA (or DoRA) adapter far from its init, exported as training does, and the 4-bit model's logits."""
-    model = build_model(cfg, info, shard=False)
+    model = build_sharded_model(cfg, info, shard=False)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():

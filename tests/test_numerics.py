@@ -17,7 +17,7 @@ from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.dtypes import TORCH_DTYPES
 from qlora_fsdp.loading.adapter import gather_trainable_state
 from qlora_fsdp.loading.checkpoint import model_dir
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.names import weight_key
 from qlora_fsdp.loading.weight_files import weight_files
 from qlora_fsdp.objectives.supervised import accumulate_gradients
@@ -42,7 +42,7 @@ PAD = 2
 # ---- functions run inside the ranks -------------------------------------------------------------
 
 def loss_and_grads(info, cfg, micro_batches_per_rank, shard=True):
-    model = build_model(cfg, info, shard=shard)
+    model = build_sharded_model(cfg, info, shard=shard)
     result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
     return {"loss": result.loss, "grads": full_grads(model)}
 
@@ -58,7 +58,7 @@ def clipped_update(info, cfg, micro_batches_per_rank, shard=True, sgd=True):
     global norm and the change of every LoRA weight, gathered."""
     from qlora_fsdp.optimizer import build_optimizer, clip_grad_norm
 
-    model = build_model(cfg, info, shard=shard)
+    model = build_sharded_model(cfg, info, shard=shard)
     before = gather_trainable_state(model)
     result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
     grads = full_grads(model)
@@ -81,12 +81,12 @@ def trainer_step_and_reference(info, cfg):
 
     tokenizer = load_tokenizer(cfg)
     data = load_dataset(tokenizer, cfg.data, cfg.train.seed, info)
-    trainer = make_trainer(cfg, info, build_model(cfg, info), data, tokenizer)
+    trainer = make_trainer(cfg, info, build_sharded_model(cfg, info), data, tokenizer)
     position = trainer.sampler.state_dict()
     micro_batches = trainer.micro_batches()  # the very batches train_step will draw
     trainer.sampler.load_state_dict(position)
 
-    reference = build_model(cfg, info)
+    reference = build_sharded_model(cfg, info)
     optimizer = build_optimizer(reference, cfg.optim, cfg.lora)
     build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)  # sets the warm-up lr, as the trainer's does
     accumulate_gradients(reference, micro_batches, info.device)
@@ -126,7 +126,7 @@ def hsdp_and_fsdp_steps(info, cfg, micro_batches_per_rank, shard_size):
     results = []
     for size in (shard_size, None):
         mesh_info = dataclasses.replace(info, mesh=data_parallel_mesh("cpu", info.world_size, size))
-        model = build_model(cfg, mesh_info)
+        model = build_sharded_model(cfg, mesh_info)
         shard_shapes = {n: tuple(local_shard(p).shape) for n, p in model.named_parameters() if p.requires_grad}
         before = gather_trainable_state(model)
         result = accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
@@ -141,7 +141,7 @@ def hsdp_and_fsdp_steps(info, cfg, micro_batches_per_rank, shard_size):
 
 def naive_mean_of_means(info, cfg, micro_batches_per_rank):
     """What a per-micro-batch mean loss (HF Trainer style) computes: kept to show the check can fail."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     mine = micro_batches_per_rank[info.rank]
     for batch in mine:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
@@ -151,7 +151,7 @@ def naive_mean_of_means(info, cfg, micro_batches_per_rank):
 
 
 def sgd_update(info, cfg, micro_batches_per_rank):
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     before = gather_trainable_state(model)
     accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
     torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
@@ -170,7 +170,7 @@ def count_reduce_scatters(info, cfg, micro_batches_per_rank):
 
     setattr(dist, FSDP2_REDUCE_SCATTER, counting)
     try:
-        model = build_model(cfg, info)
+        model = build_sharded_model(cfg, info)
         accumulate_gradients(model, micro_batches_per_rank[info.rank], info.device)
         with_accumulation = calls["n"]
         model.zero_grad(set_to_none=True)
@@ -190,7 +190,7 @@ def packed_weights_match(info, cfg, literal):
     """Each 4-bit weight, all-gathered by FSDP2's own unshard, against bitsandbytes' quantize_4bit of the
     checkpoint tensor called with `literal` settings (not through our code): the bytes, the absmax (nested too)
     and the state's blocksize, quant type and nesting."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     originals = {}
     for file in weight_files(model_dir(cfg)):
         with safe_open(file, framework="pt") as reader:

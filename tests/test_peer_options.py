@@ -19,7 +19,7 @@ from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.layers.trained_embeddings import embedding_parameters
 from qlora_fsdp.loading.adapter import export_adapter, gather_trainable_state
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.names import clean_name
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.supervised import accumulate_gradients
@@ -57,7 +57,7 @@ def with_new_tokens(samples, new_ids):
 def loraplus_step(info, cfg, per_rank):
     """One optimizer step of the recipe's optimizer (8-bit AdamW on host shards) with LoRA+ groups: the update
     of every trained tensor beside its gradient and its value before."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     before = gather_trainable_state(model)
     accumulate_gradients(model, per_rank[info.rank], info.device)
     grads = full_grads(model)
@@ -78,7 +78,7 @@ def neftune_against_transformers(info, cfg, per_rank):
     results = {}
     for name, alpha in (("ours", cfg.train.neftune_alpha), ("transformers", None), ("none", None)):
         cfg.train.neftune_alpha = alpha
-        model = build_model(cfg, info)
+        model = build_sharded_model(cfg, info)
         if name == "transformers":
             embeddings = model.get_input_embeddings()
             embeddings.neftune_noise_alpha = NEFTUNE_ALPHA
@@ -87,7 +87,7 @@ def neftune_against_transformers(info, cfg, per_rank):
         result = accumulate_gradients(model, per_rank[info.rank], info.device)
         results[name] = {"loss": result.loss, "grads": full_grads(model)}
     cfg.train.neftune_alpha = NEFTUNE_ALPHA
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     with torch.no_grad():  # in training mode, as a reference forward runs
         results["no_grad_losses"] = [seeded_loss(model, per_rank[info.rank][0], info.device, seed)
                                      for seed in (0, 1)]
@@ -104,7 +104,7 @@ def seeded_loss(model, batch, device, seed):
 def embeddings_step(info, cfg, per_rank, adapter_dir):
     """The embeddings and head trained beside LoRA, with two new tokens: their rows at the start, every gradient,
     one 8-bit AdamW step (32-bit state for them), the adapter saved, and the live model's logits after the step."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     set_adapter(model)
     before = gather_trainable_state(model)
     accumulate_gradients(model, per_rank[info.rank], info.device)
@@ -127,7 +127,7 @@ def embeddings_step(info, cfg, per_rank, adapter_dir):
 def tied_embeddings_saved(info, cfg, adapter_dir):
     """A head tied to the embeddings (Qwen2's small models), trained with them: its one tensor moved and saved; the
     live model's logits."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     with torch.no_grad():
         for param in embedding_parameters(model):
             param.add_(0.01)  # as a step would move it

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qlora_fsdp.config import load_config
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.objectives.supervised import accumulate_gradients
 from qlora_fsdp.plan.recipe_table import HEADER, readme_table, recipe_names
 from tests import planners
@@ -43,7 +43,7 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     from qlora_fsdp.measure.real_step import held_quant_state_bytes
     from qlora_fsdp.optimizer import build_optimizer
 
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     optimizer = build_optimizer(model, cfg.optim, cfg.lora)
     measured = {"lora": 0, "grads": 0, "base": 0, "optimizer": 0, "quant_state": 0, "accumulating": 0}
     original_sync = supervised.set_gradient_sync

@@ -19,7 +19,7 @@ from qlora_fsdp.measure.fake_world import planning_mesh
 from qlora_fsdp.measure.held import meta_held
 from qlora_fsdp.objectives import supervised
 from qlora_fsdp.precision import DeviceDescription, cpu_has_bf16, resolve_dtypes, uses_loss_scaling
-from qlora_fsdp.run.hardware import planned_device
+from qlora_fsdp.run.accelerators import planned_device
 from qlora_fsdp.training import loop
 from qlora_fsdp.training.loss_scale import LossScaler
 from tests.helpers import tiny_config

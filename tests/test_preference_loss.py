@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qlora_fsdp.losses.preference import PairLogps, dpo_losses, orpo_odds_ratio_losses, simpo_losses
+from qlora_fsdp.losses.pair_formulas import PairLogps, dpo_losses, orpo_odds_ratio_losses, simpo_losses
 
 # four pairs: summed log-probabilities of the chosen and rejected completions, and their lengths in tokens
 POLICY = ([-12.5, -30.0, -7.25, -50.0], [-14.0, -22.5, -9.0, -49.0], [10, 24, 5, 40], [12, 18, 7, 38])

@@ -18,7 +18,7 @@ from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.labels import IGNORE_INDEX
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.losses.pair_losses import as_pairs
 from qlora_fsdp.objectives.pair_steps import accumulate_pairs, pair_rows
@@ -76,7 +76,7 @@ def step(info, cfg, n_pairs: int, pairs_per_batch: int, perturb: bool = False):
     """One accumulated step over this rank's share of the first n_pairs: loss, metrics, gathered LoRA gradients.
     `perturb`: the adapter's B matrices nudged off zero first (so policy and reference differ)."""
     torch.manual_seed(0)
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     if perturb:
         nudge_adapter(model)
     batches = pair_micro_batches(cfg, n_pairs, pairs_per_batch, info.rank, info.world_size)
@@ -89,7 +89,7 @@ def pair_logps(info, cfg, n_pairs: int) -> dict[str, tuple[torch.Tensor, torch.T
     two sequences packed in one row, the recipe's chunked loss. The policy at the start (adapter zero: the base), the
     reference with the adapter nudged off zero (turned off: the base again), and the nudged policy."""
     torch.manual_seed(0)
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     loss = recipe_pair_loss(cfg, info.device)
     (batch,) = pair_micro_batches(cfg, n_pairs, n_pairs, info.rank, info.world_size)
     out = {"policy": as_pairs(loss.sequence_logps(model, batch, info.device).detach(), batch)}

@@ -27,13 +27,13 @@ from qlora_fsdp.config.loader import to_yaml
 from qlora_fsdp.data.batching import Sample, collate
 from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter, peft_adapter_key
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.fill import model_layout
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.measure.held import meta_held
 from qlora_fsdp.run.description import planned_run
-from qlora_fsdp.tools.generate import load_generator
-from qlora_fsdp.tools.merge import merge_adapter
+from qlora_fsdp.tools.adapter_merge import merge_adapter
+from qlora_fsdp.tools.adapter_sampling import load_generator
 from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.families import write_family_model
 from tests.helpers import (
@@ -94,7 +94,7 @@ def trained(info, cfg: Config) -> dict:
 
 def gradients(info, cfg: Config, samples: list[Sample], adapter: Path) -> dict:
     """One step's LoRA gradients with B nonzero (saved as an adapter for PEFT to load), samples split over ranks."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     nonzero_lora_b(model)
     n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
     batch = collate(samples[info.rank :: info.world_size], 0)

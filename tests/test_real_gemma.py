@@ -22,9 +22,9 @@ from qlora_fsdp.data.batching import collate_packed
 from qlora_fsdp.distributed import all_reduce_sums
 from qlora_fsdp.layers.decoder import describe_attention
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.tools.generate import Sampling, load_generator
+from qlora_fsdp.tools.adapter_sampling import Sampling, load_generator
 from tests.helpers import REPO, run_ranks_sequence, tiny_config
 from tests.test_real_model import eval_samples, transformers_samples_loss
 
@@ -57,7 +57,7 @@ def packed_held_out_loss(info, cfg, samples: list, pad_id: int) -> dict:
     pad id come from the test process (loading the 262k-token tokenizer and hashing it for the data cache cost a
     rank seconds each time)."""
     packed_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, packing=True))
-    model = build_model(packed_cfg, info)
+    model = build_sharded_model(packed_cfg, info)
     model.eval()
     total, n_targets = 0.0, 0
     with torch.no_grad():

@@ -20,10 +20,10 @@ from qlora_fsdp.data.pipeline import load_dataset
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.objectives.supervised import evaluate
-from qlora_fsdp.tools.generate import Sampling, load_generator
-from qlora_fsdp.tools.merge import merge_adapter
+from qlora_fsdp.tools.adapter_merge import merge_adapter
+from qlora_fsdp.tools.adapter_sampling import Sampling, load_generator
 from tests.helpers import REPO, reference_loss, run_ranks_sequence, tiny_config, transformers_nf4
 
 pytestmark = pytest.mark.slow  # ranks on gloo
@@ -51,7 +51,7 @@ def eval_samples(cfg, tokenizer=None):
 def held_out_loss(info, cfg, samples: list | None = None, pad_id: int | None = None) -> float:
     """The 4-bit base's held-out loss as training's evaluation computes it; on `samples` (the test process's
     eval_samples, so a rank need not load the tokenizer and tokenize the data again) where given."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     if samples is None:
         tokenizer = load_tokenizer(cfg)
         samples, pad_id = eval_samples(cfg, tokenizer), tokenizer.pad_token_id

@@ -17,7 +17,7 @@ from qlora_fsdp.data.pair_pipeline import load_pairs
 from qlora_fsdp.data.pipeline import Dataset
 from qlora_fsdp.loading.adapter import export_adapter
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.placement import copy_full_into
 from qlora_fsdp.objectives.pair_steps import accumulate_pairs, pair_rows, with_pair_extras
 from tests.helpers import (
@@ -82,7 +82,7 @@ def training_pairs(cfg):
 def reward_step(info, cfg, per_batch: int, adapter_dir=None):
     """One accumulated step over this rank's share of the first pairs: loss, metrics, gradients, every sequence's
     score; with `adapter_dir`, the adapter saved there too."""
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     set_reward_model(model)
     rows, extras = training_pairs(cfg)
     pad_id = load_tokenizer(cfg).pad_token_id

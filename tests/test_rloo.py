@@ -46,7 +46,7 @@ def our_rloo(info, model_dir: Path, adapter: Path, packed: bool) -> dict:
     from qlora_fsdp.distributed.row_groups import RowSplit
     from qlora_fsdp.loading.adapter import adapter_file_key, load_adapter_into
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.losses.forward import ForwardLoss
     from qlora_fsdp.objectives.base import RunParts
@@ -60,7 +60,7 @@ def our_rloo(info, model_dir: Path, adapter: Path, packed: bool) -> dict:
         cfg = dataclasses.replace(cfg, rloo=RlooConfig(**setting), generation=GenerationConfig(
             num_generations=E2E_GENERATIONS, max_completion_length=E2E_MAX, temperature=TEMPERATURE))
         tokenizer = load_tokenizer(cfg)
-        model = build_model(cfg, info)
+        model = build_sharded_model(cfg, info)
         load_adapter_into(model, adapter)
         model.train()
         prompts, rows = e2e_rollouts(tokenizer.eos_token_id)

@@ -21,13 +21,13 @@ from qlora_fsdp.errors import ModelLoadError
 from qlora_fsdp.loading.adapter import check_scaling, config_for_adapter, load_adapter_into, read_adapter
 from qlora_fsdp.loading.build import build_meta_model
 from qlora_fsdp.loading.checkpoint import load_hf_config
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.nf4 import as_trained
-from qlora_fsdp.tools.merge import merge_adapter
+from qlora_fsdp.tools.adapter_merge import merge_adapter
 from tests.helpers import tiny_config
 from tests.test_merge_generate import PROMPT, adapter_and_logits
 
-# build_model(shard=False) never reads the mesh, so this one process needs no process group
+# build_sharded_model(shard=False) never reads the mesh, so this one process needs no process group
 ONE_PROCESS = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=None)  # type: ignore[arg-type]
 
 
@@ -87,7 +87,7 @@ def test_generation_rebuilds_the_rslora_model_from_the_adapter(rslora_adapter):
     _, adapter, input_ids, ours = rslora_adapter
     saved = config_for_adapter(adapter, None, [])
     assert saved.lora.use_rslora
-    model = build_model(saved, ONE_PROCESS, shard=False)
+    model = build_sharded_model(saved, ONE_PROCESS, shard=False)
     load_adapter_into(model, adapter)
     with torch.no_grad():
         assert (model(input_ids=input_ids).logits - ours).abs().max() < 1e-5 * ours.abs().max()

@@ -18,7 +18,7 @@ from qlora_fsdp.plan.step_time import (
     link_seconds,
     part_time,
 )
-from qlora_fsdp.run.hardware import GPU
+from qlora_fsdp.run.accelerators import GPU
 from tests import planners
 from tests.helpers import run_ranks
 from tests.test_step_memory import architecture, step_config

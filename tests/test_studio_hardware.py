@@ -15,7 +15,7 @@ import pytest
 
 from qlora_fsdp.config import load_config
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.readouts.hardware import FAKE_NVML_ENV, HardwareMonitor, cuda_visible_devices, hardware_markdown
+from qlora_fsdp.readouts.machine_gpus import FAKE_NVML_ENV, HardwareMonitor, cuda_visible_devices, hardware_markdown
 from qlora_fsdp.studio.draft import Draft
 
 

@@ -19,12 +19,12 @@ from qlora_fsdp.api import train
 from qlora_fsdp.data.templates import prompt_ids
 from qlora_fsdp.loading.adapter import config_for_adapter
 from qlora_fsdp.loading.checkpoint import load_hf_config
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.sharding import sharded_meta_model
 from qlora_fsdp.losses.forward import loss_sum
 from qlora_fsdp.measure.held import held_bytes, nbytes
-from qlora_fsdp.tools.generate import Sampling, load_generator
-from qlora_fsdp.tools.merge import merge_adapter
+from qlora_fsdp.tools.adapter_merge import merge_adapter
+from qlora_fsdp.tools.adapter_sampling import Sampling, load_generator
 from tests.helpers import (
     batches,
     build_tiny_checkpoint,
@@ -58,7 +58,7 @@ def loaded_losses(info, cfg, batch) -> dict[str, tuple[bool, float]]:
     """Per way of loading: (head and embeddings one tensor, loss per target token)."""
     out = {}
     for name, fsdp in LOADINGS.items():
-        model = build_model(dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, **fsdp)), info)
+        model = build_sharded_model(dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, **fsdp)), info)
         with torch.no_grad():
             out[name] = (one_tensor(model), loss_sum(model, batch, info.device).item() / batch.n_targets)
     return out

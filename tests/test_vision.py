@@ -53,7 +53,7 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None,
     from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
     from qlora_fsdp.loading.adapter import adapter_file_key, export_adapter
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
     from qlora_fsdp.losses.forward import ForwardLoss
@@ -63,7 +63,7 @@ def our_side(info, model_dir: Path, data: Path, out: Path, adapter: Path | None,
     cfg = vision_config(model_dir, data, out, lora, packing=info.world_size > 1)
     tokenizer = load_tokenizer(cfg)
     loaded = load_training_data(tokenizer, cfg, info, lambda: load_processor(cfg))
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     load_vision_encoder(model, cfg, info.device)
     samples = loaded.train + loaded.eval
     if info.world_size == 1:
@@ -106,7 +106,7 @@ def split_side(info, model_dir: Path, data: Path, out: Path, lora: dict | None =
     from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
     from qlora_fsdp.loading.adapter import adapter_file_key
     from qlora_fsdp.loading.checkpoint import load_tokenizer
-    from qlora_fsdp.loading.factory import build_model
+    from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
     from qlora_fsdp.losses.forward import ForwardLoss
@@ -121,7 +121,7 @@ def split_side(info, model_dir: Path, data: Path, out: Path, lora: dict | None =
     tokenizer = load_tokenizer(cfg)
     loaded = load_training_data(tokenizer, cfg, info, lambda: load_processor(cfg))
     samples = loaded.train + loaded.eval
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     load_vision_encoder(model, cfg, info.device)
     nonzero_lora_b(model)
     n_targets = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
@@ -362,7 +362,7 @@ def merged_reply_and_generation(model_dir: Path, adapter: Path, data: Path, tmp_
     from qlora_fsdp.commands.generate import main as generate_main
     from qlora_fsdp.loading.adapter import config_for_adapter
     from qlora_fsdp.loading.vision_encoder import load_processor
-    from qlora_fsdp.tools.merge import merge_adapter
+    from qlora_fsdp.tools.adapter_merge import merge_adapter
     from tests.helpers import command_here, transformers_nf4
 
     model_class = getattr(transformers, transformers.AutoConfig.from_pretrained(model_dir).architectures[0])

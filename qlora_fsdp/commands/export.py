@@ -229,7 +229,7 @@ def merged_source(args: argparse.Namespace, work: Path, outtype: str,
         return args.model, arch
     from qlora_fsdp.loading.adapter import config_for_adapter
     from qlora_fsdp.loading.checkpoint import model_dir
-    from qlora_fsdp.tools.merge import merge_adapter
+    from qlora_fsdp.tools.adapter_merge import merge_adapter
 
     cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
     arch = check_exportable(model_dir(cfg))

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
     from qlora_fsdp.data.sources import alpaca_user_turn
     from qlora_fsdp.distributed import cleanup
-    from qlora_fsdp.tools.generate import Sampling, load_generator  # heavy imports once the arguments are good
+    from qlora_fsdp.tools.adapter_sampling import Sampling, load_generator  # heavy imports once the arguments are good
 
     try:
         generator = load_generator(cfg, args.adapter, args.offload, images=bool(args.image))

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:  # refused before torch is imported
         raise UserError(f"{args.out} exists and is not empty: choose another --out, or pass --overwrite")
     from qlora_fsdp.loading.adapter import config_for_adapter  # PEFT and torch: not for --help or a usage error
-    from qlora_fsdp.tools.merge import merge_adapter, parse_size
+    from qlora_fsdp.tools.adapter_merge import merge_adapter, parse_size
 
     cfg = config_for_adapter(args.adapter, args.recipe, args.overrides)
     announce_size(args)

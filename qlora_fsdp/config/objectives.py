@@ -52,7 +52,7 @@ DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]
 @dataclass
 class PreferenceConfig:
     """Preference tuning (train.objective dpo, orpo, simpo; reward: a reward model) on pairs of a prompt, a chosen
-    and a rejected completion (qlora_fsdp/data/pair_records.py reads them; qlora_fsdp/losses/preference.py has the
+    and a rejected completion (qlora_fsdp/data/pair_records.py reads them; qlora_fsdp/losses/pair_formulas.py has the
     formulas); kto on unpaired records of a prompt, a completion and a desirable/undesirable label
     (qlora_fsdp/data/kto_records.py)."""
 

@@ -307,7 +307,7 @@ class TrainConfig:
 @dataclass
 class HardwareConfig:
     """What the recipe is planned for (`--plan`); training itself uses whatever torchrun gives it."""
-    gpu: str = "cpu"  # a name in run.hardware.GPUS (rtx4090, rtx3090, a100-80gb, h100, ...), or cpu
+    gpu: str = "cpu"  # a name in run.accelerators.GPUS (rtx4090, rtx3090, a100-80gb, h100, ...), or cpu
     gpus_per_node: int = 1  # ranks per node
     nodes: int = 1  # nodes (HSDP with fsdp.shard_size)
     gpu_memory_gib: float | None = None  # None: the table's figure for `gpu`

@@ -18,11 +18,11 @@ from qlora_fsdp.loading.fill import load_weights, materialize
 from qlora_fsdp.loading.sharding import sharded_meta_model
 
 
-def build_model(cfg: Config, info: DistInfo, shard: bool = True, sampling: bool = False) -> peft.PeftModel:
+def build_sharded_model(cfg: Config, info: DistInfo, shard: bool = True, sampling: bool = False) -> peft.PeftModel:
     """Meta build -> activation checkpointing -> fully_shard -> allocate -> stream and quantize weights
     (`sampling`: for the sampler, one prompt a row)."""
     assert "auto" not in (cfg.model.dtype, cfg.quant.compute_dtype), (
-        "build_model takes resolved dtypes: the config of run/description.py's describe_run (or planned_run)")
+        "build_sharded_model takes resolved dtypes: the config of run/description.py's describe_run (or planned_run)")
     model = sharded_meta_model(cfg, load_hf_config(cfg), info.mesh, shard, sampling)
     offload = shard and cfg.fsdp.cpu_offload  # offload always comes with FSDP (sharding.uses_fsdp)
     materialize(model, info.device, torch.device("cpu") if offload else info.device)

@@ -22,7 +22,7 @@ from qlora_fsdp.config import Config, PreferenceConfig
 from qlora_fsdp.layers.expert_lora import expert_lora_off
 from qlora_fsdp.losses.forward import ForwardLoss, LossBatch
 from qlora_fsdp.losses.kto import kl_reference_point, kto_losses
-from qlora_fsdp.losses.preference import (
+from qlora_fsdp.losses.pair_formulas import (
     PairLogps,
     PairRewards,
     bradley_terry_losses,

@@ -17,7 +17,7 @@ from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Batch
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.layers.activation_offload import ActivationOffloader
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.measure.fake_step import planned_objective
 from qlora_fsdp.measure.step_tracker import StepMemory, run_step, stored_quant_state
@@ -37,7 +37,7 @@ def measured_step(cfg: Config, info: DistInfo, batches: list[Batch] | None = Non
     values), counted by the tracker the planner counts with: its figures are the plan's to match. The batches
     default to the planner's own (full rows of the recipe's shape)."""
     cfg = describe_run(cfg, describe_device(info.device)).cfg
-    model = build_model(cfg, info)
+    model = build_sharded_model(cfg, info)
     optimizer = build_optimizer(model, cfg.optim, cfg.lora)
     optimizer.materialize_state()  # the state exists from the first step on, as in the plan
     forward_loss = ForwardLoss.for_config(cfg, info.device)

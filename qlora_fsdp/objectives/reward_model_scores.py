@@ -28,7 +28,7 @@ from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.errors import ConfigError
 from qlora_fsdp.loading.adapter import REWARD_TASK, TRAINING_CONFIG, load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.precision import describe_device
 from qlora_fsdp.run.description import describe_run
@@ -69,7 +69,7 @@ class RewardModelScores:
                 torch.device("cpu"))
             alone = DistInfo(rank=0, local_rank=0, world_size=1, device=device, mesh=cast(Any, None))
             self.cfg = describe_run(self.cfg, describe_device(device)).cfg
-            model = build_model(self.cfg, alone, shard=False)
+            model = build_sharded_model(self.cfg, alone, shard=False)
             load_adapter_into(model, self.adapter_dir)
             tokenizer = load_tokenizer(self.cfg)
             self.loaded = (model.eval(), tokenizer, run_template(self.cfg.data, tokenizer), device)

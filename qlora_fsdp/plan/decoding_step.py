@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.generation.room import CACHE_BUCKET, head_dim, kv_cache_bytes
-from qlora_fsdp.run.hardware import FUSED_KERNEL_GPUS
+from qlora_fsdp.run.accelerators import FUSED_KERNEL_GPUS
 
 KERNEL_SECONDS = 5.64e-6  # a kernel's launch gap and ramp in a graph replay (fitted, above)
 SAMPLING_SECONDS_PER_LOGIT = 4.06e-10  # transformers' sampling between replays, per row and vocabulary entry

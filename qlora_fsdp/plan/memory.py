@@ -30,8 +30,8 @@ from qlora_fsdp.plan.generation import (
     root_bytes,
 )
 from qlora_fsdp.plan.image_side import image_side
+from qlora_fsdp.run.accelerators import GPU, GPUS
 from qlora_fsdp.run.description import planned_run
-from qlora_fsdp.run.hardware import GPU, GPUS
 
 GIB = 2**30
 

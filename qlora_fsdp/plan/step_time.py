@@ -21,7 +21,7 @@ from qlora_fsdp.measure.fake_step import first_micro_batch_weight
 from qlora_fsdp.measure.op_work import DEQUANT_BYTES_PER_ELEMENT, Work
 from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.objectives.base import Objective
-from qlora_fsdp.run.hardware import GPU
+from qlora_fsdp.run.accelerators import GPU
 
 PIPELINED_PARTS = ("forward", "backward")
 # Not physical, so named (docs/benchmarks/step-time.md says where each comes from):

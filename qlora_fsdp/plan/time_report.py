@@ -13,9 +13,9 @@ from qlora_fsdp.plan.generation import GenerationTime, generation_memory, genera
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import Rates, StepTime, matmul_efficiency, part_time, step_time
+from qlora_fsdp.run.accelerators import GPU
 from qlora_fsdp.run.batch_size import row_takers
 from qlora_fsdp.run.description import planned_run
-from qlora_fsdp.run.hardware import GPU
 
 
 def recipe_time(cfg: Config, step: StepMemory) -> StepTime:

@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 from qlora_fsdp.config import Config, to_yaml
 from qlora_fsdp.loading.checkpoint import load_hf_config, shipped_config_folder
 from qlora_fsdp.precision import DeviceDescription, resolve_dtypes
-from qlora_fsdp.run.hardware import planned_device
+from qlora_fsdp.run.accelerators import planned_device
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def serve(argv: list[str]) -> int:
     from qlora_fsdp.config import load_config
     from qlora_fsdp.data.sources import alpaca_user_turn
     from qlora_fsdp.loading.adapter import config_for_adapter
-    from qlora_fsdp.tools.generate import Sampling, load_generator, readable_reply
+    from qlora_fsdp.tools.adapter_sampling import Sampling, load_generator, readable_reply
 
     args = parse_args(argv)
     try:

@@ -10,7 +10,7 @@ from typing import Any
 import gradio as gr
 from matplotlib.figure import Figure
 
-from qlora_fsdp.readouts.hardware import HardwareMonitor, Sample, hardware_markdown
+from qlora_fsdp.readouts.machine_gpus import HardwareMonitor, Sample, hardware_markdown
 from qlora_fsdp.studio.ticks import TickPart
 
 

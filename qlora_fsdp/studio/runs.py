@@ -18,7 +18,7 @@ from qlora_fsdp.config import REPO_ROOT, Config
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.outputs.checkpoints import complete_checkpoints
 from qlora_fsdp.outputs.run_dir import check_run_dir
-from qlora_fsdp.readouts.hardware import cuda_visible_devices
+from qlora_fsdp.readouts.machine_gpus import cuda_visible_devices
 from qlora_fsdp.studio.draft import Draft, resolve, torchrun_command, train_arguments
 from qlora_fsdp.studio.environment import child_environment
 from qlora_fsdp.studio.plan_worker import last_error_line

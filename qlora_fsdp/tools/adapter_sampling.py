@@ -33,7 +33,7 @@ from qlora_fsdp.families import attention_needs
 from qlora_fsdp.layers.generation_attention import generation_attention
 from qlora_fsdp.loading.adapter import load_adapter_into
 from qlora_fsdp.loading.checkpoint import load_hf_config, load_tokenizer
-from qlora_fsdp.loading.factory import build_model
+from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.image_side_training import trains_image_side
 from qlora_fsdp.loading.sharding import uses_fsdp
 from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
@@ -145,7 +145,7 @@ def load_generator(cfg: Config, adapter_dir: Path | None, offload: bool | None =
                             first_collective_timeout_s=cfg.train.first_collective_timeout_s)
     note_unsharded_fallback(cfg, info)
     cfg = describe_run(cfg, describe_device(info.device)).cfg
-    model = build_model(cfg, info, shard=True, sampling=True)  # unsharded where uses_fsdp says so (one process)
+    model = build_sharded_model(cfg, info, shard=True, sampling=True)  # unsharded where uses_fsdp says so (one process)
     tokenizer = load_tokenizer(cfg)
     processor = None
     if images or trains_image_side(cfg):  # a trained image side's weights are in the adapter: built first
