@@ -138,6 +138,12 @@ def test_every_shipped_recipe_loads():
             assert [(s.path, s.format, s.fields) for s in cfg.data.sources] == [
                 ("lmms-lab/multimodal-open-r1-8k-verified", "prompt", {"prompt": "problem", "answer": "solution"})]
             assert cfg.data.images_per_row == 1 and [r.function for r in cfg.grpo.rewards] == ["math_answer"]
+        elif name == "tiny_cpu_rloo":  # tiny_cpu_grpo's prompts and reward, RLOO's update
+            assert (cfg.data.path, cfg.train.objective) == ("data/tiny_prompts.jsonl", "rloo")
+            assert [r.function for r in cfg.rloo.rewards] == ["examples.rewards:category_words"]
+        elif name.endswith("_rloo"):  # GSM8K's questions as prompts, `answer` reaches math_answer
+            assert [(s.path, s.fields) for s in cfg.data.sources] == [("openai/gsm8k", {"prompt": "question"})]
+            assert cfg.train.objective == "rloo" and [r.function for r in cfg.rloo.rewards] == ["math_answer"]
         elif name.endswith(("_grpo", "_grpo_tools", "_grpo_long")):  # GSM8K's questions as prompts, `answer`
             # reaches math_answer
             assert [(s.path, s.subset, s.format, s.fields) for s in cfg.data.sources] == [

@@ -229,14 +229,11 @@ class Grpo(Objective):
         tokens = sum(sum(label != IGNORE_INDEX for label in s.labels) for s in samples)
         completions, n_tokens = all_reduce_sums([len(samples) * self.counts_once, tokens * self.counts_once],
                                                 self.info.device)
-        metrics = reward_metrics(self.reward_names, scores, rewards, made, seconds, self.info, self.counts_once)
+        names = [reward.name for reward in self.rewards]
+        metrics = reward_metrics(names, scores, rewards, made, seconds, self.info, self.counts_once)
         return Generation(samples, micro_batches, self.advantages(rewards, old, ref), old, ref,
                           StepCounts(completions, n_tokens, len(micro_batches) * self.split.data_ranks), metrics,
                           sample_record(self.tokenizer, prompts, made, rewards, g))
-
-    @property
-    def reward_names(self) -> list[str]:
-        return [reward.name for reward in self.rewards]
 
     @property
     def counts_once(self) -> int:
@@ -259,8 +256,8 @@ class Grpo(Objective):
             made = self.make(prompts)
         g = self.generation.num_generations
         scores = score(self.rewards, reward_rollouts(self.tokenizer, prompts, made, g))
-        metrics = reward_metrics(self.reward_names, scores, combined(scores, [r.weight for r in self.rewards]), made,
-                                 0.0, self.info, rows=own * g)
+        metrics = reward_metrics([r.name for r in self.rewards], scores,
+                                 combined(scores, [r.weight for r in self.rewards]), made, 0.0, self.info, rows=own * g)
         kept = ["reward", "reward_std", "completion_length", "truncated_ratio"]
         kept += [f"rewards/{r.name}" for r in self.rewards]
         return {f"eval_{key}": metrics[key] for key in kept}
