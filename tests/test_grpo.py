@@ -350,6 +350,42 @@ def test_a_run_continuing_an_adapter_keeps_it_frozen_as_the_reference_and_the_pl
         assert kept_here == kept and copies == ([12345] if kept else []), (objective, adapter, beta)
 
 
+@pytest.mark.old_torch  # it reaches the compiler (run on torch 2.11 too: make test-old-torch)
+def test_one_generation_plan_and_one_layout_rule_for_the_run_and_the_plan(monkeypatch):
+    """A step's generation resolved once: its rows a call (generation.rows, capped at the rank's completions), its
+    calls, and the layout `auto` takes: gathered where it fits, else split, one rank per_token; the run asks the
+    GPU's free memory, the plan its planned bytes, both through chosen_layout."""
+    from qlora_fsdp.config import Config
+    from qlora_fsdp.generation import layouts
+    from qlora_fsdp.generation.plan import chosen_layout
+    from qlora_fsdp.measure.fake_step import planned_objective
+    from qlora_fsdp.plan import memory
+
+    cfg = Config()
+    cfg.train.objective, cfg.data.micro_batch_size, cfg.data.grad_accum_steps = "rloo", 2, 3
+    cfg.generation.num_generations, cfg.generation.rows = 4, 5
+    made = planned_objective(cfg).planned_generation()
+    assert (made.prompts, made.completions, made.rows, made.calls) == (6, 24, 5, 5)
+    cfg.generation.rows = 100  # more rows than the rank generates: one call of its 24
+    assert (planned_objective(cfg).planned_generation().rows, planned_objective(cfg).planned_generation().calls) == (
+        24, 1)
+    asked: list[str] = []
+
+    def fits(answer: bool):  # noqa: ANN202 (the rule's question, counted)
+        return lambda: asked.append("asked") or answer
+
+    assert chosen_layout("auto", 2, fits(True)) == "gathered"
+    assert chosen_layout("auto", 2, fits(False)) == "split" and chosen_layout("auto", 1, fits(False)) == "per_token"
+    assert len(asked) == 3 and chosen_layout("per_token", 2, fits(True)) == "per_token" and len(asked) == 3
+    # both sides hand the rule their own answer: the run's free memory, the plan's bytes
+    seen = []
+    monkeypatch.setattr(layouts, "chosen_layout", lambda *args: seen.append(("run", args[:2])) or "split")
+    monkeypatch.setattr(memory, "chosen_layout", lambda *args: seen.append(("plan", args[:2])) or "split")
+    layouts.resolved_layout(torch.nn.Linear(2, 2), made, 4, 8, torch.device("cpu"))
+    memory.planned_layout(None, cfg, None)
+    assert seen == [("run", ("auto", 1)), ("plan", ("auto", cfg.hardware.world_size))]
+
+
 def test_advantages_are_trls_group_and_batch_normalization():
     from trl.trainer.utils import nanstd
 
