@@ -188,3 +188,16 @@ def test_a_run_saved_before_a_value_was_renamed_still_loads(tmp_path):
         load_config(str(saved))
     assert load_config(str(saved), saved_by_a_run=True).model.init == "pretrained"
     assert changed_settings(text, load_config("tiny_cpu")) == []
+
+
+def test_the_last_override_of_a_key_wins_in_one_place():
+    """config/loader.py's one rule, which the studio's drafts, its data box and its run-folder finder all call."""
+    from qlora_fsdp.config import last_override, merged_overrides
+    from qlora_fsdp.readouts.data_preview import with_overrides_replaced
+    from qlora_fsdp.studio.draft import Draft
+
+    assert merged_overrides(["a=1", "b=2", "  "], ["a=3"]) == ["b=2", "a=3"]
+    assert last_override(["x=1", "train.output_dir=a", " train.output_dir = b"], "train.output_dir") == "b"
+    assert last_override(["x=1"], "train.output_dir") is None
+    assert Draft("tiny_cpu", ("a=1", "b=2")).with_overrides(["a=3"]).overrides == ("b=2", "a=3")
+    assert with_overrides_replaced("a=1\n\nb=2", ["a=3"]) == "b=2\na=3"

@@ -4,7 +4,9 @@ from qlora_fsdp.config.generation import GenerationConfig, GenerationLayout
 from qlora_fsdp.config.loader import (
     RUN_CONTROL_KEYS,
     changed_settings,
+    last_override,
     load_config,
+    merged_overrides,
     resolve_recipe_path,
     to_dict,
     to_yaml,
@@ -58,6 +60,7 @@ __all__ = [
     "HardwareConfig", "LoggingConfig", "LoraConfig", "LossConfig", "ModelConfig", "OBJECTIVES", "ObjectiveName",
     "ObjectiveKind", "OptimConfig", "OverlongPolicy", "PreferenceConfig", "ProfileConfig",
     "QuantConfig", "RECIPES_DIR", "REPO_ROOT", "RUN_CONTROL_KEYS", "RewardConfig", "RlooConfig",
-    "SourceConfig", "Template", "TemplateChoice", "TrainConfig", "changed_settings", "load_config",
+    "SourceConfig", "Template", "TemplateChoice", "TrainConfig", "changed_settings", "last_override",
+    "load_config", "merged_overrides",
     "resolve_recipe_path", "to_dict", "to_yaml", "validate",
 ]

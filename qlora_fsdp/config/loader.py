@@ -127,6 +127,23 @@ def _read_preset(name: str) -> dict[str, Any]:
     return _read_yaml(path)
 
 
+def override_key(item: str) -> str:
+    return item.partition("=")[0].strip()
+
+
+def merged_overrides(earlier: Sequence[str], later: Sequence[str]) -> list[str]:
+    """`key=value` overrides with each of `later` replacing any earlier one of its key: the last one wins, as on the
+    command line (blank items dropped)."""
+    keys = {override_key(item) for item in later}
+    return [item for item in earlier if item.strip() and override_key(item) not in keys] + list(later)
+
+
+def last_override(overrides: Sequence[str], key: str) -> str | None:
+    """The value the command line takes for `key`: its last override's, or None where none sets it."""
+    values = [item.partition("=")[2].strip() for item in overrides if override_key(item) == key]
+    return values[-1] if values else None
+
+
 def _parse_override(item: str) -> dict[str, Any]:
     key, sep, value = item.partition("=")
     if not sep or not key:

@@ -14,7 +14,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from qlora_fsdp.config import Config, SourceConfig
+from qlora_fsdp.config import Config, SourceConfig, merged_overrides
 from qlora_fsdp.data.batching import Sample
 from qlora_fsdp.data.images import records_have_images
 from qlora_fsdp.data.kinds import held_out_sets
@@ -296,9 +296,7 @@ def data_overrides(cfg: Config | None, path: str) -> list[str]:
 
 def with_overrides_replaced(extra: str, overrides: list[str]) -> str:
     """The free-text overrides with each of `overrides` replacing any earlier line of its key (last line wins)."""
-    keys = {line.partition("=")[0].strip() for line in overrides}
-    kept = [line for line in extra.splitlines() if line.strip() and line.partition("=")[0].strip() not in keys]
-    return "\n".join([*kept, *overrides])
+    return "\n".join(merged_overrides(extra.splitlines(), overrides))
 
 
 def kept_upload(uploaded: Path, folder: Path = UPLOADS) -> Path:

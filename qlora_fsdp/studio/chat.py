@@ -14,7 +14,7 @@ from typing import Any
 from qlora_fsdp.config import REPO_ROOT
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.studio.environment import child_environment
-from qlora_fsdp.studio.plan_worker import last_error_line
+from qlora_fsdp.studio.processes import last_error_line
 
 BASE_MODEL = "(base model, no adapter)"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from qlora_fsdp.config import RECIPES_DIR, Config, load_config, to_yaml
+from qlora_fsdp.config import RECIPES_DIR, Config, load_config, merged_overrides, to_yaml
 from qlora_fsdp.errors import UserError
 
 CPU_RANKS = 2  # the tiny CPU recipes train on two gloo ranks, as `make demo` does
@@ -19,9 +19,7 @@ class Draft:
 
     def with_overrides(self, more: list[str]) -> Draft:
         """Later overrides of a key replace earlier ones (as on the command line, the last one wins)."""
-        keys = {item.partition("=")[0] for item in more}
-        kept = [item for item in self.overrides if item.partition("=")[0] not in keys]
-        return Draft(self.recipe, (*kept, *more))
+        return Draft(self.recipe, tuple(merged_overrides(self.overrides, more)))
 
 
 @dataclass

@@ -25,7 +25,8 @@ from typing import Any
 
 from qlora_fsdp.config import load_config
 from qlora_fsdp.studio.draft import Draft
-from qlora_fsdp.studio.plan_worker import alive, plan_or_error
+from qlora_fsdp.studio.plan_worker import plan_or_error
+from qlora_fsdp.studio.processes import alive
 
 STEPS_SUFFIX = ".steps"  # a child's measured steps, beside its plan
 

@@ -23,6 +23,7 @@ from qlora_fsdp.config import load_config
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.studio.draft import Draft
 from qlora_fsdp.studio.environment import child_environment
+from qlora_fsdp.studio.processes import alive
 
 PlanData = dict[str, Any]
 KEPT_PLANS = 16  # plans answered again without a process (a tiny plan is kilobytes, a 70B's levers a few more)
@@ -183,19 +184,3 @@ def planned_key(draft: Draft) -> tuple[Any, ...]:
     (edited since, it is planned again)."""
     path = Path(draft.recipe)
     return draft.recipe, draft.overrides, path.stat().st_mtime if path.is_file() else None
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def last_error_line(stderr: str) -> str:
-    """The process's `error:` line, else its last line (a traceback's exception)."""
-    lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error:")]
-    return errors[-1] if errors else (lines[-1] if lines else "error: the plan stopped without a word")
-

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qlora_fsdp.config import load_config
+from qlora_fsdp.config import last_override, load_config
 from qlora_fsdp.outputs.checkpoints import complete_checkpoints
 from qlora_fsdp.outputs.run_dir import METRICS_FILE
 from qlora_fsdp.studio.live import Progress, complete_records, progress
-from qlora_fsdp.studio.plan_worker import last_error_line
+from qlora_fsdp.studio.processes import last_error_line
 from qlora_fsdp.studio.runs import LOG_TAIL_LINES, terminal_tail
 
 TRAIN_SCRIPTS = ("train.py", "qlora-train")  # how a training process is started: a script's name, or the module
@@ -61,10 +61,9 @@ def output_dir_of(cwd: str, arguments: tuple[str, ...]) -> Path | None:
             recipe = word.partition("=")[2]
         elif "=" in word and not word.startswith("-"):
             overrides.append(word)
-    for override in reversed(overrides):  # the last one wins, as on the command line
-        key, _, value = override.partition("=")
-        if key.strip() == "train.output_dir":
-            return (Path(cwd) / value.strip()).resolve()
+    named = last_override(overrides, "train.output_dir")
+    if named is not None:
+        return (Path(cwd) / named).resolve()
     as_file = Path(cwd) / recipe
     try:
         cfg = load_config(str(as_file) if as_file.is_file() else recipe, overrides)

@@ -21,8 +21,8 @@ from qlora_fsdp.outputs.run_dir import check_run_dir
 from qlora_fsdp.readouts.machine_gpus import cuda_visible_devices
 from qlora_fsdp.studio.draft import Draft, resolve, torchrun_command, train_arguments
 from qlora_fsdp.studio.environment import child_environment
-from qlora_fsdp.studio.plan_worker import last_error_line
 from qlora_fsdp.studio.preflight import check_before_launch
+from qlora_fsdp.studio.processes import child_processes, last_error_line
 
 LOG_TAIL_LINES = 40
 
@@ -132,19 +132,6 @@ class Runs:
                 self.current.process.wait(wait_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.current.process.pid, signal.SIGKILL)
-
-
-def child_processes(pid: int) -> list[int]:
-    """The processes `pid` started (torchrun's ranks), from /proc."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children
 
 
 def load_resumed(draft: Draft) -> Config:
