@@ -31,6 +31,7 @@ from qlora_fsdp.optimizer import build_optimizer, build_scheduler
 from qlora_fsdp.outputs.checkpoints import Checkpointer, check_world_size
 from qlora_fsdp.outputs.metrics import MetricsLogger, format_summary
 from qlora_fsdp.outputs.plots import plot_loss_curves
+from qlora_fsdp.outputs.run_card import RunCard, write_run_card
 from qlora_fsdp.outputs.run_dir import prepare_run_dir
 from qlora_fsdp.outputs.shared_dir import check_output_dir_shared
 from qlora_fsdp.outputs.tracking import check_available as check_trackers_available
@@ -49,11 +50,13 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters() if p.requires_grad), base_parameter_count(model)
 
 
-def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo | None = None) -> dict[str, Any]:
+def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo | None = None,
+          command: tuple[str, list[str]] | None = None) -> dict[str, Any]:
     """Train a recipe end to end, resuming where it says so; returns the summary. Every rank calls this.
 
     `config` is a Config, or a recipe name or YAML path (then with dotted `key=value` overrides), so a notebook
-    runs `train("tiny_cpu", ["train.max_steps=20"])` down the very path of `train.py`.
+    runs `train("tiny_cpu", ["train.max_steps=20"])` down the very path of `train.py`. `command`: train.py's recipe
+    and overrides as given, for the run's card (outputs/run_card.py; a recipe name's own otherwise).
     """
     cfg = load_config(config, overrides) if isinstance(config, str) else validate(config)
     check_trackers_available(cfg.logging)  # every rank, before anything is read
@@ -66,6 +69,9 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     out_dir = Path(cfg.train.output_dir)
     checkpoint = decide_on_main(lambda: prepare_run_dir(out_dir, cfg.train))  # before any rank writes
     check_output_dir_shared(out_dir, info)  # across nodes: one folder every node sees, or one line now
+    if info.is_main:  # the folder says who trains into it, and how it was started
+        recipe, given = command or (config if isinstance(config, str) else "", list(overrides))
+        write_run_card(out_dir, RunCard.of_this_process(recipe, given, out_dir, info.world_size, to_dict(cfg)))
     if checkpoint is not None:
         check_world_size(checkpoint, info.world_size)  # before minutes of loading, not after
     torch.manual_seed(cfg.train.seed)

@@ -46,7 +46,7 @@ ALLOWED = {
     # the local web page: the plan, the run's files, chat through the tools; training only as a torchrun it starts
     "readouts": BASE | {"data", "loading"},  # what the studio shows, without Gradio: the data, the machine's GPUs
     "studio": BASE | {"data", "loading", "plan", "outputs", "tools", "readouts"},
-    "commands": BASE | {"api", "plan", "measure", "run", "data", *MODEL, "tools", "studio"},  # the command lines
+    "commands": BASE | {"api", "plan", "measure", "run", "data", *MODEL, "tools", "studio", "outputs"},  # command lines
     "__init__": {"api", "config"},
 }
 

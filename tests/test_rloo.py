@@ -206,14 +206,18 @@ def test_rloo_settings_are_refused_in_one_line():
     refused("'grpo.tools' and environments are GRPO's", beta=0.0)
 
 
-def test_an_rloo_recipe_trains_and_logs_its_metrics(tiny_model_dir, tmp_path):
+@pytest.mark.old_torch  # it reaches the compiler (run on torch 2.11 too: make test-old-torch)
+def test_an_rloo_recipe_trains_logs_its_metrics_and_resumes_from_its_run_card(tiny_model_dir, tmp_path):
     """recipes/tiny_cpu_rloo.yaml (its plan is among the recorded ones: tests/test_plan.py), two steps on one rank:
-    RLOO's metrics logged each step, the adapter written."""
+    RLOO's metrics logged each step and named in the start record, the run's card written; then `--resume-from` its
+    checkpoint without --recipe takes the command from the card and runs a third step."""
+    from qlora_fsdp.outputs.run_card import read_run_card
     from tests.helpers import run_cli
 
     out = tmp_path / "run"
-    (ran,) = run_cli(["--recipe", "tiny_cpu_rloo", f"model.path={tiny_model_dir}", f"train.output_dir={out}",
-                      "train.max_steps=2", "logging.plot=false", "data.eval_samples=0"], 1, tmp_path)
+    given = [f"model.path={tiny_model_dir}", f"train.output_dir={out}", "train.max_steps=2", "logging.plot=false",
+             "data.eval_samples=0"]
+    (ran,) = run_cli(["--recipe", "tiny_cpu_rloo", *given], 1, tmp_path)
     assert ran.returncode == 0, ran.stderr[-2000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward" in r and "loss" in r]
@@ -221,3 +225,13 @@ def test_an_rloo_recipe_trains_and_logs_its_metrics(tiny_model_dir, tmp_path):
     assert records[0]["metrics"] == {"progress": ["reward", "kl"], "eval": ["eval_reward"]}  # what the plotters draw
     assert all(0 <= r["clip_ratio_low"] <= 1 and "kl" in r and "entropy" in r for r in steps), steps
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    card = read_run_card(out)
+    assert card is not None and (card.recipe, card.overrides, card.world_size) == ("tiny_cpu_rloo", given, 1)
+    assert card.output_dir == str(out.resolve()) and card.config["train"]["objective"] == "rloo"
+    (resumed,) = run_cli(["--resume-from", str(out / "checkpoints" / "step-000002"), "train.max_steps=3"], 1,
+                         tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "--recipe tiny_cpu_rloo and its overrides, from its run.json" in resumed.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward" in r and "loss" in r] == [1, 2, 3]
+    assert read_run_card(out).overrides == [*given[:2], *given[3:], "train.max_steps=3"]

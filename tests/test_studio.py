@@ -375,6 +375,8 @@ def test_the_run_view_reads_the_files_again_only_when_they_grew_and_says_how_the
     done.wait()
     (out / "adapter").mkdir()
     (out / "adapter" / "adapter_config.json").write_text("{}")
+    with (out / "metrics.jsonl").open("a") as f:  # what a run that ended well writes last
+        f.write(json.dumps({"time": 4.0, "event": "summary", "steps": 2}) + "\n")
     studio.runs.current = Run(Draft("tiny_cpu"), 2, out, log, done, resumed=False)
     assert studio.run_view().status == f"finished: the adapter is in {out / 'adapter'}"
     assert studio.new_adapter() == str(out / "adapter") and studio.new_adapter() is None  # offered once a run

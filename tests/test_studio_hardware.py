@@ -174,20 +174,26 @@ def run_folders_by_hand(root: Path) -> dict[str, Path]:
 
 
 def test_runs_under_finds_every_run_folder_with_its_state_whoever_started_it(tmp_path):
-    from qlora_fsdp.studio.run_folders import output_dir_of, runs_under
+    """A run's state is outputs/run_card.py's one definition: running while the process its run.json names lives
+    (a terminal's training, here a sleeping process), then what its files say; a later process given the same pid
+    is not the run."""
+    from dataclasses import replace
+
+    from qlora_fsdp.outputs.run_card import RunCard, read_run_card, write_run_card
+    from qlora_fsdp.studio.run_folders import FollowedRun, runs_under
 
     root = tmp_path / "outputs"
     folders = run_folders_by_hand(root)
-    # a terminal's training, as /proc shows it (its output folder relative to its working directory)
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "train.py", "--recipe",
-                                "tiny_cpu", "train.output_dir=outputs/b/c/running"], cwd=tmp_path)
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=tmp_path)
     try:
-        # a vfork()ed child runs on before the kernel has set its new command line: /proc shows it empty meanwhile
-        # (under load, long enough for the scan to miss it)
-        cmdline, deadline = Path(f"/proc/{process.pid}/cmdline"), time.monotonic() + 30
-        while b"train.py" not in cmdline.read_bytes() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        card = replace(RunCard.of_this_process("tiny_cpu", ["train.max_steps=4"], folders["running"], 2, {}),
+                       pid=process.pid)
+        card = replace(card, started_ticks=process_ticks(process.pid))
+        write_run_card(folders["running"], card)
+        assert read_run_card(folders["running"]) == card and FollowedRun(folders["running"]).running
         found = runs_under(root)
+        write_run_card(folders["running"], replace(card, started_ticks=card.started_ticks - 1))  # a reused pid
+        assert runs_under(root)[0].state == "failed"
     finally:
         process.kill()
         process.wait()
@@ -196,8 +202,16 @@ def test_runs_under_finds_every_run_folder_with_its_state_whoever_started_it(tmp
     assert (found[0].step, found[0].max_steps, found[0].objective, found[0].model) == (1, 4, "sft",
                                                                                      "models/tiny-llama")
     assert found[0].words().endswith("running · sft on models/tiny-llama · step 1/4")
+    write_run_card(folders["running"], card)
     assert runs_under(root)[0].state == "failed"  # its process ended: no summary, no checkpoint
-    assert output_dir_of(str(tmp_path), ("--recipe", "tiny_cpu")) == tmp_path / "outputs" / "tiny_cpu"
+
+
+def process_ticks(pid: int) -> int:
+    from qlora_fsdp.outputs.run_card import process_start_time
+
+    ticks = process_start_time(pid)
+    assert ticks is not None
+    return ticks
 
 
 def test_a_followed_run_reads_as_the_pages_own_run(tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from qlora_fsdp.config import TrainConfig
 from qlora_fsdp.errors import CheckpointError, OutputExistsError
+from qlora_fsdp.outputs.run_card import RUN_CARD
 from qlora_fsdp.outputs.checkpoints import (
     CHECKPOINTS_DIR,
     STATE_FILE,
@@ -22,7 +23,7 @@ from qlora_fsdp.outputs.checkpoints import (
 
 METRICS_FILE = "metrics.jsonl"
 # what a run writes, and overwrite=true removes (reference_logps: DPO's, when computed before training)
-RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "adapter", "reference_logps.safetensors")
+RUN_FILES = (METRICS_FILE, CHECKPOINTS_DIR, "adapter", "reference_logps.safetensors", RUN_CARD)
 
 
 def elastic_restart() -> bool:
@@ -81,7 +82,8 @@ def check_run_dir(run_dir: Path, train: TrainConfig) -> tuple[Path | None, bool]
     restarted = elastic_restart()
     checkpoint = choose_checkpoint(run_dir, train, restarted)
     inside = checkpoint is not None and checkpoint.resolve().parent.parent == run_dir.resolve()
-    occupied = run_dir.is_dir() and any(run_dir.iterdir())
+    # a card alone: a start that stopped before it wrote anything (its loading failed)
+    occupied = run_dir.is_dir() and any(path.name != RUN_CARD for path in run_dir.iterdir())
     if occupied and not (restarted or inside or train.overwrite):
         raise refusal(run_dir)
     return checkpoint, inside

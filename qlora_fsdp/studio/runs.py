@@ -17,7 +17,9 @@ from pathlib import Path
 from qlora_fsdp.config import REPO_ROOT, Config
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.outputs.checkpoints import complete_checkpoints
-from qlora_fsdp.outputs.run_dir import check_run_dir
+from qlora_fsdp.outputs.plots import complete_records
+from qlora_fsdp.outputs.run_card import run_state
+from qlora_fsdp.outputs.run_dir import METRICS_FILE, check_run_dir
 from qlora_fsdp.readouts.machine_gpus import cuda_visible_devices
 from qlora_fsdp.studio.draft import Draft, resolve, torchrun_command, train_arguments
 from qlora_fsdp.studio.environment import child_environment
@@ -46,18 +48,21 @@ class Run:
         return terminal_tail(self.log_path, lines)
 
     def status(self) -> str:
-        """One line: running, stopped (resumable), finished, or failed with the run's own error line."""
+        """One line: running, then the folder's state (outputs/run_card.py's run_state): finished, stopped
+        (resumable), or failed with the run's own error line."""
         code = self.process.poll()
         where = f"{self.output_dir}"
         if code is None:
             return f"running ({self.ranks} ranks, pid {self.process.pid}) into {where}" + (
                 ": stopping, the checkpoint is being written" if self.stop_requested else "")
-        if code == 0 and self.stop_requested:
-            return f"stopped; the checkpoint in {where} is kept: Resume continues it"
-        if code == 0:
+        state = run_state(self.output_dir, complete_records(self.output_dir / METRICS_FILE))
+        if code == 0 and state == "finished":
             return f"finished: the adapter is in {self.output_dir / 'adapter'}"
+        resumable = "; the checkpoint in {where} is kept: Resume continues it" if state == "stopped" else ""
+        if code == 0 and state == "stopped":
+            return f"stopped{resumable.format(where=where)}"
         text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
-        return f"failed (exit {code}): {last_error_line(text)}"
+        return f"failed (exit {code}): {last_error_line(text)}{resumable.format(where=where)}"
 
 
 def terminal_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
