@@ -132,7 +132,8 @@ def test_pairs_kto_and_prompts_show_what_their_runs_read(tmp_path, tiny_model_di
                                                                                               strict=True)}
     assert [r.rows[0][1].input_ids for r in prompts.records] == [by_record[i] for i in range(3)]
     assert (prompts.n_train, prompts.n_eval) == (len(run_prompts.train), len(run_prompts.eval))
-    assert prompts.limit == prompts_cfg.prompt_room and prompts.kind == "GRPO prompts, format prompt"
+    assert prompts.limit == prompts_cfg.prompt_room and prompts.kind == (
+        "prompts (the policy generates their completions), format prompt")
 
 
 def test_the_readers_errors_are_the_command_lines_one_line(tmp_path, tiny_model_dir):

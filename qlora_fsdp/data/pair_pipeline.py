@@ -3,6 +3,7 @@ context -> train and held-out pairs, tokenized through `datasets.map` (cached li
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
@@ -18,6 +19,16 @@ from qlora_fsdp.data.sources import read_source, weighted
 from qlora_fsdp.distributed import DistInfo
 
 PAIR_COLUMNS = ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "length")
+
+
+@dataclass(frozen=True)
+class PairOutcome:
+    """One pair record as training reads it (the studio's preview calls the same): its sequences, the two fitted to
+    the context (None: not kept), and why it is a bad pair ("" where it is not)."""
+
+    encoded: EncodedPair | None
+    fitted: EncodedPair | None
+    problem: str
 
 
 class TokenizePair:
@@ -37,14 +48,9 @@ class TokenizePair:
                 out[column] = batch[column]
         for prompt, chosen, rejected, tools in zip(batch["prompt"], batch["chosen"], batch["rejected"],
                                                    batch["tools"], strict=True):
-            try:
-                encoded = encode_pair(prompt, chosen, rejected, tools, self.tokenizer, self.template, kto)
-            except BadPair as err:
-                out["problem"].append(str(err))
-                encoded = None
-            fitted = fit_pair(encoded, self.context_length, self.overlong) if encoded is not None else None
-            if encoded is not None:
-                out["problem"].append(self.cut_to_nothing(encoded) if fitted is None else "")
+            outcome = self.outcome(prompt, chosen, rejected, tools, kto)
+            encoded, fitted = outcome.encoded, outcome.fitted
+            out["problem"].append(outcome.problem)
             out["overlong"].append(encoded is not None and encoded.length > self.context_length)
             for name, value in (("chosen_ids", fitted.chosen.input_ids if fitted else []),
                                 ("chosen_labels", fitted.chosen.labels if fitted else []),
@@ -53,6 +59,18 @@ class TokenizePair:
                                 ("length", fitted.length if fitted else 0)):
                 out[name].append(value)
         return out
+
+    def outcome(self, prompt: Any, chosen: Any, rejected: Any, tools: Any, kto: bool,
+                read_problem: str = "") -> PairOutcome:
+        """A pair's record encoded and fitted; `read_problem`: what reading it found wrong already."""
+        try:
+            if read_problem:
+                raise BadPair(read_problem)
+            encoded = encode_pair(prompt, chosen, rejected, tools, self.tokenizer, self.template, kto)
+        except BadPair as err:
+            return PairOutcome(None, None, str(err))
+        fitted = fit_pair(encoded, self.context_length, self.overlong)
+        return PairOutcome(encoded, fitted, self.cut_to_nothing(encoded) if fitted is None else "")
 
     def cut_to_nothing(self, pair: EncodedPair) -> str:
         """Why a pair that did not fit is bad, or "" where the recipe chose to drop what is longer (overlong: drop)."""

@@ -19,9 +19,8 @@ from qlora_fsdp.data.batching import Sample
 from qlora_fsdp.data.images import records_have_images
 from qlora_fsdp.data.kinds import held_out_sets
 from qlora_fsdp.data.kto_records import as_kto_pairs
-from qlora_fsdp.data.pair_encoding import encode_pair, fit_pair
 from qlora_fsdp.data.pair_pipeline import TokenizePair
-from qlora_fsdp.data.pair_records import BadPair, as_pairs, good_pairs
+from qlora_fsdp.data.pair_records import as_pairs, good_pairs
 from qlora_fsdp.data.pipeline import Tokenize, fit_to_context, run_template
 from qlora_fsdp.data.prompts import encoded_prompts, prompt_encoder, with_prompt_column
 from qlora_fsdp.data.sources import as_conversations, eval_source, read_source, sources_of
@@ -90,7 +89,8 @@ def fill(preview: DataPreview, cfg: Config, shown: int, read_at_most: int, token
     kind = cfg.train.kind
     formats = ", ".join(dict.fromkeys(s.format for s in sources_of(cfg.data)))
     preview.kind = {"samples": "SFT samples", "pairs": "KTO records (unpaired)" if kind.unpaired
-                    else "preference pairs", "prompts": "GRPO prompts"}[kind.data] + f", format {formats}"
+                    else "preference pairs", "prompts": "prompts (the policy generates their completions)"}[
+        kind.data] + f", format {formats}"
     if kind.data == "samples" and records_have_images(cfg):
         preview.kind += ", with images"
         preview.template = "the checkpoint's processor (its chat template)"
@@ -189,28 +189,20 @@ def pair_units(cfg: Config, records: list[tuple[SourceConfig, datasets.Dataset]]
     n_units, offset = 0, 0
     for source, part in records:
         pairs = (as_kto_pairs if unpaired else as_pairs)(part, source)
-        for index, pair in enumerate(pairs):
-            try:
-                if pair["problem"]:
-                    raise BadPair(pair["problem"])
-                encoded = encode_pair(pair["prompt"], pair["chosen"], pair["rejected"], pair["tools"], tokenizer,
-                                      template, unpaired)  # type: ignore[arg-type]
-            except BadPair as err:
-                problems["problem"].append(str(err))
+        for index, pair in enumerate(pairs):  # each record through training's own encoder and fit
+            outcome = fit.outcome(pair["prompt"], pair["chosen"], pair["rejected"], pair["tools"], unpaired,
+                                  pair["problem"])
+            if outcome.problem:  # a bad pair, or the run's words for one with no room: reported alike
+                problems["problem"].append(outcome.problem)
                 problems["origin"].append(pair["origin"])
                 problems["record"].append(pair["record"])
+            if outcome.encoded is None:
                 continue
-            fitted = fit_pair(encoded, data.context_length, data.overlong)
-            cut = fit.cut_to_nothing(encoded) if fitted is None else ""
-            if cut:  # the run's words for a pair with no room, reported as its bad pairs are
-                problems["problem"].append(cut)
-                problems["origin"].append(pair["origin"])
-                problems["record"].append(pair["record"])
-            lengths.append(encoded.length)
-            n_units += fitted is not None
+            lengths.append(outcome.encoded.length)
+            n_units += outcome.fitted is not None
             if len(preview) < shown:
-                preview.append(pair_record(offset + index, fitted or encoded, pair, unpaired,
-                                           "" if fitted else "longer than data.context_length: dropped"))
+                preview.append(pair_record(offset + index, outcome.fitted or outcome.encoded, pair, unpaired,
+                                           "" if outcome.fitted else "longer than data.context_length: dropped"))
         offset += len(part)
     _, n_bad = good_pairs(datasets.Dataset.from_dict(problems), cfg.preference.bad_pairs == "drop")
     notes = [f"{n_bad} bad pair(s) dropped (preference.bad_pairs: drop)"] if n_bad else []
@@ -231,8 +223,8 @@ def pair_record(index: int, encoded: Any, pair: dict[str, Any], unpaired: bool, 
 
 def prompt_units(cfg: Config, records: list[tuple[SourceConfig, datasets.Dataset]],
                  tokenizer: PreTrainedTokenizerBase, template: str, shown: int) -> Units:
-    """GRPO's prompts through the run's encoder (a prompt leaving no room for a completion is its error); a prompt
-    is context only: the loss is on the completions generated at each step."""
+    """Prompts (GRPO's, RLOO's) through the run's encoder (a prompt leaving no room for a completion is its error);
+    a prompt is context only: the loss is on the completions generated at each step."""
     preview: list[Any] = []
     lengths: list[int] = []
     for source, part in records:
