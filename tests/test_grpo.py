@@ -353,8 +353,8 @@ def test_a_run_continuing_an_adapter_keeps_it_frozen_as_the_reference_and_the_pl
 @pytest.mark.old_torch  # it reaches the compiler (run on torch 2.11 too: make test-old-torch)
 def test_one_generation_plan_and_one_layout_rule_for_the_run_and_the_plan(monkeypatch):
     """A step's generation resolved once: its rows a call (generation.rows, capped at the rank's completions), its
-    calls, and the layout `auto` takes: gathered where it fits, else split, one rank per_token; the run asks the
-    GPU's free memory, the plan its planned bytes, both through chosen_layout."""
+    calls, and the layout `auto` takes: gathered where it fits, else split where it fits, else per_token; the run
+    asks the GPU's free memory, the plan its planned bytes, both through chosen_layout."""
     from qlora_fsdp.config import Config
     from qlora_fsdp.generation import layouts
     from qlora_fsdp.generation.plan import chosen_layout
@@ -374,9 +374,11 @@ def test_one_generation_plan_and_one_layout_rule_for_the_run_and_the_plan(monkey
     def fits(answer: bool):  # noqa: ANN202 (the rule's question, counted)
         return lambda: asked.append("asked") or answer
 
-    assert chosen_layout("auto", 2, fits(True)) == "gathered"
-    assert chosen_layout("auto", 2, fits(False)) == "split" and chosen_layout("auto", 1, fits(False)) == "per_token"
-    assert len(asked) == 3 and chosen_layout("per_token", 2, fits(True)) == "per_token" and len(asked) == 3
+    assert chosen_layout("auto", 2, fits(True), fits(True)) == "gathered" and len(asked) == 1  # split not asked
+    assert chosen_layout("auto", 2, fits(False), fits(True)) == "split"
+    assert chosen_layout("auto", 2, fits(False), fits(False)) == "per_token"  # the least memory
+    assert chosen_layout("auto", 1, fits(False), fits(True)) == "per_token" and len(asked) == 6  # no ranks to split
+    assert chosen_layout("per_token", 2, fits(True), fits(True)) == "per_token" and len(asked) == 6
     # both sides hand the rule their own answer: the run's free memory, the plan's bytes
     seen = []
     monkeypatch.setattr(layouts, "chosen_layout", lambda *args: seen.append(("run", args[:2])) or "split")
@@ -454,6 +456,8 @@ def generate_with_stops(info, model_dir: Path) -> dict:
     the sharded model's all-gathers stay in step (synced_gpus) and every rank returns. The first forward the model
     ever runs is the split layout's (as a run's first step generates first): the update's backward after it must
     find the ranks' gathers in step."""
+    from qlora_fsdp.generation.layouts import split_extra_bytes
+    from qlora_fsdp.generation.room import gathered_extra_bytes
     from qlora_fsdp.loading.checkpoint import load_tokenizer
     from qlora_fsdp.loading.factory import build_sharded_model
     from qlora_fsdp.objectives.rollouts import generate
@@ -470,6 +474,7 @@ def generate_with_stops(info, model_dir: Path) -> dict:
             "lengths": [len(ids) for ids in made.ids], "texts": texts, "truncated": made.truncated,
             "eos": tokenizer.eos_token_id, "ids": made.ids, "training": model.training,
             "gathered": bytes_gathered_by_layout(model, tokenizer, [prompt["input_ids"]], info),
+            "extra": (gathered_extra_bytes(model), split_extra_bytes(model, info.rank, info.world_size)),
             "graphs": greedy_with_and_without_graphs(model, tokenizer, [prompt["input_ids"]], info),
             "logps": generated_and_recomputed_logps(model, tokenizer, [prompt["input_ids"]], info)}
 
@@ -588,6 +593,10 @@ def test_two_ranks_whose_generations_end_apart_stay_in_step_and_sample_what_they
         assert len(graphs["failure"]) == 1 and "no kernel for this op" in graphs["failure"][0]
     # gathered and split move the model once a step (its two calls of a row share the layout), whatever the
     # tokens; per token, once a decoding step
+    # what `auto` asks of each layout (generation/plan.py's rule): a rank's split share of the layers is a strict
+    # part of the whole model's, and the root (embeddings, head) is gathered by both ranks
+    (whole, first), (_, second) = ranks[0]["extra"], ranks[1]["extra"]
+    assert first + second > whole > max(first, second) > 0
     for gathered in (r["gathered"] for r in ranks):
         for layout in ("gathered", "split"):
             assert gathered[layout, 2] == gathered[layout, 10] == gathered["model"], layout

@@ -24,8 +24,8 @@ class GenerationConfig:
     rows: int | None = None  # completions a call generates together (its KV cache's rows); None: a rank's step
     # where the weights are while generating (qlora_fsdp/generation/layouts.py): gathered (the whole model, once a
     # step), split (each rank holds its share of the layers) or per_token (gathered layer by layer every token, as
-    # training holds them); auto: gathered where the whole model and the KV cache fit the GPU, else split (the
-    # run measures its free memory, the plan its planned bytes; --plan names the one a recipe gets)
+    # training holds them); auto: gathered where the whole model and the KV cache fit the GPU, else split where a
+    # rank's share does, else per_token (the run asks its free memory, the plan its planned bytes; --plan names it)
     layout: GenerationLayout = "auto"
     # a preallocated KV cache and a decoding step replayed as one CUDA graph (transformers' static cache with
     # torch.compile's reduce-overhead mode); auto: on CUDA; eager on a CPU either way

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from qlora_fsdp.generation.plan import GenerationPlan, Layout, chosen_layout
-from qlora_fsdp.generation.room import gathered_fits
+from qlora_fsdp.generation.room import fits_now, gathered_extra_bytes, unsharded_extra
 from qlora_fsdp.layers.checkpointing import layer_slots
 from qlora_fsdp.torch_versions import fsdp_param_groups
 
@@ -224,4 +224,15 @@ def resolved_layout(model: nn.Module, plan: GenerationPlan, rows: int, prompt_to
     `prompt_tokens` prompt tokens."""
     world = dist.get_world_size() if fsdp_modules(model) and dist.is_initialized() else 1
     tokens = prompt_tokens + plan.new_tokens
-    return chosen_layout(plan.settings.layout, world, lambda: gathered_fits(model, rows, tokens, device))
+    rank = dist.get_rank() if world > 1 else 0
+    return chosen_layout(plan.settings.layout, world,
+                         lambda: fits_now(model, gathered_extra_bytes(model), rows, tokens, device),
+                         lambda: fits_now(model, split_extra_bytes(model, rank, world), rows, tokens, device))
+
+
+def split_extra_bytes(model: nn.Module, rank: int, world: int) -> int:
+    """Bytes the split layout adds to this rank's shards: its share of the decoder layers and the root, whole."""
+    slots = layer_slots(model)
+    others = {id(param) for index, (parent, name) in enumerate(slots) if layer_owner(index, len(slots), world) != rank
+              for param in getattr(parent, name).parameters()}
+    return sum(unsharded_extra(param) for param in model.parameters() if id(param) not in others)

@@ -45,12 +45,16 @@ class GenerationPlan:
         return math.ceil(self.completions / self.rows)
 
 
-def chosen_layout(setting: GenerationLayout, world_size: int, gathered_fits: Callable[[], bool]) -> Layout:
+def chosen_layout(setting: GenerationLayout, world_size: int, gathered_fits: Callable[[], bool],
+                  split_fits: Callable[[], bool]) -> Layout:
     """The one rule for `generation.layout`: the recipe's layout, or for auto gathered where the whole model and
-    the KV cache fit, else split over the ranks (one rank: per_token, as training holds the weights). The run asks
-    the GPU's free memory, the plan its planned bytes."""
+    the KV cache fit, else split where a rank's share of the layers and the cache fit, else per_token (the weights
+    as training holds them: the least memory, the most link traffic). The run asks the GPU's free memory, the plan
+    its planned bytes."""
     if setting != "auto":
         return setting
     if gathered_fits():
         return "gathered"
-    return "split" if world_size > 1 else "per_token"
+    if world_size > 1 and split_fits():
+        return "split"
+    return "per_token"

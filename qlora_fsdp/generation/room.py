@@ -1,6 +1,6 @@
 """What a generation call holds on a rank, from the architecture and the model as sharded: the KV cache and the
 weights a layout gathers. The plan prices the layouts with these; a run whose recipe leaves the layout to `auto`
-asks them whether the gathered layout fits the memory free now."""
+asks them whether a layout's gathered bytes fit the memory free now (generation/plan.py's rule)."""
 
 from __future__ import annotations
 
@@ -32,24 +32,27 @@ def kv_cache_bytes(hf: PretrainedConfig, rows: int, tokens: int, itemsize: int) 
     return rows * per_token * sum(kept)
 
 
+def unsharded_extra(param: torch.Tensor) -> int:
+    """Bytes a parameter adds to this rank's shard of it when gathered whole."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return (param.numel() - local.numel()) * param.element_size()
+
+
 def gathered_extra_bytes(model: nn.Module) -> int:
     """Bytes the whole model would add to this rank's shards if every sharded parameter were gathered."""
-    extra = 0
-    for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        extra += (param.numel() - local.numel()) * param.element_size()
-    return extra
+    return sum(unsharded_extra(param) for param in model.parameters())
 
 
-def gathered_fits(model: nn.Module, rows: int, tokens: int, device: torch.device) -> bool:
-    """Whether every rank has room for the whole model beside its KV cache now (the same answer on every rank)."""
+def fits_now(model: nn.Module, extra: int, rows: int, tokens: int, device: torch.device) -> bool:
+    """Whether every rank has room for `extra` gathered bytes beside its KV cache now (the same answer on every
+    rank: a collective)."""
     if device.type != "cuda":
         return True  # host memory: the plan checks it
     config = getattr(model, "config", None)
     assert isinstance(config, PretrainedConfig), "a transformers model (or PEFT's wrapper of one) has a config"
     embeddings = cast(Callable[[], nn.Module], model.get_input_embeddings)()
     itemsize = cast(torch.Tensor, embeddings.weight).element_size()  # the cache holds keys in the compute dtype
-    need = gathered_extra_bytes(model) + kv_cache_bytes(config.get_text_config(), rows, tokens, itemsize)
+    need = extra + kv_cache_bytes(config.get_text_config(), rows, tokens, itemsize)
     free = torch.cuda.mem_get_info(device)[0]
     short = float(need > FREE_MEMORY_MARGIN * free)
     return (all_reduce_max(short, device) if dist.is_initialized() else short) == 0.0

@@ -250,12 +250,12 @@ def layout_rows(held: Held, cfg: Config, step: StepMemory, layout: Layout) -> li
 
 
 def planned_layout(held: Held, cfg: Config, step: StepMemory) -> Layout:
-    """The layout the run takes (generation/plan.py's one rule), asked of the planned bytes: gathered where the
-    device while generating fits the GPU."""
-    def gathered_fits() -> bool:
-        return sum(r.bytes for r in layout_rows(held, cfg, step, "gathered")) <= gpu_spec(cfg).memory_gib * GIB
+    """The layout the run takes (generation/plan.py's one rule), asked of the planned bytes: whether the device
+    while generating in a layout fits the GPU."""
+    def fits(layout: Layout) -> Callable[[], bool]:
+        return lambda: sum(r.bytes for r in layout_rows(held, cfg, step, layout)) <= gpu_spec(cfg).memory_gib * GIB
 
-    return chosen_layout(cfg.generation.layout, cfg.hardware.world_size, gathered_fits)
+    return chosen_layout(cfg.generation.layout, cfg.hardware.world_size, fits("gathered"), fits("split"))
 
 
 def with_generation_layout(cfg: Config, held: Held, step: StepMemory) -> Config:
