@@ -69,9 +69,6 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
     out_dir = Path(cfg.train.output_dir)
     checkpoint = decide_on_main(lambda: prepare_run_dir(out_dir, cfg.train))  # before any rank writes
     check_output_dir_shared(out_dir, info)  # across nodes: one folder every node sees, or one line now
-    if info.is_main:  # the folder says who trains into it, and how it was started
-        recipe, given = command or (config if isinstance(config, str) else "", list(overrides))
-        write_run_card(out_dir, RunCard.of_this_process(recipe, given, out_dir, info.world_size, to_dict(cfg)))
     if checkpoint is not None:
         check_world_size(checkpoint, info.world_size)  # before minutes of loading, not after
     torch.manual_seed(cfg.train.seed)
@@ -84,7 +81,8 @@ def train(config: Config | str, overrides: Sequence[str] = (), *, info: DistInfo
         load_vision_encoder(model, cfg, info.device)
     run = run.with_batch(decide_on_main(lambda: resolve_run_batch(run.cfg, model, info)))  # auto micro-batch, lr
     cfg = run.cfg
-    trainer = make_trainer(cfg, info, model, data, tokenizer)
+    trainer = make_trainer(cfg, info, model, data, tokenizer,
+                           command or (config if isinstance(config, str) else "", list(overrides)))
     trainer.logger.write(describe_dtypes(run.written, cfg, run.device))
     trainer.logger.write(describe_attention(model))
     trainer.logger.write(describe_batch(run.before_batch or cfg, cfg, info.world_size))
@@ -109,7 +107,9 @@ def check_image_levers(cfg: Config, images: bool) -> None:
 
 
 def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: TrainingData,
-                 tokenizer: PreTrainedTokenizerBase) -> Trainer:
+                 tokenizer: PreTrainedTokenizerBase, command: tuple[str, list[str]] = ("", [])) -> Trainer:
+    """The loop over the built model and data; `command`: train.py's recipe and overrides as given, for the run's
+    card, written with the start record (a run stopped by bad input before this leaves its folder untouched)."""
     out_dir = Path(cfg.train.output_dir)
     optimizer = build_optimizer(model, cfg.optim, cfg.lora)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
@@ -118,6 +118,8 @@ def make_trainer(cfg: Config, info: DistInfo, model: peft.PeftModel, data: Train
     objective = objective_class(cfg)  # its metrics' names: both plotters draw what it logs
     logger.log({"event": "start", "world_size": info.world_size, "config": to_dict(cfg),
                 "metrics": {"progress": list(objective.PROGRESS_METRICS), "eval": list(objective.EVAL_METRICS)}})
+    if info.is_main:  # the folder says who trains into it, and how it was started
+        write_run_card(out_dir, RunCard.of_this_process(*command, out_dir, info.world_size, to_dict(cfg)))
     trainable, base = count_parameters(model)
     logger.write(f"world size {info.world_size} on {info.device.type}; data: "
                  f"{data.describe(cfg.data.context_length, cfg.data.overlong)}")

@@ -313,7 +313,7 @@ def grpo_data_without_prompt_column(d: Path, model: Path) -> list[str]:
 
 
 @bad_input(r"prompts\.jsonl record 2: the prompt has \d+ tokens, more than data\.context_length - "
-           r"grpo\.max_completion_length = 24; raise data\.context_length or shorten it")
+           r"generation\.max_completion_length = 24; raise data\.context_length or shorten it")
 def grpo_prompt_longer_than_the_context(d: Path, model: Path) -> list[str]:
     """A GRPO prompt that leaves no room in the context for its completion."""
     lines = [json.dumps({"prompt": "Name a colour." if i != 1 else "Name a colour. " * 40, "category": "colors"})

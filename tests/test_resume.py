@@ -268,11 +268,12 @@ def test_existing_run_is_refused_and_other_world_size_explained(reference, tmp_p
     # the last checkpoint's PEFT adapter is the final one (the export itself is tested in test_export.py)
     assert (reference / "checkpoints" / "step-000010" / "adapter" / "adapter_model.safetensors").read_bytes() == (
         reference / "adapter" / "adapter_model.safetensors").read_bytes()
-    # a folder that holds only a run's card (a start whose loading failed) is free; overwrite removes a card too
-    (card_only := tmp_path / "started").mkdir()
-    (card_only / "run.json").write_text("{}")
-    assert prepare_run_dir(card_only, TrainConfig(output_dir=str(card_only))) is None
-    assert not (card_only / "run.json").exists()
+    # starting over removes the earlier run's card with its other files
+    (earlier := tmp_path / "earlier").mkdir()
+    (earlier / "run.json").write_text("{}")
+    (earlier / "metrics.jsonl").write_text("")
+    assert prepare_run_dir(earlier, TrainConfig(output_dir=str(earlier), overwrite=True)) is None
+    assert not any(earlier.iterdir())
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from qlora_fsdp.config import objectives, schema
+from qlora_fsdp.config import generation, objectives, schema
 from qlora_fsdp.config.schema import FSDP_CONFIGS_DIR, REPO_ROOT, Config
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 
@@ -181,8 +181,8 @@ def list_sections(cls: type, prefix: str, comments: dict[tuple[str, str], str]) 
 
 
 def schema_comments() -> dict[tuple[str, str], str]:
-    """Every field's words, from schema.py and the section modules it re-exports (objectives.py)."""
-    return {key: text for module in (schema, objectives)
+    """Every field's words, from schema.py and its section modules (objectives.py, generation.py)."""
+    return {key: text for module in (schema, objectives, generation)
             for key, text in field_comments(Path(str(module.__file__)).read_text()).items()}
 
 

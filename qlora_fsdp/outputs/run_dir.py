@@ -82,8 +82,7 @@ def check_run_dir(run_dir: Path, train: TrainConfig) -> tuple[Path | None, bool]
     restarted = elastic_restart()
     checkpoint = choose_checkpoint(run_dir, train, restarted)
     inside = checkpoint is not None and checkpoint.resolve().parent.parent == run_dir.resolve()
-    # a card alone: a start that stopped before it wrote anything (its loading failed)
-    occupied = run_dir.is_dir() and any(path.name != RUN_CARD for path in run_dir.iterdir())
+    occupied = run_dir.is_dir() and any(run_dir.iterdir())
     if occupied and not (restarted or inside or train.overwrite):
         raise refusal(run_dir)
     return checkpoint, inside
