@@ -14,8 +14,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from qlora_fsdp.outputs.checkpoints import complete_checkpoints
-
 RUN_CARD = "run.json"
 RunState = Literal["running", "finished", "stopped", "failed", "unknown"]
 
@@ -81,6 +79,8 @@ def run_state(folder: Path, records: list[dict[str, Any]]) -> RunState:
     """The one definition of a run's state, from its card and its files (`records`: its metrics.jsonl's):
     running while the card's process lives; finished with a summary (not a signal's) after the last start and the
     adapter written; stopped (resumable) with a complete checkpoint; failed once it started; else unknown."""
+    from qlora_fsdp.outputs.checkpoints import complete_checkpoints  # torch's: train.py's command line stays light
+
     card = read_run_card(folder)
     if card is not None and card.live():
         return "running"
