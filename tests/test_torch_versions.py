@@ -65,6 +65,9 @@ class Packed(nn.Module):
 def test_fsdp2_shards_uint8_beside_float_under_a_bf16_policy():
     """torch 2.11's FSDP2 made every shard require grad (uint8 cannot) and cast non-float shards to param_dtype;
     2.12 fixed both. A rank of two keeps its half of the bytes, frozen and uint8, and gathers them as bytes."""
+    from qlora_fsdp.measure.fake_world import leave_fake_world
+
+    leave_fake_world()  # a plan made earlier in this process keeps its fake world for the next plan: ended here
     init_fake_distributed(2, torch.device("cpu"))
     try:
         module = Packed()
