@@ -154,7 +154,7 @@ def trl_rloo(model_dir: Path, adapter: Path, tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_rloo_equals_trls_rloo_trainer_at_world_sizes_1_and_2(tmp_path):
+def test_rloo_equals_trls_rloo_trainer_at_world_sizes_1_and_2(tmp_path, monkeypatch):
     model_dir = tmp_path / "model"
     from tests.helpers import build_tiny_checkpoint
 
@@ -162,7 +162,15 @@ def test_rloo_equals_trls_rloo_trainer_at_world_sizes_1_and_2(tmp_path):
     adapter = run_ranks(our_update, 1, model_dir, None, None, False, ("dapo_token",), tmp_dir=tmp_path)[0]["adapter"]
     one = run_ranks(our_rloo, 1, model_dir, adapter, False, tmp_dir=tmp_path)[0]
     two = run_ranks(our_rloo, 2, model_dir, adapter, True, tmp_dir=tmp_path)[0]
-    trl = trl_rloo(model_dir, adapter, tmp_path)
+    # TRL's side is one plain process: with a rank's variables left in this one by an earlier in-process run,
+    # accelerate would start a gloo group of one and keep it (seen in CI: a later test could not make its own)
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    try:
+        trl = trl_rloo(model_dir, adapter, tmp_path)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     for name in SETTINGS:
         reference = trl[name]
         assert len(set(reference["advantages"])) > 3  # rewards that differ within groups
