@@ -84,7 +84,7 @@ def rank_units(n_units: int, cfg: Config, rank: int, world_size: int) -> list[in
 
 def split_parts(batches: list[Batch], cfg: Config, rank: int, pad_id: int) -> list[Batch]:
     """This rank's part of each (packed) micro-batch under fsdp.context_parallel; the batches themselves without."""
-    from qlora_fsdp.data.row_shards import shard_row
+    from qlora_fsdp.objectives.row_shards import shard_row
 
     degree = cfg.fsdp.context_parallel
     return [shard_row(b, degree, rank % degree, pad_id) for b in batches] if degree > 1 else batches

@@ -10,9 +10,9 @@ import pytest
 from transformers import AutoConfig
 
 from qlora_fsdp.data.batching import collate, collate_packed
-from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row
 from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.objectives.row_shards import one_row_per_sample, shard_row
 from qlora_fsdp.objectives.supervised import accumulate_gradients
 from qlora_fsdp.tools.tiny_model import train_tokenizer
 from tests.families import write_family_model

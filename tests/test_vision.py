@@ -100,7 +100,6 @@ def split_side(info, model_dir: Path, data: Path, out: Path, lora: dict | None =
     """Every record in two packed rows, those rows split over the two ranks (context parallel: each rank holds
     half of them, images crossing the split): the loss and one step's gradients, image side included."""
     from qlora_fsdp.data.batching import collate_packed
-    from qlora_fsdp.data.row_shards import shard_row
     from qlora_fsdp.data.training_data import load_training_data
     from qlora_fsdp.distributed import all_reduce_sums
     from qlora_fsdp.distributed.grad_sync import sum_replicated_gradients
@@ -110,6 +109,7 @@ def split_side(info, model_dir: Path, data: Path, out: Path, lora: dict | None =
     from qlora_fsdp.loading.fill import model_layout
     from qlora_fsdp.loading.vision_encoder import load_processor, load_vision_encoder
     from qlora_fsdp.losses.forward import ForwardLoss
+    from qlora_fsdp.objectives.row_shards import shard_row
     from qlora_fsdp.vision.image_embeddings import image_token_of
     from tests.helpers import full_grads
     from tests.rank_pool import FRESH_PROCESS_SEED

@@ -22,11 +22,11 @@ from transformers import PreTrainedTokenizerBase
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Batch, Sample, StepSampler, collate, collate_packed
 from qlora_fsdp.data.kinds import TrainingData
-from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.distributed.row_groups import RowSplit
 from qlora_fsdp.generation.plan import GenerationPlan
 from qlora_fsdp.losses.forward import ForwardLoss
+from qlora_fsdp.objectives.row_shards import one_row_per_sample, shard_row
 
 
 @dataclass

@@ -31,7 +31,6 @@ from qlora_fsdp.config import Config, GrpoConfig, RlooConfig, Template
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed, pack
 from qlora_fsdp.data.kinds import TrainingData
 from qlora_fsdp.data.prompts import Prompts
-from qlora_fsdp.data.row_shards import one_row_per_sample, row_part
 from qlora_fsdp.distributed import all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.distributed.row_groups import RowSplit
@@ -66,6 +65,7 @@ from qlora_fsdp.objectives.grpo_records import (
 from qlora_fsdp.objectives.reference_adapter import adapter_weights, frozen_adapter
 from qlora_fsdp.objectives.reward_model_scores import reward_model_function
 from qlora_fsdp.objectives.rollouts import decoding
+from qlora_fsdp.objectives.row_shards import one_row_per_sample, row_part
 from qlora_fsdp.objectives.turns import Made, ToolRollouts
 from qlora_fsdp.rewards.functions import Reward, combined, resolve_rewards, score
 

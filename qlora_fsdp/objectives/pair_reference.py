@@ -26,7 +26,6 @@ from torch import nn
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import collate_packed, pack
 from qlora_fsdp.data.pipeline import TokenizedData
-from qlora_fsdp.data.row_shards import row_part
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.distributed.row_groups import RowSplit
 from qlora_fsdp.errors import DataError
@@ -34,6 +33,7 @@ from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.weight_files import weight_files
 from qlora_fsdp.losses.pair_losses import PairLoss
 from qlora_fsdp.objectives.pair_steps import held_out_batches, idle_forwards
+from qlora_fsdp.objectives.row_shards import row_part
 from qlora_fsdp.outputs.checkpoints import TMP_PREFIX, sync_dir
 
 REFERENCE_FILE = "reference_logps.safetensors"

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from qlora_fsdp.data.batching import Batch, Sample, collate_packed
-from qlora_fsdp.data.row_shards import row_part, split_filler
 from qlora_fsdp.distributed import DistInfo, all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.distributed.row_groups import RowSplit
 from qlora_fsdp.losses.pair_losses import PairCounts, PairLoss, adapter_off, pair_counts
 from qlora_fsdp.objectives.base import StepResult
+from qlora_fsdp.objectives.row_shards import row_part, split_filler
 
 
 def with_pair_extras(batch: Batch, extras: dict[str, list], pair_ids: list[int]) -> Batch:

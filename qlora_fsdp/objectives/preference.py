@@ -19,7 +19,6 @@ from torch import nn
 from qlora_fsdp.config import Config
 from qlora_fsdp.data.batching import Batch, Sample, collate_packed
 from qlora_fsdp.data.pipeline import Dataset, TokenizedData
-from qlora_fsdp.data.row_shards import row_part
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.losses.pair_losses import (
     BradleyTerryLoss,
@@ -33,6 +32,7 @@ from qlora_fsdp.losses.pair_losses import (
 from qlora_fsdp.objectives.base import Objective, RunParts, StepResult, full_length_batches
 from qlora_fsdp.objectives.pair_reference import reference_logps
 from qlora_fsdp.objectives.pair_steps import accumulate_pairs, evaluate_pairs, pair_rows, with_pair_extras
+from qlora_fsdp.objectives.row_shards import row_part
 
 
 class Pairs(Objective):

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from qlora_fsdp.data.batching import Batch, Sample, collate, collate_packed
-from qlora_fsdp.data.row_shards import one_row_per_sample, shard_row, split_filler
 from qlora_fsdp.distributed import DistInfo, all_reduce_sum, all_reduce_sums
 from qlora_fsdp.distributed.grad_sync import set_gradient_sync
 from qlora_fsdp.distributed.row_groups import RowSplit
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.objectives.base import Objective, StepResult, eval_record, full_length_batches
+from qlora_fsdp.objectives.row_shards import one_row_per_sample, shard_row, split_filler
 
 
 def backward_micro_batch(model: nn.Module, batch: Batch, device: torch.device, normalizer: float,
