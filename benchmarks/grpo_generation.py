@@ -217,7 +217,7 @@ def planned(folder: Path, prompts: list[list[int]], args: argparse.Namespace, gp
     recipe = plan_recipe(cfg)
     leave_fake_world()
     assert recipe.result.step is not None
-    made = recipe_generation(recipe.planned, recipe.result.step)
+    made = recipe_generation(recipe.planning, recipe.planned, recipe.result.step)
     return made.decode_step, (
         f"planned on {gpu}, {name}: {made.total:.2f} s = {made.prefill:.2f} s over the prompts + {made.new_tokens} "
         f"decoding steps x {made.decode_step * 1e3:.1f} ms (link {made.decode_link * 1e3:.1f}, GPU "

@@ -30,6 +30,7 @@ from transformers import LlamaConfig
 from qlora_fsdp.config import Config, load_config
 from qlora_fsdp.distributed import DistInfo, cleanup, init_fake_distributed
 from qlora_fsdp.measure.fake_world import recipe_step
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.measure.real_step import measured_step
 
 MIB = 2**20
@@ -79,7 +80,7 @@ def row(name: str, scale: Scale, model_dir: Path, choice: tuple[str, str, str], 
     loss, checkpointing, offload = choice
     cfg = config(model_dir, scale,
                  LOSSES[loss] + CHECKPOINTING[checkpointing] + OFFLOAD[offload] + LONG_ROW_LEVERS.get(lever, []))
-    planned = recipe_step(cfg).peak
+    planned = recipe_step(Planning.of(cfg)).peak
     measured = measured_step(cfg, info).peak
     gc.collect()
     ratio = planned / measured

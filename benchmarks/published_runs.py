@@ -17,6 +17,7 @@ from typing import Any
 from qlora_fsdp.config import Config
 from qlora_fsdp.config.loader import load_config
 from qlora_fsdp.measure.fake_world import leave_fake_world, recipe_step
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import MATMUL_EFFICIENCY, matmul_efficiency, step_time
@@ -78,7 +79,7 @@ def evaluate() -> dict[str, Any]:
     for row in rows:
         cfg = row_config(row)
         leave_fake_world()  # each run plans in a fake world of its own size
-        steps.append((cfg, recipe_step(cfg)))
+        steps.append((cfg, recipe_step(Planning.of(cfg))))
     leave_fake_world()
     fitted = {gpu: fitted_efficiency(rows, steps, gpu) for gpu in sorted({r["gpu"] for r in rows if r["fit"]})}
     fitted["all"] = fitted_efficiency(rows, steps, None)

@@ -12,6 +12,7 @@ from qlora_fsdp.config import Config, HardwareConfig
 from qlora_fsdp.distributed import DistInfo
 from qlora_fsdp.measure.fake_world import in_fake_world, in_real_world
 from qlora_fsdp.measure.held import Held, held_bytes
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.plan.memory import CUDA_CONTEXT_GIB, GIB, micro_batch_fits
 from qlora_fsdp.run.batch_size import resolve_batch
 
@@ -36,7 +37,8 @@ def this_run_hardware(cfg: Config, info: DistInfo) -> HardwareConfig:
 
 
 def _resolve_with_plans(cfg: Config, run_cfg: Config, held: Held, world_size: int) -> Config:
-    return resolve_batch(cfg, world_size, micro_batch_fits(run_cfg, held))
+    planning = Planning.of(run_cfg)
+    return resolve_batch(cfg, world_size, micro_batch_fits(planning, planning.cfg, held))
 
 
 def resolve_run_batch(cfg: Config, model: nn.Module, info: DistInfo) -> Config:

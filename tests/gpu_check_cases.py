@@ -50,7 +50,8 @@ from qlora_fsdp.layers.attention import (
 from qlora_fsdp.loading.adapter import config_for_adapter
 from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.losses.forward import ForwardLoss
-from qlora_fsdp.measure.held import held_bytes
+from qlora_fsdp.measure.held import Held, held_bytes
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.objectives.supervised import accumulate_gradients
 from qlora_fsdp.optimizer import build_optimizer, clip_grad_norm
 from qlora_fsdp.outputs.metrics import proc_status_bytes, reset_memory_peaks
@@ -354,7 +355,7 @@ def plan_vs_measured_70b(ctx: Context) -> list[Row]:
     info = init_fake_distributed(2, ctx.device)
     try:
         model, load = load_capped(cfg, info)
-        planned = plan(cfg, held_bytes(model, cfg))
+        planned = planned_for(cfg, held_bytes(model, cfg))
         print("\n".join(format_rows(planned.gpu_rows)), flush=True)
         times = train_steps(model, cfg, info, steps=2)
         measured = gpu_memory(ctx.device)
@@ -391,7 +392,7 @@ def one_gpu_70b_offload(ctx: Context) -> list[Row]:
     info = init_distributed()  # a world of one, as `python train.py` on one GPU makes it
     try:
         model, load = load_capped(cfg, info)
-        planned = plan(cfg, held_bytes(model, cfg))
+        planned = planned_for(cfg, held_bytes(model, cfg))
         times = train_steps(model, cfg, info, steps=2 if ctx.small else 3)
         measured = gpu_memory(ctx.device)
     finally:
@@ -454,7 +455,7 @@ def lever_row(ctx: Context, label: str, overrides: list[str]) -> dict[str, Any]:
         if measured or label == DEFAULT_LEVER:
             gpu = detect_gpu(ctx.device) or cfg.hardware.gpu
             on_gpu = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpu=gpu))
-            planned_run = plan(on_gpu, held_bytes(model, cfg))
+            planned_run = planned_for(on_gpu, held_bytes(model, cfg))
             predicted = predicted_tokens_per_s(on_gpu, planned_run)
             measured.update(predicted_tokens_per_s=predicted, predicted_on=gpu)
         if "peak_allocated_gib" in measured:
@@ -467,11 +468,18 @@ def lever_row(ctx: Context, label: str, overrides: list[str]) -> dict[str, Any]:
     return {"lever": label, "tokens_per_s": times.tokens_per_s(), "loss": times.losses[-1], **measured}
 
 
+def planned_for(cfg: Config, held: Held) -> Plan:
+    """The plan of `cfg` as written (its dtypes resolved for its hardware.gpu), over the bytes a built model holds."""
+    planning = Planning.of(cfg)
+    return plan(planning, planning.cfg, held)
+
+
 def predicted_tokens_per_s(cfg: Config, planned: Plan) -> float | None:
     """The step-time model's tokens/s for `cfg` on its hardware.gpu (none for a GPU missing from the table)."""
     if cfg.hardware.gpu not in GPUS or planned.step is None:
         return None
-    return step_tokens(cfg) / recipe_time(cfg, planned.step).total
+    planning = Planning.of(cfg)
+    return step_tokens(planning.cfg) / recipe_time(planning, planning.cfg, planned.step).total
 
 
 def memory_levers(ctx: Context) -> list[Row]:
@@ -734,7 +742,7 @@ def long_row(ctx: Context, recipe: str, tokens: int) -> dict[str, Any]:
         measured = {"recipe": recipe, "tokens": tokens, "trained": True, "tokens_per_s": times.tokens_per_s(),
                     "loss": times.losses[-1], **gpu_memory(ctx.device)}
         if ctx.device.type == "cuda":  # the plan of this very setting (memory_levers' dry run covers plan() on CPU)
-            measured["plan_allocated_gib"] = plan_allocated(plan(cfg, held_bytes(model, cfg))) / GIB
+            measured["plan_allocated_gib"] = plan_allocated(planned_for(cfg, held_bytes(model, cfg))) / GIB
         return measured
     except torch.OutOfMemoryError:
         return {"recipe": recipe, "tokens": tokens, "trained": False}

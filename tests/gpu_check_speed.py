@@ -37,7 +37,7 @@ def planned(cfg: Config) -> dict[str, float]:
     allocated = sum(r.bytes for r in result.gpu_rows if not r.name.lower().startswith("cuda context"))
     figures = {"plan_allocated_gib": allocated / GIB}
     if result.step is not None:
-        figures["plan_tokens_per_s"] = step_tokens(on_gpu) / recipe_time(on_gpu, result.step).total
+        figures["plan_tokens_per_s"] = step_tokens(on_gpu) / recipe_time(recipe.planning, on_gpu, result.step).total
     return figures
 
 

@@ -73,18 +73,21 @@ def plans_70b(work: Path) -> None:
     from qlora_fsdp.config import load_config
     from qlora_fsdp.measure.fake_world import planning_mesh
     from qlora_fsdp.measure.held import meta_held
+    from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.plan.levers import variants
     from qlora_fsdp.plan.memory import GIB, activations_peak_line, plan
     from qlora_fsdp.plan.report import report
 
     cfg = load_config("llama70b_2x4090", ["fsdp_preset=full_shard"])
-    held = meta_held(cfg, planning_mesh(2))  # one meta build for both presets: offload moves bytes, not shapes
-    offload = load_config("llama70b_2x4090", ["fsdp_preset=full_shard_cpu_offload"])
+    planning = Planning.of(cfg)
+    cfg = planning.cfg
+    held = meta_held(planning, planning_mesh(2))  # one meta build for both presets: offload moves bytes, not shapes
+    offload = Planning.of(load_config("llama70b_2x4090", ["fsdp_preset=full_shard_cpu_offload"])).cfg
     for name, c in (("full_shard", cfg), ("full_shard_cpu_offload", offload)):
-        result = plan(c, held)
+        result = plan(planning, c, held)
         print(name, "FITS" if result.fits else "DOES NOT FIT", round(result.gpu_total / 2**30, 2))
     print(result.description)
-    print([label for label, _, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(c, held).fits])
+    print([label for label, _, c in variants(cfg) if c.lora.r == cfg.lora.r and plan(planning, c, held).fits])
     for row in result.gpu_rows:
         print("row", row.basis, round(row.bytes / GIB, 3), row.name)
     print("largest activations:", activations_peak_line(result.step, result.resident_gpu))

@@ -93,11 +93,13 @@ def test_batch_settings_errors(overrides, message):
 def planned_micro_batches(info, cfg):
     """On a fake rank: the auto choice, and the planned totals of every candidate."""
     from qlora_fsdp.measure.held import meta_held
+    from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.plan.memory import micro_batch_fits, plan, with_micro_batch
 
-    held = meta_held(cfg, info.mesh)
-    chosen = resolve_batch(cfg, info.world_size, micro_batch_fits(cfg, held)).data.micro_batch_size
-    totals = {m: plan(with_micro_batch(cfg, m), held).gpu_total for m in (1, 2, 4, 8, 16)}
+    planning = Planning.of(cfg)
+    cfg, held = planning.cfg, meta_held(planning, info.mesh)
+    chosen = resolve_batch(cfg, info.world_size, micro_batch_fits(planning, cfg, held)).data.micro_batch_size
+    totals = {m: plan(planning, with_micro_batch(cfg, m), held).gpu_total for m in (1, 2, 4, 8, 16)}
     return chosen, totals
 
 

@@ -384,7 +384,7 @@ def test_one_generation_plan_and_one_layout_rule_for_the_run_and_the_plan(monkey
     monkeypatch.setattr(layouts, "chosen_layout", lambda *args: seen.append(("run", args[:2])) or "split")
     monkeypatch.setattr(memory, "chosen_layout", lambda *args: seen.append(("plan", args[:2])) or "split")
     layouts.resolved_layout(torch.nn.Linear(2, 2), made, 4, 8, torch.device("cpu"))
-    memory.planned_layout(None, cfg, None)
+    memory.planned_layout(None, None, cfg, None)
     assert seen == [("run", ("auto", 1)), ("plan", ("auto", cfg.hardware.world_size))]
 
 

@@ -229,6 +229,50 @@ def test_a_generating_objectives_settings_are_read_in_objectives_and_config_only
     assert found == [], "read the generation plan or ask the objective"
 
 
+MUTATORS = {"append", "add", "clear", "extend", "insert", "pop", "popitem", "remove", "setdefault", "update"}
+CACHED_FOLDERS = ("plan", "measure", "run")  # the planner's: what a plan works out is kept by the plan's caller
+
+
+def module_caches(tree: ast.Module) -> list[str]:
+    """Module-level names a function mutates (a dict filled as a cache, a `global` rebound) and functions memoized
+    with functools.cache or lru_cache: state a module keeps between calls."""
+    names = {target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+             if isinstance(target, ast.Name)}
+    found = []
+    for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        for decorator in function.decorator_list:
+            called = decorator.func if isinstance(decorator, ast.Call) else decorator
+            if ast.unparse(called).split(".")[-1] in ("cache", "lru_cache"):
+                found.append(f"{function.name} (memoized)")
+        for node in ast.walk(function):
+            if isinstance(node, ast.Global):
+                found += [f"{name} (global)" for name in node.names]
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                found += [f"{t.value.id} (item set)" for t in targets
+                          if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in names]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+                  and isinstance(node.func.value, ast.Name) and node.func.value.id in names):
+                found.append(f"{node.func.value.id} ({node.func.attr})")
+    return found
+
+
+def test_the_planner_keeps_no_cache_of_its_own():
+    """plan/, measure/ and run/ keep nothing between calls in module state: a plan's caller owns what it measured
+    (measure/planning.py), keyed by what the measurement reads; the guard catches each form of a module's cache."""
+    forms = {"item set": "KEPT = {}\ndef f(k):\n    KEPT[k] = 1", "update": "KEPT = {}\ndef f():\n    KEPT.update(a=1)",
+             "global": "N = 0\ndef f():\n    global N\n    N = 1", "lru_cache": "@functools.lru_cache\ndef f(): pass",
+             "cache": "@cache\ndef f(): pass"}
+    for form, code in forms.items():
+        assert module_caches(ast.parse(code)), form
+    assert module_caches(ast.parse("WORDS = {}\ndef f(planning):\n    planning.steps['k'] = WORDS.get('k')")) == []
+    paths = [path for folder in CACHED_FOLDERS for path in sorted((PACKAGE / folder).rglob("*.py"))]
+    found = [f"{path.relative_to(PACKAGE)}: {what}" for path in paths
+             for what in module_caches(ast.parse(path.read_text()))]
+    assert found == [], "keep it in the caller's Planning (measure/planning.py)"
+
+
 DISPATCH_FORMS = {
     "compare": 'if cfg.train.objective == "dpo":\n    pass',
     "alias": 'name = cfg.train.objective\nif name in ("dpo", "kto"):\n    pass',

@@ -40,6 +40,7 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     import qlora_fsdp.objectives.supervised as supervised
     from qlora_fsdp.distributed import local_shard
     from qlora_fsdp.measure.held import accumulating_gradient_bytes, meta_held, quant_state_bytes
+    from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.measure.real_step import held_quant_state_bytes
     from qlora_fsdp.optimizer import build_optimizer
 
@@ -68,7 +69,7 @@ def measured_and_planned(info, cfg, micro_batches_per_rank):
     measured["optimizer"] = sum(tensor_bytes(state.values()) for state in optimizer.inner.state.values())
     measured["quant_state"] = sum(held_quant_state_bytes(module.quant_state) for module in model.modules()
                                   if getattr(module, "quant_state", None) is not None)
-    held = meta_held(cfg, info.mesh)
+    held = meta_held(Planning.of(cfg), info.mesh)
     planned = {"lora": held.lora, "grads": held.grads, "base": held.base_4bit + held.other_base,
                "optimizer": held.optimizer, "quant_state": held.quant_state,
                "accumulating": accumulating_gradient_bytes(held, cfg)}

@@ -17,6 +17,7 @@ from qlora_fsdp.config import Config, HardwareConfig
 from qlora_fsdp.distributed import cleanup
 from qlora_fsdp.measure.fake_world import planning_mesh
 from qlora_fsdp.measure.held import meta_held
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.objectives import supervised
 from qlora_fsdp.precision import DeviceDescription, cpu_has_bf16, resolve_dtypes, uses_loss_scaling
 from qlora_fsdp.run.accelerators import planned_device
@@ -59,8 +60,9 @@ def test_the_planner_counts_the_bytes_of_the_dtypes_auto_picks(tiny_model_dir):
     cfg = tiny_config(tiny_model_dir, model={"dtype": "auto"}, quant={"compute_dtype": "auto"})
     try:
         mesh = planning_mesh(1)
-        other = {gpu: meta_held(dataclasses.replace(cfg, hardware=HardwareConfig(gpu=gpu)), mesh).other_base
-                 for gpu in ("t4", "rtx4090", "cpu")}
+        on = {gpu: Planning.of(dataclasses.replace(cfg, hardware=HardwareConfig(gpu=gpu)))
+              for gpu in ("t4", "rtx4090", "cpu")}
+        other = {gpu: meta_held(planning, mesh).other_base for gpu, planning in on.items()}
     finally:
         cleanup()
     assert other["t4"] == other["rtx4090"] > 0

@@ -31,7 +31,7 @@ from qlora_fsdp.loading.factory import build_sharded_model
 from qlora_fsdp.loading.fill import model_layout
 from qlora_fsdp.losses.forward import ForwardLoss
 from qlora_fsdp.measure.held import meta_held
-from qlora_fsdp.run.description import planned_run
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.tools.adapter_merge import merge_adapter
 from qlora_fsdp.tools.adapter_sampling import load_generator
 from qlora_fsdp.tools.tiny_model import train_tokenizer
@@ -190,7 +190,7 @@ def test_smollm2_prequantized_trains_at_world_sizes_1_and_2_equal_to_transformer
 
 
 def planned_held(info, cfg: Config) -> dict:
-    return dataclasses.asdict(meta_held(cfg, info.mesh))
+    return dataclasses.asdict(meta_held(Planning.of(cfg), info.mesh))
 
 
 def test_the_planner_reads_a_prequantized_checkpoint_as_its_original(tiny_prequantized, tmp_path):
@@ -205,7 +205,7 @@ def test_the_planner_reads_a_prequantized_checkpoint_as_its_original(tiny_prequa
     # a 70B pre-quantized repo plans from its shipped config.json (quantization_config included), not refused
     cfg = tiny_config(tiny_prequantized)
     cfg.model.path = "unsloth/Meta-Llama-3.1-70B-bnb-4bit"
-    assert planned_run(cfg).hf_config.quantization_config["quant_method"] == "bitsandbytes"
+    assert Planning.of(cfg).hf_config.quantization_config["quant_method"] == "bitsandbytes"
 
 
 def test_a_prequantized_multimodal_gemma3_trains_its_text_model_equal_to_transformers(tmp_path):

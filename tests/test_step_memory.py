@@ -60,11 +60,12 @@ def planned_and_measured(info, configs):
     """On a fake rank of 2: per config, the plan's peak (fake step) and the same step's, run for real; and the
     planned forward's 4-bit elements dequantized, all and each weight once."""
     from qlora_fsdp.measure.fake_world import recipe_step
+    from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.measure.real_step import measured_step
 
     out = []
     for cfg in configs:
-        planned = recipe_step(cfg)
+        planned = recipe_step(Planning.of(cfg))
         forward = planned.work[(0, "forward")]
         out.append((planned.peak, measured_step(cfg, info).peak,
                     (forward.dequant_elements, forward.distinct_dequant_elements)))
@@ -110,8 +111,9 @@ def test_planned_peak_is_the_real_steps(tmp_path):
 
 def planned_peaks(info, configs):
     from qlora_fsdp.measure.fake_world import recipe_step
+    from qlora_fsdp.measure.planning import Planning
 
-    return [recipe_step(cfg).peak for cfg in configs]
+    return [recipe_step(Planning.of(cfg)).peak for cfg in configs]
 
 
 @pytest.mark.slow
@@ -128,10 +130,11 @@ def test_attention_side_tiles_lower_the_planned_peak(tmp_path):
 
 def planned_in_a_fake_world_and_measured(info, cfg):
     from qlora_fsdp.measure.fake_world import in_real_world, recipe_step
+    from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.measure.real_step import measured_step
 
     assert in_real_world()
-    return recipe_step(cfg).peak, measured_step(cfg, info).peak
+    return recipe_step(Planning.of(cfg)).peak, measured_step(cfg, info).peak
 
 
 @pytest.mark.slow
@@ -213,11 +216,12 @@ def planned_at_lengths_and_measured_at_the_ends(info, configs_by_family):
     attention's blocks of 64 tokens (512 by default: a row within one block holds its square)."""
     from qlora_fsdp.layers import blockwise_attention
     from qlora_fsdp.measure.fake_world import recipe_step
+    from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.measure.real_step import measured_step
 
     default, blockwise_attention.BLOCK_TOKENS = blockwise_attention.BLOCK_TOKENS, 64
     try:
-        return {family: ([recipe_step(cfg).peak for cfg in configs],
+        return {family: ([recipe_step(Planning.of(cfg)).peak for cfg in configs],
                          [measured_step(cfg, info).peak for cfg in (configs[0], configs[-1])])
                 for family, configs in configs_by_family.items()}
     finally:

@@ -37,8 +37,9 @@ LAYERS, HIDDEN, KV, INTERMEDIATE, RANK, TOKENS = 2, 256, 128, 672, 16, 256
 
 def counted_work(info, configs):
     from qlora_fsdp.measure.fake_world import recipe_step
+    from qlora_fsdp.measure.planning import Planning
 
-    return [{f"{micro} {part}": vars(work) for (micro, part), work in recipe_step(cfg).work.items()}
+    return [{f"{micro} {part}": vars(work) for (micro, part), work in recipe_step(Planning.of(cfg)).work.items()}
             for cfg in configs]
 
 

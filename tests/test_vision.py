@@ -495,14 +495,15 @@ def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_pat
     """--plan counts the image side from the meta model (NF4 where transformers quantizes, its statistics, the rest
     in the compute dtype): the very bytes the built encoder holds."""
     from qlora_fsdp.loading.vision_encoder import build_vision_encoder
+    from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.plan.image_side import full_config, image_side, weight_bytes
 
     model_dir, data = llava if family == "llava" else tiny_vlm(tmp_path / "vlm", family)
     budget = {"image_max_pixels": 56 * 56} if family.startswith("qwen") else {}
     cfg = vision_config(model_dir, data, tmp_path / "out", images_per_row=2, **budget)
     base = build_vision_encoder(cfg, torch.device("cpu")).base
-    assert weight_bytes(full_config(cfg), cfg) == held_bytes(base)
-    side = image_side(cfg)
+    assert weight_bytes(full_config(Planning.of(cfg)), cfg) == held_bytes(base)
+    side = image_side(Planning.of(cfg), cfg)
     assert side is not None and side.images == 2 * cfg.data.micro_batch and (side.masks > 0) == (family == "gemma3")
     assert_pixel_budget(family, cfg, side.tokens_per_image)
     assert_unquantized_tower(cfg, data)
@@ -529,17 +530,18 @@ def assert_trained_side_bytes(cfg) -> None:
     import dataclasses
 
     from qlora_fsdp.loading.vision_encoder import build_vision_encoder
+    from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.optimizer_registry import OPTIMIZERS
     from qlora_fsdp.plan.image_side import full_config, side_of, weight_bytes
 
     cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, train_projector=True, target_vision_tower=True))
     base = build_vision_encoder(cfg, torch.device("cpu")).base
-    assert weight_bytes(full_config(cfg), cfg) == held_bytes(base)
+    assert weight_bytes(full_config(Planning.of(cfg)), cfg) == held_bytes(base)
     trained = [p for p in base.parameters() if p.requires_grad]
     lora = [p for name, p in base.named_parameters() if ".lora_" in name]
     assert len(lora) >= 8 and len(trained) > len(lora)  # the tower's LoRA and the projector
     n = sum(p.numel() for p in trained)
-    assert side_of(cfg).trained == n * 4 + OPTIMIZERS[cfg.optim.name].state_bytes(n, 4)
+    assert side_of(Planning.of(cfg), cfg).trained == n * 4 + OPTIMIZERS[cfg.optim.name].state_bytes(n, 4)
 
 
 def assert_unquantized_tower(cfg, data: Path) -> None:
@@ -552,12 +554,14 @@ def assert_unquantized_tower(cfg, data: Path) -> None:
 
     from qlora_fsdp.data.images import encode_record
     from qlora_fsdp.loading.vision_encoder import build_vision_encoder, load_processor
+    from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.plan.image_side import full_config, weight_bytes
 
     cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, vision_tower="unquantized"))
     encoder = build_vision_encoder(cfg, torch.device("cpu"))
     assert not any(isinstance(module, bnb.nn.Linear4bit) for module in encoder.base.modules())
-    assert weight_bytes(full_config(cfg), cfg) == sum(p.numel() * p.element_size() for p in encoder.base.parameters())
+    built = sum(p.numel() * p.element_size() for p in encoder.base.parameters())
+    assert weight_bytes(full_config(Planning.of(cfg)), cfg) == built
     record = json.loads(data.read_text().splitlines()[0])
     vision = encode_record(record, load_processor(cfg), data.parent, "record 1").vision
     config = transformers.AutoConfig.from_pretrained(cfg.model.path)
@@ -576,6 +580,7 @@ def assert_pixel_budget(family: str, cfg, planned_tokens: int) -> None:
 
     from qlora_fsdp.errors import ConfigError
     from qlora_fsdp.loading.vision_encoder import load_processor
+    from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.plan.image_side import side_of
 
     if not family.startswith("qwen"):
@@ -590,4 +595,31 @@ def assert_pixel_budget(family: str, cfg, planned_tokens: int) -> None:
     assert planned_tokens == 56 * 56 // patch**2 // 4 == (4 if patch == 14 else 3)
     unbudgeted = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_max_pixels=None))
     with pytest.raises(ConfigError, match=r"set data.image_max_pixels"):
-        side_of(unbudgeted)
+        side_of(Planning.of(unbudgeted), unbudgeted)
+
+
+# the image side reads these, and a tiny LLaVA cannot show it (the key keeps them for the families that do)
+IMAGE_KEYS_NOT_SHOWN = {"data.image_max_pixels": "a dynamic-resolution family's pixel budget (Qwen-VL)",
+                        "data.context_length": "Gemma 3's both-ways masks"}
+
+
+def test_the_image_side_key_changes_exactly_where_the_image_side_does(llava, tmp_path):
+    """plan/image_side.py's key, held as the step's is (tests/test_step_setting.py): every recipe key turned alone;
+    those that leave the key as it was, turned all together, leave the image side too; each other changes it."""
+    from qlora_fsdp.measure.planning import Planning
+    from qlora_fsdp.plan.image_side import image_setting, side_of
+    from tests.config_changes import changes
+    from tests.test_step_setting import taken
+
+    model_dir, data = llava
+    base = vision_config(model_dir, data, tmp_path / "out", images_per_row=2)
+    planning = Planning.of(base)  # one model: what the planning holds, not the key
+    turned = dict(changes(base))
+    unchanged = [name for name, cfg in turned.items() if image_setting(cfg) == image_setting(base)]
+    together = base
+    for name in unchanged:
+        together = taken(together, turned[name], name)
+    assert side_of(planning, together) == side_of(planning, base), unchanged
+    needless = sorted(name for name, cfg in turned.items()
+                      if name not in unchanged and side_of(planning, cfg) == side_of(planning, base))
+    assert needless == sorted(IMAGE_KEYS_NOT_SHOWN), needless

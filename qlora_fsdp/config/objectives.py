@@ -44,6 +44,9 @@ OBJECTIVES: dict[str, ObjectiveKind] = {
     "grpo": ObjectiveKind("prompts", generates=True),
     "rloo": ObjectiveKind("prompts", generates=True),
 }
+# the sections objectives keep their own settings in (each objective's SECTIONS names its own): a recipe of another
+# objective leaves them unread
+OBJECTIVE_SECTIONS = ("preference", "generation", "grpo", "rloo")
 
 
 DpoLossType = Literal["sigmoid", "robust", "hinge", "ipo"]

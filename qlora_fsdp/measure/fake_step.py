@@ -183,22 +183,16 @@ def layer_kinds(cfg: Config, hf_config: PretrainedConfig) -> tuple[Kind, ...]:
     return tuple((cfg.activation_checkpointing.wraps(index, n), types[index], shapes[index]) for index in range(n))
 
 
-_SHAPES: dict[str, tuple[int, ...]] = {}
-
-
 def layer_shapes(hf_config: PretrainedConfig, trust_remote_code: bool) -> tuple[int, ...]:
     """Per decoder layer, which of the distinct parameter layouts it has (numbered in order of first appearance),
-    read off the model built on the meta device (a tenth of a second for a 100B), once per architecture: the layer
-    types do not say where a family puts its dense layers among the MoE ones."""
-    key = hf_config.to_json_string(use_diff=False)
-    if key not in _SHAPES:
-        with init_empty_weights(include_buffers=True):
-            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
-        layers = text_decoder_layers(model, hf_config.num_hidden_layers)
-        layouts = [tuple((name, tuple(param.shape)) for name, param in layer.named_parameters()) for layer in layers]
-        numbered = {layout: index for index, layout in enumerate(dict.fromkeys(layouts))}
-        _SHAPES[key] = tuple(numbered[layout] for layout in layouts)
-    return _SHAPES[key]
+    read off the model built on the meta device (a tenth of a second for a 100B: only a step measured anew asks):
+    the layer types do not say where a family puts its dense layers among the MoE ones."""
+    with init_empty_weights(include_buffers=True):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    layers = text_decoder_layers(model, hf_config.num_hidden_layers)
+    layouts = [tuple((name, tuple(param.shape)) for name, param in layer.named_parameters()) for layer in layers]
+    numbered = {layout: index for index, layout in enumerate(dict.fromkeys(layouts))}
+    return tuple(numbered[layout] for layout in layouts)
 
 
 def text_decoder_layers(model: nn.Module, n: int) -> list[nn.Module]:
@@ -319,36 +313,3 @@ def cuts_to(run: tuple[Config, PretrainedConfig], kinds: tuple[Kind, ...]) -> bo
         return layer_kinds(*run) == kinds
     except ValueError:
         return False
-
-
-def step_setting(cfg: Config, hf_config: PretrainedConfig) -> str:
-    """What the step's memory depends on; plans that differ elsewhere (a GPU size, the host RAM, the lr) share it."""
-    data = cfg.data
-    return repr((hf_config.to_json_string(use_diff=False), cfg.model, cfg.quant, cfg.lora, cfg.fsdp, cfg.export,
-                 cfg.activation_checkpointing, cfg.loss, cfg.optim.name, update_rows(cfg), data.context_length,
-                 data.packing, min(data.grad_accum_steps, Objective.PLANNED_MICRO_BATCHES), cfg.hardware.world_size,
-                 cfg.train.objective, planned_objective(cfg).planned_extra_forwards(),
-                 # the export's search is priced once a step: its share of the first micro-batch depends on this
-                 data.grad_accum_steps if cfg.export.target != "none" else None))
-
-
-_MEASURED: dict[str, StepMemory] = {}
-
-
-def cached_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh) -> StepMemory:
-    """planned_step, once per setting: the auto micro-batch and the misfit fixes plan many configs."""
-    key = step_setting(cfg, hf_config)
-    if key not in _MEASURED:  # on a copy: building the model turns its config's use_cache off, which would
-        # change the key of the same setting planned next (and measure it again)
-        _MEASURED[key] = planned_step(cfg, copy.deepcopy(hf_config), mesh)
-    return _MEASURED[key]
-
-
-def measured_steps() -> dict[str, StepMemory]:
-    """The steps this process has measured, by setting (the studio's plan server hands them on to later plans)."""
-    return dict(_MEASURED)
-
-
-def remember_steps(steps: dict[str, StepMemory]) -> None:
-    """Steps measured in another process of the same code (a plan forked from the server), kept as if measured here."""
-    _MEASURED.update(steps)

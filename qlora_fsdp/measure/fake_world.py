@@ -3,6 +3,7 @@ run, already in a real group, measures in a fresh process of its own)."""
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -10,12 +11,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from transformers import PretrainedConfig
 
 from qlora_fsdp.config import Config
 from qlora_fsdp.distributed import data_parallel_mesh, init_fake_distributed
-from qlora_fsdp.measure.fake_step import cached_step
+from qlora_fsdp.measure.fake_step import planned_step
+from qlora_fsdp.measure.planning import Planning
+from qlora_fsdp.measure.step_setting import step_setting
 from qlora_fsdp.measure.step_tracker import StepMemory
-from qlora_fsdp.run.description import planned_run
 
 T = TypeVar("T")
 
@@ -53,11 +56,20 @@ def in_real_world() -> bool:
     return dist.is_initialized() and dist.get_backend() != "fake"
 
 
-def recipe_step(cfg: Config) -> StepMemory:
-    """The recipe's step measured on fake tensors (once per setting: see fake_step.cached_step)."""
-    run = planned_run(cfg)
-    cfg = run.cfg
-    if in_real_world():
-        return in_fake_world(cfg, recipe_step, cfg)
-    return cached_step(run.built, run.hf_config,
-                       planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size))
+def recipe_step(planning: Planning, cfg: Config | None = None) -> StepMemory:
+    """The step of the planning's recipe, or of `cfg` (a variant of it, resolved: a micro-batch, a misfit's fix),
+    measured on fake tensors once per setting (kept in the planning: the auto micro-batch and the fixes plan many)."""
+    built = planning.built(planning.cfg if cfg is None else cfg)
+    key = step_setting(built, planning.hf_config)
+    if key not in planning.steps:
+        if in_real_world():
+            planning.steps[key] = in_fake_world(built, measured_step_of, built, planning.hf_config)
+        else:
+            planning.steps[key] = measured_step_of(built, planning.hf_config)
+    return planning.steps[key]
+
+
+def measured_step_of(cfg: Config, hf_config: PretrainedConfig) -> StepMemory:
+    # on a copy: building the model turns its config's use_cache off, which would change the key of the same
+    # setting planned next (and measure it again)
+    return planned_step(cfg, copy.deepcopy(hf_config), planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size))

@@ -4,6 +4,7 @@ over a fake process group of the recipe's world size, so each local shard has th
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -21,8 +22,8 @@ from qlora_fsdp.layers.experts4bit import NESTED_BLOCKSIZE, Experts4bit
 from qlora_fsdp.layers.trained_embeddings import embedding_parameters
 from qlora_fsdp.loading.build import base_parameter_count
 from qlora_fsdp.loading.sharding import sharded_meta_model
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
-from qlora_fsdp.run.description import planned_run
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -39,10 +40,11 @@ def quant_state_bytes(n_elements: int, blocksize: int, double_quant: bool) -> in
     return blocks + nested + codebook
 
 
-def meta_held(cfg: Config, mesh: DeviceMesh) -> Held:
-    """Exact bytes from the recipe's model built and sharded as training does it, on the meta device."""
-    run = planned_run(cfg)
-    return held_bytes(sharded_meta_model(run.built, run.hf_config, mesh), run.cfg)
+def meta_held(planning: Planning, mesh: DeviceMesh, cfg: Config | None = None) -> Held:
+    """Exact bytes from the recipe's model (or `cfg`'s, a resolved variant of it) built and sharded as training does
+    it, on the meta device."""
+    cfg = planning.cfg if cfg is None else cfg  # the architecture copied: building a model changes its config
+    return held_bytes(sharded_meta_model(planning.built(cfg), copy.deepcopy(planning.hf_config), mesh), cfg)
 
 
 @dataclass

@@ -65,6 +65,8 @@ class Objective:
     PROGRESS_METRICS: ClassVar[tuple[str, ...]] = ()
     # the held-out record's figures: the progress line shows them, the run's summary keeps each at start and end
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("eval_loss", "eval_ppl")
+    # the recipe sections of its own settings (of config/objectives.py's OBJECTIVE_SECTIONS)
+    SECTIONS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: Config, forward_loss: ForwardLoss) -> None:
         self.cfg, self.forward_loss = cfg, forward_loss

@@ -2,10 +2,9 @@
 
 A step takes the rank's prompts of the step (micro_batch_size a micro-batch, grad_accum_steps micro-batches),
 generates num_generations completions of each in one call, scores them, and turns the rewards into advantages
-(groups never cross ranks: a prompt's completions are all made where the prompt is). Each micro-batch's
-completions (prompt + completion, the completion's tokens the targets) are packed into rows, or padded, and its
-share of the step's loss is backpropagated; gradients reduce-scatter once, after the last. The step's loss is
-normalized by counts summed over every micro-batch and rank, so any split gives one big batch's gradient.
+(groups never cross ranks: a prompt's completions are all made where the prompt is). Each micro-batch's completions
+are packed into rows (or padded) and their share of the loss backpropagated; gradients reduce-scatter once, after
+the last. The loss is normalized by counts summed over every micro-batch and rank: any split, one big batch's.
 
 Under context parallel (fsdp.context_parallel) the ranks sharing rows take the same prompts: each generates the
 group's completions (generation's weights are gathered by every rank alike) and the first's completions and scores
@@ -76,6 +75,7 @@ class Grpo(Objective):
     PROGRESS_METRICS: ClassVar[tuple[str, ...]] = ("reward", "kl")
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("eval_reward",)
     SECTION: ClassVar[str] = "grpo"  # the recipe section of the objective's own settings
+    SECTIONS: ClassVar[tuple[str, ...]] = ("generation", "grpo")
     CLIPPED_PER: ClassVar[str] = "tokens"  # what the clip ratios count (RLOO's ratio is a completion's)
 
     def __init__(self, cfg: Config, forward_loss: ForwardLoss, rewards: list[Reward] | None = None) -> None:

@@ -39,6 +39,7 @@ class Pairs(Objective):
     LOSS: ClassVar[type[PairLoss]]  # each preference objective's, below
     PROGRESS_METRICS: ClassVar[tuple[str, ...]] = ("reward_accuracy", "reward_margin")
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("eval_loss", "eval_reward_accuracy", "eval_reward_margin")
+    SECTIONS: ClassVar[tuple[str, ...]] = ("preference",)
 
     def __init__(self, cfg: Config, forward_loss: ForwardLoss) -> None:
         super().__init__(cfg, forward_loss)

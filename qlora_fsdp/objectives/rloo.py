@@ -44,6 +44,7 @@ class Rloo(Grpo):
     """RLOO: GRPO's rollouts, TRL's RLOO rewards, advantages and sequence-level clipped loss."""
 
     SECTION: ClassVar[str] = "rloo"
+    SECTIONS: ClassVar[tuple[str, ...]] = ("generation", "rloo")
     CLIPPED_PER: ClassVar[str] = "completions"
 
     @classmethod

@@ -32,9 +32,9 @@ from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.vision_encoder import quantized_names
 from qlora_fsdp.measure.fake_step import update_rows
 from qlora_fsdp.measure.held import quant_state_bytes
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
 from qlora_fsdp.plan.generation import planned_generation
-from qlora_fsdp.run.description import planned_run
 
 ACTIVATIONS_PER_PATCH = 6  # hidden-sized tensors a vision layer keeps alive at once (norm, q, k, v, out, residual)
 
@@ -50,8 +50,10 @@ class ImageSide:
     trained: int = 0  # gradients and optimizer state of what trains on it (lora.train_projector, target_vision_tower)
 
 
-def full_config(cfg: Config) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(model_dir(planned_run(cfg).built), trust_remote_code=cfg.model.trust_remote_code)
+def full_config(planning: Planning) -> PretrainedConfig:
+    """The checkpoint's whole config (the run's hf_config is its text model's)."""
+    built = planning.run.built
+    return AutoConfig.from_pretrained(model_dir(built), trust_remote_code=built.model.trust_remote_code)
 
 
 def image_side_modules(full: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -132,25 +134,36 @@ def tokens_per_image(config: PretrainedConfig, cfg: Config) -> int:
     return patches_per_image(config, cfg) // merged
 
 
-_SIDES: dict[tuple[object, ...], ImageSide] = {}
+# the recipe keys the image side reads (beside the checkpoint's config, one a planning, and the rows); what trains
+# on it reads more
+IMAGE_SIDE_READS = ("data.images_per_row", "data.context_length", "data.image_max_pixels", "quant.compute_dtype",
+                    "quant.blocksize", "quant.double_quant", "quant.vision_tower", "lora.train_projector",
+                    "lora.target_vision_tower")
+TRAINED_SIDE_READS, TOWER_LORA_READS = ("lora.dtype", "optim.name"), ("lora.r",)
 
 
-def image_side(cfg: Config) -> ImageSide | None:
+def image_setting(cfg: Config) -> str:
+    """The key of the image side a plan keeps (tests/test_vision.py holds it to what side_of reads)."""
+    lora = cfg.lora
+    reads = (IMAGE_SIDE_READS + (TRAINED_SIDE_READS if lora.train_projector or lora.target_vision_tower else ())
+             + (TOWER_LORA_READS if lora.target_vision_tower else ()))
+    values = [getattr(getattr(cfg, section), key) for section, key in (d.split(".") for d in reads)]
+    return repr((values, update_rows(cfg), rows_with_images(cfg)))
+
+
+def image_side(planning: Planning, cfg: Config) -> ImageSide | None:
     """The recipe's image side (None: text only), worked out once per setting: a plan asks for it in every table."""
     if not cfg.data.images_per_row:
         return None
-    data, quant = cfg.data, cfg.quant
-    key = (planned_run(cfg).built.model.path, data.images_per_row, rows_with_images(cfg), data.context_length,
-           data.image_max_pixels, quant.compute_dtype, quant.blocksize, quant.double_quant, quant.vision_tower,
-           cfg.lora.train_projector, cfg.lora.target_vision_tower, cfg.lora.r, cfg.lora.dtype, cfg.optim.name)
-    if key not in _SIDES:
-        _SIDES[key] = side_of(cfg)
-    return _SIDES[key]
+    key = image_setting(cfg)
+    if key not in planning.sides:
+        planning.sides[key] = side_of(planning, cfg)
+    return planning.sides[key]
 
 
-def side_of(cfg: Config) -> ImageSide:
+def side_of(planning: Planning, cfg: Config) -> ImageSide:
     per_row = cfg.data.images_per_row
-    config = full_config(cfg)
+    config = full_config(planning)
     check_images_supported(config)
     vision = config.vision_config
     itemsize = TORCH_DTYPES[cfg.quant.compute_dtype].itemsize

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from qlora_fsdp.config import Config
 from qlora_fsdp.errors import ConfigError, ModelLoadError
 from qlora_fsdp.measure.held import Held, meta_held
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.plan.memory import GIB, Plan, gpu_spec, plan
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
 
@@ -94,13 +95,13 @@ def variants(cfg: Config, batch_from_target: bool = False) -> list[tuple[str, di
     return out
 
 
-def time_cost(cfg: Config, base: Plan, changed: Config, result: Plan) -> str:
+def time_cost(planning: Planning, cfg: Config, base: Plan, changed: Config, result: Plan) -> str:
     """", +12% time a token": what the change costs in speed against the recipe as written (per token, since a
     smaller micro-batch or context also changes the tokens of a step); empty where the GPU has no rates."""
     if not gpu_spec(cfg).priced or base.step is None or result.step is None:
         return ""
-    before = recipe_time(cfg, base.step).total / step_tokens(cfg)
-    after = recipe_time(changed, result.step).total / step_tokens(changed)
+    before = recipe_time(planning, cfg, base.step).total / step_tokens(cfg)
+    after = recipe_time(planning, changed, result.step).total / step_tokens(changed)
     return f", {after / before - 1:+.0%} time a token"
 
 
@@ -118,17 +119,18 @@ class Lever:
         return f"{self.label}: {self.gpu_gib:.1f} GiB a GPU{self.cost}"
 
 
-def fitting_levers(cfg: Config, held: Held, mesh: DeviceMesh, batch_from_target: bool = False) -> list[Lever]:
+def fitting_levers(planning: Planning, cfg: Config, held: Held, mesh: DeviceMesh,
+                   batch_from_target: bool = False) -> list[Lever]:
     """Each single change that makes a misfit fit, the ones that keep the most throughput first."""
     found = []
-    base = plan(cfg, held)
+    base = plan(planning, cfg, held)
     for label, values, changed in variants(cfg, batch_from_target):
         same_shapes = changed.lora.r == cfg.lora.r  # only the rank changes what is allocated
         try:
-            result = plan(changed, held if same_shapes else meta_held(changed, mesh))
+            result = plan(planning, changed, held if same_shapes else meta_held(planning, mesh, changed))
         except (ConfigError, ModelLoadError):  # a lever this architecture lacks (a sub-layer scope it has no module
             # for, heads that do not divide over a split row)
             continue
         if result.fits:
-            found.append(Lever(label, values, result.gpu_total / GIB, time_cost(cfg, base, changed, result)))
+            found.append(Lever(label, values, result.gpu_total / GIB, time_cost(planning, cfg, base, changed, result)))
     return found

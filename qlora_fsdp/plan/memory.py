@@ -22,6 +22,7 @@ from qlora_fsdp.generation.plan import Layout, chosen_layout
 from qlora_fsdp.measure.fake_step import planned_objective, update_rows
 from qlora_fsdp.measure.fake_world import recipe_step
 from qlora_fsdp.measure.held import Held
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.measure.step_tracker import Segment, StepMemory
 from qlora_fsdp.plan.generation import (
     Weights,
@@ -31,7 +32,6 @@ from qlora_fsdp.plan.generation import (
 )
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.run.accelerators import GPU, GPUS
-from qlora_fsdp.run.description import planned_run
 
 GIB = 2**30
 
@@ -178,11 +178,11 @@ def measured_rows(cfg: Config, step: StepMemory, exact_on_gpu: float) -> list[Ro
     return rows
 
 
-def gpu_resident_rows(held: Held, cfg: Config) -> list[Row]:
+def gpu_resident_rows(planning: Planning, held: Held, cfg: Config) -> list[Row]:
     """What the device holds through the whole step."""
     rows = [] if cfg.fsdp.cpu_offload else resident_rows(held, cfg)
     rows.append(Row("quantization state (whole, on every rank)", held.quant_state, "exact"))
-    side = image_side(cfg)
+    side = image_side(planning, cfg)
     if side is not None:
         rows.append(Row("image side, whole on every rank: vision tower and projector (4-bit where transformers "
                         "makes them so)", side.weights, "exact"))
@@ -205,27 +205,27 @@ def offload_copy_rows(held: Held, cfg: Config) -> list[Row]:
                 held.layer_shard, "exact")] if cfg.fsdp.cpu_offload else []
 
 
-def gpu_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
-    rows = gpu_resident_rows(held, cfg)
+def gpu_rows(planning: Planning, held: Held, cfg: Config, step: StepMemory) -> list[Row]:
+    rows = gpu_resident_rows(planning, held, cfg)
     rows += measured_rows(cfg, step, sum(r.bytes for r in rows))
-    side = image_side(cfg)
+    side = image_side(planning, cfg)
     if side is not None and side.masks:
         rows.append(Row("masks of the images' both-ways attention (full and sliding, a micro-batch's; added)",
                         side.masks, "exact"))
     return with_context(rows + offload_copy_rows(held, cfg))
 
 
-def image_forward_total(held: Held, cfg: Config) -> float:
+def image_forward_total(planning: Planning, held: Held, cfg: Config) -> float:
     """The device while the vision tower runs a micro-batch's images: what it holds all step, and the forward."""
-    side = image_side(cfg)
+    side = image_side(planning, cfg)
     if side is None:
         return 0.0
-    rows = [*gpu_resident_rows(held, cfg), Row("the vision tower's forward", side.forward, "estimate")]
+    rows = [*gpu_resident_rows(planning, held, cfg), Row("the vision tower's forward", side.forward, "estimate")]
     return sum(r.bytes for r in with_context(rows))
 
 
-def rank_weights(held: Held, cfg: Config) -> Weights:
-    return Weights(held.base_4bit + held.other_base + held.lora, root_bytes(cfg, planned_run(cfg).hf_config),
+def rank_weights(planning: Planning, held: Held, cfg: Config) -> Weights:
+    return Weights(held.base_4bit + held.other_base + held.lora, root_bytes(cfg, planning.hf_config),
                    cfg.hardware.world_size, cfg.fsdp.cpu_offload)
 
 
@@ -233,13 +233,13 @@ GATHERED_WORDS = {"per_token": "the root for the call, layers in turn: the updat
                   "gathered": "the whole model, once a step", "split": "this rank's share of the layers and the root"}
 
 
-def layout_rows(held: Held, cfg: Config, step: StepMemory, layout: Layout) -> list[Row]:
+def layout_rows(planning: Planning, held: Held, cfg: Config, step: StepMemory, layout: Layout) -> list[Row]:
     """The device while the policy generates in `layout`."""
-    hf = planned_run(cfg).hf_config
-    made = generation_memory(cfg, hf, step, held.largest_linear, layout, rank_weights(held, cfg))
+    made = generation_memory(cfg, planning.hf_config, step, held.largest_linear, layout,
+                             rank_weights(planning, held, cfg))
     plan = made.made
     tokens = f"{plan.rows} rows x ({plan.prompt_tokens} prompt + {plan.new_tokens} new) tokens"
-    rows = [*gpu_resident_rows(held, cfg),
+    rows = [*gpu_resident_rows(planning, held, cfg),
             Row(f"KV cache ({tokens}; {plan.calls} call{'s' if plan.calls > 1 else ''} a step)", made.kv_cache_bytes,
                 "exact"),
             Row(f"weights gathered while generating, {layout} ({GATHERED_WORDS[layout]})", made.gathered_bytes,
@@ -249,28 +249,29 @@ def layout_rows(held: Held, cfg: Config, step: StepMemory, layout: Layout) -> li
     return with_context(rows + (offload_copy_rows(held, cfg) if layout == "per_token" else []))
 
 
-def planned_layout(held: Held, cfg: Config, step: StepMemory) -> Layout:
+def planned_layout(planning: Planning, held: Held, cfg: Config, step: StepMemory) -> Layout:
     """The layout the run takes (generation/plan.py's one rule), asked of the planned bytes: whether the device
     while generating in a layout fits the GPU."""
     def fits(layout: Layout) -> Callable[[], bool]:
-        return lambda: sum(r.bytes for r in layout_rows(held, cfg, step, layout)) <= gpu_spec(cfg).memory_gib * GIB
+        return lambda: (sum(r.bytes for r in layout_rows(planning, held, cfg, step, layout))
+                        <= gpu_spec(cfg).memory_gib * GIB)
 
     return chosen_layout(cfg.generation.layout, cfg.hardware.world_size, fits("gathered"), fits("split"))
 
 
-def with_generation_layout(cfg: Config, held: Held, step: StepMemory) -> Config:
+def with_generation_layout(planning: Planning, cfg: Config, held: Held, step: StepMemory) -> Config:
     """`generation.layout: auto`: the layout the plan takes, written into the planned config (its time reads it)."""
     if planned_generation(cfg) is None or cfg.generation.layout != "auto":
         return cfg
-    generation = dataclasses.replace(cfg.generation, layout=planned_layout(held, cfg, step))
+    generation = dataclasses.replace(cfg.generation, layout=planned_layout(planning, held, cfg, step))
     return dataclasses.replace(cfg, generation=generation)
 
 
-def generating_rows(held: Held, cfg: Config, step: StepMemory) -> list[Row]:
+def generating_rows(planning: Planning, held: Held, cfg: Config, step: StepMemory) -> list[Row]:
     """The device while the policy generates (plan/generation.py), empty for objectives that generate nothing."""
     if planned_generation(cfg) is None:
         return []
-    return layout_rows(held, cfg, step, planned_layout(held, cfg, step))
+    return layout_rows(planning, held, cfg, step, planned_layout(planning, held, cfg, step))
 
 
 def loading_bytes(held: Held, cfg: Config) -> int:
@@ -298,18 +299,18 @@ def parameters(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def plan(cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
-    """The plan for `cfg`, from the bytes its sharded model holds (or a config's with the same shapes) and its
-    measured step (measured here unless given)."""
-    cfg = planned_run(cfg).cfg
-    step = step if step is not None else recipe_step(cfg)
+def plan(planning: Planning, cfg: Config, held: Held, step: StepMemory | None = None) -> Plan:
+    """The plan for `cfg` (the planning's recipe, resolved, or a variant of it), from the bytes its sharded model
+    holds (or a config's with the same shapes) and its measured step (measured here unless given)."""
+    step = step if step is not None else recipe_step(planning, cfg)
     n = held.base_parameters
     active = f" ({parameters(held.active_parameters)} active a token)" if held.active_parameters < n else ""
     description = (f"{parameters(n)} base parameters{active}, world size {cfg.hardware.world_size}, "
                    f"weights {cfg.model.dtype}, 4-bit compute {cfg.quant.compute_dtype}")
-    return Plan(gpu_rows(held, cfg, step), host_rows(held, cfg, step), gpu_spec(cfg).memory_gib,
-                cfg.hardware.host_ram_gib, description, step, sum(r.bytes for r in gpu_resident_rows(held, cfg)),
-                generating_rows(held, cfg, step), image_forward_total(held, cfg))
+    return Plan(gpu_rows(planning, held, cfg, step), host_rows(held, cfg, step), gpu_spec(cfg).memory_gib,
+                cfg.hardware.host_ram_gib, description, step,
+                sum(r.bytes for r in gpu_resident_rows(planning, held, cfg)),
+                generating_rows(planning, held, cfg, step), image_forward_total(planning, held, cfg))
 
 
 def format_rows(rows: list[Row]) -> list[str]:
@@ -322,5 +323,5 @@ def with_micro_batch(cfg: Config, micro: int) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, micro_batch_size=micro))
 
 
-def micro_batch_fits(cfg: Config, held: Held) -> Callable[[int], bool]:
-    return lambda micro: plan(with_micro_batch(cfg, micro), held).fits
+def micro_batch_fits(planning: Planning, cfg: Config, held: Held) -> Callable[[int], bool]:
+    return lambda micro: plan(planning, with_micro_batch(cfg, micro), held).fits

@@ -9,12 +9,12 @@ from pathlib import Path
 from qlora_fsdp.config import REPO_ROOT, Config, load_config
 from qlora_fsdp.families import family_name
 from qlora_fsdp.measure.fake_world import leave_fake_world
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.plan.generation import planned_generation
 from qlora_fsdp.plan.memory import GIB, gpu_spec
 from qlora_fsdp.plan.report import RecipePlan, plan_recipe, report_text
 from qlora_fsdp.plan.time_report import recipe_time, step_tokens
-from qlora_fsdp.run.description import planned_run
 
 START, END = "<!-- recipe table: made by scripts/recipe_table.py -->", "<!-- end of recipe table -->"
 HEADER = ["| recipe | family | model | hardware | setting | planned GPU memory (rank 0) | host RAM (node) "
@@ -49,7 +49,7 @@ def setting_words(cfg: Config) -> str:
     return ", ".join(words)
 
 
-def generation_words(cfg: Config, step: StepMemory | None) -> str:
+def generation_words(planning: Planning, cfg: Config, step: StepMemory | None) -> str:
     """What the objective generates, and its step's time with what generating takes of it (the tokens/s column
     counts only the tokens the update trains on); nothing for an objective that generates nothing."""
     made = planned_generation(cfg)
@@ -59,7 +59,7 @@ def generation_words(cfg: Config, step: StepMemory | None) -> str:
              f"{made.new_tokens} tokens a prompt")
     if step is None or not gpu_spec(cfg).priced:
         return words
-    time = recipe_time(cfg, step)
+    time = recipe_time(planning, cfg, step)
     return words + f"; a step {time.total:,.0f} s, generating {time.generation:,.0f} s of it"
 
 
@@ -68,9 +68,10 @@ def table_row(name: str, planned: RecipePlan) -> str:
     host = f"{result.host_total / GIB:.1f} GiB" + (f" of {result.host_capacity_gib:g}" if result.host_capacity_gib
                                                    else "")
     verdict = "" if result.fits else " (DOES NOT FIT)"
-    rate = f"{step_tokens(cfg) / recipe_time(cfg, result.step).total:,.0f}" if result.step is not None else ""
-    setting = setting_words(cfg) + generation_words(cfg, result.step)
-    model_type = planned_run(cfg).hf_config.model_type  # the text model's, for a multimodal checkpoint
+    rate = (f"{step_tokens(cfg) / recipe_time(planned.planning, cfg, result.step).total:,.0f}"
+            if result.step is not None else "")
+    setting = setting_words(cfg) + generation_words(planned.planning, cfg, result.step)
+    model_type = planned.planning.hf_config.model_type  # the text model's, for a multimodal checkpoint
     family = family_name(model_type)
     return (f"| `{name}` | {family} | {cfg.model.path} | {hardware_words(cfg)} | {setting} | "
             f"{result.gpu_total / GIB:.1f} GiB of {result.capacity_gib:g}{verdict} | {host} | {rate} |")

@@ -9,6 +9,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from qlora_fsdp.config import Config
 from qlora_fsdp.measure.fake_world import planning_mesh
 from qlora_fsdp.measure.held import Held, meta_held
+from qlora_fsdp.measure.planning import MeasuredSteps, Planning
+from qlora_fsdp.measure.step_setting import step_setting
 from qlora_fsdp.plan.generation import planned_generation
 from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.levers import Lever, fitting_levers
@@ -24,7 +26,6 @@ from qlora_fsdp.plan.memory import (
 )
 from qlora_fsdp.plan.time_report import time_lines
 from qlora_fsdp.run.batch_size import describe_batch, effective_rows, resolve_batch
-from qlora_fsdp.run.description import planned_run
 
 
 @dataclass
@@ -34,20 +35,29 @@ class RecipePlan:
     held: Held
     mesh: DeviceMesh
     result: Plan
+    planning: Planning  # the recipe described, and what its plan measured (its fixes reuse it)
 
 
-def plan_recipe(cfg: Config) -> RecipePlan:
-    """The plan of a recipe on its `hardware`, its auto settings resolved as a launch on that hardware would."""
+def plan_recipe(cfg: Config, steps: MeasuredSteps | None = None) -> RecipePlan:
+    """The plan of a recipe on its `hardware`, its auto settings resolved as a launch on that hardware would.
+    `steps`: steps measured before (the studio's plan server keeps them between plans); this plan's are added."""
     gpu_spec(cfg)  # a mistyped GPU name fails here, before the model is built
-    cfg = planned_run(cfg).cfg
+    planning = Planning.of(cfg, steps)
+    cfg = planning.cfg
     mesh = planning_mesh(cfg.hardware.world_size, cfg.fsdp.shard_size)
-    held = meta_held(cfg, mesh)
-    fits = micro_batch_fits(cfg, held)  # an auto micro-batch where none fits plans 1, to show the misfit
+    held = meta_held(planning, mesh)
+    fits = micro_batch_fits(planning, cfg, held)  # an auto micro-batch where none fits plans 1, to show the misfit
     planned = resolve_batch(cfg, cfg.hardware.world_size, lambda micro: micro == 1 or fits(micro))
-    result = plan(planned, held)
+    result = plan(planning, planned, held)
     if result.step is not None:  # generation.layout: auto, resolved as the run resolves it
-        planned = with_generation_layout(planned, held, result.step)
-    return RecipePlan(cfg, planned, held, mesh, result)
+        planned = with_generation_layout(planning, planned, held, result.step)
+    return RecipePlan(cfg, planned, held, mesh, result, planning)
+
+
+def first_step_setting(cfg: Config) -> str:
+    """The setting of the recipe's own step, the first its plan measures (its fixes measure others)."""
+    planning = Planning.of(cfg)
+    return step_setting(planning.built(planning.cfg), planning.hf_config)
 
 
 def report(cfg: Config) -> tuple[str, bool]:
@@ -65,9 +75,9 @@ def generating_lines(result: Plan) -> list[str]:
             f"the step's peak is {peak}'s: {result.gpu_total / GIB:.2f} GiB", ""]
 
 
-def image_lines(cfg: Config, result: Plan) -> list[str]:
+def image_lines(planning: Planning, cfg: Config, result: Plan) -> list[str]:
     """A recipe with images: what the vision tower's forward holds, against the step's peak."""
-    side = image_side(cfg)
+    side = image_side(planning, cfg)
     if side is None:
         return []
     where = "below the peak" if result.image_forward_total <= result.update_total else "the step's peak"
@@ -82,7 +92,8 @@ def plan_levers(planned: RecipePlan) -> list[Lever]:
     """A misfit's single changes that make it fit (none for a recipe that fits)."""
     if planned.result.fits:
         return []
-    return fitting_levers(planned.planned, planned.held, planned.mesh, effective_rows(planned.recipe) is not None)
+    return fitting_levers(planned.planning, planned.planned, planned.held, planned.mesh,
+                          effective_rows(planned.recipe) is not None)
 
 
 def report_text(planned: RecipePlan, levers: list[Lever] | None = None) -> str:
@@ -94,7 +105,7 @@ def report_text(planned: RecipePlan, levers: list[Lever] | None = None) -> str:
     lines = [f"plan for {cfg.model.path} on {cfg.hardware.world_size} x {gpu}: {result.description}", "",
              f"per GPU (rank 0){' in the update' if result.generating_rows else ''}:", *format_rows(result.gpu_rows),
              f"| **total** | **{result.update_total / GIB:.2f}** | of {result.capacity_gib:g} GiB |",
-             *([note] if note else []), "", *generating_lines(result), *image_lines(cfg, result),
+             *([note] if note else []), "", *generating_lines(result), *image_lines(planned.planning, cfg, result),
              "host RAM, per node:", *format_rows(result.host_rows),
              f"| **total** | **{result.host_total / GIB:.2f}** | {host_capacity} |",
              "", describe_batch(recipe, cfg, cfg.hardware.world_size), "FITS" if result.fits else "DOES NOT FIT"]
@@ -103,5 +114,5 @@ def report_text(planned: RecipePlan, levers: list[Lever] | None = None) -> str:
         lines += ["changes that make it fit, most throughput kept first:", *[f"  - {f}" for f in fixes]] if fixes \
             else ["no single change makes it fit; combine them, or use more GPUs"]
     if result.step is not None:
-        lines += time_lines(cfg, held, result.step)
+        lines += time_lines(planned.planning, cfg, held, result.step)
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from pathlib import Path
 from qlora_fsdp.config import Config
 from qlora_fsdp.measure.fake_step import planned_flops_per_token, update_rows
 from qlora_fsdp.measure.held import Held
+from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time, planned_generation
 from qlora_fsdp.plan.image_side import image_side
@@ -15,18 +16,18 @@ from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import Rates, StepTime, matmul_efficiency, part_time, step_time
 from qlora_fsdp.run.accelerators import GPU
 from qlora_fsdp.run.batch_size import row_takers
-from qlora_fsdp.run.description import planned_run
 
 
-def recipe_time(cfg: Config, step: StepMemory) -> StepTime:
+def recipe_time(planning: Planning, cfg: Config, step: StepMemory) -> StepTime:
     """The step's time on the recipe's GPUs; GRPO's includes generating (plan/generation.py)."""
     time = step_time(step, cfg.data.grad_accum_steps, gpu_spec(cfg), cfg.fsdp.cpu_offload,
                      matmul_efficiency(cfg.hardware.gpu), cfg.hardware.host_memory_gbps)
     made = planned_generation(cfg)
     if made is not None:  # one generation serves `steps_served` steps
-        time.generation = (recipe_generation(cfg, step).total + kept_logps_seconds(cfg, step)) / made.steps_served
+        time.generation = ((recipe_generation(planning, cfg, step).total + kept_logps_seconds(cfg, step))
+                           / made.steps_served)
         time.total += time.generation
-    side = image_side(cfg)
+    side = image_side(planning, cfg)
     if side is not None:  # every forward's images, before its decoder forward
         time.vision = images_a_step(cfg) * side.forward_flops / max(side.images, 1) / rates(cfg).flops
         time.total += time.vision
@@ -49,10 +50,10 @@ def rates(cfg: Config) -> Rates:
     return Rates.of(gpu_spec(cfg), matmul_efficiency(cfg.hardware.gpu), cfg.hardware.host_memory_gbps)
 
 
-def recipe_generation(cfg: Config, step: StepMemory) -> GenerationTime:
+def recipe_generation(planning: Planning, cfg: Config, step: StepMemory) -> GenerationTime:
     """In the planned layout (plan/report.py writes it into the planned config; unresolved: gathered, the rule's
     first choice). Its memory's calls and cache; temporaries are not timed."""
-    hf, layout = planned_run(cfg).hf_config, cfg.generation.layout
+    hf, layout = planning.hf_config, cfg.generation.layout
     memory = generation_memory(cfg, hf, step, 0, "gathered" if layout == "auto" else layout)
     return generation_time(cfg, hf, step, memory, rates(cfg))
 
@@ -124,9 +125,9 @@ LAYOUT_WORDS = {"per_token": "the weights gathered layer by layer every token",
                 "split": "each rank holding its share of the layers, every rank's rows passed through them in turn"}
 
 
-def generation_lines(cfg: Config, step: StepMemory) -> list[str]:
+def generation_lines(planning: Planning, cfg: Config, step: StepMemory) -> list[str]:
     """GRPO: the layout, what generating costs a rank per call and per decoding step, and what bounds a step."""
-    made = recipe_generation(cfg, step)
+    made = recipe_generation(planning, cfg, step)
     link = {"per_token": "the link: every layer all-gathered each step",
             "split": "the link: hidden states to each layer's owner and back"}.get(made.layout, "the link")
     gpu = ("the GPU: the fused kernels read each 4-bit weight once a step, and every kernel's launch gap" if made.fused
@@ -155,12 +156,12 @@ def mfu_words(cfg: Config, held: Held, flops_per_token: int) -> tuple[float, str
     return trained + generated * 2 * held.active_parameters, words
 
 
-def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
+def time_lines(planning: Planning, cfg: Config, held: Held, step: StepMemory) -> list[str]:
     """The table of the step's time and the run's, for a GPU recipe (none on the CPU: no rates to price with)."""
     gpu = gpu_spec(cfg)
     if not gpu.priced:
         return []
-    time = recipe_time(cfg, step)
+    time = recipe_time(planning, cfg, step)
     tokens = step_tokens(cfg)
     rate = tokens / time.total
     flops_per_token = planned_flops_per_token(cfg)  # DPO's reference forward: 2N more, as training counts
@@ -183,7 +184,7 @@ def time_lines(cfg: Config, held: Held, step: StepMemory) -> list[str]:
                 f"{unpriced}), predicted from the step's counted work (docs/benchmarks/step-time.md compares the "
                 "model with published runs):",
             "| part | seconds |", "| --- | ---: |", *(f"| {name} | {seconds:.2f} |" for name, seconds in rows),
-            f"| **step** | **{time.total:.2f}** |", *(generation_lines(cfg, step) if grpo else []),
+            f"| **step** | **{time.total:.2f}** |", *(generation_lines(planning, cfg, step) if grpo else []),
             f"{tokens:,} {trained} a step: {rate:,.0f} tokens/s, MFU {mfu:.0%} ({flop_words}); "
             f"train.max_steps {cfg.train.max_steps}: {hours(cfg.train.max_steps * time.total)}",
             epoch_line(cfg, time.total)]

@@ -3,7 +3,7 @@ the model's config.json is read from, that config, and, once the model is built,
 
 Training describes its run on its own device (`describe_run`); the planner on the recipe's GPUs, reading a hub
 model's shipped config.json (loading/checkpoint.py's shipped_config_folder), so a plan needs neither a download nor
-weights (`planned_run`, described once per recipe). Nothing else resolves dtypes; the folders are decided in
+weights (`planned_run`). Nothing else resolves dtypes; the folders are decided in
 loading/checkpoint.py alone.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import PretrainedConfig
 
-from qlora_fsdp.config import Config, to_yaml
+from qlora_fsdp.config import Config
 from qlora_fsdp.loading.checkpoint import load_hf_config, shipped_config_folder
 from qlora_fsdp.precision import DeviceDescription, resolve_dtypes
 from qlora_fsdp.run.accelerators import planned_device
@@ -49,24 +49,14 @@ def describe_run(cfg: Config, device: DeviceDescription) -> RunDescription:
     return RunDescription(cfg, resolved, device, resolved)
 
 
-# planned runs by the recipe's text: a plan asks at every step, a recipe table for every recipe
-PLANNED: dict[str, RunDescription] = {}
-PLANNED_KEPT = 32
-
-
 def planned_run(cfg: Config) -> RunDescription:
     """The run a plan prices: on the recipe's GPUs (hardware.gpu), a hub model read from its shipped config.json.
-    Described once per recipe (a copy: a caller changing its config later changes no description)."""
-    text = to_yaml(cfg)
-    if text not in PLANNED:
-        while len(PLANNED) >= PLANNED_KEPT:
-            PLANNED.pop(next(iter(PLANNED)))
-        written = copy.deepcopy(cfg)
-        device = planned_device(cfg.hardware)
-        resolved = resolve_dtypes(written, device)
-        built = with_config_folder(resolved, shipped_config_folder(cfg))
-        PLANNED[text] = RunDescription(written, resolved, device, built)
-    return PLANNED[text]
+    Described on a copy (a caller changing its config later changes no description); a plan describes its recipe
+    once (measure/planning.py)."""
+    written = copy.deepcopy(cfg)
+    device = planned_device(cfg.hardware)
+    resolved = resolve_dtypes(written, device)
+    return RunDescription(written, resolved, device, with_config_folder(resolved, shipped_config_folder(cfg)))
 
 
 def with_config_folder(cfg: Config, folder: Path | None) -> Config:

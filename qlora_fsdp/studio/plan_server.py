@@ -67,52 +67,52 @@ def serve() -> None:
 
     children = Children()
     signal.signal(signal.SIGCHLD, children.reap)
+    steps: dict[str, Any] = {}  # every step the plans have measured, by setting: each forked plan starts with them
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        take_measured_steps(Path(request["out"]).parent)
-        key = step_key(Draft(request["recipe"], tuple(request["overrides"])))
+        take_measured_steps(Path(request["out"]).parent, steps)
+        key = step_key(Draft(request["recipe"], tuple(request["overrides"])), steps)
         awaited = children.measurer(key)
         ended = children.end_all_but(awaited[0] if awaited else None)
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the planner waits for processes of its own
-            os._exit(write_plan(request, awaited))
+            os._exit(write_plan(request, awaited, steps))
         children.measuring[pid] = (key if awaited is None else None, Path(request["out"]))
         print(json.dumps({"pid": pid, "ended": ended}), flush=True)
     children.end_all_but(None)  # the page closed the pipe: no plan outlives it
 
 
-def step_key(draft: Draft) -> str | None:
+def step_key(draft: Draft, steps: dict[str, Any]) -> str | None:
     """The setting of the step the draft's plan measures first (None where the draft does not load, or the step is
-    measured already: no plan need wait for it)."""
-    from qlora_fsdp.plan.kept_steps import first_step_setting, measured_steps
+    among `steps` already: no plan need wait for it)."""
+    from qlora_fsdp.plan.report import first_step_setting
 
     try:
         key = first_step_setting(load_config(draft.recipe, list(draft.overrides)))
     except Exception:  # the plan itself says what is wrong with the draft
         return None
-    return None if key in measured_steps() else key
+    return None if key in steps else key
 
 
-def write_plan(request: dict[str, Any], awaited: tuple[int, Path] | None) -> int:
-    """The plan (a child of the server): its data to `out`, and the steps it measured beside it. Where another plan
-    was measuring its step (`awaited`: its process and plan file), it plans once that one has ended, with its steps."""
-    from qlora_fsdp.plan.kept_steps import measured_steps, remember_steps
-
+def write_plan(request: dict[str, Any], awaited: tuple[int, Path] | None, steps: dict[str, Any]) -> int:
+    """The plan (a child of the server, `steps` its copy of the server's): its data to `out`, and the steps it
+    measured beside it. Where another plan was measuring its step (`awaited`: its process and plan file), it plans
+    once that one has ended, with its steps."""
     out = Path(request["out"])
     if awaited is not None:
         while alive(awaited[0]):
             time.sleep(0.05)
         with contextlib.suppress(FileNotFoundError):  # none where it failed (or the server took them: only at a
             # newer request, which ends this plan too)
-            remember_steps(pickle.loads(awaited[1].with_suffix(STEPS_SUFFIX).read_bytes()))
-    known = set(measured_steps())
+            steps.update(pickle.loads(awaited[1].with_suffix(STEPS_SUFFIX).read_bytes()))
+    known = set(steps)
     try:
-        data = plan_or_error(Draft(request["recipe"], tuple(request["overrides"])))
+        data = plan_or_error(Draft(request["recipe"], tuple(request["overrides"])), steps)
     except Exception as err:  # a planner's failure, said in one line (the page shows it; the server goes on)
         data = {"error": f"error: the plan failed: {type(err).__name__}: {err}"}
-    new_steps = {key: step for key, step in measured_steps().items() if key not in known}
+    new_steps = {key: step for key, step in steps.items() if key not in known}
     data["steps_measured"] = len(new_steps)
     if new_steps:
         write_whole(out.with_suffix(STEPS_SUFFIX), pickle.dumps(new_steps))
@@ -127,13 +127,11 @@ def write_whole(path: Path, data: bytes) -> None:
     partial.replace(path)
 
 
-def take_measured_steps(folder: Path) -> None:
-    """The steps finished plans measured, kept in the server (the files, the children's own in the worker's private
-    folder, removed), so that every plan forked later has them."""
-    from qlora_fsdp.plan.kept_steps import remember_steps
-
+def take_measured_steps(folder: Path, steps: dict[str, Any]) -> None:
+    """The steps finished plans measured, kept in the server's `steps` (the files, the children's own in the worker's
+    private folder, removed), so that every plan forked later has them."""
     for path in sorted(folder.glob(f"*{STEPS_SUFFIX}")):
-        remember_steps(pickle.loads(path.read_bytes()))
+        steps.update(pickle.loads(path.read_bytes()))
         path.unlink()
 
 

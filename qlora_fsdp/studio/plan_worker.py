@@ -44,7 +44,7 @@ def time_data(planned: Any) -> dict[str, float] | None:
     cfg, step = planned.planned, planned.result.step
     if step is None or not gpu_spec(cfg).priced:
         return None
-    time = recipe_time(cfg, step)
+    time = recipe_time(planned.planning, cfg, step)
     return {"compute": time.compute, "link (exposed after overlap)": time.exposed, "optimizer": time.optimizer,
             "generation": time.generation, "vision tower": time.vision, "total": time.total}
 
@@ -59,11 +59,12 @@ def run_time(planned: Any, step: dict[str, float] | None) -> str:
     return f"{hours(steps * step['total'])} for its {steps:,} steps ({step['total']:.1f} s a step)"
 
 
-def plan_data(draft: Draft) -> PlanData:
-    """What the page draws: the memory rows, the time split, the levers and the text `--plan` prints."""
+def plan_data(draft: Draft, steps: dict[str, Any]) -> PlanData:
+    """What the page draws: the memory rows, the time split, the levers and the text `--plan` prints. `steps`: the
+    steps measured before, by setting (the plan adds its own)."""
     from qlora_fsdp.plan.report import plan_levers, plan_recipe, report_text
 
-    planned = plan_recipe(load_config(draft.recipe, list(draft.overrides)))
+    planned = plan_recipe(load_config(draft.recipe, list(draft.overrides)), steps)
     result, levers, step = planned.result, plan_levers(planned), time_data(planned)
     return {"fits": result.fits, "description": result.description, "capacity_gib": result.capacity_gib,
             "host_capacity_gib": result.host_capacity_gib, "gpu_rows": rows_data(result.gpu_rows),
@@ -73,9 +74,9 @@ def plan_data(draft: Draft) -> PlanData:
                         "cost": lever.cost} for lever in levers]}
 
 
-def plan_or_error(draft: Draft) -> PlanData:
+def plan_or_error(draft: Draft, steps: dict[str, Any]) -> PlanData:
     try:
-        return plan_data(draft)
+        return plan_data(draft, steps)
     except UserError as err:
         return {"error": f"error: {err}"}
 
