@@ -501,8 +501,8 @@ MUTATIONS = [
              "    if False:",
              "tests/test_families.py::test_family_equals_transformers_and_peft_at_world_sizes_1_and_2[llama4]"),
     Mutation("the planner's layer kinds blind to a dense first layer", "qlora_fsdp/measure/fake_step.py",
-             "        _SHAPES[key] = tuple(numbered[layout] for layout in layouts)",
-             "        _SHAPES[key] = tuple(0 for layout in layouts)",
+             "    return tuple(numbered[layout] for layout in layouts)",
+             "    return tuple(0 for layout in layouts)",
              "tests/test_step_memory.py::test_shortened_runs_give_the_whole_models_figures"),
     Mutation("the repeat beside a dense layer taken for a middle one", "qlora_fsdp/measure/fake_step.py",
              "    return dataclasses.replace(repeats, edge=repeats.edge + 1) if head_differs or tail_differs "
