@@ -22,6 +22,8 @@ MeasuredSteps = dict[str, "StepMemory"]  # by measure/step_setting.py's step_set
 
 @dataclass(frozen=True)
 class Planning:
+    """A plan's recipe and what it has measured, handed down from plan_recipe."""
+
     run: RunDescription  # the recipe, described once
     steps: MeasuredSteps = field(default_factory=dict)
     sides: dict[str, Any] = field(default_factory=dict)  # plan/image_side.py's ImageSide, by its image_setting

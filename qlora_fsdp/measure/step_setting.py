@@ -60,8 +60,9 @@ def step_setting(cfg: Config, hf_config: PretrainedConfig) -> str:
             del tree[section][key]
         else:
             del tree[section]
+    own = planned_objective(cfg).SECTIONS
     for section in OBJECTIVE_SECTIONS:
-        if section not in planned_objective(cfg).SECTIONS:
+        if section not in own:
             del tree[section]
     tree["data"]["grad_accum_steps"] = measured_accumulation(cfg)
     tree["activation_checkpointing"] = checkpointing_read(cfg, hf_config.num_hidden_layers)
