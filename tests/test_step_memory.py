@@ -75,9 +75,9 @@ def planned_and_measured(info, configs):
 @pytest.mark.slow
 def test_planned_peak_is_the_real_steps(tmp_path):
     """Two scales (benchmarks/planner_memory.py runs larger ones: 36 settings up to 8 layers at 4,096 tokens), the
-    loss, checkpointing, both offloads, tiles and DPO's step varied, in bf16 as on a GPU: the planned peak of live
-    tensor bytes is within 10% of the real step's (it comes out equal to a few KB: the same code runs, only the
-    values differ). export.target's rounding too: the planner's fake step rounds as the run does.
+    loss, checkpointing, both offloads, tiles, DPO's step and DoRA varied, in bf16 as on a GPU: the planned peak of
+    live tensor bytes is within 10% of the real step's (it comes out equal to a few KB: the same code runs, only the
+    values differ; DoRA 1% above). export.target's rounding too: the planner's fake step rounds as the run does.
     Rows of 256 and 512 tokens: bf16 has no hardware on our CPUs, and the real step is most of the test's time."""
     small = architecture(tmp_path / "small", layers=4, hidden=256, heads=4, kv_heads=2, vocab=8192)
     medium = architecture(tmp_path / "medium", layers=6, hidden=384, heads=6, kv_heads=2, vocab=16384)
@@ -99,13 +99,20 @@ def test_planned_peak_is_the_real_steps(tmp_path):
             small, 256, 1, "activation_checkpointing.attention_tile_tokens=64",
             "activation_checkpointing.mlp_tile_tokens=64"),
     }
+    dora = "small, DoRA: each base weight dequantized for its norm"  # planned 1.0% above: 264,192 B more (an
+    # eye-sized fp32 temporary of PEFT's DoRA alive at the fake step's peak, not found in the real one's)
+    cases[dora] = step_config(small, 256, 1, "lora.use_dora=true", "loss.chunk_tokens=64")
     results = run_ranks(planned_and_measured, 2, list(cases.values()), tmp_dir=tmp_path, fake=True)[0]
     for name, (planned, measured, _) in zip(cases, results, strict=True):
         assert abs(planned / measured - 1) <= 0.10, f"{name}: planned {planned:,} B, measured {measured:,} B"
+        if name == dora:
+            assert 0 <= planned - measured <= 0.02 * measured, f"{name}: planned {planned:,} B, measured {measured:,} B"
+            continue
         assert abs(planned - measured) < 2**16, f"{name}: planned {planned:,} B, measured {measured:,} B"
     # the tiles dequantize each weight once a tile (4 tiles of 64 tokens); a decoding step, which the generation
     # plan prices from the forward, dequantizes each once: as the untiled forward of the same model does
-    whole, tiled = results[0][2], results[-1][2]
+    tiles = list(cases).index("small, the attention side and the MLP in 64-token tiles")
+    whole, tiled = results[0][2], results[tiles][2]
     assert whole[0] == whole[1] > 0 and tiled[1] == whole[1] and tiled[0] == 4 * tiled[1], (whole, tiled)
 
 

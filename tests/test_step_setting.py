@@ -25,7 +25,6 @@ NOT_SHOWN = {
 NOT_MEASURED = {
     "lora.target_experts": "a mixture of experts' (a dense model refuses it; tests/test_step_memory.py plans one)",
     "lora.train_router": "a mixture of experts'",
-    "lora.use_dora": "the planner cannot measure DoRA yet (PEFT's weight norm of a fake 4-bit weight fails)",
     "hardware.gpus_per_node": "the world's size: fake worlds of their own sizes (tests/test_batch_size.py)",
     "hardware.nodes": "the world's size",
 }

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
 from accelerate import init_empty_weights
+from peft.tuners.lora import dora
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
@@ -72,6 +75,25 @@ def attach_quant_state(module: bnb.nn.Linear4bit, args: tuple[object, ...]) -> N
     weight: Any = module.weight  # a gathered plain tensor here, given the attribute bitsandbytes reads
     if getattr(weight, "quant_state", None) is None:
         weight.quant_state = module.quant_state
+
+
+@contextmanager
+def dora_dequantizes_fake_weights() -> Iterator[None]:
+    """DoRA's weight norm asks PEFT for the dequantized base weight, which PEFT makes of a Params4bit alone; the run's
+    gathered weight is one (bitsandbytes re-wraps it), a fake one cannot be: dequantized here as PEFT would."""
+    peft_dequantize = dora.dequantize_module_weight
+
+    def dequantized(module: nn.Module) -> Any:  # PEFT's says Parameter; its dequantized ones are plain tensors
+        state = getattr(module.weight, "quant_state", None)
+        if isinstance(module, bnb.nn.Linear4bit) and state is not None:
+            return bnbf.dequantize_4bit(module.weight, state)
+        return peft_dequantize(module)
+
+    dora.dequantize_module_weight = dequantized
+    try:
+        yield
+    finally:
+        dora.dequantize_module_weight = peft_dequantize
 
 
 def give_quant_states(model: nn.Module, cfg: Config) -> None:
@@ -131,8 +153,9 @@ def measure_fake_step(cfg: Config, hf_config: PretrainedConfig, mesh: DeviceMesh
             optimizer = build_optimizer(model, cfg.optim, cfg.lora)
             batches = objective.planned_batches()
         optimizer.materialize_state()  # as from the 2nd step on: the state exists before the step starts
-        return run_step(model, optimizer, batches, DEVICE, objective, offload_to_host=cfg.fsdp.cpu_offload,
-                        host_device=HOST_STAND_IN)
+        with dora_dequantizes_fake_weights():
+            return run_step(model, optimizer, batches, DEVICE, objective, offload_to_host=cfg.fsdp.cpu_offload,
+                            host_device=HOST_STAND_IN)
 
 
 # ---- a long model, measured shorter ---------------------------------------------------------------------------
