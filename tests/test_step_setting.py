@@ -44,28 +44,27 @@ def two_layers(tmp_path_factory) -> Config:
                                     "model.dtype=float32", "quant.compute_dtype=float32", "data.grad_accum_steps=1"])
 
 
-def keys_and_steps(info, base: Config, turned: dict[str, Config], together: list[str]):
-    """On rank 0 of a fake world of 2: the base's key and step; each turned config's key; the step of each whose key
-    differs from the base's (but NOT_MEASURED's); and the step of the keys in `together`, turned all at once."""
-    from qlora_fsdp.measure.fake_world import recipe_step
+def step_key(cfg: Config) -> str:
+    """The key the plan of `cfg` keeps its step under."""
     from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.measure.step_setting import step_setting
 
-    def key(cfg: Config) -> str:
-        planning = Planning.of(cfg)
-        return step_setting(planning.built(planning.cfg), planning.hf_config)
+    planning = Planning.of(cfg)
+    return step_setting(planning.built(planning.cfg), planning.hf_config)
 
-    def step(cfg: Config):
-        return recipe_step(Planning.of(cfg))
 
-    base_key, base_step = key(base), step(base)
-    keys = {name: key(cfg) for name, cfg in turned.items()}
-    steps = {name: step(cfg) != base_step for name, cfg in turned.items()
-             if keys[name] != base_key and name not in NOT_MEASURED}
+def measured_steps(info, base: Config, turned: dict[str, Config], alone: list[str], together: list[str]):
+    """On rank 0 of a fake world of 2: whether each key in `alone`, turned, changes the base's measured step; and
+    whether the keys in `together`, all turned at once, leave it as it was."""
+    from qlora_fsdp.measure.fake_world import recipe_step
+    from qlora_fsdp.measure.planning import Planning
+
+    base_step = recipe_step(Planning.of(base))
+    changed = {name: recipe_step(Planning.of(turned[name])) != base_step for name in alone}
     all_at_once = base
     for name in together:
         all_at_once = taken(all_at_once, turned[name], name)
-    return {name: keys[name] != base_key for name in turned}, steps, step(all_at_once) == base_step
+    return changed, recipe_step(Planning.of(all_at_once)) == base_step
 
 
 def taken(cfg: Config, source: Config, dotted: str) -> Config:
@@ -79,34 +78,23 @@ def taken(cfg: Config, source: Config, dotted: str) -> Config:
 
 @pytest.mark.slow
 def test_the_step_key_changes_exactly_where_the_measured_step_does(two_layers, tmp_path):
+    from qlora_fsdp.measure.step_setting import STEP_UNREAD
+
     base = two_layers
-    same_model = str(Path(base.model.path).with_name("same_llama"))
-    turned = {name: cfg for name, cfg in changes(base)}
-    turned["model.path"] = dataclasses.replace(base, model=dataclasses.replace(base.model, path=same_model))
-    # the key as the plan would compute it, without a process: which keys leave it as it was
-    key_changed, _, _ = keys_and_steps_here(base, turned)
+    turned = dict(changes(base))
+    turned["model.path"] = dataclasses.replace(base, model=dataclasses.replace(
+        base.model, path=str(Path(base.model.path).with_name("same_llama"))))
+    base_key = step_key(base)
+    key_changed = {name: step_key(cfg) != base_key for name, cfg in turned.items()}
     together = [name for name, changes_key in key_changed.items() if not changes_key]
-    key_changed, step_changed, together_same = run_ranks(keys_and_steps, 2, base, turned, together, tmp_dir=tmp_path,
-                                                         fake=True, timeout=900)[0]
+    alone = [name for name, changes_key in key_changed.items() if changes_key and name not in NOT_MEASURED]
+    step_changed, together_same = run_ranks(measured_steps, 2, base, turned, alone, together, tmp_dir=tmp_path,
+                                            fake=True, timeout=900)[0]
     assert together_same, f"the keys the step key leaves out changed the step, turned together: {together}"
     needless = sorted(name for name, changes_step in step_changed.items() if not changes_step)
     assert needless == sorted(NOT_SHOWN), f"keys in the step key that change no step here: {needless}"
     assert all(key_changed[name] for name in NOT_MEASURED)
-    from qlora_fsdp.measure.step_setting import STEP_UNREAD
-
     assert STEP_UNREAD <= set(together), sorted(STEP_UNREAD - set(together))  # each turned: the key stays
-
-
-def keys_and_steps_here(base: Config, turned: dict[str, Config]):
-    from qlora_fsdp.measure.planning import Planning
-    from qlora_fsdp.measure.step_setting import step_setting
-
-    def key(cfg: Config) -> str:
-        planning = Planning.of(cfg)
-        return step_setting(planning.built(planning.cfg), planning.hf_config)
-
-    base_key = key(base)
-    return {name: key(cfg) != base_key for name, cfg in turned.items()}, None, None
 
 
 def test_every_recipe_key_has_a_value_to_turn_to(two_layers):
