@@ -99,8 +99,9 @@ def test_planned_peak_is_the_real_steps(tmp_path):
             small, 256, 1, "activation_checkpointing.attention_tile_tokens=64",
             "activation_checkpointing.mlp_tile_tokens=64"),
     }
-    # DoRA's plan is above the real step by 0 to 5.7% (27,067,560 and 28,611,752 B planned against 27,065,512 B in
-    # two processes: the fake step's DoRA peak depends on what the process ran before; not found yet)
+    # DoRA's peak is not deterministic, fake or real: the same fake step measured 26,805,416 to 27,460,776 B in one
+    # process (28,611,752 B in CI), the real one 26,803,368 and 27,065,512 B; multiples of half PEFT's 256x256 fp32
+    # eye apart (a reference cycle freed when the garbage collector runs, most likely): planned >= real is held
     dora = "small, DoRA: each base weight dequantized for its norm"
     cases[dora] = step_config(small, 256, 1, "lora.use_dora=true", "loss.chunk_tokens=64")
     results = run_ranks(planned_and_measured, 2, list(cases.values()), tmp_dir=tmp_path, fake=True)[0]
