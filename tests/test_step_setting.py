@@ -1,4 +1,4 @@
-"""The keys a plan keeps its measurements under (measure/step_setting.py's step, plan/image_side.py's image side):
+"""The keys a plan keeps its measurements under (measure/step_setting.py's step, measure/image_side.py's image side):
 every recipe key turned alone, each key held to what is measured. It changes where the measurement changes, and
 nowhere else: the keys whose turn leaves the key as it was are turned all together and measured once (the same
 step); each key whose turn changes the key is measured alone (another step)."""

@@ -495,8 +495,8 @@ def test_the_plans_image_side_is_the_built_encoders_bytes(family, llava, tmp_pat
     """--plan counts the image side from the meta model (NF4 where transformers quantizes, its statistics, the rest
     in the compute dtype): the very bytes the built encoder holds."""
     from qlora_fsdp.loading.vision_encoder import build_vision_encoder
+    from qlora_fsdp.measure.image_side import full_config, image_side, weight_bytes
     from qlora_fsdp.measure.planning import Planning
-    from qlora_fsdp.plan.image_side import full_config, image_side, weight_bytes
 
     model_dir, data = llava if family == "llava" else tiny_vlm(tmp_path / "vlm", family)
     budget = {"image_max_pixels": 56 * 56} if family.startswith("qwen") else {}
@@ -530,9 +530,9 @@ def assert_trained_side_bytes(cfg) -> None:
     import dataclasses
 
     from qlora_fsdp.loading.vision_encoder import build_vision_encoder
+    from qlora_fsdp.measure.image_side import full_config, side_of, weight_bytes
     from qlora_fsdp.measure.planning import Planning
     from qlora_fsdp.optimizer_registry import OPTIMIZERS
-    from qlora_fsdp.plan.image_side import full_config, side_of, weight_bytes
 
     cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, train_projector=True, target_vision_tower=True))
     base = build_vision_encoder(cfg, torch.device("cpu")).base
@@ -554,8 +554,8 @@ def assert_unquantized_tower(cfg, data: Path) -> None:
 
     from qlora_fsdp.data.images import encode_record
     from qlora_fsdp.loading.vision_encoder import build_vision_encoder, load_processor
+    from qlora_fsdp.measure.image_side import full_config, weight_bytes
     from qlora_fsdp.measure.planning import Planning
-    from qlora_fsdp.plan.image_side import full_config, weight_bytes
 
     cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, vision_tower="unquantized"))
     encoder = build_vision_encoder(cfg, torch.device("cpu"))
@@ -580,8 +580,8 @@ def assert_pixel_budget(family: str, cfg, planned_tokens: int) -> None:
 
     from qlora_fsdp.errors import ConfigError
     from qlora_fsdp.loading.vision_encoder import load_processor
+    from qlora_fsdp.measure.image_side import side_of
     from qlora_fsdp.measure.planning import Planning
-    from qlora_fsdp.plan.image_side import side_of
 
     if not family.startswith("qwen"):
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_max_pixels=56 * 56))
@@ -604,10 +604,10 @@ IMAGE_KEYS_NOT_SHOWN = {"data.image_max_pixels": "a dynamic-resolution family's 
 
 
 def test_the_image_side_key_changes_exactly_where_the_image_side_does(llava, tmp_path):
-    """plan/image_side.py's key, held as the step's is (tests/test_step_setting.py): every recipe key turned alone;
+    """measure/image_side.py's key, held as the step's is (tests/test_step_setting.py): every recipe key turned alone;
     those that leave the key as it was, turned all together, leave the image side too; each other changes it."""
+    from qlora_fsdp.measure.image_side import image_setting, side_of
     from qlora_fsdp.measure.planning import Planning
-    from qlora_fsdp.plan.image_side import image_setting, side_of
     from tests.config_changes import changes
     from tests.test_step_setting import taken
 

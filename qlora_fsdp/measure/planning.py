@@ -26,7 +26,7 @@ class Planning:
 
     run: RunDescription  # the recipe, described once
     steps: MeasuredSteps = field(default_factory=dict)
-    sides: dict[str, Any] = field(default_factory=dict)  # plan/image_side.py's ImageSide, by its image_setting
+    sides: dict[str, Any] = field(default_factory=dict)  # measure/image_side.py's ImageSide, by its image_setting
 
     @classmethod
     def of(cls, cfg: Config, steps: MeasuredSteps | None = None) -> Planning:

@@ -26,7 +26,7 @@ STEP_UNREAD = frozenset({
     "model.adapter", "fsdp_preset",  # the preset's keys are fsdp.*, in the key
     # values, not shapes: the 4-bit code and the LoRA scale and initialisation
     "quant.quant_type", "lora.alpha", "lora.use_rslora", "lora.init", "lora.loftq_iter",
-    # the image side (plan/image_side.py's own key)
+    # the image side (measure/image_side.py's own key)
     "quant.vision_tower", "lora.train_projector", "lora.target_vision_tower", "data.images_per_row",
     "data.image_min_pixels", "data.image_max_pixels",
     # the optimizer's numbers (its state's bytes follow optim.name) and the schedule

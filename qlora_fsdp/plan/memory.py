@@ -22,6 +22,7 @@ from qlora_fsdp.generation.plan import Layout, chosen_layout
 from qlora_fsdp.measure.fake_step import planned_objective, update_rows
 from qlora_fsdp.measure.fake_world import recipe_step
 from qlora_fsdp.measure.held import Held
+from qlora_fsdp.measure.image_side import image_side
 from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.measure.step_tracker import Segment, StepMemory
 from qlora_fsdp.plan.generation import (
@@ -30,7 +31,6 @@ from qlora_fsdp.plan.generation import (
     planned_generation,
     root_bytes,
 )
-from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.run.accelerators import GPU, GPUS
 
 GIB = 2**30

@@ -9,10 +9,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from qlora_fsdp.config import Config
 from qlora_fsdp.measure.fake_world import planning_mesh
 from qlora_fsdp.measure.held import Held, meta_held
+from qlora_fsdp.measure.image_side import image_side
 from qlora_fsdp.measure.planning import MeasuredSteps, Planning
 from qlora_fsdp.measure.step_setting import step_setting
 from qlora_fsdp.plan.generation import planned_generation
-from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.levers import Lever, fitting_levers
 from qlora_fsdp.plan.memory import (
     GIB,

@@ -69,7 +69,7 @@ class StepTime:
     optimizer: float = 0.0
     exposed: float = 0.0
     generation: float = 0.0  # GRPO: the policy's completions, and the log-probabilities kept from generation
-    vision: float = 0.0  # a vision-language recipe: its images through the vision tower (plan/image_side.py)
+    vision: float = 0.0  # a vision-language recipe: its images through the vision tower (measure/image_side.py)
     total: float = 0.0
 
     @property

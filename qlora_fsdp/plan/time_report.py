@@ -8,10 +8,10 @@ from pathlib import Path
 from qlora_fsdp.config import Config
 from qlora_fsdp.measure.fake_step import planned_flops_per_token, update_rows
 from qlora_fsdp.measure.held import Held
+from qlora_fsdp.measure.image_side import image_side
 from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.measure.step_tracker import StepMemory
 from qlora_fsdp.plan.generation import GenerationTime, generation_memory, generation_time, planned_generation
-from qlora_fsdp.plan.image_side import image_side
 from qlora_fsdp.plan.memory import gpu_spec
 from qlora_fsdp.plan.step_time import Rates, StepTime, matmul_efficiency, part_time, step_time
 from qlora_fsdp.run.accelerators import GPU

@@ -1,4 +1,4 @@
-"""The plan's image side, for a recipe whose records show images (`data.images_per_row`): what every rank holds
+"""The image side a plan counts, for a recipe whose records show images (`data.images_per_row`): what every rank holds
 beside the sharded decoder while its micro-batch's images pass the vision tower (loading/vision_encoder.py builds
 it, replicated and frozen), and the masks of a family whose image tokens see each other both ways.
 
@@ -30,11 +30,10 @@ from qlora_fsdp.loading.checkpoint import model_dir
 from qlora_fsdp.loading.image_side_training import under
 from qlora_fsdp.loading.layout import meta_full_model
 from qlora_fsdp.loading.vision_encoder import quantized_names
-from qlora_fsdp.measure.fake_step import update_rows
+from qlora_fsdp.measure.fake_step import planned_objective, update_rows
 from qlora_fsdp.measure.held import quant_state_bytes
 from qlora_fsdp.measure.planning import Planning
 from qlora_fsdp.optimizer_registry import OPTIMIZERS
-from qlora_fsdp.plan.generation import planned_generation
 
 ACTIVATIONS_PER_PATCH = 6  # hidden-sized tensors a vision layer keeps alive at once (norm, q, k, v, out, residual)
 
@@ -188,7 +187,7 @@ def rows_with_images(cfg: Config) -> int:
     """Rows whose images pass the tower at once: a micro-batch's forward (GRPO's: every completion carries its
     prompt's images), or the largest generate call (each row's prompt re-read with its images)."""
     rows = update_rows(cfg)
-    made = planned_generation(cfg)
+    made = planned_objective(cfg).planned_generation()
     if made is not None:
         rows = max(rows, made.rows)
     return rows
